@@ -1,0 +1,377 @@
+"""The Lightning callback: when to save, preemption handling, exit, and auto-resume.
+
+Policy lives here; the mechanism (staging, writing, committing, verifying) lives in
+:class:`ShardedAsyncCheckpointIO` and below. See ``docs/design.md`` for the resume hook.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
+from typing_extensions import override
+
+from lightning_preempt import dist as pdist
+from lightning_preempt.checkpoint_io import ShardedAsyncCheckpointIO
+from lightning_preempt.discovery import apply_retention, checkpoint_name, list_checkpoints, newest_valid
+from lightning_preempt.errors import CheckpointError, NotACheckpointError
+from lightning_preempt.signals import SignalFlag
+from lightning_preempt.storage import join_url
+from lightning_preempt.strategy_hooks import install_collective_saves
+
+log = logging.getLogger(__name__)
+
+# Lightning warns about "last" checkpoints when an OnExceptionCheckpoint is present and
+# fit() gets no ckpt_path: that is exactly our auto-resume path, so the text misleads.
+warnings.filterwarnings("ignore", message=r".*ckpt_path=None\)` was called without a model.*")
+warnings.filterwarnings("ignore", message=r".*ckpt_path=\"last\"\) is set, but there is no last checkpoint.*")
+
+
+class Preempted(SystemExit):
+    """Raised on every rank after the emergency snapshot; exits with the configured code."""
+
+
+class PreemptionCallback(OnExceptionCheckpoint):
+    """Periodic async checkpoints, a snapshot on preemption, and resume on restart.
+
+    Add it with :class:`ShardedAsyncCheckpointIO` to the ``Trainer``; ``trainer.fit(model)``
+    then resumes from the newest valid checkpoint in ``dirpath`` on every (re)start.
+
+    Args:
+        dirpath: where checkpoints go (any fsspec URL: local path, ``gs://``, ``s3://``…).
+        every_n_train_steps: save every N optimizer steps.
+        every_n_seconds: save when this much wall time passed since the last save.
+        keep_last_n: committed checkpoints to keep (older ones are deleted after a newer commit).
+        signals: signals that mean "preempted" (SLURM can send ``SIGUSR1`` earlier).
+        grace_period_s: time between the signal and SIGKILL; used to warn when a snapshot
+            is projected not to fit.
+        exit_code: process exit code after the snapshot (143 = 128 + SIGTERM).
+        requeue: run ``scontrol requeue`` on rank 0 before exiting; ``None``: when under SLURM.
+        agree_every_n_steps: how often ranks agree on the signal flag (1 = every step).
+        resume: resume from the newest valid checkpoint when ``fit`` gets no ``ckpt_path``.
+        save_on_train_end: save the final step when training ends normally.
+        storage_options: fsspec options for ``dirpath``.
+    """
+
+    def __init__(
+        self,
+        dirpath: str,
+        every_n_train_steps: int | None = None,
+        every_n_seconds: float | None = None,
+        keep_last_n: int = 2,
+        *,
+        signals: Sequence[str] = ("SIGTERM",),
+        grace_period_s: float = 30.0,
+        exit_code: int = 143,
+        requeue: bool | None = None,
+        agree_every_n_steps: int = 1,
+        resume: bool = True,
+        save_on_train_end: bool = True,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        if not dirpath:
+            raise ValueError(
+                "dirpath must name a directory or URL\nHINT: e.g. dirpath='checkpoints/' or 'gs://bucket/run'."
+            )
+        for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_seconds", every_n_seconds)):
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value!r}\nHINT: pass None to disable it.")
+        if keep_last_n < 1:
+            raise ValueError(f"keep_last_n must be >= 1, got {keep_last_n}\nHINT: keep at least the newest checkpoint.")
+        if agree_every_n_steps < 1:
+            raise ValueError(f"agree_every_n_steps must be >= 1, got {agree_every_n_steps}")
+        super().__init__(dirpath=str(dirpath).rstrip("/") or str(dirpath))
+        self.dirpath: str = str(dirpath).rstrip("/") or str(dirpath)
+        self.every_n_train_steps = every_n_train_steps
+        self.every_n_seconds = every_n_seconds
+        self.keep_last_n = keep_last_n
+        self.grace_period_s = grace_period_s
+        self.exit_code = exit_code
+        self.requeue = requeue
+        self.agree_every_n_steps = agree_every_n_steps
+        self.resume = resume
+        self.save_on_train_end = save_on_train_end
+        self.storage_options = dict(storage_options or {})
+        self.signal_flag = SignalFlag(signals)
+        self.timeline: list[tuple[str, float]] = []
+        self.resumed_from: str | None = None
+        self._pointer: str | None = None
+        self._agreement: pdist.FlagAgreement | None = None
+        self._last_save_time = time.monotonic()
+        self._last_saved_step: int | None = None
+        self._last_seen_step: int | None = None
+        self._boundaries = 0
+        self._warned_grace = False
+
+    # ---- auto-resume -------------------------------------------------------------------
+    @property
+    @override
+    def ckpt_path(self) -> str | None:  # type: ignore[override]
+        """Read by Lightning when ``fit()`` gets no ``ckpt_path`` (see docs/design.md).
+
+        Returns a local pointer file when ``dirpath`` holds a committed checkpoint; the
+        plugin maps the pointer to the checkpoint all ranks agreed on in :meth:`setup`.
+        """
+        if not self.resume:
+            return None
+        try:
+            has_checkpoint = any(c.committed for c in list_checkpoints(self.dirpath, self.storage_options))
+        except (OSError, CheckpointError) as err:
+            log.warning("lightning_preempt: cannot list %s (%s); starting without resume", self.dirpath, err)
+            return None
+        if not has_checkpoint:
+            return None
+        if self._pointer is None:
+            fd, self._pointer = tempfile.mkstemp(prefix="lightning_preempt-resume-", suffix=".pointer")
+            with os.fdopen(fd, "w") as f:
+                f.write(self.dirpath)
+        return self._pointer
+
+    @property
+    def best_model_path(self) -> str:
+        """Lightning's ``ckpt_path="best"`` reads this from the first checkpoint callback."""
+        return ""
+
+    # ---- set-up ------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        io = self._ensure_plugin(trainer)
+        writer_group = pdist.new_gloo_group()
+        self._agreement = pdist.FlagAgreement(pdist.new_gloo_group(), width=2)
+        install_collective_saves(trainer.strategy, io, writer_group)
+        if self._pointer is not None:
+            self._agree_resume_target(trainer, io)
+        self._check_grace_from_history()
+        self.signal_flag.clear()
+        self.signal_flag.install()
+
+    def _ensure_plugin(self, trainer: pl.Trainer) -> ShardedAsyncCheckpointIO:
+        io = trainer.strategy.checkpoint_io
+        if isinstance(io, ShardedAsyncCheckpointIO):
+            return io
+        if type(io) is TorchCheckpointIO:
+            log.info("lightning_preempt: installing ShardedAsyncCheckpointIO (none was configured)")
+            new_io = ShardedAsyncCheckpointIO(storage_options=self.storage_options)
+            trainer.strategy.checkpoint_io = new_io
+            return new_io
+        raise TypeError(
+            f"PreemptionCallback needs ShardedAsyncCheckpointIO, but the Trainer uses {type(io).__name__}\n"
+            "HINT: pass plugins=[ShardedAsyncCheckpointIO()] to the Trainer (and remove other CheckpointIO plugins)."
+        )
+
+    def _agree_resume_target(self, trainer: pl.Trainer, io: ShardedAsyncCheckpointIO) -> None:
+        skipped: list[str] = []
+
+        def note(info: Any, reason: str) -> None:
+            skipped.append(f"{info.name}: {reason}")
+            log.warning("lightning_preempt: skipping checkpoint %s (step %d): %s", info.path, info.step, reason)
+
+        chosen = None
+        if trainer.is_global_zero:
+            info = newest_valid(self.dirpath, self.storage_options, verify=io.verify_on_load, on_skip=note)
+            chosen = (info.path, info.step) if info is not None else None
+        chosen = trainer.strategy.broadcast(chosen, src=0)  # one rank decides, the rest follow
+        assert self._pointer is not None
+        if chosen is None:
+            raise NotACheckpointError(
+                "every checkpoint found is uncommitted or corrupt",
+                path=self.dirpath,
+                hint="Inspect them with `lightning-preempt ls --verify DIR`; delete the damaged ones "
+                "(or pass ckpt_path explicitly) and restart.",
+            )
+        path, step = chosen
+        io.alias(self._pointer, path)
+        self.resumed_from = path
+        self._last_saved_step = step
+        log.info(
+            "lightning_preempt: resuming from %s (step %d)%s", path, step, f"; skipped {skipped}" if skipped else ""
+        )
+
+    # ---- training-time hooks -----------------------------------------------------------
+    @override
+    def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.signal_flag.install()  # Lightning installed its own handler just before the run stage
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.signal_flag.install()
+        self._last_save_time = time.monotonic()
+        self._last_seen_step = trainer.global_step
+        if self._last_saved_step is None and trainer.global_step > 0:
+            self._last_saved_step = trainer.global_step  # resumed from an explicit ckpt_path
+        # A signal that arrived during start-up or restore: nothing new to save.
+        self._check_signal(trainer, force=True)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if step == self._last_seen_step:
+            return  # mid gradient-accumulation: no optimizer step happened, nothing to snapshot
+        self._last_seen_step = step
+        self._boundaries += 1
+        time_due = self.every_n_seconds is not None and time.monotonic() - self._last_save_time >= self.every_n_seconds
+        if self._boundaries % self.agree_every_n_steps == 0 or time_due:
+            signalled, time_due_any = self._exchange(time_due)
+            if signalled:
+                self._emergency(trainer)
+            time_due = bool(time_due_any)
+        else:
+            time_due = False
+        step_due = self.every_n_train_steps is not None and step % self.every_n_train_steps == 0
+        if step_due or time_due:
+            self._save(trainer)
+
+    @override
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        # Validation and the sanity check can be long: agree here too.
+        self._check_signal(trainer)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.save_on_train_end and trainer.global_step != self._last_saved_step and trainer.global_step > 0:
+            self._save(trainer)
+        self._plugin(trainer).wait()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # Unlike OnExceptionCheckpoint we save nothing here: after an arbitrary error the
+        # state may be inconsistent. We only make sure committed saves are complete.
+        self.signal_flag.restore()
+        if isinstance(exception, Preempted):
+            return
+        with contextlib.suppress(Exception):
+            self._plugin(trainer).wait()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.signal_flag.restore()
+        if self._pointer is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._pointer)
+            self._pointer = None
+
+    # ---- mechanics ---------------------------------------------------------------------
+    def _plugin(self, trainer: pl.Trainer) -> ShardedAsyncCheckpointIO:
+        io = trainer.strategy.checkpoint_io
+        assert isinstance(io, ShardedAsyncCheckpointIO)
+        return io
+
+    def _exchange(self, time_due: bool) -> tuple[int, int]:
+        assert self._agreement is not None
+        signalled, due = self._agreement.exchange([int(self.signal_flag.is_set), int(time_due)])
+        return signalled, due
+
+    def _check_signal(self, trainer: pl.Trainer, force: bool = False) -> None:
+        if self._agreement is None:
+            return
+        signalled, _ = self._exchange(False)
+        if signalled:
+            self._emergency(trainer)
+
+    def _save(self, trainer: pl.Trainer) -> None:
+        step = trainer.global_step
+        if step == self._last_saved_step:
+            return
+        path = join_url(self.dirpath, checkpoint_name(step))
+        trainer.save_checkpoint(path)
+        self._last_saved_step = step
+        self._last_save_time = time.monotonic()
+        io = self._plugin(trainer)
+        if trainer.is_global_zero:
+            # Queued behind the save: runs after it committed (or failed; then the old
+            # checkpoints are still the newest committed and are kept).
+            io.submit(lambda: apply_retention(self.dirpath, self.keep_last_n, self.storage_options))
+        self._check_grace(io)
+
+    def _mark(self, event: str) -> None:
+        origin = self.signal_flag.received_at
+        now = time.monotonic()
+        self.timeline.append((event, now))
+        since = f"{now - origin:.3f}s after the signal" if origin is not None else "no local signal"
+        log.warning("lightning_preempt: [preemption] %s (%s)", event, since)
+
+    def _emergency(self, trainer: pl.Trainer) -> None:
+        self._mark("ranks agreed to preempt at step %d" % trainer.global_step)
+        io = self._plugin(trainer)
+        try:
+            io.wait()  # an in-flight periodic save is not lost: let it commit first
+        except CheckpointError as err:
+            log.error("lightning_preempt: the in-flight save failed (%s); snapshotting anyway", err)
+            self._last_saved_step = None
+        step = trainer.global_step
+        if step == self._last_saved_step or step == 0:
+            self._mark(f"step {step} is already committed; no snapshot needed")
+        else:
+            self._save(trainer)
+            self._mark(f"staged step {step}")
+            io.wait()
+            self._mark(f"committed step {step}")
+        self._maybe_requeue(trainer)
+        self._mark(f"exiting with code {self.exit_code}")
+        raise Preempted(self.exit_code)
+
+    def _maybe_requeue(self, trainer: pl.Trainer) -> None:
+        job = os.environ.get("SLURM_JOB_ID")
+        wanted = self.requeue if self.requeue is not None else job is not None
+        if not wanted or not trainer.is_global_zero or job is None:
+            return
+        if shutil.which("scontrol") is None:
+            log.warning("lightning_preempt: requeue requested but `scontrol` is not on PATH")
+            return
+        result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=20, check=False)
+        level = logging.INFO if result.returncode == 0 else logging.ERROR
+        log.log(level, "lightning_preempt: scontrol requeue %s -> %d %s", job, result.returncode, result.stderr.strip())
+
+    # ---- grace-period projection -----------------------------------------------------
+    def _check_grace(self, io: ShardedAsyncCheckpointIO) -> None:
+        previous = [r for r in io.history[:-1] if r.throughput_bps]
+        if self._warned_grace or not previous:
+            return
+        record = previous[-1]
+        projected = record.blocking_s + record.bytes / (record.throughput_bps or 1.0)
+        self._warn_if_over(projected, record.bytes, record.throughput_bps or 0.0)
+
+    def _check_grace_from_history(self) -> None:
+        committed = [c for c in list_checkpoints(self.dirpath, self.storage_options) if c.committed]
+        if not committed or committed[0].manifest is None:
+            return
+        m = committed[0].manifest
+        write_s = m.stats.get("write_s")
+        if not write_s:
+            return
+        self._warn_if_over(m.stats.get("blocking_s", 0.0) + write_s, m.total_bytes, m.total_bytes / write_s)
+
+    def _warn_if_over(self, projected_s: float, nbytes: int, bps: float) -> None:
+        margin = max(5.0, 0.1 * self.grace_period_s)
+        if projected_s > self.grace_period_s - margin and not self._warned_grace:
+            self._warned_grace = True
+            warnings.warn(
+                f"lightning_preempt: a snapshot of {nbytes / 1e9:.2f} GB at the measured {bps / 1e6:.0f} MB/s "
+                f"takes ~{projected_s:.1f}s, more than grace_period_s={self.grace_period_s:.0f}s minus a "
+                f"{margin:.0f}s margin.\nHINT: save to faster (node-local) storage, save more often so the "
+                "emergency snapshot is skipped, or ask the scheduler for a longer grace period.",
+                stacklevel=2,
+            )

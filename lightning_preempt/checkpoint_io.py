@@ -1,0 +1,241 @@
+"""The Lightning ``CheckpointIO`` plugin: sharded, staged, asynchronous, committed saves."""
+
+from __future__ import annotations
+
+import io
+import logging
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from typing_extensions import override
+
+from lightning_preempt import dist as pdist
+from lightning_preempt.commit import SaveRequest, write_checkpoint
+from lightning_preempt.discovery import newest_valid, remove_checkpoint_dir
+from lightning_preempt.errors import CheckpointExistsError, CheckpointWriteError, NotACheckpointError
+from lightning_preempt.format import DEFAULT_SHARDED_KEYS
+from lightning_preempt.format import split_checkpoint as _split
+from lightning_preempt.manifest import MANIFEST_NAME, Manifest
+from lightning_preempt.reader import load_full_checkpoint
+from lightning_preempt.staging import HostStager
+from lightning_preempt.storage import Store
+from lightning_preempt.writer import BackgroundWriter
+
+log = logging.getLogger(__name__)
+
+
+class SaveRecord:
+    """Timings of one save, filled in as it progresses (seconds, bytes)."""
+
+    __slots__ = ("blocking_s", "bytes", "committed_s", "error", "path", "started", "step", "waited_s")
+
+    def __init__(self, path: str, step: int, started: float) -> None:
+        self.path = path
+        self.step = step
+        self.started = started
+        self.waited_s = 0.0
+        self.blocking_s = 0.0
+        self.committed_s: float | None = None
+        self.bytes = 0
+        self.error: BaseException | None = None
+
+    @property
+    def throughput_bps(self) -> float | None:
+        if not self.committed_s:
+            return None
+        return self.bytes / max(self.committed_s - self.blocking_s, 1e-9)
+
+
+class ShardedAsyncCheckpointIO(CheckpointIO):
+    """Asynchronous, sharded, verifiable checkpoints for Lightning.
+
+    ``save_checkpoint`` returns once every tensor is copied into reusable host buffers;
+    a background thread writes the shards through DCP to any fsspec URL and commits the
+    checkpoint by writing its manifest last. At most one save is in flight: a new save
+    first waits for the previous one. ``load_checkpoint`` verifies sizes and CRC32C
+    before returning the usual Lightning checkpoint dict.
+
+    Args:
+        storage_options: fsspec options for every path (credentials, ``endpoint_url``…).
+        pin_memory: pin staging buffers; default: when CUDA is available.
+        thread_count: writer threads per rank (DCP serialisation is CPU-bound).
+        verify_on_load: check every file's CRC32C before loading.
+        sharded_keys: top-level checkpoint keys whose tensors go to DCP shards.
+    """
+
+    def __init__(
+        self,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        pin_memory: bool | None = None,
+        thread_count: int = 1,
+        verify_on_load: bool = True,
+        sharded_keys: tuple[str, ...] = DEFAULT_SHARDED_KEYS,
+    ) -> None:
+        super().__init__()
+        self.storage_options = dict(storage_options or {})
+        self.thread_count = thread_count
+        self.verify_on_load = verify_on_load
+        self.sharded_keys = tuple(sharded_keys)
+        self._stager = HostStager(pin_memory)
+        self._writer = BackgroundWriter()
+        self._pending: Future[Manifest] | None = None
+        self._error: BaseException | None = None
+        self._group: pdist.ProcessGroup | None = None
+        self._aliases: dict[str, str] = {}
+        self.history: list[SaveRecord] = []
+
+    # ---- wiring used by the callback ---------------------------------------------------
+    def enable_collective_saves(self, group: pdist.ProcessGroup | None) -> None:
+        """Every rank calls ``save_checkpoint`` from now on; the writer syncs on ``group``.
+
+        ``group`` must be a gloo group reserved for the writer thread.
+        """
+        self._group = group
+
+    def alias(self, path: str, target: str) -> None:
+        """Make ``load_checkpoint(path)`` load ``target`` (the resume pointer)."""
+        self._aliases[str(path)] = target
+
+    @property
+    def staging_allocated_bytes(self) -> int:
+        """Host staging memory allocated so far (constant in steady state)."""
+        return self._stager.allocated_bytes
+
+    @property
+    def last_save(self) -> SaveRecord | None:
+        return self.history[-1] if self.history else None
+
+    def _options(self, storage_options: Any) -> dict[str, Any]:
+        return {**self.storage_options, **(storage_options or {})}
+
+    # ---- CheckpointIO ------------------------------------------------------------------
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        """Stage ``checkpoint`` and return; the background writer flushes and commits it.
+
+        Raises:
+            CheckpointWriteError: the previous save failed (raised once).
+            CheckpointExistsError: ``path`` already holds a committed checkpoint.
+        """
+        started = time.perf_counter()
+        url = str(path)
+        record = SaveRecord(url, int(checkpoint.get("global_step", -1)), started)
+        self._wait_pending()  # at most one save in flight: the stager's buffers are in use until commit
+        record.waited_s = time.perf_counter() - started
+        options = self._options(storage_options)
+        store = Store(url, options)
+        if store.exists(MANIFEST_NAME):
+            raise CheckpointExistsError(
+                "refusing to overwrite a committed checkpoint",
+                path=url,
+                hint="Save each checkpoint to a new path (e.g. include the step in the name); "
+                "remove the old one first if you really mean to replace it.",
+            )
+        tensors, skeleton = _split(checkpoint, self.sharded_keys)
+        buffer = io.BytesIO()
+        torch.save(skeleton, buffer)  # freezes the non-tensor state now
+        staged = self._stager.stage(tensors)
+        record.bytes = self._stager.last_staged_bytes + buffer.tell()
+        record.blocking_s = time.perf_counter() - started
+        request = SaveRequest(
+            url=url,
+            tensors=staged,
+            skeleton=buffer.getvalue(),
+            step=record.step,
+            epoch=int(checkpoint.get("epoch", -1)),
+            storage_options=options,
+            stats={"blocking_s": record.blocking_s},
+        )
+        self.history.append(record)
+        self._pending = self._writer.submit(lambda: self._write(request, record, store))
+
+    def _write(self, request: SaveRequest, record: SaveRecord, store: Store) -> Manifest:
+        try:
+            if pdist.rank(self._group) == 0 and store.exists():
+                store.rm_tree()  # an uncommitted leftover (checked above): never mix old and new files
+            manifest = write_checkpoint(request, group=self._group, thread_count=self.thread_count)
+        except BaseException as err:
+            record.error = err
+            raise
+        record.committed_s = time.perf_counter() - record.started
+        log.info(
+            "lightning_preempt: committed %s (step %d): blocked %.3fs, committed after %.3fs, %.1f MB",
+            request.url,
+            request.step,
+            record.blocking_s,
+            record.committed_s,
+            record.bytes / 1e6,
+        )
+        return manifest
+
+    def _wait_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            err = pending.exception()
+            if err is not None:
+                self._error = None
+                raise CheckpointWriteError(
+                    f"the previous checkpoint save failed: {err}",
+                    path=getattr(err, "path", None),
+                    hint=getattr(err, "hint", None) or "Check the storage; earlier committed checkpoints are intact.",
+                ) from err
+
+    @override
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Load a committed checkpoint as Lightning's checkpoint dict (tensors on CPU).
+
+        ``path`` may be a checkpoint directory, a directory of checkpoints (the newest
+        valid one is taken), or a plain Lightning ``.ckpt`` file.
+        """
+        self.wait()
+        url = self._aliases.get(str(path), str(path))
+        store = Store(url, self.storage_options)
+        if store.exists(MANIFEST_NAME):
+            return load_full_checkpoint(store, rank=pdist.rank(), verify=self.verify_on_load)
+        if store.exists() and not store.isdir():
+            from lightning.fabric.utilities.cloud_io import _load as pl_load
+
+            return pl_load(url, map_location=map_location or "cpu", weights_only=weights_only)  # type: ignore[no-any-return]
+        if store.isdir():
+            info = newest_valid(url, self.storage_options, verify=self.verify_on_load)
+            if info is not None:
+                return load_full_checkpoint(Store(info.path, self.storage_options), rank=pdist.rank(), verify=False)
+        raise NotACheckpointError(
+            "no committed checkpoint found",
+            path=url,
+            hint="Pass a checkpoint directory written by ShardedAsyncCheckpointIO (it contains manifest.json), "
+            "a directory of them, or a Lightning .ckpt file.",
+        )
+
+    @override
+    def remove_checkpoint(self, path: Any) -> None:
+        """Delete a checkpoint after every pending write (a delete never overtakes a save)."""
+        store = Store(str(path), self.storage_options)
+        if self._group is not None and pdist.rank(self._group) != 0:
+            return
+        self._writer.submit(lambda: remove_checkpoint_dir(store))
+
+    def submit(self, job: Any) -> Future[Any]:
+        """Run ``job`` on the writer thread after every pending save and delete."""
+        return self._writer.submit(job)
+
+    def wait(self) -> Manifest | None:
+        """Block until every pending save is committed; re-raise a writer error once."""
+        pending = self._pending
+        self._wait_pending()
+        self._writer.drain()
+        return pending.result() if pending is not None else None
+
+    @override
+    def teardown(self) -> None:
+        """Wait for pending saves and deletes, then stop the writer thread."""
+        try:
+            self.wait()
+        finally:
+            self._writer.close()

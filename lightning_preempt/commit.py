@@ -1,0 +1,131 @@
+"""Writing one checkpoint directory, ending with the commit.
+
+Protocol (every rank, in the writer thread, on the writer's own gloo group):
+
+1. every rank creates the directory; ranks agree it worked before any DCP collective;
+2. ``dcp.save`` writes each rank's share of the tensors (DCP gathers per-rank failures
+   and raises on every rank);
+3. every rank writes its own ``state-rankNNNNN.pt`` (the non-tensor skeleton);
+4. all ranks exchange their file entries or error; if any rank failed, no rank commits
+   and every rank raises the same :class:`CheckpointWriteError`;
+5. rank 0 writes ``manifest.json`` atomically — commit metadata only after all ranks
+   completed writing — and tells the others whether the commit itself succeeded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import traceback
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from lightning_preempt import dist as pdist
+from lightning_preempt.checksum import Crc32c
+from lightning_preempt.dcp_storage import ChecksummingWriter
+from lightning_preempt.errors import CheckpointWriteError
+from lightning_preempt.manifest import MANIFEST_NAME, FileEntry, Manifest
+from lightning_preempt.storage import Store
+
+STATE_FILE = "state-rank{rank:05d}.pt"
+
+# dcp.save(no_dist=True) still warns that it assumes a single process: that is our intent.
+warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized")
+
+
+@dataclasses.dataclass
+class SaveRequest:
+    """Everything the writer needs; tensors are staged host copies owned by the stager."""
+
+    url: str
+    tensors: dict[str, torch.Tensor]
+    skeleton: bytes
+    step: int
+    epoch: int
+    storage_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    stats: dict[str, float] = dataclasses.field(default_factory=dict)
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def write_checkpoint(
+    request: SaveRequest,
+    *,
+    group: pdist.ProcessGroup | None = None,
+    thread_count: int = 1,
+) -> Manifest:
+    """Write and commit ``request``; returns the committed manifest (on every rank).
+
+    With ``group`` every rank of it must call this for the same checkpoint.
+    """
+    store = Store(request.url, request.storage_options)
+    rank, world = pdist.rank(group) if group else 0, pdist.world_size(group) if group else 1
+    started = time.perf_counter()
+
+    _agree_or_raise(_attempt(store.makedirs), group, store, "creating the checkpoint directory")
+
+    entries: dict[str, FileEntry] = {}
+
+    def write_files() -> None:
+        writer = ChecksummingWriter(store, thread_count=thread_count)
+        try:
+            dcp.save(request.tensors, storage_writer=writer, process_group=group, no_dist=group is None)
+        except CheckpointException as err:  # BaseException in DCP: convert, keep the cause
+            raise CheckpointWriteError(f"DCP failed to write the shards: {err}", path=store.url) from err
+        entries.update(writer.entries)
+        name = STATE_FILE.format(rank=rank)
+        entries[name] = _write_hashed(store, name, request.skeleton)
+
+    outcome = _attempt(write_files)
+    results = pdist.all_gather_objects((entries, outcome), group)
+    _agree_or_raise([r[1] for r in results], None, store, "writing checkpoint files")
+
+    manifest = Manifest(
+        step=request.step,
+        epoch=request.epoch,
+        world_size=world,
+        files={name: entry for rank_entries, _ in results for name, entry in rank_entries.items()},
+        tensor_bytes=sum(t.numel() * t.element_size() for t in request.tensors.values()),
+        stats={**request.stats, "write_s": time.perf_counter() - started},
+        extra=request.extra,
+    )
+    # Commit metadata only after all ranks completed writing (the gather above).
+    commit_error = _attempt(lambda: store.commit_bytes(MANIFEST_NAME, manifest.to_json())) if rank == 0 else None
+    commit_error = pdist.broadcast_object(commit_error, group)
+    _agree_or_raise([commit_error], None, store, "committing the manifest")
+    return manifest
+
+
+def _write_hashed(store: Store, name: str, data: bytes) -> FileEntry:
+    crc = Crc32c()
+    crc.update(data)
+    with store.open_write(name) as f:
+        f.write(data)
+    return FileEntry(len(data), crc.hexdigest())
+
+
+def _attempt(fn: Any) -> str | None:
+    """Run ``fn``; return ``None`` or a picklable description of what went wrong."""
+    try:
+        fn()
+        return None
+    except (Exception, CheckpointException) as err:
+        return "".join(traceback.format_exception_only(type(err), err)).strip()
+
+
+def _agree_or_raise(
+    outcome: str | list[str | None] | None, group: pdist.ProcessGroup | None, store: Store, what: str
+) -> None:
+    outcomes = outcome if isinstance(outcome, list) else pdist.all_gather_objects(outcome, group)
+    failures = [(r, e) for r, e in enumerate(outcomes) if e is not None]
+    if failures:
+        detail = "; ".join(f"rank {r}: {e}" for r, e in failures)
+        raise CheckpointWriteError(
+            f"{what} failed, nothing was committed ({detail})",
+            path=store.url,
+            hint="Check that the storage is reachable, writable and has space; earlier committed "
+            "checkpoints are untouched and training can resume from them.",
+        )

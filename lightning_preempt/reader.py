@@ -1,0 +1,105 @@
+"""Reading one checkpoint directory: manifest, verification, and the Lightning dict."""
+
+from __future__ import annotations
+
+import io
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lightning_preempt.checksum import Crc32c
+from lightning_preempt.commit import STATE_FILE
+from lightning_preempt.dcp_storage import load_all_tensors
+from lightning_preempt.errors import CorruptCheckpointError, NotACheckpointError
+from lightning_preempt.format import merge_checkpoint, tensor_refs
+from lightning_preempt.manifest import MANIFEST_NAME, Manifest
+from lightning_preempt.storage import Store
+
+log = logging.getLogger(__name__)
+
+_CHUNK = 8 << 20
+
+
+def read_manifest(store: Store) -> Manifest:
+    """The committed manifest of ``store``; raises :class:`NotACheckpointError` without one."""
+    try:
+        data = store.read_bytes(MANIFEST_NAME)
+    except FileNotFoundError as err:
+        raise NotACheckpointError(
+            "no committed checkpoint here: manifest.json is missing",
+            path=store.url,
+            hint="A directory without a manifest is a partial (uncommitted) save. Pass the path of a "
+            "committed checkpoint, or its parent directory to take the newest valid one.",
+        ) from err
+    return Manifest.from_json(data, path=store.url)
+
+
+def verify_checkpoint(
+    store: Store, manifest: Manifest | None = None, *, progress: Callable[[int], None] | None = None
+) -> Manifest:
+    """Check that every file the manifest lists exists with its size and CRC32C.
+
+    ``progress`` is called with the bytes read so far (for progress bars).
+    """
+    manifest = manifest or read_manifest(store)
+    for name, entry in sorted(manifest.files.items()):
+        crc = Crc32c()
+        try:
+            with store.open_read(name) as f:
+                while chunk := f.read(_CHUNK):
+                    crc.update(chunk)
+                    if progress is not None:
+                        progress(len(chunk))
+        except FileNotFoundError as err:
+            raise CorruptCheckpointError(
+                f"file {name!r} listed in the manifest is missing", path=store.url, hint=_CORRUPT_HINT
+            ) from err
+        if crc.nbytes != entry.size:
+            raise CorruptCheckpointError(
+                f"file {name!r} has {crc.nbytes} bytes, the manifest says {entry.size} (truncated?)",
+                path=store.url,
+                hint=_CORRUPT_HINT,
+            )
+        if crc.hexdigest() != entry.crc32c:
+            raise CorruptCheckpointError(
+                f"file {name!r} fails its CRC32C check ({crc.hexdigest()} != {entry.crc32c})",
+                path=store.url,
+                hint=_CORRUPT_HINT,
+            )
+    return manifest
+
+
+_CORRUPT_HINT = "This checkpoint is damaged; resume from an older one (auto-resume skips it)."
+
+
+def load_skeleton(store: Store, manifest: Manifest, rank: int) -> Any:
+    """The non-tensor state saved by ``rank`` (rank 0's when this rank did not exist then)."""
+    name = STATE_FILE.format(rank=rank)
+    if name not in manifest.files:
+        name = STATE_FILE.format(rank=0)
+    data = store.read_bytes(name)
+    # The skeleton holds arbitrary Lightning state (hparams, callback state): like a
+    # Lightning .ckpt it needs full unpickling; its bytes were CRC-checked above.
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+
+
+def load_full_checkpoint(store: Store, *, rank: int = 0, verify: bool = True) -> dict[str, Any]:
+    """The complete Lightning checkpoint dict, with full (unsharded) CPU tensors."""
+    manifest = verify_checkpoint(store) if verify else read_manifest(store)
+    skeleton = load_skeleton(store, manifest, rank)
+    keys = set(tensor_refs(skeleton))
+    tensors: dict[str, Any] = {}
+    if keys:
+        tensors = load_all_tensors(store)
+    missing = keys - set(tensors)
+    if missing:
+        raise CorruptCheckpointError(
+            f"{len(missing)} tensors referenced by the state are not in the shards (e.g. {sorted(missing)[0]!r})",
+            path=store.url,
+            hint=_CORRUPT_HINT,
+        )
+    result = merge_checkpoint(skeleton, tensors)
+    assert isinstance(result, dict)
+    return result

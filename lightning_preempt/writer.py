@@ -1,0 +1,72 @@
+"""The background writer: one thread that runs save and delete jobs in order.
+
+Jobs run strictly in submission order, so a delete never overtakes a pending write.
+The thread never touches the training process group: save jobs get their own gloo
+group from the caller. A job's exception is delivered through its Future.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class BackgroundWriter:
+    """A single worker thread with a FIFO of jobs, each returning a :class:`Future`."""
+
+    def __init__(self, name: str = "lightning_preempt-writer") -> None:
+        self._name = name
+        self._queue: queue.Queue[tuple[Callable[[], Any], Future[Any]] | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._last: Future[Any] | None = None
+
+    def submit(self, job: Callable[[], Any]) -> Future[Any]:
+        fut: Future[Any] = Future()
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                # A daemon thread plus an atexit drain: the interpreter waits for pending
+                # commits at exit, yet an idle writer never keeps a process alive.
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+                atexit.register(self.close)
+            self._queue.put((job, fut))
+            self._last = fut
+        return fut
+
+    def drain(self) -> None:
+        """Block until every job submitted so far has finished (errors stay in their Futures)."""
+        last = self._last
+        if last is not None:
+            try:
+                last.exception()
+            except Exception:
+                pass
+
+    def close(self) -> None:
+        self.drain()
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                self._queue.put(None)
+                self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            job, fut = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(job())
+            except BaseException as err:
+                fut.set_exception(err)
