@@ -314,7 +314,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
         log.warning("lightning_preempt: [preemption] %s (%s)", event, since)
 
     def _emergency(self, trainer: pl.Trainer) -> None:
-        self._mark("ranks agreed to preempt at step %d" % trainer.global_step)
+        self._mark(f"ranks agreed to preempt at step {trainer.global_step}")
         io = self._plugin(trainer)
         try:
             io.wait()  # an in-flight periodic save is not lost: let it commit first

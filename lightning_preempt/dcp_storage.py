@@ -100,7 +100,7 @@ class ChecksummingWriter(FsspecWriter):
             **store.storage_options,
         )
         self.entries: dict[str, FileEntry] = {}
-        self.fs = _ChecksummingFileSystem(store, self.entries)
+        self.fs = _ChecksummingFileSystem(store, self.entries)  # type: ignore[assignment]
         self.path = store.path()
         self._store = store
 

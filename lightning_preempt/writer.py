@@ -8,6 +8,7 @@ group from the caller. A job's exception is delivered through its Future.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import queue
 import threading
@@ -45,10 +46,8 @@ class BackgroundWriter:
         """Block until every job submitted so far has finished (errors stay in their Futures)."""
         last = self._last
         if last is not None:
-            try:
+            with contextlib.suppress(Exception):
                 last.exception()
-            except Exception:
-                pass
 
     def close(self) -> None:
         self.drain()

@@ -1,0 +1,49 @@
+"""Shared fixtures and the CI sampling of slow matrices."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# One case in SAMPLE_EVERY of each `slow` matrix runs unless LP_FULL=1 (CI stays < 15 min).
+SAMPLE_EVERY = int(os.environ.get("LP_SAMPLE_EVERY", "3"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("LP_FULL") == "1":
+        return
+    keep, drop = [], []
+    for item in items:
+        if item.get_closest_marker("slow") is None:
+            keep.append(item)
+            continue
+        digest = int(hashlib.sha1(item.nodeid.encode()).hexdigest(), 16)
+        (keep if digest % SAMPLE_EVERY == 0 else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+@pytest.fixture
+def tmp_url(tmp_path: Path) -> str:
+    return str(tmp_path / "ckpts")
+
+
+@pytest.fixture
+def memory_url(request: pytest.FixtureRequest) -> str:
+    import fsspec
+
+    url = f"memory://lp-tests/{request.node.name}"
+    fs = fsspec.filesystem("memory")
+    if fs.exists(url):
+        fs.rm(url, recursive=True)
+    yield url
+    if fs.exists(url):
+        fs.rm(url, recursive=True)
