@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import sys
@@ -42,8 +43,8 @@ def memory_url(request: pytest.FixtureRequest) -> str:
 
     url = f"memory://lp-tests/{request.node.name}"
     fs = fsspec.filesystem("memory")
-    if fs.exists(url):
+    with contextlib.suppress(FileNotFoundError):
         fs.rm(url, recursive=True)
     yield url
-    if fs.exists(url):
+    with contextlib.suppress(FileNotFoundError):
         fs.rm(url, recursive=True)

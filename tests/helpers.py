@@ -1,0 +1,47 @@
+"""Small builders shared by the tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def lightning_like_checkpoint(step: int = 5, width: int = 4) -> dict[str, Any]:
+    """A checkpoint dict shaped like Lightning's, with a trained Adam state."""
+    torch.manual_seed(step)
+    model = torch.nn.Linear(width, 3)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, width)).sum().backward()
+    opt.step()
+    return {
+        "epoch": 0,
+        "global_step": step,
+        "pytorch-lightning_version": "2.6.6",
+        "state_dict": model.state_dict(),
+        "loops": {"fit_loop": {"epoch_progress": {"current": {"completed": 0}}, "batches": [1, 2]}},
+        "callbacks": {"Cb": {"best": torch.tensor(0.5), "empty": {}}},
+        "optimizer_states": [opt.state_dict()],
+        "lr_schedulers": [{"last_epoch": step, "_last_lr": [0.1]}],
+        "hyper_parameters": {"lr": 0.1, "layers": (1, 2)},
+        "rng": torch.get_rng_state(),
+    }
+
+
+def assert_same(a: Any, b: Any, path: str = "") -> None:
+    """Deep equality with bitwise tensor comparison and matching key types."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), path
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        assert torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert isinstance(b, dict), path
+        assert list(a.keys()) == list(b.keys()), f"{path}: {list(a)} != {list(b)}"
+        for k in a:
+            assert_same(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}/{i}")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"

@@ -1,0 +1,78 @@
+"""Unit tests: checkpoint splitting and the manifest."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import assert_same, lightning_like_checkpoint
+
+from lightning_preempt.errors import CorruptCheckpointError, UnsupportedFormatError
+from lightning_preempt.format import TensorRef, merge_checkpoint, split_checkpoint
+from lightning_preempt.manifest import FileEntry, Manifest
+
+
+def test_split_sends_model_and_optimizer_tensors_to_dcp_and_keeps_the_rest() -> None:
+    ckpt = lightning_like_checkpoint()
+    tensors, skeleton = split_checkpoint(ckpt)
+    assert set(tensors) == {
+        "state_dict/weight",
+        "state_dict/bias",
+        "optimizer_states/0/state/0/step",
+        "optimizer_states/0/state/0/exp_avg",
+        "optimizer_states/0/state/0/exp_avg_sq",
+        "optimizer_states/0/state/1/step",
+        "optimizer_states/0/state/1/exp_avg",
+        "optimizer_states/0/state/1/exp_avg_sq",
+    }
+    assert skeleton["state_dict"]["weight"] == TensorRef("state_dict/weight")
+    # Per-rank values stay in the skeleton, as real tensors.
+    assert isinstance(skeleton["rng"], torch.Tensor)
+    assert isinstance(skeleton["callbacks"]["Cb"]["best"], torch.Tensor)
+
+
+def test_merge_restores_int_keys_empty_containers_tuples_and_ordered_dicts() -> None:
+    ckpt = lightning_like_checkpoint()
+    tensors, skeleton = split_checkpoint(ckpt)
+    merged = merge_checkpoint(skeleton, {k: v.clone() for k, v in tensors.items()})
+    assert_same(ckpt, merged)
+    assert type(merged["state_dict"]) is type(ckpt["state_dict"])
+    assert list(merged["optimizer_states"][0]["state"]) == [0, 1]
+
+
+def test_colliding_keys_get_distinct_flat_names() -> None:
+    ckpt = {"state_dict": {0: torch.ones(1), "0": torch.zeros(1)}}
+    tensors, skeleton = split_checkpoint(ckpt)
+    assert len(tensors) == 2
+    merged = merge_checkpoint(skeleton, tensors)
+    assert torch.equal(merged["state_dict"][0], torch.ones(1))
+    assert torch.equal(merged["state_dict"]["0"], torch.zeros(1))
+
+
+def _manifest() -> Manifest:
+    return Manifest(step=7, epoch=1, world_size=2, files={"a": FileEntry(3, "0000abcd")}, stats={"write_s": 1.5})
+
+
+def test_manifest_round_trips_through_json() -> None:
+    m = _manifest()
+    back = Manifest.from_json(m.to_json(), path="x")
+    assert back == m
+    assert back.total_bytes == 3
+
+
+@pytest.mark.parametrize(
+    "mutate, error",
+    [
+        (lambda b: b"{not json", CorruptCheckpointError),
+        (lambda b: json.dumps({**json.loads(b), "version": 999}).encode(), UnsupportedFormatError),
+        (lambda b: json.dumps({**json.loads(b), "format": "other"}).encode(), CorruptCheckpointError),
+        (lambda b: json.dumps({k: v for k, v in json.loads(b).items() if k != "files"}).encode(), CorruptCheckpointError),
+    ],
+    ids=["garbage", "newer-version", "foreign-format", "missing-field"],
+)
+def test_bad_manifests_raise_with_path_and_hint(mutate, error) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(error) as info:
+        Manifest.from_json(mutate(_manifest().to_json()), path="gs://b/run/step-7")
+    assert "gs://b/run/step-7" in str(info.value)
+    assert "HINT:" in str(info.value)
