@@ -145,9 +145,7 @@ _KILLED_WRITER = textwrap.dedent(
 
 def test_a_writer_sigkilled_mid_flush_leaves_no_committed_checkpoint(tmp_path: Path) -> None:
     _save_steps(tmp_path, [1])
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _KILLED_WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True
-    )
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "STAGED"
     # Kill as soon as the flush has visibly started (some shard bytes on disk).

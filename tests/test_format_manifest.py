@@ -67,7 +67,10 @@ def test_manifest_round_trips_through_json() -> None:
         (lambda b: b"{not json", CorruptCheckpointError),
         (lambda b: json.dumps({**json.loads(b), "version": 999}).encode(), UnsupportedFormatError),
         (lambda b: json.dumps({**json.loads(b), "format": "other"}).encode(), CorruptCheckpointError),
-        (lambda b: json.dumps({k: v for k, v in json.loads(b).items() if k != "files"}).encode(), CorruptCheckpointError),
+        (
+            lambda b: json.dumps({k: v for k, v in json.loads(b).items() if k != "files"}).encode(),
+            CorruptCheckpointError,
+        ),
     ],
     ids=["garbage", "newer-version", "foreign-format", "missing-field"],
 )

@@ -13,10 +13,10 @@ import os
 import sys
 import time
 
+import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning as L
 from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO
 
 
