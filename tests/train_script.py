@@ -1,8 +1,10 @@
 """A small real training job used by the tests (run as a subprocess, also under DDP).
 
 Writes ``rank{R}.pid`` and ``rank{R}.step`` (the global step after each batch) into
-``--status`` so a test can signal a chosen rank at a known step, and on exit
-``rank{R}.result.json`` with the final step and a digest of the weights.
+``--status`` so a test can signal a chosen rank at a known step; ``rank{R}.exit`` with the
+exit code; and after a normal end ``rank{R}.result.json`` with the start and final step
+and a digest of the weights. ``--signal-at`` makes the job SIGTERM itself at a precise
+moment (a real signal, delivered by the kernel), for the edge cases.
 """
 
 from __future__ import annotations
@@ -10,11 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
+from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO
@@ -38,6 +43,15 @@ class TinyModel(L.LightningModule):
         x, y = batch
         self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
 
+    def setup(self, stage: str) -> None:
+        if self.hparams.status:
+            os.makedirs(self.hparams.status, exist_ok=True)
+            with open(os.path.join(self.hparams.status, f"rank{self.global_rank}.pid"), "w") as f:
+                f.write(str(os.getpid()))
+
+    def on_train_start(self) -> None:
+        self.start_step = self.trainer.global_step
+
     def on_train_batch_end(self, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
         if self.hparams.status:
             path = os.path.join(self.hparams.status, f"rank{self.global_rank}.step")
@@ -49,6 +63,45 @@ class TinyModel(L.LightningModule):
         opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.9)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class SelfSignal(Callback):
+    """SIGTERM this process at a named moment: ``step:N``, ``validation``, ``sanity``,
+    ``restore``, ``periodic-save`` (while the first periodic save is in flight) or
+    ``double:N`` (at step N and again while the emergency snapshot is being written)."""
+
+    def __init__(self, spec: str, rank: int | None) -> None:
+        self.phase, _, arg = spec.partition(":")
+        self.arg = int(arg) if arg else 0
+        self.rank = rank
+        self.fired = 0
+
+    def _fire(self, trainer: L.Trainer) -> None:
+        if self.rank is None or trainer.global_rank == self.rank:
+            self.fired += 1
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.phase in ("step", "double") and trainer.global_step == self.arg and not self.fired:
+            self._fire(trainer)
+
+    def on_validation_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.phase == "validation" and not trainer.sanity_checking and not self.fired:
+            self._fire(trainer)
+
+    def on_sanity_check_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.phase == "sanity" and not self.fired:
+            self._fire(trainer)
+
+    def on_load_checkpoint(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.phase == "restore" and not self.fired:
+            self._fire(trainer)
+
+    def on_save_checkpoint(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.phase == "periodic-save" and not self.fired:
+            self._fire(trainer)
+        elif self.phase == "double" and self.fired == 1:
+            self._fire(trainer)  # a second signal while the snapshot is written
 
 
 def data(n: int = 512, seed: int = 0) -> TensorDataset:
@@ -75,17 +128,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--grace", type=float, default=30.0)
     p.add_argument("--ckpt-path", default=None)
+    p.add_argument("--signal-at", default=None, help="see SelfSignal")
+    p.add_argument("--signal-rank", type=int, default=None)
+    p.add_argument("--agree-every", type=int, default=1)
+    p.add_argument("--data-size", type=int, default=512)
     args = p.parse_args(argv)
 
     L.seed_everything(0, workers=True)
     model = TinyModel(step_sleep=args.step_sleep, status=args.status)
-    cb = PreemptionCallback(args.dirpath, every_n_train_steps=args.every, keep_last_n=3, grace_period_s=args.grace)
+    cb = PreemptionCallback(
+        args.dirpath,
+        every_n_train_steps=args.every,
+        keep_last_n=3,
+        grace_period_s=args.grace,
+        agree_every_n_steps=args.agree_every,
+    )
+    callbacks: list[Callback] = [cb]
+    if args.signal_at:
+        callbacks.append(SelfSignal(args.signal_at, args.signal_rank))
     trainer = L.Trainer(
         max_steps=args.max_steps,
         accelerator="cpu",
         devices=args.devices,
         strategy=args.strategy,
-        callbacks=[cb],
+        callbacks=callbacks,
         plugins=[ShardedAsyncCheckpointIO()],
         logger=False,
         enable_progress_bar=False,
@@ -95,19 +161,29 @@ def main(argv: list[str] | None = None) -> int:
         limit_val_batches=4 if args.val_every else 0,
         deterministic=True,
     )
-    if args.status:
-        os.makedirs(args.status, exist_ok=True)
-        with open(os.path.join(args.status, f"rank{trainer.global_rank}.pid"), "w") as f:
-            f.write(str(os.getpid()))
-    loader = DataLoader(data(), batch_size=args.batch_size, shuffle=False)
+    loader = DataLoader(data(args.data_size), batch_size=args.batch_size, shuffle=False)
     val = DataLoader(data(64, seed=1), batch_size=16)
-    trainer.fit(model, loader, val if args.val_every else None, ckpt_path=args.ckpt_path)
-    if args.status:
-        with open(os.path.join(args.status, f"rank{trainer.global_rank}.result.json"), "w") as f:
-            json.dump(
-                {"step": trainer.global_step, "weights": weights_digest(model), "resumed_from": cb.resumed_from}, f
-            )
+    try:
+        trainer.fit(model, loader, val if args.val_every else None, ckpt_path=args.ckpt_path)
+    except SystemExit as exc:
+        _write(args.status, trainer.global_rank, "exit", str(exc.code))
+        raise
+    _write(args.status, trainer.global_rank, "exit", "0")
+    result = {
+        "start_step": getattr(model, "start_step", None),
+        "step": trainer.global_step,
+        "weights": weights_digest(model),
+        "resumed_from": cb.resumed_from,
+    }
+    _write(args.status, trainer.global_rank, "result.json", json.dumps(result))
     return 0
+
+
+def _write(status: str, rank: int, what: str, text: str) -> None:
+    if status:
+        os.makedirs(status, exist_ok=True)
+        with open(os.path.join(status, f"rank{rank}.{what}"), "w") as f:
+            f.write(text)
 
 
 if __name__ == "__main__":

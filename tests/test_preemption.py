@@ -1,0 +1,154 @@
+"""Real training processes preempted by SIGTERM: single process and DDP (2 ranks, gloo).
+
+Each case checks: every process exits with 143 within the grace period, the newest
+committed checkpoint is at the step the ranks agreed on (>= the step when the signal
+was sent), and a restart resumes there on every rank: zero steps lost.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lightning_preempt import list_checkpoints, newest_valid
+
+SCRIPT = Path(__file__).resolve().parent / "train_script.py"
+GRACE_S = 30.0
+pytestmark = pytest.mark.multiproc
+
+
+def _launch(tmp: Path, *extra: str, devices: int = 1, max_steps: int = 400) -> subprocess.Popen[str]:
+    args = [sys.executable, str(SCRIPT), "--dirpath", str(tmp / "ck"), "--status", str(tmp / "st")]
+    args += ["--max-steps", str(max_steps), "--grace", str(GRACE_S), *extra]
+    if devices > 1:
+        args += ["--devices", str(devices), "--strategy", "ddp"]
+    return subprocess.Popen(args, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return None
+
+
+def _wait_for_step(tmp: Path, ranks: int, step: int, proc: subprocess.Popen[str], timeout: float = 120) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        steps = [_read(tmp / "st" / f"rank{r}.step") for r in range(ranks)]
+        if all(s for s in steps) and min(int(s) for s in steps if s) >= step:
+            return max(int(s) for s in steps if s)
+        if proc.poll() is not None:
+            raise AssertionError(f"training ended early:\n{proc.communicate()[0][-4000:]}")
+        time.sleep(0.02)
+    raise AssertionError("training did not reach the step in time")
+
+
+def _wait_exit(tmp: Path, ranks: int, proc: subprocess.Popen[str], since: float) -> list[int]:
+    out, _ = proc.communicate(timeout=GRACE_S + 30)
+    elapsed = time.monotonic() - since
+    codes = []
+    for r in range(ranks):
+        deadline = time.monotonic() + 10
+        while _read(tmp / "st" / f"rank{r}.exit") is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        code = _read(tmp / "st" / f"rank{r}.exit")
+        assert code is not None, f"rank {r} left no exit record:\n{out[-4000:]}"
+        codes.append(int(code))
+    assert elapsed < GRACE_S, f"took {elapsed:.1f}s, longer than the grace period"
+    assert proc.returncode == 143, out[-4000:]
+    return codes
+
+
+def _preempt_and_resume(tmp: Path, devices: int, targets: list[int]) -> None:
+    proc = _launch(tmp, "--every", "1000", "--step-sleep", "0.02", devices=devices)
+    signalled_at = _wait_for_step(tmp, devices, 15, proc)
+    pids = [int(_read(tmp / "st" / f"rank{r}.pid") or 0) for r in targets]
+    sent = time.monotonic()
+    for pid in pids:
+        os.kill(pid, signal.SIGTERM)
+    codes = _wait_exit(tmp, devices, proc, sent)
+    assert codes == [143] * devices
+    newest = newest_valid(str(tmp / "ck"))
+    assert newest is not None and newest.step >= signalled_at
+    assert newest.world_size == devices
+    agreed = newest.step
+    # Restart as the scheduler would: every rank resumes at the agreed step.
+    for f in (tmp / "st").glob("*.step"):
+        f.unlink()
+    again = _launch(tmp, "--every", "1000", devices=devices, max_steps=agreed + 3)
+    out, _ = again.communicate(timeout=180)
+    assert again.returncode == 0, out[-4000:]
+    for r in range(devices):
+        result = (tmp / "st" / f"rank{r}.result.json").read_text()
+        assert f'"start_step": {agreed},' in result, result
+        assert f'"step": {agreed + 3},' in result, result
+
+
+def test_sigterm_single_process(tmp_path: Path) -> None:
+    _preempt_and_resume(tmp_path, devices=1, targets=[0])
+
+
+def test_sigterm_to_rank0_only_ddp(tmp_path: Path) -> None:
+    _preempt_and_resume(tmp_path, devices=2, targets=[0])
+
+
+def test_sigterm_to_rank1_only_ddp(tmp_path: Path) -> None:
+    _preempt_and_resume(tmp_path, devices=2, targets=[1])
+
+
+@pytest.mark.slow
+def test_sigterm_to_both_ranks_ddp(tmp_path: Path) -> None:
+    _preempt_and_resume(tmp_path, devices=2, targets=[0, 1])
+
+
+def _run_self_signal(tmp: Path, spec: str, *extra: str) -> tuple[int, str]:
+    proc = _launch(tmp, "--signal-at", spec, *extra, max_steps=60)
+    out, _ = proc.communicate(timeout=180)
+    return proc.returncode, out
+
+
+def _committed(tmp: Path) -> list[int]:
+    return [c.step for c in list_checkpoints(str(tmp / "ck")) if c.committed]
+
+
+def test_signal_during_validation_snapshots_the_current_step(tmp_path: Path) -> None:
+    code, out = _run_self_signal(tmp_path, "validation", "--val-every", "10", "--every", "1000")
+    assert code == 143, out[-3000:]
+    assert _committed(tmp_path) == [10]
+
+
+def test_signal_during_the_sanity_check_exits_without_a_snapshot(tmp_path: Path) -> None:
+    code, out = _run_self_signal(tmp_path, "sanity", "--val-every", "10")
+    assert code == 143, out[-3000:]
+    assert _committed(tmp_path) == []  # nothing trained yet: nothing to lose
+
+
+def test_signal_during_restore_exits_before_the_first_step(tmp_path: Path) -> None:
+    code, out = _run_self_signal(tmp_path, "step:12", "--every", "5")
+    assert code == 143 and _committed(tmp_path) == [12, 10, 5]
+    code, out = _run_self_signal(tmp_path, "restore", "--every", "5")
+    assert code == 143, out[-3000:]
+    assert "already committed; no snapshot needed" in out
+    assert _committed(tmp_path) == [12, 10, 5]
+
+
+def test_signal_while_a_periodic_save_is_flushing_keeps_both(tmp_path: Path) -> None:
+    code, out = _run_self_signal(tmp_path, "periodic-save", "--every", "7")
+    assert code == 143, out[-3000:]
+    # The save in flight at step 7 commits; ranks agree at the next boundary and snapshot it.
+    assert _committed(tmp_path) == [8, 7]
+
+
+def test_a_second_signal_does_not_abort_the_snapshot(tmp_path: Path) -> None:
+    code, out = _run_self_signal(tmp_path, "double:9", "--every", "1000")
+    assert code == 143, out[-3000:]
+    assert _committed(tmp_path) == [9]
+    chosen = newest_valid(str(tmp_path / "ck"))
+    assert chosen is not None and chosen.step == 9
