@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from lightning_preempt import dist as pdist
 from lightning_preempt.checksum import Crc32c
 from lightning_preempt.dcp_storage import ChecksummingWriter
-from lightning_preempt.errors import CheckpointWriteError
+from lightning_preempt.errors import CheckpointExistsError, CheckpointWriteError
 from lightning_preempt.manifest import MANIFEST_NAME, FileEntry, Manifest
 from lightning_preempt.storage import Store
 
@@ -95,6 +95,13 @@ def write_checkpoint(
     # Commit metadata only after all ranks completed writing (the gather above).
     commit_error = _attempt(lambda: store.commit_bytes(MANIFEST_NAME, manifest.to_json())) if rank == 0 else None
     commit_error = pdist.broadcast_object(commit_error, group)
+    if commit_error is not None and commit_error.startswith(f"{CheckpointExistsError.__module__}.CheckpointExistsError"):
+        # The create-only commit found another writer's manifest: their checkpoint stands.
+        raise CheckpointExistsError(
+            f"committing the manifest failed: {commit_error.split(': ', 1)[-1].splitlines()[0]}",
+            path=store.url,
+            hint="Another writer committed this path first; save each checkpoint to a new path.",
+        )
     _agree_or_raise([commit_error], None, store, "committing the manifest")
     return manifest
 

@@ -114,7 +114,9 @@ class ChecksummingWriter(FsspecWriter):
 
 def dcp_reader(store: Store) -> FsspecReader:
     """A DCP reader for the shards of a checkpoint directory."""
-    return FsspecReader(store.url, **store.storage_options)
+    reader = FsspecReader(store.url, **store.storage_options)
+    reader.fs.fs = store.fs  # type: ignore[attr-defined]  # the Store's filesystem (e.g. plain gcsfs against an emulator)
+    return reader
 
 
 def load_all_tensors(store: Store) -> dict[str, Any]:

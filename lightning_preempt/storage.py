@@ -6,28 +6,77 @@ is rooted at one URL; every other path it takes is relative to that root, with `
 Durability: a write to local disk is durable once ``close()`` returns because we fsync
 the file (and, for commits, the directory); an object-store write is durable once the
 upload completes. Commits never rename on object stores (``mv`` there is copy + delete).
+
+Object stores (``gs://``, ``s3://``):
+
+* large writes stream in blocks of :data:`UPLOAD_BLOCK_SIZE` (resumable upload on GCS,
+  multi-part upload on S3); we split every ``write()`` so fsspec never buffers more than
+  about two blocks, even when DCP hands over a multi-GB tensor in one call;
+* a failed write aborts the upload (nothing half-written becomes an object);
+* :meth:`Store.commit_bytes` is one small PUT, create-only where the store supports a
+  conditional write (GCS ``ifGenerationMatch=0``, S3 ``If-None-Match: *``);
+* "directories" are prefixes; :meth:`Store.list_dirs` lists them.
+
+GCS emulator: gcsfs >= 2026 probes every bucket over gRPC unless
+``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` is set before gcsfs is imported; against an
+emulator (``STORAGE_EMULATOR_HOST`` set) each call would wait out a 60 s timeout. When
+``STORAGE_EMULATOR_HOST`` is set we default that variable to ``false`` here, and a
+``Store`` falls back to the plain ``gcsfs.core.GCSFileSystem`` if gcsfs was imported first.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import contextlib
+import io
 import os
 import posixpath
+import sys
 import uuid
 from collections.abc import Iterator
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+from fsspec.spec import AbstractBufferedFile
+
+from lightning_preempt.errors import CheckpointExistsError
+
+_EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
+_GCSFS_HNS_ENV = "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"
+
+#: Bytes per upload request (GCS resumable chunk / S3 part). S3 allows 10,000 parts, so
+#: one file can hold up to ~312 GiB at this size.
+UPLOAD_BLOCK_SIZE = 32 << 20
+
+_GCS_PROTOCOLS = ("gs", "gcs")
+
+
+def _prefer_plain_gcsfs() -> None:
+    if os.environ.get(_EMULATOR_ENV):
+        os.environ.setdefault(_GCSFS_HNS_ENV, "false")
+
+
+_prefer_plain_gcsfs()
 
 
 class Store:
-    """A directory-like place addressed by URL: local disk, ``memory://``, ``gs://``, ``s3://``…"""
+    """A directory-like place addressed by URL: local disk, ``memory://``, ``gs://``, ``s3://``…
+
+    ``storage_options`` go to fsspec unchanged (credentials, ``endpoint_url``…); they are
+    never logged.
+    """
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         self.url = str(url).rstrip("/") or str(url)
         self.storage_options = dict(storage_options or {})
+        self.protocol = self.url.split("://", 1)[0].lower() if "://" in self.url else "file"
+        if self.protocol in _GCS_PROTOCOLS:
+            _prefer_plain_gcsfs()
         fs, root = fsspec.core.url_to_fs(self.url, **self.storage_options)
+        if self.protocol in _GCS_PROTOCOLS and os.environ.get(_EMULATOR_ENV):
+            fs = _plain_gcsfs(fs, self.storage_options)
         self.fs: fsspec.AbstractFileSystem = fs
         self.root: str = root.rstrip("/") if root != "/" else root
         self.is_local = isinstance(fs, LocalFileSystem)
@@ -60,14 +109,43 @@ class Store:
     def info(self, rel: str) -> dict[str, Any]:
         return dict(self.fs.info(self.path(rel)))
 
-    def list_dirs(self, rel: str = "") -> list[str]:
-        """Names of the sub-directories of ``rel`` (empty when ``rel`` does not exist)."""
-        self.invalidate_cache()
+    def remote_crc32c(self, rel: str, info: dict[str, Any] | None = None) -> str | None:
+        """The CRC32C (8 hex digits) the store itself keeps for ``rel``, or ``None``.
+
+        GCS keeps one for every object (``info()["crc32c"]``, base64 big-endian); for
+        other stores this returns ``None`` (computing it would mean reading the file).
+        """
+        if self.protocol not in _GCS_PROTOCOLS:
+            return None
+        value = (info if info is not None else self.info(rel)).get("crc32c")
+        if not value:
+            return None
         try:
-            entries = self.fs.ls(self.path(rel), detail=True)
+            raw = base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError):
+            return None
+        return raw.hex() if len(raw) == 4 else None
+
+    def list_dirs(self, rel: str = "") -> list[str]:
+        """Names of the sub-directories of ``rel`` (empty when ``rel`` does not exist).
+
+        On object stores these are the common prefixes below ``rel/``.
+        """
+        self.invalidate_cache()
+        base = self.path(rel).rstrip("/")
+        try:
+            entries = self.fs.ls(base, detail=True)
         except FileNotFoundError:
             return []
-        return sorted(posixpath.basename(e["name"].rstrip("/")) for e in entries if e.get("type") == "directory")
+        names = set()
+        for e in entries:
+            name = str(e["name"])
+            # a zero-byte "folder marker" object (``run/step-1/``) also denotes a directory
+            if e.get("type") == "directory" or (name.endswith("/") and not e.get("size")):
+                stripped = name.rstrip("/")
+                if stripped and stripped != base:
+                    names.add(posixpath.basename(stripped))
+        return sorted(names)
 
     def list_files(self, rel: str = "") -> list[str]:
         """Relative paths of every file below ``rel``."""
@@ -77,7 +155,7 @@ class Store:
             found = self.fs.find(base)
         except FileNotFoundError:
             return []
-        return sorted(posixpath.relpath(p, base) for p in found)
+        return sorted(posixpath.relpath(p, base) for p in found if not p.endswith("/"))
 
     def invalidate_cache(self) -> None:
         # fsspec caches listings; the servers are consistent but the cache is not.
@@ -93,65 +171,173 @@ class Store:
 
     # ---- writes ------------------------------------------------------------------------
     def makedirs(self, rel: str = "") -> None:
-        self.fs.makedirs(self.path(rel), exist_ok=True)
+        if self.is_local or self.protocol not in _OBJECT_STORES:
+            self.fs.makedirs(self.path(rel), exist_ok=True)
+        # object stores have no directories: a prefix exists once an object is under it
 
     @contextlib.contextmanager
     def open_write(self, rel: str) -> Iterator[IO[bytes]]:
         """A binary stream whose bytes are durable once the ``with`` block exits cleanly.
 
-        A failed block removes the partial file so it can never be mistaken for data.
+        A failed block removes the partial file (and aborts an object-store upload) so it
+        can never be mistaken for data.
         """
         path = self.path(rel)
         if self.is_local:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             f: IO[bytes] = open(path, "wb")  # noqa: SIM115 - closed below
         else:
-            f = self.fs.open(path, "wb")
+            f = self.fs.open(path, "wb", block_size=UPLOAD_BLOCK_SIZE)
         try:
-            yield f
+            yield f if self.is_local else cast(IO[bytes], _BoundedWrites(f, UPLOAD_BLOCK_SIZE))
             if self.is_local:
                 f.flush()
                 os.fsync(f.fileno())
             f.close()
         except BaseException:
-            with contextlib.suppress(Exception):
-                f.close()
+            _abandon(f)
             with contextlib.suppress(Exception):
                 self.fs.rm(path)
             raise
 
-    def commit_bytes(self, rel: str, data: bytes) -> None:
+    def commit_bytes(self, rel: str, data: bytes, *, exclusive: bool = True) -> None:
         """Create ``rel`` holding ``data`` atomically: readers see all of it or nothing.
 
-        Local disk: temp file, fsync, rename, fsync the directory. Object stores: a single
-        small PUT is atomic by itself; we never rename there.
+        Local disk: temp file, fsync, then a hard link (create-only) or rename, fsync the
+        directory. Object stores: a single small PUT is atomic by itself; we never rename
+        there. With ``exclusive`` the write is create-only where the store supports a
+        conditional write (local disk, GCS, S3): if ``rel`` already holds different bytes
+        :class:`CheckpointExistsError` is raised. The same bytes count as success (a PUT
+        retried after its answer was lost).
         """
         path = self.path(rel)
         if self.is_local:
-            directory = os.path.dirname(path)
-            tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
-            try:
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)
-            fsync_dir(directory)
-        else:
+            self._commit_local(path, data, exclusive=exclusive)
+            return
+        if not exclusive:
             self.fs.pipe_file(path, data)
+            return
+        # Cheap pre-check; the conditional PUT below is what makes it race-free (the GCS
+        # emulator ignores ifGenerationMatch, real GCS and S3 honour it).
+        self.fs.invalidate_cache(path)
+        if self.fs.exists(path):
+            self._raise_exists(rel, data)
+            return
+        try:
+            self.fs.pipe_file(path, data, mode="create")
+        except FileExistsError:
+            self._raise_exists(rel, data)
+
+    def _commit_local(self, path: str, data: bytes, *, exclusive: bool) -> None:
+        directory = os.path.dirname(path)
+        tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            if not exclusive:
+                os.replace(tmp, path)
+            else:
+                try:
+                    os.link(tmp, path)  # atomic and create-only
+                except FileExistsError:
+                    self._raise_exists(posixpath.basename(path), data, local_path=path)
+                except OSError:  # no hard links on this filesystem
+                    if os.path.exists(path):
+                        self._raise_exists(posixpath.basename(path), data, local_path=path)
+                    else:
+                        os.replace(tmp, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        fsync_dir(directory)
+
+    def _raise_exists(self, rel: str, data: bytes, *, local_path: str | None = None) -> None:
+        try:
+            if local_path is not None:
+                with open(local_path, "rb") as f:
+                    existing: bytes | None = f.read()
+            else:
+                existing = self.read_bytes(rel)
+        except (OSError, ValueError):
+            existing = None
+        if existing == data:
+            return
+        raise CheckpointExistsError(
+            f"{rel} already exists; refusing to overwrite it",
+            path=self.url,
+            hint="Another writer committed this checkpoint first (or it was saved before). Save to a new "
+            "path, or remove the old checkpoint first if you really mean to replace it.",
+        )
 
     def rm_file(self, rel: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self.path(rel))
         if self.is_local:
             fsync_dir(os.path.dirname(self.path(rel)))
+        else:
+            self.fs.invalidate_cache(self.path(rel))
 
     def rm_tree(self, rel: str = "") -> None:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self.path(rel), recursive=True)
+        self.invalidate_cache()
+
+
+_OBJECT_STORES = frozenset({"gs", "gcs", "s3", "s3a"})
+
+
+class _BoundedWrites(io.RawIOBase):
+    """Splits each ``write`` into pieces of at most ``chunk`` bytes.
+
+    fsspec's buffered files copy a whole ``write()`` into their buffer before uploading:
+    DCP writing a 10 GB tensor would otherwise cost a second 10 GB in memory.
+    """
+
+    def __init__(self, inner: Any, chunk: int) -> None:
+        super().__init__()
+        self._inner = inner
+        self._chunk = chunk
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        for offset in range(0, view.nbytes, self._chunk):
+            self._inner.write(view[offset : offset + self._chunk])
+        return view.nbytes
+
+    def tell(self) -> int:
+        return int(self._inner.tell())
+
+    def flush(self) -> None:
+        self._inner.flush()
+
+    def close(self) -> None:
+        pass  # the owner (Store.open_write) closes or abandons the inner file
+
+
+def _abandon(f: Any) -> None:
+    """Close ``f`` after a failure without publishing its bytes where we can."""
+    if isinstance(f, AbstractBufferedFile):
+        with contextlib.suppress(Exception):
+            f.discard()  # abort the multi-part / resumable upload
+        f.closed = True  # never let close() (or __del__) upload the partial data
+        return
+    with contextlib.suppress(Exception):
+        f.close()
+
+
+def _plain_gcsfs(fs: fsspec.AbstractFileSystem, options: dict[str, Any]) -> fsspec.AbstractFileSystem:
+    """Against the emulator, replace gcsfs's gRPC-probing filesystem with the plain one."""
+    if type(fs).__name__ != "ExtendedGcsFileSystem":
+        return fs
+    core = sys.modules.get("gcsfs.core")
+    if core is None:
+        return fs
+    return cast(fsspec.AbstractFileSystem, core.GCSFileSystem(**options))
 
 
 def fsync_dir(directory: str) -> None:

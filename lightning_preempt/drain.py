@@ -1,0 +1,241 @@
+"""Draining: copy a committed checkpoint to another store (e.g. local disk -> ``gs://``).
+
+The copy is committed exactly like a save: every data file first (in parallel, streamed
+in chunks, each checked against the source manifest while it streams and against the
+destination's size / CRC32C after it lands), then the manifest, last and create-only.
+A failed drain leaves no manifest at the destination, so it never counts as a checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from typing import Any
+
+from lightning_preempt.checksum import Crc32c
+from lightning_preempt.errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointWriteError,
+    CorruptCheckpointError,
+)
+from lightning_preempt.manifest import MANIFEST_NAME, FileEntry, Manifest
+from lightning_preempt.reader import read_manifest
+from lightning_preempt.storage import Store
+
+log = logging.getLogger(__name__)
+
+#: Bytes read from the source and handed to the destination per step.
+CHUNK_SIZE = 8 << 20
+
+_HINT = (
+    "The destination holds no committed copy (its partial files were removed where possible); "
+    "the source checkpoint is untouched. Check that the destination is reachable and writable "
+    "(credentials, bucket, endpoint) and run the drain again."
+)
+
+
+class _Cancelled(Exception):
+    """Another file of the same drain failed: stop this one early."""
+
+
+def drain_checkpoint(
+    src: Store,
+    dst: Store,
+    *,
+    max_workers: int = 4,
+    progress: Callable[[int], None] | None = None,
+    chunk_size: int = CHUNK_SIZE,
+) -> Manifest:
+    """Copy the committed checkpoint at ``src`` to ``dst`` and commit it there.
+
+    Args:
+        src: a committed checkpoint directory (its manifest is read first).
+        dst: where the copy goes; it must not hold a *different* committed checkpoint.
+        max_workers: files uploaded in parallel.
+        progress: called with the byte count of every chunk copied (from worker
+            threads, one call at a time), e.g. ``tqdm.update``.
+        chunk_size: bytes per read/write step; memory use is about
+            ``max_workers * (chunk_size + upload block)``.
+
+    Returns:
+        The manifest now committed at ``dst`` (byte-identical to the source's).
+
+    Raises:
+        NotACheckpointError: ``src`` has no committed checkpoint.
+        CheckpointExistsError: ``dst`` already holds a different committed checkpoint.
+        CheckpointWriteError: copying or committing failed; ``dst`` has no manifest.
+            Its cause is a :class:`CorruptCheckpointError` when a source file does not
+            match the source manifest.
+    """
+    started = time.perf_counter()
+    manifest = read_manifest(src)  # raises NotACheckpointError / CorruptCheckpointError with a HINT
+    manifest_bytes = src.read_bytes(MANIFEST_NAME)  # committed manifests never change: copy them verbatim
+
+    if _already_there(dst, manifest_bytes):
+        log.info("lightning_preempt: %s already holds this checkpoint; nothing to drain", dst.url)
+        return manifest
+
+    try:
+        if dst.exists():
+            dst.rm_tree()  # uncommitted leftovers of an earlier attempt: never mix old and new files
+        dst.makedirs()
+        _copy_files(src, dst, manifest, max_workers=max_workers, progress=progress, chunk_size=chunk_size)
+        dst.commit_bytes(MANIFEST_NAME, manifest_bytes)  # the commit: last, one small create-only PUT
+    except CheckpointExistsError:
+        raise  # someone else committed a different checkpoint there: leave their files alone
+    except BaseException as err:
+        _remove_partial(dst)
+        if isinstance(err, Exception):
+            raise CheckpointWriteError(
+                f"draining {src.url} to {dst.url} failed, nothing was committed there: {_describe(err)}",
+                path=dst.url,
+                hint=_HINT,
+            ) from err
+        raise
+    log.info(
+        "lightning_preempt: drained %s -> %s (%.1f MB, %d files) in %.2fs",
+        src.url,
+        dst.url,
+        manifest.total_bytes / 1e6,
+        len(manifest.files),
+        time.perf_counter() - started,
+    )
+    return manifest
+
+
+def _already_there(dst: Store, manifest_bytes: bytes) -> bool:
+    dst.invalidate_cache()
+    if not dst.exists(MANIFEST_NAME):
+        return False
+    try:
+        existing = dst.read_bytes(MANIFEST_NAME)
+    except FileNotFoundError:
+        return False
+    if existing == manifest_bytes:
+        return True
+    raise CheckpointExistsError(
+        "the destination already holds a different committed checkpoint",
+        path=dst.url,
+        hint="Drain into a new path (e.g. one directory per step), or remove the destination checkpoint first.",
+    )
+
+
+def _copy_files(
+    src: Store,
+    dst: Store,
+    manifest: Manifest,
+    *,
+    max_workers: int,
+    progress: Callable[[int], None] | None,
+    chunk_size: int,
+) -> None:
+    cancel = threading.Event()
+    lock = threading.Lock()
+
+    def report(n: int) -> None:
+        if progress is not None:
+            with lock:
+                progress(n)
+
+    # Biggest first: the long uploads start early and small files fill the gaps.
+    names = sorted(manifest.files, key=lambda n: (-manifest.files[n].size, n))
+    with ThreadPoolExecutor(max_workers=max(1, max_workers), thread_name_prefix="lp-drain") as pool:
+        futures: list[Future[None]] = [
+            pool.submit(_copy_one, src, dst, name, manifest.files[name], cancel, report, chunk_size) for name in names
+        ]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        failed = [f for f in done if f.exception() is not None]
+        if failed:
+            cancel.set()
+            for f in futures:
+                f.cancel()
+            wait(futures)
+            errors = [f.exception() for f in futures if not f.cancelled() and f.exception() is not None]
+            first = next((e for e in errors if not isinstance(e, _Cancelled)), errors[0])
+            assert first is not None
+            raise first
+
+
+def _copy_one(
+    src: Store,
+    dst: Store,
+    name: str,
+    entry: FileEntry,
+    cancel: threading.Event,
+    report: Callable[[int], None],
+    chunk_size: int,
+) -> None:
+    crc = Crc32c()
+    with src.open_read(name) as reader, dst.open_write(name) as writer:
+        while chunk := reader.read(chunk_size):
+            if cancel.is_set():
+                raise _Cancelled(name)
+            crc.update(chunk)
+            writer.write(chunk)
+            report(len(chunk))
+        # Check before the upload completes: a mismatch aborts it (open_write's failure path).
+        if crc.nbytes != entry.size or crc.hexdigest() != entry.crc32c:
+            raise CorruptCheckpointError(
+                f"source file {name!r} does not match the source manifest "
+                f"({crc.nbytes} bytes, crc32c {crc.hexdigest()}; expected {entry.size} bytes, crc32c {entry.crc32c})",
+                path=src.url,
+                hint="The source checkpoint is damaged; drain an older one.",
+            )
+    _check_landed(dst, name, entry)
+
+
+def _check_landed(dst: Store, name: str, entry: FileEntry) -> None:
+    """The destination's own view of ``name``: size always, CRC32C where it is free (GCS)."""
+    dst.fs.invalidate_cache(dst.path(name))
+    info = dst.info(name)
+    size = int(info.get("size", -1))
+    if size != entry.size:
+        raise CorruptCheckpointError(
+            f"uploaded {name!r} has {size} bytes at the destination, expected {entry.size}",
+            path=dst.url,
+            hint="The upload was truncated; run the drain again.",
+        )
+    remote = dst.remote_crc32c(name, info)
+    if remote is not None and remote != entry.crc32c:
+        raise CorruptCheckpointError(
+            f"uploaded {name!r} has crc32c {remote} at the destination, expected {entry.crc32c}",
+            path=dst.url,
+            hint="The data was corrupted in transit; run the drain again.",
+        )
+
+
+def _remove_partial(dst: Store) -> None:
+    """Best effort: the destination may be unreachable (that may be why we failed)."""
+    try:
+        dst.rm_file(MANIFEST_NAME)
+        dst.rm_tree()
+    except Exception as err:
+        log.warning(
+            "lightning_preempt: could not remove the partial copy at %s (%s); it has no manifest and does "
+            "not count as a checkpoint",
+            dst.url,
+            _describe(err),
+        )
+
+
+def _describe(err: BaseException) -> str:
+    if isinstance(err, CheckpointError):
+        return str(err).splitlines()[0]
+    text = str(err).splitlines()[0] if str(err) else ""
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+def drain_url(
+    src_url: str,
+    dst_url: str,
+    *,
+    src_options: dict[str, Any] | None = None,
+    dst_options: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> Manifest:
+    """:func:`drain_checkpoint` for URLs."""
+    return drain_checkpoint(Store(src_url, src_options), Store(dst_url, dst_options), **kwargs)

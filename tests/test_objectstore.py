@@ -1,0 +1,312 @@
+"""Object stores: gs:// (GCS emulator) and s3:// (moto server), both on 127.0.0.1.
+
+The plugin, discovery, verification and draining against real HTTP servers, failures
+mid-upload, and real ``trainer.fit`` runs that save to and resume from a bucket.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import fsspec
+import lightning as L
+import pytest
+import servers
+import torch
+from helpers import assert_same, lightning_like_checkpoint
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader
+from train_script import TinyModel, data
+
+from lightning_preempt import (
+    CheckpointExistsError,
+    CheckpointWriteError,
+    CorruptCheckpointError,
+    NotACheckpointError,
+    PreemptionCallback,
+    ShardedAsyncCheckpointIO,
+    list_checkpoints,
+)
+from lightning_preempt.discovery import apply_retention, newest_valid
+from lightning_preempt.drain import drain_checkpoint
+from lightning_preempt.manifest import MANIFEST_NAME
+from lightning_preempt.reader import load_full_checkpoint, read_manifest, verify_checkpoint
+from lightning_preempt.storage import Store
+
+if TYPE_CHECKING:
+    from objectstore_plugin import Remote
+
+pytest_plugins = ["objectstore_plugin"]
+pytestmark = [pytest.mark.objectstore, pytest.mark.timeout(120)]
+
+MiB = 1 << 20
+
+
+def _save(io: ShardedAsyncCheckpointIO, ckpt: dict[str, Any], url: str) -> None:
+    io.save_checkpoint(ckpt, url)
+    io.wait()
+
+
+def _big_checkpoint(nbytes: int, step: int = 1) -> dict[str, Any]:
+    ckpt = lightning_like_checkpoint(step)
+    torch.manual_seed(step)
+    ckpt["state_dict"]["big"] = torch.randn(nbytes // 4)
+    return ckpt
+
+
+def _local_checkpoint(tmp_path: Path, ckpt: dict[str, Any], name: str = "step-1") -> Store:
+    io = ShardedAsyncCheckpointIO()
+    try:
+        _save(io, ckpt, str(tmp_path / name))
+    finally:
+        io.teardown()
+    return Store(str(tmp_path / name))
+
+
+def _raw_fs(remote: Remote) -> fsspec.AbstractFileSystem:
+    fs, _ = fsspec.core.url_to_fs(remote.url, **remote.storage_options)
+    fs.invalidate_cache()
+    return fs
+
+
+# ---- the plugin on its own ---------------------------------------------------------------
+def test_plugin_round_trip_list_retention_remove(remote: Remote) -> None:
+    io = ShardedAsyncCheckpointIO(storage_options=remote.storage_options)
+    try:
+        saved = {}
+        for step in (1, 2, 3):
+            saved[step] = lightning_like_checkpoint(step)
+            _save(io, copy.deepcopy(saved[step]), remote.join(f"step-{step:010d}"))
+        infos = list_checkpoints(remote.url, remote.storage_options)
+        assert [(c.step, c.committed) for c in infos] == [(3, True), (2, True), (1, True)]
+        assert infos[0].path == remote.join("step-0000000003")
+
+        for step in (1, 3):
+            assert_same(io.load_checkpoint(remote.join(f"step-{step:010d}")), saved[step])
+        assert_same(io.load_checkpoint(remote.url), saved[3])  # a directory of checkpoints: the newest
+
+        # Saving over a committed checkpoint is refused; the commit itself is create-only too.
+        with pytest.raises(CheckpointExistsError, match="HINT:"):
+            io.save_checkpoint(saved[3], remote.join("step-0000000003"))
+        store = Store(remote.join("step-0000000003"), remote.storage_options)
+        manifest_bytes = store.read_bytes(MANIFEST_NAME)
+        store.commit_bytes(MANIFEST_NAME, manifest_bytes)  # same bytes: a retried PUT, fine
+        with pytest.raises(CheckpointExistsError, match="HINT:"):
+            store.commit_bytes(MANIFEST_NAME, manifest_bytes + b" ")
+        assert store.read_bytes(MANIFEST_NAME) == manifest_bytes
+
+        # An uncommitted leftover (no manifest) older than the newest committed one.
+        Store(remote.join("step-0000000000"), remote.storage_options).commit_bytes("junk.distcp", b"x")
+        removed = apply_retention(remote.url, 2, remote.storage_options)
+        assert sorted(removed) == [remote.join("step-0000000000"), remote.join("step-0000000001")]
+        assert [c.step for c in list_checkpoints(remote.url, remote.storage_options)] == [3, 2]
+
+        io.remove_checkpoint(remote.join("step-0000000002"))
+        io.wait()
+        assert [c.step for c in list_checkpoints(remote.url, remote.storage_options)] == [3]
+        assert not _raw_fs(remote).exists(remote.join("step-0000000002"))
+    finally:
+        io.teardown()
+
+
+def test_verify_catches_a_corrupted_object(remote: Remote) -> None:
+    io = ShardedAsyncCheckpointIO(storage_options=remote.storage_options)
+    try:
+        for step in (1, 2):
+            _save(io, lightning_like_checkpoint(step), remote.join(f"step-{step:010d}"))
+    finally:
+        io.teardown()
+    store = Store(remote.join("step-0000000002"), remote.storage_options)
+    verify_checkpoint(store)
+    shard = next(n for n in read_manifest(store).files if n.endswith(".distcp"))
+    data = bytearray(store.read_bytes(shard))
+    data[len(data) // 2] ^= 0xFF  # one flipped byte, same size
+    _raw_fs(remote).pipe_file(store.path(shard), bytes(data))
+    with pytest.raises(CorruptCheckpointError, match="CRC32C"):
+        verify_checkpoint(store)
+    skipped: list[str] = []
+    info = newest_valid(remote.url, remote.storage_options, on_skip=lambda i, why: skipped.append(i.name))
+    assert info is not None and info.step == 1 and skipped == ["step-0000000002"]
+
+
+# ---- draining ----------------------------------------------------------------------------
+def test_drain_local_to_remote_and_back_to_a_new_node(tmp_path: Path, remote: Remote) -> None:
+    ckpt = _big_checkpoint(12 * MiB)
+    src = _local_checkpoint(tmp_path / "node-a", copy.deepcopy(ckpt))
+    dst = Store(remote.join("step-0000000001"), remote.storage_options)
+    manifest = read_manifest(src)
+
+    copied: list[int] = []
+    got = drain_checkpoint(src, dst, max_workers=3, progress=copied.append)
+    assert got.files == manifest.files and sum(copied) == manifest.total_bytes
+    assert dst.read_bytes(MANIFEST_NAME) == src.read_bytes(MANIFEST_NAME)
+    verify_checkpoint(dst)
+    if remote.scheme == "gs":  # GCS keeps a CRC32C per object: the same as our manifest's
+        for name, entry in manifest.files.items():
+            assert dst.remote_crc32c(name) == entry.crc32c, name
+
+    # Idempotent: the same committed checkpoint is already there, nothing is copied.
+    again: list[int] = []
+    assert drain_checkpoint(src, dst, progress=again.append).files == manifest.files
+    assert again == []
+
+    # A different checkpoint is never drained over it.
+    other = _local_checkpoint(tmp_path / "node-a", _big_checkpoint(MiB, step=2), name="step-2")
+    with pytest.raises(CheckpointExistsError, match="HINT:"):
+        drain_checkpoint(other, dst)
+
+    # A new node restores from the bucket.
+    restored = Store(str(tmp_path / "node-b" / "step-1"))
+    drain_checkpoint(dst, restored)
+    assert_same(load_full_checkpoint(restored), ckpt)
+    assert [c.step for c in list_checkpoints(remote.url, remote.storage_options) if c.committed] == [1]
+
+
+def test_drain_refuses_an_uncommitted_source(tmp_path: Path, gs_remote: Remote) -> None:
+    src = _local_checkpoint(tmp_path, lightning_like_checkpoint(1))
+    src.rm_file(MANIFEST_NAME)
+    with pytest.raises(NotACheckpointError, match="HINT:"):
+        drain_checkpoint(src, Store(gs_remote.join("step-1"), gs_remote.storage_options))
+    assert not _raw_fs(gs_remote).exists(gs_remote.url)
+
+
+class _FailingStore(Store):
+    """Uploads through it break after ``fail_after`` bytes (a connection lost mid-upload)."""
+
+    fail_after = 20 * MiB
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.written = 0
+
+    def open_write(self, rel: str) -> Any:
+        outer = self
+        inner_cm = super().open_write(rel)
+
+        class _Ctx:
+            def __enter__(self) -> Any:
+                f = inner_cm.__enter__()
+
+                class _W:
+                    def write(self, b: Any) -> int:
+                        outer.written += len(b)
+                        if outer.written > outer.fail_after:
+                            raise ConnectionResetError("injected: connection reset by peer")
+                        return int(f.write(b))
+
+                return _W()
+
+            def __exit__(self, *exc: Any) -> Any:
+                return inner_cm.__exit__(*exc)
+
+        return _Ctx()
+
+
+def test_drain_failing_mid_upload_commits_nothing_and_cleans_up(tmp_path: Path, remote: Remote) -> None:
+    src = _local_checkpoint(tmp_path, _big_checkpoint(64 * MiB))
+    earlier = Store(remote.join("step-0000000000"), remote.storage_options)
+    drain_checkpoint(_local_checkpoint(tmp_path, lightning_like_checkpoint(0), "step-0"), earlier)
+
+    dst = _FailingStore(remote.join("step-0000000001"), remote.storage_options)
+    with pytest.raises(CheckpointWriteError, match="HINT:") as caught:
+        drain_checkpoint(src, dst, max_workers=2)
+    assert "connection reset" in str(caught.value)
+    fs = _raw_fs(remote)
+    assert not fs.exists(dst.path(MANIFEST_NAME))
+    assert fs.find(dst.path()) == []  # aborted uploads never became objects; the rest was removed
+    assert [(c.step, c.committed) for c in list_checkpoints(remote.url, remote.storage_options)] == [(0, True)]
+
+
+def test_s3_server_killed_mid_drain_raises_cleanly_without_a_commit(tmp_path: Path) -> None:
+    src = _local_checkpoint(tmp_path, _big_checkpoint(64 * MiB))
+    server = servers.start_s3()
+    try:
+        options = {
+            **server.storage_options,
+            # fail fast once the server is gone (the defaults retry for ~30 s)
+            "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2, "read_timeout": 10},
+        }
+        commits: list[str] = []
+
+        class _Recording(Store):
+            def commit_bytes(self, rel: str, data: bytes, *, exclusive: bool = True) -> None:
+                commits.append(rel)
+                super().commit_bytes(rel, data, exclusive=exclusive)
+
+        dst = _Recording(server.url("run/step-1"), options)
+        copied = 0
+
+        def kill_midway(n: int) -> None:
+            nonlocal copied
+            copied += n
+            if copied >= 24 * MiB and server.alive:
+                server.kill()
+
+        started = time.monotonic()
+        with pytest.raises(CheckpointWriteError, match="HINT:"):
+            drain_checkpoint(src, dst, max_workers=2, progress=kill_midway)
+        assert not server.alive and commits == []
+        assert time.monotonic() - started < 60
+    finally:
+        server.stop()
+
+
+# ---- real training -----------------------------------------------------------------------
+class _Probe(Callback):
+    def __init__(self) -> None:
+        self.start_step: int | None = None
+        self.start_weights: dict[str, torch.Tensor] = {}
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.start_step = trainer.global_step
+        self.start_weights = {k: v.clone() for k, v in pl_module.state_dict().items()}
+
+
+def _fit(remote: Remote, max_steps: int, seed: int) -> tuple[TinyModel, _Probe, PreemptionCallback]:
+    L.seed_everything(seed)
+    model, probe = TinyModel(), _Probe()
+    cb = PreemptionCallback(
+        remote.url, every_n_train_steps=3, keep_last_n=2, storage_options=remote.storage_options
+    )
+    trainer = L.Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        callbacks=[cb, probe],
+        plugins=[ShardedAsyncCheckpointIO(storage_options=remote.storage_options)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=True,  # PreemptionCallback is the checkpoint callback: no default one
+    )
+    trainer.fit(model, DataLoader(data(16 * 10), batch_size=16))
+    return model, probe, cb
+
+
+def test_trainer_saves_to_and_resumes_from_a_bucket(remote: Remote) -> None:
+    first, probe1, _ = _fit(remote, max_steps=6, seed=0)
+    assert probe1.start_step == 0
+    weights_at_6 = {k: v.clone() for k, v in first.state_dict().items()}
+    infos = list_checkpoints(remote.url, remote.storage_options)
+    assert [(c.step, c.committed) for c in infos] == [(6, True), (3, True)]
+
+    _, probe2, cb2 = _fit(remote, max_steps=9, seed=123)  # a "new process": different init
+    assert cb2.resumed_from == remote.join("step-0000000006")
+    assert probe2.start_step == 6
+    for k, v in weights_at_6.items():
+        assert torch.equal(probe2.start_weights[k], v), k
+    assert [c.step for c in list_checkpoints(remote.url, remote.storage_options)] == [9, 6]
+
+
+def test_large_s3_writes_stream_as_multipart_uploads(s3_remote: Remote) -> None:
+    from lightning_preempt.storage import UPLOAD_BLOCK_SIZE
+
+    store = Store(s3_remote.url, s3_remote.storage_options)
+    payload = bytes(UPLOAD_BLOCK_SIZE + MiB)
+    with store.open_write("big.distcp") as f:
+        f.write(payload)  # one call, like DCP writing a whole tensor: still split into parts
+    info = store.info("big.distcp")
+    assert info["size"] == len(payload)
+    assert str(info["ETag"]).strip('"').endswith("-2")  # a multi-part upload of two parts
