@@ -19,12 +19,17 @@ from lightning_preempt.errors import CheckpointExistsError, CheckpointWriteError
 from lightning_preempt.format import DEFAULT_SHARDED_KEYS
 from lightning_preempt.format import split_checkpoint as _split
 from lightning_preempt.manifest import MANIFEST_NAME, Manifest
-from lightning_preempt.reader import load_full_checkpoint
+from lightning_preempt.reader import load_full_checkpoint, load_sharded_checkpoint
 from lightning_preempt.staging import HostStager
 from lightning_preempt.storage import Store
 from lightning_preempt.writer import BackgroundWriter
 
 log = logging.getLogger(__name__)
+
+_LOAD_HINT = (
+    "Pass a checkpoint directory written by ShardedAsyncCheckpointIO (it contains manifest.json), "
+    "a directory of them, or a Lightning .ckpt file."
+)
 
 
 class SaveRecord:
@@ -206,11 +211,31 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
             info = newest_valid(url, self.storage_options, verify=self.verify_on_load)
             if info is not None:
                 return load_full_checkpoint(Store(info.path, self.storage_options), rank=pdist.rank(), verify=False)
-        raise NotACheckpointError(
-            "no committed checkpoint found",
-            path=url,
-            hint="Pass a checkpoint directory written by ShardedAsyncCheckpointIO (it contains manifest.json), "
-            "a directory of them, or a Lightning .ckpt file.",
+        raise NotACheckpointError("no committed checkpoint found", path=url, hint=_LOAD_HINT)
+
+    def resolve(self, path: Any) -> str | None:
+        """The committed checkpoint ``path`` means (alias, checkpoint dir, or newest in a
+        directory of checkpoints), or ``None`` when it is none of ours."""
+        url = self._aliases.get(str(path), str(path))
+        store = Store(url, self.storage_options)
+        if store.exists(MANIFEST_NAME):
+            return url
+        if store.isdir():
+            info = newest_valid(url, self.storage_options, verify=self.verify_on_load)
+            if info is not None:
+                return info.path
+        return None
+
+    def load_sharded(self, path: Any, templates: dict[str, Any], process_group: Any = None) -> dict[str, Any]:
+        """Load a checkpoint into sharded ``templates`` in place (collective; see
+        :func:`lightning_preempt.reader.load_sharded_checkpoint`)."""
+        self.wait()
+        url = self.resolve(path)
+        if url is None:
+            raise NotACheckpointError("no committed checkpoint found", path=str(path), hint=_LOAD_HINT)
+        store = Store(url, self.storage_options)
+        return load_sharded_checkpoint(
+            store, templates, rank=pdist.rank(), verify=self.verify_on_load, process_group=process_group
         )
 
     @override

@@ -11,7 +11,7 @@ import torch
 
 from lightning_preempt.checksum import Crc32c
 from lightning_preempt.commit import STATE_FILE
-from lightning_preempt.dcp_storage import load_all_tensors
+from lightning_preempt.dcp_storage import load_all_tensors, load_tensors_into
 from lightning_preempt.errors import CorruptCheckpointError, NotACheckpointError
 from lightning_preempt.format import merge_checkpoint, tensor_refs
 from lightning_preempt.manifest import MANIFEST_NAME, Manifest
@@ -83,6 +83,43 @@ def load_skeleton(store: Store, manifest: Manifest, rank: int) -> Any:
     # The skeleton holds arbitrary Lightning state (hparams, callback state): like a
     # Lightning .ckpt it needs full unpickling; its bytes were CRC-checked above.
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+
+
+def load_sharded_checkpoint(
+    store: Store,
+    templates: dict[str, Any],
+    *,
+    rank: int,
+    verify: bool = True,
+    process_group: Any = None,
+) -> dict[str, Any]:
+    """Load into ``templates`` (flat ``{key: tensor | DTensor}``, as :func:`split_checkpoint`
+    makes them from the *current* model and optimizers) in place, resharding to the current
+    world size, and return the Lightning checkpoint dict around them.
+
+    Collective: every rank of ``process_group`` calls it.
+    """
+    manifest = verify_checkpoint(store) if verify else read_manifest(store)
+    skeleton = load_skeleton(store, manifest, rank)
+    missing = set(templates) - set(tensor_refs(skeleton))
+    if missing:
+        raise CorruptCheckpointError(
+            f"the model has {len(missing)} tensors that the checkpoint lacks (e.g. {sorted(missing)[0]!r})",
+            path=store.url,
+            hint="Resume with the model and optimizers that wrote this checkpoint.",
+        )
+    load_tensors_into(store, templates, process_group=process_group)
+    loaded = dict(templates)
+    result = merge_checkpoint(skeleton, _FallbackDict(loaded))
+    assert isinstance(result, dict)
+    return result
+
+
+class _FallbackDict(dict):  # type: ignore[type-arg]
+    """Refs the model did not ask for (e.g. dropped parameters) resolve to ``None``."""
+
+    def __missing__(self, key: str) -> None:
+        return None
 
 
 def load_full_checkpoint(store: Store, *, rank: int = 0, verify: bool = True) -> dict[str, Any]:

@@ -1,11 +1,18 @@
-"""Making Lightning strategies save through our plugin on every rank.
+"""Making Lightning strategies save and load through our plugin on every rank.
 
-Lightning's base ``Strategy.save_checkpoint`` calls the ``CheckpointIO`` on global rank
-0 only, so under DDP one rank writes everything. We rebind ``save_checkpoint`` on the
-strategy *instance* so every rank calls the plugin; DCP then splits the replicated
-tensors so each rank writes ~1/N of the bytes, and the commit protocol needs every
-rank anyway. Strategies that override ``save_checkpoint`` themselves (FSDP, DeepSpeed)
-are left alone unless we know them; see docs/design.md.
+* DDP (and any strategy using the base ``Strategy.save_checkpoint``): Lightning calls the
+  ``CheckpointIO`` on global rank 0 only. We rebind ``save_checkpoint`` on the strategy
+  *instance* so every rank calls the plugin; DCP splits the replicated tensors so each
+  rank writes ~1/N of the bytes, and the commit protocol needs every rank anyway. Loading
+  needs nothing: every rank reads the full state (it is replicated).
+* ``ModelParallelStrategy`` (FSDP2 / TP) bypasses ``CheckpointIO``: it calls DCP itself
+  and writes ``meta.pt`` with no commit protocol. We rebind ``save_checkpoint`` to give
+  its sharded state dict (``DTensor``s) to the plugin on every rank, and
+  ``load_checkpoint`` to load our checkpoints into the current model and optimizers in
+  place, resharding to the current world size (any other path goes to Lightning).
+
+Other strategies that save by themselves (FSDP1, DeepSpeed) are left alone with a
+warning. See docs/design.md.
 """
 
 from __future__ import annotations
@@ -14,10 +21,11 @@ import logging
 import types
 from typing import Any
 
-from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 
 from lightning_preempt import dist as pdist
 from lightning_preempt.checkpoint_io import ShardedAsyncCheckpointIO
+from lightning_preempt.format import split_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +33,14 @@ log = logging.getLogger(__name__)
 def install_collective_saves(
     strategy: Strategy, io: ShardedAsyncCheckpointIO, writer_group: pdist.ProcessGroup | None
 ) -> bool:
-    """Route ``strategy.save_checkpoint`` to ``io`` on all ranks. Returns whether it did."""
+    """Route ``strategy``'s saves (and sharded loads) through ``io`` on all ranks.
+
+    Returns whether every rank now writes its own share.
+    """
+    if isinstance(strategy, ModelParallelStrategy):
+        _install_model_parallel(strategy, io)
+        io.enable_collective_saves(writer_group)
+        return writer_group is not None
     if writer_group is None or pdist.world_size() == 1:
         io.enable_collective_saves(None)
         return False
@@ -45,3 +60,46 @@ def install_collective_saves(
     strategy.save_checkpoint = types.MethodType(save_on_every_rank, strategy)  # type: ignore[method-assign]
     io.enable_collective_saves(writer_group)
     return True
+
+
+def _install_model_parallel(strategy: ModelParallelStrategy, io: ShardedAsyncCheckpointIO) -> None:
+    original_save = strategy.save_checkpoint
+    original_load = strategy.load_checkpoint
+
+    def save(
+        self: ModelParallelStrategy, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
+    ) -> None:
+        if not self._save_distributed_checkpoint:
+            original_save(checkpoint, filepath, storage_options)  # full state on rank 0: Lightning's path
+            return
+        io.save_checkpoint(checkpoint, str(self.broadcast(str(filepath))), storage_options=storage_options)
+
+    def load(self: ModelParallelStrategy, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        path = self.broadcast(str(checkpoint_path))
+        resolved = io.resolve(path) if self.is_global_zero else None
+        resolved = self.broadcast(resolved)  # one rank decides, the rest follow
+        if resolved is None:
+            return original_load(checkpoint_path, weights_only)  # type: ignore[no-any-return]
+        model = self.model
+        assert model is not None
+        templates = {
+            "state_dict": get_model_state_dict(model),
+            "optimizer_states": [get_optimizer_state_dict(model, opt) for opt in self.optimizers],
+        }
+        flat, _ = split_checkpoint(templates)
+        checkpoint = io.load_sharded(resolved, flat)
+        model.load_state_dict(checkpoint["state_dict"], strict=self.lightning_module.strict_loading)
+        options = StateDictOptions(cpu_offload=True)
+        for opt, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
+            set_optimizer_state_dict(model, opt, optim_state_dict=state, options=options)
+        return checkpoint
+
+    strategy.save_checkpoint = types.MethodType(save, strategy)  # type: ignore[method-assign]
+    strategy.load_checkpoint = types.MethodType(load, strategy)  # type: ignore[method-assign]

@@ -26,7 +26,9 @@ from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO
 
 
 class TinyModel(L.LightningModule):
-    def __init__(self, width: int = 32, step_sleep: float = 0.0, status: str = "", lr: float = 0.05) -> None:
+    def __init__(
+        self, width: int = 32, step_sleep: float = 0.0, status: str = "", lr: float = 0.05, dump_start: str = ""
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.net = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Tanh(), torch.nn.Linear(width, 1))
@@ -43,6 +45,18 @@ class TinyModel(L.LightningModule):
         x, y = batch
         self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
 
+    def configure_model(self) -> None:
+        mesh = getattr(self, "device_mesh", None)
+        if mesh is None or getattr(self, "_sharded", False):
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in self.net:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh["data_parallel"])
+        fully_shard(self.net, mesh=mesh["data_parallel"])
+        self._sharded = True
+
     def setup(self, stage: str) -> None:
         if self.hparams.status:
             os.makedirs(self.hparams.status, exist_ok=True)
@@ -51,6 +65,13 @@ class TinyModel(L.LightningModule):
 
     def on_train_start(self) -> None:
         self.start_step = self.trainer.global_step
+        if self.hparams.get("dump_start"):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+            full = StateDictOptions(full_state_dict=True, cpu_offload=False)
+            optim = get_optimizer_state_dict(self, self.trainer.optimizers[0], options=full)
+            weights = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in self.state_dict().items()}
+            torch.save({"weights": weights, "optim": optim}, f"{self.hparams.dump_start}.rank{self.global_rank}")
 
     def on_train_batch_end(self, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
         if self.hparams.status:
@@ -132,10 +153,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--signal-rank", type=int, default=None)
     p.add_argument("--agree-every", type=int, default=1)
     p.add_argument("--data-size", type=int, default=512)
+    p.add_argument("--width", type=int, default=32)
+    p.add_argument("--dump-start", default="", help="save full weights + optimizer state at train start")
     args = p.parse_args(argv)
 
     L.seed_everything(0, workers=True)
-    model = TinyModel(step_sleep=args.step_sleep, status=args.status)
+    strategy: Any = args.strategy
+    if args.strategy == "model_parallel":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
+    model = TinyModel(width=args.width, step_sleep=args.step_sleep, status=args.status, dump_start=args.dump_start)
     cb = PreemptionCallback(
         args.dirpath,
         every_n_train_steps=args.every,
@@ -150,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         max_steps=args.max_steps,
         accelerator="cpu",
         devices=args.devices,
-        strategy=args.strategy,
+        strategy=strategy,
         callbacks=callbacks,
         plugins=[ShardedAsyncCheckpointIO()],
         logger=False,
@@ -159,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         num_sanity_val_steps=0 if not args.val_every else 2,
         val_check_interval=args.val_every or None,
         limit_val_batches=4 if args.val_every else 0,
-        deterministic=True,
+        deterministic=args.strategy != "model_parallel",
     )
     loader = DataLoader(data(args.data_size), batch_size=args.batch_size, shuffle=False)
     val = DataLoader(data(64, seed=1), batch_size=16)
