@@ -74,7 +74,9 @@ def write_checkpoint(
         try:
             dcp.save(request.tensors, storage_writer=writer, process_group=group, no_dist=group is None)
         except CheckpointException as err:  # BaseException in DCP: convert, keep the cause
-            raise CheckpointWriteError(f"DCP failed to write the shards: {err}", path=store.url) from err
+            mine = writer.storage_error
+            what = f"{type(mine).__name__}: {mine}" if mine is not None else f"DCP reports {_dcp_failures(err)}"
+            raise CheckpointWriteError(f"writing the shards failed: {what}", path=store.url) from err
         entries.update(writer.entries)
         name = STATE_FILE.format(rank=rank)
         entries[name] = _write_hashed(store, name, request.skeleton)
@@ -95,7 +97,9 @@ def write_checkpoint(
     # Commit metadata only after all ranks completed writing (the gather above).
     commit_error = _attempt(lambda: store.commit_bytes(MANIFEST_NAME, manifest.to_json())) if rank == 0 else None
     commit_error = pdist.broadcast_object(commit_error, group)
-    if commit_error is not None and commit_error.startswith(f"{CheckpointExistsError.__module__}.CheckpointExistsError"):
+    if commit_error is not None and commit_error.startswith(
+        f"{CheckpointExistsError.__module__}.CheckpointExistsError"
+    ):
         # The create-only commit found another writer's manifest: their checkpoint stands.
         raise CheckpointExistsError(
             f"committing the manifest failed: {commit_error.split(': ', 1)[-1].splitlines()[0]}",
@@ -104,6 +108,15 @@ def write_checkpoint(
         )
     _agree_or_raise([commit_error], None, store, "committing the manifest")
     return manifest
+
+
+def _dcp_failures(err: CheckpointException) -> str:
+    """One line per failed rank instead of DCP's full tracebacks."""
+    parts = []
+    for rank, failure in sorted(err.failures.items()):
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        parts.append(f"rank {rank} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    return "; ".join(parts)
 
 
 def _write_hashed(store: Store, name: str, data: bytes) -> FileEntry:
@@ -129,7 +142,7 @@ def _agree_or_raise(
     outcomes = outcome if isinstance(outcome, list) else pdist.all_gather_objects(outcome, group)
     failures = [(r, e) for r, e in enumerate(outcomes) if e is not None]
     if failures:
-        detail = "; ".join(f"rank {r}: {e}" for r, e in failures)
+        detail = "; ".join(f"rank {r}: {e.splitlines()[0]}" for r, e in failures)
         raise CheckpointWriteError(
             f"{what} failed, nothing was committed ({detail})",
             path=store.url,

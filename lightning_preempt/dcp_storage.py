@@ -81,9 +81,10 @@ def _skip_zip_crc32() -> Iterator[None]:
 class _HashingStream(io.RawIOBase):
     """Forwards writes to ``inner`` while counting bytes and updating a CRC32C."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, errors: list[BaseException]) -> None:
         super().__init__()
         self._inner = inner
+        self._errors = errors
         self.crc = Crc32c()
 
     def writable(self) -> bool:
@@ -91,7 +92,13 @@ class _HashingStream(io.RawIOBase):
 
     def write(self, b: Any) -> int:
         view = memoryview(b).cast("B")
-        self._inner.write(view)
+        try:
+            self._inner.write(view)
+        except Exception as err:
+            # torch.save's zip writer replaces this error with its own ("unexpected pos"):
+            # keep the storage's own words for the user.
+            self._errors.append(err)
+            raise
         self.crc.update(view)
         return view.nbytes
 
@@ -109,6 +116,7 @@ class _ChecksummingFileSystem(_FsspecFileSystem):
         self._store = store
         self._entries = entries
         self._lock = threading.Lock()
+        self.storage_errors: list[BaseException] = []
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
@@ -118,7 +126,7 @@ class _ChecksummingFileSystem(_FsspecFileSystem):
             return
         name = posixpath.basename(os.fspath(path))
         with self._store.open_write(name) as raw, _skip_zip_crc32():
-            stream = _HashingStream(raw)
+            stream = _HashingStream(raw, self.storage_errors)
             yield stream
         with self._lock:
             self._entries[name] = FileEntry(stream.crc.nbytes, stream.crc.hexdigest())
@@ -141,9 +149,16 @@ class ChecksummingWriter(FsspecWriter):
             **store.storage_options,
         )
         self.entries: dict[str, FileEntry] = {}
-        self.fs = _ChecksummingFileSystem(store, self.entries)  # type: ignore[assignment]
+        self._checksumming_fs = _ChecksummingFileSystem(store, self.entries)
+        self.fs = self._checksumming_fs  # type: ignore[assignment]
         self.path = store.path()
         self._store = store
+
+    @property
+    def storage_error(self) -> BaseException | None:
+        """The first error the storage raised while this rank wrote (DCP may mask it)."""
+        errors = self._checksumming_fs.storage_errors
+        return errors[0] if errors else None
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         metadata.version = CURRENT_DCP_VERSION

@@ -1,0 +1,73 @@
+"""The commit protocol across 2 real ranks (gloo): one rank failing mid-write must leave
+no committed checkpoint, and every rank must raise the same error instead of hanging."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.multiproc
+TESTS = str(Path(__file__).resolve().parent)
+
+
+def _worker(rank: int, init_file: str, out_dir: str, failing_rank: int) -> None:
+    sys.path.insert(0, TESTS)
+    import torch
+    import torch.distributed as dist
+    from faulty_fs import FaultyFileSystem
+
+    from lightning_preempt.commit import SaveRequest, write_checkpoint
+    from lightning_preempt.dist import new_gloo_group
+    from lightning_preempt.errors import CheckpointWriteError
+    from lightning_preempt.storage import Store
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    group = new_gloo_group(timeout_s=60)
+    # Each process has its own in-memory "faulty://" store; only the failing rank's breaks.
+    FaultyFileSystem.reset(fail_after_bytes=1000 if rank == failing_rank else None)
+    tensors = {f"state_dict/w{i}": torch.full((4096,), float(i)) for i in range(8)}
+    request = SaveRequest(url="faulty://run/step-1", tensors=tensors, skeleton=b"skeleton", step=1, epoch=0)
+    outcome: dict[str, object] = {"rank": rank}
+    started = time.monotonic()
+    try:
+        write_checkpoint(request, group=group)
+        outcome["error"] = None
+    except CheckpointWriteError as err:
+        outcome["error"] = str(err)
+    outcome["seconds"] = time.monotonic() - started
+    outcome["manifest_here"] = Store("faulty://run/step-1").exists("manifest.json")
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(outcome))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("failing_rank", [0, 1])
+def test_one_rank_failing_commits_nothing_and_every_rank_raises(tmp_path: Path, failing_rank: int) -> None:
+    ctx = mp.start_processes(
+        _worker,
+        args=(str(tmp_path / "init"), str(tmp_path), failing_rank),
+        nprocs=2,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + 120
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("ranks hung instead of failing together")
+    outcomes = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for o in outcomes:
+        assert o["error"], o
+        assert "nothing was committed" in o["error"] and "HINT:" in o["error"]
+        assert (
+            f"rank {failing_rank}: lightning_preempt.errors.CheckpointWriteError: writing the shards failed: OSError: [Errno 28] No space left on device (injected)"
+            in o["error"]
+        )
+        assert o["manifest_here"] is False
+    assert os.path.exists(tmp_path / "rank0.json")
