@@ -22,6 +22,7 @@ from lightning_preempt.manifest import MANIFEST_NAME, Manifest
 from lightning_preempt.reader import load_full_checkpoint, load_sharded_checkpoint
 from lightning_preempt.staging import HostStager
 from lightning_preempt.storage import Store
+from lightning_preempt.tiers import TwoTier, local_dirpath_from_env
 from lightning_preempt.writer import BackgroundWriter
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,12 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         thread_count: writer threads per rank (DCP serialisation is CPU-bound).
         verify_on_load: check every file's CRC32C before loading.
         sharded_keys: top-level checkpoint keys whose tensors go to DCP shards.
+        local_dirpath: two-tier mode (docs/two-tier.md): a save to ``<remote_root>/<name>``
+            commits to ``<local_dirpath>/<name>`` on fast node-local storage first, then a
+            background drain uploads it to the remote URL (``storage_options`` apply there).
+        drain_workers: files uploaded in parallel per rank by a drain.
+        drain_retries: attempts per drain for transient errors (exponential backoff).
+        drain_backoff_s: the first retry delay (doubles per attempt).
     """
 
     def __init__(
@@ -79,6 +86,10 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         thread_count: int = 1,
         verify_on_load: bool = True,
         sharded_keys: tuple[str, ...] = DEFAULT_SHARDED_KEYS,
+        local_dirpath: str | None = None,
+        drain_workers: int = 4,
+        drain_retries: int = 4,
+        drain_backoff_s: float = 1.0,
     ) -> None:
         super().__init__()
         self.storage_options = dict(storage_options or {})
@@ -92,6 +103,12 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         self._group: pdist.ProcessGroup | None = None
         self._aliases: dict[str, str] = {}
         self.history: list[SaveRecord] = []
+        local = local_dirpath_from_env(local_dirpath)
+        self.tiers: TwoTier | None = (
+            TwoTier(local, self.storage_options, max_workers=drain_workers, retries=drain_retries, backoff_s=drain_backoff_s)
+            if local
+            else None
+        )
 
     # ---- wiring used by the callback ---------------------------------------------------
     def enable_collective_saves(self, group: pdist.ProcessGroup | None) -> None:
@@ -167,13 +184,16 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
             record.error = err
             raise
         record.committed_s = time.perf_counter() - record.started
+        if pdist.rank(self._group) != 0:
+            return manifest
         log.info(
-            "lightning_preempt: committed %s (step %d): blocked %.3fs, committed after %.3fs, %.1f MB",
+            "lightning_preempt: committed %s (step %d): blocked %.3fs, committed after %.3fs, %.1f MB at %.0f MB/s",
             request.url,
             request.step,
             record.blocking_s,
             record.committed_s,
             record.bytes / 1e6,
+            (record.throughput_bps or 0.0) / 1e6,
         )
         return manifest
 

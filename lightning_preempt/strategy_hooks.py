@@ -95,6 +95,7 @@ def _install_model_parallel(strategy: ModelParallelStrategy, io: ShardedAsyncChe
         }
         flat, _ = split_checkpoint(templates)
         checkpoint = io.load_sharded(resolved, flat)
+        assert self.lightning_module is not None
         model.load_state_dict(checkpoint["state_dict"], strict=self.lightning_module.strict_loading)
         options = StateDictOptions(cpu_offload=True)
         for opt, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):

@@ -175,3 +175,36 @@ def test_lightning_cli_yaml_sets_both_up_and_resumes(tmp_path: Path) -> None:
     resumed = re.search(r"resuming from \S+ \(step (\d+)\)", second.stdout + second.stderr)
     assert resumed and int(resumed.group(1)) == 40
     assert [c.step for c in list_checkpoints(str(tmp_path / "ck")) if c.committed] == [60, 40]
+
+
+def test_saves_and_resumes_are_reported_through_the_loggers(tmp_path: Path) -> None:
+    from lightning.pytorch.loggers import CSVLogger
+
+    def run(max_steps: int) -> Path:
+        L.seed_everything(0)
+        logger = CSVLogger(str(tmp_path / "logs"), name="run", version=str(max_steps))
+        cb = PreemptionCallback(str(tmp_path / "ck"), every_n_train_steps=4)
+        trainer = L.Trainer(
+            max_steps=max_steps,
+            accelerator="cpu",
+            callbacks=[cb],
+            plugins=[ShardedAsyncCheckpointIO()],
+            logger=logger,
+            log_every_n_steps=1,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(TinyModel(), _loader())
+        return Path(logger.log_dir) / "metrics.csv"
+
+    first = run(8).read_text()
+    header = first.splitlines()[0].split(",")
+    assert {"checkpoint/blocking_s", "checkpoint/commit_s", "checkpoint/bytes", "checkpoint/throughput_MBps"} <= set(
+        header
+    )
+    rows = [dict(zip(header, line.split(","), strict=True)) for line in first.splitlines()[1:]]
+    saved = [r for r in rows if r["checkpoint/bytes"]]
+    assert [int(r["step"]) for r in saved] == [4, 8]
+    assert all(float(r["checkpoint/bytes"]) > 0 and float(r["checkpoint/commit_s"]) > 0 for r in saved)
+    second = run(10).read_text()
+    assert "preempt/resumed_from_step" in second.splitlines()[0]
