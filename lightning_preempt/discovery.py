@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from lightning_preempt.errors import CheckpointError
+from lightning_preempt.errors import CheckpointError, UnsupportedFormatError
 from lightning_preempt.manifest import MANIFEST_NAME, Manifest
 from lightning_preempt.reader import read_manifest, verify_checkpoint
 from lightning_preempt.storage import Store
@@ -36,6 +36,7 @@ class CheckpointInfo:
     world_size: int | None = None
     manifest: Manifest | None = dataclasses.field(default=None, repr=False, compare=False)
     problem: str | None = None
+    newer_format: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -75,7 +76,14 @@ def _describe(root: Store, name: str) -> CheckpointInfo | None:
     try:
         m = read_manifest(store)
     except CheckpointError as err:
-        return CheckpointInfo(store.url, name, name_step or -1, committed=False, problem=str(err).splitlines()[0])
+        return CheckpointInfo(
+            store.url,
+            name,
+            name_step or -1,
+            committed=False,
+            problem=str(err).splitlines()[0],
+            newer_format=isinstance(err, UnsupportedFormatError),
+        )
     return CheckpointInfo(
         path=store.url,
         name=name,
@@ -99,10 +107,18 @@ def newest_valid(
     """The newest committed checkpoint under ``url`` whose files verify, or ``None``.
 
     Each skipped candidate (uncommitted, unreadable manifest, failed checksum) is reported
-    to ``on_skip`` (default: a warning naming it and the reason).
+    to ``on_skip`` (default: a warning naming it and the reason). A checkpoint written by a
+    newer format version is not skipped: :class:`UnsupportedFormatError` is raised.
     """
     report = on_skip or _warn_skip
     for info in list_checkpoints(url, storage_options):
+        if info.newer_format:
+            # Falling back would silently throw away the progress it holds.
+            raise UnsupportedFormatError(
+                f"the newest checkpoint {info.name} was written by a newer lightning_preempt ({info.problem})",
+                path=info.path,
+                hint="Upgrade lightning_preempt to resume from it, or pass an older ckpt_path explicitly.",
+            )
         if not info.committed:
             report(info, info.problem or "not committed")
             continue
@@ -144,7 +160,8 @@ def apply_retention(
         return []
     newest_step = committed[0].step
     doomed = committed[keep_last_n:]
-    doomed += [c for c in infos if not c.committed and c.step < newest_step]
+    # Never delete what a newer version wrote: we cannot tell whether it is complete.
+    doomed += [c for c in infos if not c.committed and not c.newer_format and c.step < newest_step]
     removed = []
     for info in doomed:
         if info.name in protect:

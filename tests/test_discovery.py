@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from helpers import lightning_like_checkpoint
 
-from lightning_preempt import ShardedAsyncCheckpointIO, list_checkpoints, newest_valid
+from lightning_preempt import ShardedAsyncCheckpointIO, UnsupportedFormatError, list_checkpoints, newest_valid
 from lightning_preempt.discovery import apply_retention, checkpoint_name
 from lightning_preempt.manifest import MANIFEST_NAME
 
@@ -69,7 +69,6 @@ CORRUPTIONS: dict[str, Callable[[Path], None]] = {
     "missing-manifest": _remove_manifest,
     "garbage-manifest": _garbage_manifest,
     "missing-file": _missing_state_file,
-    "newer-format": _newer_version,
 }
 
 
@@ -92,6 +91,15 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(
             logging.getLogger("lightning_preempt").propagate = False
     assert ckpt["global_step"] == 10
     assert checkpoint_name(20) in caplog.text
+
+
+def test_a_newer_format_version_stops_resume_instead_of_going_back(tmp_path: Path) -> None:
+    _save_steps(tmp_path, [10, 20])
+    _newer_version(tmp_path / checkpoint_name(20))
+    with pytest.raises(UnsupportedFormatError, match="Upgrade lightning_preempt"):
+        newest_valid(str(tmp_path))
+    infos = list_checkpoints(str(tmp_path))
+    assert infos[0].newer_format and not infos[0].committed
 
 
 def test_flipped_tensor_bytes_are_caught_when_loading_directly(tmp_path: Path) -> None:
