@@ -3,36 +3,61 @@
 Public API::
 
     from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO, list_checkpoints
+
+Names are imported on first use (PEP 562), so tools such as the ``lightning-preempt``
+CLI do not pay for importing Lightning when they only read manifests.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from lightning_preempt import _logsetup  # noqa: F401  (first: handler for our INFO lines)
-from lightning_preempt.callback import Preempted, PreemptionCallback
-from lightning_preempt.checkpoint_io import ShardedAsyncCheckpointIO
-from lightning_preempt.discovery import CheckpointInfo, list_checkpoints, newest_valid
-from lightning_preempt.errors import (
-    CheckpointError,
-    CheckpointExistsError,
-    CheckpointWriteError,
-    CorruptCheckpointError,
-    NotACheckpointError,
-    UnsupportedFormatError,
-)
-from lightning_preempt.reader import verify_checkpoint
+
+if TYPE_CHECKING:
+    from lightning_preempt.callback import Preempted, PreemptionCallback
+    from lightning_preempt.checkpoint_io import ShardedAsyncCheckpointIO
+    from lightning_preempt.discovery import CheckpointInfo, list_checkpoints, newest_valid
+    from lightning_preempt.errors import (
+        CheckpointError,
+        CheckpointExistsError,
+        CheckpointWriteError,
+        CorruptCheckpointError,
+        NotACheckpointError,
+        UnsupportedFormatError,
+    )
+    from lightning_preempt.reader import verify_checkpoint
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CheckpointError",
-    "CheckpointExistsError",
-    "CheckpointInfo",
-    "CheckpointWriteError",
-    "CorruptCheckpointError",
-    "NotACheckpointError",
-    "Preempted",
-    "PreemptionCallback",
-    "ShardedAsyncCheckpointIO",
-    "UnsupportedFormatError",
-    "list_checkpoints",
-    "newest_valid",
-    "verify_checkpoint",
-]
+_WHERE = {
+    "Preempted": "callback",
+    "PreemptionCallback": "callback",
+    "ShardedAsyncCheckpointIO": "checkpoint_io",
+    "CheckpointInfo": "discovery",
+    "list_checkpoints": "discovery",
+    "newest_valid": "discovery",
+    "CheckpointError": "errors",
+    "CheckpointExistsError": "errors",
+    "CheckpointWriteError": "errors",
+    "CorruptCheckpointError": "errors",
+    "NotACheckpointError": "errors",
+    "UnsupportedFormatError": "errors",
+    "verify_checkpoint": "reader",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_preempt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"lightning_preempt.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_WHERE])
