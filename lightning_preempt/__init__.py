@@ -47,7 +47,22 @@ _WHERE = {
     "verify_checkpoint": "reader",
 }
 
-__all__ = sorted(_WHERE)
+__all__ = [
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointInfo",
+    "CheckpointWriteError",
+    "CorruptCheckpointError",
+    "NotACheckpointError",
+    "Preempted",
+    "PreemptionCallback",
+    "ShardedAsyncCheckpointIO",
+    "UnsupportedFormatError",
+    "list_checkpoints",
+    "newest_valid",
+    "verify_checkpoint",
+]
+assert sorted(__all__) == sorted(_WHERE)
 
 
 def __getattr__(name: str) -> Any:
