@@ -151,10 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ckpt-path", default=None)
     p.add_argument("--signal-at", default=None, help="see SelfSignal")
     p.add_argument("--signal-rank", type=int, default=None)
-    p.add_argument("--agree-every", type=int, default=1)
+    p.add_argument("--agree-every", type=lambda v: v if v == "auto" else int(v), default="auto")
     p.add_argument("--data-size", type=int, default=512)
     p.add_argument("--width", type=int, default=32)
     p.add_argument("--dump-start", default="", help="save full weights + optimizer state at train start")
+    p.add_argument("--local-dirpath", default=None, help="two-tier mode: node-local tier")
+    p.add_argument("--storage-options", default="{}", help="JSON fsspec options for --dirpath")
     args = p.parse_args(argv)
 
     L.seed_everything(0, workers=True)
@@ -170,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         keep_last_n=3,
         grace_period_s=args.grace,
         agree_every_n_steps=args.agree_every,
+        local_dirpath=args.local_dirpath,
+        storage_options=json.loads(args.storage_options),
     )
     callbacks: list[Callback] = [cb]
     if args.signal_at:
@@ -180,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         devices=args.devices,
         strategy=strategy,
         callbacks=callbacks,
-        plugins=[ShardedAsyncCheckpointIO()],
+        plugins=[ShardedAsyncCheckpointIO(storage_options=json.loads(args.storage_options))],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
