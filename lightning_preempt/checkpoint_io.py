@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import time
@@ -150,7 +151,10 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         record.waited_s = time.perf_counter() - started
         options = self._options(storage_options)
         store = Store(url, options)
-        if store.exists(MANIFEST_NAME):
+        local_url = self.tiers.local_twin(url) if self.tiers is not None else None
+        # Two tiers: the training thread touches only the local disk (a remote outage must
+        # not stall a step); a remote collision is caught by the drain's create-only commit.
+        if (store if local_url is None else Store(local_url)).exists(MANIFEST_NAME):
             raise CheckpointExistsError(
                 "refusing to overwrite a committed checkpoint",
                 path=url,
@@ -173,6 +177,16 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
             stats={"blocking_s": record.blocking_s},
         )
         self.history.append(record)
+        if local_url is not None and self.tiers is not None:
+            tiers = self.tiers
+
+            def write_to(tier_url: str, tier_options: dict[str, Any]) -> Manifest:
+                tier_request = dataclasses.replace(request, url=tier_url, storage_options=tier_options)
+                record.error = None  # a local failure followed by a remote fallback that works
+                return self._write(tier_request, record, Store(tier_url, tier_options))
+
+            self._pending = self._writer.submit(lambda: tiers.save(write_to, url, local_url, record.step))
+            return
         self._pending = self._writer.submit(lambda: self._write(request, record, store))
 
     def _write(self, request: SaveRequest, record: SaveRecord, store: Store) -> Manifest:
@@ -277,10 +291,26 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         self._writer.drain()
         return pending.result() if pending is not None else None
 
+    def wait_drained(self, timeout_s: float | None = None) -> bool:
+        """Two tiers: wait for local commits, then for queued drains to the remote tier (at
+        most ``timeout_s``; a drain still running then gives up). Returns whether all finished."""
+        self.wait()
+        return self.tiers.wait(timeout_s) if self.tiers is not None else True
+
+    def set_tiers(
+        self, remote_root: str | None, *, keep_last_n: int | None = None, group: pdist.ProcessGroup | None = None
+    ) -> None:
+        """Two tiers: the remote root that maps to ``local_dirpath``, per-tier retention, and
+        a gloo group for the drain thread alone (collective when given)."""
+        if self.tiers is not None:
+            self.tiers.configure(remote_root, keep_last_n, group)
+
     @override
     def teardown(self) -> None:
-        """Wait for pending saves and deletes, then stop the writer thread."""
+        """Wait for pending saves, deletes and drains, then stop the threads."""
         try:
             self.wait()
         finally:
             self._writer.close()
+            if self.tiers is not None:
+                self.tiers.close()

@@ -132,7 +132,10 @@ def _copy_files(
     max_workers: int,
     progress: Callable[[int], None] | None,
     chunk_size: int,
+    names: list[str] | None = None,
 ) -> None:
+    """Upload ``names`` (default: every file of ``manifest``) in parallel; ``progress``
+    may raise to stop the copy (the failed uploads are aborted)."""
     cancel = threading.Event()
     lock = threading.Lock()
 
@@ -142,7 +145,7 @@ def _copy_files(
                 progress(n)
 
     # Biggest first: the long uploads start early and small files fill the gaps.
-    names = sorted(manifest.files, key=lambda n: (-manifest.files[n].size, n))
+    names = sorted(manifest.files if names is None else names, key=lambda n: (-manifest.files[n].size, n))
     with ThreadPoolExecutor(max_workers=max(1, max_workers), thread_name_prefix="lp-drain") as pool:
         futures: list[Future[None]] = [
             pool.submit(_copy_one, src, dst, name, manifest.files[name], cancel, report, chunk_size) for name in names
