@@ -26,6 +26,7 @@ from lightning_preempt import dist as pdist
 from lightning_preempt.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.discovery import apply_retention, checkpoint_name, list_checkpoints, newest_valid
 from lightning_preempt.errors import CheckpointError, NotACheckpointError
+from lightning_preempt.exact import STATE_KEY, ExactResume
 from lightning_preempt.signals import SignalFlag
 from lightning_preempt.storage import join_url
 from lightning_preempt.strategy_hooks import install_collective_saves
@@ -113,6 +114,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
         self._last_seen_step: int | None = None
         self._boundaries = 0
         self._warned_grace = False
+        self.exact = ExactResume()  # RNG, data position, metric states; `.enabled = False` turns it off
 
     # ---- auto-resume -------------------------------------------------------------------
     @property
@@ -214,11 +216,13 @@ class PreemptionCallback(OnExceptionCheckpoint):
             self._last_saved_step = trainer.global_step  # resumed from an explicit ckpt_path
         # A signal that arrived during start-up or restore: nothing new to save.
         self._check_signal(trainer, force=True)
+        self.exact.on_train_start(trainer, pl_module)  # last: restores RNG just before the first fetch
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self.exact.on_train_batch_end(trainer)
         step = trainer.global_step
         if step == self._last_seen_step:
             return  # mid gradient-accumulation: no optimizer step happened, nothing to snapshot
@@ -254,6 +258,18 @@ class PreemptionCallback(OnExceptionCheckpoint):
         if self.save_on_train_end and trainer.global_step != self._last_saved_step and trainer.global_step > 0:
             self._save(trainer)
         self._plugin(trainer).wait()
+
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        self.exact.on_save_checkpoint(trainer, pl_module, checkpoint)  # per-rank: RNG, data position, metrics
+
+    @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        self.exact.load(checkpoint.get(STATE_KEY))
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:

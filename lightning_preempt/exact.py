@@ -1,0 +1,505 @@
+"""Exact resume: the per-rank state Lightning does not put in its checkpoints.
+
+Lightning restores weights, optimizers (AMP scaler included, via the precision plugin),
+LR schedulers and loop counters. It does *not* save:
+
+* RNG states (Python ``random``, NumPy, torch CPU and CUDA): dropout and augmentations
+  after a resume differ from the uninterrupted run.
+* the position in the epoch of a plain ``DataLoader``: a mid-epoch resume restarts the
+  epoch's data from its first batch while the batch counter goes on. (torchdata's
+  ``StatefulDataLoader`` is saved by Lightning itself; we leave it alone.)
+* the state of ``torchmetrics`` metrics (their states are not ``persistent``) and the
+  running ``on_epoch`` aggregates of ``self.log``.
+
+:class:`ExactResume` captures those at save time (per rank: they go to each rank's
+skeleton file, never to the DCP shards) and restores them at ``on_train_start``, the last
+hook before the first batch of a resumed run is fetched. For a plain ``DataLoader`` whose
+sampler is a ``SequentialSampler``, ``RandomSampler`` or ``DistributedSampler`` it swaps
+in a :class:`ResumableSampler` that yields exactly what the original would (same
+permutation, same draws from the global RNG) and can skip the batches already trained.
+
+Restore points (why ``on_train_start``): on a mid-epoch restart Lightning calls neither
+``on_train_epoch_start`` nor ``iter(dataloader)`` again, and nothing between
+``on_train_start`` and the first fetch draws random numbers. When the checkpoint ended
+an epoch, Lightning starts the next epoch without creating a new iterator; the
+uninterrupted run did create one (it draws from the global torch RNG: a worker base
+seed, and torchdata's samplers their epoch seed), so we create it again after restoring.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import itertools
+import logging
+import random
+import warnings
+from collections.abc import Iterator
+from typing import Any, cast
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data.distributed import DistributedSampler
+
+log = logging.getLogger(__name__)
+
+STATE_KEY = "lightning_preempt"
+"""Top-level checkpoint key of the exact-resume state (stays in the per-rank skeleton)."""
+
+FORMAT_VERSION = 1
+
+
+# ---- RNG ---------------------------------------------------------------------------------
+def capture_rng() -> dict[str, Any]:
+    """The RNG states of this process: Python, NumPy (if installed), torch CPU and CUDA."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:  # pragma: no cover - numpy is a torch dependency in practice
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Set the RNG states captured by :func:`capture_rng` (missing parts are left alone)."""
+    if "python" in state:
+        random.setstate(state["python"])
+    if "numpy" in state:
+        try:
+            import numpy as np
+
+            np.random.set_state(state["numpy"])
+        except ImportError:  # pragma: no cover
+            pass
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
+    cuda = state.get("cuda")
+    if cuda and torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        if len(cuda) != n:
+            log.warning(
+                "lightning_preempt: the checkpoint has CUDA RNG states for %d devices, this process sees %d; "
+                "restoring the first %d",
+                len(cuda),
+                n,
+                min(n, len(cuda)),
+            )
+        for device, s in enumerate(cuda[:n]):
+            torch.cuda.set_rng_state(s, device)
+
+
+def derive_seed(state: dict[str, Any], rank: int) -> int:
+    """A seed for ``rank`` derived from another rank's saved RNG state (deterministic)."""
+    digest = hashlib.sha256()
+    digest.update(bytes(state["torch"].numpy().tobytes()) if "torch" in state else b"")
+    digest.update(rank.to_bytes(4, "little"))
+    return int.from_bytes(digest.digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def seed_all(seed: int) -> None:
+    """Seed Python, NumPy and torch (CPU and every CUDA device) with ``seed``."""
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % (1 << 32))
+    except ImportError:  # pragma: no cover
+        pass
+    torch.manual_seed(seed)
+
+
+# ---- data position -----------------------------------------------------------------------
+def _is_plain(sampler: Any, cls: type) -> bool:
+    """``sampler`` is ``cls`` or a subclass that does not change how it iterates."""
+    return isinstance(sampler, cls) and getattr(type(sampler), "__iter__", None) is getattr(cls, "__iter__", None)
+
+
+class ResumableSampler(Sampler[int]):
+    """Yields what ``inner`` yields, and can start an epoch after its first ``skip`` indices.
+
+    ``inner`` is a ``SequentialSampler``, ``RandomSampler`` or ``DistributedSampler``.
+    For a ``RandomSampler`` the epoch's permutation is fixed by a seed drawn from the
+    global torch RNG (exactly the draw ``RandomSampler`` makes, at the same moment: the
+    first ``next``) or by the state of its own generator; :attr:`epoch_state` records it
+    so a resumed run replays the same permutation without drawing again.
+    """
+
+    def __init__(self, inner: Sampler[int], batch_size: int = 1) -> None:
+        self.inner = inner
+        self.batch_size = batch_size  # of the BatchSampler around it: skips are counted in batches
+        self.epoch_state: tuple[str, Any] | None = None
+        self._resume: tuple[tuple[str, Any] | None, int] | None = None
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Forward to ``inner`` (``DistributedSampler`` reshuffles per epoch)."""
+        set_epoch = getattr(self.inner, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+
+    def resume_at(self, epoch_state: tuple[str, Any] | None, skip: int) -> None:
+        """Make the next epoch replay ``epoch_state`` and skip its first ``skip`` indices."""
+        self._resume = (epoch_state, skip)
+
+    def __iter__(self) -> Iterator[int]:
+        # A generator function, like RandomSampler.__iter__: nothing runs (and no random
+        # number is drawn) before the first next(), which is when the original draws.
+        resume, self._resume = self._resume, None
+        skip = resume[1] if resume is not None else 0
+        inner = self.inner
+        if _is_plain(inner, RandomSampler):
+            assert isinstance(inner, RandomSampler)
+            state = resume[0] if resume is not None else None
+            if state is None:
+                if inner.generator is None:
+                    state = ("seed", int(torch.empty((), dtype=torch.int64).random_().item()))
+                else:
+                    state = ("generator", inner.generator.get_state())
+            self.epoch_state = state
+            if state[0] == "seed":
+                sampler = copy.copy(inner)
+                sampler.generator = torch.Generator().manual_seed(int(state[1]))
+                it: Iterator[int] = iter(sampler)
+            else:
+                if inner.generator is None:
+                    inner.generator = torch.Generator()
+                inner.generator.set_state(state[1])
+                it = iter(inner)
+        else:
+            self.epoch_state = None
+            it = iter(inner)
+        yield from itertools.islice(it, skip, None)
+
+
+def _stateful(loader: Any) -> bool:
+    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+
+
+def _describe(loader: Any) -> str:
+    sampler = getattr(loader, "sampler", None)
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    return f"{type(loader).__name__}(sampler={type(sampler).__name__}, batch_sampler={type(batch_sampler).__name__})"
+
+
+def wrap_loader(loader: Any) -> tuple[str, ResumableSampler | None]:
+    """Install a :class:`ResumableSampler` in ``loader`` where that is safe.
+
+    Returns ``(kind, sampler)`` with kind ``"stateful"`` (Lightning saves its state),
+    ``"sampler"`` (wrapped) or ``"unsupported"`` (position cannot be resumed).
+    """
+    if _stateful(loader):
+        return "stateful", None
+    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+        return "unsupported", None
+    batch_sampler = loader.batch_sampler
+    if not _is_plain(batch_sampler, BatchSampler):
+        return "unsupported", None
+    assert isinstance(batch_sampler, BatchSampler)
+    inner = batch_sampler.sampler
+    if isinstance(inner, ResumableSampler):
+        return "sampler", inner
+    if not any(_is_plain(inner, cls) for cls in (SequentialSampler, RandomSampler, DistributedSampler)):
+        return "unsupported", None
+    assert isinstance(inner, Sampler)
+    wrapped = ResumableSampler(inner, batch_size=int(batch_sampler.batch_size))
+    # DataLoader forbids re-assigning its own sampler attributes, but BatchSampler reads
+    # `self.sampler` when an epoch's iteration starts, so this takes effect from then on.
+    # DataLoader.sampler stays the original: Lightning's set_epoch still reaches it.
+    batch_sampler.sampler = wrapped
+    return "sampler", wrapped
+
+
+# ---- metrics -----------------------------------------------------------------------------
+def _clone(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone().cpu()
+    if isinstance(value, list):
+        return [_clone(v) for v in value]
+    return copy.deepcopy(value)
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, list):
+        return [_to(v, device) for v in value]
+    return value
+
+
+def metric_states(module: torch.nn.Module) -> dict[str, dict[str, Any]]:
+    """States of every torchmetrics ``Metric`` in ``module`` (not saved by ``state_dict``)."""
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # pragma: no cover - a Lightning dependency
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for name, m in module.named_modules():
+        if isinstance(m, Metric):
+            out[name] = {
+                "states": {attr: _clone(getattr(m, attr)) for attr in m._defaults},
+                "update_count": m._update_count,
+            }
+    return out
+
+
+def load_metric_states(module: torch.nn.Module, saved: dict[str, dict[str, Any]]) -> list[str]:
+    """Put saved metric states back; returns the names that were not found."""
+    modules = dict(module.named_modules())
+    missing = []
+    for name, entry in saved.items():
+        m = modules.get(name)
+        if m is None or not hasattr(m, "_defaults"):
+            missing.append(name)
+            continue
+        device = getattr(m, "device", torch.device("cpu"))
+        for attr, value in entry["states"].items():
+            setattr(m, attr, _to(value, device))
+        m._update_count = entry["update_count"]
+        m._computed = None
+    return missing
+
+
+def result_states(trainer: pl.Trainer) -> dict[str, dict[str, Any]]:
+    """Running ``on_epoch`` aggregates of tensors logged with ``self.log`` during training."""
+    results = getattr(trainer.fit_loop.epoch_loop, "_results", None)
+    out: dict[str, dict[str, Any]] = {}
+    if results is None:
+        return out
+    for key, rm in results.items():
+        if getattr(rm, "is_tensor", False) and rm.meta.on_epoch and not rm.has_reset:
+            entry = {"value": _clone(rm.value)}
+            if hasattr(rm, "cumulated_batch_size"):
+                entry["cumulated_batch_size"] = _clone(rm.cumulated_batch_size)
+            out[key] = entry
+    return out
+
+
+def merge_result_states(trainer: pl.Trainer, pending: dict[str, dict[str, Any]]) -> None:
+    """Fold saved aggregates into the entries logged since the resume (removes them from ``pending``).
+
+    The entries were created fresh by the first ``self.log`` after the resume, so they
+    hold that batch alone; sums and max/min commute, so ``saved + new`` is bitwise what
+    the uninterrupted run computed.
+    """
+    results = getattr(trainer.fit_loop.epoch_loop, "_results", None)
+    if results is None:
+        return
+    for key in [k for k in pending if k in results]:
+        rm, saved = results[key], pending.pop(key)
+        value = saved["value"].to(rm.value.device, rm.value.dtype)
+        if rm.meta.is_max_reduction or rm.meta.is_min_reduction:
+            rm.value = rm.meta.reduce_fx(rm.value, value)
+        else:
+            rm.value = rm.value + value
+        if "cumulated_batch_size" in saved and hasattr(rm, "cumulated_batch_size"):
+            rm.cumulated_batch_size = rm.cumulated_batch_size + saved["cumulated_batch_size"].to(
+                rm.cumulated_batch_size.device
+            )
+
+
+def _batches_done(trainer: pl.Trainer) -> int:
+    """Batches of the current epoch trained so far (Lightning's counter; types say less)."""
+    return int(cast(Any, trainer.fit_loop.epoch_loop.batch_progress.current).processed)
+
+
+# ---- the orchestration used by PreemptionCallback ----------------------------------------
+class ExactResume:
+    """Captures and restores what an exact resume needs; driven by :class:`PreemptionCallback`.
+
+    Set :attr:`enabled` to ``False`` to turn it off (the samplers are then left alone and
+    nothing extra is saved).
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._loaded: dict[str, Any] | None = None
+        self._samplers: list[tuple[str, ResumableSampler | None]] = []
+        self._pending_results: dict[str, dict[str, Any]] = {}
+        self._warned = False
+        self.restored: str | None = None  # "mid-epoch", "epoch-end", "derived" (for tests and logs)
+
+    # -- saving --
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Add this rank's state to ``checkpoint`` (a top-level key: it stays in the rank's skeleton)."""
+        if not self.enabled or not trainer.training:
+            return
+        checkpoint[STATE_KEY] = self.capture(trainer, pl_module)
+        if _batches_done(trainer) >= trainer.num_training_batches:
+            # Saved after the epoch's last batch: a StatefulDataLoader's state says "exhausted";
+            # Lightning then resumes into an empty epoch and counts one epoch too many. Without
+            # it the next epoch starts afresh, exactly as in the uninterrupted run.
+            loop_state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+            if loop_state.pop("combined_loader", None) is not None:
+                log.debug("lightning_preempt: dropped the exhausted data loader state of an epoch-end save")
+
+    def capture(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        """This rank's state at the moment of the save (call from ``on_save_checkpoint``)."""
+        batches = _batches_done(trainer)
+        loaders = []
+        for kind, sampler in self._samplers:
+            loaders.append({"kind": kind, "epoch_state": sampler.epoch_state if sampler is not None else None})
+        return {
+            "version": FORMAT_VERSION,
+            "rank": trainer.global_rank,
+            "world_size": trainer.world_size,
+            "epoch": trainer.current_epoch,
+            "global_step": trainer.global_step,
+            "batches_in_epoch": batches,
+            "rng": capture_rng(),
+            "loaders": loaders,
+            "metrics": metric_states(pl_module),
+            "results": result_states(trainer),
+        }
+
+    # -- loading --
+    def load(self, state: dict[str, Any] | None) -> None:
+        """Keep the saved state until :meth:`on_train_start` applies it."""
+        if not self.enabled:
+            return
+        if state is not None and state.get("version") != FORMAT_VERSION:
+            log.warning(
+                "lightning_preempt: exact-resume state version %r is not %d; ignoring it (the resume is not exact)",
+                state.get("version"),
+                FORMAT_VERSION,
+            )
+            state = None
+        self._loaded = state
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Wrap the training samplers, then restore the saved state (last, just before data is fetched)."""
+        if not self.enabled:
+            return
+        self._wrap(trainer)
+        state, self._loaded = self._loaded, None
+        if state is None:
+            return
+        rank, world = trainer.global_rank, trainer.world_size
+        own = state.get("rank") == rank
+        if state.get("world_size") != world:
+            log.warning(
+                "lightning_preempt: the checkpoint was written by %d ranks, this run has %d: the data order and the "
+                "random streams cannot match an uninterrupted run exactly",
+                state.get("world_size"),
+                world,
+            )
+        num_batches = trainer.num_training_batches
+        # Lightning goes on inside the saved epoch unless the save ended it (then it starts the next).
+        mid_epoch = state.get("epoch") == trainer.current_epoch and 0 < state["batches_in_epoch"] < num_batches
+        self._restore_data(state, mid_epoch)
+        if mid_epoch:
+            missing = load_metric_states(pl_module, state.get("metrics", {}))
+            if missing:
+                log.warning("lightning_preempt: saved metric states not found in the model: %s", missing)
+            self._pending_results = dict(state.get("results", {}))
+        if own:
+            restore_rng(state["rng"])
+            if not mid_epoch:
+                self._restart_iterators(trainer)
+            self.restored = "mid-epoch" if mid_epoch else "epoch-end"
+        else:
+            seed = derive_seed(state["rng"], rank)
+            seed_all(seed)
+            self.restored = "derived"
+            log.warning(
+                "lightning_preempt: rank %d has no saved RNG state (the checkpoint had %s ranks); seeding it with %d, "
+                "derived from rank %s's state",
+                rank,
+                state.get("world_size"),
+                seed,
+                state.get("rank"),
+            )
+        log.info(
+            "lightning_preempt: exact resume (%s) at epoch %d, batch %d of the epoch",
+            self.restored,
+            trainer.current_epoch,
+            state["batches_in_epoch"] if mid_epoch else 0,
+        )
+
+    def on_train_batch_end(self, trainer: pl.Trainer) -> None:
+        """Fold the saved ``self.log`` aggregates in once the resumed run has logged them again."""
+        if self._pending_results:
+            merge_result_states(trainer, self._pending_results)
+
+    # -- internals --
+    def _train_loaders(self, trainer: pl.Trainer) -> list[Any]:
+        combined = trainer.fit_loop._combined_loader
+        return list(combined.flattened) if combined is not None else []
+
+    def _wrap(self, trainer: pl.Trainer) -> None:
+        loaders = self._train_loaders(trainer)
+        self._samplers = [wrap_loader(dl) for dl in loaders]
+        bad = [_describe(dl) for dl, (kind, _) in zip(loaders, self._samplers, strict=True) if kind == "unsupported"]
+        if bad and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"lightning_preempt: cannot resume the position of the training data {', '.join(bad)} "
+                "mid-epoch: after a preemption the epoch restarts from its first batch while the step counter "
+                "goes on.\nHINT: use torchdata.stateful_dataloader.StatefulDataLoader (a drop-in DataLoader "
+                "that Lightning checkpoints), or a plain DataLoader with a Sequential/Random/DistributedSampler "
+                "and the default batch sampler.",
+                stacklevel=2,
+            )
+        if any(dl.num_workers > 0 for dl, (kind, _) in zip(loaders, self._samplers, strict=True) if kind == "sampler"):
+            # Worker iterators already requested indices from the original sampler when
+            # Lightning created the iterator: start it again so it reads ours.
+            fetcher = trainer.fit_loop._data_fetcher
+            if fetcher is not None:
+                iter(fetcher)
+        self._check_prefetch(trainer)
+
+    def _check_prefetch(self, trainer: pl.Trainer) -> None:
+        fetcher = trainer.fit_loop._data_fetcher
+        stateful = any(kind == "stateful" for kind, _ in self._samplers)
+        if stateful and fetcher is not None and getattr(fetcher, "length", 0) is None:
+            warnings.warn(
+                "lightning_preempt: the training data has no length, so Lightning fetches one batch ahead and the "
+                "saved StatefulDataLoader state is one batch past the last trained batch: a resume skips it.\n"
+                "HINT: give the dataset a __len__ (or resume from epoch ends).",
+                stacklevel=2,
+            )
+
+    def _restore_data(self, state: dict[str, Any], mid_epoch: bool) -> None:
+        saved = state.get("loaders", [])
+        if len(saved) != len(self._samplers):
+            if mid_epoch:
+                log.warning(
+                    "lightning_preempt: %d training loaders now, %d when saved: not resuming their positions",
+                    len(self._samplers),
+                    len(saved),
+                )
+            return
+        if not mid_epoch:
+            return
+        for (kind, sampler), entry in zip(self._samplers, saved, strict=True):
+            if kind == "sampler" and sampler is not None:
+                epoch_state = entry.get("epoch_state") if entry.get("kind") == "sampler" else None
+                sampler.resume_at(epoch_state, state["batches_in_epoch"] * sampler.batch_size)
+            elif kind == "unsupported":
+                log.warning(
+                    "lightning_preempt: resuming mid-epoch (batch %d) with a data loader whose position is not "
+                    "saved: this epoch's data starts again from its first batch",
+                    state["batches_in_epoch"],
+                )
+
+    def _restart_iterators(self, trainer: pl.Trainer) -> None:
+        # The save ended an epoch. The uninterrupted run creates the next epoch's iterators
+        # after this point (drawing a worker base seed, and for torchdata's samplers the
+        # epoch's seed); the resumed run created them before the restore. Create them again
+        # now, after the sampler epoch is set the way Lightning is about to set it.
+        from lightning.fabric.utilities.data import _set_sampler_epoch
+
+        epoch = cast(Any, trainer.fit_loop.epoch_progress.current).processed
+        for dl in self._train_loaders(trainer):
+            _set_sampler_epoch(dl, epoch)
+        fetcher = trainer.fit_loop._data_fetcher
+        if fetcher is not None:
+            iter(fetcher)

@@ -1,0 +1,169 @@
+"""A training job whose results depend on every RNG draw and on the data order.
+
+Used by ``tests/test_exact_resume.py`` (as a subprocess, also under DDP) and by the demo.
+Dropout, a shuffled ``RandomSampler`` (Lightning swaps in a ``DistributedSampler`` under
+DDP), a per-step LR schedule, gradient accumulation and a torchmetrics metric logged
+``on_epoch`` make any difference from an uninterrupted run visible.
+
+Writes into ``--status``: ``rank{R}.pid``; ``rank{R}.step`` (global step after each
+batch); ``rank{R}.batches.jsonl`` (one line per trained batch, appended across restarts:
+step, epoch, batch index, sample indices); and on a normal exit ``rank{R}.weights.pt``
+(state dict) and ``rank{R}.result.json`` (final step, epoch metrics, timeline of the
+preemption callback and save timings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import lightning as L
+import torch
+import torchmetrics
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO
+
+
+class DropoutModel(L.LightningModule):
+    def __init__(self, status: str = "", step_sleep: float = 0.0, width: int = 64) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, width), torch.nn.Dropout(0.3), torch.nn.Tanh(), torch.nn.Linear(width, 1)
+        )
+        self.train_mse = torchmetrics.MeanSquaredError()
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        x, y, idx = batch
+        pred = self.net(x)
+        loss = torch.nn.functional.mse_loss(pred, y)
+        self.train_mse(pred.detach(), y)
+        self.log("train_mse", self.train_mse, on_step=False, on_epoch=True)
+        self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=False)
+        if self.hparams.step_sleep:
+            time.sleep(self.hparams.step_sleep)
+        if self.hparams.status:
+            # Written here, not in on_train_batch_end: a preemption exits from the callback's
+            # on_train_batch_end, before the module's runs, but this batch was trained.
+            rec = {"step": self.global_step, "epoch": self.current_epoch, "batch_idx": batch_idx, "idx": idx.tolist()}
+            with open(os.path.join(self.hparams.status, f"rank{self.global_rank}.batches.jsonl"), "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
+        status = self.hparams.status
+        if not status:
+            return
+        path = os.path.join(status, f"rank{self.global_rank}.step")
+        with open(path + ".tmp", "w") as f:
+            f.write(str(self.trainer.global_step))
+        os.replace(path + ".tmp", path)
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        opt = torch.optim.AdamW(self.parameters(), lr=0.02)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.8)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def dataset(n: int, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    y = x.sum(dim=1, keepdim=True).sin()
+    return TensorDataset(x, y, torch.arange(n))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--dirpath", required=True)
+    p.add_argument("--status", required=True)
+    p.add_argument("--max-steps", type=int, default=30)
+    p.add_argument("--every", type=int, default=None, help="periodic save every N steps")
+    p.add_argument("--devices", type=int, default=1)
+    p.add_argument("--strategy", default="auto")
+    p.add_argument("--n", type=int, default=96, help="dataset size")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--stateful", action="store_true", help="torchdata StatefulDataLoader")
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--amp", action="store_true", help="16-mixed with a GradScaler that grows every 3 steps")
+    args = p.parse_args(argv)
+
+    os.makedirs(args.status, exist_ok=True)
+    faulthandler.register(signal.SIGUSR2)  # `kill -USR2 PID` dumps every thread's stack (hang diagnosis)
+    L.seed_everything(1234, workers=True)
+    model = DropoutModel(status=args.status, step_sleep=args.step_sleep, width=args.width)
+    cb = PreemptionCallback(args.dirpath, every_n_train_steps=args.every, keep_last_n=2, grace_period_s=30)
+    cb.exact.enabled = os.environ.get("LP_EXACT", "1") != "0"  # the tests check that turning it off shows
+    io = ShardedAsyncCheckpointIO()
+    plugins: list[Any] = [io]
+    if args.amp:
+        from lightning.pytorch.plugins import MixedPrecision
+
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**14, growth_interval=3)
+        plugins.append(MixedPrecision("16-mixed", "cpu", scaler=scaler))
+    trainer = L.Trainer(
+        max_steps=args.max_steps,
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=args.strategy,
+        callbacks=[cb],
+        plugins=plugins,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        accumulate_grad_batches=args.accumulate,
+        deterministic=True,
+    )
+    with open(os.path.join(args.status, f"rank{trainer.global_rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    if args.stateful:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        loader: Any = StatefulDataLoader(
+            dataset(args.n), batch_size=args.batch_size, shuffle=True, num_workers=args.workers
+        )
+    else:
+        loader = DataLoader(dataset(args.n), batch_size=args.batch_size, shuffle=True, num_workers=args.workers)
+    started = time.monotonic()
+    rank = trainer.global_rank
+    try:
+        trainer.fit(model, loader)
+    finally:  # also when preempted: one line per start, for the tests and the demo
+        run = {
+            "resumed_from": cb.resumed_from,
+            "exact": cb.exact.restored,
+            "end_step": trainer.global_step,
+            "timeline": [(event, t - started) for event, t in cb.timeline],
+            "saves": [{"step": r.step, "blocking_s": r.blocking_s, "committed_s": r.committed_s} for r in io.history],
+        }
+        with open(os.path.join(args.status, f"rank{rank}.runs.jsonl"), "a") as f:
+            f.write(json.dumps(run) + "\n")
+    torch.save(model.state_dict(), os.path.join(args.status, f"rank{rank}.weights.pt"))
+    result = {
+        "step": trainer.global_step,
+        "epoch_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+        "lr": trainer.optimizers[0].param_groups[0]["lr"],
+        "resumed_from": cb.resumed_from,
+        "exact": cb.exact.restored,
+        "scale": float(trainer.precision_plugin.scaler.get_scale()) if args.amp else None,  # type: ignore[attr-defined]
+        "wall_s": time.monotonic() - started,
+        "saves": [{"step": r.step, "blocking_s": r.blocking_s, "committed_s": r.committed_s} for r in io.history],
+    }
+    with open(os.path.join(args.status, f"rank{rank}.result.json"), "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
