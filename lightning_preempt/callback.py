@@ -13,9 +13,10 @@ import shutil
 import subprocess
 import tempfile
 import time
+import uuid
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -27,9 +28,11 @@ from lightning_preempt.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.discovery import apply_retention, checkpoint_name, list_checkpoints, newest_valid
 from lightning_preempt.errors import CheckpointError, NotACheckpointError
 from lightning_preempt.exact import STATE_KEY, ExactResume
+from lightning_preempt.manifest import MANIFEST_NAME
 from lightning_preempt.signals import SignalFlag
-from lightning_preempt.storage import join_url
+from lightning_preempt.storage import Store, join_url
 from lightning_preempt.strategy_hooks import install_collective_saves
+from lightning_preempt.tiers import TwoTier, complete_local_checkpoints, local_dirpath_from_env
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +40,9 @@ log = logging.getLogger(__name__)
 # fit() gets no ckpt_path: that is exactly our auto-resume path, so the text misleads.
 warnings.filterwarnings("ignore", message=r".*ckpt_path=None\)` was called without a model.*")
 warnings.filterwarnings("ignore", message=r".*ckpt_path=\"last\"\) is set, but there is no last checkpoint.*")
+
+
+_CALIBRATION_STEPS = 20
 
 
 class Preempted(SystemExit):
@@ -59,10 +65,19 @@ class PreemptionCallback(OnExceptionCheckpoint):
             is projected not to fit.
         exit_code: process exit code after the snapshot (143 = 128 + SIGTERM).
         requeue: run ``scontrol requeue`` on rank 0 before exiting; ``None``: when under SLURM.
-        agree_every_n_steps: how often ranks agree on the signal flag (1 = every step).
+        agree_every_n_steps: how often ranks agree on the signal flag: every N optimizer steps,
+            or ``"auto"``: every step while timing the first steps, then about every
+            ``agree_interval_s`` (tiny steps would otherwise pay ~1 ms per step for it).
+        agree_interval_s: the target time between agreements with ``"auto"``.
+        overlap_agreement: run the agreement collective while the next step computes and act
+            on it one step later (hides its cost; see docs/design.md).
         resume: resume from the newest valid checkpoint when ``fit`` gets no ``ckpt_path``.
         save_on_train_end: save the final step when training ends normally.
         storage_options: fsspec options for ``dirpath``.
+        local_dirpath: two-tier mode (docs/two-tier.md): commit each checkpoint to this
+            node-local directory first and drain it to ``dirpath`` in the background; resume
+            takes the newest across both. Also settable on the plugin; pass it here too so a
+            checkpoint that only this node's disk holds is found on restart.
     """
 
     def __init__(
@@ -76,10 +91,13 @@ class PreemptionCallback(OnExceptionCheckpoint):
         grace_period_s: float = 30.0,
         exit_code: int = 143,
         requeue: bool | None = None,
-        agree_every_n_steps: int = 1,
+        agree_every_n_steps: int | Literal["auto"] = "auto",
+        agree_interval_s: float = 0.25,
+        overlap_agreement: bool = True,
         resume: bool = True,
         save_on_train_end: bool = True,
         storage_options: dict[str, Any] | None = None,
+        local_dirpath: str | None = None,
     ) -> None:
         if not dirpath:
             raise ValueError(
@@ -90,8 +108,11 @@ class PreemptionCallback(OnExceptionCheckpoint):
                 raise ValueError(f"{name} must be positive, got {value!r}\nHINT: pass None to disable it.")
         if keep_last_n < 1:
             raise ValueError(f"keep_last_n must be >= 1, got {keep_last_n}\nHINT: keep at least the newest checkpoint.")
-        if agree_every_n_steps < 1:
-            raise ValueError(f"agree_every_n_steps must be >= 1, got {agree_every_n_steps}")
+        if agree_every_n_steps != "auto" and (not isinstance(agree_every_n_steps, int) or agree_every_n_steps < 1):
+            raise ValueError(
+                f"agree_every_n_steps must be a positive int or 'auto', got {agree_every_n_steps!r}\n"
+                "HINT: 'auto' keeps the agreement cost near 1% of a step with bounded latency."
+            )
         super().__init__(dirpath=str(dirpath).rstrip("/") or str(dirpath))
         self.dirpath: str = str(dirpath).rstrip("/") or str(dirpath)
         self.every_n_train_steps = every_n_train_steps
@@ -101,9 +122,15 @@ class PreemptionCallback(OnExceptionCheckpoint):
         self.exit_code = exit_code
         self.requeue = requeue
         self.agree_every_n_steps = agree_every_n_steps
+        self.agree_interval_s = agree_interval_s
+        self._agree_k = agree_every_n_steps if isinstance(agree_every_n_steps, int) else 1
+        self._boundary_times: list[float] = []
+        self.overlap_agreement = overlap_agreement
         self.resume = resume
         self.save_on_train_end = save_on_train_end
         self.storage_options = dict(storage_options or {})
+        self.local_dirpath = local_dirpath_from_env(local_dirpath)
+        self._last_saved_path: str | None = None
         self.signal_flag = SignalFlag(signals)
         self.timeline: list[tuple[str, float]] = []
         self.resumed_from: str | None = None
@@ -114,6 +141,9 @@ class PreemptionCallback(OnExceptionCheckpoint):
         self._last_seen_step: int | None = None
         self._boundaries = 0
         self._warned_grace = False
+        self._save_kind = "periodic"
+        self._restored_state: dict[str, Any] | None = None
+        self._logged_saves = 0
         self.exact = ExactResume()  # RNG, data position, metric states; `.enabled = False` turns it off
 
     # ---- auto-resume -------------------------------------------------------------------
@@ -127,11 +157,16 @@ class PreemptionCallback(OnExceptionCheckpoint):
         """
         if not self.resume:
             return None
+        # Two tiers: a complete local checkpoint counts (every rank of a one-host job sees it).
+        has_checkpoint = self.local_dirpath is not None and bool(complete_local_checkpoints(self.local_dirpath))
         try:
-            has_checkpoint = any(c.committed for c in list_checkpoints(self.dirpath, self.storage_options))
+            has_checkpoint = has_checkpoint or any(
+                c.committed for c in list_checkpoints(self.dirpath, self.storage_options)
+            )
         except (OSError, CheckpointError) as err:
             log.warning("lightning_preempt: cannot list %s (%s); starting without resume", self.dirpath, err)
-            return None
+            if not has_checkpoint:
+                return None
         if not has_checkpoint:
             return None
         if self._pointer is None:
@@ -152,10 +187,20 @@ class PreemptionCallback(OnExceptionCheckpoint):
             return
         io = self._ensure_plugin(trainer)
         writer_group = pdist.new_gloo_group()
-        self._agreement = pdist.FlagAgreement(pdist.new_gloo_group(), width=2)
+        self._agreement = pdist.FlagAgreement(pdist.new_gloo_group(), width=3)
         install_collective_saves(trainer.strategy, io, writer_group)
+        self._configure_tiers(trainer, io)
+        # Collective on every rank: ranks that disagree on whether to resume would diverge.
+        wants = pdist.all_gather_objects(self._pointer is not None, self._agreement.group)
+        if any(wants) and not all(wants):
+            raise NotACheckpointError(
+                f"ranks disagree on whether {self.dirpath} holds a checkpoint (per rank: {wants})",
+                path=self.dirpath,
+                hint="dirpath must be storage that every rank sees (a shared filesystem or an object store).",
+            )
         if self._pointer is not None:
             self._agree_resume_target(trainer, io)
+        self._upload_local_only(trainer, io)
         self._check_grace_from_history()
         self.signal_flag.clear()
         self.signal_flag.install()
@@ -166,7 +211,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
             return io
         if type(io) is TorchCheckpointIO:
             log.info("lightning_preempt: installing ShardedAsyncCheckpointIO (none was configured)")
-            new_io = ShardedAsyncCheckpointIO(storage_options=self.storage_options)
+            new_io = ShardedAsyncCheckpointIO(storage_options=self.storage_options, local_dirpath=self.local_dirpath)
             trainer.strategy.checkpoint_io = new_io
             return new_io
         raise TypeError(
@@ -183,7 +228,10 @@ class PreemptionCallback(OnExceptionCheckpoint):
 
         chosen = None
         if trainer.is_global_zero:
-            info = newest_valid(self.dirpath, self.storage_options, verify=io.verify_on_load, on_skip=note)
+            if io.tiers is not None:  # newest across both tiers; local wins a tie
+                info = io.tiers.newest(verify=io.verify_on_load, on_skip=note)
+            else:
+                info = newest_valid(self.dirpath, self.storage_options, verify=io.verify_on_load, on_skip=note)
             chosen = (info.path, info.step) if info is not None else None
         chosen = trainer.strategy.broadcast(chosen, src=0)  # one rank decides, the rest follow
         assert self._pointer is not None
@@ -202,6 +250,48 @@ class PreemptionCallback(OnExceptionCheckpoint):
             "lightning_preempt: resuming from %s (step %d)%s", path, step, f"; skipped {skipped}" if skipped else ""
         )
 
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """Saved in every checkpoint: why it was taken (read back to report steps lost)."""
+        return {"kind": self._save_kind, "signal": self.signal_flag.received.name if self.signal_flag.received else None}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored_state = dict(state_dict)
+
+    def _report_resume(self, trainer: pl.Trainer) -> None:
+        state = self._restored_state
+        if state is None or not trainer.is_global_zero:
+            return
+        step = trainer.global_step
+        if state.get("kind") == "emergency":
+            how = f"the snapshot taken after {state.get('signal') or 'a signal'}: 0 steps lost"
+        else:
+            how = f"a {state.get('kind') or 'periodic'} checkpoint: steps trained after it (if any) are repeated"
+        log.info("lightning_preempt: resumed at step %d from %s", step, how)
+        for logger in trainer.loggers:
+            logger.log_metrics({"preempt/resumed_from_step": float(step)}, step=step)
+
+    def _log_save_metrics(self, trainer: pl.Trainer) -> None:
+        """Report finished saves through the trainer's loggers (from the training thread)."""
+        io = trainer.strategy.checkpoint_io
+        if not isinstance(io, ShardedAsyncCheckpointIO):
+            return
+        for record in io.history[self._logged_saves :]:
+            if record.committed_s is None and record.error is None:
+                break
+            self._logged_saves += 1
+            if record.error is not None or not trainer.is_global_zero:
+                continue
+            metrics = {
+                "checkpoint/blocking_s": record.blocking_s,
+                "checkpoint/commit_s": record.committed_s or 0.0,
+                "checkpoint/bytes": float(record.bytes),
+                "checkpoint/throughput_MBps": (record.throughput_bps or 0.0) / 1e6,
+            }
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=max(record.step, 0))
+
     # ---- training-time hooks -----------------------------------------------------------
     @override
     def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -214,7 +304,9 @@ class PreemptionCallback(OnExceptionCheckpoint):
         self._last_seen_step = trainer.global_step
         if self._last_saved_step is None and trainer.global_step > 0:
             self._last_saved_step = trainer.global_step  # resumed from an explicit ckpt_path
+            self._warn_about_newer_checkpoints(trainer)
         # A signal that arrived during start-up or restore: nothing new to save.
+        self._report_resume(trainer)
         self._check_signal(trainer, force=True)
         self.exact.on_train_start(trainer, pl_module)  # last: restores RNG just before the first fetch
 
@@ -223,19 +315,27 @@ class PreemptionCallback(OnExceptionCheckpoint):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self.exact.on_train_batch_end(trainer)
+        self._log_save_metrics(trainer)
         step = trainer.global_step
         if step == self._last_seen_step:
             return  # mid gradient-accumulation: no optimizer step happened, nothing to snapshot
         self._last_seen_step = step
         self._boundaries += 1
-        time_due = self.every_n_seconds is not None and time.monotonic() - self._last_save_time >= self.every_n_seconds
-        if self._boundaries % self.agree_every_n_steps == 0 or time_due:
-            signalled, time_due_any = self._exchange(time_due)
+        now = time.monotonic()
+        time_due = False
+        # Only on the agreed schedule: a rank-local condition must never decide whether a
+        # rank enters a collective (the others would wait forever).
+        if self._boundaries % self._agree_k == 0:
+            local_due = self.every_n_seconds is not None and now - self._last_save_time >= self.every_n_seconds
+            signalled, due_any, new_k = self._exchange(local_due, self._propose_k(now))
+            if new_k:
+                self._agree_k = new_k
+                log.debug("lightning_preempt: ranks agree every %d steps from now on", new_k)
             if signalled:
                 self._emergency(trainer)
-            time_due = bool(time_due_any)
-        else:
-            time_due = False
+            time_due = bool(due_any)
+        elif self.agree_every_n_steps == "auto":
+            self._propose_k(now)
         step_due = self.every_n_train_steps is not None and step % self.every_n_train_steps == 0
         if step_due or time_due:
             self._save(trainer)
@@ -255,9 +355,12 @@ class PreemptionCallback(OnExceptionCheckpoint):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._agreement is not None:
+            self._agreement.flush()  # every rank completes its overlapped exchange
         if self.save_on_train_end and trainer.global_step != self._last_saved_step and trainer.global_step > 0:
-            self._save(trainer)
+            self._save(trainer, kind="final")
         self._plugin(trainer).wait()
+        self._log_save_metrics(trainer)
 
     @override
     def on_save_checkpoint(
@@ -295,32 +398,58 @@ class PreemptionCallback(OnExceptionCheckpoint):
         assert isinstance(io, ShardedAsyncCheckpointIO)
         return io
 
-    def _exchange(self, time_due: bool) -> tuple[int, int]:
+    def _exchange(self, time_due: bool, propose_k: int = 0) -> tuple[int, int, int]:
         assert self._agreement is not None
-        signalled, due = self._agreement.exchange([int(self.signal_flag.is_set), int(time_due)])
-        return signalled, due
+        flags = [int(self.signal_flag.is_set), int(time_due), propose_k]
+        signalled, due, k = self._agreement.exchange(flags, overlap=self.overlap_agreement)
+        return signalled, due, k
+
+    def _propose_k(self, now: float) -> int:
+        """With ``agree_every_n_steps="auto"``: time the first steps, then propose agreeing
+        every k steps, k ~ ``agree_interval_s`` / step time. Ranks take the MAX proposal in
+        the same exchange, so they all switch at the same boundary."""
+        if self.agree_every_n_steps != "auto" or self._agreement is None or not self._agreement.active:
+            return 0
+        if len(self._boundary_times) < _CALIBRATION_STEPS:
+            self._boundary_times.append(now)
+            if len(self._boundary_times) < _CALIBRATION_STEPS:
+                return 0
+            gaps = sorted(b - a for a, b in zip(self._boundary_times, self._boundary_times[1:]))
+            step_s = max(gaps[len(gaps) // 2], 1e-6)
+            return max(1, min(1000, int(self.agree_interval_s / step_s)))
+        return 0
 
     def _check_signal(self, trainer: pl.Trainer, force: bool = False) -> None:
         if self._agreement is None:
             return
-        signalled, _ = self._exchange(False)
+        signalled, _, _ = self._agreement.exchange_now([int(self.signal_flag.is_set), 0, 0])
         if signalled:
             self._emergency(trainer)
 
-    def _save(self, trainer: pl.Trainer) -> None:
+    def _save(self, trainer: pl.Trainer, kind: str = "periodic") -> None:
         step = trainer.global_step
         if step == self._last_saved_step:
             return
-        path = join_url(self.dirpath, checkpoint_name(step))
+        path = self._fresh_path(trainer, step)
+        self._save_kind = kind  # recorded by state_dict() inside this save
         trainer.save_checkpoint(path)
         self._last_saved_step = step
+        self._last_saved_path = path
         self._last_save_time = time.monotonic()
         io = self._plugin(trainer)
-        if trainer.is_global_zero:
+        if trainer.is_global_zero and io.tiers is None:  # two tiers: each drain job applies retention per tier
             # Queued behind the save: runs after it committed (or failed; then the old
             # checkpoints are still the newest committed and are kept).
             io.submit(lambda: apply_retention(self.dirpath, self.keep_last_n, self.storage_options))
         self._check_grace(io)
+
+    def _fresh_path(self, trainer: pl.Trainer, step: int) -> str:
+        """``dirpath/step-N``, or a suffixed sibling when a committed ``step-N`` exists (a run
+        resumed from an older checkpoint re-reaches a step). Rank 0 decides for all ranks."""
+        path = join_url(self.dirpath, checkpoint_name(step))
+        if trainer.is_global_zero and self._taken(trainer, path):
+            path = f"{path}-{uuid.uuid4().hex[:8]}"
+        return str(trainer.strategy.broadcast(path, src=0))
 
     def _mark(self, event: str) -> None:
         origin = self.signal_flag.received_at
@@ -331,6 +460,8 @@ class PreemptionCallback(OnExceptionCheckpoint):
 
     def _emergency(self, trainer: pl.Trainer) -> None:
         self._mark(f"ranks agreed to preempt at step {trainer.global_step}")
+        if self._agreement is not None:
+            self._agreement.flush()
         io = self._plugin(trainer)
         try:
             io.wait()  # an in-flight periodic save is not lost: let it commit first
@@ -341,12 +472,13 @@ class PreemptionCallback(OnExceptionCheckpoint):
         if step == self._last_saved_step or step == 0:
             self._mark(f"step {step} is already committed; no snapshot needed")
         else:
-            self._save(trainer)
+            self._save(trainer, kind="emergency")
             self._mark(f"staged step {step}")
             io.wait()
             self._mark(f"committed step {step}")
+        held = self._drain_within_grace(trainer, io, step)
         self._maybe_requeue(trainer)
-        self._mark(f"exiting with code {self.exit_code}")
+        self._mark(f"exiting with code {self.exit_code}{held}")
         raise Preempted(self.exit_code)
 
     def _maybe_requeue(self, trainer: pl.Trainer) -> None:
@@ -360,6 +492,80 @@ class PreemptionCallback(OnExceptionCheckpoint):
         result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=20, check=False)
         level = logging.INFO if result.returncode == 0 else logging.ERROR
         log.log(level, "lightning_preempt: scontrol requeue %s -> %d %s", job, result.returncode, result.stderr.strip())
+
+    def _warn_about_newer_checkpoints(self, trainer: pl.Trainer) -> None:
+        if not trainer.is_global_zero:
+            return
+        newer = [c.step for c in list_checkpoints(self.dirpath, self.storage_options) if c.committed]
+        if newer and max(newer) > trainer.global_step:
+            warnings.warn(
+                f"lightning_preempt: resumed from step {trainer.global_step} but {self.dirpath} holds a newer "
+                f"checkpoint (step {max(newer)}); after a preemption auto-resume takes the newest step.\n"
+                "HINT: use a fresh dirpath for a run that branches off an older checkpoint.",
+                stacklevel=2,
+            )
+
+    # ---- two tiers ---------------------------------------------------------------------
+    def _configure_tiers(self, trainer: pl.Trainer, io: ShardedAsyncCheckpointIO) -> None:
+        """Tell the plugin the remote root and retention; give its drain thread a gloo group."""
+        if self.local_dirpath is not None and io.tiers is None:
+            io.tiers = TwoTier(self.local_dirpath, io.storage_options)
+        elif io.tiers is not None and self.local_dirpath is None:
+            self.local_dirpath = io.tiers.local_root
+        elif io.tiers is not None and io.tiers.local_root != str(self.local_dirpath).rstrip("/"):
+            raise ValueError(
+                f"local_dirpath differs: {self.local_dirpath!r} (callback) vs {io.tiers.local_root!r} (plugin)\n"
+                "HINT: pass the same local_dirpath to both, or to one of them."
+            )
+        if io.tiers is None:
+            return
+        drain_group = pdist.new_gloo_group()  # collective: every rank configures tiers alike
+        collective = pdist.is_distributed() and io._group is not None
+        io.set_tiers(self.dirpath, keep_last_n=self.keep_last_n, group=drain_group if collective else None)
+
+    def _upload_local_only(self, trainer: pl.Trainer, io: ShardedAsyncCheckpointIO) -> None:
+        """Queue the upload of the newest checkpoint that only this node's disk holds (before
+        any retention of the remote tier runs: drains run in order)."""
+        if io.tiers is None or not trainer.is_global_zero:
+            return
+        try:
+            pending = io.tiers.local_only()
+        except Exception as err:
+            log.warning("lightning_preempt: cannot compare the tiers (%s); no upload on start", err)
+            return
+        if not pending:
+            return
+        newest = pending[-1]
+        remote_url = io.tiers.remote_twin(newest.path)
+        if remote_url is None:
+            return
+        log.info(
+            "lightning_preempt: %s (step %d) is committed locally but not in %s: uploading it",
+            newest.path, newest.step, self.dirpath,
+        )  # fmt: skip
+        io.tiers.queue_drain(newest.path, remote_url, newest.step, solo=True)
+
+    def _taken(self, trainer: pl.Trainer, path: str) -> bool:
+        tiers = self._plugin(trainer).tiers
+        if tiers is None:
+            return Store(path, self.storage_options).exists(MANIFEST_NAME)
+        local = tiers.local_twin(path)  # the training thread touches only the local disk
+        return local is not None and tiers.committed(local)
+
+    def _drain_within_grace(self, trainer: pl.Trainer, io: ShardedAsyncCheckpointIO, step: int) -> str:
+        """Two tiers: drain for what the grace period leaves; returns "; step N held by …"."""
+        if io.tiers is None:
+            return ""
+        origin = self.signal_flag.received_at or time.monotonic()
+        margin = max(2.0, 0.1 * self.grace_period_s)
+        budget = self.grace_period_s - margin - (time.monotonic() - origin)
+        self._mark(f"draining step {step} to {self.dirpath} for at most {max(budget, 0.0):.1f}s")
+        finished = io.wait_drained(max(budget, 0.0))
+        self._mark("drained" if finished else "drain did not finish within the grace period")
+        if not trainer.is_global_zero or self._last_saved_path is None:
+            return ""
+        held = io.tiers.holders(self._last_saved_path)
+        return f"; step {self._last_saved_step} held by: {', '.join(held) or 'no tier (see the errors above)'}"
 
     # ---- grace-period projection -----------------------------------------------------
     def _check_grace(self, io: ShardedAsyncCheckpointIO) -> None:
