@@ -24,11 +24,14 @@ from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from typing_extensions import override
 
 from lightning_preempt import dist as pdist
+from lightning_preempt.agreement import AgreementSchedule
 from lightning_preempt.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.discovery import apply_retention, checkpoint_name, list_checkpoints, newest_valid
 from lightning_preempt.errors import CheckpointError, NotACheckpointError
 from lightning_preempt.exact import STATE_KEY, ExactResume
+from lightning_preempt.grace import GraceCheck
 from lightning_preempt.manifest import MANIFEST_NAME
+from lightning_preempt.reporting import SaveReporter, report_resume
 from lightning_preempt.signals import SignalFlag
 from lightning_preempt.storage import Store, join_url
 from lightning_preempt.strategy_hooks import install_collective_saves
@@ -40,9 +43,6 @@ log = logging.getLogger(__name__)
 # fit() gets no ckpt_path: that is exactly our auto-resume path, so the text misleads.
 warnings.filterwarnings("ignore", message=r".*ckpt_path=None\)` was called without a model.*")
 warnings.filterwarnings("ignore", message=r".*ckpt_path=\"last\"\) is set, but there is no last checkpoint.*")
-
-
-_CALIBRATION_STEPS = 20
 
 
 class Preempted(SystemExit):
@@ -108,11 +108,6 @@ class PreemptionCallback(OnExceptionCheckpoint):
                 raise ValueError(f"{name} must be positive, got {value!r}\nHINT: pass None to disable it.")
         if keep_last_n < 1:
             raise ValueError(f"keep_last_n must be >= 1, got {keep_last_n}\nHINT: keep at least the newest checkpoint.")
-        if agree_every_n_steps != "auto" and (not isinstance(agree_every_n_steps, int) or agree_every_n_steps < 1):
-            raise ValueError(
-                f"agree_every_n_steps must be a positive int or 'auto', got {agree_every_n_steps!r}\n"
-                "HINT: 'auto' keeps the agreement cost near 1% of a step with bounded latency."
-            )
         super().__init__(dirpath=str(dirpath).rstrip("/") or str(dirpath))
         self.dirpath: str = str(dirpath).rstrip("/") or str(dirpath)
         self.every_n_train_steps = every_n_train_steps
@@ -123,8 +118,6 @@ class PreemptionCallback(OnExceptionCheckpoint):
         self.requeue = requeue
         self.agree_every_n_steps = agree_every_n_steps
         self.agree_interval_s = agree_interval_s
-        self._agree_k = agree_every_n_steps if isinstance(agree_every_n_steps, int) else 1
-        self._boundary_times: list[float] = []
         self.overlap_agreement = overlap_agreement
         self.resume = resume
         self.save_on_train_end = save_on_train_end
@@ -135,15 +128,14 @@ class PreemptionCallback(OnExceptionCheckpoint):
         self.timeline: list[tuple[str, float]] = []
         self.resumed_from: str | None = None
         self._pointer: str | None = None
-        self._agreement: pdist.FlagAgreement | None = None
+        self._agreement = AgreementSchedule(agree_every_n_steps, agree_interval_s, overlap_agreement)
+        self._grace = GraceCheck(grace_period_s)
+        self._reporter = SaveReporter()
         self._last_save_time = time.monotonic()
         self._last_saved_step: int | None = None
         self._last_seen_step: int | None = None
-        self._boundaries = 0
-        self._warned_grace = False
         self._save_kind = "periodic"
         self._restored_state: dict[str, Any] | None = None
-        self._logged_saves = 0
         self.exact = ExactResume()  # RNG, data position, metric states; `.enabled = False` turns it off
 
     # ---- auto-resume -------------------------------------------------------------------
@@ -187,11 +179,12 @@ class PreemptionCallback(OnExceptionCheckpoint):
             return
         io = self._ensure_plugin(trainer)
         writer_group = pdist.new_gloo_group()
-        self._agreement = pdist.FlagAgreement(pdist.new_gloo_group(), width=3)
+        agree_group = pdist.new_gloo_group()
+        self._agreement.bind(agree_group)
         install_collective_saves(trainer.strategy, io, writer_group)
         self._configure_tiers(trainer, io)
         # Collective on every rank: ranks that disagree on whether to resume would diverge.
-        wants = pdist.all_gather_objects(self._pointer is not None, self._agreement.group)
+        wants = pdist.all_gather_objects(self._pointer is not None, agree_group)
         if any(wants) and not all(wants):
             raise NotACheckpointError(
                 f"ranks disagree on whether {self.dirpath} holds a checkpoint (per rank: {wants})",
@@ -201,7 +194,8 @@ class PreemptionCallback(OnExceptionCheckpoint):
         if self._pointer is not None:
             self._agree_resume_target(trainer, io)
         self._upload_local_only(trainer, io)
-        self._check_grace_from_history()
+        newest = next((c for c in list_checkpoints(self.dirpath, self.storage_options) if c.committed), None)
+        self._grace.check_manifest(newest.manifest if newest else None)
         self.signal_flag.clear()
         self.signal_flag.install()
 
@@ -253,44 +247,14 @@ class PreemptionCallback(OnExceptionCheckpoint):
     @override
     def state_dict(self) -> dict[str, Any]:
         """Saved in every checkpoint: why it was taken (read back to report steps lost)."""
-        return {"kind": self._save_kind, "signal": self.signal_flag.received.name if self.signal_flag.received else None}
+        return {
+            "kind": self._save_kind,
+            "signal": self.signal_flag.received.name if self.signal_flag.received else None,
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored_state = dict(state_dict)
-
-    def _report_resume(self, trainer: pl.Trainer) -> None:
-        state = self._restored_state
-        if state is None or not trainer.is_global_zero:
-            return
-        step = trainer.global_step
-        if state.get("kind") == "emergency":
-            how = f"the snapshot taken after {state.get('signal') or 'a signal'}: 0 steps lost"
-        else:
-            how = f"a {state.get('kind') or 'periodic'} checkpoint: steps trained after it (if any) are repeated"
-        log.info("lightning_preempt: resumed at step %d from %s", step, how)
-        for logger in trainer.loggers:
-            logger.log_metrics({"preempt/resumed_from_step": float(step)}, step=step)
-
-    def _log_save_metrics(self, trainer: pl.Trainer) -> None:
-        """Report finished saves through the trainer's loggers (from the training thread)."""
-        io = trainer.strategy.checkpoint_io
-        if not isinstance(io, ShardedAsyncCheckpointIO):
-            return
-        for record in io.history[self._logged_saves :]:
-            if record.committed_s is None and record.error is None:
-                break
-            self._logged_saves += 1
-            if record.error is not None or not trainer.is_global_zero:
-                continue
-            metrics = {
-                "checkpoint/blocking_s": record.blocking_s,
-                "checkpoint/commit_s": record.committed_s or 0.0,
-                "checkpoint/bytes": float(record.bytes),
-                "checkpoint/throughput_MBps": (record.throughput_bps or 0.0) / 1e6,
-            }
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=max(record.step, 0))
 
     # ---- training-time hooks -----------------------------------------------------------
     @override
@@ -306,8 +270,8 @@ class PreemptionCallback(OnExceptionCheckpoint):
             self._last_saved_step = trainer.global_step  # resumed from an explicit ckpt_path
             self._warn_about_newer_checkpoints(trainer)
         # A signal that arrived during start-up or restore: nothing new to save.
-        self._report_resume(trainer)
-        self._check_signal(trainer, force=True)
+        report_resume(trainer, self._restored_state)
+        self._check_signal(trainer)
         self.exact.on_train_start(trainer, pl_module)  # last: restores RNG just before the first fetch
 
     @override
@@ -315,27 +279,16 @@ class PreemptionCallback(OnExceptionCheckpoint):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self.exact.on_train_batch_end(trainer)
-        self._log_save_metrics(trainer)
+        self._reporter.report(trainer, self._plugin(trainer).history)
         step = trainer.global_step
         if step == self._last_seen_step:
             return  # mid gradient-accumulation: no optimizer step happened, nothing to snapshot
         self._last_seen_step = step
-        self._boundaries += 1
         now = time.monotonic()
-        time_due = False
-        # Only on the agreed schedule: a rank-local condition must never decide whether a
-        # rank enters a collective (the others would wait forever).
-        if self._boundaries % self._agree_k == 0:
-            local_due = self.every_n_seconds is not None and now - self._last_save_time >= self.every_n_seconds
-            signalled, due_any, new_k = self._exchange(local_due, self._propose_k(now))
-            if new_k:
-                self._agree_k = new_k
-                log.debug("lightning_preempt: ranks agree every %d steps from now on", new_k)
-            if signalled:
-                self._emergency(trainer)
-            time_due = bool(due_any)
-        elif self.agree_every_n_steps == "auto":
-            self._propose_k(now)
+        local_due = self.every_n_seconds is not None and now - self._last_save_time >= self.every_n_seconds
+        signalled, time_due = self._agreement.at_boundary(now, self.signal_flag.is_set, local_due)
+        if signalled:
+            self._emergency(trainer)
         step_due = self.every_n_train_steps is not None and step % self.every_n_train_steps == 0
         if step_due or time_due:
             self._save(trainer)
@@ -355,12 +308,11 @@ class PreemptionCallback(OnExceptionCheckpoint):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._agreement is not None:
-            self._agreement.flush()  # every rank completes its overlapped exchange
+        self._agreement.flush()  # every rank completes its overlapped exchange
         if self.save_on_train_end and trainer.global_step != self._last_saved_step and trainer.global_step > 0:
             self._save(trainer, kind="final")
         self._plugin(trainer).wait()
-        self._log_save_metrics(trainer)
+        self._reporter.report(trainer, self._plugin(trainer).history)
 
     @override
     def on_save_checkpoint(
@@ -398,32 +350,8 @@ class PreemptionCallback(OnExceptionCheckpoint):
         assert isinstance(io, ShardedAsyncCheckpointIO)
         return io
 
-    def _exchange(self, time_due: bool, propose_k: int = 0) -> tuple[int, int, int]:
-        assert self._agreement is not None
-        flags = [int(self.signal_flag.is_set), int(time_due), propose_k]
-        signalled, due, k = self._agreement.exchange(flags, overlap=self.overlap_agreement)
-        return signalled, due, k
-
-    def _propose_k(self, now: float) -> int:
-        """With ``agree_every_n_steps="auto"``: time the first steps, then propose agreeing
-        every k steps, k ~ ``agree_interval_s`` / step time. Ranks take the MAX proposal in
-        the same exchange, so they all switch at the same boundary."""
-        if self.agree_every_n_steps != "auto" or self._agreement is None or not self._agreement.active:
-            return 0
-        if len(self._boundary_times) < _CALIBRATION_STEPS:
-            self._boundary_times.append(now)
-            if len(self._boundary_times) < _CALIBRATION_STEPS:
-                return 0
-            gaps = sorted(b - a for a, b in zip(self._boundary_times, self._boundary_times[1:]))
-            step_s = max(gaps[len(gaps) // 2], 1e-6)
-            return max(1, min(1000, int(self.agree_interval_s / step_s)))
-        return 0
-
-    def _check_signal(self, trainer: pl.Trainer, force: bool = False) -> None:
-        if self._agreement is None:
-            return
-        signalled, _, _ = self._agreement.exchange_now([int(self.signal_flag.is_set), 0, 0])
-        if signalled:
+    def _check_signal(self, trainer: pl.Trainer) -> None:
+        if self._agreement.bound and self._agreement.now(self.signal_flag.is_set):
             self._emergency(trainer)
 
     def _save(self, trainer: pl.Trainer, kind: str = "periodic") -> None:
@@ -441,7 +369,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
             # Queued behind the save: runs after it committed (or failed; then the old
             # checkpoints are still the newest committed and are kept).
             io.submit(lambda: apply_retention(self.dirpath, self.keep_last_n, self.storage_options))
-        self._check_grace(io)
+        self._grace.check_records(io.history[:-1])
 
     def _fresh_path(self, trainer: pl.Trainer, step: int) -> str:
         """``dirpath/step-N``, or a suffixed sibling when a committed ``step-N`` exists (a run
@@ -460,8 +388,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
 
     def _emergency(self, trainer: pl.Trainer) -> None:
         self._mark(f"ranks agreed to preempt at step {trainer.global_step}")
-        if self._agreement is not None:
-            self._agreement.flush()
+        self._agreement.flush()
         io = self._plugin(trainer)
         try:
             io.wait()  # an in-flight periodic save is not lost: let it commit first
@@ -566,34 +493,3 @@ class PreemptionCallback(OnExceptionCheckpoint):
             return ""
         held = io.tiers.holders(self._last_saved_path)
         return f"; step {self._last_saved_step} held by: {', '.join(held) or 'no tier (see the errors above)'}"
-
-    # ---- grace-period projection -----------------------------------------------------
-    def _check_grace(self, io: ShardedAsyncCheckpointIO) -> None:
-        previous = [r for r in io.history[:-1] if r.throughput_bps]
-        if self._warned_grace or not previous:
-            return
-        record = previous[-1]
-        projected = record.blocking_s + record.bytes / (record.throughput_bps or 1.0)
-        self._warn_if_over(projected, record.bytes, record.throughput_bps or 0.0)
-
-    def _check_grace_from_history(self) -> None:
-        committed = [c for c in list_checkpoints(self.dirpath, self.storage_options) if c.committed]
-        if not committed or committed[0].manifest is None:
-            return
-        m = committed[0].manifest
-        write_s = m.stats.get("write_s")
-        if not write_s:
-            return
-        self._warn_if_over(m.stats.get("blocking_s", 0.0) + write_s, m.total_bytes, m.total_bytes / write_s)
-
-    def _warn_if_over(self, projected_s: float, nbytes: int, bps: float) -> None:
-        margin = max(5.0, 0.1 * self.grace_period_s)
-        if projected_s > self.grace_period_s - margin and not self._warned_grace:
-            self._warned_grace = True
-            warnings.warn(
-                f"lightning_preempt: a snapshot of {nbytes / 1e9:.2f} GB at the measured {bps / 1e6:.0f} MB/s "
-                f"takes ~{projected_s:.1f}s, more than grace_period_s={self.grace_period_s:.0f}s minus a "
-                f"{margin:.0f}s margin.\nHINT: save to faster (node-local) storage, save more often so the "
-                "emergency snapshot is skipped, or ask the scheduler for a longer grace period.",
-                stacklevel=2,
-            )

@@ -1,0 +1,48 @@
+"""Telling people what happened: save metrics through the trainer's loggers, and what a
+resume skipped and lost. Runs on the training thread (loggers are not thread-safe)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import lightning.pytorch as pl
+
+log = logging.getLogger(__name__)
+
+
+class SaveReporter:
+    """Logs each finished save once: blocking time, time to commit, bytes, throughput."""
+
+    def __init__(self) -> None:
+        self._reported = 0
+
+    def report(self, trainer: pl.Trainer, history: list[Any]) -> None:
+        for record in history[self._reported :]:
+            if record.committed_s is None and record.error is None:
+                break  # still in flight: report it later, in order
+            self._reported += 1
+            if record.error is not None or not trainer.is_global_zero:
+                continue
+            metrics = {
+                "checkpoint/blocking_s": record.blocking_s,
+                "checkpoint/commit_s": record.committed_s or 0.0,
+                "checkpoint/bytes": float(record.bytes),
+                "checkpoint/throughput_MBps": (record.throughput_bps or 0.0) / 1e6,
+            }
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=max(record.step, 0))
+
+
+def report_resume(trainer: pl.Trainer, state: dict[str, Any] | None) -> None:
+    """After a restore: the step, and whether steps were lost (from the saved callback state)."""
+    if state is None or not trainer.is_global_zero:
+        return
+    step = trainer.global_step
+    if state.get("kind") == "emergency":
+        how = f"the snapshot taken after {state.get('signal') or 'a signal'}: 0 steps lost"
+    else:
+        how = f"a {state.get('kind') or 'periodic'} checkpoint: steps trained after it (if any) are repeated"
+    log.info("lightning_preempt: resumed at step %d from %s", step, how)
+    for logger in trainer.loggers:
+        logger.log_metrics({"preempt/resumed_from_step": float(step)}, step=step)
