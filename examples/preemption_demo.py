@@ -75,6 +75,7 @@ def child_main(args: argparse.Namespace) -> int:
         def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
             step = self.trainer.global_step
             progress.write(json.dumps({"step": step, "t": time.time()}) + "\n")
+            log_commits()
             tmp = step_file.with_suffix(".tmp")
             tmp.write_text(str(step))
             os.replace(tmp, step_file)
@@ -92,6 +93,17 @@ def child_main(args: argparse.Namespace) -> int:
 
     callback = PreemptionCallback(args.ckpt_dir, every_n_train_steps=args.every, keep_last_n=2, grace_period_s=30)
     io = ShardedAsyncCheckpointIO()
+    logged: set[int] = set()
+
+    def log_commits() -> None:
+        """Append newly committed saves to saves.jsonl (survives a later SIGKILL)."""
+        with open(run_dir / "saves.jsonl", "a") as f:
+            for i, r in enumerate(io.history):
+                if r.committed_s is not None and i not in logged:
+                    logged.add(i)
+                    rec = {"step": r.step, "blocking_s": r.blocking_s, "committed_s": r.committed_s, "bytes": r.bytes}
+                    f.write(json.dumps(dict(rec, t=time.time())) + "\n")
+
     trainer = L.Trainer(
         max_steps=args.steps,
         accelerator="cpu",
@@ -131,6 +143,7 @@ def child_main(args: argparse.Namespace) -> int:
         }
         with open(run_dir / "runs.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
+        log_commits()
         progress.close()
     return 0
 
@@ -172,6 +185,11 @@ def _progress(run_dir: Path) -> list[dict[str, Any]]:
 
 def _runs(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "runs.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _saves(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "saves.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
@@ -325,7 +343,7 @@ def plot(out: Path, ref_dir: Path, run_dir: Path, plan: list[Preemption], ref_st
     for pre in plan:  # a snapshot's step is trained but not logged: the job exits first
         if pre.child.get("end_step"):
             when.setdefault(int(pre.child["end_step"]), pre.signalled_at - start)
-    saved = sorted({s["step"] for r in _runs(run_dir) for s in r["saves"] if s["committed_s"]})
+    saved = sorted({s["step"] for s in _saves(run_dir)})
     pts = [(when[s], s) for s in saved if s in when]
     if pts:
         ax.plot(*zip(*pts, strict=True), "o", color="tab:green", ms=4, label="checkpoint committed", zorder=3)
@@ -353,7 +371,7 @@ def compare_weights(a: Path, b: Path) -> tuple[bool, int]:
 
 def report(args: argparse.Namespace, plan: list[Preemption], run_dir: Path, ref_wall: float, wall: float) -> bool:
     runs = _runs(run_dir)
-    saves = [s for r in runs for s in r["saves"]]
+    saves = _saves(run_dir)
     emergency = {(r["emergency_step"]) for r in runs if r.get("emergency_step") is not None}
     periodic = [s for s in saves if s["step"] not in emergency]
     snapshots = [s for s in saves if s["step"] in emergency]

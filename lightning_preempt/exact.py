@@ -381,6 +381,7 @@ class ExactResume:
         self._wrap(trainer)
         state, self._loaded = self._loaded, None
         if state is None:
+            self._restart_worker_iterators(trainer)
             return
         rank, world = trainer.global_rank, trainer.world_size
         own = state.get("rank") == rank
@@ -400,6 +401,8 @@ class ExactResume:
             if missing:
                 log.warning("lightning_preempt: saved metric states not found in the model: %s", missing)
             self._pending_results = dict(state.get("results", {}))
+        # Before the RNG restore: in the uninterrupted run this epoch's iterator already existed.
+        self._restart_worker_iterators(trainer)
         if own:
             restore_rng(state["rng"])
             if not mid_epoch:
@@ -448,13 +451,17 @@ class ExactResume:
                 "and the default batch sampler.",
                 stacklevel=2,
             )
-        if any(dl.num_workers > 0 for dl, (kind, _) in zip(loaders, self._samplers, strict=True) if kind == "sampler"):
-            # Worker iterators already requested indices from the original sampler when
-            # Lightning created the iterator: start it again so it reads ours.
+        self._check_prefetch(trainer)
+
+    def _restart_worker_iterators(self, trainer: pl.Trainer) -> None:
+        # Worker iterators requested indices from the original sampler as soon as Lightning
+        # created them: start them again so they read ours (after any `resume_at`).
+        loaders = self._train_loaders(trainer)
+        pairs = zip(loaders, self._samplers, strict=True)
+        if any(getattr(dl, "num_workers", 0) > 0 for dl, (kind, _) in pairs if kind == "sampler"):
             fetcher = trainer.fit_loop._data_fetcher
             if fetcher is not None:
                 iter(fetcher)
-        self._check_prefetch(trainer)
 
     def _check_prefetch(self, trainer: pl.Trainer) -> None:
         fetcher = trainer.fit_loop._data_fetcher

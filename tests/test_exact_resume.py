@@ -185,22 +185,25 @@ def test_sigkill_with_periodic_saves_repeats_only_lost_steps(reference: Path, tm
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-@pytest.mark.parametrize("variant", ["accumulate", "stateful", "many", "amp"])
+@pytest.mark.parametrize("variant", ["accumulate", "stateful", "many", "amp", "workers"])
 def test_exact_resume_variants(tmp_path: Path, variant: str) -> None:
     """Gradient accumulation (saves only at optimizer steps), torchdata StatefulDataLoader
     (Lightning saves its position; we must not wrap it), many preemptions incl. right
-    after a restart and on epoch ends, and 16-mixed AMP whose GradScaler state changes."""
+    after a restart and on epoch ends, 16-mixed AMP whose GradScaler state changes, and
+    worker processes (their iterators prefetch indices as soon as they are created)."""
     extra = {
         "accumulate": ["--accumulate", "3", "--max-steps", "12"],
         "stateful": ["--stateful"],
         "many": [],
         "amp": ["--amp"],
+        "workers": ["--workers", "2"],
     }[variant]
     preempt = {
         "accumulate": [2, 4, 7],
         "stateful": [4, 9, 17],
         "many": [1, 2, 5, 9, 13, 19, 26],
         "amp": [4, 9, 17],
+        "workers": [7, 9, 23],
     }[variant]
     args = [*COMMON, *extra]
     run_job([*args, "--dirpath", str(tmp_path / "ref-ckpt")], tmp_path / "ref")
