@@ -158,8 +158,9 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
             raise CheckpointExistsError(
                 "refusing to overwrite a committed checkpoint",
                 path=url,
-                hint="Save each checkpoint to a new path (e.g. include the step in the name); "
-                "remove the old one first if you really mean to replace it.",
+                hint="Save each checkpoint to a new path (e.g. include the step in the name); remove the old "
+                "one first if you really mean to replace it. ModelCheckpoint(save_last=True) rewrites last.ckpt "
+                "in place: use save_last=False (PreemptionCallback keeps the newest checkpoints).",
             )
         tensors, skeleton = _split(checkpoint, self.sharded_keys)
         buffer = io.BytesIO()
