@@ -29,7 +29,7 @@ from lightning_preempt.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.discovery import apply_retention, checkpoint_name, list_checkpoints, newest_valid
 from lightning_preempt.errors import CheckpointError, NotACheckpointError
 from lightning_preempt.exact import STATE_KEY, ExactResume
-from lightning_preempt.grace import GraceCheck
+from lightning_preempt.grace import GraceCheck, grace_margin
 from lightning_preempt.manifest import MANIFEST_NAME
 from lightning_preempt.reporting import SaveReporter, report_resume
 from lightning_preempt.signals import SignalFlag
@@ -484,8 +484,9 @@ class PreemptionCallback(OnExceptionCheckpoint):
         if io.tiers is None:
             return ""
         origin = self.signal_flag.received_at or time.monotonic()
-        margin = max(2.0, 0.1 * self.grace_period_s)
-        budget = self.grace_period_s - margin - (time.monotonic() - origin)
+        # Keep the same margin as the grace warning: the process must still tear down and
+        # exit with exit_code before SIGKILL (a drain cut short leaves no remote manifest).
+        budget = self.grace_period_s - grace_margin(self.grace_period_s) - (time.monotonic() - origin)
         self._mark(f"draining step {step} to {self.dirpath} for at most {max(budget, 0.0):.1f}s")
         finished = io.wait_drained(max(budget, 0.0))
         self._mark("drained" if finished else "drain did not finish within the grace period")

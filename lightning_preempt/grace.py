@@ -7,11 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_preempt.manifest import Manifest
-
-
-def grace_margin(grace_period_s: float) -> float:
-    """Time kept free before SIGKILL: process exit, scheduler jitter."""
-    return max(5.0, 0.1 * grace_period_s)
+from lightning_preempt.plan import grace_margin  # one margin for the warning and `lightning-preempt plan`
 
 
 class GraceCheck:
