@@ -100,7 +100,6 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         self._stager = HostStager(pin_memory)
         self._writer = BackgroundWriter()
         self._pending: Future[Manifest] | None = None
-        self._error: BaseException | None = None
         self._group: pdist.ProcessGroup | None = None
         self._aliases: dict[str, str] = {}
         self.history: list[SaveRecord] = []
@@ -217,9 +216,8 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         if pending is not None:
             err = pending.exception()
             if err is not None:
-                self._error = None
                 raise CheckpointWriteError(
-                    f"the previous checkpoint save failed: {err}",
+                    f"the previous checkpoint save failed: {str(err).splitlines()[0] if str(err) else repr(err)}",
                     path=getattr(err, "path", None),
                     hint=getattr(err, "hint", None) or "Check the storage; earlier committed checkpoints are intact.",
                 ) from err
