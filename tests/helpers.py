@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
+import lightning as L
 import torch
+from lightning.pytorch.callbacks import Callback
 
 
 def lightning_like_checkpoint(step: int = 5, width: int = 4) -> dict[str, Any]:
@@ -45,3 +48,17 @@ def assert_same(a: Any, b: Any, path: str = "") -> None:
             assert_same(x, y, f"{path}/{i}")
     else:
         assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+class StartProbe(Callback):
+    """Records the step, weights and optimizer state when training (re)starts."""
+
+    def __init__(self) -> None:
+        self.start_step: int | None = None
+        self.start_weights: dict[str, torch.Tensor] = {}
+        self.start_optim: dict[str, Any] = {}
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.start_step = trainer.global_step
+        self.start_weights = {k: v.clone() for k, v in pl_module.state_dict().items()}
+        self.start_optim = copy.deepcopy(trainer.optimizers[0].state_dict())

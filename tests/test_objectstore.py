@@ -16,8 +16,7 @@ import lightning as L
 import pytest
 import servers
 import torch
-from helpers import assert_same, lightning_like_checkpoint
-from lightning.pytorch.callbacks import Callback
+from helpers import StartProbe, assert_same, lightning_like_checkpoint
 from torch.utils.data import DataLoader
 from train_script import TinyModel, data
 
@@ -255,22 +254,10 @@ def test_s3_server_killed_mid_drain_raises_cleanly_without_a_commit(tmp_path: Pa
 
 
 # ---- real training -----------------------------------------------------------------------
-class _Probe(Callback):
-    def __init__(self) -> None:
-        self.start_step: int | None = None
-        self.start_weights: dict[str, torch.Tensor] = {}
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.start_step = trainer.global_step
-        self.start_weights = {k: v.clone() for k, v in pl_module.state_dict().items()}
-
-
-def _fit(remote: Remote, max_steps: int, seed: int) -> tuple[TinyModel, _Probe, PreemptionCallback]:
+def _fit(remote: Remote, max_steps: int, seed: int) -> tuple[TinyModel, StartProbe, PreemptionCallback]:
     L.seed_everything(seed)
-    model, probe = TinyModel(), _Probe()
-    cb = PreemptionCallback(
-        remote.url, every_n_train_steps=3, keep_last_n=2, storage_options=remote.storage_options
-    )
+    model, probe = TinyModel(), StartProbe()
+    cb = PreemptionCallback(remote.url, every_n_train_steps=3, keep_last_n=2, storage_options=remote.storage_options)
     trainer = L.Trainer(
         max_steps=max_steps,
         accelerator="cpu",

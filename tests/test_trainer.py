@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import re
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from helpers import StartProbe
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
 from train_script import TinyModel, data
@@ -21,20 +21,6 @@ from lightning_preempt.discovery import checkpoint_name
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCHES_PER_EPOCH = 10
-
-
-class Probe(Callback):
-    """Records what the model looks like when training (re)starts."""
-
-    def __init__(self) -> None:
-        self.start_step: int | None = None
-        self.start_weights: dict[str, torch.Tensor] = {}
-        self.start_optim: dict[str, Any] = {}
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.start_step = trainer.global_step
-        self.start_weights = {k: v.clone() for k, v in pl_module.state_dict().items()}
-        self.start_optim = copy.deepcopy(trainer.optimizers[0].state_dict())
 
 
 def _trainer(max_steps: int, callbacks: list[Callback], plugins: list[Any] | None = None, **kw: Any) -> L.Trainer:
@@ -57,10 +43,10 @@ def _loader() -> DataLoader:
 
 def _fit(
     dirpath: Path, max_steps: int, every: int | None = None, seed: int = 0, **cb_kw: Any
-) -> tuple[TinyModel, Probe]:
+) -> tuple[TinyModel, StartProbe]:
     L.seed_everything(seed)
     model = TinyModel()
-    probe = Probe()
+    probe = StartProbe()
     cb = PreemptionCallback(str(dirpath), every_n_train_steps=every, **cb_kw)
     _trainer(max_steps, [cb, probe]).fit(model, _loader())
     return model, probe
@@ -96,7 +82,7 @@ def test_resume_ends_where_lightnings_own_resume_ends(tmp_path: Path) -> None:
 def test_an_explicit_ckpt_path_wins_over_auto_resume(tmp_path: Path) -> None:
     _fit(tmp_path, max_steps=20, every=10)
     L.seed_everything(0)
-    probe = Probe()
+    probe = StartProbe()
     cb = PreemptionCallback(str(tmp_path), every_n_train_steps=10)
     _trainer(25, [cb, probe]).fit(TinyModel(), _loader(), ckpt_path=str(tmp_path / checkpoint_name(10)))
     assert probe.start_step == 10

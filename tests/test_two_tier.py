@@ -33,20 +33,12 @@ from lightning_preempt.tiers import owner_rank, redact
 if TYPE_CHECKING:
     from objectstore_plugin import Remote
 
+from helpers import StartProbe
+
 pytest_plugins = ["objectstore_plugin"]
 pytestmark = [pytest.mark.objectstore, pytest.mark.timeout(180)]
 
 HERE = Path(__file__).resolve().parent
-
-
-class _Probe(Callback):
-    def __init__(self) -> None:
-        self.start_step: int | None = None
-        self.start_weights: dict[str, torch.Tensor] = {}
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.start_step = trainer.global_step
-        self.start_weights = {k: v.clone() for k, v in pl_module.state_dict().items()}
 
 
 def _fit(
@@ -59,9 +51,9 @@ def _fit(
     width: int = 32,
     io_kwargs: dict[str, Any] | None = None,
     probe: Callback | None = None,
-) -> tuple[TinyModel, _Probe, PreemptionCallback, ShardedAsyncCheckpointIO]:
+) -> tuple[TinyModel, StartProbe, PreemptionCallback, ShardedAsyncCheckpointIO]:
     L.seed_everything(seed)
-    model, start = TinyModel(width=width), _Probe()
+    model, start = TinyModel(width=width), StartProbe()
     cb = PreemptionCallback(remote_url, every_n_train_steps=3, keep_last_n=2, storage_options=options)
     io = ShardedAsyncCheckpointIO(storage_options=options, local_dirpath=str(local), **(io_kwargs or {}))
     trainer = L.Trainer(
