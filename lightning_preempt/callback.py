@@ -237,7 +237,8 @@ class PreemptionCallback(OnExceptionCheckpoint):
                 "(or pass ckpt_path explicitly) and restart.",
             )
         path, step = chosen
-        io.alias(self._pointer, path)
+        # Rank 0 read every file for its CRC32C while choosing: loading need not again.
+        io.alias(self._pointer, path, verified=trainer.is_global_zero and io.verify_on_load)
         self.resumed_from = path
         self._last_saved_step = step
         log.info(

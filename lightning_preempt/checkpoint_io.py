@@ -102,10 +102,13 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         self._pending: Future[Manifest] | None = None
         self._group: pdist.ProcessGroup | None = None
         self._aliases: dict[str, str] = {}
+        self._verified: set[str] = set()
         self.history: list[SaveRecord] = []
         local = local_dirpath_from_env(local_dirpath)
         self.tiers: TwoTier | None = (
-            TwoTier(local, self.storage_options, max_workers=drain_workers, retries=drain_retries, backoff_s=drain_backoff_s)
+            TwoTier(
+                local, self.storage_options, max_workers=drain_workers, retries=drain_retries, backoff_s=drain_backoff_s
+            )
             if local
             else None
         )
@@ -118,9 +121,14 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         """
         self._group = group
 
-    def alias(self, path: str, target: str) -> None:
-        """Make ``load_checkpoint(path)`` load ``target`` (the resume pointer)."""
+    def alias(self, path: str, target: str, *, verified: bool = False) -> None:
+        """Make ``load_checkpoint(path)`` load ``target`` (the resume pointer).
+
+        ``verified``: this process already checked ``target``'s CRC32C; loading skips it.
+        """
         self._aliases[str(path)] = target
+        if verified:
+            self._verified.add(target)
 
     @property
     def staging_allocated_bytes(self) -> int:
@@ -234,41 +242,49 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         self.wait()
         url = self._aliases.get(str(path), str(path))
         store = Store(url, self.storage_options)
-        if store.exists(MANIFEST_NAME):
-            return load_full_checkpoint(store, rank=pdist.rank(), verify=self.verify_on_load)
-        if store.exists() and not store.isdir():
+        if not store.exists(MANIFEST_NAME) and store.exists() and not store.isdir():
             from lightning.fabric.utilities.cloud_io import _load as pl_load
 
             return pl_load(url, map_location=map_location or "cpu", weights_only=weights_only)  # type: ignore[no-any-return]
-        if store.isdir():
-            info = newest_valid(url, self.storage_options, verify=self.verify_on_load)
-            if info is not None:
-                return load_full_checkpoint(Store(info.path, self.storage_options), rank=pdist.rank(), verify=False)
-        raise NotACheckpointError("no committed checkpoint found", path=url, hint=_LOAD_HINT)
+        resolved = self._resolve(url)
+        if resolved is None:
+            raise NotACheckpointError("no committed checkpoint found", path=url, hint=_LOAD_HINT)
+        target, verified = resolved
+        return load_full_checkpoint(
+            Store(target, self.storage_options), rank=pdist.rank(), verify=self.verify_on_load and not verified
+        )
 
     def resolve(self, path: Any) -> str | None:
         """The committed checkpoint ``path`` means (alias, checkpoint dir, or newest in a
         directory of checkpoints), or ``None`` when it is none of ours."""
-        url = self._aliases.get(str(path), str(path))
+        resolved = self._resolve(self._aliases.get(str(path), str(path)))
+        return resolved[0] if resolved is not None else None
+
+    def _resolve(self, url: str) -> tuple[str, bool] | None:
+        """``(checkpoint url, already verified)``; each checkpoint is read for its CRC32C once."""
         store = Store(url, self.storage_options)
         if store.exists(MANIFEST_NAME):
-            return url
+            return url, url in self._verified
         if store.isdir():
             info = newest_valid(url, self.storage_options, verify=self.verify_on_load)
             if info is not None:
-                return info.path
+                return info.path, self.verify_on_load
         return None
 
     def load_sharded(self, path: Any, templates: dict[str, Any], process_group: Any = None) -> dict[str, Any]:
         """Load a checkpoint into sharded ``templates`` in place (collective; see
         :func:`lightning_preempt.reader.load_sharded_checkpoint`)."""
         self.wait()
-        url = self.resolve(path)
-        if url is None:
+        resolved = self._resolve(self._aliases.get(str(path), str(path)))
+        if resolved is None:
             raise NotACheckpointError("no committed checkpoint found", path=str(path), hint=_LOAD_HINT)
-        store = Store(url, self.storage_options)
+        target, verified = resolved
         return load_sharded_checkpoint(
-            store, templates, rank=pdist.rank(), verify=self.verify_on_load, process_group=process_group
+            Store(target, self.storage_options),
+            templates,
+            rank=pdist.rank(),
+            verify=self.verify_on_load and not verified,
+            process_group=process_group,
         )
 
     @override
