@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
+from lightning_preempt.sources import Notice
+
 log = logging.getLogger(__name__)
 
 _Handler = Any  # signal handler: callable, SIG_DFL, SIG_IGN or None
@@ -53,6 +55,23 @@ class SignalFlag:
     @property
     def is_set(self) -> bool:
         return self.received is not None
+
+    # ---- PreemptionSource (lightning_preempt.sources) ---------------------------------
+    @property
+    def name(self) -> str:
+        return "signal"
+
+    def start(self) -> None:
+        self.install()
+
+    def stop(self) -> None:
+        self.restore()
+
+    def poll(self) -> Notice | None:
+        """The first signal received, as a :class:`~lightning_preempt.sources.Notice`."""
+        if self.received is None or self.received_at is None:
+            return None
+        return Notice(source=self.received.name, reason=f"received {self.received.name}", received_at=self.received_at)
 
     def install(self) -> bool:
         """(Re-)install our handlers; returns ``False`` off the main thread (Python's rule)."""
