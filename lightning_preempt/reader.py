@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import logging
+import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -11,8 +12,9 @@ import torch
 
 from lightning_preempt.checksum import Crc32c
 from lightning_preempt.commit import STATE_FILE
-from lightning_preempt.dcp_storage import load_all_tensors, load_tensors_into
+from lightning_preempt.dcp_storage import DCP_METADATA_NAME, load_all_tensors, load_tensors_into
 from lightning_preempt.errors import CorruptCheckpointError, NotACheckpointError
+from lightning_preempt.fastload import read_tensors, read_verified_bytes, tensor_items
 from lightning_preempt.format import merge_checkpoint, tensor_refs
 from lightning_preempt.manifest import MANIFEST_NAME, Manifest
 from lightning_preempt.storage import Store
@@ -74,12 +76,15 @@ def verify_checkpoint(
 _CORRUPT_HINT = "This checkpoint is damaged; resume from an older one (auto-resume skips it)."
 
 
-def load_skeleton(store: Store, manifest: Manifest, rank: int) -> Any:
-    """The non-tensor state saved by ``rank`` (rank 0's when this rank did not exist then)."""
+def load_skeleton(store: Store, manifest: Manifest, rank: int, *, verify: bool = False) -> Any:
+    """The non-tensor state saved by ``rank`` (rank 0's when this rank did not exist then).
+
+    ``verify``: check its size and CRC32C against the manifest in the same read.
+    """
     name = STATE_FILE.format(rank=rank)
     if name not in manifest.files:
         name = STATE_FILE.format(rank=0)
-    data = store.read_bytes(name)
+    data = read_verified_bytes(store, name, manifest.files.get(name), verify=verify)
     # The skeleton holds arbitrary Lightning state (hparams, callback state): like a
     # Lightning .ckpt it needs full unpickling; its bytes were CRC-checked above.
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
@@ -123,13 +128,20 @@ class _FallbackDict(dict):  # type: ignore[type-arg]
 
 
 def load_full_checkpoint(store: Store, *, rank: int = 0, verify: bool = True) -> dict[str, Any]:
-    """The complete Lightning checkpoint dict, with full (unsharded) CPU tensors."""
-    manifest = verify_checkpoint(store) if verify else read_manifest(store)
-    skeleton = load_skeleton(store, manifest, rank)
+    """The complete Lightning checkpoint dict, with full (unsharded) CPU tensors.
+
+    One pass over the bytes (:mod:`lightning_preempt.fastload`): every file this rank
+    reads (its skeleton, ``.metadata``, the shards) is checked against the manifest's
+    size and CRC32C while it is read; files it does not read (other ranks' skeletons)
+    are not. Raises :class:`CorruptCheckpointError` on any mismatch, before returning
+    anything: the caller can fall back to an older checkpoint.
+    """
+    manifest = read_manifest(store)
+    skeleton = load_skeleton(store, manifest, rank, verify=verify)
     keys = set(tensor_refs(skeleton))
     tensors: dict[str, Any] = {}
     if keys:
-        tensors = load_all_tensors(store)
+        tensors = _load_all_tensors_verified(store, manifest, verify=verify)
     missing = keys - set(tensors)
     if missing:
         raise CorruptCheckpointError(
@@ -140,3 +152,19 @@ def load_full_checkpoint(store: Store, *, rank: int = 0, verify: bool = True) ->
     result = merge_checkpoint(skeleton, tensors)
     assert isinstance(result, dict)
     return result
+
+
+def _load_all_tensors_verified(store: Store, manifest: Manifest, *, verify: bool) -> dict[str, Any]:
+    """Every tensor of the shards, each shard file read once (CRC32C on the way)."""
+    data = read_verified_bytes(store, DCP_METADATA_NAME, manifest.files.get(DCP_METADATA_NAME), verify=verify)
+    items = tensor_items(_dcp_metadata_from_bytes(data))
+    if items is None:  # not a layout the one-pass reader knows: DCP's reader, verified first
+        if verify:
+            verify_checkpoint(store, manifest)
+        return load_all_tensors(store)
+    return read_tensors(store, items, manifest.files, verify=verify)
+
+
+def _dcp_metadata_from_bytes(data: bytes) -> Any:
+    """DCP's ``.metadata`` (a pickled ``Metadata``), as ``FsspecReader.read_metadata`` reads it."""
+    return pickle.loads(data)  # the same trust as DCP's own reader; CRC-checked above

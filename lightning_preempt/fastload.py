@@ -1,0 +1,368 @@
+"""One pass over the bytes on load: read each shard file once, straight into the memory
+the tensors will live in, and compute its CRC32C on the way.
+
+``dcp.load`` reads every tensor record into a ``BytesIO`` (copy 1), ``torch.load``s it
+into a new storage (copy 2) and copies that into the destination (copy 3); a separate
+verification pass read every byte before that. Here:
+
+* the DCP ``.metadata`` says where every tensor's ``torch.save`` archive sits in which
+  file; each file is read in order with ``readinto``, each archive into a fresh
+  (64-byte aligned) buffer of its own, so the tensor data (64-byte aligned inside its
+  archive) is viewed in place as its dtype: the tensors *are* the read buffers;
+* the CRC32C of the chunk just read runs on a second thread while the next chunk is
+  read (both release the GIL), so verification costs no extra pass;
+* files are read in parallel (a thread each, up to :data:`MAX_PARALLEL_FILES`);
+* a file whose size or CRC32C disagrees with the manifest raises
+  :class:`CorruptCheckpointError` before any tensor is returned.
+
+Only the tensor records' zip headers are parsed (``zipfile``, no unpickling): DCP's
+metadata already holds each chunk's dtype and size, and our staged buffers are always
+contiguous; an archive whose data record does not match that (never written by us)
+falls back to ``torch.load(weights_only=True)`` on its bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import threading
+import zipfile
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import IO, Any, cast
+
+import torch
+
+from lightning_preempt.checksum import Crc32c
+from lightning_preempt.errors import CorruptCheckpointError
+from lightning_preempt.manifest import FileEntry
+from lightning_preempt.storage import Store
+
+#: Bytes read per ``readinto`` call; the CRC of one chunk overlaps the read of the next.
+CHUNK_BYTES = 16 << 20
+#: Files read at the same time (each file is one sequential stream).
+MAX_PARALLEL_FILES = 4
+
+_CORRUPT_HINT = "This checkpoint is damaged; resume from an older one (auto-resume skips it)."
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorItem:
+    """One tensor chunk's archive in a shard file (from DCP's ``.metadata``)."""
+
+    fqn: str
+    file: str
+    offset: int  # of the archive in the file
+    length: int
+    dtype: torch.dtype
+    chunk_offsets: tuple[int, ...]
+    chunk_sizes: tuple[int, ...]
+    full_size: tuple[int, ...]
+
+
+def tensor_items(metadata: Any) -> list[TensorItem] | None:
+    """Every tensor chunk of ``metadata`` (a DCP ``Metadata``), or ``None`` when it holds
+    anything this reader does not handle (non-tensor entries, transforms such as
+    compression): the caller then takes DCP's own reader."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    items: list[TensorItem] = []
+    for index, info in metadata.storage_data.items():
+        md = metadata.state_dict_metadata.get(index.fqn)
+        if not isinstance(md, TensorStorageMetadata) or getattr(info, "transform_descriptors", None):
+            return None
+        if index.offset is None:
+            chunk_offsets: tuple[int, ...] = (0,) * len(md.size)
+            chunk_sizes: tuple[int, ...] = tuple(md.size)
+        else:
+            chunk_offsets = tuple(index.offset)
+            chunk = next((c for c in md.chunks if tuple(c.offsets) == chunk_offsets), None)
+            if chunk is None:
+                return None
+            chunk_sizes = tuple(chunk.sizes)
+        items.append(
+            TensorItem(
+                fqn=index.fqn,
+                file=info.relative_path,
+                offset=int(info.offset),
+                length=int(info.length),
+                dtype=md.properties.dtype,
+                chunk_offsets=chunk_offsets,
+                chunk_sizes=chunk_sizes,
+                full_size=tuple(md.size),
+            )
+        )
+    return items
+
+
+# ---- reading files, CRC on the way ---------------------------------------------------
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU uint8 tensor, writable, without a copy."""
+    return memoryview(cast(Any, t.numpy())).cast("B")
+
+
+def _by_offset(items: list[TensorItem]) -> list[TensorItem]:
+    return sorted(items, key=lambda i: i.offset)
+
+
+class _CrcPipeline:
+    """CRC32C of a file's chunks, in order, on one helper thread: the reading thread goes
+    on with the next chunk meanwhile (crc32c and readinto both release the GIL)."""
+
+    def __init__(self, pool: ThreadPoolExecutor | None) -> None:
+        self.crc = Crc32c()
+        self._pool = pool
+        self._last: Future[None] | None = None
+        self._lock = threading.Lock()
+
+    def update(self, view: memoryview) -> None:
+        if self._pool is None or view.nbytes < (1 << 20):
+            self._wait()
+            self.crc.update(view)
+            return
+        previous = self._last
+
+        def run() -> None:
+            if previous is not None:
+                previous.result()
+            self.crc.update(view)
+
+        self._last = self._pool.submit(run)
+
+    def _wait(self) -> None:
+        if self._last is not None:
+            self._last.result()
+            self._last = None
+
+    def hexdigest(self) -> str:
+        self._wait()
+        return self.crc.hexdigest()
+
+
+def _open(store: Store, name: str) -> IO[bytes]:
+    if store.is_local:
+        return open(store.path(name), "rb", buffering=0)  # FileIO: readinto straight from the kernel
+    return store.open_read(name)
+
+
+def _read_into(f: IO[bytes], view: memoryview, crc: _CrcPipeline | None) -> int:
+    """Fill ``view`` from ``f`` (chunk by chunk, CRC on the way); returns bytes read."""
+    done = 0
+    readinto = getattr(f, "readinto", None)
+    while done < view.nbytes:
+        part = view[done : done + CHUNK_BYTES]
+        if readinto is not None:
+            n = readinto(part) or 0
+        else:  # a file object without readinto: one extra copy of this chunk
+            data = f.read(part.nbytes)
+            n = len(data)
+            part[:n] = data
+        if n == 0:
+            break
+        if crc is not None:
+            crc.update(part[:n])
+        done += n
+    return done
+
+
+def _read_file(
+    store: Store,
+    name: str,
+    items: list[TensorItem],
+    entry: FileEntry | None,
+    verify: bool,
+    crc_pool: ThreadPoolExecutor | None,
+) -> list[torch.Tensor]:
+    """Read one shard file in order, each archive into a uint8 buffer of its own.
+
+    One buffer per tensor (not per file): a tensor the caller keeps (optimizer state
+    often stays a view of what it was loaded from) then holds only its own bytes.
+    """
+    buffers: list[torch.Tensor] = []
+    crc = _CrcPipeline(crc_pool) if verify else None
+    total = 0
+    try:
+        with _open(store, name) as f:
+            for item in items:
+                if item.offset > total:  # bytes between archives (none in DCP files): CRC them too
+                    total += _read_into(f, memoryview(bytearray(item.offset - total)), crc)
+                if item.offset != total:
+                    break
+                buf = torch.empty(item.length, dtype=torch.uint8)  # the allocator aligns to 64 bytes
+                n = _read_into(f, _bytes_of(buf), crc)
+                buffers.append(buf)
+                total += n
+                if n != item.length:
+                    break
+            else:
+                # trailing bytes the manifest counts but no archive covers
+                rest = (entry.size - total) if entry is not None else 0
+                if rest > 0:
+                    total += _read_into(f, memoryview(bytearray(rest)), crc)
+                total += len(f.read(1))  # a file longer than the manifest says
+    except FileNotFoundError as err:
+        raise CorruptCheckpointError(
+            f"file {name!r} listed in the manifest is missing", path=store.url, hint=_CORRUPT_HINT
+        ) from err
+    check_entry(store, name, entry, total, crc.hexdigest() if crc is not None else None)
+    return buffers
+
+
+def check_entry(store: Store, name: str, entry: FileEntry | None, size: int, crc: str | None) -> None:
+    """Raise :class:`CorruptCheckpointError` when ``size``/``crc`` disagree with ``entry``."""
+    if entry is None:
+        raise CorruptCheckpointError(
+            f"file {name!r} holds tensors but is not listed in the manifest", path=store.url, hint=_CORRUPT_HINT
+        )
+    if size != entry.size:
+        raise CorruptCheckpointError(
+            f"file {name!r} has {size} bytes, the manifest says {entry.size} (truncated?)",
+            path=store.url,
+            hint=_CORRUPT_HINT,
+        )
+    if crc is not None and crc != entry.crc32c:
+        raise CorruptCheckpointError(
+            f"file {name!r} fails its CRC32C check ({crc} != {entry.crc32c})", path=store.url, hint=_CORRUPT_HINT
+        )
+
+
+def read_verified_bytes(store: Store, name: str, entry: FileEntry | None, *, verify: bool) -> bytes:
+    """A small file's bytes (``.metadata``, a skeleton), checked against ``entry`` in the same pass."""
+    try:
+        data = store.read_bytes(name)
+    except FileNotFoundError as err:
+        raise CorruptCheckpointError(
+            f"file {name!r} listed in the manifest is missing", path=store.url, hint=_CORRUPT_HINT
+        ) from err
+    crc = None
+    if verify:
+        c = Crc32c()
+        c.update(data)
+        crc = c.hexdigest()
+    check_entry(store, name, entry, len(data), crc)
+    return data
+
+
+# ---- turning archives into tensors ---------------------------------------------------
+
+
+class _ViewReader(io.RawIOBase):
+    """A seekable read-only file over a memoryview (for ``zipfile``; no copy)."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view = view
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._view.nbytes}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        out = memoryview(b).cast("B")
+        n = max(0, min(out.nbytes, self._view.nbytes - self._pos))
+        out[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+
+def _data_record_offset(archive: memoryview) -> tuple[int, int] | None:
+    """(offset, size) of the single tensor record ``*/data/0`` inside a torch.save archive."""
+    with zipfile.ZipFile(_ViewReader(archive)) as zf:
+        infos = [i for i in zf.infolist() if i.filename.endswith("/data/0")]
+        if len(infos) != 1 or infos[0].compress_type != zipfile.ZIP_STORED:
+            return None
+        info = infos[0]
+    header = archive[info.header_offset : info.header_offset + 30]
+    if bytes(header[:4]) != b"PK\x03\x04":
+        return None
+    name_len = int.from_bytes(header[26:28], "little")
+    extra_len = int.from_bytes(header[28:30], "little")
+    return info.header_offset + 30 + name_len + extra_len, info.file_size
+
+
+def _tensor_from(archive: torch.Tensor, item: TensorItem) -> torch.Tensor:
+    numel = 1
+    for s in item.chunk_sizes:
+        numel *= s
+    nbytes = numel * item.dtype.itemsize
+    found = _data_record_offset(_bytes_of(archive))
+    if found is not None and found[1] == nbytes and found[0] % item.dtype.itemsize == 0:
+        start = found[0]
+        return archive[start : start + nbytes].view(item.dtype).view(item.chunk_sizes)
+    # Not the layout our stager writes: let torch parse it (one copy of this tensor).
+    tensor = torch.load(io.BytesIO(archive.numpy().tobytes()), map_location="cpu", weights_only=True)
+    return tensor.reshape(item.chunk_sizes)
+
+
+def assemble(items: list[TensorItem], chunks: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full tensors from chunks: a whole-tensor chunk is returned as is (no copy); chunks
+    of a sharded tensor (FSDP) are copied into one full tensor."""
+    by_fqn: dict[str, list[tuple[TensorItem, torch.Tensor]]] = {}
+    for item, chunk in zip(items, chunks, strict=True):
+        by_fqn.setdefault(item.fqn, []).append((item, chunk))
+    out: dict[str, torch.Tensor] = {}
+    for fqn, parts in by_fqn.items():
+        item, chunk = parts[0]
+        if len(parts) == 1 and item.chunk_sizes == item.full_size and not any(item.chunk_offsets):
+            out[fqn] = chunk
+            continue
+        full = torch.empty(item.full_size, dtype=item.dtype)
+        for part, data in parts:
+            target = full
+            for dim, (off, size) in enumerate(zip(part.chunk_offsets, part.chunk_sizes, strict=True)):
+                target = target.narrow(dim, off, size)
+            target.copy_(data)
+        out[fqn] = full
+    return out
+
+
+def read_tensors(
+    store: Store,
+    items: list[TensorItem],
+    files: dict[str, FileEntry],
+    *,
+    verify: bool = True,
+    max_parallel_files: int = MAX_PARALLEL_FILES,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Every tensor of ``items`` as a full CPU tensor, each file read once (and verified
+    against ``files`` when ``verify``). Raises :class:`CorruptCheckpointError`."""
+    per_file: dict[str, list[TensorItem]] = {}
+    for item in items:
+        per_file.setdefault(item.file, []).append(item)
+    # Largest first: the longest read starts at once.
+    order = sorted(per_file, key=lambda name: -sum(i.length for i in per_file[name]))
+    workers = max(1, min(max_parallel_files, len(order)))
+    ordered_items: list[TensorItem] = []
+    chunks: list[torch.Tensor] = []
+    with (
+        ThreadPoolExecutor(workers, thread_name_prefix="lp-read") as readers,
+        ThreadPoolExecutor(workers, thread_name_prefix="lp-crc") as crcs,
+    ):
+        futures = {
+            name: readers.submit(
+                _read_file, store, name, _by_offset(per_file[name]), files.get(name), verify, crcs if verify else None
+            )
+            for name in order
+        }
+        for name, fut in futures.items():
+            buffers = fut.result()
+            if progress is not None:
+                progress(name)
+            for item, buf in zip(_by_offset(per_file[name]), buffers, strict=True):
+                ordered_items.append(item)
+                chunks.append(_tensor_from(buf, item))
+    return assemble(ordered_items, chunks)

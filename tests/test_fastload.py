@@ -1,0 +1,149 @@
+"""The one-pass load: tensors are read once, verified on the way, and equal what was saved."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_preempt import fastload
+from lightning_preempt.checkpoint_io import ShardedAsyncCheckpointIO
+from lightning_preempt.errors import CorruptCheckpointError
+from lightning_preempt.reader import load_full_checkpoint
+from lightning_preempt.storage import Store
+
+
+def _checkpoint() -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(64, 33, generator=gen)
+    return {
+        "global_step": 7,
+        "epoch": 1,
+        "state_dict": {
+            "w": weight,
+            "wt": weight.t(),  # non-contiguous view of another tensor
+            "half": torch.randn(5, 3, generator=gen).to(torch.bfloat16),
+            "scalar": torch.tensor(3.5, dtype=torch.float64),
+            "empty": torch.empty(0, 4),
+            "ints": torch.arange(11, dtype=torch.int8),
+        },
+        "optimizer_states": [{"state": {0: {"step": torch.tensor(7.0), "exp_avg": torch.ones(9)}}, "param_groups": []}],
+        "loops": {"step": 7},
+    }
+
+
+def _save(url: str, ckpt: dict[str, Any]) -> None:
+    io = ShardedAsyncCheckpointIO()
+    io.save_checkpoint(ckpt, url)
+    io.wait()
+
+
+def _assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    for key, tensor in a["state_dict"].items():
+        got = b["state_dict"][key]
+        assert got.dtype == tensor.dtype and got.shape == tensor.shape, key
+        assert torch.equal(got, tensor), key
+    state = b["optimizer_states"][0]["state"][0]
+    assert torch.equal(state["exp_avg"], torch.ones(9)) and float(state["step"]) == 7.0
+    assert b["loops"] == {"step": 7} and b["global_step"] == 7
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_one_pass_load_equals_what_was_saved(tmp_url: str, verify: bool) -> None:
+    ckpt = _checkpoint()
+    _save(tmp_url, ckpt)
+    loaded = load_full_checkpoint(Store(tmp_url), verify=verify)
+    _assert_same(ckpt, loaded)
+
+
+def test_one_pass_load_from_memory_store(memory_url: str) -> None:
+    ckpt = _checkpoint()
+    _save(memory_url, ckpt)
+    _assert_same(ckpt, load_full_checkpoint(Store(memory_url)))
+
+
+def test_each_tensor_is_a_view_of_its_own_read_buffer(tmp_url: str) -> None:
+    _save(tmp_url, _checkpoint())
+    loaded = load_full_checkpoint(Store(tmp_url))
+    w, exp_avg = loaded["state_dict"]["w"], loaded["optimizer_states"][0]["state"][0]["exp_avg"]
+    # No copy: the tensor lives in the buffer its archive was read into (header bytes
+    # included), and holds no other tensor's bytes alive (optimizer state is often kept
+    # as the very tensor that was loaded).
+    assert w.numel() * 4 < w.untyped_storage().nbytes() < w.numel() * 4 + 4096
+    assert w.untyped_storage().data_ptr() != exp_avg.untyped_storage().data_ptr()
+
+
+def _shard(url: str) -> str:
+    (name,) = [n for n in os.listdir(url) if n.endswith(".distcp")]
+    return os.path.join(url, name)
+
+
+def test_flipped_byte_in_tensor_data_raises_corrupt(tmp_url: str) -> None:
+    _save(tmp_url, _checkpoint())
+    path = _shard(tmp_url)
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.seek(size // 2)
+        byte = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([byte[0] ^ 0x40]))
+    with pytest.raises(CorruptCheckpointError, match="fails its CRC32C") as info:
+        load_full_checkpoint(Store(tmp_url))
+    assert "HINT:" in str(info.value)
+    # Without verification the damage goes unnoticed (which is why verify is the default).
+    load_full_checkpoint(Store(tmp_url), verify=False)
+
+
+@pytest.mark.parametrize("change", ["truncate", "append"])
+def test_wrong_size_raises_corrupt_even_without_crc(tmp_url: str, change: str) -> None:
+    _save(tmp_url, _checkpoint())
+    path = _shard(tmp_url)
+    size = os.path.getsize(path)
+    if change == "truncate":
+        os.truncate(path, size - 10)
+    else:
+        with open(path, "ab") as f:
+            f.write(b"x")
+    for verify in (True, False):
+        with pytest.raises(CorruptCheckpointError, match="bytes, the manifest says"):
+            load_full_checkpoint(Store(tmp_url), verify=verify)
+
+
+def test_damaged_skeleton_raises_before_unpickling(tmp_url: str) -> None:
+    _save(tmp_url, _checkpoint())
+    path = os.path.join(tmp_url, "state-rank00000.pt")
+    data = bytearray(Path(path).read_bytes())
+    data[-30] ^= 0xFF
+    Path(path).write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match=r"state-rank00000\.pt"):
+        load_full_checkpoint(Store(tmp_url))
+
+
+def test_missing_shard_raises_corrupt(tmp_url: str) -> None:
+    _save(tmp_url, _checkpoint())
+    os.remove(_shard(tmp_url))
+    with pytest.raises(CorruptCheckpointError, match="missing"):
+        load_full_checkpoint(Store(tmp_url))
+
+
+def test_chunks_of_a_sharded_tensor_are_assembled() -> None:
+    full = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    items, chunks = [], []
+    for off in (0, 2, 4):
+        items.append(fastload.TensorItem("t", "f", off, 1, torch.float32, (off, 0), (2, 4), (6, 4)))
+        chunks.append(full[off : off + 2].clone())
+    out = fastload.assemble(items, chunks)
+    assert torch.equal(out["t"], full)
+
+
+def test_small_chunks_pipeline_the_crc(tmp_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Many chunks per file: the CRC thread and the reads interleave; the result is the same.
+    monkeypatch.setattr(fastload, "CHUNK_BYTES", 1 << 20)
+    big = {"global_step": 1, "state_dict": {"a": torch.randn(3 << 20), "b": torch.randn(1000)}, "optimizer_states": []}
+    _save(tmp_url, big)
+    loaded = load_full_checkpoint(Store(tmp_url))
+    assert torch.equal(loaded["state_dict"]["a"], big["state_dict"]["a"])
+    assert torch.equal(loaded["state_dict"]["b"], big["state_dict"]["b"])
