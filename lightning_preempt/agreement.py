@@ -1,7 +1,7 @@
 """When ranks agree on "preempt now?" (and "a time-based save is due?").
 
 Policy on top of :class:`lightning_preempt.dist.FlagAgreement` (the mechanism). Ranks
-exchange ``[signalled, time_due, proposed_k]`` with MAX at optimizer-step boundaries:
+exchange ``[signalled, time_due, stop, proposed_k]`` with MAX at optimizer-step boundaries:
 
 * every ``k`` boundaries, on a schedule all ranks count alike — a rank-local condition
   never decides whether a rank enters the collective (the others would wait forever);
@@ -40,33 +40,43 @@ class AgreementSchedule:
         self._boundaries = 0
         self._times: list[float] = []
 
+    def __getstate__(self) -> dict[str, object]:
+        state = self.__dict__.copy()
+        state["_flags"] = None  # a process group belongs to one fit; setup binds again
+        return state
+
     def bind(self, group: ProcessGroup | None) -> None:
         """Use ``group`` (a gloo group of its own; ``None`` without torch.distributed)."""
-        self._flags = FlagAgreement(group, width=3)
+        self._flags = FlagAgreement(group, width=4)
 
     @property
     def bound(self) -> bool:
         return self._flags is not None
 
-    def at_boundary(self, now: float, signalled: bool, time_due: bool) -> tuple[bool, bool]:
-        """At an optimizer-step boundary: ``(any rank signalled, any rank's save due)``."""
+    def at_boundary(
+        self, now: float, signalled: bool, time_due: bool, stop: bool = False
+    ) -> tuple[bool, bool, bool]:
+        """At an optimizer-step boundary: ``(any rank signalled, any rank's save due, any
+        rank must stop)``. ``stop`` (a failed save, a lost lease) travels in the same
+        exchange as the signal flag."""
         assert self._flags is not None, "bind() first"
         self._boundaries += 1
         proposal = self._calibrate(now)
         if self._boundaries % self.k != 0:
-            return False, False
-        any_signal, any_due, new_k = self._flags.exchange(
-            [int(signalled), int(time_due), proposal], overlap=self.overlap
+            return False, False, False
+        any_signal, any_due, any_stop, new_k = self._flags.exchange(
+            [int(signalled), int(time_due), int(stop), proposal], overlap=self.overlap
         )
         if new_k:
             self.k = new_k
-        return bool(any_signal), bool(any_due)
+        return bool(any_signal), bool(any_due), bool(any_stop)
 
-    def now(self, signalled: bool) -> bool:
-        """Agree synchronously (validation, start-up): did any rank get the signal?"""
+    def now(self, signalled: bool, stop: bool = False) -> tuple[bool, bool]:
+        """Agree synchronously (validation, start-up): ``(any rank signalled, any must stop)``."""
         if self._flags is None:
-            return signalled
-        return bool(self._flags.exchange_now([int(signalled), 0, 0])[0])
+            return signalled, stop
+        agreed = self._flags.exchange_now([int(signalled), 0, int(stop), 0])
+        return bool(agreed[0]), bool(agreed[2])
 
     def flush(self) -> None:
         """Complete an overlapped exchange (every rank, before leaving the loop)."""

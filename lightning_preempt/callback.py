@@ -1,7 +1,10 @@
-"""The Lightning callback: when to save, preemption handling, exit, and auto-resume.
+"""The Lightning callback: a thin set of hooks over the preemption controller, the resume
+resolver and the plugin.
 
-Policy lives here; the mechanism (staging, writing, committing, verifying) lives in
-:class:`ShardedAsyncCheckpointIO` and below. See ``docs/design.md`` for the resume hook.
+Policy lives in :mod:`~lightning_preempt.controller` (sources, agreement, the emergency
+sequence) and :mod:`~lightning_preempt.resume` (which checkpoint to resume from); the
+mechanism (staging, writing, committing, verifying) in :class:`ShardedAsyncCheckpointIO`
+and below. This module maps Lightning's hooks onto them. See ``docs/design.md``.
 """
 
 from __future__ import annotations
@@ -9,8 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
-import subprocess
 import tempfile
 import time
 import uuid
@@ -23,30 +24,62 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from typing_extensions import override
 
+from lightning_preempt import agree
 from lightning_preempt import dist as pdist
-from lightning_preempt.agreement import AgreementSchedule
 from lightning_preempt.checkpoint_io import ShardedAsyncCheckpointIO
-from lightning_preempt.discovery import apply_retention, checkpoint_name, list_checkpoints, newest_valid
-from lightning_preempt.errors import CheckpointError, NotACheckpointError
+from lightning_preempt.config import PreemptionConfig
+from lightning_preempt.controller import Preempted, PreemptionController
+from lightning_preempt.discovery import apply_retention, checkpoint_name, list_checkpoints
+from lightning_preempt.errors import CheckpointError
 from lightning_preempt.exact import STATE_KEY, ExactResume
-from lightning_preempt.grace import GraceCheck, grace_margin
+from lightning_preempt.grace import GraceCheck
+from lightning_preempt.lease import Lease
 from lightning_preempt.manifest import MANIFEST_NAME
+from lightning_preempt.probe import probe_writable
 from lightning_preempt.reporting import SaveReporter, report_resume
+from lightning_preempt.resume import ResumeResolver
 from lightning_preempt.signals import SignalFlag
+from lightning_preempt.sources import PreemptionSource
 from lightning_preempt.storage import Store, join_url
 from lightning_preempt.strategy_hooks import install_collective_saves
-from lightning_preempt.tiers import TwoTier, complete_local_checkpoints, local_dirpath_from_env
+from lightning_preempt.tiers import TwoTier, local_dirpath_from_env
+
+__all__ = ["Preempted", "PreemptionCallback"]
 
 log = logging.getLogger(__name__)
 
-# Lightning warns about "last" checkpoints when an OnExceptionCheckpoint is present and
-# fit() gets no ckpt_path: that is exactly our auto-resume path, so the text misleads.
-warnings.filterwarnings("ignore", message=r".*ckpt_path=None\)` was called without a model.*")
-warnings.filterwarnings("ignore", message=r".*ckpt_path=\"last\"\) is set, but there is no last checkpoint.*")
+def _quiet_resume_warnings() -> None:
+    """Lightning warns about "last" checkpoints whenever an OnExceptionCheckpoint is present
+    and fit() gets no ckpt_path: that is exactly our auto-resume route, so the text misleads.
+    The warnings are raised inside Lightning's ``fit`` before any hook of ours runs, so no
+    ``catch_warnings`` block can scope them; the filters are added when a callback is
+    constructed (never at import; re-adding an identical filter replaces it)."""
+    warnings.filterwarnings("ignore", message=r".*ckpt_path=None\)` was called without a model.*")
+    warnings.filterwarnings("ignore", message=r".*ckpt_path=\"last\"\) is set, but there is no last checkpoint.*")
 
 
-class Preempted(SystemExit):
-    """Raised on every rank after the emergency snapshot; exits with the configured code."""
+class _Runtime:
+    """What one ``fit`` holds and ``teardown`` releases (never pickled)."""
+
+    def __init__(self) -> None:
+        self.groups: list[pdist.ProcessGroup] = []
+        self.agree_group: pdist.ProcessGroup | None = None
+        self.lease: Lease | None = None
+
+    def new_group(self) -> pdist.ProcessGroup | None:
+        group = pdist.new_gloo_group()
+        if group is not None:
+            self.groups.append(group)
+        return group
+
+    def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
+        for group in self.groups:
+            pdist.destroy_group(group)
+        self.groups.clear()
+        self.agree_group = None
 
 
 class PreemptionCallback(OnExceptionCheckpoint):
@@ -54,6 +87,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
 
     Add it with :class:`ShardedAsyncCheckpointIO` to the ``Trainer``; ``trainer.fit(model)``
     then resumes from the newest valid checkpoint in ``dirpath`` on every (re)start.
+    Every argument is validated here (:class:`~lightning_preempt.config.PreemptionConfig`).
 
     Args:
         dirpath: where checkpoints go (any fsspec URL: local path, ``gs://``, ``s3://``…).
@@ -61,10 +95,12 @@ class PreemptionCallback(OnExceptionCheckpoint):
         every_n_seconds: save when this much wall time passed since the last save.
         keep_last_n: committed checkpoints to keep (older ones are deleted after a newer commit).
         signals: signals that mean "preempted" (SLURM can send ``SIGUSR1`` earlier).
-        grace_period_s: time between the signal and SIGKILL; used to warn when a snapshot
-            is projected not to fit.
-        exit_code: process exit code after the snapshot (143 = 128 + SIGTERM).
+        grace_period_s: time between the signal and SIGKILL; bounds the drain and requeue
+            and is used to warn when a snapshot is projected not to fit.
+        exit_code: process exit code after a preemption (143 = 128 + SIGTERM), whatever the
+            snapshot did (the log says which step is safe).
         requeue: run ``scontrol requeue`` on rank 0 before exiting; ``None``: when under SLURM.
+        requeue_timeout_s: the longest ``scontrol`` may take (also bounded by the grace period).
         agree_every_n_steps: how often ranks agree on the signal flag: every N optimizer steps,
             or ``"auto"``: every step while timing the first steps, then about every
             ``agree_interval_s`` (tiny steps would otherwise pay ~1 ms per step for it).
@@ -75,9 +111,15 @@ class PreemptionCallback(OnExceptionCheckpoint):
         save_on_train_end: save the final step when training ends normally.
         storage_options: fsspec options for ``dirpath``.
         local_dirpath: two-tier mode (docs/two-tier.md): commit each checkpoint to this
-            node-local directory first and drain it to ``dirpath`` in the background; resume
-            takes the newest across both. Also settable on the plugin; pass it here too so a
-            checkpoint that only this node's disk holds is found on restart.
+            node-local directory first and drain it to ``dirpath`` in the background.
+        list_retries: attempts to list ``dirpath`` on start before failing (never "start
+            fresh" because a listing failed).
+        list_backoff_s: the first retry delay (doubles per attempt).
+        lease: hold a lease on ``dirpath`` so a second live job cannot write into it.
+        lease_timeout_s: a lease whose heartbeat has not advanced for this long is taken over.
+        probe_storage: at ``setup``, check that every rank can write and list ``dirpath``
+            (and ``local_dirpath``) and fail before step 1 if not.
+        sources: extra preemption sources (:class:`~lightning_preempt.sources.PreemptionSource`).
     """
 
     def __init__(
@@ -91,6 +133,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
         grace_period_s: float = 30.0,
         exit_code: int = 143,
         requeue: bool | None = None,
+        requeue_timeout_s: float = 10.0,
         agree_every_n_steps: int | Literal["auto"] = "auto",
         agree_interval_s: float = 0.25,
         overlap_agreement: bool = True,
@@ -98,45 +141,79 @@ class PreemptionCallback(OnExceptionCheckpoint):
         save_on_train_end: bool = True,
         storage_options: dict[str, Any] | None = None,
         local_dirpath: str | None = None,
+        list_retries: int = 4,
+        list_backoff_s: float = 1.0,
+        lease: bool = True,
+        lease_timeout_s: float = 60.0,
+        probe_storage: bool = True,
+        sources: Sequence[PreemptionSource] = (),
     ) -> None:
-        if not dirpath:
-            raise ValueError(
-                "dirpath must name a directory or URL\nHINT: e.g. dirpath='checkpoints/' or 'gs://bucket/run'."
-            )
-        for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_seconds", every_n_seconds)):
-            if value is not None and value <= 0:
-                raise ValueError(f"{name} must be positive, got {value!r}\nHINT: pass None to disable it.")
-        if keep_last_n < 1:
-            raise ValueError(f"keep_last_n must be >= 1, got {keep_last_n}\nHINT: keep at least the newest checkpoint.")
-        super().__init__(dirpath=str(dirpath).rstrip("/") or str(dirpath))
-        self.dirpath: str = str(dirpath).rstrip("/") or str(dirpath)
-        self.every_n_train_steps = every_n_train_steps
-        self.every_n_seconds = every_n_seconds
-        self.keep_last_n = keep_last_n
-        self.grace_period_s = grace_period_s
-        self.exit_code = exit_code
-        self.requeue = requeue
-        self.agree_every_n_steps = agree_every_n_steps
-        self.agree_interval_s = agree_interval_s
-        self.overlap_agreement = overlap_agreement
-        self.resume = resume
-        self.save_on_train_end = save_on_train_end
-        self.storage_options = dict(storage_options or {})
-        self.local_dirpath = local_dirpath_from_env(local_dirpath)
-        self._last_saved_path: str | None = None
-        self.signal_flag = SignalFlag(signals)
-        self.timeline: list[tuple[str, float]] = []
+        root = str(dirpath).rstrip("/") or str(dirpath) if isinstance(dirpath, (str, os.PathLike)) else dirpath
+        self.config = PreemptionConfig(
+            dirpath=root,  # type: ignore[arg-type]  # validated there
+            every_n_train_steps=every_n_train_steps,
+            every_n_seconds=every_n_seconds,
+            keep_last_n=keep_last_n,
+            signals=signals,  # type: ignore[arg-type]  # resolved and validated there
+            grace_period_s=grace_period_s,
+            exit_code=exit_code,
+            requeue=requeue,
+            requeue_timeout_s=requeue_timeout_s,
+            agree_every_n_steps=agree_every_n_steps,
+            agree_interval_s=agree_interval_s,
+            overlap_agreement=overlap_agreement,
+            resume=resume,
+            save_on_train_end=save_on_train_end,
+            storage_options=dict(storage_options or {}),
+            local_dirpath=local_dirpath_from_env(local_dirpath),
+            list_retries=list_retries,
+            list_backoff_s=list_backoff_s,
+            lease=lease,
+            lease_timeout_s=lease_timeout_s,
+            probe_storage=probe_storage,
+        )
+        _quiet_resume_warnings()
+        super().__init__(dirpath=self.config.dirpath)
+        self.dirpath: str = self.config.dirpath
+        self.storage_options = self.config.storage_options
+        self.local_dirpath = self.config.local_dirpath
+        self.controller = PreemptionController(self.config, sources)
+        self.resolver = ResumeResolver(
+            self.dirpath,
+            self.storage_options,
+            self.local_dirpath,
+            retries=self.config.list_retries,
+            backoff_s=self.config.list_backoff_s,
+        )
+        self.exact = ExactResume()  # RNG, data position, metric states; `.enabled = False` turns it off
         self.resumed_from: str | None = None
-        self._pointer: str | None = None
-        self._agreement = AgreementSchedule(agree_every_n_steps, agree_interval_s, overlap_agreement)
-        self._grace = GraceCheck(grace_period_s)
+        self._grace = GraceCheck(self.config.grace_period_s)
         self._reporter = SaveReporter()
+        self._rt: _Runtime | None = None
+        self._pointer: str | None = None
+        self._last_saved_path: str | None = None
         self._last_save_time = time.monotonic()
         self._last_saved_step: int | None = None
         self._last_seen_step: int | None = None
         self._save_kind = "periodic"
         self._restored_state: dict[str, Any] | None = None
-        self.exact = ExactResume()  # RNG, data position, metric states; `.enabled = False` turns it off
+
+    # ---- views kept for users and tools -----------------------------------------------
+    @property
+    def signal_flag(self) -> SignalFlag:
+        return self.controller.signal_flag
+
+    @property
+    def timeline(self) -> list[tuple[str, float]]:
+        """``(event, time.monotonic())`` of the preemption sequence, in order."""
+        return self.controller.timeline
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Process groups, the lease thread and the resume pointer belong to one fit.
+        state = self.__dict__.copy()
+        state["_rt"] = None
+        state["_pointer"] = None
+        return state
 
     # ---- auto-resume -------------------------------------------------------------------
     @property
@@ -145,21 +222,13 @@ class PreemptionCallback(OnExceptionCheckpoint):
         """Read by Lightning when ``fit()`` gets no ``ckpt_path`` (see docs/design.md).
 
         Returns a local pointer file when ``dirpath`` holds a committed checkpoint; the
-        plugin maps the pointer to the checkpoint all ranks agreed on in :meth:`setup`.
+        plugin maps the pointer to the checkpoint all ranks agreed on in :meth:`setup`. A
+        listing that keeps failing is remembered and raised on every rank in ``setup``.
         """
-        if not self.resume:
+        if not self.config.resume:
             return None
-        # Two tiers: a complete local checkpoint counts (every rank of a one-host job sees it).
-        has_checkpoint = self.local_dirpath is not None and bool(complete_local_checkpoints(self.local_dirpath))
-        try:
-            has_checkpoint = has_checkpoint or any(
-                c.committed for c in list_checkpoints(self.dirpath, self.storage_options)
-            )
-        except (OSError, CheckpointError) as err:
-            log.warning("lightning_preempt: cannot list %s (%s); starting without resume", self.dirpath, err)
-            if not has_checkpoint:
-                return None
-        if not has_checkpoint:
+        probe = self.resolver.probe()
+        if not probe.has_checkpoint:
             return None
         if self._pointer is None:
             fd, self._pointer = tempfile.mkstemp(prefix="lightning_preempt-resume-", suffix=".pointer")
@@ -178,26 +247,52 @@ class PreemptionCallback(OnExceptionCheckpoint):
         if stage != "fit":
             return
         io = self._ensure_plugin(trainer)
-        writer_group = pdist.new_gloo_group()
-        agree_group = pdist.new_gloo_group()
-        self._agreement.bind(agree_group)
+        rt = self._rt = _Runtime()
+        writer_group = rt.new_group()
+        group = rt.agree_group = rt.new_group()
+        self.controller.bind(group)
         install_collective_saves(trainer.strategy, io, writer_group)
-        self._configure_tiers(trainer, io)
-        # Collective on every rank: ranks that disagree on whether to resume would diverge.
-        wants = pdist.all_gather_objects(self._pointer is not None, agree_group)
-        if any(wants) and not all(wants):
-            raise NotACheckpointError(
-                f"ranks disagree on whether {self.dirpath} holds a checkpoint (per rank: {wants})",
-                path=self.dirpath,
-                hint="dirpath must be storage that every rank sees (a shared filesystem or an object store).",
-            )
-        if self._pointer is not None:
-            self._agree_resume_target(trainer, io)
+        self._configure_tiers(trainer, io, rt)
+        if self.config.probe_storage:  # fail before step 1, on every rank alike
+            roots = [(self.dirpath, self.storage_options)]
+            if self.local_dirpath is not None:
+                roots.append((self.local_dirpath, {}))
+
+            def probe() -> None:
+                for url, opts in roots:
+                    probe_writable(url, opts)
+
+            agree.agree(probe, group, what="probing the storage")
+        if self.config.lease:
+            lease = Lease(self.dirpath, self.storage_options, timeout_s=self.config.lease_timeout_s)
+            if trainer.is_global_zero:
+                rt.lease = lease
+
+            def take() -> None:
+                lease.acquire()
+                lease.start_heartbeat()
+
+            agree.decide(take, group, what="taking the lease on dirpath")
+        if self.config.resume and self.resolver.agree_on_probes(group):
+            choice = self.resolver.choose(group, tiers=io.tiers, verify=io.verify_on_load)
+            assert self._pointer is not None
+            # Rank 0 read every file for its CRC32C while choosing: loading need not again.
+            io.alias(self._pointer, choice.path, verified=trainer.is_global_zero and io.verify_on_load)
+            self.resumed_from = choice.path
+            self._last_saved_step = choice.step
+            log.info(
+                "lightning_preempt: resuming from %s (step %d)%s",
+                choice.path, choice.step, f"; skipped {list(choice.skipped)}" if choice.skipped else "",
+            )  # fmt: skip
         self._upload_local_only(trainer, io)
-        newest = next((c for c in list_checkpoints(self.dirpath, self.storage_options) if c.committed), None)
-        self._grace.check_manifest(newest.manifest if newest else None)
+        newest = agree.decide(self._newest_manifest, group, what="reading the newest manifest")
+        self._grace.check_manifest(newest)
         self.signal_flag.clear()
-        self.signal_flag.install()
+        self.controller.start()
+
+    def _newest_manifest(self) -> Any:
+        newest = next((c for c in list_checkpoints(self.dirpath, self.storage_options) if c.committed), None)
+        return newest.manifest if newest is not None else None
 
     def _ensure_plugin(self, trainer: pl.Trainer) -> ShardedAsyncCheckpointIO:
         io = trainer.strategy.checkpoint_io
@@ -213,45 +308,11 @@ class PreemptionCallback(OnExceptionCheckpoint):
             "HINT: pass plugins=[ShardedAsyncCheckpointIO()] to the Trainer (and remove other CheckpointIO plugins)."
         )
 
-    def _agree_resume_target(self, trainer: pl.Trainer, io: ShardedAsyncCheckpointIO) -> None:
-        skipped: list[str] = []
-
-        def note(info: Any, reason: str) -> None:
-            skipped.append(f"{info.name}: {reason}")
-            log.warning("lightning_preempt: skipping checkpoint %s (step %d): %s", info.path, info.step, reason)
-
-        chosen = None
-        if trainer.is_global_zero:
-            if io.tiers is not None:  # newest across both tiers; local wins a tie
-                info = io.tiers.newest(verify=io.verify_on_load, on_skip=note)
-            else:
-                info = newest_valid(self.dirpath, self.storage_options, verify=io.verify_on_load, on_skip=note)
-            chosen = (info.path, info.step) if info is not None else None
-        chosen = trainer.strategy.broadcast(chosen, src=0)  # one rank decides, the rest follow
-        assert self._pointer is not None
-        if chosen is None:
-            raise NotACheckpointError(
-                "every checkpoint found is uncommitted or corrupt",
-                path=self.dirpath,
-                hint="Inspect them with `lightning-preempt ls --verify DIR`; delete the damaged ones "
-                "(or pass ckpt_path explicitly) and restart.",
-            )
-        path, step = chosen
-        # Rank 0 read every file for its CRC32C while choosing: loading need not again.
-        io.alias(self._pointer, path, verified=trainer.is_global_zero and io.verify_on_load)
-        self.resumed_from = path
-        self._last_saved_step = step
-        log.info(
-            "lightning_preempt: resuming from %s (step %d)%s", path, step, f"; skipped {skipped}" if skipped else ""
-        )
-
     @override
     def state_dict(self) -> dict[str, Any]:
         """Saved in every checkpoint: why it was taken (read back to report steps lost)."""
-        return {
-            "kind": self._save_kind,
-            "signal": self.signal_flag.received.name if self.signal_flag.received else None,
-        }
+        notice = self.controller.notice
+        return {"kind": self._save_kind, "signal": notice.source if notice is not None else None}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -260,19 +321,19 @@ class PreemptionCallback(OnExceptionCheckpoint):
     # ---- training-time hooks -----------------------------------------------------------
     @override
     def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.signal_flag.install()  # Lightning installed its own handler just before the run stage
+        self.controller.start()  # Lightning installed its own handler just before the run stage
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.signal_flag.install()
+        self.controller.start()
         self._last_save_time = time.monotonic()
         self._last_seen_step = trainer.global_step
         if self._last_saved_step is None and trainer.global_step > 0:
             self._last_saved_step = trainer.global_step  # resumed from an explicit ckpt_path
             self._warn_about_newer_checkpoints(trainer)
-        # A signal that arrived during start-up or restore: nothing new to save.
         report_resume(trainer, self._restored_state)
-        self._check_signal(trainer)
+        # A signal that arrived during start-up or restore: nothing new to save.
+        self._check_now(trainer)
         self.exact.on_train_start(trainer, pl_module)  # last: restores RNG just before the first fetch
 
     @override
@@ -280,18 +341,22 @@ class PreemptionCallback(OnExceptionCheckpoint):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self.exact.on_train_batch_end(trainer)
-        self._reporter.report(trainer, self._plugin(trainer).history)
+        io = self._plugin(trainer)
+        self._reporter.report(trainer, io.history)
         step = trainer.global_step
         if step == self._last_seen_step:
             return  # mid gradient-accumulation: no optimizer step happened, nothing to snapshot
         self._last_seen_step = step
         now = time.monotonic()
-        local_due = self.every_n_seconds is not None and now - self._last_save_time >= self.every_n_seconds
-        signalled, time_due = self._agreement.at_boundary(now, self.signal_flag.is_set, local_due)
-        if signalled:
+        every_s = self.config.every_n_seconds
+        local_due = every_s is not None and now - self._last_save_time >= every_s
+        decision = self.controller.at_boundary(now, save_due=local_due, stop=self._must_stop(io))
+        if decision.stop:
+            self._stop(trainer, io)
+        if decision.preempt:
             self._emergency(trainer)
-        step_due = self.every_n_train_steps is not None and step % self.every_n_train_steps == 0
-        if step_due or time_due:
+        every_n = self.config.every_n_train_steps
+        if (every_n is not None and step % every_n == 0) or decision.save_due:
             self._save(trainer)
 
     @override
@@ -305,14 +370,15 @@ class PreemptionCallback(OnExceptionCheckpoint):
         dataloader_idx: int = 0,
     ) -> None:
         # Validation and the sanity check can be long: agree here too.
-        self._check_signal(trainer)
+        self._check_now(trainer)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._agreement.flush()  # every rank completes its overlapped exchange
-        if self.save_on_train_end and trainer.global_step != self._last_saved_step and trainer.global_step > 0:
+        self.controller.flush()  # every rank completes its overlapped exchange
+        step = trainer.global_step
+        if self.config.save_on_train_end and step != self._last_saved_step and step > 0:
             self._save(trainer, kind="final")
-        self._plugin(trainer).wait()
+        self._wait_agreed(trainer)
         self._reporter.report(trainer, self._plugin(trainer).history)
 
     @override
@@ -331,7 +397,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # Unlike OnExceptionCheckpoint we save nothing here: after an arbitrary error the
         # state may be inconsistent. We only make sure committed saves are complete.
-        self.signal_flag.restore()
+        self.controller.stop()
         if isinstance(exception, Preempted):
             return
         with contextlib.suppress(Exception):
@@ -339,7 +405,10 @@ class PreemptionCallback(OnExceptionCheckpoint):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self.signal_flag.restore()
+        self.controller.stop()
+        if self._rt is not None:
+            self._rt.release()
+            self._rt = None
         if self._pointer is not None:
             with contextlib.suppress(OSError):
                 os.unlink(self._pointer)
@@ -351,8 +420,29 @@ class PreemptionCallback(OnExceptionCheckpoint):
         assert isinstance(io, ShardedAsyncCheckpointIO)
         return io
 
-    def _check_signal(self, trainer: pl.Trainer) -> None:
-        if self._agreement.bound and self._agreement.now(self.signal_flag.is_set):
+    def _group(self) -> pdist.ProcessGroup | None:
+        return self._rt.agree_group if self._rt is not None else None
+
+    def _must_stop(self, io: ShardedAsyncCheckpointIO) -> bool:
+        """This rank's reason to stop training: its save failed, or the lease was lost."""
+        lease = self._rt.lease if self._rt is not None else None
+        return io.pending_failed() or (lease is not None and lease.lost)
+
+    def _stop(self, trainer: pl.Trainer, io: ShardedAsyncCheckpointIO) -> None:
+        """Every rank raises the same error: the lease's, else the failed save's."""
+        lease = self._rt.lease if self._rt is not None else None
+        agree.decide(lambda: lease.check() if lease is not None else None, self._group(), what="holding the lease")
+        self._wait_agreed(trainer)
+
+    def _wait_agreed(self, trainer: pl.Trainer) -> None:
+        """Wait for pending saves; a failure on any rank raises on every rank."""
+        agree.agree(self._plugin(trainer).wait, self._group(), what="saving the checkpoint")
+
+    def _check_now(self, trainer: pl.Trainer) -> None:
+        if not self.controller.schedule.bound:
+            return
+        decision = self.controller.now()
+        if decision.preempt:
             self._emergency(trainer)
 
     def _save(self, trainer: pl.Trainer, kind: str = "periodic") -> None:
@@ -369,62 +459,70 @@ class PreemptionCallback(OnExceptionCheckpoint):
         if trainer.is_global_zero and io.tiers is None:  # two tiers: each drain job applies retention per tier
             # Queued behind the save: runs after it committed (or failed; then the old
             # checkpoints are still the newest committed and are kept).
-            io.submit(lambda: apply_retention(self.dirpath, self.keep_last_n, self.storage_options))
+            io.submit(self._retention)
         self._grace.check_records(io.history[:-1])
+
+    def _retention(self) -> None:
+        try:
+            apply_retention(self.dirpath, self.config.keep_last_n, self.storage_options)
+        except Exception as err:  # the checkpoints stay; the next save's retention tries again
+            log.warning(
+                "lightning_preempt: retention in %s failed (%s: %s)\nHINT: older checkpoints were kept; check "
+                "that the storage allows deletes. The next save retries.",
+                self.dirpath, type(err).__name__, err,
+            )  # fmt: skip
 
     def _fresh_path(self, trainer: pl.Trainer, step: int) -> str:
         """``dirpath/step-N``, or a suffixed sibling when a committed ``step-N`` exists (a run
         resumed from an older checkpoint re-reaches a step). Rank 0 decides for all ranks."""
         path = join_url(self.dirpath, checkpoint_name(step))
-        if trainer.is_global_zero and self._taken(trainer, path):
-            path = f"{path}-{uuid.uuid4().hex[:8]}"
-        return str(trainer.strategy.broadcast(path, src=0))
 
-    def _mark(self, event: str) -> None:
-        origin = self.signal_flag.received_at
-        now = time.monotonic()
-        self.timeline.append((event, now))
-        since = f"{now - origin:.3f}s after the signal" if origin is not None else "no local signal"
-        log.warning("lightning_preempt: [preemption] %s (%s)", event, since)
+        def pick() -> str:
+            return f"{path}-{uuid.uuid4().hex[:8]}" if self._taken(trainer, path) else path
+
+        return agree.decide(pick, self._group(), what="choosing the checkpoint path")
 
     def _emergency(self, trainer: pl.Trainer) -> None:
-        self._mark(f"ranks agreed to preempt at step {trainer.global_step}")
-        self._agreement.flush()
         io = self._plugin(trainer)
-        try:
-            io.wait()  # an in-flight periodic save is not lost: let it commit first
-        except CheckpointError as err:
-            log.error("lightning_preempt: the in-flight save failed (%s); snapshotting anyway", err)
-            self._last_saved_step = None
         step = trainer.global_step
-        if step == self._last_saved_step or step == 0:
-            self._mark(f"step {step} is already committed; no snapshot needed")
-        else:
-            self._save(trainer, kind="emergency")
-            self._mark(f"staged step {step}")
-            io.wait()
-            self._mark(f"committed step {step}")
-        held = self._drain_within_grace(trainer, io, step)
-        self._maybe_requeue(trainer)
-        self._mark(f"exiting with code {self.exit_code}{held}")
-        raise Preempted(self.exit_code)
 
-    def _maybe_requeue(self, trainer: pl.Trainer) -> None:
-        job = os.environ.get("SLURM_JOB_ID")
-        wanted = self.requeue if self.requeue is not None else job is not None
-        if not wanted or not trainer.is_global_zero or job is None:
-            return
-        if shutil.which("scontrol") is None:
-            log.warning("lightning_preempt: requeue requested but `scontrol` is not on PATH")
-            return
-        result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=20, check=False)
-        level = logging.INFO if result.returncode == 0 else logging.ERROR
-        log.log(level, "lightning_preempt: scontrol requeue %s -> %d %s", job, result.returncode, result.stderr.strip())
+        def snapshot() -> None:
+            try:
+                self._wait_agreed(trainer)  # an in-flight periodic save is not lost: let it commit first
+            except CheckpointError as err:
+                log.error("lightning_preempt: the in-flight save failed (%s); snapshotting anyway", err)
+                self._last_saved_step = None
+            if step == self._last_saved_step or step == 0:
+                self.controller.mark(f"step {step} is already committed; no snapshot needed")
+                return
+            self._save(trainer, kind="emergency")
+            self.controller.mark(f"staged step {step}")
+            self._wait_agreed(trainer)
+            self.controller.mark(f"committed step {step}")
+
+        def drain(budget: float) -> str:
+            return self._drain_within_grace(trainer, io, step, budget)
+
+        self.controller.emergency(
+            step, snapshot=snapshot, drain=drain, safe_step=lambda: self._safe_step(io), leader=trainer.is_global_zero
+        )
+
+    def _safe_step(self, io: ShardedAsyncCheckpointIO) -> str:
+        done = [r for r in io.history if r.committed_s is not None and r.error is None]
+        if done:
+            return f"step {done[-1].step} ({done[-1].path})"
+        if self.resumed_from is not None:
+            return f"step {self._last_saved_step} ({self.resumed_from}, the checkpoint this run resumed from)"
+        return "no checkpoint of this run committed (the newest in dirpath, if any)"
 
     def _warn_about_newer_checkpoints(self, trainer: pl.Trainer) -> None:
         if not trainer.is_global_zero:
             return
-        newer = [c.step for c in list_checkpoints(self.dirpath, self.storage_options) if c.committed]
+        try:
+            newer = [c.step for c in list_checkpoints(self.dirpath, self.storage_options) if c.committed]
+        except Exception as err:  # a warning only: never let it stop training
+            log.warning("lightning_preempt: cannot list %s to compare steps: %s", self.dirpath, err)
+            return
         if newer and max(newer) > trainer.global_step:
             warnings.warn(
                 f"lightning_preempt: resumed from step {trainer.global_step} but {self.dirpath} holds a newer "
@@ -434,7 +532,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
             )
 
     # ---- two tiers ---------------------------------------------------------------------
-    def _configure_tiers(self, trainer: pl.Trainer, io: ShardedAsyncCheckpointIO) -> None:
+    def _configure_tiers(self, trainer: pl.Trainer, io: ShardedAsyncCheckpointIO, rt: _Runtime) -> None:
         """Tell the plugin the remote root and retention; give its drain thread a gloo group."""
         if self.local_dirpath is not None and io.tiers is None:
             io.tiers = TwoTier(self.local_dirpath, io.storage_options)
@@ -447,9 +545,9 @@ class PreemptionCallback(OnExceptionCheckpoint):
             )
         if io.tiers is None:
             return
-        drain_group = pdist.new_gloo_group()  # collective: every rank configures tiers alike
+        drain_group = rt.new_group()  # collective: every rank configures tiers alike
         collective = pdist.is_distributed() and io._group is not None
-        io.set_tiers(self.dirpath, keep_last_n=self.keep_last_n, group=drain_group if collective else None)
+        io.set_tiers(self.dirpath, keep_last_n=self.config.keep_last_n, group=drain_group if collective else None)
 
     def _upload_local_only(self, trainer: pl.Trainer, io: ShardedAsyncCheckpointIO) -> None:
         """Queue the upload of the newest checkpoint that only this node's disk holds (before
@@ -480,17 +578,13 @@ class PreemptionCallback(OnExceptionCheckpoint):
         local = tiers.local_twin(path)  # the training thread touches only the local disk
         return local is not None and tiers.committed(local)
 
-    def _drain_within_grace(self, trainer: pl.Trainer, io: ShardedAsyncCheckpointIO, step: int) -> str:
-        """Two tiers: drain for what the grace period leaves; returns "; step N held by …"."""
+    def _drain_within_grace(self, trainer: pl.Trainer, io: ShardedAsyncCheckpointIO, step: int, budget: float) -> str:
+        """Two tiers: drain for ``budget`` seconds; returns "; step N held by …"."""
         if io.tiers is None:
             return ""
-        origin = self.signal_flag.received_at or time.monotonic()
-        # Keep the same margin as the grace warning: the process must still tear down and
-        # exit with exit_code before SIGKILL (a drain cut short leaves no remote manifest).
-        budget = self.grace_period_s - grace_margin(self.grace_period_s) - (time.monotonic() - origin)
-        self._mark(f"draining step {step} to {self.dirpath} for at most {max(budget, 0.0):.1f}s")
-        finished = io.wait_drained(max(budget, 0.0))
-        self._mark("drained" if finished else "drain did not finish within the grace period")
+        self.controller.mark(f"draining step {step} to {self.dirpath} for at most {budget:.1f}s")
+        finished = io.wait_drained(budget)
+        self.controller.mark("drained" if finished else "drain did not finish within the grace period")
         if not trainer.is_global_zero or self._last_saved_path is None:
             return ""
         held = io.tiers.holders(self._last_saved_path)

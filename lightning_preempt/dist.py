@@ -6,6 +6,7 @@ gloo group and never touch the training group (mixing threads on one group deadl
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from typing import Any
 
@@ -32,6 +33,14 @@ def new_gloo_group(timeout_s: float = 600.0) -> ProcessGroup | None:
     if not is_distributed():
         return None
     return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def destroy_group(group: ProcessGroup | None) -> None:
+    """Release a group made by :func:`new_gloo_group` (local; safe after the default group is gone)."""
+    if group is None or not is_distributed():
+        return
+    with contextlib.suppress(RuntimeError, ValueError):  # already destroyed with the default group
+        dist.destroy_process_group(group)
 
 
 def all_gather_objects(obj: Any, group: ProcessGroup | None) -> list[Any]:

@@ -37,7 +37,9 @@ class Notice:
 class PreemptionSource(Protocol):
     """The interface every source implements (see the module docstring for the call order)."""
 
-    name: str
+    @property
+    def name(self) -> str:
+        """A short name for logs (``"signal"``, ``"aws"``…)."""
 
     def start(self) -> None:
         """Begin watching (install handlers, start a poller thread)."""
