@@ -299,6 +299,11 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         """Run ``job`` on the writer thread after every pending save and delete."""
         return self._writer.submit(job)
 
+    def pending_failed(self) -> bool:
+        """Whether the save in flight already failed (non-blocking; polled at step boundaries)."""
+        pending = self._pending
+        return pending is not None and pending.done() and pending.exception() is not None
+
     def wait(self) -> Manifest | None:
         """Block until every pending save is committed; re-raise a writer error once."""
         pending = self._pending
