@@ -9,12 +9,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from lightning_preempt.errors import CheckpointError, UnsupportedFormatError
 from lightning_preempt.manifest import MANIFEST_NAME, Manifest
-from lightning_preempt.reader import read_manifest, verify_checkpoint
+from lightning_preempt.reader import Verify, check_checkpoint, read_manifest
 from lightning_preempt.storage import Store
 
 log = logging.getLogger(__name__)
@@ -101,10 +101,17 @@ def newest_valid(
     url: str,
     storage_options: dict[str, Any] | None = None,
     *,
-    verify: bool = True,
+    verify: Verify = True,
     on_skip: Callable[[CheckpointInfo, str], None] | None = None,
+    exclude: Collection[str] = (),
 ) -> CheckpointInfo | None:
     """The newest committed checkpoint under ``url`` whose files verify, or ``None``.
+
+    ``verify``: ``True`` reads every file for its CRC32C; ``"sizes"`` only checks that
+    every file exists with its size (one listing) and leaves the CRC32C to the load
+    (:func:`~lightning_preempt.reader.load_full_checkpoint` raises
+    :class:`CorruptCheckpointError`; call again with the failed path in ``exclude`` to
+    fall back to the next one).
 
     Each skipped candidate (uncommitted, unreadable manifest, failed checksum) is reported
     to ``on_skip`` (default: a warning naming it and the reason). A checkpoint written by a
@@ -119,12 +126,15 @@ def newest_valid(
                 path=info.path,
                 hint="Upgrade lightning_preempt to resume from it, or pass an older ckpt_path explicitly.",
             )
+        if info.path in exclude:
+            report(info, "failed its check while loading")
+            continue
         if not info.committed:
             report(info, info.problem or "not committed")
             continue
         if verify:
             try:
-                verify_checkpoint(Store(info.path, storage_options), info.manifest)
+                check_checkpoint(Store(info.path, storage_options), info.manifest, verify=verify)
             except CheckpointError as err:
                 report(info, str(err).splitlines()[0])
                 continue

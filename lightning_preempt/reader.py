@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import io
 import logging
-import pickle
+import posixpath
 from collections.abc import Callable
-from typing import Any
-
-import torch
+from typing import Any, Literal
 
 from lightning_preempt.checksum import Crc32c
 from lightning_preempt.commit import STATE_FILE
@@ -16,7 +13,9 @@ from lightning_preempt.dcp_storage import DCP_METADATA_NAME, load_all_tensors, l
 from lightning_preempt.errors import CorruptCheckpointError, NotACheckpointError
 from lightning_preempt.fastload import read_tensors, read_verified_bytes, tensor_items
 from lightning_preempt.format import merge_checkpoint, tensor_refs
-from lightning_preempt.manifest import MANIFEST_NAME, Manifest
+from lightning_preempt.layout import data_store
+from lightning_preempt.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest
+from lightning_preempt.safe_load import apply_map_location, check_dcp_metadata, load_state_bytes, unpickle_dcp_metadata
 from lightning_preempt.storage import Store
 
 log = logging.getLogger(__name__)
@@ -27,7 +26,9 @@ _CHUNK = 8 << 20
 def read_manifest(store: Store) -> Manifest:
     """The committed manifest of ``store``; raises :class:`NotACheckpointError` without one."""
     try:
-        data = store.read_bytes(MANIFEST_NAME)
+        # a regular file, not through a symlink, size-capped: a FIFO or /dev/zero named
+        # manifest.json must neither hang nor exhaust memory (docs/security.md)
+        data = store.read_regular(MANIFEST_NAME, MAX_MANIFEST_BYTES)
     except FileNotFoundError as err:
         raise NotACheckpointError(
             "no committed checkpoint here: manifest.json is missing",
@@ -35,7 +36,7 @@ def read_manifest(store: Store) -> Manifest:
             hint="A directory without a manifest is a partial (uncommitted) save. Pass the path of a "
             "committed checkpoint, or its parent directory to take the newest valid one.",
         ) from err
-    return Manifest.from_json(data, path=store.url)
+    return parse_manifest(data, path=store.url)  # schema and file names checked
 
 
 def verify_checkpoint(
@@ -46,11 +47,12 @@ def verify_checkpoint(
     ``progress`` is called with the bytes read so far (for progress bars).
     """
     manifest = manifest or read_manifest(store)
+    files = data_store(store, manifest)  # a replaced checkpoint's files live in its generation dir
     for name, entry in sorted(manifest.files.items()):
         crc = Crc32c()
         try:
-            with store.open_read(name) as f:
-                while chunk := f.read(_CHUNK):
+            with files.open_read(name) as f:
+                while crc.nbytes <= entry.size and (chunk := f.read(_CHUNK)):  # stop past the size
                     crc.update(chunk)
                     if progress is not None:
                         progress(len(chunk))
@@ -76,18 +78,85 @@ def verify_checkpoint(
 _CORRUPT_HINT = "This checkpoint is damaged; resume from an older one (auto-resume skips it)."
 
 
-def load_skeleton(store: Store, manifest: Manifest, rank: int, *, verify: bool = False) -> Any:
+#: How much a candidate is checked before it is chosen: ``True`` reads every file for
+#: its CRC32C, ``"sizes"`` only lists the files (existence and size; the CRC32C is then
+#: checked by the one-pass load itself), ``False`` checks nothing beyond the manifest.
+Verify = bool | Literal["sizes"]
+
+
+def check_sizes(store: Store, manifest: Manifest | None = None) -> Manifest:
+    """Every file the manifest lists exists with its size: one listing, no data read.
+
+    The cheap check for choosing a resume target; a truncated or missing file is the
+    common damage (a copy that stopped), a flipped bit is caught later by the load.
+    """
+    manifest = manifest or read_manifest(store)
+    store.invalidate_cache()
+    try:
+        listing = store.fs.ls(store.path(), detail=True)
+    except FileNotFoundError:
+        listing = []
+    sizes = {posixpath.basename(str(e["name"]).rstrip("/")): e.get("size") for e in listing}
+    for name, entry in sorted(manifest.files.items()):
+        size = sizes.get(name)
+        if size is None and name not in sizes:
+            raise CorruptCheckpointError(
+                f"file {name!r} listed in the manifest is missing", path=store.url, hint=_CORRUPT_HINT
+            )
+        if size is None:
+            size = store.size(name)
+        if int(size) != entry.size:
+            raise CorruptCheckpointError(
+                f"file {name!r} has {size} bytes, the manifest says {entry.size} (truncated?)",
+                path=store.url,
+                hint=_CORRUPT_HINT,
+            )
+    return manifest
+
+
+def check_checkpoint(store: Store, manifest: Manifest | None = None, *, verify: Verify = True) -> Manifest:
+    """:func:`verify_checkpoint` (``True``), :func:`check_sizes` (``"sizes"``) or only the manifest."""
+    if verify == "sizes":
+        return check_sizes(store, manifest)
+    if verify:
+        return verify_checkpoint(store, manifest)
+    return manifest or read_manifest(store)
+
+
+def load_skeleton(
+    store: Store,
+    manifest: Manifest,
+    rank: int,
+    *,
+    verify: bool = False,
+    trusted: bool = False,
+    map_location: Any = None,
+) -> Any:
     """The non-tensor state saved by ``rank`` (rank 0's when this rank did not exist then).
 
     ``verify``: check its size and CRC32C against the manifest in the same read.
+    Unpickled with ``weights_only=True`` and this package's allow-list unless ``trusted``
+    (:mod:`lightning_preempt.safe_load`); ``map_location`` as ``torch.load`` takes it.
     """
     name = STATE_FILE.format(rank=rank)
     if name not in manifest.files:
         name = STATE_FILE.format(rank=0)
-    data = read_verified_bytes(store, name, manifest.files.get(name), verify=verify)
-    # The skeleton holds arbitrary Lightning state (hparams, callback state): like a
-    # Lightning .ckpt it needs full unpickling; its bytes were CRC-checked above.
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    data = read_verified_bytes(data_store(store, manifest), name, manifest.files.get(name), verify=verify)
+    # Storage is shared: a CRC proves integrity, not who wrote it. No code runs from it
+    # unless the user opted in (docs/security.md).
+    return load_state_bytes(data, path=store.url, trusted=trusted, map_location=map_location)
+
+
+def check_files(store: Store, manifest: Manifest) -> None:
+    """Without verification, still insist (cheaply, no data read) that every listed file
+    is a regular file of its size, not a symlink, FIFO or device (local disk)."""
+    for name, entry in sorted(manifest.files.items()):
+        try:
+            store.check_regular(name, entry.size)
+        except FileNotFoundError as err:
+            raise CorruptCheckpointError(
+                f"file {name!r} listed in the manifest is missing", path=store.url, hint=_CORRUPT_HINT
+            ) from err
 
 
 def load_sharded_checkpoint(
@@ -97,15 +166,18 @@ def load_sharded_checkpoint(
     rank: int,
     verify: bool = True,
     process_group: Any = None,
+    trusted: bool = False,
 ) -> dict[str, Any]:
     """Load into ``templates`` (flat ``{key: tensor | DTensor}``, as :func:`split_checkpoint`
     makes them from the *current* model and optimizers) in place, resharding to the current
     world size, and return the Lightning checkpoint dict around them.
 
-    Collective: every rank of ``process_group`` calls it.
+    Collective: every rank of ``process_group`` calls it. ``trusted``: see :func:`load_skeleton`.
     """
     manifest = verify_checkpoint(store) if verify else read_manifest(store)
-    skeleton = load_skeleton(store, manifest, rank)
+    if not verify:
+        check_files(data_store(store, manifest), manifest)
+    skeleton = load_skeleton(store, manifest, rank, trusted=trusted)
     missing = set(templates) - set(tensor_refs(skeleton))
     if missing:
         raise CorruptCheckpointError(
@@ -113,7 +185,7 @@ def load_sharded_checkpoint(
             path=store.url,
             hint="Resume with the model and optimizers that wrote this checkpoint.",
         )
-    load_tensors_into(store, templates, process_group=process_group)
+    load_tensors_into(data_store(store, manifest), templates, process_group=process_group, manifest=manifest)
     loaded = dict(templates)
     result = merge_checkpoint(skeleton, _FallbackDict(loaded))
     assert isinstance(result, dict)
@@ -127,8 +199,12 @@ class _FallbackDict(dict):  # type: ignore[type-arg]
         return None
 
 
-def load_full_checkpoint(store: Store, *, rank: int = 0, verify: bool = True) -> dict[str, Any]:
-    """The complete Lightning checkpoint dict, with full (unsharded) CPU tensors.
+def load_full_checkpoint(
+    store: Store, *, rank: int = 0, verify: bool = True, trusted: bool = False, map_location: Any = None
+) -> dict[str, Any]:
+    """The complete Lightning checkpoint dict, with full (unsharded) tensors on CPU, or
+    where ``map_location`` (as ``torch.load`` takes it) sends them. ``trusted``: see
+    :func:`load_skeleton`.
 
     One pass over the bytes (:mod:`lightning_preempt.fastload`): every file this rank
     reads (its skeleton, ``.metadata``, the shards) is checked against the manifest's
@@ -137,11 +213,13 @@ def load_full_checkpoint(store: Store, *, rank: int = 0, verify: bool = True) ->
     anything: the caller can fall back to an older checkpoint.
     """
     manifest = read_manifest(store)
-    skeleton = load_skeleton(store, manifest, rank, verify=verify)
+    if not verify:
+        check_files(data_store(store, manifest), manifest)
+    skeleton = load_skeleton(store, manifest, rank, verify=verify, trusted=trusted, map_location=map_location)
     keys = set(tensor_refs(skeleton))
     tensors: dict[str, Any] = {}
     if keys:
-        tensors = _load_all_tensors_verified(store, manifest, verify=verify)
+        tensors = apply_map_location(_load_all_tensors_verified(store, manifest, verify=verify), map_location)
     missing = keys - set(tensors)
     if missing:
         raise CorruptCheckpointError(
@@ -156,15 +234,19 @@ def load_full_checkpoint(store: Store, *, rank: int = 0, verify: bool = True) ->
 
 def _load_all_tensors_verified(store: Store, manifest: Manifest, *, verify: bool) -> dict[str, Any]:
     """Every tensor of the shards, each shard file read once (CRC32C on the way)."""
-    data = read_verified_bytes(store, DCP_METADATA_NAME, manifest.files.get(DCP_METADATA_NAME), verify=verify)
-    items = tensor_items(_dcp_metadata_from_bytes(data))
+    files = data_store(store, manifest)
+    data = read_verified_bytes(files, DCP_METADATA_NAME, manifest.files.get(DCP_METADATA_NAME), verify=verify)
+    items = tensor_items(_dcp_metadata_from_bytes(data, store, manifest))
     if items is None:  # not a layout the one-pass reader knows: DCP's reader, verified first
         if verify:
             verify_checkpoint(store, manifest)
-        return load_all_tensors(store)
-    return read_tensors(store, items, manifest.files, verify=verify)
+        return load_all_tensors(files, manifest=manifest)
+    return read_tensors(files, items, manifest.files, verify=verify)
 
 
-def _dcp_metadata_from_bytes(data: bytes) -> Any:
-    """DCP's ``.metadata`` (a pickled ``Metadata``), as ``FsspecReader.read_metadata`` reads it."""
-    return pickle.loads(data)  # the same trust as DCP's own reader; CRC-checked above
+def _dcp_metadata_from_bytes(data: bytes, store: Store, manifest: Manifest) -> Any:
+    """DCP's ``.metadata`` (a pickled ``Metadata``) through the restricted unpickler, checked
+    to describe only tensors in byte ranges of the manifest's shard files (docs/security.md)."""
+    metadata = unpickle_dcp_metadata(data, path=store.url)
+    check_dcp_metadata(metadata, path=store.url, manifest=manifest)
+    return metadata

@@ -48,7 +48,7 @@ from lightning_preempt.errors import (
     NotACheckpointError,
 )
 from lightning_preempt.manifest import MANIFEST_NAME, Manifest
-from lightning_preempt.reader import verify_checkpoint
+from lightning_preempt.reader import Verify, check_checkpoint
 from lightning_preempt.storage import Store, join_url
 from lightning_preempt.writer import BackgroundWriter
 
@@ -475,7 +475,7 @@ class TwoTier:
         return out
 
     def newest(
-        self, *, verify: bool, on_skip: Callable[[CheckpointInfo, str], None] | None = None
+        self, *, verify: Verify, on_skip: Callable[[CheckpointInfo, str], None] | None = None
     ) -> CheckpointInfo | None:
         """The newest valid checkpoint across both tiers; local wins a tie. The remote tier
         is verified only when it may hold something newer than the local one."""
@@ -490,7 +490,7 @@ class TwoTier:
                     continue
                 if verify:
                     try:
-                        verify_checkpoint(Store(info.path), info.manifest)
+                        check_checkpoint(Store(info.path), info.manifest, verify=verify)
                     except CheckpointError as err:
                         skip(info, str(err).splitlines()[0])
                         continue

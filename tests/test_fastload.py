@@ -147,3 +147,48 @@ def test_small_chunks_pipeline_the_crc(tmp_url: str, monkeypatch: pytest.MonkeyP
     loaded = load_full_checkpoint(Store(tmp_url))
     assert torch.equal(loaded["state_dict"]["a"], big["state_dict"]["a"])
     assert torch.equal(loaded["state_dict"]["b"], big["state_dict"]["b"])
+
+
+# ---- choosing cheaply, verifying during the load -------------------------------------
+
+
+def _two_checkpoints(root: Path) -> tuple[str, str]:
+    old, new = str(root / "step-0000000001"), str(root / "step-0000000002")
+    for url, step in ((old, 1), (new, 2)):
+        ckpt = _checkpoint()
+        ckpt["global_step"] = step
+        _save(url, ckpt)
+    return old, new
+
+
+def test_sizes_check_reads_no_data_but_catches_truncation(tmp_path: Path) -> None:
+    from lightning_preempt.discovery import newest_valid
+
+    old, new = _two_checkpoints(tmp_path)
+    path = _shard(new)
+    with open(path, "r+b") as f:  # a flipped byte: sizes pass, the load's CRC catches it
+        f.seek(100)
+        f.write(b"\xff\xfe")
+    chosen = newest_valid(str(tmp_path), verify="sizes")
+    assert chosen is not None and chosen.path == new
+    with pytest.raises(CorruptCheckpointError, match="CRC32C"):
+        load_full_checkpoint(Store(new))
+    # The fall-back: choose again without the one that failed while loading.
+    skipped: list[str] = []
+    chosen = newest_valid(str(tmp_path), verify="sizes", exclude={new}, on_skip=lambda i, why: skipped.append(why))
+    assert chosen is not None and chosen.path == old and skipped == ["failed its check while loading"]
+    assert load_full_checkpoint(Store(chosen.path))["global_step"] == 1
+    os.truncate(path, 10)  # a truncated file is caught by the cheap check already
+    chosen = newest_valid(str(tmp_path), verify="sizes")
+    assert chosen is not None and chosen.path == old
+
+
+def test_sizes_check_on_memory_store(memory_url: str) -> None:
+    from lightning_preempt.reader import check_sizes
+
+    _save(memory_url, _checkpoint())
+    manifest = check_sizes(Store(memory_url))
+    assert manifest.step == 7
+    Store(memory_url).rm_file(".metadata")
+    with pytest.raises(CorruptCheckpointError, match="missing"):
+        check_sizes(Store(memory_url))
