@@ -4,12 +4,19 @@ A checkpoint directory without ``manifest.json`` does not exist, for resume and 
 retention alike. The manifest is written last, atomically, after every rank's files
 are durable; it lists every file with its size and CRC32C so corruption is detected
 before any byte is handed to Lightning. No pickle: any tool can read it.
+
+Storage is shared with other writers, so a manifest is *untrusted input* (docs/security.md):
+:meth:`Manifest.from_json` checks every field's type and range, and
+:func:`parse_manifest` also checks that every file name is one this package writes.
+A manifest that fails is *corrupt*; only a well-formed, larger ``version`` is *newer*.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import re
 import time
 from typing import Any
 
@@ -18,6 +25,43 @@ from lightning_preempt.errors import CorruptCheckpointError, UnsupportedFormatEr
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "lightning_preempt.checkpoint"
 FORMAT_VERSION = 1
+
+#: Larger manifests are refused unread (a 4096-rank checkpoint's is well under 1 MiB).
+MAX_MANIFEST_BYTES = 32 << 20
+
+#: The only file names a checkpoint of this package holds (besides ``manifest.json``):
+#: DCP's shards and metadata, and each rank's non-tensor state (``commit.STATE_FILE``).
+FILE_NAME_PATTERNS: tuple[re.Pattern[str], ...] = (
+    re.compile(r"__\d{1,6}_\d{1,9}\.distcp"),
+    re.compile(r"\.metadata"),
+    re.compile(r"state-rank\d{5,6}\.pt"),
+)
+
+_CRC_RE = re.compile(r"[0-9a-f]{8}")
+_MAX_INT = 2**63 - 1
+_MAX_UNIX = 253402300799.0  # 9999-12-31T23:59:59Z: the last second datetime can show
+_MAX_RUN_ID = 256
+_KNOWN_KEYS = frozenset(
+    {"format", "version", "step", "epoch", "world_size", "created_unix", "tensor_bytes", "stats", "extra", "files",
+     "run_id"}
+)  # fmt: skip
+_DAMAGED_HINT = "The checkpoint is damaged or was not written by lightning_preempt; delete it or resume from an older one."
+
+
+def is_checkpoint_file_name(name: str) -> bool:
+    """Whether ``name`` is a file name this package writes into a checkpoint directory."""
+    return any(p.fullmatch(name) for p in FILE_NAME_PATTERNS)
+
+
+def is_safe_file_name(name: object) -> bool:
+    """A single path component that cannot leave its directory (no ``/``, ``..``, NUL…)."""
+    return (
+        isinstance(name, str)
+        and 0 < len(name) <= 255
+        and name not in (".", "..")
+        and not any(c in name for c in "/\\\x00")
+        and name.isprintable()
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +74,11 @@ class FileEntry:
 
 @dataclasses.dataclass
 class Manifest:
-    """What a committed checkpoint holds. Serialised as JSON with ``format`` and ``version``."""
+    """What a committed checkpoint holds. Serialised as JSON with ``format`` and ``version``.
+
+    ``run_id`` (optional) names the run that wrote it; retention given a run id never
+    deletes checkpoints of another run.
+    """
 
     step: int
     epoch: int
@@ -41,13 +89,14 @@ class Manifest:
     stats: dict[str, float] = dataclasses.field(default_factory=dict)
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
     version: int = FORMAT_VERSION
+    run_id: str | None = None
 
     @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files.values())
 
     def to_json(self) -> bytes:
-        body = {
+        body: dict[str, Any] = {
             "format": FORMAT_NAME,
             "version": self.version,
             "step": self.step,
@@ -57,20 +106,31 @@ class Manifest:
             "tensor_bytes": self.tensor_bytes,
             "stats": self.stats,
             "extra": self.extra,
-            "files": {name: dataclasses.asdict(entry) for name, entry in sorted(self.files.items())},
         }
-        return json.dumps(body, indent=1, sort_keys=False).encode("utf-8")
+        if self.run_id is not None:  # absent, not null: manifests without a run stay as before
+            body["run_id"] = self.run_id
+        body["files"] = {name: dataclasses.asdict(entry) for name, entry in sorted(self.files.items())}
+        return json.dumps(body, indent=1, sort_keys=False, allow_nan=False).encode("utf-8")
 
     @classmethod
     def from_json(cls, data: bytes, *, path: str) -> Manifest:
-        """Parse a manifest; a garbage or unknown-version manifest raises with a HINT."""
+        """Parse and type-check a manifest.
+
+        Raises :class:`CorruptCheckpointError` (with a HINT) for garbage, a foreign format,
+        a missing, unknown or ill-typed field, a non-finite time or a file name that is not
+        a plain name, and :class:`UnsupportedFormatError` only for a well-formed version
+        newer than this build reads. File names are checked against this package's own
+        patterns by :func:`parse_manifest` (what every read from storage uses).
+        """
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise _corrupt(f"manifest is {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} allowed", path)
         try:
-            body = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            body = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+        except (UnicodeDecodeError, ValueError, RecursionError) as err:
             raise CorruptCheckpointError(
                 f"manifest is not valid JSON ({err})",
                 path=path,
-                hint="The checkpoint is damaged; delete it or resume from an older one.",
+                hint=_DAMAGED_HINT,
             ) from err
         if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
             raise CorruptCheckpointError(
@@ -78,29 +138,117 @@ class Manifest:
                 path=path,
                 hint="This directory was not written by lightning_preempt.",
             )
-        version = body.get("version")
-        if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
+        raw_version = body.get("version")
+        version = raw_version if isinstance(raw_version, int) and not isinstance(raw_version, bool) else 0
+        if version < 1:
+            # Only a well-formed larger number means "newer": 0, "1", "garbage" mean damage.
+            raise _corrupt(f"manifest version {raw_version!r} is not a positive integer", path)
+        if version > FORMAT_VERSION:
             raise UnsupportedFormatError(
                 f"manifest format version {version!r} is not supported (this build reads up to {FORMAT_VERSION})",
                 path=path,
                 hint="Upgrade lightning_preempt to the version that wrote this checkpoint.",
             )
+        unknown = sorted(set(body) - _KNOWN_KEYS)
+        if unknown:
+            raise _corrupt(f"manifest has unknown field(s) {', '.join(map(repr, unknown[:5]))}", path)
         try:
-            files = {name: FileEntry(int(e["size"]), str(e["crc32c"])) for name, e in body["files"].items()}
             return cls(
-                step=int(body["step"]),
-                epoch=int(body["epoch"]),
-                world_size=int(body["world_size"]),
-                files=files,
-                created_unix=float(body["created_unix"]),
-                tensor_bytes=int(body.get("tensor_bytes", 0)),
-                stats={str(k): float(v) for k, v in body.get("stats", {}).items()},
-                extra=dict(body.get("extra", {})),
+                step=_int_field(body, "step", -1),
+                epoch=_int_field(body, "epoch", -1),
+                world_size=_int_field(body, "world_size", 1),
+                files=_files_field(body["files"]),
+                created_unix=_time_field(body["created_unix"], "created_unix"),
+                tensor_bytes=_int_field(body, "tensor_bytes", 0, default=0),
+                stats=_stats_field(body.get("stats", {})),
+                extra=_dict_field(body.get("extra", {}), "extra"),
                 version=version,
+                run_id=_run_id_field(body.get("run_id")),
             )
-        except (KeyError, TypeError, ValueError, AttributeError) as err:
-            raise CorruptCheckpointError(
-                f"manifest is missing or has a malformed field ({err!r})",
-                path=path,
-                hint="The checkpoint is damaged; delete it or resume from an older one.",
-            ) from err
+        except (KeyError, TypeError, ValueError) as err:
+            what = f"field {err.args[0]!r} is missing" if isinstance(err, KeyError) else str(err)
+            raise _corrupt(f"manifest is missing or has a malformed field: {what}", path) from err
+
+    def check_file_names(self, *, path: str) -> None:
+        """Raise :class:`CorruptCheckpointError` unless every listed file is named as this
+        package names its files (nothing else is ever read, copied or trusted)."""
+        bad = sorted(name for name in self.files if not is_checkpoint_file_name(name))
+        if bad:
+            raise _corrupt(
+                f"manifest lists {len(bad)} file name(s) this package never writes (e.g. {bad[0]!r})",
+                path,
+            )
+
+
+def parse_manifest(data: bytes, *, path: str) -> Manifest:
+    """:meth:`Manifest.from_json` plus :meth:`Manifest.check_file_names`: how manifests
+    read from storage are parsed."""
+    manifest = Manifest.from_json(data, path=path)
+    manifest.check_file_names(path=path)
+    return manifest
+
+
+def _corrupt(message: str, path: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(message, path=path, hint=_DAMAGED_HINT)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_field(body: dict[str, Any], key: str, minimum: int, *, default: int | None = None) -> int:
+    value = body.get(key, default) if default is not None else body[key]
+    if not _is_int(value) or not minimum <= value <= _MAX_INT:
+        raise ValueError(f"{key} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _time_field(value: object, key: str) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 <= float(value) <= _MAX_UNIX:
+        raise ValueError(f"{key} must be a finite time in seconds since 1970 (up to year 9999), got {value!r}")
+    return float(value)
+
+
+def _stats_field(value: object) -> dict[str, float]:
+    stats = _dict_field(value, "stats")
+    out = {}
+    for k, v in stats.items():
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or abs(v) > 1e18:
+            raise ValueError(f"stats[{k!r}] must be a finite number, got {v!r}")
+        out[str(k)] = float(v)
+    return out
+
+
+def _dict_field(value: object, key: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError(f"{key} must be an object, got {type(value).__name__}")
+    return dict(value)
+
+
+def _files_field(value: object) -> dict[str, FileEntry]:
+    files = _dict_field(value, "files")
+    out = {}
+    for name, entry in files.items():
+        if not is_safe_file_name(name):
+            raise ValueError(f"file name {name!r} is not a plain file name")
+        if not isinstance(entry, dict) or set(entry) != {"size", "crc32c"}:
+            raise ValueError(f"files[{name!r}] must be an object with exactly size and crc32c")
+        size, crc = entry["size"], entry["crc32c"]
+        if not _is_int(size) or not 0 <= size <= _MAX_INT:
+            raise ValueError(f"files[{name!r}].size must be a non-negative integer, got {size!r}")
+        if not isinstance(crc, str) or not _CRC_RE.fullmatch(crc):
+            raise ValueError(f"files[{name!r}].crc32c must be 8 lowercase hex digits, got {crc!r}")
+        out[name] = FileEntry(size, crc)
+    return out
+
+
+def _run_id_field(value: object) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 0 < len(value) <= _MAX_RUN_ID or not value.isprintable():
+        raise ValueError(f"run_id must be a printable string of 1-{_MAX_RUN_ID} characters, got {value!r}")
+    return value

@@ -29,9 +29,11 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import errno
 import io
 import os
 import posixpath
+import stat
 import sys
 import uuid
 from collections.abc import Iterator
@@ -41,7 +43,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.spec import AbstractBufferedFile
 
-from lightning_preempt.errors import CheckpointExistsError
+from lightning_preempt.errors import CheckpointExistsError, CheckpointWriteError, CorruptCheckpointError
 
 _EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
 _GCSFS_HNS_ENV = "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"
@@ -129,8 +131,11 @@ class Store:
     def list_dirs(self, rel: str = "") -> list[str]:
         """Names of the sub-directories of ``rel`` (empty when ``rel`` does not exist).
 
-        On object stores these are the common prefixes below ``rel/``.
+        On object stores these are the common prefixes below ``rel/``. On local disk a
+        symlink is never listed: reading or deleting through it would leave ``rel``.
         """
+        if self.is_local:
+            return sorted(name for name, kind in self.children(rel) if kind == "dir")
         self.invalidate_cache()
         base = self.path(rel).rstrip("/")
         try:
@@ -147,6 +152,32 @@ class Store:
                     names.add(posixpath.basename(stripped))
         return sorted(names)
 
+    def children(self, rel: str = "") -> list[tuple[str, str]]:
+        """``(name, kind)`` of every entry directly in ``rel``; ``kind`` is ``"file"``
+        (a regular file), ``"dir"``, ``"link"`` (local symlink, never followed) or
+        ``"other"`` (FIFO, socket, device). Empty when ``rel`` does not exist."""
+        if self.is_local:
+            try:
+                with os.scandir(self.path(rel)) as it:
+                    return sorted((e.name, _kind(e)) for e in it)
+            except (FileNotFoundError, NotADirectoryError):
+                return []
+        self.invalidate_cache()
+        base = self.path(rel).rstrip("/")
+        try:
+            entries = self.fs.ls(base, detail=True)
+        except FileNotFoundError:
+            return []
+        out: dict[str, str] = {}
+        for e in entries:
+            name = str(e["name"])
+            stripped = name.rstrip("/")
+            if not stripped or stripped == base:
+                continue
+            is_dir = e.get("type") == "directory" or (name.endswith("/") and not e.get("size"))
+            out[posixpath.basename(stripped)] = "dir" if is_dir else "file"
+        return sorted(out.items())
+
     def list_files(self, rel: str = "") -> list[str]:
         """Relative paths of every file below ``rel``."""
         self.invalidate_cache()
@@ -162,18 +193,100 @@ class Store:
         self.fs.invalidate_cache()
 
     # ---- reads -------------------------------------------------------------------------
+    # ---- reads: checkpoints are untrusted input (docs/security.md) ----------------------
     def open_read(self, rel: str) -> IO[bytes]:
-        return self.fs.open(self.path(rel), "rb")  # type: ignore[no-any-return]
+        """Open ``rel`` for reading only if it is a regular file, not through a symlink.
+
+        On local disk the file is opened with ``O_NOFOLLOW | O_NONBLOCK`` and checked with
+        ``fstat`` on the open descriptor (no race): a symlink, FIFO (which would block the
+        open), socket or device raises :class:`CorruptCheckpointError`. Object stores
+        hold only plain objects. Raises ``FileNotFoundError`` when ``rel`` is missing.
+        """
+        if not self.is_local:
+            return self.fs.open(self.path(rel), "rb")  # type: ignore[no-any-return]
+        path = self.path(rel)
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(path, flags)
+        except OSError as err:
+            if err.errno == errno.ELOOP or (err.errno == errno.EMLINK and os.path.islink(path)):
+                raise _not_regular(self, rel, "a symbolic link") from None
+            raise
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise _not_regular(self, rel, _describe_mode(mode))
+            os.set_blocking(fd, True)
+            return os.fdopen(fd, "rb")
+        except BaseException:
+            os.close(fd)
+            raise
 
     def read_bytes(self, rel: str) -> bytes:
+        """All of ``rel`` (a regular file, see :meth:`open_read`)."""
         with self.open_read(rel) as f:
             return f.read()
 
+    def read_regular(self, rel: str, max_bytes: int) -> bytes:
+        """All of ``rel`` (see :meth:`open_read`); more than ``max_bytes`` raises
+        :class:`CorruptCheckpointError` without reading the rest."""
+        with self.open_read(rel) as f:
+            data = f.read(max_bytes + 1)
+        if len(data) > max_bytes:
+            raise CorruptCheckpointError(
+                f"{rel} is larger than the {max_bytes} bytes allowed",
+                path=self.url,
+                hint="The checkpoint is damaged or was not written by lightning_preempt; delete it.",
+            )
+        return data  # type: ignore[no-any-return]
+
+    def check_regular(self, rel: str, size: int) -> None:
+        """Cheap check (no data read) that ``rel`` is a regular file of ``size`` bytes and
+        not a symlink: what loading without verification still insists on locally."""
+        if not self.is_local:
+            return
+        st = os.lstat(self.path(rel))
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_regular(self, rel, _describe_mode(st.st_mode))
+        if st.st_size != size:
+            raise CorruptCheckpointError(
+                f"file {rel!r} has {st.st_size} bytes, the manifest says {size} (truncated?)",
+                path=self.url,
+                hint="This checkpoint is damaged; resume from an older one (auto-resume skips it).",
+            )
+
     # ---- writes ------------------------------------------------------------------------
     def makedirs(self, rel: str = "") -> None:
+        """Create ``rel`` and its parents on local disk; on object stores only check that
+        the bucket exists. A bucket is never created: fsspec's ``makedirs`` would create
+        one (with default ACL, region and billing) for a mistyped URL."""
         if self.is_local or self.protocol not in _OBJECT_STORES:
             self.fs.makedirs(self.path(rel), exist_ok=True)
+            return
         # object stores have no directories: a prefix exists once an object is under it
+        self.require_bucket()
+
+    def require_bucket(self) -> None:
+        """Raise :class:`CheckpointWriteError` with a HINT when the bucket of this object
+        store URL does not exist. Inconclusive answers (no permission to look) pass: the
+        writes themselves then tell."""
+        bucket = self.root.split("/", 1)[0]
+        key = (self.protocol, bucket, repr(sorted(self.storage_options.items())))
+        if not bucket or key in _BUCKETS_SEEN:
+            return
+        try:
+            self.fs.info(bucket)
+        except FileNotFoundError:
+            raise CheckpointWriteError(
+                f"the bucket {bucket!r} does not exist",
+                path=self.url,
+                hint="lightning_preempt never creates buckets. Create it first (e.g. `gcloud storage buckets "
+                f"create {self.protocol}://{bucket}` or `aws s3 mb s3://{bucket}`) with the location, access and "
+                "lifecycle you want, or fix the URL.",
+            ) from None
+        except Exception:  # e.g. allowed to write objects but not to look at the bucket
+            return
+        _BUCKETS_SEEN.add(key)
 
     @contextlib.contextmanager
     def open_write(self, rel: str) -> Iterator[IO[bytes]]:
@@ -286,6 +399,40 @@ class Store:
 
 
 _OBJECT_STORES = frozenset({"gs", "gcs", "s3", "s3a"})
+_BUCKETS_SEEN: set[tuple[str, str, str]] = set()
+
+
+def _kind(entry: os.DirEntry[str]) -> str:
+    if entry.is_symlink():
+        return "link"
+    if entry.is_dir(follow_symlinks=False):
+        return "dir"
+    if entry.is_file(follow_symlinks=False):
+        return "file"
+    return "other"
+
+
+def _describe_mode(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "not a regular file"
+
+
+def _not_regular(store: Store, rel: str, what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{rel!r} in the checkpoint is {what}, not a regular file; refusing to read it",
+        path=store.url,
+        hint="Checkpoint files are always regular files. Someone else wrote this one: inspect and delete it "
+        "(docs/security.md).",
+    )
 
 
 class _BoundedWrites(io.RawIOBase):
