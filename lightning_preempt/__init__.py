@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from lightning_preempt.errors import (
         CheckpointError,
         CheckpointExistsError,
+        CheckpointNotFoundError,
         CheckpointWriteError,
         CorruptCheckpointError,
         NotACheckpointError,
@@ -40,6 +41,7 @@ _WHERE = {
     "newest_valid": "discovery",
     "CheckpointError": "errors",
     "CheckpointExistsError": "errors",
+    "CheckpointNotFoundError": "errors",
     "CheckpointWriteError": "errors",
     "CorruptCheckpointError": "errors",
     "NotACheckpointError": "errors",
@@ -51,6 +53,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointInfo",
+    "CheckpointNotFoundError",
     "CheckpointWriteError",
     "CorruptCheckpointError",
     "NotACheckpointError",

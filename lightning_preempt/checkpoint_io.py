@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
+import os
 import time
 from concurrent.futures import Future
 from typing import Any
@@ -16,9 +17,10 @@ from typing_extensions import override
 from lightning_preempt import dist as pdist
 from lightning_preempt.commit import SaveRequest, write_checkpoint
 from lightning_preempt.discovery import newest_valid, remove_checkpoint_dir
-from lightning_preempt.errors import CheckpointExistsError, CheckpointWriteError, NotACheckpointError
+from lightning_preempt.errors import CheckpointNotFoundError, CheckpointWriteError, NotACheckpointError
 from lightning_preempt.format import DEFAULT_SHARDED_KEYS
 from lightning_preempt.format import split_checkpoint as _split
+from lightning_preempt.layout import ensure_exists, remove_local, write_file_atomic
 from lightning_preempt.manifest import MANIFEST_NAME, Manifest
 from lightning_preempt.reader import load_full_checkpoint, load_sharded_checkpoint
 from lightning_preempt.staging import HostStager
@@ -59,11 +61,19 @@ class SaveRecord:
 class ShardedAsyncCheckpointIO(CheckpointIO):
     """Asynchronous, sharded, verifiable checkpoints for Lightning.
 
-    ``save_checkpoint`` returns once every tensor is copied into reusable host buffers;
-    a background thread writes the shards through DCP to any fsspec URL and commits the
-    checkpoint by writing its manifest last. At most one save is in flight: a new save
-    first waits for the previous one. ``load_checkpoint`` verifies sizes and CRC32C
-    before returning the usual Lightning checkpoint dict.
+    ``save_checkpoint`` returns once every tensor is copied into reusable host buffers
+    and the path exists; a background thread writes the shards through DCP to any fsspec
+    URL and commits the checkpoint by writing its manifest last. At most one save is in
+    flight: a new save first waits for the previous one. Saving to a path that holds a
+    committed checkpoint replaces it without ever tearing it (docs/dropin.md).
+    ``load_checkpoint`` verifies sizes and CRC32C before returning the usual Lightning
+    checkpoint dict; it also reads plain Lightning ``.ckpt`` files.
+
+    After :meth:`teardown` (the end of ``fit``) there is no step to overlap with: saves
+    are synchronous plain Lightning files (``Model.load_from_checkpoint`` reads them) and
+    removes run at once, with no thread left behind, until the next ``fit`` sets the
+    plugin up again (:meth:`enable_collective_saves`). The plugin pickles and deep-copies
+    (``ddp_spawn``): threads, buffers and pending saves are not copied.
 
     Args:
         storage_options: fsspec options for every path (credentials, ``endpoint_url``…).
@@ -101,25 +111,50 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         self._writer = BackgroundWriter()
         self._pending: Future[Manifest] | None = None
         self._group: pdist.ProcessGroup | None = None
+        self._group_rank = 0
+        self._closed = False
         self._aliases: dict[str, str] = {}
         self._verified: set[str] = set()
         self.history: list[SaveRecord] = []
         local = local_dirpath_from_env(local_dirpath)
-        self.tiers: TwoTier | None = (
-            TwoTier(
-                local, self.storage_options, max_workers=drain_workers, retries=drain_retries, backoff_s=drain_backoff_s
-            )
-            if local
-            else None
-        )
+        self._tier_args = (local, drain_workers, drain_retries, drain_backoff_s)
+        self.tiers: TwoTier | None = self._make_tiers()
+
+    def _make_tiers(self) -> TwoTier | None:
+        local, workers, retries, backoff_s = self._tier_args
+        if not local:
+            return None
+        return TwoTier(local, self.storage_options, max_workers=workers, retries=retries, backoff_s=backoff_s)
+
+    # ---- pickling (ddp_spawn, deepcopy of a trainer) ------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """Configuration only: a copy has no pending save, process group, thread or buffers
+        (the writer and the stager drop theirs themselves)."""
+        state = self.__dict__.copy()
+        state.update(_pending=None, _group=None, _group_rank=0, history=[], tiers=None)
+        tiers = self.tiers
+        state["_tier_config"] = (tiers.remote_root, tiers.keep_last_n) if tiers is not None else None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        tier_config = state.pop("_tier_config", None)
+        self.__dict__.update(state)
+        self.tiers = self._make_tiers()
+        if self.tiers is not None and tier_config is not None:
+            # configure() is collective; the callback calls it again in setup()
+            self.tiers.remote_root, self.tiers.keep_last_n = tier_config
 
     # ---- wiring used by the callback ---------------------------------------------------
     def enable_collective_saves(self, group: pdist.ProcessGroup | None) -> None:
         """Every rank calls ``save_checkpoint`` from now on; the writer syncs on ``group``.
 
-        ``group`` must be a gloo group reserved for the writer thread.
+        ``group`` must be a gloo group reserved for the writer thread. Called at the start
+        of every ``fit`` (by :class:`PreemptionCallback`); it also re-enables asynchronous
+        saves after :meth:`teardown`.
         """
         self._group = group
+        self._group_rank = pdist.rank(group) if group is not None else 0
+        self._closed = False
 
     def alias(self, path: str, target: str, *, verified: bool = False) -> None:
         """Make ``load_checkpoint(path)`` load ``target`` (the resume pointer).
@@ -147,28 +182,29 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """Stage ``checkpoint`` and return; the background writer flushes and commits it.
 
+        ``path`` exists when this returns. A committed checkpoint already at ``path`` is
+        replaced once the new one is committed (never torn). After :meth:`teardown` the
+        save is synchronous and writes a plain Lightning file.
+
         Raises:
             CheckpointWriteError: the previous save failed (raised once).
-            CheckpointExistsError: ``path`` already holds a committed checkpoint.
         """
         started = time.perf_counter()
         url = str(path)
+        if self._closed:
+            self._save_plain(checkpoint, url, self._options(storage_options))
+            return
         record = SaveRecord(url, int(checkpoint.get("global_step", -1)), started)
         self._wait_pending()  # at most one save in flight: the stager's buffers are in use until commit
         record.waited_s = time.perf_counter() - started
         options = self._options(storage_options)
         store = Store(url, options)
         local_url = self.tiers.local_twin(url) if self.tiers is not None else None
-        # Two tiers: the training thread touches only the local disk (a remote outage must
-        # not stall a step); a remote collision is caught by the drain's create-only commit.
-        if (store if local_url is None else Store(local_url)).exists(MANIFEST_NAME):
-            raise CheckpointExistsError(
-                "refusing to overwrite a committed checkpoint",
-                path=url,
-                hint="Save each checkpoint to a new path (e.g. include the step in the name); remove the old "
-                "one first if you really mean to replace it. ModelCheckpoint(save_last=True) rewrites last.ckpt "
-                "in place: use save_last=False (PreemptionCallback keeps the newest checkpoints).",
-            )
+        if self._group_rank == 0:
+            # ModelCheckpoint looks for the path right after saving (-v1 versioning,
+            # save_last="link"). Two tiers: the training thread touches only the local disk
+            # (a remote outage must not stall a step).
+            ensure_exists(store if local_url is None else Store(local_url))
         tensors, skeleton = _split(checkpoint, self.sharded_keys)
         buffer = io.BytesIO()
         torch.save(skeleton, buffer)  # freezes the non-tensor state now
@@ -199,8 +235,8 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
 
     def _write(self, request: SaveRequest, record: SaveRecord, store: Store) -> Manifest:
         try:
-            if pdist.rank(self._group) == 0 and store.exists():
-                store.rm_tree()  # an uncommitted leftover (checked above): never mix old and new files
+            # write_checkpoint clears an uncommitted leftover at the path (never mixing old
+            # and new files) and replaces a committed checkpoint there (layout.py).
             manifest = write_checkpoint(request, group=self._group, thread_count=self.thread_count)
         except BaseException as err:
             record.error = err
@@ -218,6 +254,16 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
             (record.throughput_bps or 0.0) / 1e6,
         )
         return manifest
+
+    def _save_plain(self, checkpoint: dict[str, Any], url: str, options: dict[str, Any]) -> None:
+        """Outside ``fit``: one synchronous ``torch.save`` file, as ``TorchCheckpointIO``
+        writes it, so every Lightning tool reads it; written atomically (layout.py)."""
+        if self._group_rank != 0:
+            return  # collective saves: every rank calls, rank 0 writes the single file
+        buffer = io.BytesIO()
+        torch.save(checkpoint, buffer)
+        write_file_atomic(Store(url, options), buffer.getvalue())
+        log.info("lightning_preempt: saved %s synchronously as a plain Lightning checkpoint (outside fit)", url)
 
     def _wait_pending(self) -> None:
         pending, self._pending = self._pending, None
@@ -242,17 +288,26 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         self.wait()
         url = self._aliases.get(str(path), str(path))
         store = Store(url, self.storage_options)
-        if not store.exists(MANIFEST_NAME) and store.exists() and not store.isdir():
+        # A plain Lightning file; on an object store also one that replaced a checkpoint
+        # directory whose objects are still being deleted (its manifest went first).
+        if not store.exists(MANIFEST_NAME) and store.fs.isfile(store.path()):
             from lightning.fabric.utilities.cloud_io import _load as pl_load
 
             return pl_load(url, map_location=map_location or "cpu", weights_only=weights_only)  # type: ignore[no-any-return]
         resolved = self._resolve(url)
         if resolved is None:
-            raise NotACheckpointError("no committed checkpoint found", path=url, hint=_LOAD_HINT)
+            raise self._not_found(store)
         target, verified = resolved
         return load_full_checkpoint(
             Store(target, self.storage_options), rank=pdist.rank(), verify=self.verify_on_load and not verified
         )
+
+    @staticmethod
+    def _not_found(store: Store) -> NotACheckpointError:
+        if not store.exists():
+            # Also a FileNotFoundError, like Lightning's own plugin for a missing ckpt_path.
+            return CheckpointNotFoundError("no checkpoint exists at this path", path=store.url, hint=_LOAD_HINT)
+        return NotACheckpointError("no committed checkpoint found", path=store.url, hint=_LOAD_HINT)
 
     def resolve(self, path: Any) -> str | None:
         """The committed checkpoint ``path`` means (alias, checkpoint dir, or newest in a
@@ -275,9 +330,10 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         """Load a checkpoint into sharded ``templates`` in place (collective; see
         :func:`lightning_preempt.reader.load_sharded_checkpoint`)."""
         self.wait()
-        resolved = self._resolve(self._aliases.get(str(path), str(path)))
+        url = self._aliases.get(str(path), str(path))
+        resolved = self._resolve(url)
         if resolved is None:
-            raise NotACheckpointError("no committed checkpoint found", path=str(path), hint=_LOAD_HINT)
+            raise self._not_found(Store(url, self.storage_options))
         target, verified = resolved
         return load_sharded_checkpoint(
             Store(target, self.storage_options),
@@ -289,15 +345,48 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
 
     @override
     def remove_checkpoint(self, path: Any) -> None:
-        """Delete a checkpoint after every pending write (a delete never overtakes a save)."""
-        store = Store(str(path), self.storage_options)
-        if self._group is not None and pdist.rank(self._group) != 0:
+        """Delete whatever is at ``path`` (our checkpoint directory, a plain ``.ckpt`` file,
+        a symlink) after every pending write: a delete never overtakes a save. Failures are
+        logged with the path, never raised into training. Synchronous after :meth:`teardown`.
+        """
+        if self._group_rank != 0:
             return
-        self._writer.submit(lambda: remove_checkpoint_dir(store))
+        url = str(path)
+        self.submit(lambda: self._remove(url))
+
+    def _remove(self, url: str) -> None:
+        try:
+            store = Store(url, self.storage_options)
+            if store.is_local and (os.path.islink(store.path()) or os.path.isfile(store.path())):
+                remove_local(store.path())  # a link goes, never what it points to
+            elif store.exists(MANIFEST_NAME) or store.isdir():
+                remove_checkpoint_dir(store)  # manifest first: never half-deleted yet committed
+            elif store.exists():
+                store.fs.rm_file(store.path())
+            else:
+                log.debug("lightning_preempt: nothing to remove at %s", url)
+                return
+            log.debug("lightning_preempt: removed checkpoint %s", url)
+        except Exception as err:
+            log.error(
+                "lightning_preempt: could not remove checkpoint %s: %s: %s\nHINT: check permissions and the "
+                "storage; delete it by hand if it is no longer needed.",
+                url,
+                type(err).__name__,
+                err,
+            )
 
     def submit(self, job: Any) -> Future[Any]:
-        """Run ``job`` on the writer thread after every pending save and delete."""
-        return self._writer.submit(job)
+        """Run ``job`` on the writer thread after every pending save and delete
+        (at once on this thread after :meth:`teardown`)."""
+        if not self._closed:
+            return self._writer.submit(job)
+        done: Future[Any] = Future()
+        try:
+            done.set_result(job())
+        except BaseException as err:
+            done.set_exception(err)
+        return done
 
     def pending_failed(self) -> bool:
         """Whether the save in flight already failed (non-blocking; polled at step boundaries)."""
@@ -327,10 +416,12 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
 
     @override
     def teardown(self) -> None:
-        """Wait for pending saves, deletes and drains, then stop the threads."""
+        """Wait for pending saves, deletes and drains, then stop the threads. From now on
+        saves and removes are synchronous (see the class docstring)."""
         try:
             self.wait()
         finally:
+            self._closed = True
             self._writer.close()
             if self.tiers is not None:
                 self.tiers.close()

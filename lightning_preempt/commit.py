@@ -2,6 +2,9 @@
 
 Protocol (every rank, in the writer thread, on the writer's own gloo group):
 
+0. rank 0 decides where the files go (:func:`lightning_preempt.layout.plan_write`): into
+   the path, or into a new generation directory when the path already holds a committed
+   checkpoint (replacement, see ``layout.py``); every rank follows its decision;
 1. every rank creates the directory; ranks agree it worked before any DCP collective;
 2. ``dcp.save`` writes each rank's share of the tensors (DCP gathers per-rank failures
    and raises on every rank);
@@ -9,7 +12,8 @@ Protocol (every rank, in the writer thread, on the writer's own gloo group):
 4. all ranks exchange their file entries or error; if any rank failed, no rank commits
    and every rank raises the same :class:`CheckpointWriteError`;
 5. rank 0 writes ``manifest.json`` atomically — commit metadata only after all ranks
-   completed writing — and tells the others whether the commit itself succeeded.
+   completed writing — and tells the others whether the commit itself succeeded;
+6. rank 0 deletes what the new checkpoint replaced (:func:`lightning_preempt.layout.finish_write`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from lightning_preempt import dist as pdist
 from lightning_preempt.checksum import Crc32c
 from lightning_preempt.dcp_storage import ChecksummingWriter
 from lightning_preempt.errors import CheckpointExistsError, CheckpointWriteError
+from lightning_preempt.layout import WritePlan, finish_write, plan_write
 from lightning_preempt.manifest import MANIFEST_NAME, FileEntry, Manifest
 from lightning_preempt.storage import Store
 
@@ -61,11 +66,13 @@ def write_checkpoint(
 
     With ``group`` every rank of it must call this for the same checkpoint.
     """
-    store = Store(request.url, request.storage_options)
+    root = Store(request.url, request.storage_options)
     rank, world = pdist.rank(group) if group else 0, pdist.world_size(group) if group else 1
     started = time.perf_counter()
 
-    _agree_or_raise(_attempt(store.makedirs), group, store, "creating the checkpoint directory")
+    plan = _agreed_plan(root, rank, group)
+    store = plan.data(root)
+    _agree_or_raise(_attempt(store.makedirs), group, root, "creating the checkpoint directory")
 
     entries: dict[str, FileEntry] = {}
 
@@ -76,14 +83,14 @@ def write_checkpoint(
         except CheckpointException as err:  # BaseException in DCP: convert, keep the cause
             mine = writer.storage_error
             what = f"{type(mine).__name__}: {mine}" if mine is not None else f"DCP reports {_dcp_failures(err)}"
-            raise CheckpointWriteError(f"writing the shards failed: {what}", path=store.url) from err
+            raise CheckpointWriteError(f"writing the shards failed: {what}", path=root.url) from err
         entries.update(writer.entries)
         name = STATE_FILE.format(rank=rank)
         entries[name] = _write_hashed(store, name, request.skeleton)
 
     outcome = _attempt(write_files)
     results = pdist.all_gather_objects((entries, outcome), group)
-    _agree_or_raise([r[1] for r in results], None, store, "writing checkpoint files")
+    _agree_or_raise([r[1] for r in results], None, root, "writing checkpoint files")
 
     manifest = Manifest(
         step=request.step,
@@ -92,10 +99,18 @@ def write_checkpoint(
         files={name: entry for rank_entries, _ in results for name, entry in rank_entries.items()},
         tensor_bytes=sum(t.numel() * t.element_size() for t in request.tensors.values()),
         stats={**request.stats, "write_s": time.perf_counter() - started},
-        extra=request.extra,
+        extra={**request.extra, **plan.manifest_extra},
     )
     # Commit metadata only after all ranks completed writing (the gather above).
-    commit_error = _attempt(lambda: store.commit_bytes(MANIFEST_NAME, manifest.to_json())) if rank == 0 else None
+    target = plan.commit_store(root)
+    commit_error = (
+        _attempt(lambda: target.commit_bytes(MANIFEST_NAME, manifest.to_json(), exclusive=plan.exclusive))
+        if rank == 0
+        else None
+    )
+    if rank == 0 and commit_error is None and plan.mode == "beside":
+        # The new checkpoint is committed beside the path; it is saved once it is *at* it.
+        commit_error = _attempt(lambda: finish_write(root, plan))
     commit_error = pdist.broadcast_object(commit_error, group)
     if commit_error is not None and commit_error.startswith(
         f"{CheckpointExistsError.__module__}.CheckpointExistsError"
@@ -103,11 +118,27 @@ def write_checkpoint(
         # The create-only commit found another writer's manifest: their checkpoint stands.
         raise CheckpointExistsError(
             f"committing the manifest failed: {commit_error.split(': ', 1)[-1].splitlines()[0]}",
-            path=store.url,
+            path=root.url,
             hint="Another writer committed this path first; save each checkpoint to a new path.",
         )
-    _agree_or_raise([commit_error], None, store, "committing the manifest")
+    _agree_or_raise([commit_error], None, root, "committing the manifest")
+    if rank == 0 and plan.mode != "beside":
+        finish_write(root, plan)  # only deletes what was replaced; logs its own failures
     return manifest
+
+
+def _agreed_plan(root: Store, rank: int, group: pdist.ProcessGroup | None) -> WritePlan:
+    """Rank 0 looks at the path and decides; every rank gets the same plan (or error)."""
+    outcome: tuple[WritePlan | None, str | None] = (None, None)
+    if rank == 0:
+        try:
+            outcome = (plan_write(root), None)
+        except Exception as err:
+            outcome = (None, "".join(traceback.format_exception_only(type(err), err)).strip())
+    plan, error = pdist.broadcast_object(outcome, group)
+    _agree_or_raise([error], None, root, "preparing the checkpoint path")
+    assert plan is not None
+    return plan
 
 
 def _dcp_failures(err: CheckpointException) -> str:

@@ -24,6 +24,11 @@ class NotACheckpointError(CheckpointError):
     """The path holds no committed checkpoint of this package."""
 
 
+class CheckpointNotFoundError(NotACheckpointError, FileNotFoundError):
+    """Nothing at all exists at the path (also a :class:`FileNotFoundError`, as Lightning's
+    own ``TorchCheckpointIO`` raises for a missing ``ckpt_path``)."""
+
+
 class CorruptCheckpointError(CheckpointError):
     """A committed checkpoint whose files do not match its manifest."""
 
@@ -37,4 +42,6 @@ class CheckpointWriteError(CheckpointError):
 
 
 class CheckpointExistsError(CheckpointError):
-    """A save targeted a path that already holds a committed checkpoint."""
+    """A create-only commit found another writer's different manifest at the path (two
+    writers raced for one path, or a drain found a different checkpoint at its target).
+    Saving over a committed checkpoint is not an error: it is replaced (docs/replacement.md)."""

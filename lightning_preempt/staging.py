@@ -31,6 +31,15 @@ class HostStager:
         self.last_staged_bytes = 0
         self._announced = False
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Buffers are a cache of host memory (possibly pinned, possibly GBs): a pickled or
+        # copied stager (ddp_spawn workers, deepcopy of a trainer) starts empty instead.
+        state = self.__dict__.copy()
+        state["_buffers"] = {}
+        state["allocated_bytes"] = 0
+        state["last_staged_bytes"] = 0
+        return state
+
     @property
     def buffer_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())

@@ -3,6 +3,10 @@
 Jobs run strictly in submission order, so a delete never overtakes a pending write.
 The thread never touches the training process group: save jobs get their own gloo
 group from the caller. A job's exception is delivered through its Future.
+
+The thread, its queue and its lock are runtime state: they are created on the first
+:meth:`BackgroundWriter.submit` and dropped by pickling (``ddp_spawn`` pickles the
+plugin into its workers; ``deepcopy`` of a trainer copies it), so a copy starts idle.
 """
 
 from __future__ import annotations
@@ -24,10 +28,29 @@ class BackgroundWriter:
 
     def __init__(self, name: str = "lightning_preempt-writer") -> None:
         self._name = name
+        self._init_runtime()
+
+    def _init_runtime(self) -> None:
         self._queue: queue.Queue[tuple[Callable[[], Any], Future[Any]] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._last: Future[Any] | None = None
+        self._atexit_registered = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Threads, locks, queues and futures cannot be pickled, and a copy must not share
+        # them: a copy is an idle writer with the same name.
+        return {"_name": self._name}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._name = state["_name"]
+        self._init_runtime()
+
+    @property
+    def running(self) -> bool:
+        """Whether the worker thread is alive."""
+        thread = self._thread
+        return thread is not None and thread.is_alive()
 
     def submit(self, job: Callable[[], Any]) -> Future[Any]:
         fut: Future[Any] = Future()
@@ -37,7 +60,9 @@ class BackgroundWriter:
                 # commits at exit, yet an idle writer never keeps a process alive.
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
-                atexit.register(self.close)
+                if not self._atexit_registered:
+                    atexit.register(self.close)
+                    self._atexit_registered = True
             self._queue.put((job, fut))
             self._last = fut
         return fut
@@ -50,12 +75,17 @@ class BackgroundWriter:
                 last.exception()
 
     def close(self) -> None:
+        """Finish every queued job, then stop the thread (a later ``submit`` starts a new one)."""
         self.drain()
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 self._queue.put(None)
                 self._thread.join()
             self._thread = None
+            self._last = None
+            if self._atexit_registered:
+                atexit.unregister(self.close)
+                self._atexit_registered = False
 
     def _run(self) -> None:
         while True:
