@@ -54,6 +54,8 @@ class SaveRequest:
     storage_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     stats: dict[str, float] = dataclasses.field(default_factory=dict)
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: Written to the manifest when set: retention given a run id spares other runs' checkpoints.
+    run_id: str | None = None
 
 
 def write_checkpoint(
@@ -83,7 +85,9 @@ def write_checkpoint(
         except CheckpointException as err:  # BaseException in DCP: convert, keep the cause
             mine = writer.storage_error
             what = f"{type(mine).__name__}: {mine}" if mine is not None else f"DCP reports {_dcp_failures(err)}"
-            raise CheckpointWriteError(f"writing the shards failed: {what}", path=root.url) from err
+            raise CheckpointWriteError(
+                f"writing the shards failed: {what}", path=root.url, hint=_hint_of(mine, err)
+            ) from err
         entries.update(writer.entries)
         name = STATE_FILE.format(rank=rank)
         entries[name] = _write_hashed(store, name, request.skeleton)
@@ -100,6 +104,7 @@ def write_checkpoint(
         tensor_bytes=sum(t.numel() * t.element_size() for t in request.tensors.values()),
         stats={**request.stats, "write_s": time.perf_counter() - started},
         extra={**request.extra, **plan.manifest_extra},
+        run_id=request.run_id,
     )
     # Commit metadata only after all ranks completed writing (the gather above).
     target = plan.commit_store(root)
@@ -174,9 +179,23 @@ def _agree_or_raise(
     failures = [(r, e) for r, e in enumerate(outcomes) if e is not None]
     if failures:
         detail = "; ".join(f"rank {r}: {e.splitlines()[0]}" for r, e in failures)
+        # an error of ours already says what to do (e.g. "the bucket does not exist")
+        hints = [e.split("\nHINT: ", 1)[1].strip() for _, e in failures if "\nHINT: " in e]
         raise CheckpointWriteError(
             f"{what} failed, nothing was committed ({detail})",
             path=store.url,
-            hint="Check that the storage is reachable, writable and has space; earlier committed "
+            hint=hints[0]
+            if hints
+            else "Check that the storage is reachable, writable and has space; earlier committed "
             "checkpoints are untouched and training can resume from them.",
         )
+
+
+def _hint_of(mine: BaseException | None, err: CheckpointException) -> str | None:
+    """The HINT of the first error of ours among a failed ``dcp.save``'s causes."""
+    failures = [f[0] if isinstance(f, tuple) else f for f in err.failures.values()]
+    for exc in [mine, *failures]:
+        hint = getattr(exc, "hint", None)
+        if isinstance(hint, str):
+            return hint
+    return None
