@@ -16,7 +16,7 @@ from typing_extensions import override
 
 from lightning_preempt import dist as pdist
 from lightning_preempt.commit import SaveRequest, write_checkpoint
-from lightning_preempt.discovery import newest_valid, remove_checkpoint_dir
+from lightning_preempt.discovery import mark_verified, newest_valid, remove_checkpoint_dir
 from lightning_preempt.errors import CheckpointNotFoundError, CheckpointWriteError, NotACheckpointError
 from lightning_preempt.format import DEFAULT_SHARDED_KEYS
 from lightning_preempt.format import split_checkpoint as _split
@@ -87,6 +87,11 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         drain_workers: files uploaded in parallel per rank by a drain.
         drain_retries: attempts per drain for transient errors (exponential backoff).
         drain_backoff_s: the first retry delay (doubles per attempt).
+        trust_checkpoints: unpickle the non-tensor state of checkpoints with full
+            ``pickle`` (``weights_only=False``), for states that keep arbitrary objects.
+            Off by default: checkpoints are untrusted input and only the few types this
+            package and Lightning write are loaded (docs/security.md). ``load_checkpoint``'s
+            ``weights_only`` overrides it for one load.
     """
 
     def __init__(
@@ -101,8 +106,10 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         drain_workers: int = 4,
         drain_retries: int = 4,
         drain_backoff_s: float = 1.0,
+        trust_checkpoints: bool = False,
     ) -> None:
         super().__init__()
+        self.trust_checkpoints = trust_checkpoints
         self.storage_options = dict(storage_options or {})
         self.thread_count = thread_count
         self.verify_on_load = verify_on_load
@@ -244,6 +251,7 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         record.committed_s = time.perf_counter() - record.started
         if pdist.rank(self._group) != 0:
             return manifest
+        mark_verified(request.url, manifest)  # CRC32C computed from the bytes written: retention need not re-read
         log.info(
             "lightning_preempt: committed %s (step %d): blocked %.3fs, committed after %.3fs, %.1f MB at %.0f MB/s",
             request.url,
@@ -280,11 +288,15 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        """Load a committed checkpoint as Lightning's checkpoint dict (tensors on CPU).
+        """Load a committed checkpoint as Lightning's checkpoint dict (tensors on CPU, or
+        where ``map_location`` sends them).
 
         ``path`` may be a checkpoint directory, a directory of checkpoints (the newest
-        valid one is taken), or a plain Lightning ``.ckpt`` file.
+        valid one is taken), or a plain Lightning ``.ckpt`` file. ``weights_only``: ``True``
+        loads only allow-listed types even with ``trust_checkpoints``; ``False`` trusts
+        this one checkpoint (full unpickling); ``None``: ``trust_checkpoints`` decides.
         """
+        trusted = self.trust_checkpoints if weights_only is None else not weights_only
         self.wait()
         url = self._aliases.get(str(path), str(path))
         store = Store(url, self.storage_options)
@@ -293,13 +305,17 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         if not store.exists(MANIFEST_NAME) and store.fs.isfile(store.path()):
             from lightning.fabric.utilities.cloud_io import _load as pl_load
 
-            return pl_load(url, map_location=map_location or "cpu", weights_only=weights_only)  # type: ignore[no-any-return]
+            return pl_load(url, map_location=map_location or "cpu", weights_only=not trusted)  # type: ignore[no-any-return]
         resolved = self._resolve(url)
         if resolved is None:
             raise self._not_found(store)
         target, verified = resolved
         return load_full_checkpoint(
-            Store(target, self.storage_options), rank=pdist.rank(), verify=self.verify_on_load and not verified
+            Store(target, self.storage_options),
+            rank=pdist.rank(),
+            verify=self.verify_on_load and not verified,
+            trusted=trusted,
+            map_location=map_location,
         )
 
     @staticmethod
@@ -341,6 +357,7 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
             rank=pdist.rank(),
             verify=self.verify_on_load and not verified,
             process_group=process_group,
+            trusted=self.trust_checkpoints,
         )
 
     @override
