@@ -66,7 +66,7 @@ class FakeMetadata:
     # ---- life cycle --------------------------------------------------------------------
     def start(self, port: int = 0) -> FakeMetadata:
         handler = type("Handler", (_Handler,), {"fake": self})
-        self._server = ThreadingHTTPServer(("127.0.0.1", port), handler)
+        self._server = _Server(("127.0.0.1", port), handler)
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
@@ -277,6 +277,12 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:  # quiet
         pass
+
+
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):  # a client gave up
+            super().handle_error(request, client_address)
 
 
 def refused_url() -> tuple[str, socket.socket]:

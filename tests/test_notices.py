@@ -315,3 +315,15 @@ def test_auto_with_no_metadata_server_polls_nothing(
     assert not [r for r in records if r.levelno >= logging.WARNING]
     assert not [t for t in threading.enumerate() if t.name.startswith("lightning_preempt-") and t.is_alive()]
     sock.close()
+
+
+def test_sources_pickle_without_their_threads(fake: FakeMetadata, started: list[PreemptionSource]) -> None:
+    import pickle
+
+    src = _start(started, AWSSpotSource(fake.url, interval_s=0.02))
+    auto = AutoSource({"aws": fake.url})
+    copy = pickle.loads(pickle.dumps(src))
+    auto_copy = pickle.loads(pickle.dumps(auto))
+    _start(started, copy)
+    fake.announce_aws()
+    assert _notice(copy).source == "aws" and auto_copy.found == []

@@ -30,6 +30,7 @@ _BUILDERS: dict[str, tuple[Callable[..., MetadataSource], dict[str, Any]]] = {
     "azure": (AzureSource, {}),
 }
 NAMES = (*_BUILDERS, "auto")
+ENV_INTERVAL = "LP_NOTICES_INTERVAL_S"
 _CLOUD = {"aws": "aws", "aws-interruption": "aws", "gce": "gce", "azure": "azure"}
 
 
@@ -78,7 +79,8 @@ def make_sources(
         endpoints: per-cloud base URLs (``{"aws": "http://127.0.0.1:8080"}``); default:
             ``$LP_NOTICES_AWS_ENDPOINT`` / ``$LP_NOTICES_GCE_ENDPOINT`` /
             ``$LP_NOTICES_AZURE_ENDPOINT``, else ``http://169.254.169.254``.
-        options: per-cloud constructor keyword arguments (``{"aws": {"interval_s": 5}}``).
+        options: per-cloud constructor keyword arguments (``{"aws": {"interval_s": 5}}``);
+            ``$LP_NOTICES_INTERVAL_S`` sets every source's ``interval_s`` unless given here.
     """
     names = parse_names(notices)
     if local_rank is None:
@@ -86,13 +88,23 @@ def make_sources(
     if local_rank != 0:
         return [NoopSource(name) for name in names]
     endpoints = dict(endpoints or {})
-    options = dict(options or {})
+    per_cloud: dict[str, dict[str, Any]] = {
+        cloud: dict((options or {}).get(cloud, {})) for cloud in ("aws", "gce", "azure")
+    }
+    interval = os.environ.get(ENV_INTERVAL)
+    if interval:  # the poll interval without code changes (e.g. from a job script)
+        try:
+            seconds = float(interval)
+        except ValueError:
+            raise ValueError(f"${ENV_INTERVAL}={interval!r} is not a number\nHINT: seconds, e.g. 1.0.") from None
+        for cloud in ("aws", "gce", "azure"):
+            per_cloud[cloud].setdefault("interval_s", seconds)
     sources: list[PreemptionSource] = []
     for name in names:
         if name == "auto":
-            sources.append(AutoSource(endpoints, options=options))
+            sources.append(AutoSource(endpoints, options=per_cloud))
             continue
         cloud = _CLOUD[name]
         factory, fixed = _BUILDERS[name]
-        sources.append(factory(endpoints.get(cloud), **{**dict(options.get(cloud, {})), **fixed}))
+        sources.append(factory(endpoints.get(cloud), **{**per_cloud[cloud], **fixed}))
     return sources

@@ -57,6 +57,15 @@ class AutoSource:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    def __getstate__(self) -> dict[str, object]:
+        state = self.__dict__.copy()
+        state.update(probed=None, _stop=None, _thread=None, found=[])
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self.probed, self._stop = threading.Event(), threading.Event()
+
     def start(self) -> None:
         if self._thread is not None and self._thread.is_alive():
             return

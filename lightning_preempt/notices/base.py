@@ -93,6 +93,16 @@ class MetadataSource:
         self._threads: list[threading.Thread] = []
         self._warned = False
 
+    def __getstate__(self) -> dict[str, object]:
+        # A callback is pickled for ddp_spawn: threads and locks stay behind (not started there).
+        state = self.__dict__.copy()
+        state.update(_lock=None, _stop=None, _threads=[])
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     # ---- PreemptionSource --------------------------------------------------------------
     def start(self) -> None:
         """Start the watcher threads (again after :meth:`stop`); returns at once."""
