@@ -18,7 +18,7 @@ from lightning_preempt import dist as pdist
 from lightning_preempt.commit import SaveRequest, write_checkpoint
 from lightning_preempt.discovery import mark_verified, newest_valid, remove_checkpoint_dir
 from lightning_preempt.errors import CheckpointNotFoundError, CheckpointWriteError, NotACheckpointError
-from lightning_preempt.format import DEFAULT_SHARDED_KEYS
+from lightning_preempt.format import DEFAULT_SHARDED_KEYS, own_share, replica_fingerprint
 from lightning_preempt.format import split_checkpoint as _split
 from lightning_preempt.layout import ensure_exists, remove_local, write_file_atomic
 from lightning_preempt.manifest import MANIFEST_NAME, Manifest
@@ -115,6 +115,9 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         self.verify_on_load = verify_on_load
         self.sharded_keys = tuple(sharded_keys)
         self._stager = HostStager(pin_memory)
+        #: DDP: each rank stages and writes only its share of the replicated tensors
+        #: (``format.own_share``) when every rank holds the same ones (checked per save).
+        self.dedupe_replicas = True
         self._writer = BackgroundWriter()
         self._pending: Future[Manifest] | None = None
         self._group: pdist.ProcessGroup | None = None
@@ -178,6 +181,44 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         return self._stager.allocated_bytes
 
     @property
+    def staging_last_bytes(self) -> int:
+        """Bytes this rank copied into staging buffers in its last save (its share under DDP)."""
+        return self._stager.last_staged_bytes
+
+    def prepare_staging(self, checkpoint_like: dict[str, Any], *, background: bool = True) -> Future[int]:
+        """Allocate and touch this rank's staging buffers now, from the tensors'
+        shapes alone, so the first (and the emergency) save only copies.
+
+        ``checkpoint_like``: any dict shaped like the checkpoints to come, e.g.
+        ``{"state_dict": module.state_dict(), "optimizer_states": [o.state_dict() for o in opts]}``
+        (see :func:`lightning_preempt.prealloc.checkpoint_like`). Not collective; call it
+        again when the state grows (optimizer state appears at the first step): buffers
+        that fit are kept. The Future holds the bytes newly allocated.
+        """
+        tensors, _ = _split(checkpoint_like, self.sharded_keys)
+        if self._dedupes():
+            tensors = own_share(tensors, pdist.rank(self._group), pdist.world_size(self._group))
+        return self._stager.prepare(tensors, background=background)
+
+    def _dedupes(self) -> bool:
+        return self.dedupe_replicas and self._group is not None and pdist.world_size(self._group) > 1
+
+    def _my_share(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        """This rank's share of the replicated tensors (collective saves under DDP).
+
+        Ranks compare fingerprints first (one small gather on the writer's group, idle
+        here: the previous save has finished): a tensor only some ranks hold would be
+        lost if its owner lacked it, so any difference means every rank stages all.
+        """
+        if not self._dedupes():
+            return tensors
+        fingerprints = pdist.all_gather_objects(replica_fingerprint(tensors), self._group)
+        if len(set(fingerprints)) != 1:
+            log.warning("lightning_preempt: ranks hold different tensors; every rank stages all of them")
+            return tensors
+        return own_share(tensors, pdist.rank(self._group), len(fingerprints))
+
+    @property
     def last_save(self) -> SaveRecord | None:
         return self.history[-1] if self.history else None
 
@@ -213,6 +254,7 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
             # (a remote outage must not stall a step).
             ensure_exists(store if local_url is None else Store(local_url))
         tensors, skeleton = _split(checkpoint, self.sharded_keys)
+        tensors = self._my_share(tensors)
         buffer = io.BytesIO()
         torch.save(skeleton, buffer)  # freezes the non-tensor state now
         staged = self._stager.stage(tensors)

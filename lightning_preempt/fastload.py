@@ -142,8 +142,8 @@ class _CrcPipeline:
 
 
 def _open(store: Store, name: str) -> IO[bytes]:
-    if store.is_local:
-        return open(store.path(name), "rb", buffering=0)  # FileIO: readinto straight from the kernel
+    # A regular file only, never through a symlink (Store.open_read). Locally a buffered
+    # reader: readinto larger than its buffer goes straight from the kernel into ours.
     return store.open_read(name)
 
 

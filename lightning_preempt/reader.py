@@ -91,6 +91,7 @@ def check_sizes(store: Store, manifest: Manifest | None = None) -> Manifest:
     common damage (a copy that stopped), a flipped bit is caught later by the load.
     """
     manifest = manifest or read_manifest(store)
+    store = data_store(store, manifest)  # a replaced checkpoint's files live in its generation dir
     store.invalidate_cache()
     try:
         listing = store.fs.ls(store.path(), detail=True)

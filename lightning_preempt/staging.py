@@ -4,11 +4,17 @@ Buffers are allocated on the first save and reused by every later save of the sa
 shapes, so a steady-state save allocates no staging memory; that is also why at most
 one save may be in flight (the writer reads these buffers until it commits). Buffers
 are pinned when CUDA is present, so device-to-host copies run at full PCIe speed.
+
+:meth:`HostStager.prepare` allocates and touches them ahead of time, on a background
+thread, from the shapes alone: first touch of fresh memory (and pinning a 13 GB shard)
+costs several times the copy itself, and the first save may be the emergency one.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -30,6 +36,7 @@ class HostStager:
         self.allocated_bytes = 0
         self.last_staged_bytes = 0
         self._announced = False
+        self._prep: Future[int] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # Buffers are a cache of host memory (possibly pinned, possibly GBs): a pickled or
@@ -38,13 +45,63 @@ class HostStager:
         state["_buffers"] = {}
         state["allocated_bytes"] = 0
         state["last_staged_bytes"] = 0
+        state["_prep"] = None
         return state
 
     @property
     def buffer_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
+    def prepare(self, tensors: dict[str, torch.Tensor], *, background: bool = True) -> Future[int]:
+        """Allocate and touch the buffers ``stage(tensors)`` will use, so that it only copies.
+
+        Only shapes and dtypes are read from ``tensors`` (on the calling thread; no data is
+        copied). A buffer that already fits is kept; one whose shape changed is replaced
+        (the state grew, e.g. optimizer state created by the first step). With
+        ``background`` a daemon thread does the work (allocation and the memset release
+        the GIL); a ``stage`` meanwhile waits for it rather than allocating the same memory
+        twice. The Future holds the bytes newly allocated.
+        """
+        specs = {key: _spec(t) for key, t in tensors.items()}
+        self._wait_prepared()
+        fut: Future[int] = Future()
+        if not background:
+            fut.set_result(self._allocate(specs))
+            return fut
+        self._prep = fut
+
+        def run() -> None:
+            try:
+                fut.set_result(self._allocate(specs))
+            except BaseException as err:  # e.g. out of (pinned) memory: stage() allocates itself
+                fut.set_exception(err)
+
+        threading.Thread(target=run, name="lightning_preempt-prealloc", daemon=True).start()
+        return fut
+
+    def _allocate(self, specs: dict[str, tuple[torch.Size, torch.dtype]]) -> int:
+        added = 0
+        for key, (shape, dtype) in specs.items():
+            buf = self._buffers.get(key)
+            if buf is not None and buf.shape == shape and buf.dtype == dtype:
+                continue
+            buf = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=self.pin_memory)
+            buf.zero_()  # touch every page now, not inside the first (emergency) save
+            self._buffers[key] = buf
+            added += buf.numel() * buf.element_size()
+        self.allocated_bytes += added
+        return added
+
+    def _wait_prepared(self) -> None:
+        prep, self._prep = self._prep, None
+        if prep is None:
+            return
+        err = prep.exception()
+        if err is not None:
+            log.warning("lightning_preempt: preallocating staging buffers failed (%s); the save allocates them", err)
+
     def stage(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        self._wait_prepared()
         if not self._announced:
             kind = "pinned host memory" if self.pin_memory else "plain host memory (no CUDA: pinning unavailable)"
             log.info("lightning_preempt: staging checkpoints in reusable %s", kind)
@@ -78,7 +135,13 @@ class HostStager:
 
     def release(self) -> None:
         """Drop every buffer (the next save allocates again)."""
+        self._wait_prepared()
         self._buffers.clear()
+
+
+def _spec(tensor: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.shape, local.dtype
 
 
 def _like(original: torch.Tensor, host: torch.Tensor) -> Any:

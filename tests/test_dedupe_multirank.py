@@ -1,0 +1,137 @@
+"""DDP de-duplication before staging, across 2 real ranks (gloo): each rank stages only
+the share it writes, the checkpoint is complete, and a rank dying mid-save commits nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.multiproc
+
+
+def _state(step: int, extra_on_rank: int | None = None, rank: int = 0) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(step)  # the same on every rank: replicated
+    ckpt: dict[str, Any] = {
+        "global_step": step,
+        "state_dict": {f"layer{i}.weight": torch.randn(64 + 8 * i, 32, generator=gen) for i in range(6)},
+        "optimizer_states": [
+            {"state": {i: {"momentum_buffer": torch.randn(64 + 8 * i, 32, generator=gen)} for i in range(6)}}
+        ],
+        "rank_state": rank,  # per-rank, outside the sharded keys
+    }
+    if extra_on_rank == rank:
+        ckpt["state_dict"]["only_here"] = torch.ones(3)
+    return ckpt
+
+
+def _worker(rank: int, init_file: str, root: str, scenario: str) -> None:
+    import torch.distributed as dist
+
+    from lightning_preempt.checkpoint_io import ShardedAsyncCheckpointIO
+    from lightning_preempt.dist import new_gloo_group
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    io = ShardedAsyncCheckpointIO()
+    io.enable_collective_saves(new_gloo_group(timeout_s=60))
+    out: dict[str, Any] = {"rank": rank}
+    if scenario == "dedupe":
+        io.prepare_staging(_state(1), background=True)
+        io.save_checkpoint(_state(1, rank=rank), os.path.join(root, "step-1"))
+        out["staged"] = io.staging_last_bytes
+        out["allocated"] = io.staging_allocated_bytes
+        io.wait()
+    elif scenario == "different_keys":
+        io.save_checkpoint(_state(1, extra_on_rank=1, rank=rank), os.path.join(root, "step-1"))
+        out["staged"] = io.staging_last_bytes
+        io.wait()
+    elif scenario == "rank_dies":
+        io.save_checkpoint(_state(1, rank=rank), os.path.join(root, "step-1"))
+        io.wait()
+        io.save_checkpoint(_state(2, rank=rank), os.path.join(root, "step-2"))
+        if rank == 1:
+            os._exit(3)  # dies with its share staged, before (or while) writing it
+        try:
+            io.wait()
+            out["error"] = None
+        except Exception as err:
+            out["error"] = f"{type(err).__name__}: {err}"
+    Path(root, f"rank{rank}.json").write_text(json.dumps(out))
+    os._exit(0)  # rank 1 may be gone: no collective teardown
+
+
+def _run(tmp_path: Path, scenario: str) -> list[dict[str, Any]]:
+    ctx = mp.start_processes(
+        _worker, args=(str(tmp_path / "init"), str(tmp_path), scenario), nprocs=2, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + 150
+    while True:
+        try:
+            if ctx.join(timeout=1):
+                break
+        except mp.ProcessExitedException:
+            if scenario != "rank_dies":
+                raise
+            for p in ctx.processes:
+                p.join(timeout=120)
+            break
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("ranks hung")
+    return [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
+
+
+def _state_bytes(ckpt: dict[str, Any]) -> int:
+    tensors = list(ckpt["state_dict"].values()) + [
+        s["momentum_buffer"] for s in ckpt["optimizer_states"][0]["state"].values()
+    ]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _assert_complete(url: str, step: int) -> None:
+    from lightning_preempt.reader import load_full_checkpoint
+    from lightning_preempt.storage import Store
+
+    loaded = load_full_checkpoint(Store(url))
+    expected = _state(step)
+    for key, t in expected["state_dict"].items():
+        assert torch.equal(loaded["state_dict"][key], t), key
+    for i, s in expected["optimizer_states"][0]["state"].items():
+        assert torch.equal(loaded["optimizer_states"][0]["state"][i]["momentum_buffer"], s["momentum_buffer"])
+    assert loaded["global_step"] == step
+
+
+def test_each_rank_stages_only_its_share(tmp_path: Path) -> None:
+    outcomes = _run(tmp_path, "dedupe")
+    total = _state_bytes(_state(1))
+    for o in outcomes:
+        assert 0 < o["staged"] <= 0.6 * total, (o, total)
+        assert o["allocated"] == o["staged"]  # preallocated exactly the share, nothing more at save time
+    assert sum(o["staged"] for o in outcomes) == total  # every tensor staged exactly once
+    _assert_complete(str(tmp_path / "step-1"), 1)
+    # Both ranks wrote a shard file; each rank's own skeleton is kept.
+    names = os.listdir(tmp_path / "step-1")
+    assert {"state-rank00000.pt", "state-rank00001.pt"} <= set(names)
+    assert len([n for n in names if n.endswith(".distcp")]) == 2
+
+
+def test_ranks_with_different_tensors_stage_everything(tmp_path: Path) -> None:
+    outcomes = _run(tmp_path, "different_keys")
+    total = _state_bytes(_state(1))
+    assert [o["staged"] for o in outcomes] == [total, total + 12]
+    _assert_complete(str(tmp_path / "step-1"), 1)
+
+
+def test_a_rank_dying_mid_save_commits_nothing_and_the_previous_checkpoint_is_whole(tmp_path: Path) -> None:
+    outcomes = _run(tmp_path, "rank_dies")
+    assert [o["rank"] for o in outcomes] == [0]
+    assert outcomes[0]["error"] and "HINT:" in outcomes[0]["error"], outcomes
+    assert not (tmp_path / "step-2" / "manifest.json").exists()
+    _assert_complete(str(tmp_path / "step-1"), 1)
