@@ -5,7 +5,7 @@ other events that end the VM's processes.
 returns ``{"DocumentIncarnation": N, "Events": [{"EventId", "EventType", "ResourceType",
 "Resources": [vm names], "EventStatus": "Scheduled"|"Started", "NotBefore": "Mon, 19 Sep
 2016 18:29:47 GMT", ...}]}``. ``Preempt`` (Spot eviction) is scheduled at least 30 s ahead;
-``Terminate`` 5 to 15 min (user configurable, scale sets); ``Reboot`` 15 min; ``Redeploy`` 10 min.
+``Terminate`` 5 to 15 min (user configurable, scale sets); ``Reboot``/``Redeploy`` minutes.
 ``Freeze`` (a pause of seconds) is not a reclaim. Events of an availability set or scale-set
 placement group reach every VM of it: only events whose ``Resources`` name this VM count
 (its name from ``/metadata/instance/compute/name``).
