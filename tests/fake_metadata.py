@@ -50,6 +50,7 @@ class FakeMetadata:
         self.log: list[tuple[str, str, dict[str, str]]] = []  # (method, path?query, headers)
         self.acks: list[dict[str, Any]] = []
         self.held = 0  # requests currently held ("slow" mode or a GCE long-poll)
+        self.peak_held = 0
         self.released_by_change = 0  # GCE long-polls answered because the value changed
         self._tokens: set[str] = set()
         self._aws_action: dict[str, str] | None = None
@@ -191,6 +192,7 @@ class FakeMetadata:
     def _hold(self, done: Any, timeout: float | None = None) -> bool:
         with self._cond:
             self.held += 1
+            self.peak_held = max(self.peak_held, self.held)
             self._cond.notify_all()
         try:
             deadline = None if timeout is None else time.monotonic() + timeout
