@@ -113,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="KEY=VALUE",
         help="fsspec storage option (repeatable); VALUE is parsed as JSON when it can be, "
-        "dotted keys nest (client_kwargs.region_name=eu-west-1)",
+        "dotted keys nest (client_kwargs.region_name=eu-west-1). Never pass secrets here: the command line "
+        "shows in `ps` and shell history; credentials come from environment variables and profiles",
     )
 
     p = sub.add_parser("ls", parents=[storage], help="list checkpoints, newest first")
@@ -127,6 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("step", metavar="STEP", nargs="?", type=int, help="step to verify (default: newest committed)")
     p.add_argument("--progress", action="store_true", help="show a progress bar on stderr even when not a TTY")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument(
+        "--trust",
+        action="store_true",
+        help="skip the check that the state loads without trust_checkpoints (allow-listed types only)",
+    )
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser(
@@ -136,11 +142,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write the checkpoint URL (a checkpoint directory, or a directory of them: STEP picks one, "
         "default the newest committed) as ONE ordinary Lightning .ckpt file OUT.ckpt (local) that plain Lightning "
         "loads without lightning_preempt installed. Written atomically; never overwrites without --force.",
-        usage=f"{PROG} export [-h] [--force] [--no-verify] [-o KEY=VALUE] URL [STEP] OUT.ckpt",
+        usage=f"{PROG} export [-h] [--force] [--no-verify] [--trust] [-o KEY=VALUE] URL [STEP] OUT.ckpt",
     )
     p.add_argument("targets", nargs="+", metavar="URL [STEP] OUT.ckpt", help=argparse.SUPPRESS)
     p.add_argument("--force", action="store_true", help="replace OUT.ckpt if it exists")
     p.add_argument("--no-verify", action="store_true", help="skip the CRC32C check before exporting")
+    p.add_argument(
+        "--trust",
+        action="store_true",
+        help="unpickle the checkpoint's state without the allow-list (it can run code from the storage: only "
+        "when you trust everyone who can write it; docs/security.md)",
+    )
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser(
@@ -294,6 +306,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     finally:
         if bar is not None:
             bar.close()
+    if not args.trust:
+        _storage_call(store.url, lambda: check_loadable(store, manifest))
     elapsed = time.perf_counter() - started
     if args.json:
         print(
@@ -311,9 +325,35 @@ def cmd_verify(args: argparse.Namespace) -> int:
     else:
         print(
             f"OK step {manifest.step} ({store.url}): manifest v{manifest.version}, {len(manifest.files)} files, "
-            f"{format_bytes(total)}, sizes and CRC32C match ({elapsed:.2f}s)"
+            f"{format_bytes(total)}, sizes and CRC32C match"
+            f"{'' if args.trust else ', loads without trust_checkpoints'} ({elapsed:.2f}s)"
         )
     return EXIT_OK
+
+
+def check_loadable(store: Store, manifest: Manifest) -> None:
+    """Raise :class:`~lightning_preempt.safe_load.UntrustedCheckpointError` (naming the
+    global) unless every rank's state and DCP's ``.metadata`` load with the allow-list only.
+    Nothing from the checkpoint runs: that is what the allow-list guarantees."""
+    import re
+
+    from lightning_preempt.reader import load_skeleton  # imports torch: only when needed
+    from lightning_preempt.safe_load import UntrustedCheckpointError, read_dcp_metadata
+
+    ranks = sorted(int(m.group(1)) for n in manifest.files if (m := re.fullmatch(r"state-rank(\d+)\.pt", n)))
+    try:
+        for rank in ranks:
+            load_skeleton(store, manifest, rank)
+        if ".metadata" in manifest.files:
+            from lightning_preempt.layout import data_store
+
+            read_dcp_metadata(data_store(store, manifest), manifest)
+    except UntrustedCheckpointError as err:
+        raise UntrustedCheckpointError(
+            f"step {manifest.step}: sizes and CRC32C match, but {str(err).splitlines()[0]}",
+            global_name=err.global_name,
+            path=store.url,
+        ) from None
 
 
 def resolve_checkpoint(url: str, step: int | None, options: dict[str, Any]) -> tuple[Store, Manifest]:
@@ -394,7 +434,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     options = parse_storage_options(args.storage_options)
     store, manifest = _storage_call(url, lambda: resolve_checkpoint(url, step, options))
     started = time.perf_counter()
-    result = _storage_call(url, lambda: export_checkpoint(store, out, force=args.force, verify=not args.no_verify))
+    result = _storage_call(
+        url, lambda: export_checkpoint(store, out, force=args.force, verify=not args.no_verify, trusted=args.trust)
+    )
     print(
         f"exported step {manifest.step} ({store.url}) -> {out}: {format_bytes(result.size_bytes)} in "
         f"{time.perf_counter() - started:.2f}s"
@@ -605,10 +647,11 @@ def parse_storage_options(pairs: Sequence[str]) -> dict[str, Any]:
 
 _CREDENTIAL_HINTS = {
     "gs": "Set GOOGLE_APPLICATION_CREDENTIALS to a service-account key file, or run "
-    "`gcloud auth application-default login`; or pass -o token=PATH_OR_'anon'.",
+    "`gcloud auth application-default login` (public buckets: -o token=anon).",
     "gcs": "Set GOOGLE_APPLICATION_CREDENTIALS, or run `gcloud auth application-default login`.",
-    "s3": "Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or pass -o key=... -o secret=...; "
-    "for S3-compatible stores add -o endpoint_url=https://...",
+    "s3": "Set AWS_PROFILE (a profile in ~/.aws/credentials) or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in "
+    "the environment; never pass secrets with -o (they show in `ps`). For S3-compatible stores add "
+    "-o endpoint_url=https://...",
     "az": "Set AZURE_STORAGE_CONNECTION_STRING (or AZURE_STORAGE_ACCOUNT_NAME and a key).",
     "abfs": "Set AZURE_STORAGE_CONNECTION_STRING (or AZURE_STORAGE_ACCOUNT_NAME and a key).",
 }

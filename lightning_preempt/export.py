@@ -28,6 +28,7 @@ import torch
 
 from lightning_preempt.errors import CheckpointError, CheckpointExistsError
 from lightning_preempt.reader import load_full_checkpoint
+from lightning_preempt.safe_load import _map_tensors
 from lightning_preempt.storage import Store, fsync_dir
 
 _OUR_PACKAGE = "lightning_preempt"
@@ -48,8 +49,13 @@ class ExportError(CheckpointError):
     """The checkpoint cannot be exported as a self-contained Lightning file."""
 
 
-def export_checkpoint(store: Store, out_path: str, *, force: bool = False, verify: bool = True) -> ExportResult:
+def export_checkpoint(
+    store: Store, out_path: str, *, force: bool = False, verify: bool = True, trusted: bool = False
+) -> ExportResult:
     """Write the checkpoint in ``store`` to ``out_path`` (a local file) atomically.
+
+    The checkpoint's state is unpickled with the allow-list only (nothing from storage
+    runs) unless ``trusted`` (docs/security.md).
 
     Returns what was written. Raises :class:`CheckpointExistsError` when ``out_path``
     exists and not ``force``; :class:`ExportError` when the dict would pickle a class of
@@ -66,7 +72,7 @@ def export_checkpoint(store: Store, out_path: str, *, force: bool = False, verif
             f"refusing to overwrite the existing file {out_path}",
             hint="Choose another name, or pass --force to replace it.",
         )
-    checkpoint = load_full_checkpoint(store, verify=verify)
+    checkpoint = _own_storage(load_full_checkpoint(store, verify=verify, trusted=trusted))
     if OWN_STATE_KEY in checkpoint:
         checkpoint[OWN_STATE_KEY] = plain_numpy(checkpoint[OWN_STATE_KEY])
     directory = os.path.dirname(out_path)
@@ -103,6 +109,20 @@ def export_checkpoint(store: Store, out_path: str, *, force: bool = False, verif
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
     return ExportResult(out_path, checkpoint, os.path.getsize(out_path), weights_only_error)
+
+
+def _own_storage(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """Tensors that view a larger buffer (the one-pass loader reads each archive into one)
+    get storage of their own: ``torch.save`` writes a tensor's whole storage, and a
+    storage of odd byte size under another dtype does not load back."""
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        exact = t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        return t if exact else t.clone(memory_format=torch.contiguous_format)
+
+    result = _map_tensors(checkpoint, own)
+    assert isinstance(result, dict)
+    return result
 
 
 def plain_numpy(value: Any) -> Any:
