@@ -20,7 +20,16 @@ from lightning_preempt.notices.base import MetadataSource, NoopSource
 from lightning_preempt.notices.gce import GCESource
 from lightning_preempt.sources import PreemptionSource
 
-__all__ = ["NAMES", "AWSSpotSource", "AutoSource", "AzureSource", "GCESource", "NoopSource", "make_sources"]
+__all__ = [
+    "NAMES",
+    "AWSSpotSource",
+    "AutoSource",
+    "AzureSource",
+    "GCESource",
+    "NoopSource",
+    "make_sources",
+    "parse_names",
+]
 
 # name -> (factory, fixed keyword arguments)
 _BUILDERS: dict[str, tuple[Callable[..., MetadataSource], dict[str, Any]]] = {
