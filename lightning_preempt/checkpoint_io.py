@@ -252,7 +252,13 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
             # ModelCheckpoint looks for the path right after saving (-v1 versioning,
             # save_last="link"). Two tiers: the training thread touches only the local disk
             # (a remote outage must not stall a step).
-            ensure_exists(store if local_url is None else Store(local_url))
+            try:
+                ensure_exists(store if local_url is None else Store(local_url))
+            except Exception as err:
+                # Never raise on rank 0 alone here: the other ranks would enter the writer's
+                # collectives and wait for it until the group times out. The write job meets
+                # the same failure and raises it on every rank (commit.py's agreement).
+                log.warning("lightning_preempt: could not create %s yet (%s); the save reports it", url, err)
         tensors, skeleton = _split(checkpoint, self.sharded_keys)
         tensors = self._my_share(tensors)
         buffer = io.BytesIO()
