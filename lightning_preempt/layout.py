@@ -50,9 +50,7 @@ MARKER_NAME = ".lightning_preempt"
 
 _OBJECT_STORES = frozenset({"gs", "gcs", "s3", "s3a"})
 _GENERATION_RE = re.compile(r"v-[0-9a-f]{12}")
-_OURS_RE = re.compile(
-    r"__\d+_\d+\.distcp|\.metadata|state-rank\d+\.pt|v-[0-9a-f]{12}|\.manifest\.json\.[0-9a-f]+\.tmp"
-)
+_OURS_RE = re.compile(r"__\d+_\d+\.distcp|\.metadata|state-rank\d+\.pt|v-[0-9a-f]{12}|\.manifest\.json\.[0-9a-f]+\.tmp")
 
 
 def file_and_dir_coexist(store: Store) -> bool:
@@ -237,11 +235,36 @@ def swap_in(root: Store, new_path: str) -> None:
     root.invalidate_cache()
     had_old = bool(root.fs.exists(path))
     if had_old:
-        root.fs.mv(path, old, recursive=True)
-    root.fs.mv(new_path, path, recursive=True)
+        _move(root, path, old)
+    _move(root, new_path, path)
     if had_old:
-        root.fs.rm(old, recursive=True)
+        _delete(root, old)
     root.invalidate_cache()
+
+
+def _move(root: Store, src: str, dst: str) -> None:
+    """A move on a file system without atomic directory renames (fsspec's ``mv`` is copy,
+    then delete): the copy gets its manifest last, the source loses its manifest first,
+    so neither is ever a committed but incomplete checkpoint."""
+    fs = root.fs
+    if not fs.isdir(src):
+        fs.mv(src, dst)
+        return
+    files = sorted(fs.find(src), key=lambda p: posixpath.basename(p) == MANIFEST_NAME)
+    for file in files:
+        fs.makedirs(posixpath.dirname(posixpath.join(dst, posixpath.relpath(file, src))), exist_ok=True)
+        fs.cp_file(file, posixpath.join(dst, posixpath.relpath(file, src)))
+    _delete(root, src)
+
+
+def _delete(root: Store, path: str) -> None:
+    fs = root.fs
+    if fs.isdir(path):
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm_file(posixpath.join(path, MANIFEST_NAME))  # uncommit first
+        fs.rm(path, recursive=True)
+    else:
+        fs.rm_file(path)
 
 
 def remove_local(path: str) -> None:

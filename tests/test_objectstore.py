@@ -87,9 +87,14 @@ def test_plugin_round_trip_list_retention_remove(remote: Remote) -> None:
             assert_same(io.load_checkpoint(remote.join(f"step-{step:010d}")), saved[step])
         assert_same(io.load_checkpoint(remote.url), saved[3])  # a directory of checkpoints: the newest
 
-        # Saving over a committed checkpoint is refused; the commit itself is create-only too.
-        with pytest.raises(CheckpointExistsError, match="HINT:"):
-            io.save_checkpoint(saved[3], remote.join("step-0000000003"))
+        # Saving over a committed checkpoint replaces it (a generation dir, then one PUT of
+        # the manifest: no renames); a create-only commit of different bytes is refused.
+        _save(io, copy.deepcopy(saved[1]), remote.join("step-0000000003"))
+        assert_same(io.load_checkpoint(remote.join("step-0000000003")), saved[1])
+        _save(io, copy.deepcopy(saved[3]), remote.join("step-0000000003"))
+        assert_same(io.load_checkpoint(remote.join("step-0000000003")), saved[3])
+        listed = Store(remote.join("step-0000000003"), remote.storage_options).list_files()
+        assert len({name.split("/")[0] for name in listed if name.startswith("v-")}) == 1, listed  # old one gone
         store = Store(remote.join("step-0000000003"), remote.storage_options)
         manifest_bytes = store.read_bytes(MANIFEST_NAME)
         store.commit_bytes(MANIFEST_NAME, manifest_bytes)  # same bytes: a retried PUT, fine
