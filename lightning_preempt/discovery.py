@@ -274,9 +274,7 @@ def _other_run(info: CheckpointInfo, run_id: str | None) -> bool:
     return run_id is not None and other is not None and other != run_id
 
 
-def _soundness_problem(
-    info: CheckpointInfo, storage_options: dict[str, Any] | None, *, need_crc: bool
-) -> str | None:
+def _soundness_problem(info: CheckpointInfo, storage_options: dict[str, Any] | None, *, need_crc: bool) -> str | None:
     """Why a committed checkpoint cannot be counted (``None``: it can). ``need_crc``: it
     would become the newest verified one, so its CRC32C must be known to match."""
     store = Store(info.path, storage_options)

@@ -45,7 +45,9 @@ _KNOWN_KEYS = frozenset(
     {"format", "version", "step", "epoch", "world_size", "created_unix", "tensor_bytes", "stats", "extra", "files",
      "run_id"}
 )  # fmt: skip
-_DAMAGED_HINT = "The checkpoint is damaged or was not written by lightning_preempt; delete it or resume from an older one."
+_DAMAGED_HINT = (
+    "The checkpoint is damaged or was not written by lightning_preempt; delete it or resume from an older one."
+)
 
 
 def is_checkpoint_file_name(name: str) -> bool:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import io
 import pickle
 import re
-import sys
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -82,23 +81,12 @@ def _numpy_globals() -> list[Any]:
     ]
 
 
-#: Globals that are imported on demand when a skeleton names them (importing Lightning
-#: costs ~1.5 s, too much for the CLI when the checkpoint does not need it).
-_ON_DEMAND = {
-    "lightning.fabric.utilities.data.AttributeDict": ("lightning.fabric.utilities.data", "AttributeDict"),
-}
-
-
 def skeleton_safe_globals() -> list[Any]:
-    """The allow-list for the per-rank state files, on top of ``weights_only``'s defaults:
-    this package's :class:`TensorRef`, NumPy arrays (exact-resume RNG states) and
-    Lightning's ``AttributeDict`` (hyper-parameters) when Lightning is loaded."""
-    allowed: list[Any] = [TensorRef, *_numpy_globals()]
-    for module, name in _ON_DEMAND.values():
-        loaded = sys.modules.get(module)
-        if loaded is not None and hasattr(loaded, name):
-            allowed.append(getattr(loaded, name))
-    return allowed
+    """The allow-list for the per-rank state files, on top of ``weights_only``'s defaults
+    (tensors, dtypes, ``OrderedDict``…): this package's :class:`TensorRef` and NumPy arrays
+    and scalars (exact-resume RNG states). That is all a ``Trainer.fit`` puts there:
+    Lightning stores hyper-parameters as a plain ``dict`` (measured with Lightning 2.6)."""
+    return [TensorRef, *_numpy_globals()]
 
 
 def load_state_bytes(data: bytes, *, path: str, trusted: bool = False, map_location: Any = None) -> Any:
@@ -111,38 +99,36 @@ def load_state_bytes(data: bytes, *, path: str, trusted: bool = False, map_locat
     location = map_location if map_location is not None else "cpu"
     if trusted:
         return torch.load(io.BytesIO(data), map_location=location, weights_only=False)
-    for attempt in range(2):
-        try:
-            with torch.serialization.safe_globals(skeleton_safe_globals()):
-                return torch.load(io.BytesIO(data), map_location=location, weights_only=True)
-        except pickle.UnpicklingError as err:
-            name = _unsupported_global(err)
-            if attempt == 0 and name in _ON_DEMAND:
-                module, _ = _ON_DEMAND[name]
-                __import__(module)  # an allowed global this process had not imported yet: retry once
-                continue
-            raise _untrusted(err, name, path) from None
-        except (RuntimeError, ValueError, EOFError, KeyError, OSError) as err:
-            raise CorruptCheckpointError(
-                f"the per-rank state is not a readable torch.save file ({type(err).__name__}: "
-                f"{str(err).splitlines()[0] if str(err) else ''})",
-                path=path,
-                hint="The checkpoint is damaged or was not written by lightning_preempt; resume from an older one.",
-            ) from err
-    raise AssertionError("unreachable")  # pragma: no cover
+    try:
+        with torch.serialization.safe_globals(skeleton_safe_globals()):  # scoped to this call
+            return torch.load(io.BytesIO(data), map_location=location, weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise _untrusted(err, _unsupported_global(err), path) from None
+    except (RuntimeError, ValueError, EOFError, KeyError, OSError) as err:
+        raise CorruptCheckpointError(
+            f"the per-rank state is not a readable torch.save file ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''})",
+            path=path,
+            hint="The checkpoint is damaged or was not written by lightning_preempt; resume from an older one.",
+        ) from err
 
 
 def _unsupported_global(err: BaseException) -> str | None:
     match = _GLOBAL_RE.search(str(err))
-    return match.group(1) if match else None
+    if match is None:
+        return None
+    name = match.group(1)
+    return name if "." in name else f"builtins.{name}"  # torch names builtins without their module
 
 
 def _untrusted(err: BaseException, name: str | None, path: str) -> UntrustedCheckpointError:
     if name is not None:
         what = f"needs the global {name}, which is not on the allow-list of what lightning_preempt writes"
     else:
-        detail = next((line.strip() for line in str(err).splitlines() if line.strip().startswith("Unsupported")), "")
-        what = f"uses a pickle construct weights_only loading refuses ({detail or type(err).__name__})"
+        lines = [line.strip() for line in str(err).splitlines()]
+        after = lines[lines.index("WeightsUnpickler error:") + 1 :] if "WeightsUnpickler error:" in lines else lines
+        detail = next((line for line in after if line and not line.startswith(("Weights only", "Please file"))), "")
+        what = f"uses something weights_only loading refuses ({detail or type(err).__name__})"
     return UntrustedCheckpointError(
         f"refusing to unpickle the checkpoint state: it {what}; unpickling it could run code",
         global_name=name,
