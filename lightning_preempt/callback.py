@@ -24,7 +24,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from typing_extensions import override
 
-from lightning_preempt import agree
+from lightning_preempt import _compat, agree
 from lightning_preempt import dist as pdist
 from lightning_preempt.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.config import PreemptionConfig
@@ -186,7 +186,9 @@ class PreemptionCallback(OnExceptionCheckpoint):
             backoff_s=self.config.list_backoff_s,
         )
         self.exact = ExactResume()  # RNG, data position, metric states; `.enabled = False` turns it off
+        _compat.explain_disabled_checkpointing(PreemptionCallback)  # Trainer(enable_checkpointing=False) names us
         self.resumed_from: str | None = None
+        self.run_id: str | None = None  # set in setup; recorded in every manifest of this run
         self._grace = GraceCheck(self.config.grace_period_s)
         self._reporter = SaveReporter()
         self._rt: _Runtime | None = None
@@ -273,6 +275,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
                 lease.start_heartbeat()
 
             agree.decide(take, group, what="taking the lease on dirpath")
+        run_id: str | None = None
         if self.config.resume and self.resolver.agree_on_probes(group):
             choice = self.resolver.choose(group, tiers=io.tiers, verify=io.verify_on_load)
             assert self._pointer is not None
@@ -280,10 +283,15 @@ class PreemptionCallback(OnExceptionCheckpoint):
             io.alias(self._pointer, choice.path, verified=trainer.is_global_zero and io.verify_on_load)
             self.resumed_from = choice.path
             self._last_saved_step = choice.step
+            run_id = choice.run_id
             log.info(
                 "lightning_preempt: resuming from %s (step %d)%s",
                 choice.path, choice.step, f"; skipped {list(choice.skipped)}" if choice.skipped else "",
             )  # fmt: skip
+        # A resumed run continues the run it resumed from; a fresh one gets a new id.
+        self.run_id = io.run_id = agree.decide(lambda: run_id or uuid.uuid4().hex, group)
+        if io.tiers is not None:
+            io.tiers.run_id = self.run_id
         self._upload_local_only(trainer, io)
         newest = agree.decide(self._newest_manifest, group, what="reading the newest manifest")
         self._grace.check_manifest(newest)
@@ -464,7 +472,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
 
     def _retention(self) -> None:
         try:
-            apply_retention(self.dirpath, self.config.keep_last_n, self.storage_options)
+            apply_retention(self.dirpath, self.config.keep_last_n, self.storage_options, run_id=self.run_id)
         except Exception as err:  # the checkpoints stay; the next save's retention tries again
             log.warning(
                 "lightning_preempt: retention in %s failed (%s: %s)\nHINT: older checkpoints were kept; check "

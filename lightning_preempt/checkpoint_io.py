@@ -126,6 +126,8 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         self._aliases: dict[str, str] = {}
         self._verified: set[str] = set()
         self.history: list[SaveRecord] = []
+        #: recorded in every manifest; retention never deletes another run's checkpoints
+        self.run_id: str | None = None
         local = local_dirpath_from_env(local_dirpath)
         self._tier_args = (local, drain_workers, drain_retries, drain_backoff_s)
         self.tiers: TwoTier | None = self._make_tiers()
@@ -274,6 +276,7 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
             epoch=int(checkpoint.get("epoch", -1)),
             storage_options=options,
             stats={"blocking_s": record.blocking_s},
+            run_id=self.run_id,
         )
         self.history.append(record)
         if local_url is not None and self.tiers is not None:

@@ -48,6 +48,7 @@ class Choice:
     path: str
     step: int
     skipped: tuple[str, ...] = ()
+    run_id: str | None = None  # the run that wrote it: a resumed run continues it
 
 
 class ResumeResolver:
@@ -142,7 +143,8 @@ class ResumeResolver:
                     hint="Inspect them with `lightning-preempt ls --verify DIR`; delete the damaged ones "
                     "(or pass ckpt_path explicitly) and restart.",
                 )
-            return Choice(info.path, info.step, tuple(skipped))
+            run_id = info.manifest.run_id if info.manifest is not None else None
+            return Choice(info.path, info.step, tuple(skipped), run_id)
 
         return agree.decide(pick, group, what="choosing the checkpoint to resume from")
 

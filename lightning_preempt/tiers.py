@@ -163,6 +163,7 @@ class TwoTier:
         self.retries = max(1, retries)
         self.backoff_s = backoff_s
         self.keep_last_n: int | None = None
+        self.run_id: str | None = None  # retention spares other runs' checkpoints
         self.group: pdist.ProcessGroup | None = None
         self.single_host = True
         self.leads_host = True  # this rank prunes the local tier of its host
@@ -338,6 +339,9 @@ class TwoTier:
             delay = self.backoff_s * 2 ** (attempt - 1)
             if retry and self._deadline is not None and time.monotonic() + delay > self._deadline:
                 retry = False
+            # The deadline and the clock are rank-local: rank 0 decides for all, so no rank
+            # retries (and enters the next attempt's collectives) while another gives up.
+            retry = bool(pdist.broadcast_object(retry, group))
             if not retry:
                 if rank == 0:
                     _remove_partial(dst)
@@ -404,13 +408,13 @@ class TwoTier:
             try:
                 doomed = [
                     posixpath.basename(p)
-                    for p in apply_retention(self.local_root, keep, {}, protect=protect)
+                    for p in apply_retention(self.local_root, keep, {}, protect=protect, run_id=self.run_id)
                 ]  # fmt: skip
             except Exception as err:
                 log.warning("lightning_preempt: local retention in %s failed: %s", self.local_root, err)
             if self.remote_root is not None:
                 try:
-                    apply_retention(self.remote_root, keep, self.remote_options)
+                    apply_retention(self.remote_root, keep, self.remote_options, run_id=self.run_id)
                 except Exception as err:
                     log.warning(
                         "lightning_preempt: remote retention in %s failed: %s",
