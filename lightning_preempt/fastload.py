@@ -6,27 +6,29 @@ into a new storage (copy 2) and copies that into the destination (copy 3); a sep
 verification pass read every byte before that. Here:
 
 * the DCP ``.metadata`` says where every tensor's ``torch.save`` archive sits in which
-  file; each file is read in order with ``readinto``, each archive into a fresh
-  (64-byte aligned) buffer of its own, so the tensor data (64-byte aligned inside its
-  archive) is viewed in place as its dtype: the tensors *are* the read buffers;
+  file; each file is read front to back: an archive's head (its small records) into
+  scratch, then its tensor data with ``readinto`` straight into a new tensor of exactly
+  that size, then its tail into scratch. The tensors *are* the read buffers, each with
+  a storage of its own (optimizer state often stays the very tensor that was loaded:
+  it must not keep other bytes alive, and torch.save of it must save only it);
 * the CRC32C of the chunk just read runs on a second thread while the next chunk is
   read (both release the GIL), so verification costs no extra pass;
 * files are read in parallel (a thread each, up to :data:`MAX_PARALLEL_FILES`);
 * a file whose size or CRC32C disagrees with the manifest raises
   :class:`CorruptCheckpointError` before any tensor is returned.
 
-Only the tensor records' zip headers are parsed (``zipfile``, no unpickling): DCP's
-metadata already holds each chunk's dtype and size, and our staged buffers are always
-contiguous; an archive whose data record does not match that (never written by us)
-falls back to ``torch.load(weights_only=True)`` on its bytes.
+Only the tensor records' zip headers are parsed (no unpickling): DCP's metadata already
+holds each chunk's dtype and size, and our staged buffers are always contiguous; the
+zip data descriptor after the data confirms the record's size. An archive laid out
+otherwise (never written by us) falls back to ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
+import sys
 import threading
-import zipfile
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import IO, Any, cast
@@ -175,12 +177,9 @@ def _read_file(
     verify: bool,
     crc_pool: ThreadPoolExecutor | None,
 ) -> list[torch.Tensor]:
-    """Read one shard file in order, each archive into a uint8 buffer of its own.
-
-    One buffer per tensor (not per file): a tensor the caller keeps (optimizer state
-    often stays a view of what it was loaded from) then holds only its own bytes.
-    """
-    buffers: list[torch.Tensor] = []
+    """Read one shard file front to back; every tensor's data goes straight into a
+    tensor of exactly its size (see :func:`_read_archive`)."""
+    tensors: list[torch.Tensor] = []
     crc = _CrcPipeline(crc_pool) if verify else None
     total = 0
     try:
@@ -190,12 +189,11 @@ def _read_file(
                     total += _read_into(f, memoryview(bytearray(item.offset - total)), crc)
                 if item.offset != total:
                     break
-                buf = torch.empty(item.length, dtype=torch.uint8)  # the allocator aligns to 64 bytes
-                n = _read_into(f, _bytes_of(buf), crc)
-                buffers.append(buf)
+                tensor, n = _read_archive(f, item, crc)
                 total += n
-                if n != item.length:
+                if tensor is None:
                     break
+                tensors.append(tensor)
             else:
                 # trailing bytes the manifest counts but no archive covers
                 rest = (entry.size - total) if entry is not None else 0
@@ -207,7 +205,91 @@ def _read_file(
             f"file {name!r} listed in the manifest is missing", path=store.url, hint=_CORRUPT_HINT
         ) from err
     check_entry(store, name, entry, total, crc.hexdigest() if crc is not None else None)
-    return buffers
+    if len(tensors) != len(items):  # a short read, reported by check_entry unless the manifest is short too
+        raise CorruptCheckpointError(f"file {name!r} ends inside a tensor", path=store.url, hint=_CORRUPT_HINT)
+    return tensors
+
+
+#: The head of an archive read first: torch.save's records before the tensor data
+#: (data.pkl, .format_version, .storage_alignment, byteorder) take well under 1 KiB.
+_HEAD_BYTES = 4096
+_LOCAL_HEADER = b"PK\x03\x04"
+_DESCRIPTOR = b"PK\x07\x08"
+
+
+def _read_archive(f: IO[bytes], item: TensorItem, crc: _CrcPipeline | None) -> tuple[torch.Tensor | None, int]:
+    """Read one ``torch.save`` archive of ``item.length`` bytes from ``f``: its head into
+    scratch, the tensor data straight into a new tensor of exactly the chunk's size (its
+    own storage: nothing else is kept alive by it, and it saves and pickles like any
+    tensor), the rest into scratch. Returns ``(tensor, bytes read)``; ``None`` for a
+    short read. An archive laid out otherwise than our stager writes it is handed to
+    ``torch.load(weights_only=True)`` (one copy of that tensor).
+    """
+    head = memoryview(bytearray(min(item.length, _HEAD_BYTES)))
+    got = _read_into(f, head, crc)
+    if got < head.nbytes:
+        return None, got
+    numel = 1
+    for size in item.chunk_sizes:
+        numel *= size
+    nbytes = numel * item.dtype.itemsize
+    start = _data_start(head)
+    if start is None or sys.byteorder != "little":
+        return _read_rest_and_load(f, item, head, crc)
+    tensor = torch.empty(item.chunk_sizes, dtype=item.dtype)
+    data = _bytes_of(tensor.view(-1).view(torch.uint8)) if nbytes else memoryview(bytearray())
+    in_head = max(0, min(head.nbytes, start + nbytes) - start)
+    data[:in_head] = head[start : start + in_head]
+    got += _read_into(f, data[in_head:], crc)
+    rest = memoryview(bytearray(max(0, item.length - max(head.nbytes, start + nbytes))))
+    got += _read_into(f, rest, crc)
+    if got < item.length:
+        return None, got
+    # The data descriptor right after the data records the record's real size.
+    after = bytes(head[start + nbytes :]) + bytes(rest[:24]) if start + nbytes < head.nbytes else bytes(rest[:24])
+    if not _descriptor_says(after, nbytes):
+        whole = bytes(head) + bytes(data[in_head:]) + bytes(rest)  # the archive as it was in the file
+        return _load_archive(whole, item), got
+    return tensor, got
+
+
+def _data_start(head: memoryview) -> int | None:
+    """Offset of the ``*/data/0`` record's data in an archive whose first bytes are ``head``."""
+    raw = bytes(head)
+    pos = 0
+    while (pos := raw.find(_LOCAL_HEADER, pos)) >= 0 and pos + 30 <= len(raw):
+        method = int.from_bytes(raw[pos + 8 : pos + 10], "little")
+        name_len = int.from_bytes(raw[pos + 26 : pos + 28], "little")
+        extra_len = int.from_bytes(raw[pos + 28 : pos + 30], "little")
+        name = raw[pos + 30 : pos + 30 + name_len]
+        if name.endswith(b"/data/0"):
+            return pos + 30 + name_len + extra_len if method == 0 else None
+        pos += 30 + name_len + extra_len  # skip this header (its data follows; headers are searched for)
+    return None
+
+
+def _descriptor_says(after: bytes, nbytes: int) -> bool:
+    """Whether the zip data descriptor in ``after`` records ``nbytes`` for the record."""
+    if not after.startswith(_DESCRIPTOR):
+        return False
+    size32 = int.from_bytes(after[12:16], "little") if len(after) >= 16 else -1
+    size64 = int.from_bytes(after[16:24], "little") if len(after) >= 24 else -1
+    return nbytes in (size32, size64)
+
+
+def _read_rest_and_load(
+    f: IO[bytes], item: TensorItem, head: memoryview, crc: _CrcPipeline | None
+) -> tuple[torch.Tensor | None, int]:
+    rest = memoryview(bytearray(item.length - head.nbytes))
+    got = head.nbytes + _read_into(f, rest, crc)
+    if got < item.length:
+        return None, got
+    return _load_archive(bytes(head) + bytes(rest), item), got
+
+
+def _load_archive(archive: bytes, item: TensorItem) -> torch.Tensor:
+    tensor = torch.load(io.BytesIO(archive), map_location="cpu", weights_only=True)
+    return tensor.reshape(item.chunk_sizes)
 
 
 def check_entry(store: Store, name: str, entry: FileEntry | None, size: int, crc: str | None) -> None:
@@ -246,65 +328,6 @@ def read_verified_bytes(store: Store, name: str, entry: FileEntry | None, *, ver
 
 
 # ---- turning archives into tensors ---------------------------------------------------
-
-
-class _ViewReader(io.RawIOBase):
-    """A seekable read-only file over a memoryview (for ``zipfile``; no copy)."""
-
-    def __init__(self, view: memoryview) -> None:
-        super().__init__()
-        self._view = view
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: self._view.nbytes}[whence]
-        self._pos = max(0, base + pos)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def readinto(self, b: Any) -> int:
-        out = memoryview(b).cast("B")
-        n = max(0, min(out.nbytes, self._view.nbytes - self._pos))
-        out[:n] = self._view[self._pos : self._pos + n]
-        self._pos += n
-        return n
-
-
-def _data_record_offset(archive: memoryview) -> tuple[int, int] | None:
-    """(offset, size) of the single tensor record ``*/data/0`` inside a torch.save archive."""
-    with zipfile.ZipFile(_ViewReader(archive)) as zf:
-        infos = [i for i in zf.infolist() if i.filename.endswith("/data/0")]
-        if len(infos) != 1 or infos[0].compress_type != zipfile.ZIP_STORED:
-            return None
-        info = infos[0]
-    header = archive[info.header_offset : info.header_offset + 30]
-    if bytes(header[:4]) != b"PK\x03\x04":
-        return None
-    name_len = int.from_bytes(header[26:28], "little")
-    extra_len = int.from_bytes(header[28:30], "little")
-    return info.header_offset + 30 + name_len + extra_len, info.file_size
-
-
-def _tensor_from(archive: torch.Tensor, item: TensorItem) -> torch.Tensor:
-    numel = 1
-    for s in item.chunk_sizes:
-        numel *= s
-    nbytes = numel * item.dtype.itemsize
-    found = _data_record_offset(_bytes_of(archive))
-    if found is not None and found[1] == nbytes and found[0] % item.dtype.itemsize == 0:
-        start = found[0]
-        return archive[start : start + nbytes].view(item.dtype).view(item.chunk_sizes)
-    # Not the layout our stager writes: let torch parse it (one copy of this tensor).
-    tensor = torch.load(io.BytesIO(archive.numpy().tobytes()), map_location="cpu", weights_only=True)
-    return tensor.reshape(item.chunk_sizes)
 
 
 def assemble(items: list[TensorItem], chunks: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -359,10 +382,9 @@ def read_tensors(
             for name in order
         }
         for name, fut in futures.items():
-            buffers = fut.result()
+            tensors = fut.result()
             if progress is not None:
                 progress(name)
-            for item, buf in zip(_by_offset(per_file[name]), buffers, strict=True):
-                ordered_items.append(item)
-                chunks.append(_tensor_from(buf, item))
+            ordered_items += _by_offset(per_file[name])
+            chunks += tensors
     return assemble(ordered_items, chunks)

@@ -1,0 +1,576 @@
+"""Restart costs: how fast a checkpoint loads, and how long the first save blocks.
+
+(a) Resume, 1 process: ``ShardedAsyncCheckpointIO.load_checkpoint`` with and without
+    verification against Lightning's ``TorchCheckpointIO`` (torch.load of one ``.ckpt``),
+    DCP ``load`` (into preallocated tensors, DCP's natural mode) and the read floor of our
+    checkpoint's files (sequential ``read()`` into fresh memory, as any loader must; a
+    ``readinto`` of a reused buffer is shown too). Warm: files in the page cache; cold:
+    evicted with ``posix_fadvise(DONTNEED)`` before each load (the VM host may still
+    cache them).
+(b) Resume, 2 ranks (gloo, as DDP does it): every rank loads the full checkpoint at the
+    same time; the slower rank counts.
+(c) First-save stall: blocking time of the first save of a fresh plugin, without and
+    with ``prepare_staging`` (buffers allocated and touched in the background before), of
+    a steady-state save, and the copy floor; under 2 ranks, each rank's staged bytes.
+
+Methods are interleaved round by round after one warm-up round; ratios are medians of
+per-round ratios measured in the same run.
+
+    python benchmarks/bench_resume.py            # 1 GiB, ~4 min
+    python benchmarks/bench_resume.py --quick    # 128 MiB smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import (
+    MiB,
+    fmt_range,
+    fmt_s,
+    lightning_style_checkpoint,
+    machine_notes,
+    median,
+    nbytes,
+    table,
+    tensors_of,
+    verdict,
+)
+
+
+def files_under(path: str) -> list[str]:
+    if os.path.isfile(path):
+        return [path]
+    out = []
+    for base, _, names in os.walk(path):
+        out += [os.path.join(base, n) for n in names]
+    return sorted(out)
+
+
+def evict(paths: list[str]) -> None:
+    """Drop these files' pages from the page cache (clean pages; no root needed)."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def warm(paths: list[str]) -> None:
+    for p in paths:
+        with open(p, "rb") as f:
+            while f.read(64 << 20):
+                pass
+
+
+def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    ta, tb = tensors_of(a["state_dict"]), tensors_of(b["state_dict"])
+    return len(ta) == len(tb) and all(torch.equal(x, y) for x, y in zip(ta, tb, strict=True))
+
+
+# ---- (a) resume, one process ------------------------------------------------------------
+class Loads:
+    def __init__(self, root: str, ckpt: dict[str, Any]) -> None:
+        import torch.distributed.checkpoint as dcp
+        from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+        from lightning_preempt import ShardedAsyncCheckpointIO
+
+        self.ckpt = ckpt
+        self.ours_dir = os.path.join(root, "ours")
+        self.pt_file = os.path.join(root, "last.ckpt")
+        self.dcp_dir = os.path.join(root, "dcp")
+        writer = ShardedAsyncCheckpointIO()
+        writer.save_checkpoint(ckpt, self.ours_dir)
+        writer.teardown()
+        torch.save(ckpt, self.pt_file)
+        dcp.save(
+            {"state_dict": ckpt["state_dict"], "optimizer_states": ckpt["optimizer_states"]},
+            checkpoint_id=self.dcp_dir,
+            no_dist=True,
+        )
+        self.verify_io = ShardedAsyncCheckpointIO(verify_on_load=True)
+        self.noverify_io = ShardedAsyncCheckpointIO(verify_on_load=False)
+        self.torch_io = TorchCheckpointIO()
+        # DCP loads in place: the model and optimizer exist (memory touched) before it runs.
+        self.dcp_template = {
+            "state_dict": {k: torch.zeros_like(v) for k, v in ckpt["state_dict"].items()},
+            "optimizer_states": [
+                {
+                    "state": {
+                        i: {n: torch.zeros_like(t) for n, t in s.items()}
+                        for i, s in ckpt["optimizer_states"][0]["state"].items()
+                    },
+                    "param_groups": ckpt["optimizer_states"][0]["param_groups"],
+                }
+            ],
+        }
+        self.reuse = torch.empty(max(os.path.getsize(p) for p in files_under(self.ours_dir)), dtype=torch.uint8)
+        self.reuse.zero_()
+
+    def files(self, method: str) -> list[str]:
+        if method in ("torch_io", "torch_load"):
+            return [self.pt_file]
+        if method == "dcp":
+            return files_under(self.dcp_dir)
+        return files_under(self.ours_dir)
+
+    def floor_read(self) -> Any:
+        for p in files_under(self.ours_dir):
+            with open(p, "rb") as f:
+                f.read()
+        return None
+
+    def floor_readinto(self) -> Any:
+        view = memoryview(self.reuse.numpy()).cast("B")
+        for p in files_under(self.ours_dir):
+            with open(p, "rb", buffering=0) as f:
+                n = os.path.getsize(p)
+                done = 0
+                while done < n:
+                    done += f.readinto(view[done:n]) or n
+        return None
+
+    def ours_verify(self) -> Any:
+        return self.verify_io.load_checkpoint(self.ours_dir)
+
+    def ours_noverify(self) -> Any:
+        return self.noverify_io.load_checkpoint(self.ours_dir)
+
+    def torch_io_load(self) -> Any:
+        return self.torch_io.load_checkpoint(self.pt_file)
+
+    def torch_load(self) -> Any:
+        return torch.load(self.pt_file, map_location="cpu", weights_only=True)
+
+    def dcp_load(self) -> Any:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load(self.dcp_template, checkpoint_id=self.dcp_dir, no_dist=True)
+        return self.dcp_template
+
+
+LOAD_METHODS: dict[str, tuple[str, str]] = {
+    "floor_read": ("FLOOR: read() every file of our checkpoint", "sequential, into fresh memory"),
+    "floor_readinto": ("(info) readinto a reused, touched buffer", "copy from the page cache only"),
+    "ours_verify": ("ours, load_checkpoint (verify_on_load=True)", "CRC32C of every byte read, one pass"),
+    "ours_noverify": ("ours, load_checkpoint (verify_on_load=False)", "sizes only"),
+    "torch_io": ("Lightning TorchCheckpointIO.load_checkpoint", "torch.load of one .ckpt"),
+    "torch_load": ("torch.load(weights_only=True)", "same .ckpt"),
+    "dcp": ("DCP load into preallocated tensors", "dcp.save'd copy of the same state"),
+}
+
+
+def bench_loads(args: argparse.Namespace, root: str, ckpt: dict[str, Any]) -> tuple[str, dict[str, float]]:
+    loads = Loads(root, ckpt)
+    runners: dict[str, Callable[[], Any]] = {
+        "floor_read": loads.floor_read,
+        "floor_readinto": loads.floor_readinto,
+        "ours_verify": loads.ours_verify,
+        "ours_noverify": loads.ours_noverify,
+        "torch_io": loads.torch_io_load,
+        "torch_load": loads.torch_load,
+        "dcp": loads.dcp_load,
+    }
+    methods = list(runners)
+    caches = ["warm", "cold"] if not args.no_cold else ["warm"]
+    results: dict[tuple[str, str], list[float]] = {(c, m): [] for c in caches for m in methods}
+    for rnd in range(args.repeats + 1):
+        for cache in caches:
+            order = methods[rnd % len(methods) :] + methods[: rnd % len(methods)]
+            for m in order:
+                paths = loads.files(m)
+                if cache == "cold":
+                    evict(paths)
+                else:
+                    warm(paths)
+                gc.collect()
+                t0 = time.perf_counter()
+                out = runners[m]()
+                dt = time.perf_counter() - t0
+                if rnd == 0 and out is not None and not same(ckpt, out):
+                    raise SystemExit(f"{m} loaded different tensors")
+                del out
+                if rnd > 0:
+                    results[(cache, m)].append(dt)
+    total = sum(os.path.getsize(p) for p in files_under(loads.ours_dir))
+    rows = []
+    for cache in caches:
+        for m in methods:
+            label, note = LOAD_METHODS[m]
+            xs = results[(cache, m)]
+            rows.append([cache, label, fmt_s(median(xs)), fmt_range(xs), f"{total / median(xs) / 1e9:.2f}", note])
+
+    def ratio(cache: str, a: str, b: str) -> float:
+        return median([x / y for x, y in zip(results[(cache, a)], results[(cache, b)], strict=True)])
+
+    figures = {
+        f"{cache} {a}/{b}": ratio(cache, a, b)
+        for cache in caches
+        for a, b in [
+            ("ours_verify", "floor_read"),
+            ("ours_noverify", "floor_read"),
+            ("ours_verify", "torch_load"),
+            ("ours_verify", "torch_io"),
+            ("ours_verify", "dcp"),
+        ]
+    }
+    text = "\n".join(
+        [
+            f"#### (a) resume, 1 process: {nbytes(ckpt) / MiB:.0f} MiB state in {len(tensors_of(ckpt))} tensors "
+            f"({total / MiB:.0f} MiB of files), {args.repeats} measured rounds after 1 warm-up (median, min-max)",
+            "",
+            table(["cache", "method", "load (s)", "range", "GB/s", "notes"], rows),
+            "",
+        ]
+    )
+    return text, figures
+
+
+# ---- (c) first-save stall, one process ---------------------------------------------------
+def bench_first_save(args: argparse.Namespace, root: str, ckpt: dict[str, Any]) -> tuple[str, dict[str, float]]:
+    from lightning_preempt import ShardedAsyncCheckpointIO
+
+    tensors = tensors_of(ckpt)
+    floor_bufs = [torch.empty_like(t) for t in tensors]
+    for b in floor_bufs:
+        b.zero_()
+    counter = [0]
+
+    def path() -> str:
+        counter[0] += 1
+        return os.path.join(root, f"save-{counter[0]:04d}")
+
+    def floor() -> float:
+        t0 = time.perf_counter()
+        for b, t in zip(floor_bufs, tensors, strict=True):
+            b.copy_(t)
+        return time.perf_counter() - t0
+
+    def first(prepare: str) -> dict[str, float]:
+        io = ShardedAsyncCheckpointIO()
+        out: dict[str, float] = {}
+        if prepare != "none":
+            t0 = time.perf_counter()
+            fut = io.prepare_staging(ckpt, background=True)
+            out["prepare_call"] = time.perf_counter() - t0
+            if prepare == "done":
+                fut.result()
+                out["prepare_done"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        io.save_checkpoint(ckpt, path())
+        out["first"] = time.perf_counter() - t0
+        io.wait()
+        ckpt["global_step"] += 1
+        t0 = time.perf_counter()
+        io.save_checkpoint(ckpt, path())
+        out["steady"] = time.perf_counter() - t0
+        io.teardown()
+        return out
+
+    results: dict[str, list[float]] = {k: [] for k in ("floor", "none", "done", "racing", "steady", "prepare_done")}
+    order = ["none", "done", "racing"]
+    for rnd in range(args.repeats + 1):
+        for kind in order[rnd % 3 :] + order[: rnd % 3]:
+            fl = floor()
+            r = first(kind)
+            gc.collect()
+            for entry in os.listdir(root):
+                shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+            if rnd == 0:
+                continue
+            results["floor"].append(fl)
+            results[kind].append(r["first"])
+            results["steady"].append(r["steady"])
+            if "prepare_done" in r:
+                results["prepare_done"].append(r["prepare_done"])
+    # floor measured right before each first save: pair them in order
+    floors = results["floor"]
+    per_kind_floor = {k: floors[i::3] for i, k in enumerate(order)}  # approximate pairing by round position
+
+    def ratio_to_floor(kind: str) -> float:
+        xs = results[kind]
+        fl = floors[: len(xs)] if kind == "steady" else per_kind_floor[kind][: len(xs)]
+        return median([x / f for x, f in zip(xs, fl, strict=False)])
+
+    rows = [
+        [
+            "FLOOR: copy into preallocated, touched buffers",
+            fmt_s(median(floors)),
+            fmt_range(floors),
+            "1.00",
+            "blocking floor",
+        ],
+        [
+            "ours, first save, no preparation",
+            fmt_s(median(results["none"])),
+            fmt_range(results["none"]),
+            f"{ratio_to_floor('none'):.2f}",
+            "buffers allocated inside the save (before this issue)",
+        ],
+        [
+            "ours, first save after prepare_staging",
+            fmt_s(median(results["done"])),
+            fmt_range(results["done"]),
+            f"{ratio_to_floor('done'):.2f}",
+            f"background preparation took {fmt_s(median(results['prepare_done']))} s, off the training thread",
+        ],
+        [
+            "ours, first save while prepare_staging still runs",
+            fmt_s(median(results["racing"])),
+            fmt_range(results["racing"]),
+            f"{ratio_to_floor('racing'):.2f}",
+            "signal right after on_train_start: waits for the preparation",
+        ],
+        [
+            "ours, steady-state save",
+            fmt_s(median(results["steady"])),
+            fmt_range(results["steady"]),
+            f"{ratio_to_floor('steady'):.2f}",
+            "second save, buffers reused",
+        ],
+    ]
+    text = "\n".join(
+        [
+            f"#### (c) first-save stall, 1 process: {nbytes(ckpt) / MiB:.0f} MiB, {args.repeats} rounds after 1 warm-up",
+            "",
+            table(["save", "blocks (s)", "range", "/ floor", "notes"], rows),
+            "",
+        ]
+    )
+    return text, {
+        "first/floor": ratio_to_floor("none"),
+        "prepared first/floor": ratio_to_floor("done"),
+        "steady/floor": ratio_to_floor("steady"),
+    }
+
+
+# ---- (b) + (c) two ranks -------------------------------------------------------------------
+def _rank_worker(rank: int, init_file: str, root: str, size_mib: int, n_tensors: int, repeats: int, cold: bool) -> None:
+    import torch.distributed as dist
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    from lightning_preempt import ShardedAsyncCheckpointIO
+    from lightning_preempt.dist import new_gloo_group
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    ckpt = lightning_style_checkpoint(size_mib * MiB, n_tensors)  # same seed on both ranks: replicated
+    ours_dir, pt_file = os.path.join(root, "ours2"), os.path.join(root, "last2.ckpt")
+    io = ShardedAsyncCheckpointIO()
+    io.enable_collective_saves(new_gloo_group())
+    prep = io.prepare_staging(ckpt, background=True)
+    prep.result()
+    t0 = time.perf_counter()
+    io.save_checkpoint(ckpt, ours_dir)
+    blocking = time.perf_counter() - t0
+    staged = io.staging_last_bytes
+    io.wait()
+    if rank == 0:
+        torch.save(ckpt, pt_file)
+    dist.barrier()
+    verify_io, noverify_io, torch_io = (
+        ShardedAsyncCheckpointIO(),
+        ShardedAsyncCheckpointIO(verify_on_load=False),
+        TorchCheckpointIO(),
+    )
+
+    def floor() -> Any:
+        for p in files_under(ours_dir):
+            with open(p, "rb") as f:
+                f.read()
+
+    runners: dict[str, Callable[[], Any]] = {
+        "floor_read": floor,
+        "ours_verify": lambda: verify_io.load_checkpoint(ours_dir),
+        "ours_noverify": lambda: noverify_io.load_checkpoint(ours_dir),
+        "torch_io": lambda: torch_io.load_checkpoint(pt_file),
+    }
+    caches = ["warm", "cold"] if cold else ["warm"]
+    times: dict[str, list[float]] = {f"{c} {m}": [] for c in caches for m in runners}
+    methods = list(runners)
+    for rnd in range(repeats + 1):
+        for cache in caches:
+            for m in methods[rnd % len(methods) :] + methods[: rnd % len(methods)]:
+                paths = [pt_file] if m == "torch_io" else files_under(ours_dir)
+                if rank == 0:
+                    (evict if cache == "cold" else warm)(paths)
+                gc.collect()
+                dist.barrier()
+                t0 = time.perf_counter()
+                out = runners[m]()
+                dt = time.perf_counter() - t0
+                if rnd == 0 and out is not None and not same(ckpt, out):
+                    raise SystemExit(f"rank {rank}: {m} loaded different tensors")
+                del out
+                slowest = [0.0, 0.0]
+                dist.all_gather_object(slowest, dt)
+                if rnd > 0:
+                    times[f"{cache} {m}"].append(max(slowest))
+    result = {"rank": rank, "staged": staged, "state": nbytes(ckpt), "blocking": blocking, "times": times}
+    with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    io.teardown()
+    dist.destroy_process_group()
+
+
+def bench_two_ranks(args: argparse.Namespace, root: str) -> tuple[str, dict[str, float]]:
+    import torch.multiprocessing as mp
+
+    sub = os.path.join(root, "ranks")
+    os.makedirs(sub)
+    mp.start_processes(
+        _rank_worker,
+        args=(os.path.join(sub, "init"), sub, args.size_mib, args.tensors, args.repeats, not args.no_cold),
+        nprocs=2,
+        start_method="spawn",
+    )
+    res = [json.loads(Path(sub, f"rank{r}.json").read_text()) for r in range(2)]
+    times = res[0]["times"]
+    labels = {
+        "floor_read": "FLOOR: read() every file (each rank)",
+        "ours_verify": "ours, load_checkpoint (verify_on_load=True)",
+        "ours_noverify": "ours, load_checkpoint (verify_on_load=False)",
+        "torch_io": "Lightning TorchCheckpointIO.load_checkpoint",
+    }
+    rows = []
+    for key, xs in times.items():
+        cache, m = key.split(" ")
+        rows.append([cache, labels[m], fmt_s(median(xs)), fmt_range(xs)])
+
+    def ratio(cache: str, a: str, b: str) -> float:
+        return median([x / y for x, y in zip(times[f"{cache} {a}"], times[f"{cache} {b}"], strict=True)])
+
+    caches = sorted({k.split(" ")[0] for k in times}, reverse=True)
+    figures = {f"2 ranks {c} ours_verify/floor_read": ratio(c, "ours_verify", "floor_read") for c in caches}
+    figures |= {f"2 ranks {c} ours_verify/torch_io": ratio(c, "ours_verify", "torch_io") for c in caches}
+    share = max(r["staged"] for r in res) / res[0]["state"]
+    figures["2 ranks staged share"] = share
+    text = "\n".join(
+        [
+            f"#### (b) resume, 2 ranks (gloo; both load at once, the slower rank counts), {args.repeats} rounds after 1 warm-up",
+            "",
+            table(["cache", "method", "load (s)", "range"], rows),
+            "",
+            "(c) DDP save, 2 ranks: staged bytes per rank "
+            + ", ".join(
+                f"rank {r['rank']} {r['staged'] / MiB:.0f} MiB ({r['staged'] / r['state']:.2f} of the state), blocked {r['blocking']:.3f} s"
+                for r in res
+            )
+            + f"; state {res[0]['state'] / MiB:.0f} MiB per rank.",
+            "",
+        ]
+    )
+    return text, figures
+
+
+def run(args: argparse.Namespace) -> str:
+    root = args.dir or tempfile.mkdtemp(prefix="lp-bench-resume-", dir="/tmp")
+    os.makedirs(root, exist_ok=True)
+    started = time.perf_counter()
+    machine = machine_notes()
+    parts: list[str] = []
+    figures: dict[str, float] = {}
+    try:
+        ckpt = lightning_style_checkpoint(args.size_mib * MiB, args.tensors)
+        if "a" in args.parts:
+            d = os.path.join(root, "a")
+            os.makedirs(d)
+            text, f = bench_loads(args, d, ckpt)
+            parts.append(text)
+            figures |= f
+            shutil.rmtree(d, ignore_errors=True)
+        if "c" in args.parts:
+            d = os.path.join(root, "c")
+            os.makedirs(d)
+            text, f = bench_first_save(args, d, ckpt)
+            parts.append(text)
+            figures |= f
+        del ckpt
+        gc.collect()
+        if "b" in args.parts:
+            text, f = bench_two_ranks(args, root)
+            parts.append(text)
+            figures |= f
+    finally:
+        if not args.dir:
+            shutil.rmtree(root, ignore_errors=True)
+    elapsed = time.perf_counter() - started
+    specs = [
+        ("warm: ours (verify) / read floor", "warm ours_verify/floor_read", 1.5, False),
+        ("cold: ours (verify) / read floor", "cold ours_verify/floor_read", 1.5, False),
+        ("warm: ours (verify) / torch.load", "warm ours_verify/torch_load", 1.0, False),
+        ("cold: ours (verify) / torch.load", "cold ours_verify/torch_load", 1.0, False),
+        ("warm: ours (verify) / TorchCheckpointIO", "warm ours_verify/torch_io", 1.0, False),
+        ("2 ranks warm: ours (verify) / read floor", "2 ranks warm ours_verify/floor_read", 1.5, False),
+        ("2 ranks cold: ours (verify) / read floor", "2 ranks cold ours_verify/floor_read", 1.5, False),
+        ("2 ranks warm: ours (verify) / TorchCheckpointIO", "2 ranks warm ours_verify/torch_io", 1.0, False),
+        ("first save after prepare_staging / copy floor", "prepared first/floor", 1.2, False),
+        ("steady-state save / copy floor", "steady/floor", 1.0, False),
+        ("DDP 2 ranks: largest rank's staged bytes / state", "2 ranks staged share", 0.6, False),
+    ]
+    rows, lines = [], []
+    for name, key, target, higher in specs:
+        if key in figures:
+            row, line = verdict(name, figures[key], target, higher)
+            rows.append(row)
+            lines.append(line)
+    info = [
+        f"- {k}: {v:.2f}"
+        for k, v in figures.items()
+        if k in ("first/floor", "warm ours_noverify/floor_read", "warm ours_verify/dcp", "cold ours_verify/dcp")
+    ]
+    header = [
+        f"### bench_resume ({args.size_mib} MiB, {args.tensors} tensors)",
+        "",
+        f"Machine: {machine}; run took {elapsed:.0f}s; loadavg at the end {os.getloadavg()[0]:.2f}",
+        "",
+    ]
+    return "\n".join(
+        header
+        + parts
+        + [
+            "Ratios (median of per-round ratios, same run):",
+            "",
+            table(["ratio", "value", "target", "verdict"], rows),
+            "",
+            *lines,
+        ]
+        + (["", "Other ratios (information):", *info] if info else [])
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dir", default=None, help="where to write (default: a fresh dir under /tmp, removed after)")
+    p.add_argument("--size-mib", type=int, default=1024)
+    p.add_argument("--tensors", type=int, default=24)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--parts", default="abc", help="which parts to run: a (1-process loads), b (2 ranks), c (first save)"
+    )
+    p.add_argument("--no-cold", action="store_true", help="skip the cold-cache rounds")
+    p.add_argument("--quick", action="store_true", help="smoke run: 128 MiB, 16 tensors, 2 rounds")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.size_mib, args.tensors, args.repeats = 128, 16, 2
+    print(run(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
