@@ -255,39 +255,13 @@ class PreemptionCallback(OnExceptionCheckpoint):
         self.controller.bind(group)
         install_collective_saves(trainer.strategy, io, writer_group)
         self._configure_tiers(trainer, io, rt)
-        if self.config.probe_storage:  # fail before step 1, on every rank alike
-            roots = [(self.dirpath, self.storage_options)]
-            if self.local_dirpath is not None:
-                roots.append((self.local_dirpath, {}))
-
-            def probe() -> None:
-                for url, opts in roots:
-                    probe_writable(url, opts)
-
-            agree.agree(probe, group, what="probing the storage")
+        # A listing that kept failing on any rank stops every rank here, before step 1.
+        resuming = self.config.resume and self.resolver.agree_on_probes(group)
+        if self.config.probe_storage:
+            self._probe_storage(group)
         if self.config.lease:
-            lease = Lease(self.dirpath, self.storage_options, timeout_s=self.config.lease_timeout_s)
-            if trainer.is_global_zero:
-                rt.lease = lease
-
-            def take() -> None:
-                lease.acquire()
-                lease.start_heartbeat()
-
-            agree.decide(take, group, what="taking the lease on dirpath")
-        run_id: str | None = None
-        if self.config.resume and self.resolver.agree_on_probes(group):
-            choice = self.resolver.choose(group, tiers=io.tiers, verify=io.verify_on_load)
-            assert self._pointer is not None
-            # Rank 0 read every file for its CRC32C while choosing: loading need not again.
-            io.alias(self._pointer, choice.path, verified=trainer.is_global_zero and io.verify_on_load)
-            self.resumed_from = choice.path
-            self._last_saved_step = choice.step
-            run_id = choice.run_id
-            log.info(
-                "lightning_preempt: resuming from %s (step %d)%s",
-                choice.path, choice.step, f"; skipped {list(choice.skipped)}" if choice.skipped else "",
-            )  # fmt: skip
+            self._take_lease(trainer, rt)
+        run_id = self._choose_resume_target(trainer, io, group) if resuming else None
         # A resumed run continues the run it resumed from; a fresh one gets a new id.
         self.run_id = io.run_id = agree.decide(lambda: run_id or uuid.uuid4().hex, group)
         if io.tiers is not None:
@@ -298,8 +272,53 @@ class PreemptionCallback(OnExceptionCheckpoint):
         self.signal_flag.clear()
         self.controller.start()
 
+    def _probe_storage(self, group: pdist.ProcessGroup | None) -> None:
+        """Every rank writes, lists and deletes a probe in each root; fail before step 1, alike."""
+        roots = [(self.dirpath, self.storage_options)]
+        if self.local_dirpath is not None:
+            roots.append((self.local_dirpath, {}))
+
+        def probe() -> None:
+            for url, opts in roots:
+                probe_writable(url, opts)
+
+        agree.agree(probe, group, what="probing the storage")
+
+    def _take_lease(self, trainer: pl.Trainer, rt: _Runtime) -> None:
+        """Rank 0 takes the lease on dirpath (heartbeat thread); every rank gets the outcome."""
+        lease = Lease(self.dirpath, self.storage_options, timeout_s=self.config.lease_timeout_s)
+        if trainer.is_global_zero:
+            rt.lease = lease
+
+        def take() -> None:
+            lease.acquire()
+            lease.start_heartbeat()
+
+        agree.decide(take, rt.agree_group, what="taking the lease on dirpath")
+
+    def _choose_resume_target(
+        self, trainer: pl.Trainer, io: ShardedAsyncCheckpointIO, group: pdist.ProcessGroup | None
+    ) -> str | None:
+        """Rank 0 picks the newest valid checkpoint, every rank loads it; returns its run id."""
+        choice = self.resolver.choose(group, tiers=io.tiers, verify=io.verify_on_load)
+        assert self._pointer is not None
+        # Rank 0 read every file for its CRC32C while choosing: loading need not again.
+        io.alias(self._pointer, choice.path, verified=trainer.is_global_zero and io.verify_on_load)
+        self.resumed_from = choice.path
+        self._last_saved_step = choice.step
+        log.info(
+            "lightning_preempt: resuming from %s (step %d)%s",
+            choice.path, choice.step, f"; skipped {list(choice.skipped)}" if choice.skipped else "",
+        )  # fmt: skip
+        return choice.run_id
+
     def _newest_manifest(self) -> Any:
-        newest = next((c for c in list_checkpoints(self.dirpath, self.storage_options) if c.committed), None)
+        """For the grace projection only: a failure here is logged, never fatal."""
+        try:
+            newest = next((c for c in list_checkpoints(self.dirpath, self.storage_options) if c.committed), None)
+        except Exception as err:
+            log.warning("lightning_preempt: cannot read the newest manifest for the grace check: %s", err)
+            return None
         return newest.manifest if newest is not None else None
 
     def _ensure_plugin(self, trainer: pl.Trainer) -> ShardedAsyncCheckpointIO:

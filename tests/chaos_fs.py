@@ -28,11 +28,11 @@ OPS = ("list", "exists", "read", "write", "commit", "makedirs", "rm")
 
 
 def set_fault(ctl: str | Path, op: str, *, ranks: list[int] | None = None, times: int | None = None,
-              hang_s: float | None = None) -> None:  # fmt: skip
-    """Switch a fault on (from the test process)."""
+              hang_s: float | None = None, exc: str | None = None) -> None:  # fmt: skip
+    """Switch a fault on (from the test process); ``exc="RuntimeError"`` raises that instead of OSError."""
     assert op in OPS, op
     Path(ctl).mkdir(parents=True, exist_ok=True)
-    Path(ctl, op).write_text(json.dumps({"ranks": ranks, "times": times, "hang_s": hang_s}))
+    Path(ctl, op).write_text(json.dumps({"ranks": ranks, "times": times, "hang_s": hang_s, "exc": exc}))
 
 
 def clear_faults(ctl: str | Path) -> None:
@@ -68,6 +68,8 @@ def _maybe_fail(op: str, path: str) -> None:
     if spec.get("hang_s"):
         time.sleep(spec["hang_s"])
         return
+    if spec.get("exc") == "RuntimeError":  # a driver error that is not an OSError (botocore, google-auth)
+        raise RuntimeError(f"driver failure (injected: {op} on rank {rank})")
     raise OSError(5, f"Input/output error (injected: {op} on rank {rank})", path)
 
 

@@ -157,7 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dump-start", default="", help="save full weights + optimizer state at train start")
     p.add_argument("--local-dirpath", default=None, help="two-tier mode: node-local tier")
     p.add_argument("--storage-options", default="{}", help="JSON fsspec options for --dirpath")
+    p.add_argument("--cb-kwargs", default="{}", help="JSON: more PreemptionCallback options")
     args = p.parse_args(argv)
+    if os.environ.get("LP_CHAOS_DIR"):
+        import chaos_fs  # noqa: F401  (registers chaos://, the fault-injecting filesystem)
 
     L.seed_everything(0, workers=True)
     strategy: Any = args.strategy
@@ -174,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         agree_every_n_steps=args.agree_every,
         local_dirpath=args.local_dirpath,
         storage_options=json.loads(args.storage_options),
+        **json.loads(args.cb_kwargs),
     )
     callbacks: list[Callback] = [cb]
     if args.signal_at:
