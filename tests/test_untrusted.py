@@ -378,19 +378,18 @@ def test_removing_a_directory_with_user_files_raises_with_a_hint(tmp_path: Path)
     assert (ckpt / MANIFEST_NAME).exists() and (ckpt / "precious.txt").exists()
 
 
-def test_saving_into_a_directory_with_user_files_keeps_them(tmp_path: Path) -> None:
-    target = tmp_path / "run" / checkpoint_name(7)
+def test_saving_into_a_directory_with_user_files_keeps_them_and_retention_spares_it(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    target = root / checkpoint_name(7)
     target.mkdir(parents=True)
     (target / "precious.txt").write_text("x")
-    io = ShardedAsyncCheckpointIO()
-    try:
-        io.save_checkpoint(lightning_like_checkpoint(step=7), str(target))
-        io.wait()
-    except CheckpointExistsError as err:
-        assert "HINT:" in str(err)
-    finally:
-        io.teardown()
-    assert (target / "precious.txt").read_text() == "x"
+    (target / "__0_0.distcp").write_bytes(b"stale bytes of ours")
+    _save(root, [7, 8, 9])
+    assert (target / "precious.txt").read_text() == "x"  # only our stale file was cleared, never the dir
+    assert ShardedAsyncCheckpointIO().load_checkpoint(str(target))["global_step"] == 7
+    removed = apply_retention(str(root), keep_last_n=1)
+    assert sorted(Path(p).name for p in removed) == [checkpoint_name(8)]
+    assert (target / "precious.txt").read_text() == "x" and (target / MANIFEST_NAME).exists()
 
 
 def test_a_manifest_whose_step_disagrees_with_its_name_is_corrupt(tmp_path: Path) -> None:
@@ -571,3 +570,19 @@ def test_cli_credential_hints_never_suggest_secrets_on_the_command_line() -> Non
         assert "secret=" not in hint and "key=" not in hint and "token=PATH" not in hint
     assert "AWS_PROFILE" in cli.storage_hint("s3://b/r", NoCredentialsError("Unable to locate credentials"))
     assert "ps" in cli.build_parser()._subparsers._group_actions[0].choices["ls"].format_help()  # type: ignore[union-attr]
+
+
+def test_draining_a_crafted_checkpoint_writes_nothing_outside_the_destination(tmp_path: Path) -> None:
+    from lightning_preempt.drain import drain_checkpoint
+
+    src_root = tmp_path / "bucket"
+    _save(src_root, [1])
+    src = src_root / checkpoint_name(1)
+    (tmp_path / "escaped").write_bytes(b"attacker")  # what a "../../escaped" entry would be
+    body = json.loads((src / MANIFEST_NAME).read_text())
+    body["files"]["../../escaped"] = {"size": 8, "crc32c": "00000000"}
+    _write_manifest(src, body)
+    dst = tmp_path / "local" / "node" / checkpoint_name(1)
+    with pytest.raises(CorruptCheckpointError, match="file name"):
+        drain_checkpoint(Store(str(src)), Store(str(dst)))
+    assert not (tmp_path / "local" / "escaped").exists() and not (dst / MANIFEST_NAME).exists()
