@@ -354,9 +354,9 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         # A plain Lightning file; on an object store also one that replaced a checkpoint
         # directory whose objects are still being deleted (its manifest went first).
         if not store.exists(MANIFEST_NAME) and store.fs.isfile(store.path()):
-            from lightning.fabric.utilities.cloud_io import _load as pl_load
-
-            return pl_load(url, map_location=map_location or "cpu", weights_only=not trusted)  # type: ignore[no-any-return]
+            # As Lightning's _load does, but through our storage options (credentials).
+            with store.fs.open(store.path(), "rb") as f:
+                return torch.load(f, map_location=map_location or "cpu", weights_only=not trusted)  # type: ignore[no-any-return]
         resolved = self._resolve(url)
         if resolved is None:
             raise self._not_found(store)

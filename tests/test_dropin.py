@@ -258,6 +258,48 @@ def test_a_crash_at_any_moment_of_a_replacement_leaves_one_complete_checkpoint(s
     assert steps == sorted(steps, key=lambda s: s == 9), seen
 
 
+_REPLACE_FOREVER = """
+import sys
+sys.path.insert(0, {tests!r})
+from helpers import lightning_like_checkpoint
+from lightning_preempt import ShardedAsyncCheckpointIO
+io = ShardedAsyncCheckpointIO()
+step = 0
+while True:
+    step += 1
+    io.save_checkpoint(lightning_like_checkpoint(step=step, width=20000), {path!r})
+    io.wait()
+    print("committed", step, flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_sigkill_while_replacing_on_local_disk_leaves_a_complete_checkpoint(tmp_path: Path) -> None:
+    """A real process replacing one path over and over, SIGKILLed at random moments."""
+    import random
+    import signal
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "last.ckpt")
+    code = _REPLACE_FOREVER.format(tests=str(Path(__file__).parent), path=path)
+    rng = random.Random(12)
+    for _ in range(3):
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None
+        last = 0
+        for line in proc.stdout:
+            last = int(line.split()[1])
+            if last >= 2 + rng.randrange(3):  # a few replacements in
+                break
+        threading.Event().wait(rng.uniform(0.0, 0.2))  # somewhere inside the next save
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+        loaded = ShardedAsyncCheckpointIO().load_checkpoint(path)
+        assert loaded["global_step"] >= last  # nothing committed was lost
+        assert_same(lightning_like_checkpoint(step=loaded["global_step"], width=20000), loaded)
+
+
 def test_a_replacement_leaves_no_stale_files(tmp_path: Path) -> None:
     io = ShardedAsyncCheckpointIO()
     path = tmp_path / "last.ckpt"

@@ -302,3 +302,31 @@ def test_large_s3_writes_stream_as_multipart_uploads(s3_remote: Remote) -> None:
     info = store.info("big.distcp")
     assert info["size"] == len(payload)
     assert str(info["ETag"]).strip('"').endswith("-2")  # a multi-part upload of two parts
+
+
+def test_the_path_exists_on_return_and_a_file_is_replaced_by_a_checkpoint(remote: Remote) -> None:
+    """ModelCheckpoint asks ``fs.exists(path)`` right after a save (``-v1`` versioning): on
+    an object store a marker object makes the prefix exist before the commit. A plain
+    ``.ckpt`` object at the path (TorchCheckpointIO) gives way to our checkpoint after it commits."""
+    io = ShardedAsyncCheckpointIO(storage_options=remote.storage_options)
+    fs = _raw_fs(remote)
+    url = remote.join("a.ckpt")
+    io.save_checkpoint(_big_checkpoint(2 * MiB), url)
+    fs.invalidate_cache()
+    assert fs.exists(url)
+    io.wait()
+    plain = remote.join("plain.ckpt")
+    with fs.open(plain, "wb") as f:
+        torch.save(lightning_like_checkpoint(step=1), f)
+    assert io.load_checkpoint(plain)["global_step"] == 1
+    _save(io, lightning_like_checkpoint(step=2), plain)
+    fs.invalidate_cache()
+    assert not fs.isfile(plain)  # the plain object is gone, the checkpoint stands
+    assert_same(io.load_checkpoint(plain), lightning_like_checkpoint(step=2))
+    io.teardown()
+    # Outside fit a save is one plain object again; the checkpoint objects under it go.
+    io.save_checkpoint(lightning_like_checkpoint(step=3), plain)
+    fs.invalidate_cache()
+    _, plain_path = fsspec.core.url_to_fs(plain, **remote.storage_options)
+    assert fs.isfile(plain) and [p for p in fs.find(plain_path) if p.startswith(plain_path + "/")] == []
+    assert_same(io.load_checkpoint(plain), lightning_like_checkpoint(step=3))
