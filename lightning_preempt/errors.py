@@ -44,4 +44,4 @@ class CheckpointWriteError(CheckpointError):
 class CheckpointExistsError(CheckpointError):
     """A create-only commit found another writer's different manifest at the path (two
     writers raced for one path, or a drain found a different checkpoint at its target).
-    Saving over a committed checkpoint is not an error: it is replaced (docs/replacement.md)."""
+    Saving over a committed checkpoint is not an error: it is replaced (docs/dropin.md)."""
