@@ -27,6 +27,7 @@ if TYPE_CHECKING:
         CorruptCheckpointError,
         NotACheckpointError,
         UnsupportedFormatError,
+        UntrustedCheckpointError,
     )
     from lightning_preempt.reader import verify_checkpoint
 
@@ -46,6 +47,7 @@ _WHERE = {
     "CorruptCheckpointError": "errors",
     "NotACheckpointError": "errors",
     "UnsupportedFormatError": "errors",
+    "UntrustedCheckpointError": "errors",
     "verify_checkpoint": "reader",
 }
 
@@ -61,6 +63,7 @@ __all__ = [
     "PreemptionCallback",
     "ShardedAsyncCheckpointIO",
     "UnsupportedFormatError",
+    "UntrustedCheckpointError",
     "list_checkpoints",
     "newest_valid",
     "verify_checkpoint",

@@ -353,6 +353,7 @@ def check_loadable(store: Store, manifest: Manifest) -> None:
             f"step {manifest.step}: sizes and CRC32C match, but {str(err).splitlines()[0]}",
             global_name=err.global_name,
             path=store.url,
+            hint=err.hint,
         ) from None
 
 

@@ -45,3 +45,14 @@ class CheckpointExistsError(CheckpointError):
     """A create-only commit found another writer's different manifest at the path (two
     writers raced for one path, or a drain found a different checkpoint at its target).
     Saving over a committed checkpoint is not an error: it is replaced (docs/dropin.md)."""
+
+
+class UntrustedCheckpointError(CheckpointError):
+    """A checkpoint's pickled state needs a global outside the allow-list: loading it could
+    run code from the storage. ``global_name`` names it (docs/security.md)."""
+
+    def __init__(
+        self, message: str, *, global_name: str | None = None, path: str | None = None, hint: str | None = None
+    ) -> None:
+        self.global_name = global_name
+        super().__init__(message, path=path, hint=hint)

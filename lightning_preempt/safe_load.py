@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from lightning_preempt.errors import CheckpointError, CorruptCheckpointError
+from lightning_preempt.errors import CheckpointError, CorruptCheckpointError, UntrustedCheckpointError
 from lightning_preempt.format import TensorRef
 from lightning_preempt.manifest import FILE_NAME_PATTERNS, Manifest
 from lightning_preempt.storage import Store
@@ -47,14 +47,6 @@ MAX_METADATA_BYTES = 256 << 20
 
 _SHARD_RE = FILE_NAME_PATTERNS[0]
 _GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
-
-
-class UntrustedCheckpointError(CheckpointError):
-    """A checkpoint's pickled state needs a global outside the allow-list (it may run code)."""
-
-    def __init__(self, message: str, *, global_name: str | None = None, path: str | None = None) -> None:
-        self.global_name = global_name
-        super().__init__(message, path=path, hint=TRUST_HINT)
 
 
 # ---- the per-rank state files -------------------------------------------------------------
@@ -133,6 +125,7 @@ def _untrusted(err: BaseException, name: str | None, path: str) -> UntrustedChec
         f"refusing to unpickle the checkpoint state: it {what}; unpickling it could run code",
         global_name=name,
         path=path,
+        hint=TRUST_HINT,
     )
 
 
@@ -184,6 +177,8 @@ class _MetadataUnpickler(pickle.Unpickler):
             "metadata classes; unpickling it could run code",
             global_name=f"{module}.{name}",
             path=self._path,
+            hint="lightning_preempt never writes that: the checkpoint was tampered with or written by something "
+            "else. trust_checkpoints does not cover DCP metadata; delete the checkpoint (docs/security.md).",
         )
 
     def persistent_load(self, pid: Any) -> Any:
