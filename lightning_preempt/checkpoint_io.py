@@ -22,7 +22,7 @@ from lightning_preempt.format import DEFAULT_SHARDED_KEYS, own_share, replica_fi
 from lightning_preempt.format import split_checkpoint as _split
 from lightning_preempt.layout import ensure_exists, remove_local, write_file_atomic
 from lightning_preempt.manifest import MANIFEST_NAME, Manifest
-from lightning_preempt.reader import load_full_checkpoint, load_sharded_checkpoint
+from lightning_preempt.reader import Fallback, load_agreed, load_full_checkpoint, load_sharded_checkpoint
 from lightning_preempt.staging import HostStager
 from lightning_preempt.storage import Store
 from lightning_preempt.tiers import TwoTier, local_dirpath_from_env
@@ -124,6 +124,7 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         self._group_rank = 0
         self._closed = False
         self._aliases: dict[str, str] = {}
+        self._fallbacks: dict[str, Fallback] = {}
         self._verified: set[str] = set()
         self.history: list[SaveRecord] = []
         #: recorded in every manifest; retention never deletes another run's checkpoints
@@ -143,7 +144,7 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         """Configuration only: a copy has no pending save, process group, thread or buffers
         (the writer and the stager drop theirs themselves)."""
         state = self.__dict__.copy()
-        state.update(_pending=None, _group=None, _group_rank=0, history=[], tiers=None)
+        state.update(_pending=None, _group=None, _group_rank=0, history=[], tiers=None, _fallbacks={})
         tiers = self.tiers
         state["_tier_config"] = (tiers.remote_root, tiers.keep_last_n) if tiers is not None else None
         return state
@@ -168,14 +169,22 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         self._group_rank = pdist.rank(group) if group is not None else 0
         self._closed = False
 
-    def alias(self, path: str, target: str, *, verified: bool = False) -> None:
+    def alias(
+        self, path: str, target: str, *, verified: bool = False, fallback: Fallback | None = None
+    ) -> None:
         """Make ``load_checkpoint(path)`` load ``target`` (the resume pointer).
 
         ``verified``: this process already checked ``target``'s CRC32C; loading skips it.
+        ``fallback(excluded)``: the next checkpoint to try when the load finds ``target``
+        corrupt (its CRC32C is checked while loading; every rank calls ``fallback`` and
+        rank 0's answer is taken), or ``None`` when none is left. Choosing with
+        ``newest_valid(..., verify="sizes")`` and passing this reads every byte once.
         """
         self._aliases[str(path)] = target
         if verified:
             self._verified.add(target)
+        if fallback is not None:
+            self._fallbacks[str(path)] = fallback
 
     @property
     def staging_allocated_bytes(self) -> int:
@@ -361,13 +370,23 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         if resolved is None:
             raise self._not_found(store)
         target, verified = resolved
-        return load_full_checkpoint(
-            Store(target, self.storage_options),
-            rank=pdist.rank(),
-            verify=self.verify_on_load and not verified,
-            trusted=trusted,
-            map_location=map_location,
-        )
+        fallback = self._fallbacks.get(str(path))
+        if fallback is None and store.exists() and not store.exists(MANIFEST_NAME):  # a directory of checkpoints
+
+            def fallback(excluded: list[str]) -> str | None:
+                info = newest_valid(url, self.storage_options, verify="sizes", exclude=excluded)
+                return info.path if info is not None else None
+
+        def load(at: str, at_verified: bool) -> dict[str, Any]:
+            return load_full_checkpoint(
+                Store(at, self.storage_options),
+                rank=pdist.rank(),
+                verify=self.verify_on_load and not at_verified,
+                trusted=trusted,
+                map_location=map_location,
+            )
+
+        return load_agreed(load, target, verified, fallback, self._group)
 
     @staticmethod
     def _not_found(store: Store) -> NotACheckpointError:
@@ -388,9 +407,11 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         if store.exists(MANIFEST_NAME):
             return url, url in self._verified
         if store.isdir():
-            info = newest_valid(url, self.storage_options, verify=self.verify_on_load)
+            # Manifest and sizes only: the CRC32C is checked while loading (one read of
+            # every byte); a mismatch there falls back to the next one (load_agreed).
+            info = newest_valid(url, self.storage_options, verify="sizes" if self.verify_on_load else False)
             if info is not None:
-                return info.path, self.verify_on_load
+                return info.path, False
         return None
 
     def load_sharded(self, path: Any, templates: dict[str, Any], process_group: Any = None) -> dict[str, Any]:

@@ -7,6 +7,7 @@ import posixpath
 from collections.abc import Callable
 from typing import Any, Literal
 
+from lightning_preempt import dist as pdist
 from lightning_preempt.checksum import Crc32c
 from lightning_preempt.commit import STATE_FILE
 from lightning_preempt.dcp_storage import DCP_METADATA_NAME, load_all_tensors, load_tensors_into
@@ -251,3 +252,58 @@ def _dcp_metadata_from_bytes(data: bytes, store: Store, manifest: Manifest) -> A
     metadata = unpickle_dcp_metadata(data, path=store.url)
     check_dcp_metadata(metadata, path=store.url, manifest=manifest)
     return metadata
+
+
+#: ``fallback(excluded)``: the next checkpoint to try after those in ``excluded`` failed
+#: their check while loading, or ``None`` when none is left.
+Fallback = Callable[[list[str]], "str | None"]
+
+
+def load_agreed(
+    load: Callable[[str, bool], dict[str, Any]],
+    target: str,
+    verified: bool,
+    fallback: Fallback | None,
+    group: pdist.ProcessGroup | None,
+) -> dict[str, Any]:
+    """``load(target, verified)`` with a fall-back all ranks agree on.
+
+    The load checks every byte it reads (one pass); a :class:`CorruptCheckpointError` on
+    any rank makes every rank drop its result and move on to ``fallback``'s next choice
+    (rank 0's, broadcast), so no two ranks resume from different steps. Collective over
+    ``group`` when given (a gloo group idle during the load: the writer's).
+    """
+    excluded: list[str] = []
+    while True:
+        result: dict[str, Any] | None = None
+        error: CorruptCheckpointError | None = None
+        try:
+            result = load(target, verified)
+        except CorruptCheckpointError as err:
+            error = err
+        failed = pdist.all_gather_objects(error is not None, group) if group is not None else [error is not None]
+        if not any(failed):
+            assert result is not None
+            return result
+        result = None
+        reason = (
+            str(error).splitlines()[0]
+            if error is not None
+            else f"rank(s) {[r for r, f in enumerate(failed) if f]} found it damaged"
+        )
+        if fallback is None:
+            raise error or CorruptCheckpointError(reason, path=target, hint=_CORRUPT_HINT)
+        excluded.append(target)
+        log.warning(
+            "lightning_preempt: %s failed its check while loading (%s); trying an older checkpoint", target, reason
+        )
+        nxt = fallback(excluded)
+        nxt = pdist.broadcast_object(nxt, group) if group is not None else nxt
+        if nxt is None:
+            raise CorruptCheckpointError(
+                f"no older checkpoint verifies either (tried {excluded})",
+                path=target,
+                hint="Inspect them with `lightning-preempt ls --verify DIR`; delete the damaged ones "
+                "(or pass ckpt_path explicitly) and restart.",
+            )
+        target, verified = nxt, False

@@ -210,3 +210,37 @@ def test_archive_of_a_view_falls_back_to_torch_load() -> None:
         item = fastload.TensorItem("t", "f", 0, len(archive), torch.float32, (0,), (tensor.numel(),), (tensor.numel(),))
         got, n = fastload._read_archive(io.BytesIO(archive), item, None)
         assert n == len(archive) and got is not None and torch.equal(got, tensor)
+
+
+def _flip(url: str) -> None:
+    path = _shard(url)
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def test_directory_load_falls_back_when_the_newest_fails_its_crc(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _, new = _two_checkpoints(tmp_path)
+    _flip(new)  # sizes still match: only the load's CRC catches it
+    io_ = ShardedAsyncCheckpointIO()
+    loaded = io_.load_checkpoint(str(tmp_path))
+    assert loaded["global_step"] == 1
+    assert any("failed its check while loading" in r.getMessage() for r in caplog.records)
+
+
+def test_alias_with_fallback_and_without(tmp_path: Path) -> None:
+    old, new = _two_checkpoints(tmp_path)
+    _flip(new)
+    io_ = ShardedAsyncCheckpointIO()
+    io_.alias("pointer", new, fallback=lambda excluded: old if new in excluded else None)
+    assert io_.load_checkpoint("pointer")["global_step"] == 1
+    io_.alias("plain", new)  # no fallback: the error reaches the caller
+    with pytest.raises(CorruptCheckpointError, match="CRC32C"):
+        io_.load_checkpoint("plain")
+    _flip(old)
+    with pytest.raises(CorruptCheckpointError, match="no older checkpoint verifies"):
+        io_.load_checkpoint(str(tmp_path))
