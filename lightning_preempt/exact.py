@@ -42,6 +42,8 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
+from lightning_preempt import _compat
+
 log = logging.getLogger(__name__)
 
 STATE_KEY = "lightning_preempt"
@@ -119,6 +121,40 @@ def _is_plain(sampler: Any, cls: type) -> bool:
     return isinstance(sampler, cls) and getattr(type(sampler), "__iter__", None) is getattr(cls, "__iter__", None)
 
 
+def loader_generators(loader: Any) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects that decide ``loader``'s order and worker seeds, each once.
+
+    ``loader.generator`` (every ``iter(loader)`` draws the workers' base seed from it, and
+    ``shuffle=True`` shuffles with it) and the ``generator`` of its sampler and of its batch
+    sampler's sampler. torchdata's ``RandomSampler`` owns one even when none was given.
+    Their states are RNG state like the global one: a resume that does not restore them
+    shuffles the following epochs differently (meta-pytorch/data#1437).
+    """
+    samplers = [getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)]
+    candidates = [getattr(loader, "generator", None)]
+    for sampler in samplers:
+        candidates.append(getattr(sampler.inner if isinstance(sampler, ResumableSampler) else sampler, "generator", None))
+    found: list[torch.Generator] = []
+    for g in candidates:
+        if isinstance(g, torch.Generator) and all(g is not f for f in found):
+            found.append(g)
+    return found
+
+
+def snapshot_iter_rng(generators: list[torch.Generator]) -> dict[str, Any]:
+    """The RNG states that ``iter(loader)`` draws from: the global torch RNG and ``generators``."""
+    return {"torch": torch.get_rng_state(), "generators": [g.get_state() for g in generators]}
+
+
+def set_generator_states(generators: list[torch.Generator], states: list[Any]) -> bool:
+    """Set each generator to its saved state; ``False`` (nothing set) when the counts differ."""
+    if len(generators) != len(states):
+        return False
+    for g, state in zip(generators, states, strict=True):
+        g.set_state(state)
+    return True
+
+
 class ResumableSampler(Sampler[int]):
     """Yields what ``inner`` yields, and can start an epoch after its first ``skip`` indices.
 
@@ -129,24 +165,47 @@ class ResumableSampler(Sampler[int]):
     so a resumed run replays the same permutation without drawing again.
     """
 
-    def __init__(self, inner: Sampler[int], batch_size: int = 1) -> None:
+    def __init__(
+        self, inner: Sampler[int], batch_size: int = 1, generators: list[torch.Generator] | None = None
+    ) -> None:
         self.inner = inner
         self.batch_size = batch_size  # of the BatchSampler around it: skips are counted in batches
         self.epoch_state: tuple[str, Any] | None = None
+        self.generators = list(generators or [])  # the loader's (see loader_generators)
+        # (epoch, snapshot_iter_rng) taken just before the epoch's iterator was created: a
+        # mid-epoch resume recreates worker iterators from it, so they get the same base seed.
+        self.pre_iter: tuple[int, dict[str, Any]] | None = None
         self._resume: tuple[tuple[str, Any] | None, int] | None = None
 
     def __len__(self) -> int:
         return len(self.inner)  # type: ignore[arg-type]
 
     def set_epoch(self, epoch: int) -> None:
-        """Forward to ``inner`` (``DistributedSampler`` reshuffles per epoch)."""
+        """Forward to ``inner`` (``DistributedSampler`` reshuffles per epoch); note the RNG states.
+
+        Lightning calls this at the start of every epoch, before it creates the epoch's
+        iterator (the first epoch of a process excepted: its iterator exists already, and
+        :class:`ExactResume` notes the states when it recreates it). Only the first call for
+        an epoch counts: Lightning calls it twice (``DataLoader.sampler`` and ours).
+        """
         set_epoch = getattr(self.inner, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(epoch)
+        if self.pre_iter is None or self.pre_iter[0] != epoch:
+            self.pre_iter = (epoch, snapshot_iter_rng(self.generators))
 
     def resume_at(self, epoch_state: tuple[str, Any] | None, skip: int) -> None:
         """Make the next epoch replay ``epoch_state`` and skip its first ``skip`` indices."""
         self._resume = (epoch_state, skip)
+
+    def replay(self) -> int:
+        """Yield the skipped indices too (their batches are dropped after loading); returns
+        how many batches to drop. Call after :meth:`resume_at`."""
+        if self._resume is None:
+            return 0
+        epoch_state, skip = self._resume
+        self._resume = (epoch_state, 0)
+        return skip // self.batch_size
 
     def __iter__(self) -> Iterator[int]:
         # A generator function, like RandomSampler.__iter__: nothing runs (and no random
@@ -176,6 +235,15 @@ class ResumableSampler(Sampler[int]):
             self.epoch_state = None
             it = iter(inner)
         yield from itertools.islice(it, skip, None)
+
+
+def _workers(loader: Any) -> bool:
+    return int(getattr(loader, "num_workers", 0) or 0) > 0
+
+
+def _has_set_epoch(loader: Any) -> bool:
+    samplers = [getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)]
+    return any(callable(getattr(s, "set_epoch", None)) for s in samplers)
 
 
 def _stateful(loader: Any) -> bool:
@@ -208,7 +276,7 @@ def wrap_loader(loader: Any) -> tuple[str, ResumableSampler | None]:
     if not any(_is_plain(inner, cls) for cls in (SequentialSampler, RandomSampler, DistributedSampler)):
         return "unsupported", None
     assert isinstance(inner, Sampler)
-    wrapped = ResumableSampler(inner, batch_size=int(batch_sampler.batch_size))
+    wrapped = ResumableSampler(inner, batch_size=int(batch_sampler.batch_size), generators=loader_generators(loader))
     # DataLoader forbids re-assigning its own sampler attributes, but BatchSampler reads
     # `self.sampler` when an epoch's iteration starts, so this takes effect from then on.
     # DataLoader.sampler stays the original: Lightning's set_epoch still reaches it.
@@ -268,7 +336,7 @@ def load_metric_states(module: torch.nn.Module, saved: dict[str, dict[str, Any]]
 
 def result_states(trainer: pl.Trainer) -> dict[str, dict[str, Any]]:
     """Running ``on_epoch`` aggregates of tensors logged with ``self.log`` during training."""
-    results = getattr(trainer.fit_loop.epoch_loop, "_results", None)
+    results = _compat.training_results(trainer)
     out: dict[str, dict[str, Any]] = {}
     if results is None:
         return out
@@ -288,7 +356,7 @@ def merge_result_states(trainer: pl.Trainer, pending: dict[str, dict[str, Any]])
     hold that batch alone; sums and max/min commute, so ``saved + new`` is bitwise what
     the uninterrupted run computed.
     """
-    results = getattr(trainer.fit_loop.epoch_loop, "_results", None)
+    results = _compat.training_results(trainer)
     if results is None:
         return
     for key in [k for k in pending if k in results]:
@@ -315,10 +383,18 @@ class ExactResume:
 
     Set :attr:`enabled` to ``False`` to turn it off (the samplers are then left alone and
     nothing extra is saved).
+
+    Worker processes draw their own random numbers (augmentations in ``__getitem__``) from
+    a seed made when the epoch's iterator is made, and each draw moves them on. A mid-epoch
+    resume gives the workers the same seed, but they have not drawn for the batches already
+    trained. With :attr:`replay_worker_draws` the workers load those batches again (and we
+    drop them), so their draws match an uninterrupted run bit for bit; it costs reading that
+    part of the epoch again. Off by default: a warning says when it would matter.
     """
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, enabled: bool = True, replay_worker_draws: bool = False) -> None:
         self.enabled = enabled
+        self.replay_worker_draws = replay_worker_draws
         self._loaded: dict[str, Any] | None = None
         self._samplers: list[tuple[str, ResumableSampler | None]] = []
         self._pending_results: dict[str, dict[str, Any]] = {}
@@ -345,8 +421,17 @@ class ExactResume:
         """This rank's state at the moment of the save (call from ``on_save_checkpoint``)."""
         batches = _batches_done(trainer)
         loaders = []
-        for kind, sampler in self._samplers:
-            loaders.append({"kind": kind, "epoch_state": sampler.epoch_state if sampler is not None else None})
+        epoch = trainer.current_epoch
+        for dl, (kind, sampler) in zip(self._train_loaders(trainer), self._samplers, strict=True):
+            pre_iter = sampler.pre_iter if sampler is not None else None
+            loaders.append(
+                {
+                    "kind": kind,
+                    "epoch_state": sampler.epoch_state if sampler is not None else None,
+                    "generators": [g.get_state() for g in loader_generators(dl)],
+                    "pre_iter": pre_iter[1] if pre_iter is not None and pre_iter[0] == epoch else None,
+                }
+            )
         return {
             "version": FORMAT_VERSION,
             "rank": trainer.global_rank,
@@ -401,14 +486,25 @@ class ExactResume:
             if missing:
                 log.warning("lightning_preempt: saved metric states not found in the model: %s", missing)
             self._pending_results = dict(state.get("results", {}))
-        # Before the RNG restore: in the uninterrupted run this epoch's iterator already existed.
-        self._restart_worker_iterators(trainer)
-        if own:
+        if own and mid_epoch:
+            # Remake the iterators from the RNG states this epoch's iterators were made from
+            # (the workers get the same base seed), let the workers replay what they loaded
+            # (replay_worker_draws), then restore the states of the moment of the save.
+            self._set_pre_iter_rng(trainer, state)
+            replay = self._restart_worker_iterators(trainer, mid_epoch=True)
+            self._drop_replayed(trainer, replay)
             restore_rng(state["rng"])
-            if not mid_epoch:
-                self._restart_iterators(trainer)
-            self.restored = "mid-epoch" if mid_epoch else "epoch-end"
+            self._restore_generators(trainer, state)
+            self.restored = "mid-epoch"
+        elif own:
+            # The save ended an epoch: the uninterrupted run made the next epoch's iterators
+            # after this point, from these states.
+            restore_rng(state["rng"])
+            self._restore_generators(trainer, state)
+            self._restart_iterators(trainer)
+            self.restored = "epoch-end"
         else:
+            self._restart_worker_iterators(trainer)
             seed = derive_seed(state["rng"], rank)
             seed_all(seed)
             self.restored = "derived"
@@ -434,8 +530,7 @@ class ExactResume:
 
     # -- internals --
     def _train_loaders(self, trainer: pl.Trainer) -> list[Any]:
-        combined = trainer.fit_loop._combined_loader
-        return list(combined.flattened) if combined is not None else []
+        return _compat.train_loaders(trainer)
 
     def _wrap(self, trainer: pl.Trainer) -> None:
         loaders = self._train_loaders(trainer)
@@ -453,18 +548,91 @@ class ExactResume:
             )
         self._check_prefetch(trainer)
 
-    def _restart_worker_iterators(self, trainer: pl.Trainer) -> None:
-        # Worker iterators requested indices from the original sampler as soon as Lightning
-        # created them: start them again so they read ours (after any `resume_at`).
+    def _restart_worker_iterators(self, trainer: pl.Trainer, mid_epoch: bool = False) -> dict[int, int]:
+        """Remake the iterators where needed; returns {loader index: batches to drop} (replay).
+
+        Needed for worker loaders we wrapped (their workers asked the original sampler for
+        indices as soon as Lightning made them) and, mid-epoch, for a StatefulDataLoader
+        whose sampler takes ``set_epoch`` (torchdata made the resumed epoch's indices before
+        Lightning set the epoch: we set it and hand the loader its own position again).
+        """
         loaders = self._train_loaders(trainer)
-        pairs = zip(loaders, self._samplers, strict=True)
-        if any(getattr(dl, "num_workers", 0) > 0 for dl, (kind, _) in pairs if kind == "sampler"):
-            fetcher = trainer.fit_loop._data_fetcher
-            if fetcher is not None:
-                iter(fetcher)
+        pairs = list(zip(loaders, self._samplers, strict=True))
+        wrapped_workers = [i for i, (dl, (kind, _)) in enumerate(pairs) if kind == "sampler" and _workers(dl)]
+        epoch_samplers = [i for i, (dl, (kind, _)) in enumerate(pairs) if kind == "stateful" and _has_set_epoch(dl)]
+        fetcher = _compat.train_fetcher(trainer)
+        if fetcher is None or not (wrapped_workers or (mid_epoch and epoch_samplers)):
+            return {}
+        epoch = trainer.current_epoch
+        for _, (_, sampler) in pairs:
+            if sampler is not None:  # the states this epoch's iterator is made from (see set_epoch)
+                sampler.pre_iter = (epoch, snapshot_iter_rng(sampler.generators))
+        replay: dict[int, int] = {}
+        for i, (dl, (kind, sampler)) in enumerate(pairs):
+            if kind == "stateful":
+                # iter(fetcher) remakes every loader's iterator: a StatefulDataLoader would lose
+                # the position Lightning just loaded into it, so hand that position back first.
+                _compat.set_sampler_epoch(dl, cast(Any, trainer.fit_loop.epoch_progress.current).processed)
+                dl.load_state_dict(dl.state_dict())
+            if mid_epoch and _workers(dl) and kind in ("sampler", "stateful"):
+                if kind == "sampler" and sampler is not None and self.replay_worker_draws:
+                    replay[i] = sampler.replay()
+                else:
+                    self._warn_worker_draws(dl)
+        iter(fetcher)
+        return replay
+
+    def _drop_replayed(self, trainer: pl.Trainer, replay: dict[int, int]) -> None:
+        """Take the replayed batches out of the remade iterators, past Lightning's counters."""
+        if not any(replay.values()):
+            return
+        iterators = _compat.train_loader_iterators(trainer)
+        if iterators is None:
+            raise RuntimeError(
+                "lightning_preempt: cannot reach the training loader iterators to drop the replayed batches\n"
+                "HINT: set PreemptionCallback(...).exact.replay_worker_draws = False with this Lightning version."
+            )
+        for i, n in replay.items():
+            for _ in range(n):
+                next(iterators[i])
+
+    def _warn_worker_draws(self, loader: Any) -> None:
+        warnings.warn(
+            f"lightning_preempt: resuming mid-epoch with worker processes ({_describe(loader)}): random draws made "
+            "inside the workers (augmentations in __getitem__) start again from the epoch's worker seed, so for "
+            "the rest of this epoch they differ from an uninterrupted run (the next epochs match again).\n"
+            "HINT: if the workers draw random numbers, set PreemptionCallback(...).exact.replay_worker_draws = True "
+            "(plain DataLoader: the workers load this epoch's trained batches again), or draw them from a "
+            "generator seeded with the sample index (and the epoch).",
+            stacklevel=2,
+        )
+
+    def _set_pre_iter_rng(self, trainer: pl.Trainer, state: dict[str, Any]) -> None:
+        saved = state.get("loaders", [])
+        if len(saved) != len(self._samplers):
+            return
+        for dl, entry in zip(self._train_loaders(trainer), saved, strict=True):
+            pre_iter = entry.get("pre_iter")
+            if pre_iter is not None:
+                torch.set_rng_state(pre_iter["torch"])  # the same for every loader (one moment)
+                set_generator_states(loader_generators(dl), pre_iter["generators"])
+
+    def _restore_generators(self, trainer: pl.Trainer, state: dict[str, Any]) -> None:
+        saved = state.get("loaders", [])
+        if len(saved) != len(self._samplers):
+            return  # _restore_data warned
+        for dl, entry in zip(self._train_loaders(trainer), saved, strict=True):
+            if "generators" in entry and not set_generator_states(loader_generators(dl), entry["generators"]):
+                log.warning(
+                    "lightning_preempt: the training loader %s has %d torch generators, the checkpoint %d: "
+                    "not restoring them (the data order of the next epochs will differ)",
+                    _describe(dl),
+                    len(loader_generators(dl)),
+                    len(entry["generators"]),
+                )
 
     def _check_prefetch(self, trainer: pl.Trainer) -> None:
-        fetcher = trainer.fit_loop._data_fetcher
+        fetcher = _compat.train_fetcher(trainer)
         stateful = any(kind == "stateful" for kind, _ in self._samplers)
         if stateful and fetcher is not None and getattr(fetcher, "length", 0) is None:
             warnings.warn(
@@ -502,11 +670,9 @@ class ExactResume:
         # after this point (drawing a worker base seed, and for torchdata's samplers the
         # epoch's seed); the resumed run created them before the restore. Create them again
         # now, after the sampler epoch is set the way Lightning is about to set it.
-        from lightning.fabric.utilities.data import _set_sampler_epoch
-
         epoch = cast(Any, trainer.fit_loop.epoch_progress.current).processed
         for dl in self._train_loaders(trainer):
-            _set_sampler_epoch(dl, epoch)
-        fetcher = trainer.fit_loop._data_fetcher
+            _compat.set_sampler_epoch(dl, epoch)
+        fetcher = _compat.train_fetcher(trainer)
         if fetcher is not None:
             iter(fetcher)

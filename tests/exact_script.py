@@ -32,7 +32,9 @@ from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO
 
 
 class DropoutModel(L.LightningModule):
-    def __init__(self, status: str = "", step_sleep: float = 0.0, width: int = 64) -> None:
+    def __init__(
+        self, status: str = "", step_sleep: float = 0.0, width: int = 64, sigterm_at: tuple[int, ...] = ()
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.net = torch.nn.Sequential(
@@ -47,15 +49,33 @@ class DropoutModel(L.LightningModule):
         self.train_mse(pred.detach(), y)
         self.log("train_mse", self.train_mse, on_step=False, on_epoch=True)
         self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=False)
+        self._maybe_sigterm()
         if self.hparams.step_sleep:
             time.sleep(self.hparams.step_sleep)
         if self.hparams.status:
             # Written here, not in on_train_batch_end: a preemption exits from the callback's
             # on_train_batch_end, before the module's runs, but this batch was trained.
-            rec = {"step": self.global_step, "epoch": self.current_epoch, "batch_idx": batch_idx, "idx": idx.tolist()}
+            rec = {
+                "step": self.global_step,
+                "epoch": self.current_epoch,
+                "batch_idx": batch_idx,
+                "idx": idx.tolist(),
+                "x": x.double().sum().item(),  # the inputs themselves (augmented in the workers with --aug)
+            }
             with open(os.path.join(self.hparams.status, f"rank{self.global_rank}.batches.jsonl"), "a") as f:
                 f.write(json.dumps(rec) + "\n")
         return loss
+
+    def _maybe_sigterm(self) -> None:
+        """--sigterm-at N: a real SIGTERM to ourselves while step N trains (once per N, across
+        restarts), so the snapshot holds exactly N steps: epoch boundaries are hit exactly."""
+        n = self.global_step + 1
+        if n not in self.hparams.sigterm_at or not self.hparams.status:
+            return
+        marker = os.path.join(self.hparams.status, f"rank{self.global_rank}.sigterm-{n}")
+        if not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def on_train_batch_end(self, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
         status = self.hparams.status
@@ -79,6 +99,56 @@ def dataset(n: int, seed: int = 0) -> TensorDataset:
     return TensorDataset(x, y, torch.arange(n))
 
 
+class AugmentedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Adds noise drawn from the global torch RNG of the process that loads the sample:
+    in worker processes that RNG is seeded from the loader's base seed, so a resume that
+    starts workers with another base seed trains on other inputs."""
+
+    def __init__(self, inner: TensorDataset) -> None:
+        self.inner = inner
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
+        x, y, idx = self.inner[i]
+        return x + 0.1 * torch.randn_like(x), y, idx
+
+
+class Stream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """An iterable dataset: its position cannot be resumed by a sampler."""
+
+    def __init__(self, inner: TensorDataset) -> None:
+        self.inner = inner
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return (self.inner[i] for i in range(len(self.inner)))
+
+
+def make_loader(args: argparse.Namespace) -> Any:
+    """The training loader the flags ask for (--stateful, --generator, --sampler, --aug, --iterable)."""
+    data: Any = dataset(args.n)
+    if args.aug:
+        data = AugmentedDataset(data)
+    if args.iterable:
+        data = Stream(data)
+    kwargs: dict[str, Any] = {"batch_size": args.batch_size, "num_workers": args.workers}
+    if args.generator:
+        kwargs["generator"] = torch.Generator().manual_seed(args.generator)
+    if args.sampler == "distributed" and not args.iterable:  # one replica of two; set_epoch reshuffles
+        kwargs["sampler"] = torch.utils.data.DistributedSampler(data, num_replicas=2, rank=0, seed=11)
+    elif not args.iterable:
+        kwargs["shuffle"] = True
+    if args.stateful:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        return StatefulDataLoader(data, **kwargs)
+    return DataLoader(data, **kwargs)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--dirpath", required=True)
@@ -92,6 +162,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--stateful", action="store_true", help="torchdata StatefulDataLoader")
+    p.add_argument("--generator", type=int, default=0, help="loader generator=torch.Generator().manual_seed(N)")
+    p.add_argument("--sampler", choices=["random", "distributed"], default="random")
+    p.add_argument("--aug", action="store_true", help="random noise added in __getitem__ (in the workers)")
+    p.add_argument("--iterable", action="store_true", help="an IterableDataset (position not resumable)")
+    p.add_argument("--replay", action="store_true", help="exact.replay_worker_draws = True")
+    p.add_argument("--sigterm-at", default="", help="comma list of N: SIGTERM ourselves while step N trains")
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--amp", action="store_true", help="16-mixed with a GradScaler that grows every 3 steps")
@@ -100,9 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.status, exist_ok=True)
     faulthandler.register(signal.SIGUSR2)  # `kill -USR2 PID` dumps every thread's stack (hang diagnosis)
     L.seed_everything(1234, workers=True)
-    model = DropoutModel(status=args.status, step_sleep=args.step_sleep, width=args.width)
+    sigterm_at = tuple(int(n) for n in args.sigterm_at.split(",") if n)
+    model = DropoutModel(status=args.status, step_sleep=args.step_sleep, width=args.width, sigterm_at=sigterm_at)
     cb = PreemptionCallback(args.dirpath, every_n_train_steps=args.every, keep_last_n=2, grace_period_s=30)
     cb.exact.enabled = os.environ.get("LP_EXACT", "1") != "0"  # the tests check that turning it off shows
+    cb.exact.replay_worker_draws = args.replay
     io = ShardedAsyncCheckpointIO()
     plugins: list[Any] = [io]
     if args.amp:
@@ -127,14 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     with open(os.path.join(args.status, f"rank{trainer.global_rank}.pid"), "w") as f:
         f.write(str(os.getpid()))
-    if args.stateful:
-        from torchdata.stateful_dataloader import StatefulDataLoader
-
-        loader: Any = StatefulDataLoader(
-            dataset(args.n), batch_size=args.batch_size, shuffle=True, num_workers=args.workers
-        )
-    else:
-        loader = DataLoader(dataset(args.n), batch_size=args.batch_size, shuffle=True, num_workers=args.workers)
+    loader = make_loader(args)
     started = time.monotonic()
     rank = trainer.global_rank
     try:

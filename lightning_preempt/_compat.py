@@ -1,0 +1,105 @@
+"""Every use of a private Lightning or torch API that lightning_preempt makes goes through here.
+
+Private names move between releases; keeping them in one module makes the minimum-versions
+job (``scripts/test_min_versions.sh``) and a Lightning/torch upgrade a matter of reading one
+file. Each shim says which versions it was checked with and what happens when the private
+name is missing. docs/compat.md lists the private uses still made elsewhere.
+
+Checked with torch 2.6.0 / Lightning 2.4.0 (the floors) and torch 2.13.0 / Lightning 2.6.6.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+log = logging.getLogger(__name__)
+
+
+# ---- Trainer(enable_checkpointing=False) --------------------------------------------------
+class CheckpointingDisabledError(MisconfigurationException):
+    """``Trainer(enable_checkpointing=False)`` with a :class:`PreemptionCallback` (a
+    ``MisconfigurationException``, as Lightning raises there)."""
+
+
+_REJECTED: list[type] = []
+
+
+def explain_disabled_checkpointing(callback_type: type) -> None:
+    """Make ``Trainer(enable_checkpointing=False, callbacks=[callback_type(...)])`` name it.
+
+    Lightning refuses every ``Checkpoint`` callback when ``enable_checkpointing=False``,
+    with a message about ``ModelCheckpoint`` that users of ``callback_type`` never added.
+    ``callback_type`` must stay a ``Checkpoint`` (an ``OnExceptionCheckpoint``: it is how
+    ``fit()`` finds the checkpoint to resume, docs/design.md), so the combination cannot
+    work; we re-raise Lightning's error with one that names the callback and the fix.
+
+    Private: ``_CallbackConnector._configure_checkpoint_callbacks`` (Lightning 2.4-2.6).
+    Without it Lightning's own message stays.
+    """
+    if callback_type not in _REJECTED:
+        _REJECTED.append(callback_type)
+    try:
+        from lightning.pytorch.trainer.connectors.callback_connector import _CallbackConnector
+    except ImportError:  # pragma: no cover - moved in a newer Lightning
+        return
+    original = getattr(_CallbackConnector, "_configure_checkpoint_callbacks", None)
+    if original is None or getattr(original, "_lightning_preempt", False):
+        return
+
+    @functools.wraps(original)
+    def configure(self: Any, enable_checkpointing: bool, *args: Any, **kwargs: Any) -> None:
+        try:
+            original(self, enable_checkpointing, *args, **kwargs)
+        except MisconfigurationException as err:
+            ours = [cb for cb in self.trainer.callbacks if isinstance(cb, tuple(_REJECTED))]
+            if enable_checkpointing or not ours:
+                raise
+            name = type(ours[0]).__name__
+            raise CheckpointingDisabledError(
+                f"Trainer(enable_checkpointing=False) cannot be used with {name}: Lightning counts it as a "
+                f"checkpoint callback (it subclasses OnExceptionCheckpoint, which is how fit() resumes from it).\n"
+                f"HINT: drop enable_checkpointing=False. With a {name} in callbacks Lightning adds no default "
+                f"ModelCheckpoint, so the only checkpoints written are {name}'s."
+            ) from err
+
+    configure._lightning_preempt = True  # type: ignore[attr-defined]
+    _CallbackConnector._configure_checkpoint_callbacks = configure  # type: ignore[method-assign]
+
+
+# ---- the training loop's data (exact resume, lightning_preempt/exact.py) ------------------
+# Lightning 2.4-2.6: FitLoop keeps the CombinedLoader in `_combined_loader` and the fetcher
+# in `_data_fetcher`; the CombinedLoader's mode iterator holds one iterator per loader in
+# `_iterator.iterators`; the training epoch loop keeps `self.log` results in `_results`.
+def train_loaders(trainer: Any) -> list[Any]:
+    """The training dataloaders as Lightning iterates them (after its sampler injection)."""
+    combined = getattr(trainer.fit_loop, "_combined_loader", None)
+    return list(combined.flattened) if combined is not None else []
+
+
+def train_fetcher(trainer: Any) -> Any | None:
+    """The training data fetcher; ``iter()`` on it remakes every loader's iterator."""
+    return getattr(trainer.fit_loop, "_data_fetcher", None)
+
+
+def train_loader_iterators(trainer: Any) -> list[Any] | None:
+    """The live iterator of each training loader (``None`` if Lightning holds them elsewhere)."""
+    combined = getattr(trainer.fit_loop, "_combined_loader", None)
+    mode_iterator = getattr(combined, "_iterator", None)
+    iterators = getattr(mode_iterator, "iterators", None)
+    return list(iterators) if iterators is not None else None
+
+
+def training_results(trainer: Any) -> Any | None:
+    """The running ``self.log`` results of the training epoch (a ``_ResultCollection``)."""
+    return getattr(trainer.fit_loop.epoch_loop, "_results", None)
+
+
+def set_sampler_epoch(loader: Any, epoch: int) -> None:
+    """Lightning's own per-epoch ``set_epoch`` call on a loader's samplers."""
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+
+    _set_sampler_epoch(loader, epoch)
