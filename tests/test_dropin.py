@@ -440,3 +440,32 @@ def test_on_exception_checkpoint_saves_then_its_teardown_removes_synchronously(t
     # A normal end: OnExceptionCheckpoint.teardown removed it, after the plugin's teardown.
     assert not os.path.exists(path)
     assert _our_threads(before) == []
+
+
+# ---- 6. weights_only and map_location reach the loader -------------------------------------
+class Recipe:
+    """A custom object in the hyperparameters: not something ``weights_only`` loads."""
+
+    def __init__(self, lr: float) -> None:
+        self.lr = lr
+
+
+class RecipeModel(TinyModel):
+    def __init__(self, recipe: Recipe | None = None) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+
+def test_fit_passes_weights_only_to_the_plugin(tmp_path: Path) -> None:
+    path = str(tmp_path / "a.ckpt")
+    mc = ModelCheckpoint(dirpath=tmp_path, filename="a", every_n_train_steps=2, save_top_k=1, monitor=None)
+    _trainer(2, [mc], root=tmp_path).fit(RecipeModel(Recipe(0.1)), _loader())
+    assert os.path.isdir(path)
+    with pytest.raises(CheckpointError, match=r"needs the global test_dropin\.Recipe"):
+        _trainer(4, [], root=tmp_path).fit(RecipeModel(Recipe(0.1)), _loader(), ckpt_path=path, weights_only=True)
+    probe = StartProbe()
+    _trainer(4, [probe], root=tmp_path).fit(RecipeModel(Recipe(0.1)), _loader(), ckpt_path=path, weights_only=False)
+    assert probe.start_step == 2
+    meta = ShardedAsyncCheckpointIO().load_checkpoint(path, map_location="meta", weights_only=False)
+    assert all(t.device.type == "meta" for t in meta["state_dict"].values())
+    assert meta["hyper_parameters"]["recipe"].lr == 0.1
