@@ -8,9 +8,9 @@ retention and clean-up. So this package deletes a directory only when
   with the 8-hex suffix the callback adds when a committed ``step-N`` exists), when the
   caller chose it by name (retention); and
 * everything in it is a file this package writes (:func:`foreign_entries` is empty):
-  the manifest, DCP shards and ``.metadata``, per-rank state files, a commit's temporary
-  manifest, the path marker, and generation directories holding only such files. An
-  empty directory is an uncommitted leftover of ours.
+  the manifest, DCP shards (``*.distcp``) and ``.metadata``, per-rank state files, a
+  commit's temporary manifest, the path marker, and generation directories holding only
+  such files. An empty directory is an uncommitted leftover of ours.
 
 Nothing is followed through a symlink; a symlink is never ours.
 """
@@ -32,8 +32,9 @@ OUR_DIR_RE = re.compile(r"step-(\d{10,19})(?:-[0-9a-f]{8})?")
 #: Generation directories of a replaced checkpoint (``layout.py``).
 GENERATION_RE = re.compile(r"v-[0-9a-f]{12}")
 #: Other files this package leaves in a checkpoint directory: a local commit's temporary
-#: manifest and the zero-byte marker that makes a path exist on object stores.
-_OTHER_FILES_RE = re.compile(r"\.manifest\.json\.[0-9a-f]+\.tmp|\.lightning_preempt")
+#: manifest, the zero-byte marker that makes a path exist on object stores, and partial
+#: DCP output of a killed save (any ``*.distcp``: the extension is DCP's own).
+_OTHER_FILES_RE = re.compile(r"\.manifest\.json\.[0-9a-f]+\.tmp|\.lightning_preempt|[^/]+\.distcp|\.metadata\.tmp")
 
 _HINT = (
     "lightning_preempt deletes only directories it wrote whose every file is one of its own. Move your "
@@ -71,7 +72,7 @@ def foreign_entries(store: Store) -> list[str]:
             inner = [
                 f"{name}/{n}" + ("" if k == "file" else f" ({k})")
                 for n, k in store.children(name)
-                if not (k == "file" and is_checkpoint_file_name(n))
+                if not (k == "file" and is_our_file_name(n))
             ]
             foreign.extend(inner)
             continue
