@@ -35,6 +35,7 @@ from lightning_preempt.exact import STATE_KEY, ExactResume
 from lightning_preempt.grace import GraceCheck
 from lightning_preempt.lease import Lease
 from lightning_preempt.manifest import MANIFEST_NAME
+from lightning_preempt.prealloc import prepare_staging
 from lightning_preempt.probe import probe_writable
 from lightning_preempt.reporting import SaveReporter, report_resume
 from lightning_preempt.resume import ResumeResolver
@@ -353,6 +354,9 @@ class PreemptionCallback(OnExceptionCheckpoint):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.controller.start()
+        # Staging buffers allocated and touched in the background now: the first (maybe the
+        # emergency) save only copies. Again after the first step: optimizer state appears there.
+        self._prepare_after_step = prepare_staging(trainer, self._plugin(trainer)) is not None
         self._last_save_time = time.monotonic()
         self._last_seen_step = trainer.global_step
         if self._last_saved_step is None and trainer.global_step > 0:
@@ -374,6 +378,9 @@ class PreemptionCallback(OnExceptionCheckpoint):
         if step == self._last_seen_step:
             return  # mid gradient-accumulation: no optimizer step happened, nothing to snapshot
         self._last_seen_step = step
+        if self._prepare_after_step:
+            self._prepare_after_step = False
+            prepare_staging(trainer, io)
         now = time.monotonic()
         every_s = self.config.every_n_seconds
         local_due = every_s is not None and now - self._last_save_time >= every_s
