@@ -282,7 +282,9 @@ def bench_first_save(args: argparse.Namespace, root: str, ckpt: dict[str, Any]) 
         io.teardown()
         return out
 
+    # Every first save is paired with a copy floor measured right before it.
     results: dict[str, list[float]] = {k: [] for k in ("floor", "none", "done", "racing", "steady", "prepare_done")}
+    ratios: dict[str, list[float]] = {k: [] for k in ("none", "done", "racing", "steady")}
     order = ["none", "done", "racing"]
     for rnd in range(args.repeats + 1):
         for kind in order[rnd % 3 :] + order[: rnd % 3]:
@@ -296,16 +298,14 @@ def bench_first_save(args: argparse.Namespace, root: str, ckpt: dict[str, Any]) 
             results["floor"].append(fl)
             results[kind].append(r["first"])
             results["steady"].append(r["steady"])
+            ratios[kind].append(r["first"] / fl)
+            ratios["steady"].append(r["steady"] / fl)
             if "prepare_done" in r:
                 results["prepare_done"].append(r["prepare_done"])
-    # floor measured right before each first save: pair them in order
     floors = results["floor"]
-    per_kind_floor = {k: floors[i::3] for i, k in enumerate(order)}  # approximate pairing by round position
 
     def ratio_to_floor(kind: str) -> float:
-        xs = results[kind]
-        fl = floors[: len(xs)] if kind == "steady" else per_kind_floor[kind][: len(xs)]
-        return median([x / f for x, f in zip(xs, fl, strict=False)])
+        return median(ratios[kind])
 
     rows = [
         [
