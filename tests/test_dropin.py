@@ -108,7 +108,9 @@ def test_ddp_spawn_trains_saves_and_resumes(tmp_path: Path) -> None:
         model = TinyModel()
         mc = ModelCheckpoint(dirpath=tmp_path / "mc", save_last=True, every_n_train_steps=2, save_top_k=0)
         start = StartStepFile(str(tmp_path / "start"))
-        trainer = _trainer(max_steps, [mc, start], strategy="ddp_spawn", devices=2, root=tmp_path)
+        # PreemptionCallback first: ddp_spawn hands best_model_path back to the first one.
+        pre = PreemptionCallback(str(tmp_path / "pre"), every_n_train_steps=2)
+        trainer = _trainer(max_steps, [pre, mc, start], strategy="ddp_spawn", devices=2, root=tmp_path)
         trainer.fit(model, _loader(8), ckpt_path=ckpt_path)
         return model
 
@@ -122,8 +124,10 @@ def test_ddp_spawn_trains_saves_and_resumes(tmp_path: Path) -> None:
     assert [c.name for c in list_checkpoints(str(tmp_path / "mc"))] == ["last.ckpt"]
 
     assert (tmp_path / "start").read_text() == "0"
+    assert _committed(tmp_path / "pre") == [("step-0000000004", 4), ("step-0000000002", 2)]
     run(6, last)  # resume in ddp_spawn from the replaced last.ckpt
     assert (tmp_path / "start").read_text() == "4"
+    assert _committed(tmp_path / "pre")[0] == ("step-0000000006", 6)
     resumed = ShardedAsyncCheckpointIO().load_checkpoint(last)
     assert resumed["global_step"] == 6
     assert resumed["optimizer_states"][0]["state"][0]["step"].item() == 6
