@@ -51,6 +51,10 @@ def _worker(rank: int, init_file: str, root: str, scenario: str) -> None:
         io.save_checkpoint(_state(1, extra_on_rank=1, rank=rank), os.path.join(root, "step-1"))
         out["staged"] = io.staging_last_bytes
         io.wait()
+    elif scenario == "one_tensor":  # rank 1 owns nothing: it writes only its skeleton
+        io.save_checkpoint({"global_step": 4, "state_dict": {"w": torch.arange(10.0)}}, os.path.join(root, "step-4"))
+        out["staged"] = io.staging_last_bytes
+        io.wait()
     elif scenario == "rank_dies":
         io.save_checkpoint(_state(1, rank=rank), os.path.join(root, "step-1"))
         io.wait()
@@ -135,3 +139,13 @@ def test_a_rank_dying_mid_save_commits_nothing_and_the_previous_checkpoint_is_wh
     assert outcomes[0]["error"] and "HINT:" in outcomes[0]["error"], outcomes
     assert not (tmp_path / "step-2" / "manifest.json").exists()
     _assert_complete(str(tmp_path / "step-1"), 1)
+
+
+def test_a_rank_that_owns_nothing_still_commits_with_the_others(tmp_path: Path) -> None:
+    from lightning_preempt.reader import load_full_checkpoint
+    from lightning_preempt.storage import Store
+
+    outcomes = _run(tmp_path, "one_tensor")
+    assert sorted(o["staged"] for o in outcomes) == [0, 40]
+    loaded = load_full_checkpoint(Store(str(tmp_path / "step-4")), rank=1)
+    assert torch.equal(loaded["state_dict"]["w"], torch.arange(10.0)) and loaded["global_step"] == 4
