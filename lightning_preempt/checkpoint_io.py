@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_preempt import dist as pdist
@@ -34,6 +35,16 @@ _LOAD_HINT = (
     "Pass a checkpoint directory written by ShardedAsyncCheckpointIO (it contains manifest.json), "
     "a directory of them, or a Lightning .ckpt file."
 )
+
+
+def _holds_dtensors(obj: Any) -> bool:
+    if isinstance(obj, DTensor):
+        return True
+    if isinstance(obj, dict):
+        return any(_holds_dtensors(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_holds_dtensors(v) for v in obj)
+    return False
 
 
 class SaveRecord:
@@ -250,9 +261,11 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         """
         started = time.perf_counter()
         url = str(path)
-        if self._closed:
+        if self._closed and not _holds_dtensors(checkpoint):
             self._save_plain(checkpoint, url, self._options(storage_options))
             return
+        # (closed with DTensors, i.e. ModelParallelStrategy after fit: no single file can hold
+        # the shards; the directory is written synchronously below, through submit())
         record = SaveRecord(url, int(checkpoint.get("global_step", -1)), started)
         self._wait_pending()  # at most one save in flight: the stager's buffers are in use until commit
         record.waited_s = time.perf_counter() - started
@@ -296,9 +309,11 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
                 record.error = None  # a local failure followed by a remote fallback that works
                 return self._write(tier_request, record, Store(tier_url, tier_options))
 
-            self._pending = self._writer.submit(lambda: tiers.save(write_to, url, local_url, record.step))
-            return
-        self._pending = self._writer.submit(lambda: self._write(request, record, store))
+            self._pending = self.submit(lambda: tiers.save(write_to, url, local_url, record.step))
+        else:
+            self._pending = self.submit(lambda: self._write(request, record, store))
+        if self._closed:
+            self._wait_pending()  # synchronous outside fit: raise its error now
 
     def _write(self, request: SaveRequest, record: SaveRecord, store: Store) -> Manifest:
         try:
