@@ -60,17 +60,8 @@ def _numpy_globals() -> list[Any]:
     scalar = core.multiarray.scalar
     dtype_types = {type(np.dtype(t)) for t in (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
                                                np.uint32, np.uint64, np.float16, np.float32, np.float64)}  # fmt: skip
-    return [
-        reconstruct,
-        (reconstruct, "numpy.core.multiarray._reconstruct"),  # pickles written under NumPy 1.x
-        (reconstruct, "numpy._core.multiarray._reconstruct"),
-        scalar,
-        (scalar, "numpy.core.multiarray.scalar"),
-        (scalar, "numpy._core.multiarray.scalar"),
-        np.ndarray,
-        np.dtype,
-        *sorted(dtype_types, key=lambda t: t.__name__),
-    ]
+    # (A NumPy 1.x pickle loaded under NumPy 2 names numpy.core.*: refused, named in the error.)
+    return [reconstruct, scalar, np.ndarray, np.dtype, *sorted(dtype_types, key=lambda t: t.__name__)]
 
 
 def skeleton_safe_globals() -> list[Any]:
@@ -148,7 +139,8 @@ def _metadata_classes() -> dict[tuple[str, str], Any]:
         "StorageMeta",
         "_MEM_FORMAT_ENCODING",
     ):
-        allowed[("torch.distributed.checkpoint.metadata", name)] = getattr(metadata, name)
+        if hasattr(metadata, name):  # every one exists in torch 2.6-2.13
+            allowed[("torch.distributed.checkpoint.metadata", name)] = getattr(metadata, name)
     return allowed
 
 

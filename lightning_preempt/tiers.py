@@ -38,7 +38,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from lightning_preempt import dist as pdist
-from lightning_preempt.discovery import CheckpointInfo, apply_retention, list_checkpoints, newest_valid
+from lightning_preempt.discovery import CheckpointInfo, apply_retention, list_checkpoints, mark_verified, newest_valid
 from lightning_preempt.drain import _copy_files, _remove_partial
 from lightning_preempt.errors import (
     CheckpointError,
@@ -369,6 +369,8 @@ class TwoTier:
                     time.sleep(self.backoff_s * 2 ** (attempt - 1))
 
         self._on_rank0(commit, group, dst, "committing the remote manifest", hint)
+        if rank == 0:  # each file was checked against the manifest as it streamed: retention need not re-read
+            mark_verified(record.remote_url, manifest)
         record.drained_s = time.perf_counter() - record.started
         log.info(
             "lightning_preempt: drained %s -> %s (step %d, %.1f MB) in %.2fs",
