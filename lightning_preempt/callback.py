@@ -244,6 +244,12 @@ class PreemptionCallback(OnExceptionCheckpoint):
         """Lightning's ``ckpt_path="best"`` reads this from the first checkpoint callback."""
         return ""
 
+    @best_model_path.setter
+    def best_model_path(self, value: str) -> None:
+        # ddp_spawn hands the workers' best path back to the first checkpoint callback
+        # (launchers/multiprocessing.py); this callback keeps no "best": ignore it.
+        pass
+
     # ---- set-up ------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -432,14 +438,19 @@ class PreemptionCallback(OnExceptionCheckpoint):
         # Unlike OnExceptionCheckpoint we save nothing here: after an arbitrary error the
         # state may be inconsistent. We only make sure committed saves are complete.
         self.controller.stop()
-        if isinstance(exception, Preempted):
-            return
+        # Lightning calls no `teardown` hook after an exception: release here. The plugin
+        # finishes its writes and drains first (they use the groups released after it).
         with contextlib.suppress(Exception):
-            self._plugin(trainer).wait()
+            self._plugin(trainer).teardown()
+        self._release()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.controller.stop()
+        self._release()
+
+    def _release(self) -> None:
+        """Give back what this fit held: lease, process groups, the resume pointer."""
         if self._rt is not None:
             self._rt.release()
             self._rt = None

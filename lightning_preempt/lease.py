@@ -182,14 +182,12 @@ class Lease:
             return True, "released by its holder"
         if watched is not None and watched == (top, "expired"):
             return True, f"no heartbeat for {self.timeout_s:.0f}s"
-        beat = current.get("heartbeat_unix")
-        if isinstance(beat, (int, float)) and self.clock() - beat > 2 * self.timeout_s:
-            return True, f"heartbeat {self.clock() - beat:.0f}s old"
         pid = current.get("pid")
         if current.get("host") == socket.gethostname() and isinstance(pid, int) and not _pid_alive(pid):
             return True, f"its process {pid} on this host is gone"
-        if not current:
-            return False, ""
+        beat = current.get("heartbeat_unix")
+        if isinstance(beat, (int, float)) and self.clock() - beat > 2 * self.timeout_s:
+            return True, f"heartbeat {self.clock() - beat:.0f}s old"
         return False, ""
 
     def _held(self, current: dict[str, Any]) -> LeaseHeldError:
