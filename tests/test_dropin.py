@@ -177,6 +177,53 @@ def test_rerunning_fit_into_the_same_folder_names_files_as_lightning_does(tmp_pa
     assert {name: step for name, step in _committed(tmp_path / "ours")}["last.ckpt"] == 4
 
 
+class LoggingModel(TinyModel):
+    """Logs the step as a metric, so ModelCheckpoint(monitor=...) ranks checkpoints."""
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        self.log("metric", float(self.global_step % 3))
+        return super().training_step(batch, batch_idx)
+
+
+MC_MATRIX = {
+    "top2-monitor": {"monitor": "metric", "save_top_k": 2},
+    "top1-monitor-last": {"monitor": "metric", "save_top_k": 1, "save_last": True},
+    "all-last-link": {"save_top_k": -1, "save_last": "link"},
+    "top1-no-monitor-fixed": {"save_top_k": 1, "filename": "fixed"},
+    "no-version-counter": {"save_top_k": -1, "filename": "x", "enable_version_counter": False},
+    "top0-last": {"save_top_k": 0, "save_last": True},
+}
+
+
+_ALWAYS = ("top2-monitor", "all-last-link", "no-version-counter")  # the rest: CI samples them (slow)
+
+
+@pytest.mark.parametrize(
+    "config", [pytest.param(c, id=c, marks=() if c in _ALWAYS else pytest.mark.slow) for c in MC_MATRIX]
+)
+def test_model_checkpoint_keeps_what_it_keeps_with_torch_checkpoint_io(tmp_path: Path, config: str) -> None:
+    """Lightning's own plugin is the standard: the same ModelCheckpoint settings, two runs
+    into one folder, leave the same names, best/last paths and steps with our plugin."""
+
+    def two_runs(root: Path, plugin_type: type) -> tuple[list[str], dict[str, Any], dict[str, int]]:
+        for _ in range(2):
+            L.seed_everything(0)
+            mc = ModelCheckpoint(dirpath=root, every_n_train_steps=2, **MC_MATRIX[config])  # type: ignore[arg-type]
+            _trainer(6, [mc], plugins=[plugin_type()], root=tmp_path).fit(LoggingModel(), _loader(8))
+        paths = {"best": os.path.basename(mc.best_model_path), "last": os.path.basename(mc.last_model_path)}
+        reader = ShardedAsyncCheckpointIO(trust_checkpoints=True)
+        steps = {
+            name: reader.load_checkpoint(str(root / name))["global_step"]
+            for name in os.listdir(root)
+            if os.path.exists(root / name)  # (a dangling link is compared by name only)
+        }
+        return sorted(os.listdir(root)), paths, steps
+
+    theirs = two_runs(tmp_path / "theirs", TorchCheckpointIO)
+    ours = two_runs(tmp_path / "ours", ShardedAsyncCheckpointIO)
+    assert ours == theirs
+
+
 SCENARIOS = ["dir-to-dir", "generation-to-generation", "file-to-dir", "dir-to-file"]
 
 
