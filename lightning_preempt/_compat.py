@@ -103,3 +103,12 @@ def set_sampler_epoch(loader: Any, epoch: int) -> None:
     from lightning.fabric.utilities.data import _set_sampler_epoch
 
     _set_sampler_epoch(loader, epoch)
+
+
+# ---- torch.distributed.checkpoint -------------------------------------------------------
+def dcp_format_version() -> str | None:
+    """The DCP format version torch writes into ``.metadata`` (``None``: torch 2.6, whose
+    ``Metadata`` has no version field). Private: ``filesystem.CURRENT_DCP_VERSION``."""
+    from torch.distributed.checkpoint import filesystem
+
+    return getattr(filesystem, "CURRENT_DCP_VERSION", None)

@@ -31,11 +31,11 @@ import torch.serialization
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as _FsspecFileSystem
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.checkpoint.storage import WriteResult
 
+from lightning_preempt import _compat
 from lightning_preempt.checksum import Crc32c
 from lightning_preempt.manifest import FileEntry, Manifest
 from lightning_preempt.safe_load import read_dcp_metadata
@@ -167,7 +167,9 @@ class ChecksummingWriter(FsspecWriter):
         return errors[0] if errors else None
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        metadata.version = CURRENT_DCP_VERSION
+        version = _compat.dcp_format_version()
+        if version is not None:  # torch >= 2.7 (as its own FileSystemWriter.finish does)
+            metadata.version = version
         metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
         metadata.storage_meta = self.storage_meta()
         with self.fs.create_stream(posixpath.join(self.path, DCP_METADATA_NAME), "wb") as f:

@@ -1,0 +1,81 @@
+"""The private torch/Lightning names lightning_preempt relies on exist in the installed versions.
+
+Fast, no training. The minimum-versions job (scripts/test_min_versions.sh) runs it on the
+oldest torch and Lightning pyproject.toml accepts, so a floor that lacks one fails here with
+the name, not somewhere deep in a training run. docs/compat.md lists these uses.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+# (module, attribute) of every private name used outside lightning_preempt/_compat.py too.
+PRIVATE_NAMES = [
+    ("torch.distributed.checkpoint._fsspec_filesystem", "FsspecWriter"),  # dcp_storage.py
+    ("torch.distributed.checkpoint._fsspec_filesystem", "FsspecReader"),
+    ("torch.distributed.checkpoint._fsspec_filesystem", "FileSystem"),
+    ("torch.distributed.checkpoint.default_planner", "_EmptyStateDictLoadPlanner"),
+    ("torch.distributed.checkpoint.state_dict_loader", "_load_state_dict"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),  # safe_load.py
+    ("torch.serialization", "_get_layout"),
+    ("torch.serialization", "get_crc32_options"),  # dcp_storage.py wraps it
+    ("lightning.fabric.utilities.cloud_io", "_load"),  # checkpoint_io.py
+    ("lightning.fabric.utilities.data", "_set_sampler_epoch"),  # _compat.py
+    ("lightning.pytorch.trainer.connectors.callback_connector", "_CallbackConnector"),
+]
+
+
+@pytest.mark.parametrize(("module", "name"), PRIVATE_NAMES, ids=[f"{m}.{n}" for m, n in PRIVATE_NAMES])
+def test_private_name_exists(module: str, name: str) -> None:
+    assert hasattr(importlib.import_module(module), name), f"{module}.{name} is gone in torch {torch.__version__}"
+
+
+def test_package_imports_every_module() -> None:
+    import pkgutil
+
+    import lightning_preempt
+
+    for info in pkgutil.walk_packages(lightning_preempt.__path__, "lightning_preempt."):
+        importlib.import_module(info.name)
+
+
+def test_trainer_internals_used_by_exact_resume(tmp_path: Path) -> None:
+    from lightning.pytorch.trainer.connectors.callback_connector import _CallbackConnector
+
+    from lightning_preempt import PreemptionCallback, _compat
+
+    PreemptionCallback(str(tmp_path))
+    assert getattr(_CallbackConnector._configure_checkpoint_callbacks, "_lightning_preempt", False)
+    trainer = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False)
+    assert _compat.train_loaders(trainer) == []
+    assert _compat.train_fetcher(trainer) is None
+    assert hasattr(trainer.fit_loop, "_combined_loader") and hasattr(trainer.fit_loop, "_data_fetcher")
+    assert _compat.training_results(trainer) is not None
+    assert hasattr(trainer.fit_loop.epoch_loop.batch_progress.current, "processed")
+    assert hasattr(trainer.fit_loop.epoch_progress.current, "processed")
+
+
+@pytest.mark.objectstore
+def test_s3_conditional_put_is_create_only() -> None:
+    """The fsspec/s3fs floors: ``pipe_file(mode="create")`` sends ``If-None-Match: *``, so a
+    second create of one key fails instead of overwriting (what the manifest commit relies on;
+    older s3fs drops ``mode``). The GCS emulator ignores ``ifGenerationMatch``: S3 only."""
+    import fsspec
+    from servers import start_s3
+
+    server = start_s3()
+    try:
+        fs = fsspec.filesystem("s3", skip_instance_cache=True, **server.storage_options)
+        path = f"{server.bucket}/create-only/manifest.json"
+        fs.pipe_file(path, b"first", mode="create")
+        with pytest.raises(FileExistsError):
+            fs.pipe_file(path, b"second", mode="create")
+        fs.invalidate_cache()
+        assert fs.cat_file(path) == b"first"
+    finally:
+        server.stop()
