@@ -75,6 +75,8 @@ def test_a_trainer_with_the_plugin_pickles_and_its_callbacks_deepcopy(tmp_path: 
     assert io.staging_allocated_bytes > 0 and io.history  # it did save, with buffers and records
     copies = copy.deepcopy(trainer.callbacks)
     assert [type(c) for c in copies] == [type(c) for c in trainer.callbacks]
+    loop = copy.deepcopy(trainer.fit_loop)  # a loop references the trainer, hence the plugin
+    assert loop.epoch_loop.global_step == 4
     restored = pickle.loads(pickle.dumps(trainer))
     clone = restored.strategy.checkpoint_io
     assert isinstance(clone, ShardedAsyncCheckpointIO) and clone is not io
