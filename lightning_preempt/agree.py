@@ -21,6 +21,7 @@ Every rank of ``group`` must make the same sequence of calls. Without torch.dist
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -83,14 +84,10 @@ class Outcome:
 
     def to_error(self, what: str = "") -> errors.CheckpointError:
         """The exception every rank raises for this outcome."""
-        module, _, name = self.error_type.rpartition(".")
         prefix = f"{what} failed on rank {self.rank}: " if what else ""
-        if module == errors.__name__ and isinstance(getattr(errors, name, None), type):
-            cls = getattr(errors, name)
-            if issubclass(cls, errors.CheckpointError):
-                return cls(prefix + self.message, path=self.path, hint=self.hint)  # type: ignore[no-any-return]
-        if module == __name__ and name == RankFailedError.__name__:
-            return RankFailedError(prefix + self.message, path=self.path, hint=self.hint)
+        cls = _our_error_class(self.error_type)
+        if cls is not None:
+            return cls(prefix + self.message, path=self.path, hint=self.hint)
         short = self.error_type.rsplit(".", 1)[-1]
         return RankFailedError(
             f"{prefix or f'rank {self.rank}: '}{short}: {self.message}",
@@ -98,6 +95,21 @@ class Outcome:
             hint=self.hint or "See the error above; every rank stopped at the same point, nothing hangs.",
             error_type=self.error_type,
         )
+
+
+def _our_error_class(qualified: str) -> type[errors.CheckpointError] | None:
+    """The class named ``module.Name`` when it is one of this package's errors (never imports
+    anything outside the package: the name came over the wire)."""
+    module, _, name = qualified.rpartition(".")
+    if module != "lightning_preempt" and not module.startswith("lightning_preempt."):
+        return None
+    try:
+        cls = getattr(importlib.import_module(module), name, None)
+    except ImportError:
+        return None
+    if isinstance(cls, type) and issubclass(cls, errors.CheckpointError) and cls is not RankFailedError:
+        return cls
+    return None
 
 
 def decide(fn: Callable[[], T], group: pdist.ProcessGroup | None, *, what: str = "") -> T:

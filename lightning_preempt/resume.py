@@ -110,9 +110,9 @@ class ResumeResolver:
         when a rank could not list, or when ranks saw different things."""
         mine = self.probe_result or Probe(False)
         probes: list[Probe] = pdist.all_gather_objects(mine, group)
-        for probe in probes:
-            if probe.error is not None:
-                raise probe.error.to_error()
+        for rank, probe in enumerate(probes):
+            if probe.error is not None:  # probed before the group existed: its rank is the index
+                raise dataclasses.replace(probe.error, rank=rank).to_error(what="listing dirpath")
         wants = [p.has_checkpoint for p in probes]
         if any(wants) and not all(wants):
             raise NotACheckpointError(

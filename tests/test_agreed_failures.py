@@ -94,7 +94,7 @@ def test_ddp_a_listing_failing_on_rank_1_only_stops_both_ranks_alike(tmp_path: P
     proc = _launch(tmp_path, url, "--max-steps", "30", "--devices", "2", "--strategy", "ddp", cb={"list_retries": 2})
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode not in (0, None), out[-3000:]
-    assert out.count("rank 1: ListingError: cannot list") >= 2  # raised on both ranks
+    assert out.count("ListingError: listing dirpath failed on rank 1: cannot list") >= 2  # raised on both ranks
     assert _step(tmp_path, rank=0) is None and _step(tmp_path, rank=1) is None
 
 
