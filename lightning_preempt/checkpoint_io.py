@@ -17,6 +17,7 @@ from typing_extensions import override
 
 from lightning_preempt import dist as pdist
 from lightning_preempt.commit import SaveRequest, write_checkpoint
+from lightning_preempt.config import check_plugin_options
 from lightning_preempt.discovery import mark_verified, newest_valid, remove_checkpoint_dir
 from lightning_preempt.errors import CheckpointNotFoundError, CheckpointWriteError, NotACheckpointError
 from lightning_preempt.format import DEFAULT_SHARDED_KEYS, own_share, replica_fingerprint
@@ -120,6 +121,11 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         trust_checkpoints: bool = False,
     ) -> None:
         super().__init__()
+        check_plugin_options(
+            storage_options=storage_options, pin_memory=pin_memory, thread_count=thread_count,
+            verify_on_load=verify_on_load, sharded_keys=sharded_keys, drain_workers=drain_workers,
+            drain_retries=drain_retries, drain_backoff_s=drain_backoff_s, trust_checkpoints=trust_checkpoints,
+        )  # fmt: skip
         self.trust_checkpoints = trust_checkpoints
         self.storage_options = dict(storage_options or {})
         self.thread_count = thread_count
@@ -451,11 +457,17 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
     def remove_checkpoint(self, path: Any) -> None:
         """Delete whatever is at ``path`` (our checkpoint directory, a plain ``.ckpt`` file,
         a symlink) after every pending write: a delete never overtakes a save. Failures are
-        logged with the path, never raised into training. Synchronous after :meth:`teardown`.
+        logged with the path, never raised into training. Synchronous after :meth:`teardown`
+        and before the first save.
         """
         if self._group_rank != 0:
             return
         url = str(path)
+        if not self.history and self._pending is None and not self._writer.running:
+            # Never saved: before setup (the ddp_spawn parent removes the workers' weights
+            # file through its own copy of the plugin): nothing to order after, no thread.
+            self._remove(url)
+            return
         self.submit(lambda: self._remove(url))
 
     def _remove(self, url: str) -> None:

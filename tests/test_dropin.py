@@ -116,7 +116,9 @@ def test_ddp_spawn_trains_saves_and_resumes(tmp_path: Path) -> None:
         trainer.fit(model, _loader(8), ckpt_path=ckpt_path)
         return model
 
+    before = set(threading.enumerate())
     model = run(4, None)
+    assert _our_threads(before) == []  # the parent loaded and removed the weights file synchronously
     last = str(tmp_path / "mc" / "last.ckpt")  # (ddp_spawn returns no last_model_path to the parent)
     saved = ShardedAsyncCheckpointIO().load_checkpoint(last)
     assert saved["global_step"] == 4
