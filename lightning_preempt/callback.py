@@ -165,7 +165,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
             overlap_agreement=overlap_agreement,
             resume=resume,
             save_on_train_end=save_on_train_end,
-            storage_options=dict(storage_options or {}),
+            storage_options=dict(storage_options) if isinstance(storage_options, dict) else storage_options or {},
             local_dirpath=local_dirpath_from_env(local_dirpath),
             list_retries=list_retries,
             list_backoff_s=list_backoff_s,

@@ -78,6 +78,33 @@ def check_signals(value: Any) -> tuple[signal.Signals, ...]:
     return tuple(dict.fromkeys(out))
 
 
+def check_plugin_options(
+    *,
+    storage_options: Any,
+    pin_memory: Any,
+    thread_count: Any,
+    verify_on_load: Any,
+    sharded_keys: Any,
+    drain_workers: Any,
+    drain_retries: Any,
+    drain_backoff_s: Any,
+    trust_checkpoints: Any,
+) -> None:
+    """Validate :class:`~lightning_preempt.ShardedAsyncCheckpointIO`'s options (raises ``ValueError``)."""
+    if storage_options is not None and not isinstance(storage_options, dict):
+        raise _fail("storage_options", storage_options, "a dict or None", "e.g. storage_options={'token': 'anon'}")
+    if pin_memory is not None and not isinstance(pin_memory, bool):
+        raise _fail("pin_memory", pin_memory, "True, False or None", "None pins when CUDA is available.")
+    for name, value in (("verify_on_load", verify_on_load), ("trust_checkpoints", trust_checkpoints)):
+        if not isinstance(value, bool):
+            raise _fail(name, value, "True or False", f"e.g. {name}={name == 'verify_on_load'}")
+    check_int("thread_count", thread_count, minimum=1, hint="writer threads per rank, e.g. thread_count=1.")
+    check_str_tuple("sharded_keys", sharded_keys, hint="e.g. sharded_keys=('state_dict', 'optimizer_states').")
+    check_int("drain_workers", drain_workers, minimum=1, hint="files uploaded in parallel, e.g. 4.")
+    check_int("drain_retries", drain_retries, minimum=1, hint="attempts per drain, e.g. 4 (1 = no retry).")
+    check_seconds("drain_backoff_s", drain_backoff_s, positive=False, hint="the first retry delay, e.g. 1.0.")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PreemptionConfig:
     """Every option of :class:`~lightning_preempt.PreemptionCallback`, validated.

@@ -1,0 +1,83 @@
+"""Bad arguments fail at construction with a HINT (issue 10), not one interval later."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import signal
+from typing import Any
+
+import pytest
+
+from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO
+from lightning_preempt.config import PreemptionConfig
+
+BAD_CALLBACK_ARGS: list[tuple[str, Any, str]] = [
+    ("every_n_train_steps", 2.5, "every_n_train_steps must be an int"),
+    ("every_n_train_steps", 0, "every_n_train_steps must be an int >= 1"),
+    ("every_n_train_steps", True, "every_n_train_steps must be an int"),
+    ("every_n_seconds", math.nan, "every_n_seconds must be a finite number"),
+    ("every_n_seconds", math.inf, "every_n_seconds must be a finite number"),
+    ("every_n_seconds", -1, "every_n_seconds must be > 0"),
+    ("keep_last_n", 2.5, "keep_last_n must be an int"),
+    ("keep_last_n", 0, "keep_last_n must be an int >= 1"),
+    ("grace_period_s", -5, "grace_period_s must be > 0"),
+    ("exit_code", 0, "exit_code must be an int between 1 and 255"),
+    ("exit_code", 300, "exit_code must be an int between 1 and 255"),
+    ("signals", "SIGTERM", "signals must be a non-empty list"),
+    ("signals", ("SIGKILL",), "signals must be signals that can be caught"),
+    ("signals", ("SIGSEGV",), "signals must be signals that can be caught"),
+    ("signals", ("SIGNOPE",), "signals must be known signal names"),
+    ("signals", (), "signals must be a non-empty list"),
+    ("agree_every_n_steps", 0, "agree_every_n_steps must be an int >= 1"),
+    ("agree_every_n_steps", "often", "agree_every_n_steps must be an int"),
+    ("agree_interval_s", 0, "agree_interval_s must be > 0"),
+    ("requeue", "yes", "requeue must be True, False or None"),
+    ("requeue_timeout_s", math.nan, "requeue_timeout_s must be a finite number"),
+    ("storage_options", "token=x", "storage_options must be a dict"),
+    ("lease_timeout_s", 0, "lease_timeout_s must be > 0"),
+    ("list_retries", 0, "list_retries must be an int >= 1"),
+    ("resume", "no", "resume must be True or False"),
+]
+
+
+@pytest.mark.parametrize(("name", "value", "message"), BAD_CALLBACK_ARGS, ids=[f"{n}={v!r}" for n, v, _ in BAD_CALLBACK_ARGS])
+def test_a_bad_callback_argument_fails_at_construction_with_a_hint(name: str, value: Any, message: str) -> None:
+    with pytest.raises(ValueError, match="HINT: ") as info:
+        PreemptionCallback("ckpts", **{name: value})
+    assert message in str(info.value)
+
+
+def test_an_empty_dirpath_is_refused() -> None:
+    with pytest.raises(ValueError, match="dirpath must be a directory or URL"):
+        PreemptionCallback("")
+
+
+def test_good_arguments_are_normalised() -> None:
+    cb = PreemptionCallback("ckpts/", every_n_train_steps=5, signals=["USR1", 15, "SIGTERM"], exit_code=1)
+    assert cb.dirpath == "ckpts"
+    assert cb.config.signals == (signal.SIGUSR1, signal.SIGTERM)  # resolved eagerly, duplicates dropped
+    assert cb.signal_flag.signums == (signal.SIGUSR1, signal.SIGTERM)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cb.config.keep_last_n = 5  # type: ignore[misc]
+    assert PreemptionConfig(dirpath="x").exit_code == 143
+
+
+BAD_PLUGIN_ARGS: list[tuple[str, Any, str]] = [
+    ("thread_count", 0, "thread_count must be an int >= 1"),
+    ("thread_count", 1.5, "thread_count must be an int"),
+    ("sharded_keys", "state_dict", "sharded_keys must be a non-empty list of strings"),
+    ("sharded_keys", (), "sharded_keys must be a non-empty list of strings"),
+    ("drain_workers", 0, "drain_workers must be an int >= 1"),
+    ("drain_retries", -1, "drain_retries must be an int >= 1"),
+    ("drain_backoff_s", math.nan, "drain_backoff_s must be a finite number"),
+    ("pin_memory", "yes", "pin_memory must be True, False or None"),
+    ("verify_on_load", None, "verify_on_load must be True or False"),
+]
+
+
+@pytest.mark.parametrize(("name", "value", "message"), BAD_PLUGIN_ARGS, ids=[f"{n}={v!r}" for n, v, _ in BAD_PLUGIN_ARGS])
+def test_a_bad_plugin_argument_fails_at_construction_with_a_hint(name: str, value: Any, message: str) -> None:
+    with pytest.raises(ValueError, match="HINT: ") as info:
+        ShardedAsyncCheckpointIO(**{name: value})
+    assert message in str(info.value)
