@@ -48,6 +48,7 @@ from lightning_preempt.errors import (
     NotACheckpointError,
 )
 from lightning_preempt.manifest import MANIFEST_NAME, Manifest
+from lightning_preempt.ownership import remove_if_ours
 from lightning_preempt.reader import Verify, check_checkpoint
 from lightning_preempt.storage import Store, join_url
 from lightning_preempt.writer import BackgroundWriter
@@ -254,6 +255,8 @@ class TwoTier:
         with self._lock:
             self._queued.append(name)
             self.drains.append(record)
+            del self.drains[:-64]  # the newest drains are enough for reports and tests
+            self._futures = [f for f in self._futures if not f.done()]
             fut = self._writer.submit(lambda: self._drain_job(record, solo))
             self._futures.append(fut)
         return fut
@@ -299,8 +302,8 @@ class TwoTier:
                     path=dst.url,
                     hint="Use a fresh dirpath per run, or remove the remote checkpoint first.",
                 )
-            if dst.exists():
-                dst.rm_tree()  # uncommitted leftovers of an earlier attempt
+            if dst.exists():  # uncommitted leftovers of an earlier attempt; never anyone else's files
+                remove_if_ours(dst, why="uncommitted leftover of an earlier drain")
             return data, False
 
         prepared = self._on_rank0(prepare, group, dst, "preparing the drain", hint)
@@ -427,8 +430,8 @@ class TwoTier:
         doomed = pdist.broadcast_object(doomed, group)
         if group is not None and pdist.rank(group) != 0 and self.leads_host and not self.single_host:
             for name in doomed:
-                with contextlib.suppress(Exception):
-                    Store(join_url(self.local_root, name)).rm_tree()
+                with contextlib.suppress(Exception):  # CheckpointExistsError: holds files not ours
+                    remove_if_ours(Store(join_url(self.local_root, name)), why="retention (rank 0's decision)")
 
     # ---- waiting -----------------------------------------------------------------------
     def pending(self) -> int:
