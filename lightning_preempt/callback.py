@@ -280,16 +280,18 @@ class PreemptionCallback(OnExceptionCheckpoint):
         self.controller.start()
 
     def _probe_storage(self, group: pdist.ProcessGroup | None) -> None:
-        """Every rank writes, lists and deletes a probe in each root; fail before step 1, alike."""
-        roots = [(self.dirpath, self.storage_options)]
-        if self.local_dirpath is not None:
-            roots.append((self.local_dirpath, {}))
+        """Every rank writes, lists and deletes a probe in dirpath: fail before step 1, alike.
 
-        def probe() -> None:
-            for url, opts in roots:
-                probe_writable(url, opts)
-
-        agree.agree(probe, group, what="probing the storage")
+        The local tier is probed too, but a failure there only warns: saves then go straight
+        to dirpath (docs/two-tier.md), which is slower but loses nothing."""
+        agree.agree(lambda: probe_writable(self.dirpath, self.storage_options), group, what="probing the storage")
+        local = self.local_dirpath
+        if local is None:
+            return
+        try:
+            agree.agree(lambda: probe_writable(local, {}), group, what="probing the local tier")
+        except CheckpointError as err:
+            log.warning("lightning_preempt: %s\nSaves will be written directly to %s.", err, self.dirpath)
 
     def _take_lease(self, trainer: pl.Trainer, rt: _Runtime) -> None:
         """Rank 0 takes the lease on dirpath (heartbeat thread); every rank gets the outcome."""

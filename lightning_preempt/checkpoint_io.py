@@ -48,6 +48,10 @@ def _holds_dtensors(obj: Any) -> bool:
     return False
 
 
+#: Save records kept in :attr:`ShardedAsyncCheckpointIO.history` (the newest ones).
+HISTORY_KEPT = 64
+
+
 class SaveRecord:
     """Timings of one save, filled in as it progresses (seconds, bytes)."""
 
@@ -307,6 +311,7 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
             run_id=self.run_id,
         )
         self.history.append(record)
+        del self.history[:-HISTORY_KEPT]  # a long run saves thousands of times
         if local_url is not None and self.tiers is not None:
             tiers = self.tiers
 

@@ -28,6 +28,11 @@ def world_size(group: ProcessGroup | None = None) -> int:
     return dist.get_world_size(group) if is_distributed() else 1
 
 
+def world_group() -> ProcessGroup | None:
+    """The default group (the training group: call from the training thread only)."""
+    return dist.group.WORLD if is_distributed() else None
+
+
 def new_gloo_group(timeout_s: float = 600.0) -> ProcessGroup | None:
     """A CPU group for our own collectives. Collective: every rank must call it."""
     if not is_distributed():

@@ -15,13 +15,15 @@ class SaveReporter:
     """Logs each finished save once: blocking time, time to commit, bytes, throughput."""
 
     def __init__(self) -> None:
-        self._reported = 0
+        self._last_started = float("-inf")  # the plugin trims its history: remember by time, not index
 
     def report(self, trainer: pl.Trainer, history: list[Any]) -> None:
-        for record in history[self._reported :]:
+        for record in history:
+            if record.started <= self._last_started:
+                continue
             if record.committed_s is None and record.error is None:
                 break  # still in flight: report it later, in order
-            self._reported += 1
+            self._last_started = record.started
             if record.error is not None or not trainer.is_global_zero:
                 continue
             metrics = {

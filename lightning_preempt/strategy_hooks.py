@@ -23,6 +23,7 @@ from typing import Any
 
 from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 
+from lightning_preempt import agree
 from lightning_preempt import dist as pdist
 from lightning_preempt.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.format import split_checkpoint
@@ -83,8 +84,8 @@ def _install_model_parallel(strategy: ModelParallelStrategy, io: ShardedAsyncChe
         )
 
         path = self.broadcast(str(checkpoint_path))
-        resolved = io.resolve(path) if self.is_global_zero else None
-        resolved = self.broadcast(resolved)  # one rank decides, the rest follow
+        # One rank looks at storage and decides; the rest get its answer or its error.
+        resolved = agree.decide(lambda: io.resolve(path), pdist.world_group(), what="resolving the checkpoint")
         if resolved is None:
             return original_load(checkpoint_path, weights_only)  # type: ignore[no-any-return]
         model = self.model
