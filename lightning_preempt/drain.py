@@ -22,6 +22,7 @@ from lightning_preempt.errors import (
     CheckpointWriteError,
     CorruptCheckpointError,
 )
+from lightning_preempt.layout import data_store
 from lightning_preempt.manifest import MANIFEST_NAME, FileEntry, Manifest
 from lightning_preempt.reader import read_manifest
 from lightning_preempt.storage import Store
@@ -83,7 +84,14 @@ def drain_checkpoint(
         if dst.exists():
             dst.rm_tree()  # uncommitted leftovers of an earlier attempt: never mix old and new files
         dst.makedirs()
-        _copy_files(src, dst, manifest, max_workers=max_workers, progress=progress, chunk_size=chunk_size)
+        _copy_files(  # a replaced checkpoint's files live in its generation dir (layout.py), same name at dst
+            data_store(src, manifest),
+            data_store(dst, manifest),
+            manifest,
+            max_workers=max_workers,
+            progress=progress,
+            chunk_size=chunk_size,
+        )
         dst.commit_bytes(MANIFEST_NAME, manifest_bytes)  # the commit: last, one small create-only PUT
     except CheckpointExistsError:
         raise  # someone else committed a different checkpoint there: leave their files alone

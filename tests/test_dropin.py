@@ -372,6 +372,18 @@ def test_a_replacement_leaves_no_stale_files(tmp_path: Path) -> None:
     io.teardown()
 
 
+def test_a_replaced_checkpoint_drains_and_exports(tmp_path: Path) -> None:
+    from lightning_preempt.drain import drain_checkpoint
+    from lightning_preempt.storage import Store
+
+    io = ShardedAsyncCheckpointIO()
+    for step in (1, 2):
+        io.save_checkpoint(lightning_like_checkpoint(step=step), str(tmp_path / "last.ckpt"))
+    io.teardown()
+    drain_checkpoint(Store(str(tmp_path / "last.ckpt")), Store(str(tmp_path / "copy")))
+    assert_same(lightning_like_checkpoint(step=2), io.load_checkpoint(str(tmp_path / "copy")))
+
+
 # ---- 3. the path exists when save_checkpoint returns --------------------------------------
 def test_the_path_exists_when_save_returns(tmp_path: Path, memory_url: str) -> None:
     import fsspec
