@@ -372,7 +372,7 @@ def test_a_replacement_leaves_no_stale_files(tmp_path: Path) -> None:
     io.teardown()
 
 
-def test_a_replaced_checkpoint_drains_and_exports(tmp_path: Path) -> None:
+def test_a_replaced_checkpoint_drains_to_another_store(tmp_path: Path) -> None:
     from lightning_preempt.drain import drain_checkpoint
     from lightning_preempt.storage import Store
 
