@@ -120,8 +120,9 @@ class _CrcPipeline:
         self._lock = threading.Lock()
 
     def update(self, view: memoryview) -> None:
-        if self._pool is None or view.nbytes < (1 << 20):
-            self._wait()
+        # Small pieces (archive heads and tails) are queued too: waiting for the helper
+        # here would stall the reads behind the CRC of the tensor data just read.
+        if self._pool is None:
             self.crc.update(view)
             return
         previous = self._last
