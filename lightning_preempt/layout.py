@@ -148,7 +148,7 @@ def plan_write(root: Store) -> WritePlan:
         if file_and_dir_coexist(root):
             return WritePlan("in_place", remove_file=True)
         return WritePlan("beside", _sibling_name(root.url, "new"))
-    remove_stale(root, live=None, keep_root_files=False)  # an earlier save's partial files
+    remove_stale(root, live=None)  # an earlier save's partial files
     return WritePlan("in_place")
 
 
@@ -160,25 +160,24 @@ def finish_write(root: Store, plan: WritePlan) -> None:
     """
     if plan.mode == "beside":
         swap_in(root, plan.data(root).path())
-        return
     try:
         if plan.remove_file:
             root.fs.rm_file(root.path())  # P/manifest.json exists now: it wins over the file
             root.invalidate_cache()
         elif plan.mode == "generation":
-            remove_stale(root, live=plan.name, keep_root_files=False)
+            remove_stale(root, live=plan.name)
+        if not file_and_dir_coexist(root):
+            remove_stale_siblings(root)
     except Exception as err:  # the new checkpoint is committed; leftovers go next time
         log.warning("lightning_preempt: could not delete the replaced checkpoint's files at %s: %s", root.url, err)
 
 
-def remove_stale(root: Store, *, live: str | None, keep_root_files: bool) -> list[str]:
+def remove_stale(root: Store, *, live: str | None) -> list[str]:
     """Delete this package's entries directly under ``root`` except the manifest, the
-    marker, the ``live`` generation and (with ``keep_root_files``) in-place files."""
+    marker and the ``live`` generation (``None``: the files are being written in place)."""
     removed = []
     for name, is_dir in _entries(root):
         if name in (MANIFEST_NAME, MARKER_NAME, live) or not is_ours(name):
-            continue
-        if keep_root_files and not _GENERATION_RE.fullmatch(name):
             continue
         if is_dir:
             root.rm_tree(name)
@@ -186,6 +185,29 @@ def remove_stale(root: Store, *, live: str | None, keep_root_files: bool) -> lis
             root.rm_file(name)
         removed.append(name)
     return removed
+
+
+def remove_stale_siblings(root: Store) -> list[str]:
+    """File systems: delete ``.NAME.lp-new-…``/``.NAME.lp-old-…`` left beside the path by
+    a change of kind that a crash interrupted (the path itself is complete now)."""
+    parent = Store(posixpath.dirname(root.url.rstrip("/")), root.storage_options)
+    pattern = re.compile(re.escape(f".{posixpath.basename(root.url.rstrip('/'))}.lp-") + r"(new|old)-[0-9a-f]{12}")
+    removed = []
+    for name, is_dir in _entries(parent):
+        if pattern.fullmatch(name):
+            if is_dir:
+                parent.rm_tree(name)
+            else:
+                parent.rm_file(name)
+            removed.append(name)
+    return removed
+
+
+def _quietly_remove_stale_siblings(store: Store) -> None:
+    try:
+        remove_stale_siblings(store)
+    except Exception as err:  # the new file is in place; leftovers go next time
+        log.warning("lightning_preempt: could not delete leftovers beside %s: %s", store.url, err)
 
 
 def _entries(root: Store) -> list[tuple[str, bool]]:
@@ -301,11 +323,13 @@ def write_file_atomic(store: Store, data: bytes) -> None:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
+        _quietly_remove_stale_siblings(store)
         return
     if not file_and_dir_coexist(store) and store.isdir():
         tmp = join_sibling(store.path(), _sibling_name(store.path(), "new"))
         store.fs.pipe_file(tmp, data)
         swap_in(store, tmp)
+        _quietly_remove_stale_siblings(store)
         return
     store.fs.pipe_file(store.path(), data)
     store.invalidate_cache()

@@ -297,15 +297,16 @@ def test_a_crash_at_any_moment_of_a_replacement_leaves_one_complete_checkpoint(s
                     continue
             assert complete and set(complete) <= {old_step, 9}, (crash_at, moments[crash_at], beside)
             seen.append(None)
-            continue
-        step = loaded["global_step"]
-        assert step in (old_step, 9), (crash_at, moments[crash_at])
-        assert_same(lightning_like_checkpoint(step=step), loaded)  # complete, never a mix
-        seen.append(step)
-        # The path stays usable: the next save replaces whatever the crash left.
+        else:
+            step = loaded["global_step"]
+            assert step in (old_step, 9), (crash_at, moments[crash_at])
+            assert_same(lightning_like_checkpoint(step=step), loaded)  # complete, never a mix
+            seen.append(step)
+        # The path stays usable: the next save replaces whatever the crash left, and clears it.
         fresh.save_checkpoint(lightning_like_checkpoint(step=11), url)
         fresh.wait()
         assert fresh.load_checkpoint(url)["global_step"] == 11
+        assert [p for p in CrashFileSystem().ls("run", detail=False) if ".last.ckpt.lp-" in p] == []
         fresh.teardown()
     # Old until the commit, new from then on: exactly one switch.
     steps = [s for s in seen if s is not None]
