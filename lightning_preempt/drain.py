@@ -8,13 +8,17 @@ A failed drain leaves no manifest at the destination, so it never counts as a ch
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any
 
+from lightning_preempt import agree
+from lightning_preempt import dist as pdist
 from lightning_preempt.checksum import Crc32c
 from lightning_preempt.errors import (
     CheckpointError,
@@ -23,7 +27,8 @@ from lightning_preempt.errors import (
     CorruptCheckpointError,
 )
 from lightning_preempt.layout import data_store
-from lightning_preempt.manifest import MANIFEST_NAME, FileEntry, Manifest
+from lightning_preempt.manifest import MANIFEST_NAME, FileEntry, Manifest, parse_manifest
+from lightning_preempt.ownership import remove_if_ours
 from lightning_preempt.reader import read_manifest
 from lightning_preempt.storage import Store
 
@@ -43,6 +48,126 @@ class _Cancelled(Exception):
     """Another file of the same drain failed: stop this one early."""
 
 
+@dataclasses.dataclass
+class DrainOutcome:
+    """What :func:`drain_files` did."""
+
+    manifest: Manifest
+    already_there: bool = False
+    attempts: int = 0
+
+
+def owner_rank(name: str) -> int:
+    """The rank that wrote ``name`` in a checkpoint directory (rank 0 for shared files)."""
+    m = re.match(r"__(\d+)_\d+\.distcp$", name) or re.match(r"state-rank(\d+)\.pt$", name)
+    return int(m.group(1)) if m else 0
+
+
+def drain_files(
+    src: Store,
+    dst: Store,
+    *,
+    group: pdist.ProcessGroup | None = None,
+    max_workers: int = 4,
+    chunk_size: int = CHUNK_SIZE,
+    progress: Callable[[int], None] | None = None,
+    retries: int = 1,
+    backoff_s: float = 1.0,
+    transient: Callable[[BaseException], bool] = lambda err: True,
+    give_up: Callable[[float], bool] = lambda delay: False,
+    describe: Callable[[BaseException], str] | None = None,
+    hint: str = _HINT,
+) -> DrainOutcome:
+    """The one drain implementation: copy the committed checkpoint ``src`` to ``dst`` and
+    commit it there (manifest last, create-only). Used by :func:`drain_checkpoint` (one
+    process) and by the two-tier drain thread (collective).
+
+    With ``group`` every rank of it calls this for the same checkpoint and uploads the files
+    it wrote (``owner_rank``); rank 0 prepares, decides retries and commits, and every rank
+    returns the same outcome or raises the same error (:mod:`lightning_preempt.agree`).
+
+    Args:
+        progress: called with each chunk's byte count; may raise to stop the copy.
+        retries: attempts for the copy and the commit (1 = no retry), while ``transient``
+            says the errors are worth it and ``give_up(next_delay)`` (rank 0's) says no.
+        describe: one line for an error in messages (e.g. with secrets redacted).
+        hint: the HINT of the error raised when the drain fails.
+    """
+    say = describe or _describe
+    rank = pdist.rank(group) if group is not None else 0
+
+    def prepare() -> tuple[bytes, bool]:
+        read_manifest(src)  # NotACheckpointError / CorruptCheckpointError with a HINT
+        data = src.read_bytes(MANIFEST_NAME)  # committed manifests never change: copied verbatim
+        if _already_there(dst, data):
+            return data, True
+        if dst.exists():  # uncommitted leftovers of an earlier attempt; never anyone else's files
+            remove_if_ours(dst, why="uncommitted leftover of an earlier drain")
+        return data, False
+
+    manifest_bytes, already = agree.decide(prepare, group, what="preparing the drain")
+    manifest = parse_manifest(manifest_bytes, path=src.url)
+    outcome = DrainOutcome(manifest, already_there=already)
+    if already:
+        log.info("lightning_preempt: %s already holds this checkpoint; nothing to drain", dst.url)
+        return outcome
+    world = pdist.world_size(group) if group is not None else 1
+    mine = [n for n in manifest.files if group is None or owner_rank(n) % world == rank]
+    for attempt in range(1, retries + 1):
+        outcome.attempts = attempt
+        try:
+            dst.makedirs()
+            # a replaced checkpoint's files live in its generation dir (layout.py), same name at dst
+            _copy_files(data_store(src, manifest), data_store(dst, manifest), manifest, max_workers=max_workers,
+                        progress=progress, chunk_size=chunk_size, names=mine)  # fmt: skip
+            failure: tuple[bool, str] | None = None
+            local_error: Exception | None = None
+        except Exception as err:
+            failure, local_error = (transient(err), say(err)), err
+        failures = [(r, f) for r, f in enumerate(pdist.all_gather_objects(failure, group)) if f is not None]
+        if not failures:
+            break
+        detail = "; ".join(f"rank {r}: {f[1]}" for r, f in failures)
+        delay = backoff_s * 2 ** (attempt - 1)
+        # Clocks and deadlines are rank-local: rank 0 decides for all, so no rank retries
+        # (and enters the next attempt's collectives) while another gives up.
+        retry = agree.decide(
+            lambda: all(f[0] for _, f in failures) and attempt < retries and not give_up(delay), group  # noqa: B023
+        )
+        if not retry:
+            if rank == 0:
+                _remove_partial(dst)
+            raise CheckpointWriteError(
+                f"draining {src.url} to {dst.url} failed after {attempt} attempt(s), nothing was committed "
+                f"there ({detail})",
+                path=dst.url,
+                hint=hint,
+            ) from local_error
+        log.warning("lightning_preempt: drain to %s, attempt %d failed (%s); retrying in %.1fs",
+                    dst.url, attempt, detail, delay)  # fmt: skip
+        time.sleep(delay)
+
+    def commit() -> None:
+        for attempt in range(1, retries + 1):
+            try:
+                dst.commit_bytes(MANIFEST_NAME, manifest_bytes)  # the commit: last, one small create-only PUT
+                return
+            except CheckpointExistsError:
+                raise  # someone else committed a different checkpoint there: leave their files alone
+            except Exception as err:
+                if not transient(err) or attempt == retries:
+                    _remove_partial(dst)
+                    raise CheckpointWriteError(
+                        f"committing the manifest at {dst.url} failed, nothing was committed there: {say(err)}",
+                        path=dst.url,
+                        hint=hint,
+                    ) from err
+                time.sleep(backoff_s * 2 ** (attempt - 1))
+
+    agree.decide(commit, group, what="committing the drained manifest")
+    return outcome
+
+
 def drain_checkpoint(
     src: Store,
     dst: Store,
@@ -51,7 +176,7 @@ def drain_checkpoint(
     progress: Callable[[int], None] | None = None,
     chunk_size: int = CHUNK_SIZE,
 ) -> Manifest:
-    """Copy the committed checkpoint at ``src`` to ``dst`` and commit it there.
+    """Copy the committed checkpoint at ``src`` to ``dst`` and commit it there (one process).
 
     Args:
         src: a committed checkpoint directory (its manifest is read first).
@@ -73,46 +198,14 @@ def drain_checkpoint(
             match the source manifest.
     """
     started = time.perf_counter()
-    manifest = read_manifest(src)  # raises NotACheckpointError / CorruptCheckpointError with a HINT
-    manifest_bytes = src.read_bytes(MANIFEST_NAME)  # committed manifests never change: copy them verbatim
-
-    if _already_there(dst, manifest_bytes):
-        log.info("lightning_preempt: %s already holds this checkpoint; nothing to drain", dst.url)
-        return manifest
-
-    try:
-        if dst.exists():
-            dst.rm_tree()  # uncommitted leftovers of an earlier attempt: never mix old and new files
-        dst.makedirs()
-        _copy_files(  # a replaced checkpoint's files live in its generation dir (layout.py), same name at dst
-            data_store(src, manifest),
-            data_store(dst, manifest),
-            manifest,
-            max_workers=max_workers,
-            progress=progress,
-            chunk_size=chunk_size,
-        )
-        dst.commit_bytes(MANIFEST_NAME, manifest_bytes)  # the commit: last, one small create-only PUT
-    except CheckpointExistsError:
-        raise  # someone else committed a different checkpoint there: leave their files alone
-    except BaseException as err:
-        _remove_partial(dst)
-        if isinstance(err, Exception):
-            raise CheckpointWriteError(
-                f"draining {src.url} to {dst.url} failed, nothing was committed there: {_describe(err)}",
-                path=dst.url,
-                hint=_HINT,
-            ) from err
-        raise
-    log.info(
-        "lightning_preempt: drained %s -> %s (%.1f MB, %d files) in %.2fs",
-        src.url,
-        dst.url,
-        manifest.total_bytes / 1e6,
-        len(manifest.files),
-        time.perf_counter() - started,
-    )
-    return manifest
+    outcome = drain_files(src, dst, max_workers=max_workers, progress=progress, chunk_size=chunk_size)
+    if not outcome.already_there:
+        log.info(
+            "lightning_preempt: drained %s -> %s (%.1f MB, %d files) in %.2fs",
+            src.url, dst.url, outcome.manifest.total_bytes / 1e6, len(outcome.manifest.files),
+            time.perf_counter() - started,
+        )  # fmt: skip
+    return outcome.manifest
 
 
 def _already_there(dst: Store, manifest_bytes: bytes) -> bool:
@@ -222,8 +315,7 @@ def _check_landed(dst: Store, name: str, entry: FileEntry) -> None:
 def _remove_partial(dst: Store) -> None:
     """Best effort: the destination may be unreachable (that may be why we failed)."""
     try:
-        dst.rm_file(MANIFEST_NAME)
-        dst.rm_tree()
+        remove_if_ours(dst, why="partial copy of a failed drain")
     except Exception as err:
         log.warning(
             "lightning_preempt: could not remove the partial copy at %s (%s); it has no manifest and does "

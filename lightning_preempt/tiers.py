@@ -39,7 +39,7 @@ from typing import Any
 
 from lightning_preempt import dist as pdist
 from lightning_preempt.discovery import CheckpointInfo, apply_retention, list_checkpoints, mark_verified, newest_valid
-from lightning_preempt.drain import _copy_files, _remove_partial
+from lightning_preempt.drain import drain_files
 from lightning_preempt.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -92,12 +92,6 @@ class DrainRecord:
     attempts: int = 0
     skipped: str | None = None  # "superseded", "already there"
     error: str | None = None
-
-
-def owner_rank(name: str) -> int:
-    """The rank that wrote ``name`` in a checkpoint directory (rank 0 for shared files)."""
-    m = re.match(r"__(\d+)_\d+\.distcp$", name) or re.match(r"state-rank(\d+)\.pt$", name)
-    return int(m.group(1)) if m else 0
 
 
 def redact(text: str, options: dict[str, Any]) -> str:
@@ -285,36 +279,8 @@ class TwoTier:
 
     def _drain(self, record: DrainRecord, group: pdist.ProcessGroup | None) -> None:
         record.started = time.perf_counter()
-        rank = pdist.rank(group) if group is not None else 0
         src = Store(record.local_url)
         dst = Store(record.remote_url, self.remote_options)
-        hint = _DRAIN_HINT.format(local=record.local_url, remote=record.remote_url)
-
-        # Rank 0 reads the local manifest and looks at the destination; the rest follow.
-        def prepare() -> tuple[bytes, bool]:
-            data = src.read_bytes(MANIFEST_NAME)
-            dst.invalidate_cache()
-            if dst.exists(MANIFEST_NAME):
-                if dst.read_bytes(MANIFEST_NAME) == data:
-                    return data, True
-                raise CheckpointExistsError(
-                    "the remote tier already holds a different committed checkpoint",
-                    path=dst.url,
-                    hint="Use a fresh dirpath per run, or remove the remote checkpoint first.",
-                )
-            if dst.exists():  # uncommitted leftovers of an earlier attempt; never anyone else's files
-                remove_if_ours(dst, why="uncommitted leftover of an earlier drain")
-            return data, False
-
-        prepared = self._on_rank0(prepare, group, dst, "preparing the drain", hint)
-        manifest_bytes, already = prepared
-        manifest = Manifest.from_json(manifest_bytes, path=src.url)
-        record.bytes = manifest.total_bytes
-        if already:
-            record.skipped = "already there"
-            record.drained_s = time.perf_counter() - record.started
-            return
-        mine = [n for n in manifest.files if group is None or owner_rank(n) % pdist.world_size(group) == rank]
 
         def check_deadline(n: int) -> None:
             if self.progress is not None:
@@ -322,84 +288,27 @@ class TwoTier:
             if self._cancel.is_set() or (self._deadline is not None and time.monotonic() > self._deadline):
                 raise DrainCancelled("the drain ran out of time (grace period) or was cancelled")
 
-        for attempt in range(1, self.retries + 1):
-            record.attempts = attempt
-            try:
-                dst.makedirs()
-                _copy_files(
-                    src, dst, manifest, max_workers=self.max_workers, progress=check_deadline,
-                    chunk_size=8 << 20, names=mine,
-                )  # fmt: skip
-                outcome: tuple[bool, str] | None = None
-            except Exception as err:
-                outcome = (is_transient(err), _describe(err, self.remote_options))
-            outcomes = pdist.all_gather_objects(outcome, group)
-            failures = [(r, o) for r, o in enumerate(outcomes) if o is not None]
-            if not failures:
-                break
-            detail = "; ".join(f"rank {r}: {o[1]}" for r, o in failures)
-            retry = all(o[0] for _, o in failures) and attempt < self.retries
-            delay = self.backoff_s * 2 ** (attempt - 1)
-            if retry and self._deadline is not None and time.monotonic() + delay > self._deadline:
-                retry = False
-            # The deadline and the clock are rank-local: rank 0 decides for all, so no rank
-            # retries (and enters the next attempt's collectives) while another gives up.
-            retry = bool(pdist.broadcast_object(retry, group))
-            if not retry:
-                if rank == 0:
-                    _remove_partial(dst)
-                raise CheckpointWriteError(
-                    f"draining {src.url} to {dst.url} failed after {attempt} attempt(s), nothing was "
-                    f"committed there ({detail})",
-                    path=dst.url,
-                    hint=hint,
-                )
-            log.warning(
-                "lightning_preempt: drain of %s, attempt %d failed (%s); retrying in %.1fs",
-                record.name, attempt, detail, delay,
-            )  # fmt: skip
-            time.sleep(delay)
+        def give_up(delay: float) -> bool:
+            return self._deadline is not None and time.monotonic() + delay > self._deadline
 
-        def commit() -> None:
-            for attempt in range(1, self.retries + 1):
-                try:
-                    dst.commit_bytes(MANIFEST_NAME, manifest_bytes)  # last, create-only
-                    return
-                except Exception as err:
-                    if not is_transient(err) or attempt == self.retries:
-                        _remove_partial(dst)
-                        raise
-                    time.sleep(self.backoff_s * 2 ** (attempt - 1))
-
-        self._on_rank0(commit, group, dst, "committing the remote manifest", hint)
-        if rank == 0:  # each file was checked against the manifest as it streamed: retention need not re-read
-            mark_verified(record.remote_url, manifest)
+        outcome = drain_files(
+            src, dst, group=group, max_workers=self.max_workers, progress=check_deadline,
+            retries=self.retries, backoff_s=self.backoff_s, transient=is_transient, give_up=give_up,
+            describe=lambda err: _describe(err, self.remote_options),
+            hint=_DRAIN_HINT.format(local=record.local_url, remote=record.remote_url),
+        )  # fmt: skip
+        record.bytes = outcome.manifest.total_bytes
+        record.attempts = outcome.attempts
         record.drained_s = time.perf_counter() - record.started
+        if outcome.already_there:
+            record.skipped = "already there"
+            return
+        if pdist.rank(group) == 0:  # each file was checked against the manifest as it streamed
+            mark_verified(record.remote_url, outcome.manifest)
         log.info(
             "lightning_preempt: drained %s -> %s (step %d, %.1f MB) in %.2fs",
             record.local_url, record.remote_url, record.step, record.bytes / 1e6, record.drained_s,
         )  # fmt: skip
-
-    def _on_rank0(
-        self, fn: Callable[[], Any], group: pdist.ProcessGroup | None, dst: Store, what: str, hint: str
-    ) -> Any:
-        """Run ``fn`` on rank 0 and broadcast its result or error (as the same error everywhere)."""
-        if group is None or pdist.rank(group) == 0:
-            try:
-                box: tuple[str, Any] = ("ok", fn())
-            except CheckpointExistsError as err:
-                box = ("exists", str(err))
-            except Exception as err:
-                box = ("error", _describe(err, self.remote_options))
-        else:
-            box = ("ok", None)
-        box = pdist.broadcast_object(box, group)
-        kind, value = box
-        if kind == "exists":
-            raise CheckpointExistsError(value.split("\nHINT:")[0], path=dst.url, hint=hint)
-        if kind == "error":
-            raise CheckpointWriteError(f"{what} failed, nothing was committed there: {value}", path=dst.url, hint=hint)
-        return value
 
     # ---- retention (drain thread, after each drain) ------------------------------------
     def _retention(self, group: pdist.ProcessGroup | None) -> None:
