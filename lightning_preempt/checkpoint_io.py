@@ -146,6 +146,8 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         self._closed = False
         self._aliases: dict[str, str] = {}
         self._fallbacks: dict[str, Fallback] = {}
+        #: The checkpoint the last ``load_checkpoint`` returned (after any fall-back).
+        self.loaded_from: str | None = None
         self._verified: set[str] = set()
         self.history: list[SaveRecord] = []
         #: recorded in every manifest; retention never deletes another run's checkpoints
@@ -412,7 +414,8 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
                 map_location=map_location,
             )
 
-        return load_agreed(load, target, verified, fallback, self._group)
+        checkpoint, self.loaded_from = load_agreed(load, target, verified, fallback, self._group)
+        return checkpoint
 
     @staticmethod
     def _not_found(store: Store) -> NotACheckpointError:

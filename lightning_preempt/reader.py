@@ -265,8 +265,9 @@ def load_agreed(
     verified: bool,
     fallback: Fallback | None,
     group: pdist.ProcessGroup | None,
-) -> dict[str, Any]:
-    """``load(target, verified)`` with a fall-back all ranks agree on.
+) -> tuple[dict[str, Any], str]:
+    """``load(target, verified)`` with a fall-back all ranks agree on; returns the
+    checkpoint and the path it was loaded from.
 
     The load checks every byte it reads (one pass); a :class:`CorruptCheckpointError` on
     any rank makes every rank drop its result and move on to ``fallback``'s next choice
@@ -284,7 +285,7 @@ def load_agreed(
         failed = pdist.all_gather_objects(error is not None, group) if group is not None else [error is not None]
         if not any(failed):
             assert result is not None
-            return result
+            return result, target
         result = None
         reason = (
             str(error).splitlines()[0]

@@ -238,6 +238,7 @@ def test_alias_with_fallback_and_without(tmp_path: Path) -> None:
     io_ = ShardedAsyncCheckpointIO()
     io_.alias("pointer", new, fallback=lambda excluded: old if new in excluded else None)
     assert io_.load_checkpoint("pointer")["global_step"] == 1
+    assert io_.loaded_from == old
     io_.alias("plain", new)  # no fallback: the error reaches the caller
     with pytest.raises(CorruptCheckpointError, match="CRC32C"):
         io_.load_checkpoint("plain")
