@@ -17,11 +17,9 @@ Object stores (``gs://``, ``s3://``):
   conditional write (GCS ``ifGenerationMatch=0``, S3 ``If-None-Match: *``);
 * "directories" are prefixes; :meth:`Store.list_dirs` lists them.
 
-GCS emulator: gcsfs >= 2026 probes every bucket over gRPC unless
-``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` is set before gcsfs is imported; against an
-emulator (``STORAGE_EMULATOR_HOST`` set) each call would wait out a 60 s timeout. When
-``STORAGE_EMULATOR_HOST`` is set we default that variable to ``false`` here, and a
-``Store`` falls back to the plain ``gcsfs.core.GCSFileSystem`` if gcsfs was imported first.
+GCS emulators need ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` set before gcsfs is imported
+(gcsfs >= 2026 probes each bucket over gRPC, which an emulator never answers); that is the
+test set-up's business (tests/conftest.py), not this module's.
 """
 
 from __future__ import annotations
@@ -34,7 +32,6 @@ import io
 import os
 import posixpath
 import stat
-import sys
 import uuid
 from collections.abc import Iterator
 from typing import IO, Any, cast
@@ -45,22 +42,12 @@ from fsspec.spec import AbstractBufferedFile
 
 from lightning_preempt.errors import CheckpointExistsError, CheckpointWriteError, CorruptCheckpointError
 
-_EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
-_GCSFS_HNS_ENV = "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"
-
 #: Bytes per upload request (GCS resumable chunk / S3 part). S3 allows 10,000 parts, so
 #: one file can hold up to ~312 GiB at this size.
 UPLOAD_BLOCK_SIZE = 32 << 20
 
 _GCS_PROTOCOLS = ("gs", "gcs")
 
-
-def _prefer_plain_gcsfs() -> None:
-    if os.environ.get(_EMULATOR_ENV):
-        os.environ.setdefault(_GCSFS_HNS_ENV, "false")
-
-
-_prefer_plain_gcsfs()
 
 
 class Store:
@@ -74,11 +61,7 @@ class Store:
         self.url = str(url).rstrip("/") or str(url)
         self.storage_options = dict(storage_options or {})
         self.protocol = self.url.split("://", 1)[0].lower() if "://" in self.url else "file"
-        if self.protocol in _GCS_PROTOCOLS:
-            _prefer_plain_gcsfs()
         fs, root = fsspec.core.url_to_fs(self.url, **self.storage_options)
-        if self.protocol in _GCS_PROTOCOLS and os.environ.get(_EMULATOR_ENV):
-            fs = _plain_gcsfs(fs, self.storage_options)
         self.fs: fsspec.AbstractFileSystem = fs
         self.root: str = root.rstrip("/") if root != "/" else root
         self.is_local = isinstance(fs, LocalFileSystem)
@@ -475,16 +458,6 @@ def _abandon(f: Any) -> None:
         return
     with contextlib.suppress(Exception):
         f.close()
-
-
-def _plain_gcsfs(fs: fsspec.AbstractFileSystem, options: dict[str, Any]) -> fsspec.AbstractFileSystem:
-    """Against the emulator, replace gcsfs's gRPC-probing filesystem with the plain one."""
-    if type(fs).__name__ != "ExtendedGcsFileSystem":
-        return fs
-    core = sys.modules.get("gcsfs.core")
-    if core is None:
-        return fs
-    return cast(fsspec.AbstractFileSystem, core.GCSFileSystem(**options))
 
 
 def fsync_dir(directory: str) -> None:
