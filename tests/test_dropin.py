@@ -228,6 +228,22 @@ def test_model_checkpoint_keeps_what_it_keeps_with_torch_checkpoint_io(tmp_path:
     assert ours == theirs
 
 
+def test_ckpt_path_last_and_best_resolve_to_our_checkpoints(tmp_path: Path) -> None:
+    def trainer(max_steps: int, probe: Callback) -> L.Trainer:
+        mc = ModelCheckpoint(dirpath=tmp_path, monitor="metric", save_last=True, every_n_train_steps=2)
+        return _trainer(max_steps, [mc, probe], root=tmp_path)
+
+    trainer(4, StartProbe()).fit(LoggingModel(), _loader(8))
+    probe = StartProbe()
+    second = trainer(6, probe)
+    second.fit(LoggingModel(), _loader(8), ckpt_path="last")  # Lightning finds last.ckpt itself
+    assert probe.start_step == 4
+    best = second.checkpoint_callback.best_model_path  # type: ignore[union-attr]
+    assert best and os.path.isdir(best)
+    second.validate(LoggingModel(), DataLoader(data(32, seed=1), batch_size=16), ckpt_path="best")
+    assert second.strategy.checkpoint_io.load_checkpoint(best)["global_step"] in (2, 4, 6)
+
+
 SCENARIOS = ["dir-to-dir", "generation-to-generation", "file-to-dir", "dir-to-file"]
 
 
