@@ -146,6 +146,7 @@ def plan_write(root: Store) -> WritePlan:
         return WritePlan("generation", new_generation())
     if root.exists() and not root.isdir():
         if file_and_dir_coexist(root):
+            remove_stale(root, live=None)  # partial objects of an earlier save under P/
             return WritePlan("in_place", remove_file=True)
         return WritePlan("beside", _sibling_name(root.url, "new"))
     remove_stale(root, live=None)  # an earlier save's partial files
