@@ -401,6 +401,23 @@ def test_a_replaced_checkpoint_drains_to_another_store(tmp_path: Path) -> None:
     assert_same(lightning_like_checkpoint(step=2), io.load_checkpoint(str(tmp_path / "copy")))
 
 
+def test_kind_changes_on_local_disk(tmp_path: Path) -> None:
+    """A plain file replaces our directory (a save after fit) and back (the next fit)."""
+    path = str(tmp_path / "last.ckpt")
+    io = ShardedAsyncCheckpointIO()
+    io.save_checkpoint(lightning_like_checkpoint(step=1), path)
+    io.teardown()
+    io.save_checkpoint(lightning_like_checkpoint(step=2), path)  # outside fit: a plain file
+    assert os.path.isfile(path)
+    assert_same(lightning_like_checkpoint(step=2), torch.load(path, weights_only=False))
+    io.enable_collective_saves(None)  # the next fit
+    io.save_checkpoint(lightning_like_checkpoint(step=3), path)
+    io.wait()
+    assert os.path.isdir(path) and os.listdir(tmp_path) == ["last.ckpt"]  # nothing left beside it
+    assert_same(lightning_like_checkpoint(step=3), io.load_checkpoint(path))
+    io.teardown()
+
+
 # ---- 3. the path exists when save_checkpoint returns --------------------------------------
 def test_the_path_exists_when_save_returns(tmp_path: Path, memory_url: str) -> None:
     import fsspec
