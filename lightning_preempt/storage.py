@@ -186,6 +186,9 @@ class Store:
         hold only plain objects. Raises ``FileNotFoundError`` when ``rel`` is missing.
         """
         if not self.is_local:
+            # The listing cache may hold the size of an object since replaced (a manifest
+            # swap); gcsfs 2024.12 then reads that many bytes of the new one. Ask afresh.
+            self.fs.invalidate_cache(self.path(rel))
             return self.fs.open(self.path(rel), "rb")  # type: ignore[no-any-return]
         path = self.path(rel)
         flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -260,6 +263,9 @@ class Store:
         try:
             self.fs.info(bucket)
         except FileNotFoundError:
+            if self.fs.exists(bucket):  # s3fs < 2025.10: info() of an *empty* bucket says "not found"
+                _BUCKETS_SEEN.add(key)
+                return
             raise CheckpointWriteError(
                 f"the bucket {bucket!r} does not exist",
                 path=self.url,
