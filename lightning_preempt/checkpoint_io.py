@@ -459,6 +459,7 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
             verify=self.verify_on_load and not verified,
             process_group=process_group,
             trusted=self.trust_checkpoints,
+            verify_group=self._group,  # each rank CRC-checks a share of the files
         )
 
     @override

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import posixpath
 from collections.abc import Callable
@@ -169,14 +170,24 @@ def load_sharded_checkpoint(
     verify: bool = True,
     process_group: Any = None,
     trusted: bool = False,
+    verify_group: pdist.ProcessGroup | None = None,
 ) -> dict[str, Any]:
     """Load into ``templates`` (flat ``{key: tensor | DTensor}``, as :func:`split_checkpoint`
     makes them from the *current* model and optimizers) in place, resharding to the current
     world size, and return the Lightning checkpoint dict around them.
 
     Collective: every rank of ``process_group`` calls it. ``trusted``: see :func:`load_skeleton`.
+    ``verify_group``: a gloo group of the same ranks; each rank then reads only its share of
+    the files for their CRC32C (every byte is checked once in all, not once per rank) and
+    the ranks agree on the outcome before loading.
     """
-    manifest = verify_checkpoint(store) if verify else read_manifest(store)
+    if verify_group is not None and pdist.world_size(verify_group) > 1:
+        manifest = read_manifest(store)
+        # Ranks may differ (rank 0 verified while choosing): all take part if any wants it.
+        if any(pdist.all_gather_objects(verify, verify_group)):
+            verify_shared(store, manifest, verify_group)
+    else:
+        manifest = verify_checkpoint(store) if verify else read_manifest(store)
     if not verify:
         check_files(data_store(store, manifest), manifest)
     skeleton = load_skeleton(store, manifest, rank, trusted=trusted)
@@ -192,6 +203,28 @@ def load_sharded_checkpoint(
     result = merge_checkpoint(skeleton, _FallbackDict(loaded))
     assert isinstance(result, dict)
     return result
+
+
+def verify_shared(store: Store, manifest: Manifest, group: pdist.ProcessGroup) -> None:
+    """Check every file's size and CRC32C, each file on one rank of ``group`` (largest
+    first, to the rank with the fewest bytes so far); every rank raises the first error any
+    rank found. Collective over ``group``."""
+    rank, world = pdist.rank(group), pdist.world_size(group)
+    loads = [0] * world
+    mine: dict[str, Any] = {}
+    for name, entry in sorted(manifest.files.items(), key=lambda item: (-item[1].size, item[0])):
+        owner = min(range(world), key=lambda r: (loads[r], r))
+        loads[owner] += entry.size
+        if owner == rank:
+            mine[name] = entry
+    error: str | None = None
+    try:
+        verify_checkpoint(store, dataclasses.replace(manifest, files=mine))
+    except CorruptCheckpointError as err:
+        error = str(err).splitlines()[0]
+    errors = [e for e in pdist.all_gather_objects(error, group) if e is not None]
+    if errors:
+        raise CorruptCheckpointError(errors[0], path=store.url, hint=_CORRUPT_HINT)
 
 
 class _FallbackDict(dict):  # type: ignore[type-arg]
@@ -272,7 +305,8 @@ def load_agreed(
     The load checks every byte it reads (one pass); a :class:`CorruptCheckpointError` on
     any rank makes every rank drop its result and move on to ``fallback``'s next choice
     (rank 0's, broadcast), so no two ranks resume from different steps. Collective over
-    ``group`` when given (a gloo group idle during the load: the writer's).
+    ``group`` when both it and ``fallback`` are given (a gloo group idle during the load:
+    the writer's); without a fallback the error is raised where it was found.
     """
     excluded: list[str] = []
     while True:
@@ -282,7 +316,10 @@ def load_agreed(
             result = load(target, verified)
         except CorruptCheckpointError as err:
             error = err
-        failed = pdist.all_gather_objects(error is not None, group) if group is not None else [error is not None]
+        # Only a load that can fall back agrees (every rank loads then: the resume pointer,
+        # a directory of checkpoints); a plain path may be loaded by one rank alone.
+        agreeing = group is not None and fallback is not None
+        failed = pdist.all_gather_objects(error is not None, group) if agreeing else [error is not None]
         if not any(failed):
             assert result is not None
             return result, target
@@ -299,7 +336,7 @@ def load_agreed(
             "lightning_preempt: %s failed its check while loading (%s); trying an older checkpoint", target, reason
         )
         nxt = fallback(excluded)
-        nxt = pdist.broadcast_object(nxt, group) if group is not None else nxt
+        nxt = pdist.broadcast_object(nxt, group) if agreeing else nxt
         if nxt is None:
             raise CorruptCheckpointError(
                 f"no older checkpoint verifies either (tried {excluded})",

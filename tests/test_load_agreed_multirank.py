@@ -60,3 +60,50 @@ def test_one_rank_finding_damage_makes_every_rank_fall_back(tmp_path: Path) -> N
             pytest.fail("ranks hung")
     steps = [json.loads((tmp_path / f"rank{r}.json").read_text())["step"] for r in range(2)]
     assert steps == [1, 1]  # rank 0's intact step 2 is not used alone
+
+
+def _verify_worker(rank: int, init_file: str, root: str) -> None:
+    import torch.distributed as dist
+
+    from lightning_preempt.dist import new_gloo_group
+    from lightning_preempt.errors import CorruptCheckpointError
+    from lightning_preempt.reader import read_manifest, verify_shared
+    from lightning_preempt.storage import Store
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    group = new_gloo_group(timeout_s=60)
+    out: dict[str, Any] = {"rank": rank}
+    for name in ("good", "bad"):
+        store = Store(os.path.join(root, name))
+        try:
+            verify_shared(store, read_manifest(store), group)
+            out[name] = None
+        except CorruptCheckpointError as err:
+            out[name] = str(err).splitlines()[0]
+    Path(root, f"verify{rank}.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+def test_sharded_verification_splits_the_files_and_every_rank_learns_of_damage(tmp_path: Path) -> None:
+    from lightning_preempt.checkpoint_io import ShardedAsyncCheckpointIO
+
+    io = ShardedAsyncCheckpointIO()
+    io.save_checkpoint({"global_step": 1, "state_dict": {"w": torch.arange(4096.0)}}, str(tmp_path / "good"))
+    io.wait()
+    shutil.copytree(tmp_path / "good", tmp_path / "bad")
+    (shard,) = (tmp_path / "bad").glob("*.distcp")  # the largest file: verified by rank 0 only
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+    ctx = mp.start_processes(
+        _verify_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + 120
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("ranks hung")
+    outs = [json.loads((tmp_path / f"verify{r}.json").read_text()) for r in range(2)]
+    assert [o["good"] for o in outs] == [None, None]
+    assert all(o["bad"] and "CRC32C" in o["bad"] for o in outs), outs
