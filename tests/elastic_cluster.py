@@ -1,0 +1,137 @@
+"""Simulated nodes for the elastic tests: real torchrun agents on this one machine.
+
+Each "node" is one ``python -m lightning_preempt.torchrun`` agent (one worker, gloo on
+CPU) in a session of its own; they meet through the c10d rendezvous on a store hosted by
+``python -m lightning_preempt.elastic store`` on 127.0.0.1 (off the "preemptible" nodes,
+as docs/elastic.md recommends). A preemption is a SIGTERM to one agent, as Kubernetes sends
+it to a container's PID 1. The worker (``elastic_script.py``) writes what the tests assert
+on into ``status/`` (see its docstring).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = Path(__file__).resolve().parent / "elastic_script.py"
+
+# Fast resizes: a dead node is dropped after 1 s x 3 missed keep-alives; a complete round
+# waits 1 s for latecomers (docs/elastic.md, "Settings that make a resize fast").
+RDZV_CONF = "is_host=false,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=300"
+
+
+class Cluster:
+    """A rendezvous store and named agents; :meth:`close` ends every process it started."""
+
+    def __init__(self, tmp: Path, *, nnodes: str = "1:2", max_restarts: int = 3, script_args: tuple[str, ...] = ()):
+        self.tmp = tmp
+        self.status = tmp / "status"
+        self.dirpath = tmp / "ckpt"
+        self.nnodes = nnodes
+        self.max_restarts = max_restarts
+        self.script_args = script_args
+        self.run_id = uuid.uuid4().hex[:12]
+        self.agents: dict[str, subprocess.Popen[bytes]] = {}
+        self.store: subprocess.Popen[bytes] | None = None
+        self.port = 0
+
+    # ---- processes -------------------------------------------------------------------------
+    def start_store(self, timeout: float = 60) -> None:
+        ready = self.tmp / "store.port"
+        with open(self.tmp / "store.log", "wb") as log:  # the child keeps its own descriptor
+            self.store = subprocess.Popen(
+                [sys.executable, "-m", "lightning_preempt.elastic", "store", "--host", "127.0.0.1", "--port", "0",
+                 "--ready-file", str(ready)],
+                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True,
+            )  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while not ready.exists():
+            assert self.store.poll() is None, (self.tmp / "store.log").read_text()
+            assert time.monotonic() < deadline, "the rendezvous store did not start"
+            time.sleep(0.1)
+        self.port = int(ready.read_text())
+
+    def command(self, name: str, launcher: str = "wrapper", extra: tuple[str, ...] = ()) -> list[str]:
+        head = (
+            [sys.executable, "-m", "lightning_preempt.torchrun"]
+            if launcher == "wrapper"
+            else [sys.executable, "-m", "torch.distributed.run"]
+        )
+        return [
+            *head,
+            f"--nnodes={self.nnodes}", "--nproc-per-node=1", f"--max-restarts={self.max_restarts}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id={self.run_id}",
+            f"--rdzv-conf={RDZV_CONF}", "--monitor-interval=0.2", "--shutdown-timeout=60",
+            str(SCRIPT), "--dirpath", str(self.dirpath), "--status", str(self.status), "--name", name,
+            *self.script_args, *extra,
+        ]  # fmt: skip
+
+    def start(self, name: str, *, launcher: str = "wrapper", env: dict[str, str] | None = None,
+              extra: tuple[str, ...] = ()) -> None:  # fmt: skip
+        full_env = {**os.environ, "PYTHONPATH": str(SCRIPT.parent), **(env or {})}
+        with open(self.tmp / f"{name}.agent.log", "ab") as log:
+            self.agents[name] = subprocess.Popen(
+                self.command(name, launcher, extra), cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+
+    def preempt(self, name: str, sig: int = signal.SIGTERM) -> None:
+        """The node's grace period starts: its agent (the container's PID 1) gets ``sig``."""
+        self.agents[name].send_signal(sig)
+
+    def wait(self, name: str, timeout: float = 240) -> int:
+        try:
+            return self.agents[name].wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"agent {name} still running after {timeout}s\n{self.log(name)}") from None
+
+    def close(self) -> None:
+        for proc in [*self.agents.values(), self.store]:
+            if proc is not None and proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)  # the agent's session: it and its workers
+                proc.wait(timeout=30)
+
+    # ---- what the workers reported ------------------------------------------------------------
+    def log(self, name: str) -> str:
+        path = self.tmp / f"{name}.agent.log"
+        lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+        keep = [ln for ln in lines if "Warning" not in ln and "warnings.warn" not in ln]
+        return "\n".join(keep[-60:])
+
+    def step(self, name: str) -> int:
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            return int((self.status / f"{name}.step").read_text())
+        return -1
+
+    def wait_step(self, name: str, step: int, timeout: float = 180) -> int:
+        deadline = time.monotonic() + timeout
+        while (now := self.step(name)) < step:
+            proc = self.agents[name]
+            assert proc.poll() is None, f"agent {name} exited with {proc.returncode}\n{self.log(name)}"
+            assert time.monotonic() < deadline, f"node {name} did not reach step {step}\n{self.log(name)}"
+            time.sleep(0.1)
+        return now
+
+    def records(self, name: str, kind: str) -> list[dict[str, Any]]:
+        """The worker starts (``kind="start"``) or exits (``"exit"``) of a node, in time order."""
+        out = [json.loads(p.read_text()) for p in self.status.glob(f"{name}.*.{kind}.json")]
+        return sorted(out, key=lambda r: r["time"])
+
+    def wait_starts(self, name: str, n: int, timeout: float = 180) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + timeout
+        while len(starts := self.records(name, "start")) < n:
+            proc = self.agents[name]
+            assert proc.poll() is None, f"agent {name} exited with {proc.returncode}\n{self.log(name)}"
+            assert time.monotonic() < deadline, f"node {name}: {len(starts)} starts, waited for {n}\n{self.log(name)}"
+            time.sleep(0.1)
+        return starts

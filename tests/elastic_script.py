@@ -1,0 +1,130 @@
+"""The worker of the elastic tests: one rank per torchrun agent ("node"), gloo on CPU.
+
+Reads its world from torchrun's environment (``lightning_preempt.elastic.trainer_kwargs``)
+and writes, per start of a worker (``a{attempt}`` = the ``TORCHELASTIC_RESTART_COUNT`` and
+the pid, so restarts never overwrite each other), into ``--status``:
+
+* ``<node>.pid`` / ``<node>.step``: the worker's pid and its global step after each batch
+  (the test signals a chosen node at a known step);
+* ``<node>.<pid>.start.json``: world size, rank, restart count, the step training started
+  at and a SHA-256 of the weights then;
+* ``<node>.<pid>.exit.json``: the exit code, the step and the weights' SHA-256 at exit
+  (after a preemption these are the snapshot's step and weights);
+
+``<node>`` is ``--name`` (the simulated node's name, stable across restarts; ranks are not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader
+from train_script import TinyModel, data
+
+from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO
+from lightning_preempt.elastic import trainer_kwargs
+
+
+def weights_sha(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+class Status(Callback):
+    """Writes what the elastic tests assert on (see the module docstring)."""
+
+    def __init__(self, status: str, node: str) -> None:
+        self.dir = status
+        self.node = node
+        self.prefix = os.path.join(status, f"{node}.{os.getpid()}")
+        os.makedirs(status, exist_ok=True)
+        self._write(os.path.join(status, f"{node}.pid"), str(os.getpid()))
+
+    def _write(self, path: str, text: str) -> None:
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        info = {
+            "node": self.node,
+            "pid": os.getpid(),
+            "rank": trainer.global_rank,
+            "world_size": trainer.world_size,
+            "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            "start_step": trainer.global_step,
+            "weights": weights_sha(pl_module),
+            "time": time.time(),
+        }
+        self._write(self.prefix + ".start.json", json.dumps(info))
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self._write(os.path.join(self.dir, f"{self.node}.step"), str(trainer.global_step))
+
+    def finish(self, trainer: L.Trainer, model: torch.nn.Module, code: int | str | None) -> None:
+        info = {"code": code, "step": trainer.global_step, "weights": weights_sha(model), "time": time.time()}
+        self._write(self.prefix + ".exit.json", json.dumps(info))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--dirpath", required=True)
+    p.add_argument("--status", required=True)
+    p.add_argument("--name", required=True)
+    p.add_argument("--max-steps", type=int, default=200)
+    p.add_argument("--every", type=int, default=None)
+    p.add_argument("--step-sleep", type=float, default=0.05)
+    p.add_argument("--local-dirpath", default=None)
+    p.add_argument("--grace", type=float, default=30.0)
+    args = p.parse_args(argv)
+
+    L.seed_everything(0, workers=True)
+    model = TinyModel(width=16, step_sleep=args.step_sleep)
+    cb = PreemptionCallback(
+        args.dirpath,
+        every_n_train_steps=args.every,
+        keep_last_n=3,
+        grace_period_s=args.grace,
+        agree_every_n_steps=1,
+        local_dirpath=args.local_dirpath,
+        lease_timeout_s=20,
+    )
+    status = Status(args.status, args.name)
+    trainer = L.Trainer(
+        max_steps=args.max_steps,
+        accelerator="cpu",
+        strategy="ddp",
+        callbacks=[cb, status],
+        plugins=[ShardedAsyncCheckpointIO()],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        deterministic=True,
+        **trainer_kwargs(),
+    )
+    loader = DataLoader(data(256), batch_size=8, shuffle=False)
+    try:
+        trainer.fit(model, loader)
+    except SystemExit as exc:
+        status.finish(trainer, model, exc.code)
+        raise
+    status.finish(trainer, model, 0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

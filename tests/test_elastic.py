@@ -1,0 +1,133 @@
+"""Elastic runs under torchrun (docs/elastic.md): real agents, real c10d rendezvous, gloo.
+
+Each test simulates nodes as torchrun agents on this machine (``elastic_cluster.py``): one
+rank per agent, a shared ``dirpath``. A node leaving (SIGTERM to its agent) and a node
+joining must each lose 0 steps; the tests assert the step every worker resumed at, the
+world size, the weights (bitwise, against the snapshot the previous workers held at exit)
+and the exit codes the scheduler sees.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from elastic_cluster import Cluster
+
+from lightning_preempt.elastic import ElasticEnv, exit_code_for, trainer_kwargs
+from lightning_preempt.manifest import MANIFEST_NAME
+
+pytestmark = pytest.mark.multiproc
+
+
+@pytest.fixture
+def cluster_factory(tmp_path: Path) -> Iterator[type[Cluster]]:
+    made: list[Cluster] = []
+
+    def make(**kwargs: object) -> Cluster:
+        c = Cluster(tmp_path, **kwargs)  # type: ignore[arg-type]
+        made.append(c)
+        c.start_store()
+        return c
+
+    yield make  # type: ignore[misc]
+    for c in made:
+        c.close()
+
+
+def _committed(dirpath: Path) -> list[int]:
+    return sorted(int(p.parent.name.split("-")[1]) for p in dirpath.glob(f"step-*/{MANIFEST_NAME}"))
+
+
+# ---- unit: the wrapper's pieces -----------------------------------------------------------------
+def test_trainer_kwargs_follow_the_world_of_this_restart() -> None:
+    env = {"TORCHELASTIC_RUN_ID": "j", "WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": "4"}
+    assert trainer_kwargs(env) == {"devices": 2, "num_nodes": 3}
+    info = ElasticEnv.from_environ(env)
+    assert info is not None and info.restart_count == 4 and info.run_id == "j"
+    assert trainer_kwargs({"WORLD_SIZE": "2"}) == {}  # not torchrun: Lightning's defaults
+
+
+def test_exit_codes_a_scheduler_sees() -> None:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    assert exit_code_for(SignalException("x", sigval=signal.SIGTERM)) == 143
+    assert exit_code_for(SignalException("x", sigval=signal.SIGINT)) == 130
+
+    def failed(code: int) -> ChildFailedError:
+        return ChildFailedError("train.py", {0: ProcessFailure(local_rank=0, pid=1, exitcode=code, error_file="")})
+
+    assert exit_code_for(failed(143)) == 143  # the workers' own preemption exit
+    assert exit_code_for(failed(-9)) == 137  # a worker killed by SIGKILL
+    assert exit_code_for(failed(2)) == 2
+    assert exit_code_for(RuntimeError("rendezvous closed")) == 1
+
+
+# ---- real agents ------------------------------------------------------------------------------
+def test_node_loss_survivor_goes_on_at_n_minus_1_losing_no_step(cluster_factory: type[Cluster]) -> None:
+    c = cluster_factory(nnodes="1:2", script_args=("--max-steps", "40"))
+    c.start("A")
+    c.start("B")
+    c.wait_step("B", 5)
+    c.preempt("B")
+
+    assert c.wait("B") == 143, c.log("B")  # the scheduler sees a preemption (plain torchrun: 1)
+    assert c.wait("A") == 0, c.log("A")
+
+    (b_exit,) = c.records("B", "exit")
+    a_first, a_second = c.records("A", "exit")
+    snapshot = b_exit["step"]
+    assert b_exit["code"] == 143 and a_first["code"] == 143  # both ranks snapshot the agreed step
+    assert a_first["step"] == snapshot and a_first["weights"] == b_exit["weights"]
+    assert snapshot in _committed(c.dirpath)
+
+    before, after = c.records("A", "start")
+    assert before["world_size"] == 2 and after["world_size"] == 1
+    assert after["start_step"] == snapshot  # 0 steps lost
+    assert after["weights"] == a_first["weights"]  # bitwise: the resharded load is the snapshot
+    assert after["restart_count"] == 1  # a failure restart (counts against --max-restarts)
+    assert a_second["code"] == 0 and a_second["step"] == 40
+
+
+def test_node_join_restarts_at_n_with_a_snapshot(cluster_factory: type[Cluster]) -> None:
+    c = cluster_factory(nnodes="1:2", script_args=("--max-steps", "100000"))
+    c.start("A")
+    c.wait_step("A", 5)
+    c.start("B")  # the reclaimed node is back: the running worker is restarted with SIGTERM
+
+    a_starts = c.wait_starts("A", 2)
+    (b_start,) = c.wait_starts("B", 1)
+    (a_exit,) = c.records("A", "exit")
+    assert a_exit["code"] == 143  # the join's SIGTERM took a snapshot like a preemption
+    for start in (a_starts[1], b_start):
+        assert start["world_size"] == 2
+        assert start["start_step"] == a_exit["step"]  # 0 steps lost
+        assert start["weights"] == a_exit["weights"]  # bitwise, on both ranks
+    assert a_starts[1]["restart_count"] == 0  # a membership change does not use up a restart
+    assert {a_starts[1]["rank"], b_start["rank"]} == {0, 1}
+
+    c.wait_step("B", a_exit["step"] + 3)  # training again at N
+    for name in ("A", "B"):  # the job ends like any preempted one
+        c.preempt(name)
+    assert c.wait("A") == 143 and c.wait("B") == 143
+    ends = [c.records(n, "exit")[-1] for n in ("A", "B")]
+    assert ends[0]["step"] == ends[1]["step"] and ends[0]["weights"] == ends[1]["weights"]
+    assert ends[0]["step"] in _committed(c.dirpath)
+
+
+@pytest.mark.slow
+def test_plain_torchrun_reports_a_preempted_node_as_exit_1(cluster_factory: type[Cluster]) -> None:
+    """Why the wrapper exists: torch.distributed.run re-raises the agent's SignalException.
+
+    If this starts to fail, torch fixed it: docs/elastic.md can drop the wrapper's reason."""
+    c = cluster_factory(nnodes="1:2", script_args=("--max-steps", "40"))
+    c.start("A")
+    c.start("B", launcher="torchrun", env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    c.wait_step("B", 5)
+    c.preempt("B")
+    assert c.wait("B") == 1
+    assert c.records("B", "exit")[0]["code"] == 143  # its worker did exit with the preemption code
+    assert c.wait("A") == 0
