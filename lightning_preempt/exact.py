@@ -560,6 +560,10 @@ class ExactResume:
         pairs = list(zip(loaders, self._samplers, strict=True))
         wrapped_workers = [i for i, (dl, (kind, _)) in enumerate(pairs) if kind == "sampler" and _workers(dl)]
         epoch_samplers = [i for i, (dl, (kind, _)) in enumerate(pairs) if kind == "stateful" and _has_set_epoch(dl)]
+        if mid_epoch:
+            for dl, (kind, _) in pairs:
+                if _workers(dl) and (kind == "stateful" or (kind == "sampler" and not self.replay_worker_draws)):
+                    self._warn_worker_draws(dl)
         fetcher = _compat.train_fetcher(trainer)
         if fetcher is None or not (wrapped_workers or (mid_epoch and epoch_samplers)):
             return {}
@@ -574,11 +578,8 @@ class ExactResume:
                 # the position Lightning just loaded into it, so hand that position back first.
                 _compat.set_sampler_epoch(dl, cast(Any, trainer.fit_loop.epoch_progress.current).processed)
                 dl.load_state_dict(dl.state_dict())
-            if mid_epoch and _workers(dl) and kind in ("sampler", "stateful"):
-                if kind == "sampler" and sampler is not None and self.replay_worker_draws:
-                    replay[i] = sampler.replay()
-                else:
-                    self._warn_worker_draws(dl)
+            if mid_epoch and _workers(dl) and kind == "sampler" and sampler is not None and self.replay_worker_draws:
+                replay[i] = sampler.replay()
         iter(fetcher)
         return replay
 

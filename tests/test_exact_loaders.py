@@ -46,8 +46,11 @@ CASES: dict[str, list[str]] = {
 FAST = {"stateful-generator"}  # the issue's reproducer runs in the default suite; the rest are `slow`
 
 
-def run_until_done(args: list[str], status: Path, max_starts: int, timeout: float = 180.0) -> list[int]:
-    """Start the job until it exits 0 (each start resumes); returns the exit codes."""
+def run_until_done(
+    args: list[str], status: Path, max_starts: int, timeout: float = 180.0, outputs: list[str] | None = None
+) -> list[int]:
+    """Start the job until it exits 0 (each start resumes); returns the exit codes (and
+    appends each start's output to ``outputs``)."""
     codes: list[int] = []
     for _ in range(max_starts):
         proc = subprocess.run(
@@ -59,6 +62,8 @@ def run_until_done(args: list[str], status: Path, max_starts: int, timeout: floa
             timeout=timeout,
         )
         codes.append(proc.returncode)
+        if outputs is not None:
+            outputs.append(proc.stdout.decode(errors="replace"))
         if proc.returncode == 0:
             return codes
         assert proc.returncode == PREEMPTED, f"exit code {proc.returncode}:\n{proc.stdout.decode()[-4000:]}"
@@ -75,7 +80,10 @@ def _run_case(tmp_path: Path, name: str) -> None:
     args = [*EPOCHS4, *extra]
     run_until_done([*args, "--dirpath", str(tmp_path / "ref-ckpt")], tmp_path / "ref", max_starts=1)
     status = tmp_path / "status"
-    codes = run_until_done([*args, "--dirpath", str(tmp_path / "ckpt"), "--sigterm-at", at], status, max_starts=8)
+    outputs: list[str] = []
+    codes = run_until_done(
+        [*args, "--dirpath", str(tmp_path / "ckpt"), "--sigterm-at", at], status, max_starts=8, outputs=outputs
+    )
     steps = [int(n) for n in at.split(",")]
     assert codes == [PREEMPTED] * len(steps) + [0]
     runs = _runs(status)
@@ -84,6 +92,10 @@ def _run_case(tmp_path: Path, name: str) -> None:
     expected = ["mid-epoch" if n % per_epoch else "epoch-end" for n in steps]
     assert [r["exact"] for r in runs[1:]] == expected
     compare(tmp_path / "ref", status)
+    # Worker loaders resumed mid-epoch without replay are told that draws inside the workers
+    # are not replayed; with replay (or without workers) nothing is said.
+    warned = ["resuming mid-epoch with worker processes" in out for out in outputs]
+    assert any(warned) == ("--workers" in extra and "--replay" not in extra), warned
 
 
 @pytest.mark.multiproc
