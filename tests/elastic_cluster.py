@@ -32,10 +32,19 @@ RDZV_CONF = "is_host=false,last_call_timeout=1,keep_alive_interval=1,keep_alive_
 class Cluster:
     """A rendezvous store and named agents; :meth:`close` ends every process it started."""
 
-    def __init__(self, tmp: Path, *, nnodes: str = "1:2", max_restarts: int = 3, script_args: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        tmp: Path,
+        *,
+        nnodes: str = "1:2",
+        max_restarts: int = 3,
+        script_args: tuple[str, ...] = (),
+        url_prefix: str = "",
+    ) -> None:
         self.tmp = tmp
         self.status = tmp / "status"
-        self.dirpath = tmp / "ckpt"
+        self.dirpath = tmp / "ckpt"  # on local disk; the workers see url_prefix + this path
+        self.url = f"{url_prefix}{self.dirpath}"
         self.nnodes = nnodes
         self.max_restarts = max_restarts
         self.script_args = script_args
@@ -71,7 +80,7 @@ class Cluster:
             f"--nnodes={self.nnodes}", "--nproc-per-node=1", f"--max-restarts={self.max_restarts}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id={self.run_id}",
             f"--rdzv-conf={RDZV_CONF}", "--monitor-interval=0.2", "--shutdown-timeout=60",
-            str(SCRIPT), "--dirpath", str(self.dirpath), "--status", str(self.status), "--name", name,
+            str(SCRIPT), "--dirpath", self.url, "--status", str(self.status), "--name", name,
             *self.script_args, *extra,
         ]  # fmt: skip
 

@@ -35,8 +35,13 @@ from lightning_preempt.elastic import trainer_kwargs
 
 
 def weights_sha(model: torch.nn.Module) -> str:
+    return state_sha(model.state_dict())
+
+
+def state_sha(state: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over names and bytes of a state dict (a model's, or a checkpoint's ``state_dict``)."""
     h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
+    for name, t in sorted(state.items()):
         h.update(name.encode())
         h.update(t.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
@@ -89,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--local-dirpath", default=None)
     p.add_argument("--grace", type=float, default=30.0)
     args = p.parse_args(argv)
+    if os.environ.get("LP_CHAOS_DIR"):
+        import chaos_fs  # noqa: F401  (registers chaos://: a remote the test can slow down)
 
     L.seed_everything(0, workers=True)
     model = TinyModel(width=16, step_sleep=args.step_sleep)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from elastic_cluster import Cluster
+from elastic_script import state_sha
 
 from lightning_preempt.elastic import ElasticEnv, exit_code_for, trainer_kwargs
 from lightning_preempt.manifest import MANIFEST_NAME
@@ -131,3 +132,52 @@ def test_plain_torchrun_reports_a_preempted_node_as_exit_1(cluster_factory: type
     assert c.wait("B") == 1
     assert c.records("B", "exit")[0]["code"] == 143  # its worker did exit with the preemption code
     assert c.wait("A") == 0
+
+
+@pytest.mark.slow
+def test_two_tier_node_loss_with_a_slow_remote_falls_back_to_the_bucket(
+    cluster_factory: type[Cluster], tmp_path: Path
+) -> None:
+    """Separate node-local tiers, the leaving node's tier wiped, a remote too slow to take the
+    snapshot within the grace period: without a peer replica (docs/peer-replica.md) the
+    snapshot is lost and the survivor resumes from the newest checkpoint in the bucket.
+
+    This pins today's limit (docs/elastic.md, "Two tiers across nodes"); with the replica the
+    resumed step must become the snapshot's."""
+    import shutil
+
+    from chaos_fs import clear_faults, set_fault
+
+    from lightning_preempt import ShardedAsyncCheckpointIO
+
+    chaos = tmp_path / "chaos"
+    c = cluster_factory(
+        nnodes="1:2", url_prefix="chaos://", script_args=("--max-steps", "25", "--every", "10", "--grace", "6")
+    )
+    env = {"LP_CHAOS_DIR": str(chaos)}
+    c.start("A", env=env, extra=("--local-dirpath", str(tmp_path / "local-A")))
+    c.start("B", env=env, extra=("--local-dirpath", str(tmp_path / "local-B")))
+    c.wait_step("B", 12)
+    deadline_ok = c.wait_step("A", 12)
+    assert deadline_ok >= 12
+    # The remote slows to a crawl: every upload waits 12 s, longer than the 6 s grace.
+    set_fault(chaos, "write", hang_s=12)
+    c.preempt("B")
+    assert c.wait("B") == 143, c.log("B")
+    shutil.rmtree(tmp_path / "local-B")  # the node is gone, and its disk with it
+    clear_faults(chaos)
+    assert c.wait("A") == 0, c.log("A")
+
+    (b_exit,) = c.records("B", "exit")
+    snapshot = b_exit["step"]
+    assert b_exit["code"] == 143 and c.records("A", "exit")[0]["step"] == snapshot
+    after = c.records("A", "start")[-1]
+    assert after["world_size"] == 1
+    resumed = after["start_step"]
+    assert 10 <= resumed < snapshot  # the snapshot never reached the bucket: steps lost
+    assert resumed in _committed(c.dirpath)
+    ckpt = ShardedAsyncCheckpointIO().load_checkpoint(str(c.dirpath / f"step-{resumed:010d}"))
+    assert after["weights"] == state_sha(ckpt["state_dict"])  # bitwise: what the bucket holds
+    # The survivor's own disk held the snapshot only in part (its rank's files).
+    local = tmp_path / "local-A" / f"step-{snapshot:010d}"
+    assert not local.exists() or not (local / "__1_0.distcp").exists()
