@@ -121,7 +121,9 @@ def main() -> None:
         print(f"| **total with the replica** (grace {c.grace_s:.0f} s) | **{used:.2f}** |")
         print(f"\nlongest step that still fits: {c.grace_s - (used - c.step_s):.1f} s\n")
     c = Case()
-    print("## RAM per surviving node (GB)\n\n| scheme | staging buffers | incoming replica | total |\n|---|---|---|---|")
+    print(
+        "## RAM per surviving node (GB)\n\n| scheme | staging buffers | incoming replica | total |\n|---|---|---|---|"
+    )
     for spread in (True, False):
         r = ram_per_node(c, spread)
         name = "spread (rank i -> survivor i mod 7)" if spread else "buddy node"
