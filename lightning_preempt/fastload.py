@@ -42,8 +42,10 @@ from lightning_preempt.storage import Store
 
 #: Bytes read per ``readinto`` call; the CRC of one chunk overlaps the read of the next.
 CHUNK_BYTES = 16 << 20
-#: Files read at the same time (each file is one sequential stream).
+#: Ranges read at the same time, over all files.
 MAX_PARALLEL_FILES = 4
+#: A file at least this large is read in two ranges at once.
+SPLIT_BYTES = 64 << 20
 
 _CORRUPT_HINT = "This checkpoint is damaged; resume from an older one (auto-resume skips it)."
 
@@ -109,39 +111,59 @@ def _by_offset(items: list[TensorItem]) -> list[TensorItem]:
     return sorted(items, key=lambda i: i.offset)
 
 
-class _CrcPipeline:
-    """CRC32C of a file's chunks, in order, on one helper thread: the reading thread goes
-    on with the next chunk meanwhile (crc32c and readinto both release the GIL)."""
+class _OrderedCrc:
+    """CRC32C of one file whose pieces several threads read at once: each piece is queued
+    under its file offset and hashed in file order by whichever helper task finds the next
+    one ready (``crc32c`` releases the GIL, so hashing overlaps the reads)."""
 
     def __init__(self, pool: ThreadPoolExecutor | None) -> None:
         self.crc = Crc32c()
         self._pool = pool
-        self._last: Future[None] | None = None
-        self._lock = threading.Lock()
+        self._next = 0
+        self._pending: dict[int, memoryview] = {}
+        self._queue_lock = threading.Lock()
+        self._hash_lock = threading.Lock()  # one hashing task at a time: the CRC is sequential
+        self._tasks: list[Future[None]] = []
+
+    def update(self, offset: int, view: memoryview) -> None:
+        if view.nbytes == 0:
+            return
+        with self._queue_lock:
+            self._pending[offset] = view
+        if self._pool is None:
+            self._drain()
+        else:
+            self._tasks.append(self._pool.submit(self._drain))
+
+    def _drain(self) -> None:
+        with self._hash_lock:
+            while True:
+                with self._queue_lock:
+                    view = self._pending.pop(self._next, None)
+                if view is None:
+                    return
+                self.crc.update(view)
+                self._next += view.nbytes
+
+    def hexdigest(self) -> str | None:
+        """The CRC32C of every byte queued, or ``None`` when a piece is missing (a hole)."""
+        for task in self._tasks:
+            task.result()
+        self._drain()
+        return None if self._pending else self.crc.hexdigest()
+
+
+class _Cursor:
+    """Where one reading thread is in the file; hands each piece it reads to the CRC."""
+
+    def __init__(self, crc: _OrderedCrc | None, offset: int) -> None:
+        self.crc = crc
+        self.offset = offset
 
     def update(self, view: memoryview) -> None:
-        # Small pieces (archive heads and tails) are queued too: waiting for the helper
-        # here would stall the reads behind the CRC of the tensor data just read.
-        if self._pool is None:
-            self.crc.update(view)
-            return
-        previous = self._last
-
-        def run() -> None:
-            if previous is not None:
-                previous.result()
-            self.crc.update(view)
-
-        self._last = self._pool.submit(run)
-
-    def _wait(self) -> None:
-        if self._last is not None:
-            self._last.result()
-            self._last = None
-
-    def hexdigest(self) -> str:
-        self._wait()
-        return self.crc.hexdigest()
+        if self.crc is not None:
+            self.crc.update(self.offset, view)
+        self.offset += view.nbytes
 
 
 def _open(store: Store, name: str) -> IO[bytes]:
@@ -150,8 +172,8 @@ def _open(store: Store, name: str) -> IO[bytes]:
     return store.open_read(name)
 
 
-def _read_into(f: IO[bytes], view: memoryview, crc: _CrcPipeline | None) -> int:
-    """Fill ``view`` from ``f`` (chunk by chunk, CRC on the way); returns bytes read."""
+def _read_into(f: IO[bytes], view: memoryview, cursor: _Cursor) -> int:
+    """Fill ``view`` from ``f`` chunk by chunk, each chunk to the CRC; returns bytes read."""
     done = 0
     readinto = getattr(f, "readinto", None)
     while done < view.nbytes:
@@ -164,10 +186,57 @@ def _read_into(f: IO[bytes], view: memoryview, crc: _CrcPipeline | None) -> int:
             part[:n] = data
         if n == 0:
             break
-        if crc is not None:
-            crc.update(part[:n])
+        cursor.update(part[:n])
         done += n
     return done
+
+
+def _ranges(items: list[TensorItem], parts: int) -> list[list[TensorItem]]:
+    """``items`` (by offset) cut into at most ``parts`` runs of about equal bytes."""
+    total = sum(i.length for i in items)
+    runs: list[list[TensorItem]] = [[]]
+    done = 0
+    for item in items:
+        if runs[-1] and len(runs) < parts and done >= total * len(runs) / parts:
+            runs.append([])
+        runs[-1].append(item)
+        done += item.length
+    return runs
+
+
+def _read_range(
+    store: Store,
+    name: str,
+    items: list[TensorItem],
+    start: int,
+    last: bool,
+    entry: FileEntry | None,
+    crc: _OrderedCrc | None,
+) -> tuple[list[torch.Tensor], int]:
+    """Read ``items`` (a run of archives starting at file offset ``start``; the last run
+    also the file's trailing bytes). Every tensor's data goes straight into a tensor of
+    exactly its size (:func:`_read_archive`). Returns the tensors and the bytes read."""
+    tensors: list[torch.Tensor] = []
+    cursor = _Cursor(crc, start)
+    with _open(store, name) as f:
+        if start:
+            f.seek(start)
+        for item in items:
+            if item.offset > cursor.offset:  # bytes between archives (none in DCP files): CRC them too
+                _read_into(f, memoryview(bytearray(item.offset - cursor.offset)), cursor)
+            if item.offset != cursor.offset:
+                return tensors, cursor.offset - start
+            tensor, _ = _read_archive(f, item, cursor)
+            if tensor is None:
+                return tensors, cursor.offset - start
+            tensors.append(tensor)
+        if last:
+            rest = (entry.size - cursor.offset) if entry is not None else 0
+            if rest > 0:  # trailing bytes the manifest counts but no archive covers
+                _read_into(f, memoryview(bytearray(rest)), cursor)
+            extra = len(f.read(1))  # a file longer than the manifest says
+            cursor.offset += extra
+    return tensors, cursor.offset - start
 
 
 def _read_file(
@@ -176,36 +245,34 @@ def _read_file(
     items: list[TensorItem],
     entry: FileEntry | None,
     verify: bool,
+    pool: ThreadPoolExecutor,
     crc_pool: ThreadPoolExecutor | None,
+    parts: int,
 ) -> list[torch.Tensor]:
-    """Read one shard file front to back; every tensor's data goes straight into a
-    tensor of exactly its size (see :func:`_read_archive`)."""
-    tensors: list[torch.Tensor] = []
-    crc = _CrcPipeline(crc_pool) if verify else None
-    total = 0
+    """Read one shard file in ``parts`` ranges at once (their own file handles), checking
+    its size and (``verify``) CRC32C against ``entry``."""
+    crc = _OrderedCrc(crc_pool) if verify else None
+    runs = _ranges(items, parts)
+    starts = [0] + [run[0].offset for run in runs[1:]]
     try:
-        with _open(store, name) as f:
-            for item in items:
-                if item.offset > total:  # bytes between archives (none in DCP files): CRC them too
-                    total += _read_into(f, memoryview(bytearray(item.offset - total)), crc)
-                if item.offset != total:
-                    break
-                tensor, n = _read_archive(f, item, crc)
-                total += n
-                if tensor is None:
-                    break
-                tensors.append(tensor)
-            else:
-                # trailing bytes the manifest counts but no archive covers
-                rest = (entry.size - total) if entry is not None else 0
-                if rest > 0:
-                    total += _read_into(f, memoryview(bytearray(rest)), crc)
-                total += len(f.read(1))  # a file longer than the manifest says
+        futures = [
+            pool.submit(_read_range, store, name, run, start, i == len(runs) - 1, entry, crc)
+            for i, (run, start) in enumerate(zip(runs, starts, strict=True))
+        ]
+        results = [f.result() for f in futures]
     except FileNotFoundError as err:
         raise CorruptCheckpointError(
             f"file {name!r} listed in the manifest is missing", path=store.url, hint=_CORRUPT_HINT
         ) from err
-    check_entry(store, name, entry, total, crc.hexdigest() if crc is not None else None)
+    tensors = [t for got, _ in results for t in got]
+    total = sum(n for _, n in results)
+    contiguous = all(n == (starts[i + 1] - starts[i]) for i, (_, n) in enumerate(results[:-1]))
+    digest = crc.hexdigest() if crc is not None else None
+    if not contiguous:  # a run stopped short: report the size the reads found
+        total = next(
+            starts[i] + n for i, (_, n) in enumerate(results) if i == len(results) - 1 or n != starts[i + 1] - starts[i]
+        )
+    check_entry(store, name, entry, total, digest if digest is not None or crc is None else "(a hole)")
     if len(tensors) != len(items):  # a short read, reported by check_entry unless the manifest is short too
         raise CorruptCheckpointError(f"file {name!r} ends inside a tensor", path=store.url, hint=_CORRUPT_HINT)
     return tensors
@@ -218,7 +285,7 @@ _LOCAL_HEADER = b"PK\x03\x04"
 _DESCRIPTOR = b"PK\x07\x08"
 
 
-def _read_archive(f: IO[bytes], item: TensorItem, crc: _CrcPipeline | None) -> tuple[torch.Tensor | None, int]:
+def _read_archive(f: IO[bytes], item: TensorItem, crc: _Cursor) -> tuple[torch.Tensor | None, int]:
     """Read one ``torch.save`` archive of ``item.length`` bytes from ``f``: its head into
     scratch, the tensor data straight into a new tensor of exactly the chunk's size (its
     own storage: nothing else is kept alive by it, and it saves and pickles like any
@@ -279,7 +346,7 @@ def _descriptor_says(after: bytes, nbytes: int) -> bool:
 
 
 def _read_rest_and_load(
-    f: IO[bytes], item: TensorItem, head: memoryview, crc: _CrcPipeline | None
+    f: IO[bytes], item: TensorItem, head: memoryview, crc: _Cursor
 ) -> tuple[torch.Tensor | None, int]:
     rest = memoryview(bytearray(item.length - head.nbytes))
     got = head.nbytes + _read_into(f, rest, crc)
@@ -367,18 +434,29 @@ def read_tensors(
     per_file: dict[str, list[TensorItem]] = {}
     for item in items:
         per_file.setdefault(item.file, []).append(item)
-    # Largest first: the longest read starts at once.
+    # Largest first: the longest read starts at once. A large file is read in two ranges
+    # at once (page faults on fresh memory, not the disk, bound a warm read here).
     order = sorted(per_file, key=lambda name: -sum(i.length for i in per_file[name]))
-    workers = max(1, min(max_parallel_files, len(order)))
+    parts = {name: 2 if sum(i.length for i in per_file[name]) >= SPLIT_BYTES else 1 for name in order}
+    workers = max(1, min(max_parallel_files, sum(parts.values())))
     ordered_items: list[TensorItem] = []
     chunks: list[torch.Tensor] = []
     with (
         ThreadPoolExecutor(workers, thread_name_prefix="lp-read") as readers,
-        ThreadPoolExecutor(workers, thread_name_prefix="lp-crc") as crcs,
+        ThreadPoolExecutor(max(1, min(workers, len(order))), thread_name_prefix="lp-crc") as crcs,
+        ThreadPoolExecutor(max(1, len(order)), thread_name_prefix="lp-file") as files_pool,
     ):
         futures = {
-            name: readers.submit(
-                _read_file, store, name, _by_offset(per_file[name]), files.get(name), verify, crcs if verify else None
+            name: files_pool.submit(
+                _read_file,
+                store,
+                name,
+                _by_offset(per_file[name]),
+                files.get(name),
+                verify,
+                readers,
+                crcs if verify else None,
+                parts[name],
             )
             for name in order
         }

@@ -208,7 +208,7 @@ def test_archive_of_a_view_falls_back_to_torch_load() -> None:
         torch.save(tensor, buf)
         archive = buf.getvalue()
         item = fastload.TensorItem("t", "f", 0, len(archive), torch.float32, (0,), (tensor.numel(),), (tensor.numel(),))
-        got, n = fastload._read_archive(io.BytesIO(archive), item, None)
+        got, n = fastload._read_archive(io.BytesIO(archive), item, fastload._Cursor(None, 0))
         assert n == len(archive) and got is not None and torch.equal(got, tensor)
 
 
@@ -245,3 +245,28 @@ def test_alias_with_fallback_and_without(tmp_path: Path) -> None:
     _flip(old)
     with pytest.raises(CorruptCheckpointError, match="no older checkpoint verifies"):
         io_.load_checkpoint(str(tmp_path))
+
+
+def test_a_large_file_read_in_two_ranges_verifies_in_file_order(tmp_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fastload, "SPLIT_BYTES", 1 << 20)  # split even this small file
+    monkeypatch.setattr(fastload, "CHUNK_BYTES", 1 << 18)
+    ckpt = {
+        "global_step": 1,
+        "state_dict": {f"t{i}": torch.randn(50_000 + i) for i in range(8)},
+        "optimizer_states": [],
+    }
+    _save(tmp_url, ckpt)
+    assert fastload._ranges(sorted(fastload.tensor_items(_metadata(tmp_url)) or [], key=lambda i: i.offset), 2)[
+        1
+    ]  # two non-empty runs
+    loaded = load_full_checkpoint(Store(tmp_url))
+    assert all(torch.equal(loaded["state_dict"][k], v) for k, v in ckpt["state_dict"].items())
+    _flip(tmp_url)  # damage in the second half: found by the second range's reads
+    with pytest.raises(CorruptCheckpointError, match="CRC32C"):
+        load_full_checkpoint(Store(tmp_url))
+
+
+def _metadata(url: str) -> Any:
+    from lightning_preempt.safe_load import unpickle_dcp_metadata
+
+    return unpickle_dcp_metadata(Path(url, ".metadata").read_bytes(), path=url)
