@@ -349,12 +349,8 @@ def test_retention_deletes_only_our_directories_with_only_our_files(
     (root / checkpoint_name(2) / "my-notes.txt").write_text("a user file inside one of ours")
     (root / checkpoint_name(0)).mkdir()  # an empty leftover of ours
     discovery._WARNED_FOREIGN.discard(str(root))
-    caplog.set_level(logging.INFO, logger="lightning_preempt")
-    logging.getLogger("lightning_preempt").propagate = True
-    try:
-        removed = apply_retention(str(root), keep_last_n=2)
-    finally:
-        logging.getLogger("lightning_preempt").propagate = False
+    caplog.set_level(logging.INFO, logger="lightning_preempt")  # our logger propagates
+    removed = apply_retention(str(root), keep_last_n=2)
     assert sorted(Path(p).name for p in removed) == [checkpoint_name(s) for s in (0, 1, 3)]
     assert sorted(p.name for p in root.iterdir()) == sorted(
         ["README.txt", "dataset", "notes-step3", "epoch=0-step=0.ckpt", *(checkpoint_name(s) for s in (2, 4, 5))]
