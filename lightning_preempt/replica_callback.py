@@ -1,0 +1,103 @@
+"""Lightning wiring of the peer replica (:mod:`lightning_preempt.replica`).
+
+``Trainer(callbacks=[PreemptionCallback(..., local_dirpath=...), PeerReplica()])``: after a
+preemption snapshot committed on the node-local tiers, every rank copies its share to a
+rank on another node before the process exits, so the survivors hold the snapshot even
+when the leaving node's disk goes and its upload did not finish (docs/peer-replica.md).
+
+Where it runs: in ``on_exception`` of the :class:`~lightning_preempt.controller.Preempted`
+that every rank raises at the same step after the snapshot. Lightning calls the
+``on_exception`` hooks of non-checkpoint callbacks before those of checkpoint callbacks,
+so this runs before :class:`PreemptionCallback` releases its groups. It therefore runs
+after the callback's drain has used its part of the grace period; moving it before the
+drain needs a hook in the emergency sequence (docs/peer-replica.md, "Left to build").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_preempt import agree
+from lightning_preempt import dist as pdist
+from lightning_preempt.controller import Preempted
+from lightning_preempt.discovery import list_checkpoints
+from lightning_preempt.replica import ReplicaReport, replicate
+
+log = logging.getLogger(__name__)
+
+
+class PeerReplica(Callback):
+    """Copy the preemption snapshot's node-local files to a peer node before exiting.
+
+    Args:
+        timeout_s: the longest the transfer may block (its gloo group's timeout); keep it
+            inside the grace period.
+    """
+
+    def __init__(self, timeout_s: float = 20.0) -> None:
+        self.timeout_s = timeout_s
+        self.reports: list[ReplicaReport] = []
+        self._group: Any = None
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and pdist.is_distributed():
+            self._group = pdist.new_gloo_group(timeout_s=self.timeout_s)  # collective: every rank
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        try:
+            if isinstance(exception, Preempted) and self._group is not None:
+                self._replicate(trainer)
+        finally:
+            self._release()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        group, self._group = self._group, None
+        pdist.destroy_group(group)
+
+    def _local_root(self, trainer: pl.Trainer) -> str | None:
+        for cb in trainer.callbacks:  # type: ignore[attr-defined]
+            local = getattr(cb, "local_dirpath", None)
+            if local is not None and hasattr(cb, "controller"):
+                return str(local)
+        return None
+
+    def _replicate(self, trainer: pl.Trainer) -> None:
+        root = self._local_root(trainer)
+        if root is None:
+            return  # one shared dirpath: every node already reads every file
+        step = trainer.global_step
+
+        def snapshot_name() -> str | None:
+            mine = [c for c in list_checkpoints(root, {}) if c.committed and c.step == step]
+            return os.path.basename(mine[-1].path.rstrip("/")) if mine else None
+
+        try:
+            name = agree.decide(snapshot_name, self._group, what="finding the snapshot to replicate")
+            if name is None:
+                log.warning("lightning_preempt: no committed local snapshot of step %d to replicate", step)
+                return
+            report = replicate(os.path.join(root, name), self._group)
+        except Exception as err:  # the exit goes on: the replica is a second copy, never the only one
+            with contextlib.suppress(Exception):
+                log.error("lightning_preempt: [preemption] peer replica of step %d failed: %s", step, err)
+            return
+        self.reports.append(report)
+        log.warning(
+            "lightning_preempt: [preemption] replicated step %d to a peer node: sent %d B, received %d B "
+            "(%d files) in %.2fs; every file is on %d node(s) or more",
+            step, report.bytes_sent, report.bytes_received, len(report.files_received), report.seconds,
+            min((len(v) for v in report.holders.values()), default=0),
+        )  # fmt: skip

@@ -1,0 +1,92 @@
+"""The peer replica (lightning_preempt/replica.py) with real gloo ranks, no Trainer.
+
+Each rank plays one rank on a "node" (``GROUP_RANK`` as torchrun sets it) with the node's own
+local tier; after :func:`replicate` every file of the checkpoint must be on two nodes, with
+its CRC32C, so losing any one node's disk leaves a complete copy among the others.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lightning_preempt.checksum import Crc32c
+from lightning_preempt.manifest import MANIFEST_NAME, FileEntry, Manifest
+from lightning_preempt.replica import placement, replicate
+from lightning_preempt.tiers import complete_local_checkpoints
+
+
+def test_placement_puts_each_copy_on_the_next_node() -> None:
+    p = placement(["a", "a", "b", "b", "c", "c"])
+    assert p.buddy == [2, 3, 4, 5, 0, 1]
+    assert all(p.node_of[r] != p.node_of[b] for r, b in enumerate(p.buddy) if b is not None)
+    assert placement(["a", "b", "b"]).buddy == [1, 0, 0]  # uneven nodes: still another node
+    assert placement(["a", "a"]).buddy == [None, None]  # one node: nowhere else to go
+
+
+def _files_of(rank: int) -> dict[str, bytes]:
+    g = random.Random(rank)
+    out = {f"__{rank}_0.distcp": g.randbytes(300_000 + rank), f"state-rank{rank:05d}.pt": g.randbytes(1000)}
+    if rank == 0:
+        out[".metadata"] = g.randbytes(777)
+    return out
+
+
+def _worker(rank: int, world: int, init_file: str, root: str, ranks_per_node: int) -> None:
+    node = rank // ranks_per_node
+    os.environ.update({"GROUP_RANK": str(node), "TORCHELASTIC_RUN_ID": "t"})
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        local = os.path.join(root, f"node{node}", "step-0000000007")
+        os.makedirs(local, exist_ok=True)
+        for name, data in _files_of(rank).items():
+            Path(local, name).write_bytes(data)
+        if rank == 0:
+            entries = {}
+            for r in range(world):
+                for name, data in _files_of(r).items():
+                    crc = Crc32c()
+                    crc.update(data)
+                    entries[name] = FileEntry(size=len(data), crc32c=crc.hexdigest())
+            Path(local, MANIFEST_NAME).write_bytes(Manifest(step=7, epoch=0, world_size=world, files=entries).to_json())
+        dist.barrier()
+        report = replicate(local, dist.group.WORLD)
+        Path(root, f"report{rank}.json").write_text(
+            json.dumps({"sent": report.bytes_sent, "received": report.bytes_received, "holders": report.holders})
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(("world", "ranks_per_node"), [(2, 1), pytest.param(4, 2, marks=pytest.mark.slow)])
+def test_every_file_survives_the_loss_of_any_one_node(tmp_path: Path, world: int, ranks_per_node: int) -> None:
+    mp.start_processes(
+        _worker, args=(world, str(tmp_path / "init"), str(tmp_path), ranks_per_node), nprocs=world, join=True,
+        start_method="spawn",
+    )  # fmt: skip
+    nodes = world // ranks_per_node
+    reports = [json.loads((tmp_path / f"report{r}.json").read_text()) for r in range(world)]
+    share = {r: sum(len(d) for d in _files_of(r).values()) for r in range(world)}
+    for r, rep in enumerate(reports):
+        assert rep["sent"] == share[r]  # each rank sends exactly its own share: the floor
+    assert sum(rep["received"] for rep in reports) == sum(share.values())
+    all_files = {n: d for r in range(world) for n, d in _files_of(r).items()}
+    assert all(len(v) == 2 for v in reports[0]["holders"].values())
+    assert set(reports[0]["holders"]) == set(all_files)
+    for lost in range(nodes):  # any one node's disk gone: the others hold every file, bit for bit
+        union: dict[str, bytes] = {}
+        for node in range(nodes):
+            if node != lost:
+                d = tmp_path / f"node{node}" / "step-0000000007"
+                union.update({p.name: p.read_bytes() for p in d.iterdir() if p.name != MANIFEST_NAME})
+        assert union == all_files
+    if nodes == 2:  # either survivor alone holds a complete, committed checkpoint
+        for node in range(2):
+            assert [c.step for c in complete_local_checkpoints(str(tmp_path / f"node{node}"))] == [7]
