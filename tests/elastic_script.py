@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-sleep", type=float, default=0.05)
     p.add_argument("--local-dirpath", default=None)
     p.add_argument("--grace", type=float, default=30.0)
+    p.add_argument("--replica", action="store_true", help="add PeerReplica (two tiers across nodes)")
     args = p.parse_args(argv)
     if os.environ.get("LP_CHAOS_DIR"):
         import chaos_fs  # noqa: F401  (registers chaos://: a remote the test can slow down)
@@ -109,11 +110,16 @@ def main(argv: list[str] | None = None) -> int:
         lease_timeout_s=20,
     )
     status = Status(args.status, args.name)
+    callbacks: list[Callback] = [cb, status]
+    if args.replica:
+        from lightning_preempt.replica_callback import PeerReplica
+
+        callbacks.append(PeerReplica())
     trainer = L.Trainer(
         max_steps=args.max_steps,
         accelerator="cpu",
         strategy="ddp",
-        callbacks=[cb, status],
+        callbacks=callbacks,
         plugins=[ShardedAsyncCheckpointIO()],
         logger=False,
         enable_progress_bar=False,

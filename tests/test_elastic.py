@@ -134,26 +134,17 @@ def test_plain_torchrun_reports_a_preempted_node_as_exit_1(cluster_factory: type
     assert c.wait("A") == 0
 
 
-@pytest.mark.slow
-def test_two_tier_node_loss_with_a_slow_remote_falls_back_to_the_bucket(
-    cluster_factory: type[Cluster], tmp_path: Path
-) -> None:
-    """Separate node-local tiers, the leaving node's tier wiped, a remote too slow to take the
-    snapshot within the grace period: without a peer replica (docs/peer-replica.md) the
-    snapshot is lost and the survivor resumes from the newest checkpoint in the bucket.
-
-    This pins today's limit (docs/elastic.md, "Two tiers across nodes"); with the replica the
-    resumed step must become the snapshot's."""
+def _two_tier_node_loss(cluster_factory: type[Cluster], tmp_path: Path, *, replica: bool) -> tuple[Cluster, int]:
+    """Separate node-local tiers; the remote slows down so that no upload finishes within the
+    6 s grace; SIGTERM to node B, whose disk is then wiped. Returns the cluster and the step
+    of the snapshot (both ranks exited 143 at it)."""
     import shutil
 
     from chaos_fs import clear_faults, set_fault
 
-    from lightning_preempt import ShardedAsyncCheckpointIO
-
     chaos = tmp_path / "chaos"
-    c = cluster_factory(
-        nnodes="1:2", url_prefix="chaos://", script_args=("--max-steps", "25", "--every", "10", "--grace", "6")
-    )
+    args = ("--max-steps", "25", "--every", "10", "--grace", "6", *(("--replica",) if replica else ()))
+    c = cluster_factory(nnodes="1:2", url_prefix="chaos://", script_args=args)
     env = {"LP_CHAOS_DIR": str(chaos)}
     c.start("A", env=env, extra=("--local-dirpath", str(tmp_path / "local-A")))
     c.start("B", env=env, extra=("--local-dirpath", str(tmp_path / "local-B")))
@@ -167,10 +158,23 @@ def test_two_tier_node_loss_with_a_slow_remote_falls_back_to_the_bucket(
     shutil.rmtree(tmp_path / "local-B")  # the node is gone, and its disk with it
     clear_faults(chaos)
     assert c.wait("A") == 0, c.log("A")
-
     (b_exit,) = c.records("B", "exit")
     snapshot = b_exit["step"]
-    assert b_exit["code"] == 143 and c.records("A", "exit")[0]["step"] == snapshot
+    a_exit = c.records("A", "exit")[0]
+    assert b_exit["code"] == 143 and a_exit["code"] == 143 and a_exit["step"] == snapshot
+    return c, snapshot
+
+
+@pytest.mark.slow
+def test_two_tier_node_loss_with_a_slow_remote_falls_back_to_the_bucket(
+    cluster_factory: type[Cluster], tmp_path: Path
+) -> None:
+    """Without a peer replica the snapshot is lost with the node and the survivor resumes from
+    the newest checkpoint in the bucket: today's limit of plain two tiers across nodes
+    (docs/elastic.md, "Two tiers across nodes"), the comparison for the replica below."""
+    from lightning_preempt import ShardedAsyncCheckpointIO
+
+    c, snapshot = _two_tier_node_loss(cluster_factory, tmp_path, replica=False)
     after = c.records("A", "start")[-1]
     assert after["world_size"] == 1
     resumed = after["start_step"]
@@ -181,3 +185,20 @@ def test_two_tier_node_loss_with_a_slow_remote_falls_back_to_the_bucket(
     # The survivor's own disk held the snapshot only in part (its rank's files).
     local = tmp_path / "local-A" / f"step-{snapshot:010d}"
     assert not local.exists() or not (local / "__1_0.distcp").exists()
+
+
+@pytest.mark.slow
+def test_two_tier_node_loss_with_the_peer_replica_loses_no_step(cluster_factory: type[Cluster], tmp_path: Path) -> None:
+    """With ``PeerReplica`` the leaving node's share reached the survivor's disk before the
+    exit: the survivor resumes from its own local tier at the snapshot (0 steps lost, bitwise)
+    and its upload-on-start drains the snapshot to the bucket."""
+    from lightning_preempt.tiers import complete_local_checkpoints
+
+    c, snapshot = _two_tier_node_loss(cluster_factory, tmp_path, replica=True)
+    after = c.records("A", "start")[-1]
+    assert after["world_size"] == 1
+    assert after["start_step"] == snapshot  # 0 steps lost
+    assert after["weights"] == c.records("B", "exit")[0]["weights"]  # bitwise: the snapshot
+    assert snapshot in [ck.step for ck in complete_local_checkpoints(str(tmp_path / "local-A"))]
+    assert snapshot in _committed(c.dirpath)  # drained to the bucket from the survivor
+    assert "replicated step" in c.log("B") or "replicated step" in c.log("A")
