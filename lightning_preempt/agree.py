@@ -82,19 +82,29 @@ class Outcome:
             path=getattr(err, "path", None) if isinstance(getattr(err, "path", None), str) else None,
         )
 
-    def to_error(self, what: str = "") -> errors.CheckpointError:
-        """The exception every rank raises for this outcome."""
+    def to_error(
+        self, what: str = "", *, foreign: type[errors.CheckpointError] | None = None, hint: str | None = None
+    ) -> errors.CheckpointError:
+        """The exception every rank raises for this outcome.
+
+        Args:
+            what: the step that failed, for the message ("committing the manifest").
+            foreign: the class for an error that is not one of ours (an ``OSError`` from the
+                storage…); default :class:`RankFailedError`.
+            hint: the HINT when the error carries none.
+        """
         prefix = f"{what} failed on rank {self.rank}: " if what else ""
         cls = _our_error_class(self.error_type)
         if cls is not None:
-            return cls(prefix + self.message, path=self.path, hint=self.hint)
+            return cls(prefix + self.message, path=self.path, hint=self.hint or hint)
         short = self.error_type.rsplit(".", 1)[-1]
-        return RankFailedError(
+        error = (foreign or RankFailedError)(
             f"{prefix or f'rank {self.rank}: '}{short}: {self.message}",
             path=self.path,
-            hint=self.hint or "See the error above; every rank stopped at the same point, nothing hangs.",
-            error_type=self.error_type,
+            hint=self.hint or hint or "See the error above; every rank stopped at the same point, nothing hangs.",
         )
+        error.error_type = self.error_type  # type: ignore[attr-defined]
+        return error
 
 
 def _our_error_class(qualified: str) -> type[errors.CheckpointError] | None:
@@ -112,8 +122,16 @@ def _our_error_class(qualified: str) -> type[errors.CheckpointError] | None:
     return None
 
 
-def decide(fn: Callable[[], T], group: pdist.ProcessGroup | None, *, what: str = "") -> T:
-    """Run ``fn`` on rank 0 of ``group``; every rank returns its result or raises its error.
+def decide(
+    fn: Callable[[], T],
+    group: pdist.ProcessGroup | None,
+    *,
+    what: str = "",
+    foreign: type[errors.CheckpointError] | None = None,
+    hint: str | None = None,
+) -> T:
+    """Run ``fn`` on rank 0 of ``group``; every rank returns its result or raises its error
+    (see :meth:`Outcome.to_error` for ``what``, ``foreign`` and ``hint``).
 
     Collective: every rank of ``group`` calls it, in the same order as its other collectives.
     """
@@ -127,10 +145,17 @@ def decide(fn: Callable[[], T], group: pdist.ProcessGroup | None, *, what: str =
     assert outcome is not None
     if outcome.ok:
         return outcome.value  # type: ignore[no-any-return]
-    raise outcome.to_error(what) from local_error
+    raise outcome.to_error(what, foreign=foreign, hint=hint) from local_error
 
 
-def agree(fn: Callable[[], T], group: pdist.ProcessGroup | None, *, what: str = "") -> list[T]:
+def agree(
+    fn: Callable[[], T],
+    group: pdist.ProcessGroup | None,
+    *,
+    what: str = "",
+    foreign: type[errors.CheckpointError] | None = None,
+    hint: str | None = None,
+) -> list[T]:
     """Run ``fn`` on every rank; return every rank's value, or raise the first failing rank's
     error on every rank (the message names all ranks that failed).
 
@@ -145,4 +170,4 @@ def agree(fn: Callable[[], T], group: pdist.ProcessGroup | None, *, what: str = 
     first = failed[0]
     if len(failed) > 1:
         first = dataclasses.replace(first, message=f"{first.message} (ranks that failed: {[o.rank for o in failed]})")
-    raise first.to_error(what) from (local_error if first.rank == rank else None)
+    raise first.to_error(what, foreign=foreign, hint=hint) from (local_error if first.rank == rank else None)

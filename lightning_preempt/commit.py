@@ -28,15 +28,23 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from lightning_preempt import agree
 from lightning_preempt import dist as pdist
 from lightning_preempt.checksum import Crc32c
 from lightning_preempt.dcp_storage import ChecksummingWriter
-from lightning_preempt.errors import CheckpointExistsError, CheckpointWriteError
-from lightning_preempt.layout import WritePlan, finish_write, plan_write
+from lightning_preempt.errors import CheckpointWriteError
+from lightning_preempt.layout import finish_write, plan_write
 from lightning_preempt.manifest import MANIFEST_NAME, FileEntry, Manifest
 from lightning_preempt.storage import Store
 
 STATE_FILE = "state-rank{rank:05d}.pt"
+
+_STORAGE_HINT = (
+    "Check that the storage is reachable, writable and has space; earlier committed checkpoints are "
+    "untouched and training can resume from them."
+)
+#: a storage error on rank 0 becomes the same CheckpointWriteError on every rank
+_FAILED: dict[str, Any] = {"foreign": CheckpointWriteError, "hint": _STORAGE_HINT}
 
 # dcp.save(no_dist=True) still warns that it assumes a single process: that is our intent.
 warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized")
@@ -72,7 +80,7 @@ def write_checkpoint(
     rank, world = pdist.rank(group) if group else 0, pdist.world_size(group) if group else 1
     started = time.perf_counter()
 
-    plan = _agreed_plan(root, rank, group)
+    plan = agree.decide(lambda: plan_write(root), group, what="preparing the checkpoint path", **_FAILED)
     store = plan.data(root)
     _agree_or_raise(_attempt(store.makedirs), group, root, "creating the checkpoint directory")
 
@@ -106,44 +114,20 @@ def write_checkpoint(
         extra={**request.extra, **plan.manifest_extra},
         run_id=request.run_id,
     )
-    # Commit metadata only after all ranks completed writing (the gather above).
+    # Commit metadata only after all ranks completed writing (the gather above). Rank 0
+    # commits; every rank gets its outcome. A CheckpointExistsError (the create-only commit
+    # found another writer's manifest: theirs stands) is raised as such on every rank.
     target = plan.commit_store(root)
-    commit_error = (
-        _attempt(lambda: target.commit_bytes(MANIFEST_NAME, manifest.to_json(), exclusive=plan.exclusive))
-        if rank == 0
-        else None
-    )
-    if rank == 0 and commit_error is None and plan.mode == "beside":
-        # The new checkpoint is committed beside the path; it is saved once it is *at* it.
-        commit_error = _attempt(lambda: finish_write(root, plan))
-    commit_error = pdist.broadcast_object(commit_error, group)
-    if commit_error is not None and commit_error.startswith(
-        f"{CheckpointExistsError.__module__}.CheckpointExistsError"
-    ):
-        # The create-only commit found another writer's manifest: their checkpoint stands.
-        raise CheckpointExistsError(
-            f"committing the manifest failed: {commit_error.split(': ', 1)[-1].splitlines()[0]}",
-            path=root.url,
-            hint="Another writer committed this path first; save each checkpoint to a new path.",
-        )
-    _agree_or_raise([commit_error], None, root, "committing the manifest")
+
+    def commit() -> None:
+        target.commit_bytes(MANIFEST_NAME, manifest.to_json(), exclusive=plan.exclusive)
+        if plan.mode == "beside":  # committed beside the path; it is saved once it is *at* it
+            finish_write(root, plan)
+
+    agree.decide(commit, group, what="committing the manifest", **_FAILED)
     if rank == 0 and plan.mode != "beside":
         finish_write(root, plan)  # only deletes what was replaced; logs its own failures
     return manifest
-
-
-def _agreed_plan(root: Store, rank: int, group: pdist.ProcessGroup | None) -> WritePlan:
-    """Rank 0 looks at the path and decides; every rank gets the same plan (or error)."""
-    outcome: tuple[WritePlan | None, str | None] = (None, None)
-    if rank == 0:
-        try:
-            outcome = (plan_write(root), None)
-        except Exception as err:
-            outcome = (None, "".join(traceback.format_exception_only(type(err), err)).strip())
-    plan, error = pdist.broadcast_object(outcome, group)
-    _agree_or_raise([error], None, root, "preparing the checkpoint path")
-    assert plan is not None
-    return plan
 
 
 def _dcp_failures(err: CheckpointException) -> str:
