@@ -79,12 +79,68 @@ def join(tmp: Path) -> dict[str, float | int | str]:
         c.close()
 
 
+def two_tier_leave(tmp: Path, *, replica: bool, width: int) -> dict[str, float | int | str]:
+    """Node-local tiers per node, a remote slower than the grace period, the leaving node's
+    disk wiped: the snapshot survives only through the peer replica."""
+    import re
+    import shutil
+
+    from chaos_fs import clear_faults, set_fault
+
+    from lightning_preempt.replica import writer_of
+
+    chaos = tmp / "chaos"
+    args = ("--max-steps", "25", "--every", "10", "--grace", "6", "--width", str(width))
+    c = Cluster(tmp, nnodes="1:2", url_prefix="chaos://", script_args=(*args, *(("--replica",) if replica else ())))
+    env = {"LP_CHAOS_DIR": str(chaos)}
+    try:
+        c.start_store()
+        c.start("A", env=env, extra=("--local-dirpath", str(tmp / "local-A")))
+        c.start("B", env=env, extra=("--local-dirpath", str(tmp / "local-B")))
+        c.wait_step("B", 12)
+        set_fault(chaos, "write", hang_s=12)  # every upload now outlasts the grace period
+        t0 = time.time()
+        c.preempt("B")
+        rc_b = c.wait("B")
+        snapshot_dir = tmp / "local-B" / f"step-{c.records('B', 'exit')[0]['step']:010d}"
+        share = sum(p.stat().st_size for p in snapshot_dir.iterdir() if writer_of(p.name) == 1)
+        shutil.rmtree(tmp / "local-B")
+        clear_faults(chaos)
+        rc_a = c.wait("A")
+        (b_exit,) = c.records("B", "exit")
+        after = c.records("A", "start")[-1]
+        sent = re.findall(r"replicated step \d+ to a peer node: sent (\d+) B.*in ([0-9.]+)s", c.log("B"))
+        row: dict[str, float | int | str] = {
+            "event": f"node leaves, two tiers, {'peer replica' if replica else 'no replica'}",
+            "snapshot step": b_exit["step"],
+            "resumed step": after["start_step"],
+            "steps lost": b_exit["step"] - after["start_step"],
+            "world after": after["world_size"],
+            "leaving worker exited (s)": b_exit["time"] - t0,
+            "training again (s)": after["time"] - t0,
+            "exit codes": f"leaving agent {rc_b}, survivor {rc_a} (end)",
+            "leaving rank's share (B)": share,
+            "sent to the peer (B)": int(sent[-1][0]) if sent else 0,
+            "replica time (s)": float(sent[-1][1]) if sent else 0.0,
+        }
+        return row
+    finally:
+        c.close()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--two-tier", action="store_true", help="node loss with local tiers, with and without the replica")
+    p.add_argument("--width", type=int, default=200_000, help="--two-tier: model width (state ~ 40 x width bytes)")
     args = p.parse_args()
     rows = []
     for _ in range(args.rounds):
+        if args.two_tier:
+            for replica in (False, True):
+                with tempfile.TemporaryDirectory() as d:
+                    rows.append(two_tier_leave(Path(d), replica=replica, width=args.width))
+            continue
         for fn in (leave, join):
             with tempfile.TemporaryDirectory() as d:
                 rows.append(fn(Path(d)))

@@ -94,12 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--local-dirpath", default=None)
     p.add_argument("--grace", type=float, default=30.0)
     p.add_argument("--replica", action="store_true", help="add PeerReplica (two tiers across nodes)")
+    p.add_argument("--width", type=int, default=16, help="hidden width: the state is ~40 x width bytes")
     args = p.parse_args(argv)
     if os.environ.get("LP_CHAOS_DIR"):
         import chaos_fs  # noqa: F401  (registers chaos://: a remote the test can slow down)
 
     L.seed_everything(0, workers=True)
-    model = TinyModel(width=16, step_sleep=args.step_sleep)
+    model = TinyModel(width=args.width, step_sleep=args.step_sleep)
     cb = PreemptionCallback(
         args.dirpath,
         every_n_train_steps=args.every,
