@@ -112,3 +112,22 @@ def dcp_format_version() -> str | None:
     from torch.distributed.checkpoint import filesystem
 
     return getattr(filesystem, "CURRENT_DCP_VERSION", None)
+
+
+# ---- torchmetrics (metric states are not in state_dict) ---------------------------------
+# torchmetrics 1.x: `Metric._defaults` names the state attributes, `_update_count` counts
+# updates (compute() warns at 0) and `_computed` caches compute()'s result.
+def metric_state_names(metric: Any) -> list[str] | None:
+    """The state attributes of a torchmetrics ``Metric`` (``None``: not one we know)."""
+    defaults = getattr(metric, "_defaults", None)
+    return list(defaults) if isinstance(defaults, dict) else None
+
+
+def metric_update_count(metric: Any) -> int:
+    return int(getattr(metric, "_update_count", 0))
+
+
+def set_metric_update_count(metric: Any, count: int) -> None:
+    """Set the update count and drop the cached ``compute()`` result (it was for other states)."""
+    metric._update_count = count
+    metric._computed = None

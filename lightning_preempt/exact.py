@@ -309,10 +309,11 @@ def metric_states(module: torch.nn.Module) -> dict[str, dict[str, Any]]:
         return {}
     out: dict[str, dict[str, Any]] = {}
     for name, m in module.named_modules():
-        if isinstance(m, Metric):
+        names = _compat.metric_state_names(m) if isinstance(m, Metric) else None
+        if names is not None:
             out[name] = {
-                "states": {attr: _clone(getattr(m, attr)) for attr in m._defaults},
-                "update_count": m._update_count,
+                "states": {attr: _clone(getattr(m, attr)) for attr in names},
+                "update_count": _compat.metric_update_count(m),
             }
     return out
 
@@ -323,14 +324,13 @@ def load_metric_states(module: torch.nn.Module, saved: dict[str, dict[str, Any]]
     missing = []
     for name, entry in saved.items():
         m = modules.get(name)
-        if m is None or not hasattr(m, "_defaults"):
+        if m is None or _compat.metric_state_names(m) is None:
             missing.append(name)
             continue
         device = getattr(m, "device", torch.device("cpu"))
         for attr, value in entry["states"].items():
             setattr(m, attr, _to(value, device))
-        m._update_count = entry["update_count"]
-        m._computed = None
+        _compat.set_metric_update_count(m, entry["update_count"])
     return missing
 
 

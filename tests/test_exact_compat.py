@@ -60,6 +60,20 @@ def test_trainer_internals_used_by_exact_resume(tmp_path: Path) -> None:
     assert hasattr(trainer.fit_loop.epoch_progress.current, "processed")
 
 
+def test_torchmetrics_internals_used_by_exact_resume() -> None:
+    import torchmetrics
+
+    from lightning_preempt import _compat
+
+    metric = torchmetrics.MeanSquaredError()
+    assert _compat.metric_state_names(metric) == ["sum_squared_error", "total"]
+    metric(torch.ones(2), torch.zeros(2))
+    assert _compat.metric_update_count(metric) == 1
+    _compat.set_metric_update_count(metric, 3)
+    assert _compat.metric_update_count(metric) == 3 and metric._computed is None
+    assert _compat.metric_state_names(torch.nn.Linear(1, 1)) is None
+
+
 @pytest.mark.objectstore
 def test_s3_conditional_put_is_create_only() -> None:
     """The fsspec/s3fs floors: ``pipe_file(mode="create")`` sends ``If-None-Match: *``, so a
