@@ -3,11 +3,13 @@
 Lightning restores weights, optimizers (AMP scaler included, via the precision plugin),
 LR schedulers and loop counters. It does *not* save:
 
-* RNG states (Python ``random``, NumPy, torch CPU and CUDA): dropout and augmentations
-  after a resume differ from the uninterrupted run.
+* RNG states (Python ``random``, NumPy, torch CPU and CUDA) and the states of the
+  loaders' own ``torch.Generator`` objects: dropout, augmentations and the shuffling of
+  later epochs differ from the uninterrupted run.
 * the position in the epoch of a plain ``DataLoader``: a mid-epoch resume restarts the
-  epoch's data from its first batch while the batch counter goes on. (torchdata's
-  ``StatefulDataLoader`` is saved by Lightning itself; we leave it alone.)
+  epoch's data from its first batch while the batch counter goes on. (Lightning saves a
+  torchdata ``StatefulDataLoader``'s position; we restore its generators after it, and its
+  ``DistributedSampler`` epoch: docs/exact-resume.md.)
 * the state of ``torchmetrics`` metrics (their states are not ``persistent``) and the
   running ``on_epoch`` aggregates of ``self.log``.
 
