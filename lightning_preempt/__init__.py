@@ -30,6 +30,7 @@ if TYPE_CHECKING:
         UntrustedCheckpointError,
     )
     from lightning_preempt.reader import verify_checkpoint
+    from lightning_preempt.replica_callback import PeerReplica
 
 __version__ = "0.1.0"
 
@@ -49,6 +50,7 @@ _WHERE = {
     "UnsupportedFormatError": "errors",
     "UntrustedCheckpointError": "errors",
     "verify_checkpoint": "reader",
+    "PeerReplica": "replica_callback",
 }
 
 __all__ = [
@@ -59,6 +61,7 @@ __all__ = [
     "CheckpointWriteError",
     "CorruptCheckpointError",
     "NotACheckpointError",
+    "PeerReplica",
     "Preempted",
     "PreemptionCallback",
     "ShardedAsyncCheckpointIO",
