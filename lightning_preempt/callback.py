@@ -200,6 +200,9 @@ class PreemptionCallback(OnExceptionCheckpoint):
         self._last_seen_step: int | None = None
         self._save_kind = "periodic"
         self._restored_state: dict[str, Any] | None = None
+        #: Called on every rank as ``hook(trainer, step)`` after the emergency snapshot
+        #: committed and before the drain gets the rest of the grace period (PeerReplica).
+        self.snapshot_hooks: list[Any] = []
 
     # ---- views kept for users and tools -----------------------------------------------
     @property
@@ -546,6 +549,8 @@ class PreemptionCallback(OnExceptionCheckpoint):
             self.controller.mark(f"staged step {step}")
             self._wait_agreed(trainer)
             self.controller.mark(f"committed step {step}")
+            for hook in list(self.snapshot_hooks):
+                hook(trainer, step)
 
         def drain(budget: float) -> str:
             return self._drain_within_grace(trainer, io, step, budget)

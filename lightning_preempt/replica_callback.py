@@ -5,12 +5,13 @@ preemption snapshot committed on the node-local tiers, every rank copies its sha
 rank on another node before the process exits, so the survivors hold the snapshot even
 when the leaving node's disk goes and its upload did not finish (docs/peer-replica.md).
 
-Where it runs: in ``on_exception`` of the :class:`~lightning_preempt.controller.Preempted`
-that every rank raises at the same step after the snapshot. Lightning calls the
-``on_exception`` hooks of non-checkpoint callbacks before those of checkpoint callbacks,
-so this runs before :class:`PreemptionCallback` releases its groups. It therefore runs
-after the callback's drain has used its part of the grace period; moving it before the
-drain needs a hook in the emergency sequence (docs/peer-replica.md, "Left to build").
+Where it runs: :class:`PreemptionCallback` calls its ``snapshot_hooks`` on every rank
+after the emergency snapshot committed and *before* the drain to the bucket gets the rest
+of the grace period; this callback registers there in ``setup``. (Should a
+``PreemptionCallback`` lack the hook, the replica runs in ``on_exception`` of the
+:class:`~lightning_preempt.controller.Preempted` every rank raises: Lightning calls the
+hooks of non-checkpoint callbacks first, so the groups still exist; the drain has then
+used its budget already.)
 """
 
 from __future__ import annotations
@@ -45,17 +46,31 @@ class PeerReplica(Callback):
         self.timeout_s = timeout_s
         self.reports: list[ReplicaReport] = []
         self._group: Any = None
+        self._hooked: Any = None  # the PreemptionCallback whose snapshot_hooks hold ours
+        self._done_step: int | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()  # the group and the registration belong to one fit
+        state["_group"] = None
+        state["_hooked"] = None
+        return state
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit" and pdist.is_distributed():
-            self._group = pdist.new_gloo_group(timeout_s=self.timeout_s)  # collective: every rank
+        if stage != "fit" or not pdist.is_distributed():
+            return
+        self._group = pdist.new_gloo_group(timeout_s=self.timeout_s)  # collective: every rank
+        self._done_step = None
+        cb = self._preemption_callback(trainer)
+        if cb is not None and isinstance(getattr(cb, "snapshot_hooks", None), list):
+            cb.snapshot_hooks.append(self._after_snapshot)
+            self._hooked = cb
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         try:
-            if isinstance(exception, Preempted) and self._group is not None:
-                self._replicate(trainer)
+            if isinstance(exception, Preempted) and self._group is not None and self._done_step is None:
+                self._replicate(trainer, trainer.global_step)
         finally:
             self._release()
 
@@ -64,21 +79,30 @@ class PeerReplica(Callback):
         self._release()
 
     def _release(self) -> None:
+        if self._hooked is not None:
+            with contextlib.suppress(ValueError):
+                self._hooked.snapshot_hooks.remove(self._after_snapshot)
+            self._hooked = None
         group, self._group = self._group, None
         pdist.destroy_group(group)
 
-    def _local_root(self, trainer: pl.Trainer) -> str | None:
+    def _after_snapshot(self, trainer: pl.Trainer, step: int) -> None:
+        if self._group is not None:
+            self._replicate(trainer, step)
+            self._done_step = step
+
+    @staticmethod
+    def _preemption_callback(trainer: pl.Trainer) -> Any:
         for cb in trainer.callbacks:  # type: ignore[attr-defined]
-            local = getattr(cb, "local_dirpath", None)
-            if local is not None and hasattr(cb, "controller"):
-                return str(local)
+            if hasattr(cb, "controller") and hasattr(cb, "local_dirpath"):
+                return cb
         return None
 
-    def _replicate(self, trainer: pl.Trainer) -> None:
-        root = self._local_root(trainer)
+    def _replicate(self, trainer: pl.Trainer, step: int) -> None:
+        cb = self._preemption_callback(trainer)
+        root = getattr(cb, "local_dirpath", None)
         if root is None:
             return  # one shared dirpath: every node already reads every file
-        step = trainer.global_step
 
         def snapshot_name() -> str | None:
             mine = [c for c in list_checkpoints(root, {}) if c.committed and c.step == step]
