@@ -17,6 +17,7 @@ Nothing here imports Lightning (``replica_callback.py`` wires it into a Trainer)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -24,14 +25,20 @@ import re
 import socket
 import time
 import uuid
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from lightning_preempt import agree
 from lightning_preempt import dist as pdist
 from lightning_preempt.checksum import Crc32c
+from lightning_preempt.discovery import list_checkpoints
+from lightning_preempt.drain import CHUNK_SIZE, _copy_files
 from lightning_preempt.errors import CheckpointError
-from lightning_preempt.manifest import MANIFEST_NAME, Manifest, parse_manifest
+from lightning_preempt.manifest import MANIFEST_NAME, Manifest, is_checkpoint_file_name, parse_manifest
+from lightning_preempt.ownership import dir_step
+from lightning_preempt.storage import Store
 
 log = logging.getLogger(__name__)
 
@@ -233,3 +240,91 @@ def _transfer(
     except OSError as err:
         return sent, [], f"{type(err).__name__}: {err}"
     return sent, sorted(incoming), None
+
+
+# ---- after a resize: the survivors complete the checkpoint in the bucket ----------------------
+def _local_holdings(local_root: str, floor: int) -> dict[str, dict[str, object]]:
+    """This rank's view of its local tier: for each of our checkpoint dirs newer than
+    ``floor``, the manifest bytes (if here) and the sizes of the checkpoint files here."""
+    out: dict[str, dict[str, object]] = {}
+    try:
+        names = os.listdir(local_root)
+    except FileNotFoundError:
+        return out
+    for name in names:
+        step = dir_step(name)
+        path = os.path.join(local_root, name)
+        if step is None or step <= floor or not os.path.isdir(path):
+            continue
+        files = {}
+        for entry in os.listdir(path):
+            if is_checkpoint_file_name(entry):
+                with contextlib.suppress(OSError):
+                    files[entry] = os.path.getsize(os.path.join(path, entry))
+        out[name] = {"step": step, "manifest": _read_manifest(path), "files": files}
+    return out
+
+
+def plan_union(holdings: list[dict[str, dict[str, object]]]) -> tuple[str, bytes, dict[str, int]] | None:
+    """The newest checkpoint whose files the ranks hold *together* (sizes as in its
+    manifest): ``(dir name, manifest bytes, {file: the lowest rank that holds it})``.
+    Pure: every rank computes the same plan from the same gathered holdings."""
+    names = sorted({n for h in holdings for n in h}, key=lambda n: -int(dir_step(n) or -1))
+    for name in names:
+        raw = next((h[name]["manifest"] for h in holdings if name in h and h[name]["manifest"]), None)
+        if not isinstance(raw, bytes):
+            continue  # no rank holds its manifest: it was never committed
+        try:
+            manifest = parse_manifest(raw, path=name)
+        except CheckpointError:
+            continue
+        assignment: dict[str, int] = {}
+        for file, entry in manifest.files.items():
+            holders = [r for r, h in enumerate(holdings) if name in h and h[name]["files"].get(file) == entry.size]  # type: ignore[attr-defined]
+            if not holders:
+                break
+            assignment[file] = holders[0]
+        else:
+            return name, raw, assignment
+    return None
+
+
+def complete_from_peers(
+    local_root: str, remote_url: str, remote_options: dict[str, Any], group: dist.ProcessGroup | None
+) -> int | None:
+    """Upload to ``remote_url`` the newest checkpoint that is in no single local tier but in
+    the ranks' local tiers together (the peer replica's copies included); returns its step.
+
+    For a restart after a node left (more than two nodes: no survivor holds every file).
+    Each file is uploaded by the lowest rank that holds it; rank 0 commits the manifest
+    last, create-only, after every rank's uploads landed. Collective over ``group``.
+    """
+    remote = Store(remote_url, remote_options)
+
+    def remote_floor() -> int:
+        committed = [c.step for c in list_checkpoints(remote_url, remote_options) if c.committed]
+        return max(committed, default=-1)
+
+    floor = agree.decide(remote_floor, group, what="listing the remote tier")
+    plan = plan_union(pdist.all_gather_objects(_local_holdings(local_root, floor), group))
+    if plan is None:
+        return None
+    name, raw, assignment = plan
+    manifest = parse_manifest(raw, path=name)
+    me = pdist.rank(group)
+    src, dst = Store(os.path.join(local_root, name)), remote.child(name)
+    mine = [f for f, r in assignment.items() if r == me]
+    err: str | None = None
+    try:
+        dst.makedirs()
+        _copy_files(src, dst, manifest, max_workers=4, progress=None, chunk_size=CHUNK_SIZE, names=mine)
+    except Exception as exc:
+        err = f"{type(exc).__name__}: {exc}"
+    failed = [(r, e) for r, e in enumerate(pdist.all_gather_objects(err, group)) if e is not None]
+    if failed:
+        raise ReplicaError(f"uploading {name} from the survivors failed on rank {failed[0][0]}: {failed[0][1]}",
+                           path=dst.url, hint="Nothing was committed there; the local copies stay.")  # fmt: skip
+    agree.decide(lambda: dst.commit_bytes(MANIFEST_NAME, raw), group, what="committing the survivors' upload")
+    log.warning("lightning_preempt: %s (step %d) completed in %s from the survivors' local tiers",
+                name, manifest.step, remote_url)  # fmt: skip
+    return manifest.step

@@ -29,7 +29,7 @@ from lightning_preempt import agree
 from lightning_preempt import dist as pdist
 from lightning_preempt.controller import Preempted
 from lightning_preempt.discovery import list_checkpoints
-from lightning_preempt.replica import ReplicaReport, replicate
+from lightning_preempt.replica import ReplicaReport, complete_from_peers, replicate
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,20 @@ class PeerReplica(Callback):
         if cb is not None and isinstance(getattr(cb, "snapshot_hooks", None), list):
             cb.snapshot_hooks.append(self._after_snapshot)
             self._hooked = cb
+        if cb is not None and getattr(cb, "local_dirpath", None) is not None:
+            self._complete_from_peers(cb)
+
+    def _complete_from_peers(self, cb: Any) -> None:
+        """Before the callback chooses what to resume from (its ``setup`` runs after ours:
+        Lightning orders checkpoint callbacks last): a snapshot that no single survivor holds
+        but the survivors do together is uploaded to ``dirpath`` (replica.complete_from_peers)."""
+        try:
+            step = complete_from_peers(str(cb.local_dirpath), cb.dirpath, cb.storage_options, self._group)
+        except Exception as err:  # resume then falls back to what the tiers hold
+            log.error("lightning_preempt: completing a checkpoint from the survivors' local tiers failed: %s", err)
+            return
+        if step is not None:
+            log.warning("lightning_preempt: step %d is complete in %s again (from the survivors)", step, cb.dirpath)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from lightning_preempt.checksum import Crc32c
 from lightning_preempt.manifest import MANIFEST_NAME, FileEntry, Manifest
-from lightning_preempt.replica import placement, replicate
+from lightning_preempt.replica import complete_from_peers, placement, plan_union, replicate
 from lightning_preempt.tiers import complete_local_checkpoints
 
 
@@ -90,3 +90,67 @@ def test_every_file_survives_the_loss_of_any_one_node(tmp_path: Path, world: int
     if nodes == 2:  # either survivor alone holds a complete, committed checkpoint
         for node in range(2):
             assert [c.step for c in complete_local_checkpoints(str(tmp_path / f"node{node}"))] == [7]
+
+
+def test_plan_union_takes_the_newest_checkpoint_the_ranks_hold_together() -> None:
+    crc = Crc32c()
+    files = {"__0_0.distcp": FileEntry(10, crc.hexdigest()), "__1_0.distcp": FileEntry(20, crc.hexdigest())}
+    raw = Manifest(step=9, epoch=0, world_size=2, files=files).to_json()
+    newer = {"step-0000000011": {"manifest": None, "files": {"__0_0.distcp": 10}}}  # never committed
+    ranks = [
+        {**newer, "step-0000000009": {"manifest": raw, "files": {"__0_0.distcp": 10}}},
+        {"step-0000000009": {"manifest": None, "files": {"__0_0.distcp": 10, "__1_0.distcp": 20}}},
+    ]
+    assert plan_union(ranks) == ("step-0000000009", raw, {"__0_0.distcp": 0, "__1_0.distcp": 1})  # type: ignore[arg-type]
+    ranks[1]["step-0000000009"]["files"] = {"__1_0.distcp": 19}  # a short copy does not count
+    assert plan_union(ranks) is None  # type: ignore[arg-type]
+
+
+def _union_worker(rank: int, world: int, init_file: str, root: str) -> None:
+    os.environ.update({"GROUP_RANK": str(rank), "TORCHELASTIC_RUN_ID": "t"})
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        local_root = os.path.join(root, f"node{rank}")
+        local = os.path.join(local_root, "step-0000000007")
+        os.makedirs(local, exist_ok=True)
+        for name, data in _files_of(rank).items():
+            Path(local, name).write_bytes(data)
+        if rank == 0:
+            entries = {}
+            for r in range(world):
+                for name, data in _files_of(r).items():
+                    crc = Crc32c()
+                    crc.update(data)
+                    entries[name] = FileEntry(size=len(data), crc32c=crc.hexdigest())
+            Path(local, MANIFEST_NAME).write_bytes(Manifest(step=7, epoch=0, world_size=world, files=entries).to_json())
+        dist.barrier()
+        replicate(local, dist.group.WORLD)
+        dist.barrier()
+        if rank == world - 1:  # this node is reclaimed: its disk is gone
+            import shutil
+
+            shutil.rmtree(local_root)
+        dist.barrier()
+        step = complete_from_peers(local_root, os.path.join(root, "bucket"), {}, dist.group.WORLD)
+        Path(root, f"union{rank}.json").write_text(json.dumps({"step": step}))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_three_nodes_one_lost_the_survivors_complete_the_checkpoint_in_the_bucket(tmp_path: Path) -> None:
+    """No survivor holds every file after a node of three is lost; together they do, and
+    upload the checkpoint (each file once) so the bucket holds it complete and committed."""
+    from lightning_preempt.reader import verify_checkpoint
+    from lightning_preempt.storage import Store
+
+    world = 3
+    mp.start_processes(_union_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world,
+                       join=True, start_method="spawn")  # fmt: skip
+    assert [json.loads((tmp_path / f"union{r}.json").read_text())["step"] for r in range(world)] == [7, 7, 7]
+    bucket = tmp_path / "bucket" / "step-0000000007"
+    for r in range(world):
+        for name, data in _files_of(r).items():
+            assert (bucket / name).read_bytes() == data
+    verify_checkpoint(Store(str(bucket)))  # committed, every CRC32C as in the manifest
