@@ -112,14 +112,15 @@ def _by_offset(items: list[TensorItem]) -> list[TensorItem]:
 
 
 class _OrderedCrc:
-    """CRC32C of one file whose pieces several threads read at once: each piece is queued
-    under its file offset and hashed in file order by whichever helper task finds the next
-    one ready (``crc32c`` releases the GIL, so hashing overlaps the reads)."""
+    """CRC32C of one range of a file, starting at ``start``: each piece read is queued
+    under its file offset and hashed in order by a helper task (``crc32c`` releases the
+    GIL, so hashing overlaps the reads). Ranges read at once are hashed at once too, and
+    their CRCs combined (:meth:`Crc32c.extend`)."""
 
-    def __init__(self, pool: ThreadPoolExecutor | None) -> None:
+    def __init__(self, pool: ThreadPoolExecutor | None, start: int = 0) -> None:
         self.crc = Crc32c()
         self._pool = pool
-        self._next = 0
+        self._next = start
         self._pending: dict[int, memoryview] = {}
         self._queue_lock = threading.Lock()
         self._hash_lock = threading.Lock()  # one hashing task at a time: the CRC is sequential
@@ -145,12 +146,12 @@ class _OrderedCrc:
                 self.crc.update(view)
                 self._next += view.nbytes
 
-    def hexdigest(self) -> str | None:
+    def finish(self) -> Crc32c | None:
         """The CRC32C of every byte queued, or ``None`` when a piece is missing (a hole)."""
         for task in self._tasks:
             task.result()
         self._drain()
-        return None if self._pending else self.crc.hexdigest()
+        return None if self._pending else self.crc
 
 
 class _Cursor:
@@ -251,12 +252,12 @@ def _read_file(
 ) -> list[torch.Tensor]:
     """Read one shard file in ``parts`` ranges at once (their own file handles), checking
     its size and (``verify``) CRC32C against ``entry``."""
-    crc = _OrderedCrc(crc_pool) if verify else None
     runs = _ranges(items, parts)
     starts = [0] + [run[0].offset for run in runs[1:]]
+    crcs = [_OrderedCrc(crc_pool, start) if verify else None for start in starts]
     try:
         futures = [
-            pool.submit(_read_range, store, name, run, start, i == len(runs) - 1, entry, crc)
+            pool.submit(_read_range, store, name, run, start, i == len(runs) - 1, entry, crcs[i])
             for i, (run, start) in enumerate(zip(runs, starts, strict=True))
         ]
         results = [f.result() for f in futures]
@@ -267,12 +268,12 @@ def _read_file(
     tensors = [t for got, _ in results for t in got]
     total = sum(n for _, n in results)
     contiguous = all(n == (starts[i + 1] - starts[i]) for i, (_, n) in enumerate(results[:-1]))
-    digest = crc.hexdigest() if crc is not None else None
+    digest = _file_digest(crcs) if verify else None
     if not contiguous:  # a run stopped short: report the size the reads found
         total = next(
             starts[i] + n for i, (_, n) in enumerate(results) if i == len(results) - 1 or n != starts[i + 1] - starts[i]
         )
-    check_entry(store, name, entry, total, digest if digest is not None or crc is None else "(a hole)")
+    check_entry(store, name, entry, total, digest)
     if len(tensors) != len(items):  # a short read, reported by check_entry unless the manifest is short too
         raise CorruptCheckpointError(f"file {name!r} ends inside a tensor", path=store.url, hint=_CORRUPT_HINT)
     return tensors
@@ -360,6 +361,20 @@ def _load_archive(archive: bytes, item: TensorItem) -> torch.Tensor:
     return tensor.reshape(item.chunk_sizes)
 
 
+def _file_digest(crcs: list[_OrderedCrc | None]) -> str:
+    """The file's CRC32C from its ranges' (in order); ``"(a hole)"`` if a piece is missing."""
+    whole: Crc32c | None = None
+    for part in crcs:
+        got = part.finish() if part is not None else None
+        if got is None:
+            return "(a hole)"
+        if whole is None:
+            whole = got
+        else:
+            whole.extend(got)
+    return whole.hexdigest() if whole is not None else Crc32c().hexdigest()
+
+
 def check_entry(store: Store, name: str, entry: FileEntry | None, size: int, crc: str | None) -> None:
     """Raise :class:`CorruptCheckpointError` when ``size``/``crc`` disagree with ``entry``."""
     if entry is None:
@@ -443,7 +458,7 @@ def read_tensors(
     chunks: list[torch.Tensor] = []
     with (
         ThreadPoolExecutor(workers, thread_name_prefix="lp-read") as readers,
-        ThreadPoolExecutor(max(1, min(workers, len(order))), thread_name_prefix="lp-crc") as crcs,
+        ThreadPoolExecutor(workers, thread_name_prefix="lp-crc") as crcs,
         ThreadPoolExecutor(max(1, len(order)), thread_name_prefix="lp-file") as files_pool,
     ):
         futures = {

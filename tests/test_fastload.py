@@ -270,3 +270,16 @@ def _metadata(url: str) -> Any:
     from lightning_preempt.safe_load import unpickle_dcp_metadata
 
     return unpickle_dcp_metadata(Path(url, ".metadata").read_bytes(), path=url)
+
+
+@pytest.mark.parametrize(("n1", "n2"), [(0, 5), (5, 0), (1, 1), (1000, 12345), (3 << 20, (1 << 20) + 7)])
+def test_crc_of_two_ranges_combines_to_the_crc_of_the_whole(n1: int, n2: int) -> None:
+    from lightning_preempt.checksum import Crc32c
+
+    a, b = os.urandom(n1), os.urandom(n2)
+    first, second, whole = Crc32c(), Crc32c(), Crc32c()
+    first.update(a)
+    second.update(b)
+    whole.update(a + b)
+    first.extend(second)
+    assert (first.hexdigest(), first.nbytes) == (whole.hexdigest(), whole.nbytes)
