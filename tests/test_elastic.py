@@ -202,3 +202,37 @@ def test_two_tier_node_loss_with_the_peer_replica_loses_no_step(cluster_factory:
     assert snapshot in [ck.step for ck in complete_local_checkpoints(str(tmp_path / "local-A"))]
     assert snapshot in _committed(c.dirpath)  # drained to the bucket from the survivor
     assert "replicated step" in c.log("B") or "replicated step" in c.log("A")
+
+
+@pytest.mark.slow
+def test_three_nodes_two_tier_node_loss_with_the_peer_replica_loses_no_step(
+    cluster_factory: type[Cluster], tmp_path: Path
+) -> None:
+    """3 -> 2 nodes: no survivor's disk holds the whole snapshot, the two together do; they
+    upload it to the bucket before choosing what to resume (replica.complete_from_peers)."""
+    import shutil
+
+    from chaos_fs import clear_faults, set_fault
+
+    chaos = tmp_path / "chaos"
+    args = ("--max-steps", "25", "--every", "10", "--grace", "6", "--replica")
+    c = cluster_factory(nnodes="2:3", url_prefix="chaos://", script_args=args)
+    env = {"LP_CHAOS_DIR": str(chaos)}
+    for name in ("A", "B", "C"):
+        c.start(name, env=env, extra=("--local-dirpath", str(tmp_path / f"local-{name}")))
+    c.wait_step("C", 12)
+    set_fault(chaos, "write", hang_s=12)  # no upload finishes within the grace period
+    c.preempt("C")
+    assert c.wait("C") == 143, c.log("C")
+    shutil.rmtree(tmp_path / "local-C")
+    clear_faults(chaos)
+    assert c.wait("A") == 0 and c.wait("B") == 0, c.log("A")
+
+    (c_exit,) = c.records("C", "exit")
+    snapshot = c_exit["step"]
+    for name in ("A", "B"):
+        first, after = c.records(name, "start")[0], c.records(name, "start")[-1]
+        assert first["world_size"] == 3 and after["world_size"] == 2
+        assert after["start_step"] == snapshot  # 0 steps lost
+        assert after["weights"] == c_exit["weights"]  # bitwise
+    assert snapshot in _committed(c.dirpath)  # completed in the bucket by the survivors
