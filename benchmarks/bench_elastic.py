@@ -79,33 +79,34 @@ def join(tmp: Path) -> dict[str, float | int | str]:
         c.close()
 
 
-def two_tier_leave(tmp: Path, *, replica: bool, width: int) -> dict[str, float | int | str]:
-    """Node-local tiers per node, a remote slower than the grace period, the leaving node's
-    disk wiped: the snapshot survives only through the peer replica."""
+def two_tier_leave(tmp: Path, *, replica: bool, width: int, rate: float) -> dict[str, float | int | str]:
+    """Node-local tiers per node, the remote behind a bandwidth limit (``slow://``) that drops
+    to ``rate`` at the signal, the leaving node's disk wiped: the snapshot survives only
+    through the peer replica."""
     import re
     import shutil
 
-    from chaos_fs import clear_faults, set_fault
+    from throttled_fs import set_rate
 
     from lightning_preempt.replica import writer_of
 
-    chaos = tmp / "chaos"
+    slow = tmp / "slow"
     args = ("--max-steps", "25", "--every", "10", "--grace", "6", "--width", str(width))
-    c = Cluster(tmp, nnodes="1:2", url_prefix="chaos://", script_args=(*args, *(("--replica",) if replica else ())))
-    env = {"LP_CHAOS_DIR": str(chaos)}
+    c = Cluster(tmp, nnodes="1:2", url_prefix="slow://", script_args=(*args, *(("--replica",) if replica else ())))
+    env = {"LP_SLOW_DIR": str(slow)}
     try:
         c.start_store()
         c.start("A", env=env, extra=("--local-dirpath", str(tmp / "local-A")))
         c.start("B", env=env, extra=("--local-dirpath", str(tmp / "local-B")))
         c.wait_step("B", 12)
-        set_fault(chaos, "write", hang_s=12)  # every upload now outlasts the grace period
+        set_rate(slow, rate)  # the remote's link drops: a rank's share no longer fits the grace
         t0 = time.time()
         c.preempt("B")
         rc_b = c.wait("B")
         snapshot_dir = tmp / "local-B" / f"step-{c.records('B', 'exit')[0]['step']:010d}"
         share = sum(p.stat().st_size for p in snapshot_dir.iterdir() if writer_of(p.name) == 1)
         shutil.rmtree(tmp / "local-B")
-        clear_faults(chaos)
+        set_rate(slow, 0)
         rc_a = c.wait("A")
         (b_exit,) = c.records("B", "exit")
         after = c.records("A", "start")[-1]
@@ -133,13 +134,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--two-tier", action="store_true", help="node loss with local tiers, with and without the replica")
     p.add_argument("--width", type=int, default=200_000, help="--two-tier: model width (state ~ 40 x width bytes)")
+    p.add_argument("--rate", type=float, default=1e6, help="--two-tier: the remote's bandwidth after the signal (B/s)")
     args = p.parse_args()
     rows = []
     for _ in range(args.rounds):
         if args.two_tier:
             for replica in (False, True):
                 with tempfile.TemporaryDirectory() as d:
-                    rows.append(two_tier_leave(Path(d), replica=replica, width=args.width))
+                    rows.append(two_tier_leave(Path(d), replica=replica, width=args.width, rate=args.rate))
             continue
         for fn in (leave, join):
             with tempfile.TemporaryDirectory() as d:

@@ -96,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replica", action="store_true", help="add PeerReplica (two tiers across nodes)")
     p.add_argument("--width", type=int, default=16, help="hidden width: the state is ~40 x width bytes")
     args = p.parse_args(argv)
-    if os.environ.get("LP_CHAOS_DIR"):
-        import chaos_fs  # noqa: F401  (registers chaos://: a remote the test can slow down)
+    if os.environ.get("LP_SLOW_DIR"):
+        import throttled_fs  # noqa: F401  (registers slow://: a remote behind a bandwidth limit)
 
     L.seed_everything(0, workers=True)
     model = TinyModel(width=args.width, step_sleep=args.step_sleep)

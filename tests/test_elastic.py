@@ -135,28 +135,28 @@ def test_plain_torchrun_reports_a_preempted_node_as_exit_1(cluster_factory: type
 
 
 def _two_tier_node_loss(cluster_factory: type[Cluster], tmp_path: Path, *, replica: bool) -> tuple[Cluster, int]:
-    """Separate node-local tiers; the remote slows down so that no upload finishes within the
-    6 s grace; SIGTERM to node B, whose disk is then wiped. Returns the cluster and the step
-    of the snapshot (both ranks exited 143 at it)."""
+    """Separate node-local tiers; the remote's bandwidth drops so that no rank's share can be
+    uploaded within the 6 s grace; SIGTERM to node B, whose disk is then wiped. Returns the
+    cluster and the step of the snapshot (both ranks exited 143 at it)."""
     import shutil
 
-    from chaos_fs import clear_faults, set_fault
+    from throttled_fs import set_rate
 
-    chaos = tmp_path / "chaos"
+    slow = tmp_path / "slow"
     args = ("--max-steps", "25", "--every", "10", "--grace", "6", *(("--replica",) if replica else ()))
-    c = cluster_factory(nnodes="1:2", url_prefix="chaos://", script_args=args)
-    env = {"LP_CHAOS_DIR": str(chaos)}
+    c = cluster_factory(nnodes="1:2", url_prefix="slow://", script_args=args)
+    env = {"LP_SLOW_DIR": str(slow)}
     c.start("A", env=env, extra=("--local-dirpath", str(tmp_path / "local-A")))
     c.start("B", env=env, extra=("--local-dirpath", str(tmp_path / "local-B")))
     c.wait_step("B", 12)
     deadline_ok = c.wait_step("A", 12)
     assert deadline_ok >= 12
-    # The remote slows to a crawl: every upload waits 12 s, longer than the 6 s grace.
-    set_fault(chaos, "write", hang_s=12)
+    # 5 kB/s: a rank's ~50 kB share needs ~10 s, longer than the 6 s grace.
+    set_rate(slow, 5_000)
     c.preempt("B")
     assert c.wait("B") == 143, c.log("B")
     shutil.rmtree(tmp_path / "local-B")  # the node is gone, and its disk with it
-    clear_faults(chaos)
+    set_rate(slow, 0)
     assert c.wait("A") == 0, c.log("A")
     (b_exit,) = c.records("B", "exit")
     snapshot = b_exit["step"]
@@ -212,20 +212,20 @@ def test_three_nodes_two_tier_node_loss_with_the_peer_replica_loses_no_step(
     upload it to the bucket before choosing what to resume (replica.complete_from_peers)."""
     import shutil
 
-    from chaos_fs import clear_faults, set_fault
+    from throttled_fs import set_rate
 
-    chaos = tmp_path / "chaos"
+    slow = tmp_path / "slow"
     args = ("--max-steps", "25", "--every", "10", "--grace", "6", "--replica")
-    c = cluster_factory(nnodes="2:3", url_prefix="chaos://", script_args=args)
-    env = {"LP_CHAOS_DIR": str(chaos)}
+    c = cluster_factory(nnodes="2:3", url_prefix="slow://", script_args=args)
+    env = {"LP_SLOW_DIR": str(slow)}
     for name in ("A", "B", "C"):
         c.start(name, env=env, extra=("--local-dirpath", str(tmp_path / f"local-{name}")))
     c.wait_step("C", 12)
-    set_fault(chaos, "write", hang_s=12)  # no upload finishes within the grace period
+    set_rate(slow, 5_000)  # no rank's share can be uploaded within the grace period
     c.preempt("C")
     assert c.wait("C") == 143, c.log("C")
     shutil.rmtree(tmp_path / "local-C")
-    clear_faults(chaos)
+    set_rate(slow, 0)
     assert c.wait("A") == 0 and c.wait("B") == 0, c.log("A")
 
     (c_exit,) = c.records("C", "exit")
