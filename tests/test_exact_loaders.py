@@ -42,6 +42,13 @@ CASES: dict[str, list[str]] = {
     "stateful-generator-workers": ["--stateful", "--generator", "5", "--workers", "2"],
     "distributed-set-epoch": ["--sampler", "distributed"],
     "stateful-distributed-set-epoch": ["--stateful", "--sampler", "distributed"],
+    # 2 ranks: Lightning wraps each loader's sampler in a DistributedSamplerWrapper (5 batches per epoch).
+    "ddp-stateful-generator": ["--stateful", "--generator", "5", "--devices", "2", "--strategy", "ddp"],
+}
+KNOWN_GAPS = {
+    "ddp-stateful-generator": "Lightning's DistributedSamplerWrapper draws the epoch's permutation from the "
+    "loader's generator whenever the iterator is made; a mid-epoch resume remakes it from another generator "
+    "state (docs/exact-resume.md, Limits)",
 }
 FAST = {"stateful-generator"}  # the reproducer runs in the default suite; the rest are `slow`
 
@@ -76,7 +83,8 @@ def _runs(status: Path) -> list[dict[str, object]]:
 
 def _run_case(tmp_path: Path, name: str) -> None:
     extra = CASES[name]
-    at = AT_BOUNDARIES_5 if "distributed" in name else AT_BOUNDARIES
+    five = "distributed" in name or "ddp" in name  # batches per epoch: 5, else 10
+    at = AT_BOUNDARIES_5 if five else AT_BOUNDARIES
     args = [*EPOCHS4, *extra]
     run_until_done([*args, "--dirpath", str(tmp_path / "ref-ckpt")], tmp_path / "ref", max_starts=1)
     status = tmp_path / "status"
@@ -85,13 +93,20 @@ def _run_case(tmp_path: Path, name: str) -> None:
         [*args, "--dirpath", str(tmp_path / "ckpt"), "--sigterm-at", at], status, max_starts=8, outputs=outputs
     )
     steps = [int(n) for n in at.split(",")]
-    assert codes == [PREEMPTED] * len(steps) + [0]
     runs = _runs(status)
-    assert [r["end_step"] for r in runs] == [*steps, 40], "each snapshot holds exactly the steps asked for"
-    per_epoch = 5 if "distributed" in name else 10
-    expected = ["mid-epoch" if n % per_epoch else "epoch-end" for n in steps]
-    assert [r["exact"] for r in runs[1:]] == expected
-    compare(tmp_path / "ref", status)
+    if "ddp" in name:
+        # Ranks agree on the signal overlapped with the next step: the snapshot lands one
+        # step later, and a signal during a step that is no longer trained never comes.
+        assert codes[-1] == 0 and set(codes[:-1]) == {PREEMPTED}, codes
+        assert {"mid-epoch", "epoch-end"} <= {r["exact"] for r in runs[1:]}
+    else:
+        assert codes == [PREEMPTED] * len(steps) + [0]
+        assert [r["end_step"] for r in runs] == [*steps, 40], "each snapshot holds exactly the steps asked for"
+        per_epoch = 5 if five else 10
+        expected = ["mid-epoch" if n % per_epoch else "epoch-end" for n in steps]
+        assert [r["exact"] for r in runs[1:]] == expected
+    for rank in range(2 if "ddp" in name else 1):
+        compare(tmp_path / "ref", status, rank)
     # Worker loaders resumed mid-epoch without replay are told that draws inside the workers
     # are not replayed; with replay (or without workers) nothing is said.
     warned = ["resuming mid-epoch with worker processes" in out for out in outputs]
@@ -106,7 +121,13 @@ def test_exact_resume_loader_fast(tmp_path: Path, name: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", sorted(set(CASES) - FAST))
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.xfail(reason=KNOWN_GAPS[n], strict=True)) if n in KNOWN_GAPS else n
+        for n in sorted(set(CASES) - FAST)
+    ],
+)
 def test_exact_resume_loader(tmp_path: Path, name: str) -> None:
     _run_case(tmp_path, name)
 
