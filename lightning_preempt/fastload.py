@@ -213,11 +213,14 @@ def _read_range(
     last: bool,
     entry: FileEntry | None,
     crc: _OrderedCrc | None,
-) -> tuple[list[torch.Tensor], int]:
+) -> tuple[list[torch.Tensor], int, list[Exception]]:
     """Read ``items`` (a run of archives starting at file offset ``start``; the last run
     also the file's trailing bytes). Every tensor's data goes straight into a tensor of
-    exactly its size (:func:`_read_archive`). Returns the tensors and the bytes read."""
+    exactly its size (:func:`_read_archive`). Returns the tensors, the bytes read, and the
+    errors of archives torch could not parse (the caller's CRC check says whether the
+    bytes are damaged)."""
     tensors: list[torch.Tensor] = []
+    errors: list[Exception] = []
     cursor = _Cursor(crc, start)
     with _open(store, name) as f:
         if start:
@@ -226,10 +229,14 @@ def _read_range(
             if item.offset > cursor.offset:  # bytes between archives (none in DCP files): CRC them too
                 _read_into(f, memoryview(bytearray(item.offset - cursor.offset)), cursor)
             if item.offset != cursor.offset:
-                return tensors, cursor.offset - start
-            tensor, _ = _read_archive(f, item, cursor)
+                return tensors, cursor.offset - start, errors
+            try:
+                tensor, _ = _read_archive(f, item, cursor)
+            except _Unparsable as err:  # read in full, but torch cannot parse it: the CRC decides
+                errors.append(err.error)
+                continue
             if tensor is None:
-                return tensors, cursor.offset - start
+                return tensors, cursor.offset - start, errors
             tensors.append(tensor)
         if last:
             rest = (entry.size - cursor.offset) if entry is not None else 0
@@ -237,7 +244,7 @@ def _read_range(
                 _read_into(f, memoryview(bytearray(rest)), cursor)
             extra = len(f.read(1))  # a file longer than the manifest says
             cursor.offset += extra
-    return tensors, cursor.offset - start
+    return tensors, cursor.offset - start, errors
 
 
 def _read_file(
@@ -265,15 +272,23 @@ def _read_file(
         raise CorruptCheckpointError(
             f"file {name!r} listed in the manifest is missing", path=store.url, hint=_CORRUPT_HINT
         ) from err
-    tensors = [t for got, _ in results for t in got]
-    total = sum(n for _, n in results)
-    contiguous = all(n == (starts[i + 1] - starts[i]) for i, (_, n) in enumerate(results[:-1]))
+    tensors = [t for got, _, _ in results for t in got]
+    errors = [e for _, _, errs in results for e in errs]
+    sizes = [n for _, n, _ in results]
+    total = sum(sizes)
+    contiguous = all(n == (starts[i + 1] - starts[i]) for i, n in enumerate(sizes[:-1]))
     digest = _file_digest(crcs) if verify else None
     if not contiguous:  # a run stopped short: report the size the reads found
         total = next(
-            starts[i] + n for i, (_, n) in enumerate(results) if i == len(results) - 1 or n != starts[i + 1] - starts[i]
+            starts[i] + n for i, n in enumerate(sizes) if i == len(sizes) - 1 or n != starts[i + 1] - starts[i]
         )
     check_entry(store, name, entry, total, digest)
+    if errors:  # the bytes are as written (or unverified), yet torch cannot read them
+        raise CorruptCheckpointError(
+            f"file {name!r} holds a tensor record that cannot be read: {type(errors[0]).__name__}: {errors[0]}",
+            path=store.url,
+            hint=_CORRUPT_HINT,
+        ) from errors[0]
     if len(tensors) != len(items):  # a short read, reported by check_entry unless the manifest is short too
         raise CorruptCheckpointError(f"file {name!r} ends inside a tensor", path=store.url, hint=_CORRUPT_HINT)
     return tensors
@@ -356,9 +371,20 @@ def _read_rest_and_load(
     return _load_archive(bytes(head) + bytes(rest), item), got
 
 
+class _Unparsable(Exception):
+    """An archive read in full that torch cannot turn into the expected tensor."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 def _load_archive(archive: bytes, item: TensorItem) -> torch.Tensor:
-    tensor = torch.load(io.BytesIO(archive), map_location="cpu", weights_only=True)
-    return tensor.reshape(item.chunk_sizes)
+    try:
+        tensor = torch.load(io.BytesIO(archive), map_location="cpu", weights_only=True)
+        return tensor.reshape(item.chunk_sizes)
+    except Exception as err:  # garbage bytes raise anything from the zip reader or unpickler
+        raise _Unparsable(err) from err
 
 
 def _file_digest(crcs: list[_OrderedCrc | None]) -> str:

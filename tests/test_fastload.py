@@ -283,3 +283,17 @@ def test_crc_of_two_ranges_combines_to_the_crc_of_the_whole(n1: int, n2: int) ->
     whole.update(a + b)
     first.extend(second)
     assert (first.hexdigest(), first.nbytes) == (whole.hexdigest(), whole.nbytes)
+
+
+@pytest.mark.parametrize("where", [40, 700])
+def test_damage_in_an_archive_header_is_a_corrupt_checkpoint_not_a_parse_error(tmp_url: str, where: int) -> None:
+    # Flipped bytes in a record's zip header make the archive unreadable as ours: the load
+    # still reports CorruptCheckpointError (from the CRC), so auto-resume can fall back.
+    _save(tmp_url, {"global_step": 1, "state_dict": {"w": torch.randn(4096)}, "optimizer_states": []})
+    path = _shard(tmp_url)
+    data = bytearray(Path(path).read_bytes())
+    for i in range(where, where + 8):
+        data[i] ^= 0xFF
+    Path(path).write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError):
+        load_full_checkpoint(Store(tmp_url))
