@@ -14,15 +14,59 @@ import functools
 import logging
 from typing import Any
 
-from lightning.fabric.utilities.exceptions import MisconfigurationException
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner as EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo as DcpStorageInfo
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as dcp_load_state_dict
+from torch.serialization import _get_layout as torch_get_layout
+
+# Lightning is imported lazily below: the operator CLI reads checkpoints (through
+# dcp_storage, which uses this module) without paying for importing Lightning.
+
+__all__ = [
+    "DcpStorageInfo",
+    "EmptyStateDictLoadPlanner",
+    "FsspecFileSystem",
+    "FsspecReader",
+    "FsspecWriter",
+    "dcp_load_state_dict",
+    "torch_get_layout",
+]
 
 log = logging.getLogger(__name__)
 
+# ---- DCP and torch.serialization internals ---------------------------------------------
+# torch 2.7-2.13: dcp_storage.py subclasses the fsspec DCP writer/reader and its FileSystem
+# (checksums while writing, no rename of .metadata on object stores) and loads a state dict
+# without a template (_load_state_dict + _EmptyStateDictLoadPlanner, as dcp.load does for
+# format conversion); safe_load.py allow-lists _StorageInfo and _get_layout, which DCP's
+# pickled .metadata refers to. Checked by tests/test_exact_compat.py.
+
 
 # ---- Trainer(enable_checkpointing=False) --------------------------------------------------
-class CheckpointingDisabledError(MisconfigurationException):
-    """``Trainer(enable_checkpointing=False)`` with a :class:`PreemptionCallback` (a
-    ``MisconfigurationException``, as Lightning raises there)."""
+_DISABLED_ERROR: type[Exception] | None = None
+
+
+def checkpointing_disabled_error() -> type[Exception]:
+    """``CheckpointingDisabledError``: a Lightning ``MisconfigurationException`` (as Lightning
+    raises there), for ``Trainer(enable_checkpointing=False)`` with a PreemptionCallback."""
+    global _DISABLED_ERROR
+    if _DISABLED_ERROR is None:
+        from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+        class CheckpointingDisabledError(MisconfigurationException):
+            """``Trainer(enable_checkpointing=False)`` with a :class:`PreemptionCallback`."""
+
+        CheckpointingDisabledError.__module__ = __name__
+        _DISABLED_ERROR = CheckpointingDisabledError
+    return _DISABLED_ERROR
+
+
+def __getattr__(name: str) -> Any:
+    if name == "CheckpointingDisabledError":
+        return checkpointing_disabled_error()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 _REJECTED: list[type] = []
@@ -50,6 +94,8 @@ def explain_disabled_checkpointing(callback_type: type) -> None:
     if original is None or getattr(original, "_lightning_preempt", False):
         return
 
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
     @functools.wraps(original)
     def configure(self: Any, enable_checkpointing: bool, *args: Any, **kwargs: Any) -> None:
         try:
@@ -59,7 +105,7 @@ def explain_disabled_checkpointing(callback_type: type) -> None:
             if enable_checkpointing or not ours:
                 raise
             name = type(ours[0]).__name__
-            raise CheckpointingDisabledError(
+            raise checkpointing_disabled_error()(
                 f"Trainer(enable_checkpointing=False) cannot be used with {name}: Lightning counts it as a "
                 f"checkpoint callback (it subclasses OnExceptionCheckpoint, which is how fit() resumes from it).\n"
                 f"HINT: drop enable_checkpointing=False. With a {name} in callbacks Lightning adds no default "

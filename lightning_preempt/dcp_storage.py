@@ -28,11 +28,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch.serialization
-from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as _FsspecFileSystem
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.checkpoint.storage import WriteResult
 
 from lightning_preempt import _compat
@@ -110,7 +106,7 @@ class _HashingStream(io.RawIOBase):
         self._inner.flush()
 
 
-class _ChecksummingFileSystem(_FsspecFileSystem):
+class _ChecksummingFileSystem(_compat.FsspecFileSystem):
     def __init__(self, store: Store, entries: dict[str, FileEntry]) -> None:
         super().__init__()
         self.fs = store.fs
@@ -138,7 +134,7 @@ class _ChecksummingFileSystem(_FsspecFileSystem):
             self._entries[name] = FileEntry(stream.crc.nbytes, stream.crc.hexdigest())
 
 
-class ChecksummingWriter(FsspecWriter):
+class ChecksummingWriter(_compat.FsspecWriter):
     """A DCP ``StorageWriter`` that records a :class:`FileEntry` for every file it writes.
 
     After ``dcp.save`` returns, :attr:`entries` holds this rank's files (and ``.metadata``
@@ -176,7 +172,7 @@ class ChecksummingWriter(FsspecWriter):
             pickle.dump(metadata, f)
 
 
-class _CheckedReader(FsspecReader):
+class _CheckedReader(_compat.FsspecReader):
     """DCP's reader with ``.metadata`` read through :func:`safe_load.read_dcp_metadata`:
     a restricted unpickler and a check that it names only tensors in our shard files."""
 
@@ -196,7 +192,7 @@ class _CheckedReader(FsspecReader):
         return metadata  # type: ignore[no-any-return]
 
 
-def dcp_reader(store: Store, manifest: Manifest | None = None) -> FsspecReader:
+def dcp_reader(store: Store, manifest: Manifest | None = None) -> _compat.FsspecReader:
     """A DCP reader for the shards of a checkpoint directory (``manifest``: the files its
     ``.metadata`` may refer to)."""
     return _CheckedReader(store, manifest)
@@ -209,7 +205,9 @@ def load_all_tensors(store: Store, *, manifest: Manifest | None = None) -> dict[
     DCP's own ``format_utils.dcp_to_torch_save`` does.
     """
     tensors: dict[str, Any] = {}
-    _load_state_dict(tensors, storage_reader=dcp_reader(store, manifest), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    _compat.dcp_load_state_dict(
+        tensors, storage_reader=dcp_reader(store, manifest), planner=_compat.EmptyStateDictLoadPlanner(), no_dist=True
+    )
     return tensors
 
 

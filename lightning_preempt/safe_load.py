@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from lightning_preempt import _compat
 from lightning_preempt.errors import CheckpointError, CorruptCheckpointError, UntrustedCheckpointError
 from lightning_preempt.format import TensorRef
 from lightning_preempt.manifest import FILE_NAME_PATTERNS, Manifest
@@ -122,13 +123,13 @@ def _untrusted(err: BaseException, name: str | None, path: str) -> UntrustedChec
 
 # ---- DCP's .metadata ----------------------------------------------------------------------
 def _metadata_classes() -> dict[tuple[str, str], Any]:
-    from torch.distributed.checkpoint import filesystem, metadata
+    from torch.distributed.checkpoint import metadata
 
     allowed: dict[tuple[str, str], Any] = {
         ("collections", "OrderedDict"): OrderedDict,
         ("torch", "Size"): torch.Size,
-        ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): filesystem._StorageInfo,
+        ("torch.serialization", "_get_layout"): _compat.torch_get_layout,
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _compat.DcpStorageInfo,
     }
     for name in (
         "Metadata",
@@ -195,7 +196,6 @@ def unpickle_dcp_metadata(data: bytes, *, path: str) -> Any:
 def check_dcp_metadata(metadata: Any, *, path: str, manifest: Manifest | None) -> None:
     """Raise :class:`CorruptCheckpointError` unless ``metadata`` describes only tensors
     stored in byte ranges of our shard files (listed in ``manifest``, when given)."""
-    from torch.distributed.checkpoint import filesystem
     from torch.distributed.checkpoint import metadata as md
 
     def bad(why: str) -> CorruptCheckpointError:
@@ -217,7 +217,7 @@ def check_dcp_metadata(metadata: Any, *, path: str, manifest: Manifest | None) -
     if not isinstance(storage, dict):
         raise bad("storage_data is not a mapping")
     for index, info in storage.items():
-        if not isinstance(index, md.MetadataIndex) or not isinstance(info, filesystem._StorageInfo):
+        if not isinstance(index, md.MetadataIndex) or not isinstance(info, _compat.DcpStorageInfo):
             raise bad("storage_data holds something other than DCP storage records")
         name = info.relative_path
         if not isinstance(name, str) or not _SHARD_RE.fullmatch(name):
