@@ -534,3 +534,12 @@ def _assert_same(a: Any, b: Any, where: str = "", numpy_as_lists: bool = False) 
         assert (a == b).all(), where
     else:
         assert a == b, where
+
+
+def test_the_cli_reads_checkpoints_without_importing_lightning() -> None:
+    code = (
+        "import sys, lightning_preempt.cli, lightning_preempt.reader, lightning_preempt.dcp_storage\n"
+        "assert not any(m == 'lightning' or m.startswith('lightning.') for m in sys.modules), 'Lightning imported'"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
