@@ -35,8 +35,10 @@ from lightning_preempt.exact import STATE_KEY, ExactResume
 from lightning_preempt.grace import GraceCheck
 from lightning_preempt.lease import Lease
 from lightning_preempt.manifest import MANIFEST_NAME
+from lightning_preempt.notices import make_sources, parse_names
 from lightning_preempt.prealloc import prepare_staging
 from lightning_preempt.probe import probe_writable
+from lightning_preempt.reader import Verify
 from lightning_preempt.reporting import SaveReporter, report_resume
 from lightning_preempt.resume import ResumeResolver
 from lightning_preempt.signals import SignalFlag
@@ -121,6 +123,13 @@ class PreemptionCallback(OnExceptionCheckpoint):
         probe_storage: at ``setup``, check that every rank can write and list ``dirpath``
             (and ``local_dirpath``) and fail before step 1 if not.
         sources: extra preemption sources (:class:`~lightning_preempt.sources.PreemptionSource`).
+        notices: cloud preemption notices to watch (docs/notices.md): any of ``"aws"``,
+            ``"gce"``, ``"azure"`` (``"aws-interruption"``: AWS without rebalance
+            recommendations), or ``"auto"`` (probe which metadata server answers). Local rank
+            0 of each node watches; the notice reaches every rank like a signal. ``None``: off.
+        on_notice: ``"continue"``: on a notice (from ``notices`` or ``sources``), snapshot at
+            the next agreed step and train on until the signal (whose snapshot then costs only
+            the steps since); ``"exit"``: snapshot and exit with ``exit_code`` at once.
     """
 
     def __init__(
@@ -148,6 +157,8 @@ class PreemptionCallback(OnExceptionCheckpoint):
         lease_timeout_s: float = 60.0,
         probe_storage: bool = True,
         sources: Sequence[PreemptionSource] = (),
+        notices: str | Sequence[str] | None = None,
+        on_notice: Literal["continue", "exit"] = "continue",
     ) -> None:
         root = str(dirpath).rstrip("/") or str(dirpath) if isinstance(dirpath, (str, os.PathLike)) else dirpath
         self.config = PreemptionConfig(
@@ -178,7 +189,14 @@ class PreemptionCallback(OnExceptionCheckpoint):
         self.dirpath: str = self.config.dirpath
         self.storage_options = self.config.storage_options
         self.local_dirpath = self.config.local_dirpath
-        self.controller = PreemptionController(self.config, sources)
+        if on_notice not in ("continue", "exit"):
+            raise ValueError(
+                f"on_notice must be 'continue' or 'exit', got {on_notice!r}\nHINT: 'continue' snapshots and trains "
+                "on until the signal; 'exit' snapshots and exits for requeue at once."
+            )
+        self.notices = parse_names(notices)  # validated now; built in setup, for this rank's node
+        self._notice_sources: list[PreemptionSource] = []
+        self.controller = PreemptionController(self.config, sources, on_notice=on_notice)
         self.resolver = ResumeResolver(
             self.dirpath,
             self.storage_options,
@@ -280,6 +298,9 @@ class PreemptionCallback(OnExceptionCheckpoint):
         newest = agree.decide(self._newest_manifest, group, what="reading the newest manifest")
         self._grace.check_manifest(newest)
         self.signal_flag.clear()
+        if self.notices and not self._notice_sources:  # only local rank 0 of a node watches
+            self._notice_sources = make_sources(self.notices, local_rank=trainer.local_rank)
+            self.controller.sources.extend(self._notice_sources)
         self.controller.start()
 
     def _probe_storage(self, group: pdist.ProcessGroup | None) -> None:
@@ -312,10 +333,13 @@ class PreemptionCallback(OnExceptionCheckpoint):
         self, trainer: pl.Trainer, io: ShardedAsyncCheckpointIO, group: pdist.ProcessGroup | None
     ) -> str | None:
         """Rank 0 picks the newest valid checkpoint, every rank loads it; returns its run id."""
-        choice = self.resolver.choose(group, tiers=io.tiers, verify=io.verify_on_load)
+        # Manifests and sizes only: the load checks every byte once, and on damage every rank
+        # moves to the next candidate together (the fallback; docs/resume-speed.md).
+        verify: Verify = "sizes" if io.verify_on_load else False
+        choice = self.resolver.choose(group, tiers=io.tiers, verify=verify)
         assert self._pointer is not None
-        # Rank 0 read every file for its CRC32C while choosing: loading need not again.
-        io.alias(self._pointer, choice.path, verified=trainer.is_global_zero and io.verify_on_load)
+        fallback = self.resolver.fallback(group, tiers=io.tiers, verify=verify) if io.verify_on_load else None
+        io.alias(self._pointer, choice.path, verified=False, fallback=fallback)
         self.resumed_from = choice.path
         self._last_saved_step = choice.step
         log.info(
@@ -370,6 +394,10 @@ class PreemptionCallback(OnExceptionCheckpoint):
         self._prepare_after_step = prepare_staging(trainer, self._plugin(trainer)) is not None
         self._last_save_time = time.monotonic()
         self._last_seen_step = trainer.global_step
+        io = self._plugin(trainer)
+        if self.resumed_from is not None and io.loaded_from not in (None, self.resumed_from):
+            # the chosen checkpoint failed its check while loading: an older one was loaded
+            self.resumed_from, self._last_saved_step = io.loaded_from, trainer.global_step
         if self._last_saved_step is None and trainer.global_step > 0:
             self._last_saved_step = trainer.global_step  # resumed from an explicit ckpt_path
             self._warn_about_newer_checkpoints(trainer)
@@ -402,7 +430,9 @@ class PreemptionCallback(OnExceptionCheckpoint):
             self._emergency(trainer)
         every_n = self.config.every_n_train_steps
         if (every_n is not None and step % every_n == 0) or decision.save_due:
-            self._save(trainer)
+            self._save(trainer, kind="notice" if decision.notice_snapshot else "periodic")
+            if decision.notice_snapshot:
+                self._noticed(io, step)
 
     @override
     def on_validation_batch_end(
@@ -558,6 +588,21 @@ class PreemptionCallback(OnExceptionCheckpoint):
         self.controller.emergency(
             step, snapshot=snapshot, drain=drain, safe_step=lambda: self._safe_step(io), leader=trainer.is_global_zero
         )
+
+    def _noticed(self, io: ShardedAsyncCheckpointIO, step: int) -> None:
+        """on_notice="continue": log the snapshot a notice asked for and, from the writer
+        thread behind the save, whether it committed (training does not wait)."""
+        notice = self.controller.notice
+        source = notice.source if notice is not None else "a"
+        self.controller.mark(f"{source} notice: snapshot of step {step} staged; training goes on until the signal")
+
+        def committed() -> None:
+            rec = next((r for r in reversed(io.history) if r.step == step), None)
+            ok = rec is not None and rec.committed_s is not None and rec.error is None
+            self.controller.mark(f"committed step {step} (the {source} notice's snapshot)" if ok else
+                                 f"the {source} notice's snapshot of step {step} did not commit")  # fmt: skip
+
+        io.submit(committed)
 
     def _safe_step(self, io: ShardedAsyncCheckpointIO) -> str:
         done = [r for r in io.history if r.committed_s is not None and r.error is None]

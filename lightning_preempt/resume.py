@@ -24,6 +24,7 @@ from lightning_preempt import agree
 from lightning_preempt import dist as pdist
 from lightning_preempt.discovery import CheckpointInfo, list_checkpoints, newest_valid
 from lightning_preempt.errors import CheckpointError, NotACheckpointError
+from lightning_preempt.reader import Fallback, Verify
 from lightning_preempt.tiers import TwoTier, complete_local_checkpoints
 
 log = logging.getLogger(__name__)
@@ -122,31 +123,49 @@ class ResumeResolver:
             )
         return all(wants)
 
-    def choose(self, group: pdist.ProcessGroup | None, *, tiers: TwoTier | None, verify: bool) -> Choice:
-        """Rank 0 picks the newest valid checkpoint; every rank returns it or raises the same error."""
+    def choose(self, group: pdist.ProcessGroup | None, *, tiers: TwoTier | None, verify: Verify) -> Choice:
+        """Rank 0 picks the newest valid checkpoint; every rank returns it or raises the same error.
 
-        def pick() -> Choice:
-            skipped: list[str] = []
+        ``verify="sizes"`` checks manifests and file sizes only: the load then checks every
+        byte once, and :meth:`fallback` names the next candidate if it finds damage.
+        """
+        return agree.decide(lambda: self._pick(tiers, verify, ()), group, what="choosing the checkpoint to resume from")
 
-            def note(info: CheckpointInfo, reason: str) -> None:
-                skipped.append(f"{info.name}: {reason}")
-                log.warning("lightning_preempt: skipping checkpoint %s (step %d): %s", info.path, info.step, reason)
+    def fallback(self, group: pdist.ProcessGroup | None, *, tiers: TwoTier | None, verify: Verify) -> Fallback:
+        """For ``io.alias(fallback=)``: the next checkpoint after the ``excluded`` ones (rank 0
+        answers; the loader broadcasts its answer), or ``None`` when none is left."""
 
-            if tiers is not None:  # newest across both tiers; local wins a tie
-                info = tiers.newest(verify=verify, on_skip=note)
-            else:
-                info = newest_valid(self.dirpath, self.storage_options, verify=verify, on_skip=note)
-            if info is None:
-                raise NotACheckpointError(
-                    "every checkpoint found is uncommitted or corrupt",
-                    path=self.dirpath,
-                    hint="Inspect them with `lightning-preempt ls --verify DIR`; delete the damaged ones "
-                    "(or pass ckpt_path explicitly) and restart.",
-                )
-            run_id = info.manifest.run_id if info.manifest is not None else None
-            return Choice(info.path, info.step, tuple(skipped), run_id)
+        def next_one(excluded: list[str]) -> str | None:
+            if pdist.rank(group) != 0:
+                return None  # only rank 0's answer is taken
+            try:
+                return self._pick(tiers, verify, tuple(excluded)).path
+            except Exception as err:  # a broadcast follows on every rank: never raise here alone
+                log.error("lightning_preempt: no older checkpoint to fall back to: %s", str(err).splitlines()[0])
+                return None
 
-        return agree.decide(pick, group, what="choosing the checkpoint to resume from")
+        return next_one
+
+    def _pick(self, tiers: TwoTier | None, verify: Verify, exclude: tuple[str, ...]) -> Choice:
+        skipped: list[str] = []
+
+        def note(info: CheckpointInfo, reason: str) -> None:
+            skipped.append(f"{info.name}: {reason}")
+            log.warning("lightning_preempt: skipping checkpoint %s (step %d): %s", info.path, info.step, reason)
+
+        if tiers is not None:  # newest across both tiers; local wins a tie
+            info = tiers.newest(verify=verify, on_skip=note, exclude=exclude)
+        else:
+            info = newest_valid(self.dirpath, self.storage_options, verify=verify, on_skip=note, exclude=exclude)
+        if info is None:
+            raise NotACheckpointError(
+                "every checkpoint found is uncommitted or corrupt",
+                path=self.dirpath,
+                hint="Inspect them with `lightning-preempt ls --verify DIR`; delete the damaged ones "
+                "(or pass ckpt_path explicitly) and restart.",
+            )
+        run_id = info.manifest.run_id if info.manifest is not None else None
+        return Choice(info.path, info.step, tuple(skipped), run_id)
 
 
 def _listing_error(dirpath: str, err: BaseException, attempts: int) -> ListingError:

@@ -33,7 +33,7 @@ import socket
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from typing import Any
 
@@ -393,15 +393,22 @@ class TwoTier:
         return out
 
     def newest(
-        self, *, verify: Verify, on_skip: Callable[[CheckpointInfo, str], None] | None = None
+        self,
+        *,
+        verify: Verify,
+        on_skip: Callable[[CheckpointInfo, str], None] | None = None,
+        exclude: Collection[str] = (),
     ) -> CheckpointInfo | None:
         """The newest valid checkpoint across both tiers; local wins a tie. The remote tier
-        is verified only when it may hold something newer than the local one."""
+        is verified only when it may hold something newer than the local one. ``exclude``:
+        paths already found damaged (by a load)."""
         local = None
         if self.single_host:
             complete = {c.name for c in complete_local_checkpoints(self.local_root)}
             skip = on_skip or (lambda i, why: None)
             for info in list_checkpoints(self.local_root, {}):
+                if info.path in exclude:
+                    continue
                 if info.name not in complete:
                     if info.committed:
                         skip(info, "files missing on this node's disk")
@@ -418,11 +425,13 @@ class TwoTier:
             return local
         floor = local.step if local is not None else -1
         remote_committed = [
-            c for c in list_checkpoints(self.remote_root, self.remote_options) if c.committed and c.step > floor
+            c
+            for c in list_checkpoints(self.remote_root, self.remote_options)
+            if c.committed and c.step > floor and c.path not in exclude
         ]
         if not remote_committed:
             return local
-        remote = newest_valid(self.remote_root, self.remote_options, verify=verify, on_skip=on_skip)
+        remote = newest_valid(self.remote_root, self.remote_options, verify=verify, on_skip=on_skip, exclude=exclude)
         if remote is None or (local is not None and local.step >= remote.step):
             return local
         return remote
