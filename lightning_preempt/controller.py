@@ -43,6 +43,7 @@ class Decision:
     preempt: bool = False
     save_due: bool = False
     stop: bool = False  # a rank's save failed or its lease was lost: raise the agreed error
+    notice_snapshot: bool = False  # this rank asked for this save: a notice with on_notice="continue"
 
 
 class PreemptionController:
@@ -52,10 +53,18 @@ class PreemptionController:
         config: the validated options.
         sources: extra preemption sources (cloud notices); a :class:`SignalFlag` for
             ``config.signals`` is always the first.
+        on_notice: what a notice from ``sources`` does: ``"exit"``: preempt at once, like a
+            signal; ``"continue"``: snapshot once at the next agreed step and keep training
+            until a signal comes (that snapshot then costs only the steps since).
     """
 
-    def __init__(self, config: PreemptionConfig, sources: Sequence[PreemptionSource] = ()) -> None:
+    def __init__(
+        self, config: PreemptionConfig, sources: Sequence[PreemptionSource] = (), *, on_notice: str = "exit"
+    ) -> None:
         self.config = config
+        self.on_notice = on_notice
+        self.notice_snapshot_taken = False
+        self.signal_after_notice = False
         self.signal_flag = SignalFlag(config.signals)
         self.sources: list[PreemptionSource] = [self.signal_flag, *sources]
         self.schedule = AgreementSchedule(config.agree_every_n_steps, config.agree_interval_s, config.overlap_agreement)
@@ -80,29 +89,55 @@ class PreemptionController:
                 log.warning("lightning_preempt: stopping preemption source %s failed: %s", source.name, err)
 
     def local_notice(self) -> Notice | None:
-        """The earliest notice any local source has seen (cheap: reads fields)."""
-        if self.notice is None:
+        """The earliest notice any local source has seen (cheap: reads fields); an advisory
+        one (no deadline) is replaced when its source makes it definite."""
+        if self.notice is None or self.notice.deadline is None:
             for source in self.sources:
                 try:
                     notice = source.poll()
                 except Exception as err:
                     log.warning("lightning_preempt: preemption source %s failed: %s", source.name, err)
                     continue
-                if notice is not None and (self.notice is None or notice.received_at < self.notice.received_at):
+                if notice is None or notice == self.notice:
+                    continue
+                if self.notice is None or notice.received_at < self.notice.received_at:
                     self.notice = notice
+                elif notice.source == self.notice.source and notice.deadline is not None:
+                    self.notice = notice  # e.g. AWS: a rebalance recommendation, then the interruption
+                    self.notice_snapshot_taken = False  # on_notice="continue": snapshot again
         return self.notice
+
+    def _wants(self) -> tuple[bool, bool]:
+        """This rank's ``(preempt now, snapshot now)``: a signal preempts; so does a notice
+        unless ``on_notice="continue"``, where it asks for one snapshot (agreed like a due save)."""
+        notice = self.local_notice()
+        if notice is None:
+            return False, False
+        if self.signal_flag.is_set and not notice.source.startswith("SIG"):
+            if not self.signal_after_notice:  # on_notice="continue": now the signal ends it
+                self.signal_after_notice = True
+                self.mark(f"{getattr(self.signal_flag.received, 'name', 'a signal')} after the {notice.source} notice")
+            return True, False
+        if self.signal_flag.is_set or self.on_notice != "continue":
+            return True, False
+        return False, not self.notice_snapshot_taken
 
     # ---- agreement ----------------------------------------------------------------------
     def at_boundary(self, now: float, *, save_due: bool, stop: bool) -> Decision:
         """At an optimizer-step boundary (every rank): what all ranks do now."""
-        preempt, due, halt = self.schedule.at_boundary(now, self.local_notice() is not None, save_due, stop)
-        return Decision(preempt=preempt, save_due=due, stop=halt)
+        preempt_here, snapshot_here = self._wants()
+        preempt, due, halt = self.schedule.at_boundary(now, preempt_here, save_due or snapshot_here, stop)
+        noticed = due and snapshot_here and not preempt
+        if noticed:
+            self.notice_snapshot_taken = True  # every rank saves this boundary: asked for once
+        return Decision(preempt=preempt, save_due=due, stop=halt, notice_snapshot=noticed)
 
     def now(self, *, stop: bool = False) -> Decision:
         """Agree synchronously (validation, start-up)."""
+        preempt_here = self._wants()[0]
         if not self.schedule.bound:
-            return Decision(preempt=self.local_notice() is not None, stop=stop)
-        preempt, halt = self.schedule.now(self.local_notice() is not None, stop)
+            return Decision(preempt=preempt_here, stop=stop)
+        preempt, halt = self.schedule.now(preempt_here, stop)
         return Decision(preempt=preempt, stop=halt)
 
     def flush(self) -> None:
@@ -119,6 +154,13 @@ class PreemptionController:
         gives one, else the signal (or now) plus the grace period."""
         origin = self.origin if self.origin is not None else time.monotonic()
         by_grace = origin + self.config.grace_period_s
+        signalled = self.signal_flag.received_at
+        if signalled is not None and self.notice is not None and not self.notice.source.startswith("SIG"):
+            # A signal after a cloud notice (on_notice="continue"): its grace period is what
+            # is left, unless the notice's deadline (still ahead) is earlier.
+            by_signal = signalled + self.config.grace_period_s
+            ahead = self.notice.deadline if self.notice.deadline is not None and self.notice.deadline > signalled else None
+            return min(by_signal, ahead) if ahead is not None else by_signal
         if self.notice is not None and self.notice.deadline is not None:
             return min(self.notice.deadline, by_grace) if self.notice.source.startswith("SIG") else self.notice.deadline
         return by_grace
@@ -132,6 +174,12 @@ class PreemptionController:
         self.timeline.append((event, now))
         origin = self.origin
         since = f"{now - origin:.3f}s after the notice" if origin is not None else "no local notice"
+        notice = self.notice
+        if notice is not None and not notice.source.startswith("SIG"):  # a cloud notice: count down
+            signalled = self.signal_flag.received_at is not None
+            if notice.deadline is not None or signalled:
+                end = "the signal's grace period ends" if signalled else f"the {notice.source} deadline"
+                since += f", {self.deadline() - now:.1f}s before {end}"
         log.warning("lightning_preempt: [preemption] %s (%s)", event, since)
 
     # ---- the emergency sequence ------------------------------------------------------

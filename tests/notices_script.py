@@ -1,0 +1,99 @@
+"""The tests' training job (tests/train_script.py's model and data) with cloud notices on.
+
+Endpoints come from the environment (``LP_NOTICES_AWS_ENDPOINT`` …, pointed at
+tests/fake_metadata.py by the test), as a user's job would get them. Writes the same status
+files as train_script.py: ``rank{R}.step`` after each batch, ``rank{R}.exit`` and, after a
+normal end, ``rank{R}.result.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader
+from train_script import TinyModel, data, weights_digest
+
+from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO
+
+
+class StepTimer(Callback):
+    """Seconds per step after a warm-up (for benchmarks/bench_notices.py-style comparisons)."""
+
+    def __init__(self, warmup: int = 50) -> None:
+        self.warmup, self.t0, self.s_per_step = warmup, 0.0, 0.0
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.warmup:
+            self.t0 = time.perf_counter()
+        elif trainer.global_step > self.warmup:
+            self.s_per_step = (time.perf_counter() - self.t0) / (trainer.global_step - self.warmup)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--dirpath", required=True)
+    p.add_argument("--status", required=True)
+    p.add_argument("--max-steps", type=int, default=400)
+    p.add_argument("--every", type=int, default=1000)
+    p.add_argument("--devices", type=int, default=1)
+    p.add_argument("--step-sleep", type=float, default=0.02)
+    p.add_argument("--grace", type=float, default=30.0)
+    p.add_argument("--notices", default=None, help="comma-separated names, or 'auto'")
+    p.add_argument("--on-notice", default="continue")
+    args = p.parse_args()
+
+    L.seed_everything(0, workers=True)
+    model = TinyModel(step_sleep=args.step_sleep, status=args.status)
+    cb = PreemptionCallback(
+        args.dirpath,
+        every_n_train_steps=args.every,
+        keep_last_n=5,
+        grace_period_s=args.grace,
+        notices=args.notices.split(",") if args.notices else None,
+        on_notice=args.on_notice,
+    )
+    trainer = L.Trainer(
+        max_steps=args.max_steps,
+        accelerator="cpu",
+        devices=args.devices,
+        strategy="ddp" if args.devices > 1 else "auto",
+        callbacks=[cb, timer := StepTimer()],
+        plugins=[ShardedAsyncCheckpointIO()],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        deterministic=True,
+    )
+    try:
+        trainer.fit(model, DataLoader(data(), batch_size=16, shuffle=False))
+    except SystemExit as exc:
+        _write(args.status, trainer.global_rank, "exit", str(exc.code))
+        raise
+    _write(args.status, trainer.global_rank, "exit", "0")
+    result = {
+        "start_step": model.start_step,
+        "step": trainer.global_step,
+        "weights": weights_digest(model),
+        "s_per_step": timer.s_per_step,
+    }
+    _write(args.status, trainer.global_rank, "result.json", json.dumps(result))
+    return 0
+
+
+def _write(status: str, rank: int, what: str, text: str) -> None:
+    os.makedirs(status, exist_ok=True)
+    with open(os.path.join(status, f"rank{rank}.{what}"), "w") as f:
+        f.write(text)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

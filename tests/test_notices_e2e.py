@@ -1,0 +1,169 @@
+"""Real training processes warned by a fake cloud metadata server (tests/fake_metadata.py).
+
+The server announces a reclaim at a chosen moment (a step the job reached); the checks:
+the notice's snapshot commits before any SIGTERM, training goes on (``on_notice="continue"``)
+or exits at once (``"exit"``), the exit code, the timeline in the log, 0 steps lost after a
+restart; and a metadata server that answers garbage, hangs, then vanishes never disturbs
+training.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from fake_metadata import FakeMetadata
+
+from lightning_preempt import list_checkpoints
+
+SCRIPT = Path(__file__).resolve().parent / "notices_script.py"
+pytestmark = pytest.mark.multiproc
+
+
+def _env(**endpoints: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LP_NOTICES_")}
+    env["LP_NOTICES_INTERVAL_S"] = "0.05"
+    for cloud, url in endpoints.items():
+        env[f"LP_NOTICES_{cloud.upper()}_ENDPOINT"] = url
+    return env
+
+
+def _launch(tmp: Path, env: dict[str, str], *extra: str) -> subprocess.Popen[str]:
+    args = [sys.executable, str(SCRIPT), "--dirpath", str(tmp / "ck"), "--status", str(tmp / "st"), *extra]
+    return subprocess.Popen(args, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return None
+
+
+def _step(tmp: Path, rank: int = 0) -> int:
+    return int(_read(tmp / "st" / f"rank{rank}.step") or 0)
+
+
+def _wait(proc: subprocess.Popen[str], what: str, pred, timeout: float = 120.0):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        if proc.poll() is not None:
+            raise AssertionError(f"training ended before {what}:\n{proc.communicate()[0][-4000:]}")
+        time.sleep(0.02)
+    proc.kill()
+    raise AssertionError(f"{what}: not within {timeout}s:\n{proc.communicate()[0][-4000:]}")
+
+
+def _committed(tmp: Path) -> list[int]:
+    return sorted(c.step for c in list_checkpoints(str(tmp / "ck")) if c.committed)
+
+
+def _in_order(out: str, *needles: str) -> None:
+    at = -1
+    for needle in needles:
+        found = out.find(needle, at + 1)
+        assert found > at, f"{needle!r} missing or out of order in the log:\n{out[-4000:]}"
+        at = found
+
+
+def _resume(tmp: Path, env: dict[str, str], at: int, devices: int = 1) -> None:
+    for f in (tmp / "st").glob("*"):
+        f.unlink()
+    extra = ["--devices", str(devices)] if devices > 1 else []
+    again = _launch(tmp, env, "--max-steps", str(at + 3), *extra)
+    out, _ = again.communicate(timeout=180)
+    assert again.returncode == 0, out[-4000:]
+    for r in range(devices):
+        result = _read(tmp / "st" / f"rank{r}.result.json") or ""
+        assert f'"start_step": {at},' in result and f'"step": {at + 3},' in result, result  # 0 steps lost
+
+
+def test_aws_notice_snapshots_before_sigterm_and_training_goes_on(tmp_path: Path) -> None:
+    with FakeMetadata(("aws",)) as fake:
+        env = _env(aws=fake.url)
+        proc = _launch(tmp_path, env, "--notices", "aws", "--on-notice", "continue")
+        _wait(proc, "step 15", lambda: _step(tmp_path) >= 15)
+        announced = _step(tmp_path)
+        fake.announce_aws("terminate", in_s=120)
+        (snap,) = _wait(proc, "the notice's snapshot", lambda: _committed(tmp_path))  # every=1000: no other save
+        assert snap >= announced
+        _wait(proc, "training past the snapshot", lambda: _step(tmp_path) >= snap + 5)
+        signalled = _step(tmp_path)
+        os.kill(int(_read(tmp_path / "st" / "rank0.pid") or 0), signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 143, out[-4000:]
+        final = _committed(tmp_path)
+        assert final[0] == snap and final[-1] >= signalled and len(final) == 2, final
+        _in_order(
+            out,
+            "[notice] aws: spot instance-action 'terminate'",
+            f"aws notice: snapshot of step {snap} staged; training goes on",
+            f"committed step {snap} (the aws notice's snapshot)",
+            "SIGTERM after the aws notice",
+            f"ranks agreed to preempt at step {final[-1]}",
+            f"committed step {final[-1]}",
+            "exiting with code 143",
+        )
+        lines = out.splitlines()
+        noticed = next(line for line in lines if "aws notice: snapshot of step" in line)
+        assert "s before the aws deadline" in noticed, noticed  # counts down to the notice's deadline
+        exit_line = next(line for line in lines if "exiting with code 143" in line)
+        assert "s before the signal's grace period ends" in exit_line, exit_line  # after SIGTERM: its grace
+        polled = sum(fake.requests.values())
+        _resume(tmp_path, env, final[-1])  # notices off in the rerun
+        assert sum(fake.requests.values()) == polled  # nothing is polled when notices are off
+
+
+def test_gce_notice_exits_at_once_on_every_rank(tmp_path: Path) -> None:
+    with FakeMetadata(("gce",)) as fake:
+        env = _env(gce=fake.url)
+        proc = _launch(tmp_path, env, "--notices", "gce", "--on-notice", "exit", "--devices", "2")
+        _wait(proc, "step 15 on both ranks", lambda: min(_step(tmp_path, 0), _step(tmp_path, 1)) >= 15)
+        fake.wait_for(lambda: fake.held >= 2)  # preempted + maintenance-event, long-polled
+        announced = max(_step(tmp_path, 0), _step(tmp_path, 1))
+        fake.announce_gce("preempted", "TRUE")
+        out, _ = proc.communicate(timeout=90)  # no signal is sent: the notice alone ends the job
+        assert proc.returncode == 143, out[-4000:]
+        assert [_read(tmp_path / "st" / f"rank{r}.exit") for r in (0, 1)] == ["143", "143"]
+        assert fake.peak_held == 2  # only local rank 0 watched; rank 1 learnt it through the agreement
+        (agreed,) = _committed(tmp_path)
+        assert agreed >= announced
+        _in_order(
+            out,
+            "[notice] gce: instance/preempted is TRUE",
+            f"ranks agreed to preempt at step {agreed}",
+            f"committed step {agreed}",
+            "exiting with code 143",
+        )
+        exits = [line for line in out.splitlines() if "exiting with code 143" in line]
+        assert len(exits) == 2 and any("before the gce deadline" in line for line in exits), exits  # rank 0's
+        _resume(tmp_path, env, agreed)  # (on one rank: resuming at another world size is supported)
+
+
+def test_a_metadata_server_that_misbehaves_never_disturbs_training(tmp_path: Path) -> None:
+    fake = FakeMetadata().start()
+    try:
+        fake.set_mode("garbage")
+        env = _env(aws=fake.url, gce=fake.url, azure=fake.url)
+        proc = _launch(tmp_path, env, "--notices", "aws,gce,azure", "--max-steps", "60")
+        _wait(proc, "step 15", lambda: _step(tmp_path) >= 15)
+        fake.set_mode("slow")  # hangs every request it gets
+        _wait(proc, "step 30", lambda: _step(tmp_path) >= 30)
+        fake.stop()  # vanishes: connections are refused from now on
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        fake.stop()
+    assert proc.returncode == 0, out[-4000:]
+    result = _read(tmp_path / "st" / "rank0.result.json") or ""
+    assert '"start_step": 0,' in result and '"step": 60,' in result, result
+    assert "[preemption]" not in out and "[notice]" not in out
+    for cloud in ("aws", "gce", "azure"):
+        assert out.count(f"{cloud} notices: the metadata server") == 1, out[-4000:]  # one WARNING per source
