@@ -47,6 +47,7 @@ def main() -> int:
     p.add_argument("--grace", type=float, default=30.0)
     p.add_argument("--notices", default=None, help="comma-separated names, or 'auto'")
     p.add_argument("--on-notice", default="continue")
+    p.add_argument("--local-dirpath", default=None, help="two-tier mode: node-local tier")
     args = p.parse_args()
 
     L.seed_everything(0, workers=True)
@@ -58,6 +59,7 @@ def main() -> int:
         grace_period_s=args.grace,
         notices=args.notices.split(",") if args.notices else None,
         on_notice=args.on_notice,
+        local_dirpath=args.local_dirpath,
     )
     trainer = L.Trainer(
         max_steps=args.max_steps,
@@ -65,7 +67,7 @@ def main() -> int:
         devices=args.devices,
         strategy="ddp" if args.devices > 1 else "auto",
         callbacks=[cb, timer := StepTimer()],
-        plugins=[ShardedAsyncCheckpointIO()],
+        plugins=[ShardedAsyncCheckpointIO(local_dirpath=args.local_dirpath)],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,

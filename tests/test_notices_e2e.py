@@ -148,6 +148,24 @@ def test_gce_notice_exits_at_once_on_every_rank(tmp_path: Path) -> None:
         _resume(tmp_path, env, agreed)  # (on one rank: resuming at another world size is supported)
 
 
+def test_azure_notice_drains_two_tiers_within_the_notices_deadline(tmp_path: Path) -> None:
+    with FakeMetadata(("azure",)) as fake:
+        env = _env(azure=fake.url)
+        local = str(tmp_path / "local")
+        proc = _launch(tmp_path, env, "--notices", "azure", "--on-notice", "exit", "--local-dirpath", local)
+        _wait(proc, "step 10", lambda: _step(tmp_path) >= 10)
+        fake.announce_azure("Preempt", in_s=100)  # longer than the 30 s grace period
+        out, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 143, out[-4000:]
+    (agreed,) = _committed(tmp_path)  # drained to dirpath (the remote tier) before the exit
+    drain = next(line for line in out.splitlines() if f"draining step {agreed} to" in line)
+    budget = float(drain.split("for at most ")[1].split("s")[0])
+    assert 30.0 < budget < 100.0, drain  # the notice's deadline, not grace_period_s, bounds the drain
+    _in_order(
+        out, "[notice] azure: scheduled event Preempt", f"draining step {agreed}", "drained", "exiting with code 143"
+    )
+
+
 def test_a_metadata_server_that_misbehaves_never_disturbs_training(tmp_path: Path) -> None:
     fake = FakeMetadata().start()
     try:
