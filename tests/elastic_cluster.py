@@ -103,11 +103,26 @@ class Cluster:
         except subprocess.TimeoutExpired:
             raise AssertionError(f"agent {name} still running after {timeout}s\n{self.log(name)}") from None
 
+    def kill_node(self, name: str) -> None:
+        """The node vanishes without a signal: its agent and its current worker get SIGKILL
+        (torchrun starts workers in sessions of their own, so both are named)."""
+        self._kill_worker(name)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.agents[name].pid, signal.SIGKILL)
+        self.agents[name].wait(timeout=30)
+
+    def _kill_worker(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError, ValueError, ProcessLookupError):
+            os.kill(int((self.status / f"{name}.pid").read_text()), signal.SIGKILL)
+
     def close(self) -> None:
+        for name, proc in self.agents.items():
+            if proc.poll() is None:
+                self._kill_worker(name)  # only while its agent runs: the pid is then ours
         for proc in [*self.agents.values(), self.store]:
             if proc is not None and proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)  # the agent's session: it and its workers
+                    os.killpg(proc.pid, signal.SIGKILL)  # the agent's own session
                 proc.wait(timeout=30)
 
     # ---- what the workers reported ------------------------------------------------------------

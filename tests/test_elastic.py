@@ -236,3 +236,24 @@ def test_three_nodes_two_tier_node_loss_with_the_peer_replica_loses_no_step(
         assert after["start_step"] == snapshot  # 0 steps lost
         assert after["weights"] == c_exit["weights"]  # bitwise
     assert snapshot in _committed(c.dirpath)  # completed in the bucket by the survivors
+
+
+@pytest.mark.slow
+def test_unannounced_node_loss_resumes_from_the_last_periodic_checkpoint(cluster_factory: type[Cluster]) -> None:
+    """A node that vanishes without SIGTERM (SIGKILL to its agent and worker): the survivor's
+    collective fails (connection reset), torchrun restarts it at N-1, and it resumes from the
+    newest periodic checkpoint (the steps since are lost, as with any hard failure)."""
+    from lightning_preempt import ShardedAsyncCheckpointIO
+
+    c = cluster_factory(nnodes="1:2", script_args=("--max-steps", "25", "--every", "10"))
+    c.start("A")
+    c.start("B")
+    c.wait_step("B", 15)
+    c.kill_node("B")
+    assert c.wait("A") == 0, c.log("A")
+    after = c.records("A", "start")[-1]
+    assert after["world_size"] == 1 and after["restart_count"] == 1
+    assert after["start_step"] in (10, 20)  # a periodic save (keep_last_n=3 keeps both)
+    ckpt = ShardedAsyncCheckpointIO().load_checkpoint(str(c.dirpath / f"step-{after['start_step']:010d}"))
+    assert after["weights"] == state_sha(ckpt["state_dict"])  # bitwise: that checkpoint
+    assert c.records("A", "exit")[-1]["step"] == 25
