@@ -24,7 +24,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from typing_extensions import override
 
-from lightning_preempt import _compat, agree
+from lightning_preempt import _compat, agree, tier_policy
 from lightning_preempt import dist as pdist
 from lightning_preempt.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.config import PreemptionConfig
@@ -34,7 +34,6 @@ from lightning_preempt.errors import CheckpointError
 from lightning_preempt.exact import STATE_KEY, ExactResume
 from lightning_preempt.grace import GraceCheck
 from lightning_preempt.lease import Lease
-from lightning_preempt.manifest import MANIFEST_NAME
 from lightning_preempt.notices import make_sources, parse_names
 from lightning_preempt.prealloc import prepare_staging
 from lightning_preempt.probe import probe_writable
@@ -43,9 +42,9 @@ from lightning_preempt.reporting import SaveReporter, report_resume
 from lightning_preempt.resume import ResumeResolver
 from lightning_preempt.signals import SignalFlag
 from lightning_preempt.sources import PreemptionSource
-from lightning_preempt.storage import Store, join_url
+from lightning_preempt.storage import join_url
 from lightning_preempt.strategy_hooks import install_collective_saves
-from lightning_preempt.tiers import TwoTier, local_dirpath_from_env
+from lightning_preempt.tiers import local_dirpath_from_env
 
 __all__ = ["Preempted", "PreemptionCallback"]
 
@@ -282,7 +281,10 @@ class PreemptionCallback(OnExceptionCheckpoint):
         group = rt.agree_group = rt.new_group()
         self.controller.bind(group)
         install_collective_saves(trainer.strategy, io, writer_group)
-        self._configure_tiers(trainer, io, rt)
+        self.local_dirpath = tier_policy.configure_tiers(
+            io, dirpath=self.dirpath, local_dirpath=self.local_dirpath, keep_last_n=self.config.keep_last_n,
+            new_group=rt.new_group,
+        )  # fmt: skip
         # A listing that kept failing on any rank stops every rank here, before step 1.
         resuming = self.config.resume and self.resolver.agree_on_probes(group)
         if self.config.probe_storage:
@@ -294,7 +296,8 @@ class PreemptionCallback(OnExceptionCheckpoint):
         self.run_id = io.run_id = agree.decide(lambda: run_id or uuid.uuid4().hex, group)
         if io.tiers is not None:
             io.tiers.run_id = self.run_id
-        self._upload_local_only(trainer, io)
+        if trainer.is_global_zero:
+            tier_policy.upload_local_only(io.tiers, self.dirpath)
         newest = agree.decide(self._newest_manifest, group, what="reading the newest manifest")
         self._grace.check_manifest(newest)
         self.signal_flag.clear()
@@ -556,9 +559,10 @@ class PreemptionCallback(OnExceptionCheckpoint):
         """``dirpath/step-N``, or a suffixed sibling when a committed ``step-N`` exists (a run
         resumed from an older checkpoint re-reaches a step). Rank 0 decides for all ranks."""
         path = join_url(self.dirpath, checkpoint_name(step))
+        tiers = self._plugin(trainer).tiers
 
         def pick() -> str:
-            return f"{path}-{uuid.uuid4().hex[:8]}" if self._taken(trainer, path) else path
+            return f"{path}-{uuid.uuid4().hex[:8]}" if tier_policy.taken(tiers, path, self.storage_options) else path
 
         return agree.decide(pick, self._group(), what="choosing the checkpoint path")
 
@@ -583,7 +587,11 @@ class PreemptionCallback(OnExceptionCheckpoint):
                 hook(trainer, step)
 
         def drain(budget: float) -> str:
-            return self._drain_within_grace(trainer, io, step, budget)
+            path = self._last_saved_path
+            saved = (path, self._last_saved_step) if trainer.is_global_zero and path is not None else None
+            return tier_policy.drain_within_grace(
+                io, dirpath=self.dirpath, step=step, budget=budget, mark=self.controller.mark, saved=saved
+            )
 
         self.controller.emergency(
             step, snapshot=snapshot, drain=drain, safe_step=lambda: self._safe_step(io), leader=trainer.is_global_zero
@@ -627,62 +635,3 @@ class PreemptionCallback(OnExceptionCheckpoint):
                 "HINT: use a fresh dirpath for a run that branches off an older checkpoint.",
                 stacklevel=2,
             )
-
-    # ---- two tiers ---------------------------------------------------------------------
-    def _configure_tiers(self, trainer: pl.Trainer, io: ShardedAsyncCheckpointIO, rt: _Runtime) -> None:
-        """Tell the plugin the remote root and retention; give its drain thread a gloo group."""
-        if self.local_dirpath is not None and io.tiers is None:
-            io.tiers = TwoTier(self.local_dirpath, io.storage_options)
-        elif io.tiers is not None and self.local_dirpath is None:
-            self.local_dirpath = io.tiers.local_root
-        elif io.tiers is not None and io.tiers.local_root != str(self.local_dirpath).rstrip("/"):
-            raise ValueError(
-                f"local_dirpath differs: {self.local_dirpath!r} (callback) vs {io.tiers.local_root!r} (plugin)\n"
-                "HINT: pass the same local_dirpath to both, or to one of them."
-            )
-        if io.tiers is None:
-            return
-        drain_group = rt.new_group()  # collective: every rank configures tiers alike
-        collective = pdist.is_distributed() and io._group is not None
-        io.set_tiers(self.dirpath, keep_last_n=self.config.keep_last_n, group=drain_group if collective else None)
-
-    def _upload_local_only(self, trainer: pl.Trainer, io: ShardedAsyncCheckpointIO) -> None:
-        """Queue the upload of the newest checkpoint that only this node's disk holds (before
-        any retention of the remote tier runs: drains run in order)."""
-        if io.tiers is None or not trainer.is_global_zero:
-            return
-        try:
-            pending = io.tiers.local_only()
-        except Exception as err:
-            log.warning("lightning_preempt: cannot compare the tiers (%s); no upload on start", err)
-            return
-        if not pending:
-            return
-        newest = pending[-1]
-        remote_url = io.tiers.remote_twin(newest.path)
-        if remote_url is None:
-            return
-        log.info(
-            "lightning_preempt: %s (step %d) is committed locally but not in %s: uploading it",
-            newest.path, newest.step, self.dirpath,
-        )  # fmt: skip
-        io.tiers.queue_drain(newest.path, remote_url, newest.step, solo=True)
-
-    def _taken(self, trainer: pl.Trainer, path: str) -> bool:
-        tiers = self._plugin(trainer).tiers
-        if tiers is None:
-            return Store(path, self.storage_options).exists(MANIFEST_NAME)
-        local = tiers.local_twin(path)  # the training thread touches only the local disk
-        return local is not None and tiers.committed(local)
-
-    def _drain_within_grace(self, trainer: pl.Trainer, io: ShardedAsyncCheckpointIO, step: int, budget: float) -> str:
-        """Two tiers: drain for ``budget`` seconds; returns "; step N held by …"."""
-        if io.tiers is None:
-            return ""
-        self.controller.mark(f"draining step {step} to {self.dirpath} for at most {budget:.1f}s")
-        finished = io.wait_drained(budget)
-        self.controller.mark("drained" if finished else "drain did not finish within the grace period")
-        if not trainer.is_global_zero or self._last_saved_path is None:
-            return ""
-        held = io.tiers.holders(self._last_saved_path)
-        return f"; step {self._last_saved_step} held by: {', '.join(held) or 'no tier (see the errors above)'}"
