@@ -307,6 +307,10 @@ def bench_first_save(args: argparse.Namespace, root: str, ckpt: dict[str, Any]) 
     def ratio_to_floor(kind: str) -> float:
         return median(ratios[kind])
 
+    def row(label: str, kind: str, note: str) -> list[str]:
+        times = results[kind]
+        return [label, fmt_s(median(times)), fmt_range(times), f"{ratio_to_floor(kind):.2f}", note]
+
     rows = [
         [
             "FLOOR: copy into preallocated, touched buffers",
@@ -315,34 +319,15 @@ def bench_first_save(args: argparse.Namespace, root: str, ckpt: dict[str, Any]) 
             "1.00",
             "blocking floor",
         ],
-        [
-            "ours, first save, no preparation",
-            fmt_s(median(results["none"])),
-            fmt_range(results["none"]),
-            f"{ratio_to_floor('none'):.2f}",
-            "buffers allocated inside the save (before this issue)",
-        ],
-        [
+        row("ours, first save, no preparation", "none", "buffers allocated inside the save (before this issue)"),
+        row(
             "ours, first save after prepare_staging",
-            fmt_s(median(results["done"])),
-            fmt_range(results["done"]),
-            f"{ratio_to_floor('done'):.2f}",
+            "done",
             f"background preparation took {fmt_s(median(results['prepare_done']))} s, off the training thread",
-        ],
-        [
-            "ours, first save while prepare_staging still runs",
-            fmt_s(median(results["racing"])),
-            fmt_range(results["racing"]),
-            f"{ratio_to_floor('racing'):.2f}",
-            "signal right after on_train_start: waits for the preparation",
-        ],
-        [
-            "ours, steady-state save",
-            fmt_s(median(results["steady"])),
-            fmt_range(results["steady"]),
-            f"{ratio_to_floor('steady'):.2f}",
-            "second save, buffers reused",
-        ],
+        ),
+        row("ours, first save while prepare_staging still runs", "racing",
+            "signal right after on_train_start: waits for the preparation"),
+        row("ours, steady-state save", "steady", "second save, buffers reused"),
     ]
     text = "\n".join(
         [

@@ -168,10 +168,7 @@ def _agree_or_raise(
         raise CheckpointWriteError(
             f"{what} failed, nothing was committed ({detail})",
             path=store.url,
-            hint=hints[0]
-            if hints
-            else "Check that the storage is reachable, writable and has space; earlier committed "
-            "checkpoints are untouched and training can resume from them.",
+            hint=hints[0] if hints else _STORAGE_HINT,
         )
 
 
