@@ -151,6 +151,16 @@ def set_sampler_epoch(loader: Any, epoch: int) -> None:
     _set_sampler_epoch(loader, epoch)
 
 
+def distributed_wrapped_sampler(sampler: Any) -> Any | None:
+    """The user's sampler inside Lightning's ``DistributedSamplerWrapper`` (``None`` if
+    ``sampler`` is not one). Lightning 2.4-2.6 keep it in ``sampler.dataset._sampler``."""
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+
+    if not isinstance(sampler, DistributedSamplerWrapper):
+        return None
+    return getattr(sampler.dataset, "_sampler", None)
+
+
 # ---- torch.distributed.checkpoint -------------------------------------------------------
 def dcp_format_version() -> str | None:
     """The DCP format version torch writes into ``.metadata`` (``None``: torch 2.6, whose

@@ -410,6 +410,10 @@ class PreemptionCallback(OnExceptionCheckpoint):
         self.exact.on_train_start(trainer, pl_module)  # last: restores RNG just before the first fetch
 
     @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.exact.on_train_epoch_start(trainer)  # notes the states this epoch's data order is made from
+
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:

@@ -30,6 +30,7 @@ seed, and torchdata's samplers their epoch seed), so we create it again after re
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import itertools
@@ -133,6 +134,9 @@ def loader_generators(loader: Any) -> list[torch.Generator]:
     shuffles the following epochs differently (meta-pytorch/data#1437).
     """
     samplers = [getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)]
+    # Under DDP Lightning wraps a sampler it cannot shard itself (torchdata's RandomSampler)
+    # in a DistributedSamplerWrapper: the generator that shuffles is the wrapped sampler's.
+    samplers += [_compat.distributed_wrapped_sampler(s) for s in samplers]
     candidates = [getattr(loader, "generator", None)]
     for sampler in samplers:
         candidates.append(getattr(sampler.inner if isinstance(sampler, ResumableSampler) else sampler, "generator", None))
@@ -141,6 +145,10 @@ def loader_generators(loader: Any) -> list[torch.Generator]:
         if isinstance(g, torch.Generator) and all(g is not f for f in found):
             found.append(g)
     return found
+
+
+
+
 
 
 def snapshot_iter_rng(generators: list[torch.Generator]) -> dict[str, Any]:
@@ -155,6 +163,64 @@ def set_generator_states(generators: list[torch.Generator], states: list[Any]) -
     for g, state in zip(generators, states, strict=True):
         g.set_state(state)
     return True
+
+
+class _RewindingSampler(Sampler[Any]):
+    """``inner``, whose every ``iter()`` after the first runs from the states ``pre_iter``.
+
+    Each later ``iter()`` leaves the RNG states as it found them: what ``inner`` draws when
+    it is iterated (Lightning's ``DistributedSamplerWrapper`` draws the wrapped sampler's
+    whole permutation then) comes from the epoch-start states, and draws made between the
+    calls (the loader's worker base seed) are kept. A sampler that draws lazily, at its
+    first index, is not affected: its draw follows the first call's states, as it did when
+    the epoch started.
+    """
+
+    def __init__(self, inner: Any, generators: list[torch.Generator], pre_iter: dict[str, Any]) -> None:
+        self.inner = inner
+        self.generators = generators
+        self.pre_iter: dict[str, Any] | None = pre_iter
+        self.calls = 0
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __iter__(self) -> Iterator[Any]:
+        self.calls += 1
+        if self.calls == 1 or self.pre_iter is None:
+            return iter(self.inner)
+        now = snapshot_iter_rng(self.generators)
+        torch.set_rng_state(self.pre_iter["torch"])
+        set_generator_states(self.generators, self.pre_iter["generators"])
+        try:
+            return iter(self.inner)
+        finally:
+            torch.set_rng_state(now["torch"])
+            set_generator_states(self.generators, now["generators"])
+
+
+@contextlib.contextmanager
+def rewound_sampler(loader: Any, pre_iter: dict[str, Any]) -> Iterator[None]:
+    """While a resumed StatefulDataLoader's iterator is made, make its sampler's draws
+    repeat those of the epoch's start (``pre_iter``: :func:`snapshot_iter_rng`).
+
+    torchdata iterates a sampler without ``state_dict`` up to three times while it makes a
+    resumed iterator (then skips what was yielded); each ``iter()`` of Lightning's
+    ``DistributedSamplerWrapper`` draws a new permutation, so the one used would be the
+    third from the epoch-start states instead of the first (see :class:`_RewindingSampler`).
+    """
+    batch_sampler: Any = getattr(loader, "batch_sampler", None)
+    inner = getattr(batch_sampler, "sampler", None)
+    if batch_sampler is None or inner is None:
+        yield
+        return
+    rewinding = _RewindingSampler(inner, loader_generators(loader), pre_iter)
+    batch_sampler.sampler = rewinding  # read by the BatchSampler's iterator when it is made
+    try:
+        yield
+    finally:
+        batch_sampler.sampler = inner
+        rewinding.pre_iter = None  # the live iterator keeps it: a later iter() is plain
 
 
 class ResumableSampler(Sampler[int]):
@@ -250,6 +316,27 @@ def _has_set_epoch(loader: Any) -> bool:
 
 def _stateful(loader: Any) -> bool:
     return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+
+
+def _replays_sampler(loader: Any) -> bool:
+    """A ``StatefulDataLoader`` that resumes by iterating its sampler again from the start.
+
+    torchdata saves the position of a sampler that has ``state_dict`` (its ``RandomSampler``
+    iterator saves its generator state too). Any other sampler it fast-forwards: it makes a
+    new iterator and skips the samples already yielded, so whatever that sampler draws
+    (Lightning's ``DistributedSamplerWrapper`` draws the wrapped sampler's permutation at
+    the first index) comes from the generators' states at the moment of the resume, not
+    from those the epoch started with. Sequential and plain distributed samplers draw
+    nothing.
+    """
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    sampler = getattr(batch_sampler, "sampler", None) if batch_sampler is not None else None
+    sampler = sampler if sampler is not None else getattr(loader, "sampler", None)
+    if sampler is None or _stateful(sampler):
+        return False
+    if type(sampler).__name__ == "_InfiniteConstantSampler":  # iterable datasets: no indices
+        return False
+    return not any(_is_plain(sampler, cls) for cls in (SequentialSampler, DistributedSampler))
 
 
 def _describe(loader: Any) -> str:
@@ -399,6 +486,9 @@ class ExactResume:
         self.replay_worker_draws = replay_worker_draws
         self._loaded: dict[str, Any] | None = None
         self._samplers: list[tuple[str, ResumableSampler | None]] = []
+        # Per loader (same order): for "stateful" loaders, (epoch, snapshot_iter_rng) taken
+        # just before the epoch's iterator was made; a ResumableSampler keeps its own.
+        self._stateful_pre_iter: list[tuple[int, dict[str, Any]] | None] = []
         self._pending_results: dict[str, dict[str, Any]] = {}
         self._warned = False
         self.restored: str | None = None  # "mid-epoch", "epoch-end", "derived" (for tests and logs)
@@ -424,8 +514,8 @@ class ExactResume:
         batches = _batches_done(trainer)
         loaders = []
         epoch = trainer.current_epoch
-        for dl, (kind, sampler) in zip(self._train_loaders(trainer), self._samplers, strict=True):
-            pre_iter = sampler.pre_iter if sampler is not None else None
+        for i, (dl, (kind, sampler)) in enumerate(zip(self._train_loaders(trainer), self._samplers, strict=True)):
+            pre_iter = sampler.pre_iter if sampler is not None else self._stateful_pre_iter[i]
             loaders.append(
                 {
                     "kind": kind,
@@ -525,6 +615,25 @@ class ExactResume:
             state["batches_in_epoch"] if mid_epoch else 0,
         )
 
+    def on_train_epoch_start(self, trainer: pl.Trainer) -> None:
+        """Note the RNG states each StatefulDataLoader's next iterator is made from.
+
+        Lightning makes the epoch's iterators right after the ``on_train_epoch_start`` hooks
+        (ours run after other callbacks', before the module's). A mid-epoch resume makes the
+        iterator again from these states (see :func:`_replays_sampler`). The first epoch of a
+        process is noted by :meth:`on_train_start`, which makes that iterator again.
+        """
+        if not self.enabled:
+            return
+        epoch = trainer.current_epoch
+        loaders = self._train_loaders(trainer)
+        if len(loaders) != len(self._samplers):
+            return  # the loaders were reloaded: _wrap has not seen them
+        for i, (dl, (kind, _)) in enumerate(zip(loaders, self._samplers, strict=True)):
+            noted = self._stateful_pre_iter[i]
+            if kind == "stateful" and (noted is None or noted[0] != epoch):
+                self._stateful_pre_iter[i] = (epoch, snapshot_iter_rng(loader_generators(dl)))
+
     def on_train_batch_end(self, trainer: pl.Trainer) -> None:
         """Fold the saved ``self.log`` aggregates in once the resumed run has logged them again."""
         if self._pending_results:
@@ -537,6 +646,7 @@ class ExactResume:
     def _wrap(self, trainer: pl.Trainer) -> None:
         loaders = self._train_loaders(trainer)
         self._samplers = [wrap_loader(dl) for dl in loaders]
+        self._stateful_pre_iter = [None] * len(loaders)
         bad = [_describe(dl) for dl, (kind, _) in zip(loaders, self._samplers, strict=True) if kind == "unsupported"]
         if bad and not self._warned:
             self._warned = True
@@ -554,25 +664,26 @@ class ExactResume:
         """Remake the iterators where needed; returns {loader index: batches to drop} (replay).
 
         Needed for worker loaders we wrapped (their workers asked the original sampler for
-        indices as soon as Lightning made them) and, mid-epoch, for a StatefulDataLoader
-        whose sampler takes ``set_epoch`` (torchdata made the resumed epoch's indices before
-        Lightning set the epoch: we set it and hand the loader its own position again).
+        indices as soon as Lightning made them); mid-epoch, for a StatefulDataLoader whose
+        sampler takes ``set_epoch`` (torchdata made the resumed epoch's indices before
+        Lightning set the epoch: we set it and hand the loader its own position again); and
+        for a StatefulDataLoader that replays its sampler (:func:`_replays_sampler`): in a
+        fresh process its first iterator is made again here, after the states it is made
+        from are noted, so that a mid-epoch resume can make it from the same states.
         """
         loaders = self._train_loaders(trainer)
         pairs = list(zip(loaders, self._samplers, strict=True))
         wrapped_workers = [i for i, (dl, (kind, _)) in enumerate(pairs) if kind == "sampler" and _workers(dl)]
         epoch_samplers = [i for i, (dl, (kind, _)) in enumerate(pairs) if kind == "stateful" and _has_set_epoch(dl)]
+        replaying = [i for i, (dl, (kind, _)) in enumerate(pairs) if kind == "stateful" and _replays_sampler(dl)]
         if mid_epoch:
             for dl, (kind, _) in pairs:
                 if _workers(dl) and (kind == "stateful" or (kind == "sampler" and not self.replay_worker_draws)):
                     self._warn_worker_draws(dl)
         fetcher = _compat.train_fetcher(trainer)
-        if fetcher is None or not (wrapped_workers or (mid_epoch and epoch_samplers)):
+        if fetcher is None or not (wrapped_workers or replaying or (mid_epoch and epoch_samplers)):
             return {}
-        epoch = trainer.current_epoch
-        for _, (_, sampler) in pairs:
-            if sampler is not None:  # the states this epoch's iterator is made from (see set_epoch)
-                sampler.pre_iter = (epoch, snapshot_iter_rng(sampler.generators))
+        self._note_pre_iter(trainer)
         replay: dict[int, int] = {}
         for i, (dl, (kind, sampler)) in enumerate(pairs):
             if kind == "stateful":
@@ -582,8 +693,22 @@ class ExactResume:
                 dl.load_state_dict(dl.state_dict())
             if mid_epoch and _workers(dl) and kind == "sampler" and sampler is not None and self.replay_worker_draws:
                 replay[i] = sampler.replay()
-        iter(fetcher)
+        with contextlib.ExitStack() as stack:
+            for i in replaying:  # dl.load_state_dict above: torchdata iterates the sampler again
+                noted = self._stateful_pre_iter[i]
+                if noted is not None:
+                    stack.enter_context(rewound_sampler(loaders[i], noted[1]))
+            iter(fetcher)
         return replay
+
+    def _note_pre_iter(self, trainer: pl.Trainer) -> None:
+        """Note, for every loader, the states the iterators about to be made are made from."""
+        epoch = trainer.current_epoch
+        for i, (dl, (kind, sampler)) in enumerate(zip(self._train_loaders(trainer), self._samplers, strict=True)):
+            if sampler is not None:  # (see ResumableSampler.set_epoch)
+                sampler.pre_iter = (epoch, snapshot_iter_rng(sampler.generators))
+            elif kind == "stateful":
+                self._stateful_pre_iter[i] = (epoch, snapshot_iter_rng(loader_generators(dl)))
 
     def _drop_replayed(self, trainer: pl.Trainer, replay: dict[int, int]) -> None:
         """Take the replayed batches out of the remade iterators, past Lightning's counters."""
@@ -678,4 +803,5 @@ class ExactResume:
             _compat.set_sampler_epoch(dl, epoch)
         fetcher = _compat.train_fetcher(trainer)
         if fetcher is not None:
+            self._note_pre_iter(trainer)
             iter(fetcher)

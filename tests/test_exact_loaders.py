@@ -43,13 +43,13 @@ CASES: dict[str, list[str]] = {
     "distributed-set-epoch": ["--sampler", "distributed"],
     "stateful-distributed-set-epoch": ["--stateful", "--sampler", "distributed"],
     # 2 ranks: Lightning wraps each loader's sampler in a DistributedSamplerWrapper (5 batches per epoch).
+    # Lightning's DistributedSamplerWrapper draws the permutation each time it is iterated,
+    # and torchdata iterates it up to three times to resume it (exact.rewound_sampler).
     "ddp-stateful-generator": ["--stateful", "--generator", "5", "--devices", "2", "--strategy", "ddp"],
+    # ... and without a loader generator: the wrapped RandomSampler's own generator shuffles.
+    "ddp-stateful": ["--stateful", "--devices", "2", "--strategy", "ddp"],
 }
-KNOWN_GAPS = {
-    "ddp-stateful-generator": "Lightning's DistributedSamplerWrapper draws the epoch's permutation from the "
-    "loader's generator whenever the iterator is made; a mid-epoch resume remakes it from another generator "
-    "state (docs/exact-resume.md, Limits)",
-}
+KNOWN_GAPS: dict[str, str] = {}  # name -> why a case cannot be exact (a strict xfail)
 FAST = {"stateful-generator"}  # the issue's reproducer runs in the default suite; the rest are `slow`
 
 
@@ -173,3 +173,70 @@ def test_loader_generators_are_found_for_every_loader_kind() -> None:
     stateful = loader_generators(StatefulDataLoader(data, shuffle=True))
     assert len(stateful) == 1, "torchdata's RandomSampler owns a generator even without one given"
     assert loader_generators(StatefulDataLoader(data, shuffle=True, generator=g)) == [g]
+
+
+def test_loader_generators_look_inside_lightnings_distributed_sampler_wrapper() -> None:
+    """Under DDP the shuffling generator is the wrapped sampler's (torchdata's RandomSampler)."""
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+    from torch.utils.data import TensorDataset
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    from torchdata.stateful_dataloader.sampler import RandomSampler as StatefulRandomSampler
+
+    from lightning_preempt.exact import loader_generators
+
+    data = TensorDataset(torch.arange(8))
+    own = StatefulRandomSampler(data)  # no generator given: it makes one
+    wrapped = DistributedSamplerWrapper(own, num_replicas=2, rank=0)
+    assert loader_generators(StatefulDataLoader(data, sampler=wrapped)) == [own.generator]
+    g = torch.Generator()
+    shared = DistributedSamplerWrapper(StatefulRandomSampler(data, generator=g), num_replicas=2, rank=0)
+    assert loader_generators(StatefulDataLoader(data, sampler=shared, generator=g)) == [g], "each generator once"
+
+
+class _EagerSampler(torch.utils.data.Sampler[int]):
+    """Draws its permutation when iterated (like Lightning's DistributedSamplerWrapper)."""
+
+    def __init__(self, n: int, generator: torch.Generator) -> None:
+        self.n, self.generator = n, generator
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(torch.randperm(self.n, generator=self.generator).tolist())
+
+
+class _LazySampler(_EagerSampler):
+    """Draws at the first index (a generator function, like torch's RandomSampler)."""
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        yield from torch.randperm(self.n, generator=self.generator).tolist()
+
+
+@pytest.mark.parametrize("cls", [_EagerSampler, _LazySampler])
+def test_rewound_sampler_repeats_the_epoch_start_draw_however_often_torchdata_iterates(cls: type) -> None:
+    """torchdata iterates a sampler without state_dict several times to resume it; the
+    permutation it keeps must be the one drawn from the states the epoch began with, and the
+    draws made between the iterations (the loader's worker base seed) must stay."""
+    from torch.utils.data import TensorDataset
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from lightning_preempt.exact import rewound_sampler, snapshot_iter_rng
+
+    g = torch.Generator().manual_seed(7)
+    loader = StatefulDataLoader(TensorDataset(torch.arange(16)), sampler=cls(16, g), batch_size=4, generator=g)
+    pre_iter = snapshot_iter_rng([g])
+    epoch = [b[0].tolist() for b in loader]  # the uninterrupted epoch, from pre_iter
+    after_epoch = g.get_state()
+
+    it = iter(loader)
+    next(it)
+    position = loader.state_dict()  # one batch trained
+    g.set_state(pre_iter["generators"][0])
+    loader.load_state_dict(position)
+    with rewound_sampler(loader, pre_iter):
+        resumed = iter(loader)  # torchdata: iter(sampler), then twice more to skip the trained batch
+    assert [b[0].tolist() for b in resumed] == epoch[1:]
+    assert torch.equal(g.get_state(), after_epoch), "the generator ends the epoch where it did uninterrupted"
+    assert isinstance(loader.batch_sampler.sampler, cls), "the original sampler is put back"
+
