@@ -139,6 +139,21 @@ def train_loader_iterators(trainer: Any) -> list[Any] | None:
     return list(iterators) if iterators is not None else None
 
 
+def train_reload_due(trainer: Any) -> bool:
+    """Lightning will reload the training loaders at the next epoch start
+    (``reload_dataloaders_every_n_epochs``). Private: ``FitLoop._should_reload_train_dl``."""
+    fit_loop = trainer.fit_loop
+    return getattr(fit_loop, "_combined_loader", None) is not None and bool(
+        getattr(fit_loop, "_should_reload_train_dl", False)
+    )
+
+
+def reload_train_data(trainer: Any) -> None:
+    """Reload the training loaders now: ``FitLoop.setup_data`` makes them and their iterator
+    and notes the epoch, so the epoch start does not reload them again."""
+    trainer.fit_loop.setup_data()
+
+
 def training_results(trainer: Any) -> Any | None:
     """The running ``self.log`` results of the training epoch (a ``_ResultCollection``)."""
     return getattr(trainer.fit_loop.epoch_loop, "_results", None)

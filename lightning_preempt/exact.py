@@ -489,6 +489,8 @@ class ExactResume:
         # Per loader (same order): for "stateful" loaders, (epoch, snapshot_iter_rng) taken
         # just before the epoch's iterator was made; a ResumableSampler keeps its own.
         self._stateful_pre_iter: list[tuple[int, dict[str, Any]] | None] = []
+        self._wrapped: list[Any] = []  # the loaders _wrap saw (a reload makes new ones)
+        self._warned_stale = False
         self._pending_results: dict[str, dict[str, Any]] = {}
         self._warned = False
         self.restored: str | None = None  # "mid-epoch", "epoch-end", "derived" (for tests and logs)
@@ -514,6 +516,12 @@ class ExactResume:
         batches = _batches_done(trainer)
         loaders = []
         epoch = trainer.current_epoch
+        if not self._current(trainer) and not self._warned_stale:
+            self._warned_stale = True
+            log.warning(
+                "lightning_preempt: the training loaders were replaced without on_train_epoch_start being called; "
+                "a mid-epoch resume from this checkpoint keeps the position but not the data order"
+            )
         for i, (dl, (kind, sampler)) in enumerate(zip(self._train_loaders(trainer), self._samplers, strict=True)):
             pre_iter = sampler.pre_iter if sampler is not None else self._stateful_pre_iter[i]
             loaders.append(
@@ -555,13 +563,28 @@ class ExactResume:
         """Wrap the training samplers, then restore the saved state (last, just before data is fetched)."""
         if not self.enabled:
             return
-        self._wrap(trainer)
         state, self._loaded = self._loaded, None
+        num_batches = trainer.num_training_batches
+        # Lightning goes on inside the saved epoch unless the save ended it (then it starts the next).
+        mid_epoch = (
+            state is not None
+            and state.get("epoch") == trainer.current_epoch
+            and 0 < state["batches_in_epoch"] < num_batches
+        )
+        own = state is not None and state.get("rank") == trainer.global_rank
+        # A resume from a save that ended an epoch reloads the loaders (when they are reloaded
+        # every n epochs) at the next epoch start, after this hook and without calling
+        # on_train_epoch_start. We reload them here instead, so that the loaders we wrap and
+        # restore are those that train: after restoring the RNG (the epoch-end branch below)
+        # as the uninterrupted run did, else now.
+        reload_after_restore = _compat.train_reload_due(trainer) and own and not mid_epoch
+        if _compat.train_reload_due(trainer) and not reload_after_restore:
+            _compat.reload_train_data(trainer)
+        self._wrap(trainer)
         if state is None:
             self._restart_worker_iterators(trainer)
             return
         rank, world = trainer.global_rank, trainer.world_size
-        own = state.get("rank") == rank
         if state.get("world_size") != world:
             log.warning(
                 "lightning_preempt: the checkpoint was written by %d ranks, this run has %d: the data order and the "
@@ -569,9 +592,6 @@ class ExactResume:
                 state.get("world_size"),
                 world,
             )
-        num_batches = trainer.num_training_batches
-        # Lightning goes on inside the saved epoch unless the save ended it (then it starts the next).
-        mid_epoch = state.get("epoch") == trainer.current_epoch and 0 < state["batches_in_epoch"] < num_batches
         self._restore_data(state, mid_epoch)
         if mid_epoch:
             missing = load_metric_states(pl_module, state.get("metrics", {}))
@@ -590,9 +610,13 @@ class ExactResume:
             self.restored = "mid-epoch"
         elif own:
             # The save ended an epoch: the uninterrupted run made the next epoch's iterators
-            # after this point, from these states.
+            # (reloading the loaders first, if due) after this point, from these states.
             restore_rng(state["rng"])
-            self._restore_generators(trainer, state)
+            if reload_after_restore:
+                _compat.reload_train_data(trainer)
+                self._wrap(trainer)  # new loaders: their generators are as train_dataloader() made them
+            else:
+                self._restore_generators(trainer, state)
             self._restart_iterators(trainer)
             self.restored = "epoch-end"
         else:
@@ -627,8 +651,12 @@ class ExactResume:
             return
         epoch = trainer.current_epoch
         loaders = self._train_loaders(trainer)
-        if len(loaders) != len(self._samplers):
-            return  # the loaders were reloaded: _wrap has not seen them
+        if not self._current(trainer):
+            # New loaders (reload_dataloaders_every_n_epochs): wrap them before Lightning
+            # makes this epoch's iterators; their samplers missed this epoch's set_epoch note.
+            self._wrap(trainer)
+            self._note_pre_iter(trainer)
+            return
         for i, (dl, (kind, _)) in enumerate(zip(loaders, self._samplers, strict=True)):
             noted = self._stateful_pre_iter[i]
             if kind == "stateful" and (noted is None or noted[0] != epoch):
@@ -643,10 +671,16 @@ class ExactResume:
     def _train_loaders(self, trainer: pl.Trainer) -> list[Any]:
         return _compat.train_loaders(trainer)
 
+    def _current(self, trainer: pl.Trainer) -> bool:
+        """The loaders that train are those :meth:`_wrap` saw (a reload makes new ones)."""
+        loaders = self._train_loaders(trainer)
+        return len(loaders) == len(self._wrapped) and all(a is b for a, b in zip(loaders, self._wrapped, strict=True))
+
     def _wrap(self, trainer: pl.Trainer) -> None:
         loaders = self._train_loaders(trainer)
         self._samplers = [wrap_loader(dl) for dl in loaders]
         self._stateful_pre_iter = [None] * len(loaders)
+        self._wrapped = list(loaders)
         bad = [_describe(dl) for dl, (kind, _) in zip(loaders, self._samplers, strict=True) if kind == "unsupported"]
         if bad and not self._warned:
             self._warned = True

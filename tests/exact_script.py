@@ -149,6 +149,17 @@ def make_loader(args: argparse.Namespace) -> Any:
     return DataLoader(data, **kwargs)
 
 
+class Reloading(L.LightningDataModule):
+    """--reload: ``train_dataloader()`` makes a new loader each time Lightning asks (every epoch)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__()
+        self.args = args
+
+    def train_dataloader(self) -> Any:
+        return make_loader(self.args)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--dirpath", required=True)
@@ -171,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--amp", action="store_true", help="16-mixed with a GradScaler that grows every 3 steps")
+    p.add_argument("--reload", action="store_true", help="a new loader every epoch (reload_dataloaders_every_n_epochs)")
     args = p.parse_args(argv)
 
     os.makedirs(args.status, exist_ok=True)
@@ -202,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         limit_val_batches=0,
         accumulate_grad_batches=args.accumulate,
         deterministic=True,
+        reload_dataloaders_every_n_epochs=1 if args.reload else 0,
     )
     with open(os.path.join(args.status, f"rank{trainer.global_rank}.pid"), "w") as f:
         f.write(str(os.getpid()))
@@ -209,7 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     rank = trainer.global_rank
     try:
-        trainer.fit(model, loader)
+        if args.reload:
+            trainer.fit(model, datamodule=Reloading(args))
+        else:
+            trainer.fit(model, loader)
     finally:  # also when preempted: one line per start, for the tests and the demo
         run = {
             "resumed_from": cb.resumed_from,

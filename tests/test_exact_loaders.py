@@ -48,6 +48,10 @@ CASES: dict[str, list[str]] = {
     "ddp-stateful-generator": ["--stateful", "--generator", "5", "--devices", "2", "--strategy", "ddp"],
     # ... and without a loader generator: the wrapped RandomSampler's own generator shuffles.
     "ddp-stateful": ["--stateful", "--devices", "2", "--strategy", "ddp"],
+    # reload_dataloaders_every_n_epochs=1: each epoch trains a new loader object.
+    "reload": ["--reload"],
+    "reload-workers-replay": ["--reload", "--workers", "2", "--aug", "--replay"],
+    "reload-stateful": ["--reload", "--stateful"],
 }
 KNOWN_GAPS: dict[str, str] = {}  # name -> why a case cannot be exact (a strict xfail)
 FAST = {"stateful-generator"}  # the reproducer runs in the default suite; the rest are `slow`
