@@ -405,6 +405,9 @@ class PreemptionCallback(OnExceptionCheckpoint):
             self._last_saved_step = trainer.global_step  # resumed from an explicit ckpt_path
             self._warn_about_newer_checkpoints(trainer)
         report_resume(trainer, self._restored_state)
+        # The checkpoint is loaded: the pointer has served. Removed now, not at teardown,
+        # which a preempted process never reaches (one file in /tmp per preemption).
+        self._drop_pointer()
         # A signal that arrived during start-up or restore: nothing new to save.
         self._check_now(trainer)
         self.exact.on_train_start(trainer, pl_module)  # last: restores RNG just before the first fetch
@@ -496,6 +499,9 @@ class PreemptionCallback(OnExceptionCheckpoint):
         if self._rt is not None:
             self._rt.release()
             self._rt = None
+        self._drop_pointer()
+
+    def _drop_pointer(self) -> None:
         if self._pointer is not None:
             with contextlib.suppress(OSError):
                 os.unlink(self._pointer)

@@ -139,6 +139,20 @@ def test_signal_during_restore_exits_before_the_first_step(tmp_path: Path) -> No
     assert _committed(tmp_path) == [12, 10, 5]
 
 
+def test_a_preempted_resumed_run_leaves_no_resume_pointer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The auto-resume pointer file is removed once the checkpoint is loaded: a process
+    killed without notice never reaches teardown, and each restart would leave one behind."""
+    tmpdir = tmp_path / "tmpdir"
+    tmpdir.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmpdir))
+    code, out = _run_self_signal(tmp_path, "step:6", "--every", "1000")
+    assert code == 143 and _committed(tmp_path) == [6], out[-3000:]
+    code, out = _run_self_signal(tmp_path, "kill:9", "--every", "1000")  # resumes at 6, SIGKILLed at 9
+    assert code == -signal.SIGKILL and _committed(tmp_path) == [6], out[-3000:]
+    assert "resuming from" in out
+    assert sorted(p.name for p in tmpdir.iterdir() if p.name.startswith("lightning_preempt-resume-")) == []
+
+
 def test_signal_while_a_periodic_save_is_flushing_keeps_both(tmp_path: Path) -> None:
     code, out = _run_self_signal(tmp_path, "periodic-save", "--every", "7")
     assert code == 143, out[-3000:]

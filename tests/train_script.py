@@ -89,7 +89,8 @@ class TinyModel(L.LightningModule):
 class SelfSignal(Callback):
     """SIGTERM this process at a named moment: ``step:N``, ``validation``, ``sanity``,
     ``restore``, ``periodic-save`` (while the first periodic save is in flight) or
-    ``double:N`` (at step N and again while the emergency snapshot is being written)."""
+    ``double:N`` (at step N and again while the emergency snapshot is being written);
+    ``kill:N`` sends SIGKILL at step N instead (an unannounced loss)."""
 
     def __init__(self, spec: str, rank: int | None) -> None:
         self.phase, _, arg = spec.partition(":")
@@ -100,10 +101,10 @@ class SelfSignal(Callback):
     def _fire(self, trainer: L.Trainer) -> None:
         if self.rank is None or trainer.global_rank == self.rank:
             self.fired += 1
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGKILL if self.phase == "kill" else signal.SIGTERM)
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        if self.phase in ("step", "double") and trainer.global_step == self.arg and not self.fired:
+        if self.phase in ("step", "double", "kill") and trainer.global_step == self.arg and not self.fired:
             self._fire(trainer)
 
     def on_validation_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
