@@ -45,47 +45,26 @@ log = logging.getLogger(__name__)
 
 
 # ---- Trainer(enable_checkpointing=False) --------------------------------------------------
-_DISABLED_ERROR: type[Exception] | None = None
+_ALLOWED: list[type] = []
 
 
-def checkpointing_disabled_error() -> type[Exception]:
-    """``CheckpointingDisabledError``: a Lightning ``MisconfigurationException`` (as Lightning
-    raises there), for ``Trainer(enable_checkpointing=False)`` with a PreemptionCallback."""
-    global _DISABLED_ERROR
-    if _DISABLED_ERROR is None:
-        from lightning.fabric.utilities.exceptions import MisconfigurationException
+def allow_with_disabled_checkpointing(callback_type: type) -> None:
+    """Let ``Trainer(enable_checkpointing=False, callbacks=[callback_type(...)])`` work.
 
-        class CheckpointingDisabledError(MisconfigurationException):
-            """``Trainer(enable_checkpointing=False)`` with a :class:`PreemptionCallback`."""
-
-        CheckpointingDisabledError.__module__ = __name__
-        _DISABLED_ERROR = CheckpointingDisabledError
-    return _DISABLED_ERROR
-
-
-def __getattr__(name: str) -> Any:
-    if name == "CheckpointingDisabledError":
-        return checkpointing_disabled_error()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-_REJECTED: list[type] = []
-
-
-def explain_disabled_checkpointing(callback_type: type) -> None:
-    """Make ``Trainer(enable_checkpointing=False, callbacks=[callback_type(...)])`` name it.
-
-    Lightning refuses every ``Checkpoint`` callback when ``enable_checkpointing=False``,
-    with a message about ``ModelCheckpoint`` that users of ``callback_type`` never added.
-    ``callback_type`` must stay a ``Checkpoint`` (an ``OnExceptionCheckpoint``: it is how
-    ``fit()`` finds the checkpoint to resume, docs/design.md), so the combination cannot
-    work; we re-raise Lightning's error with one that names the callback and the fix.
+    Users pass ``enable_checkpointing=False`` to get no default ``ModelCheckpoint``.
+    Lightning refuses every ``Checkpoint`` callback then, with a message about a
+    ``ModelCheckpoint`` they never added, and ``callback_type`` must stay a ``Checkpoint``
+    (an ``OnExceptionCheckpoint``: it is how ``fit()`` finds the checkpoint to resume,
+    docs/design.md). When every checkpoint callback is a ``callback_type``, we configure as
+    Lightning does with checkpointing enabled and checkpoint callbacks given: nothing is
+    added, so that callback's checkpoints are the only ones. With another checkpoint
+    callback (a ``ModelCheckpoint``) Lightning's error stays: it is then accurate.
 
     Private: ``_CallbackConnector._configure_checkpoint_callbacks`` (Lightning 2.4-2.6).
-    Without it Lightning's own message stays.
+    Without it Lightning's refusal stays.
     """
-    if callback_type not in _REJECTED:
-        _REJECTED.append(callback_type)
+    if callback_type not in _ALLOWED:
+        _ALLOWED.append(callback_type)
     try:
         from lightning.pytorch.trainer.connectors.callback_connector import _CallbackConnector
     except ImportError:  # pragma: no cover - moved in a newer Lightning
@@ -94,23 +73,12 @@ def explain_disabled_checkpointing(callback_type: type) -> None:
     if original is None or getattr(original, "_lightning_preempt", False):
         return
 
-    from lightning.fabric.utilities.exceptions import MisconfigurationException
-
     @functools.wraps(original)
     def configure(self: Any, enable_checkpointing: bool, *args: Any, **kwargs: Any) -> None:
-        try:
-            original(self, enable_checkpointing, *args, **kwargs)
-        except MisconfigurationException as err:
-            ours = [cb for cb in self.trainer.callbacks if isinstance(cb, tuple(_REJECTED))]
-            if enable_checkpointing or not ours:
-                raise
-            name = type(ours[0]).__name__
-            raise checkpointing_disabled_error()(
-                f"Trainer(enable_checkpointing=False) cannot be used with {name}: Lightning counts it as a "
-                f"checkpoint callback (it subclasses OnExceptionCheckpoint, which is how fit() resumes from it).\n"
-                f"HINT: drop enable_checkpointing=False. With a {name} in callbacks Lightning adds no default "
-                f"ModelCheckpoint, so the only checkpoints written are {name}'s."
-            ) from err
+        checkpoints = self.trainer.checkpoint_callbacks
+        if not enable_checkpointing and checkpoints and all(isinstance(cb, tuple(_ALLOWED)) for cb in checkpoints):
+            enable_checkpointing = True  # with checkpoint callbacks given, Lightning adds none
+        original(self, enable_checkpointing, *args, **kwargs)
 
     configure._lightning_preempt = True  # type: ignore[attr-defined]
     _CallbackConnector._configure_checkpoint_callbacks = configure  # type: ignore[method-assign]

@@ -204,7 +204,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
             backoff_s=self.config.list_backoff_s,
         )
         self.exact = ExactResume()  # RNG, data position, metric states; `.enabled = False` turns it off
-        _compat.explain_disabled_checkpointing(PreemptionCallback)  # Trainer(enable_checkpointing=False) names us
+        _compat.allow_with_disabled_checkpointing(PreemptionCallback)  # Trainer(enable_checkpointing=False) works
         self.resumed_from: str | None = None
         self.run_id: str | None = None  # set in setup; recorded in every manifest of this run
         self._grace = GraceCheck(self.config.grace_period_s)
