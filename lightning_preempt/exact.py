@@ -26,6 +26,11 @@ Restore points (why ``on_train_start``): on a mid-epoch restart Lightning calls 
 an epoch, Lightning starts the next epoch without creating a new iterator; the
 uninterrupted run did create one (it draws from the global torch RNG: a worker base
 seed, and torchdata's samplers their epoch seed), so we create it again after restoring.
+
+The RNG states each epoch's iterators are made from are noted when the epoch starts
+(``ResumableSampler.set_epoch``, :meth:`ExactResume.on_train_epoch_start`) and saved: a
+mid-epoch resume makes the iterators again from them (:func:`rewound_sampler` for a
+``StatefulDataLoader`` whose sampler torchdata must iterate again to resume).
 """
 
 from __future__ import annotations
