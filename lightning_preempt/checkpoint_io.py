@@ -7,6 +7,7 @@ import io
 import logging
 import os
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -36,6 +37,16 @@ _LOAD_HINT = (
     "Pass a checkpoint directory written by ShardedAsyncCheckpointIO (it contains manifest.json), "
     "a directory of them, or a Lightning .ckpt file."
 )
+
+
+def _training_started(checkpoint: dict[str, Any]) -> bool:
+    """A training epoch has started in the ``Trainer`` that made ``checkpoint`` (its fit-loop
+    progress; ``True`` for a dict that is not a Trainer checkpoint). ``False`` for
+    ``Trainer.save_checkpoint`` before ``fit``, whose plugin no ``teardown`` will follow."""
+    try:
+        return int(checkpoint["loops"]["fit_loop"]["epoch_progress"]["current"]["started"]) > 0
+    except (KeyError, TypeError, ValueError):
+        return True
 
 
 def _holds_dtensors(obj: Any) -> bool:
@@ -85,10 +96,12 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
     ``load_checkpoint`` verifies sizes and CRC32C before returning the usual Lightning
     checkpoint dict; it also reads plain Lightning ``.ckpt`` files.
 
-    After :meth:`teardown` (the end of ``fit``) there is no step to overlap with: saves
-    are synchronous plain Lightning files (``Model.load_from_checkpoint`` reads them) and
-    removes run at once, with no thread left behind, until the next ``fit`` sets the
-    plugin up again (:meth:`enable_collective_saves`). The plugin pickles and deep-copies
+    Outside ``fit`` there is no step to overlap with. After :meth:`teardown` (the end of
+    ``fit``), and for a ``Trainer`` that has not started a training epoch (its
+    ``save_checkpoint`` before ``fit``), saves are synchronous plain Lightning files
+    (``Model.load_from_checkpoint`` reads them). After :meth:`teardown` removes run at once
+    too, until the next ``fit`` sets the plugin up again (:meth:`enable_collective_saves`);
+    before the first save they do as well. Neither starts a thread. The plugin pickles and deep-copies
     (``ddp_spawn``): threads, buffers and pending saves are not copied.
 
     Args:
@@ -257,6 +270,12 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         return self.history[-1] if self.history else None
 
     def _options(self, storage_options: Any) -> dict[str, Any]:
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise TypeError(
+                "lightning_preempt: storage_options must be a dict of fsspec options or None, got "
+                f"{type(storage_options).__name__}\nHINT: e.g. trainer.save_checkpoint(path, "
+                "storage_options={'endpoint_url': 'http://127.0.0.1:9000'})"
+            )
         return {**self.storage_options, **(storage_options or {})}
 
     # ---- CheckpointIO ------------------------------------------------------------------
@@ -265,15 +284,19 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         """Stage ``checkpoint`` and return; the background writer flushes and commits it.
 
         ``path`` exists when this returns. A committed checkpoint already at ``path`` is
-        replaced once the new one is committed (never torn). After :meth:`teardown` the
-        save is synchronous and writes a plain Lightning file.
+        replaced once the new one is committed (never torn). Outside ``fit`` (after
+        :meth:`teardown`, or before a training epoch started) the save is synchronous and
+        writes a plain Lightning file.
 
         Raises:
             CheckpointWriteError: the previous save failed (raised once).
         """
         started = time.perf_counter()
         url = str(path)
-        if self._closed and not _holds_dtensors(checkpoint):
+        # Outside fit (after teardown, or before any training epoch: Trainer.save_checkpoint
+        # on a Trainer that has not run fit) there is no step to overlap with.
+        outside_fit = self._closed or not _training_started(checkpoint)
+        if outside_fit and not _holds_dtensors(checkpoint):
             self._save_plain(checkpoint, url, self._options(storage_options))
             return
         # (closed with DTensors, i.e. ModelParallelStrategy after fit: no single file can hold
@@ -325,7 +348,7 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
             self._pending = self.submit(lambda: tiers.save(write_to, url, local_url, record.step))
         else:
             self._pending = self.submit(lambda: self._write(request, record, store))
-        if self._closed:
+        if outside_fit:
             self._wait_pending()  # synchronous outside fit: raise its error now
 
     def _write(self, request: SaveRequest, record: SaveRecord, store: Store) -> Manifest:

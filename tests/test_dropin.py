@@ -521,6 +521,30 @@ def test_save_after_fit_then_load_from_checkpoint(tmp_path: Path) -> None:
     assert not os.path.exists(path) and _our_threads(before) == []
 
 
+def test_save_before_fit_then_load_from_checkpoint(tmp_path: Path) -> None:
+    """A Trainer that never ran fit: its plugin is never set up nor torn down. The save is
+    synchronous (a plain file, there when save_checkpoint returns) and leaves no thread."""
+    before = set(threading.enumerate())
+    model = TinyModel()
+    trainer = _trainer(3, [], root=tmp_path)
+    trainer.strategy.connect(model)
+    path = str(tmp_path / "untrained.ckpt")
+    trainer.save_checkpoint(path)
+    assert os.path.isfile(path) and _our_threads(before) == []
+    loaded = TinyModel.load_from_checkpoint(path)  # Lightning's own loader, right after the call
+    for (k, a), b in zip(model.state_dict().items(), loaded.state_dict().values(), strict=True):
+        assert torch.equal(a, b), k
+    trainer.strategy.remove_checkpoint(path)
+    assert not os.path.exists(path) and _our_threads(before) == []
+
+
+def test_storage_options_that_are_not_a_dict_get_a_clear_error(tmp_path: Path) -> None:
+    io = ShardedAsyncCheckpointIO()
+    with pytest.raises(TypeError, match="storage_options must be a dict") as info:
+        io.save_checkpoint({"w": torch.ones(2)}, str(tmp_path / "x"), storage_options="anon")  # type: ignore[arg-type]
+    assert "HINT:" in str(info.value) and not (tmp_path / "x").exists()
+
+
 def test_on_exception_checkpoint_saves_then_its_teardown_removes_synchronously(tmp_path: Path) -> None:
     class Boom(Callback):
         def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
