@@ -101,8 +101,8 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
     ``save_checkpoint`` before ``fit``), saves are synchronous plain Lightning files
     (``Model.load_from_checkpoint`` reads them). After :meth:`teardown` removes run at once
     too, until the next ``fit`` sets the plugin up again (:meth:`enable_collective_saves`);
-    before the first save they do as well. Neither starts a thread. The plugin pickles and deep-copies
-    (``ddp_spawn``): threads, buffers and pending saves are not copied.
+    before the first save they do as well. Neither starts a thread. The plugin pickles and
+    deep-copies (``ddp_spawn``): threads, buffers and pending saves are not copied.
 
     Args:
         storage_options: fsspec options for every path (credentials, ``endpoint_url``…).

@@ -152,10 +152,6 @@ def loader_generators(loader: Any) -> list[torch.Generator]:
     return found
 
 
-
-
-
-
 def snapshot_iter_rng(generators: list[torch.Generator]) -> dict[str, Any]:
     """The RNG states that ``iter(loader)`` draws from: the global torch RNG and ``generators``."""
     return {"torch": torch.get_rng_state(), "generators": [g.get_state() for g in generators]}
@@ -329,10 +325,10 @@ def _replays_sampler(loader: Any) -> bool:
     torchdata saves the position of a sampler that has ``state_dict`` (its ``RandomSampler``
     iterator saves its generator state too). Any other sampler it fast-forwards: it makes a
     new iterator and skips the samples already yielded, so whatever that sampler draws
-    (Lightning's ``DistributedSamplerWrapper`` draws the wrapped sampler's permutation at
-    the first index) comes from the generators' states at the moment of the resume, not
-    from those the epoch started with. Sequential and plain distributed samplers draw
-    nothing.
+    (each ``iter()`` of Lightning's ``DistributedSamplerWrapper`` draws the wrapped
+    sampler's whole permutation) comes from the generators' states at the moment of the
+    resume, not from those the epoch started with. Sequential and plain distributed
+    samplers draw nothing.
     """
     batch_sampler = getattr(loader, "batch_sampler", None)
     sampler = getattr(batch_sampler, "sampler", None) if batch_sampler is not None else None
@@ -582,8 +578,9 @@ class ExactResume:
         # on_train_epoch_start. We reload them here instead, so that the loaders we wrap and
         # restore are those that train: after restoring the RNG (the epoch-end branch below)
         # as the uninterrupted run did, else now.
-        reload_after_restore = _compat.train_reload_due(trainer) and own and not mid_epoch
-        if _compat.train_reload_due(trainer) and not reload_after_restore:
+        reload_due = _compat.train_reload_due(trainer)
+        reload_after_restore = reload_due and own and not mid_epoch
+        if reload_due and not reload_after_restore:
             _compat.reload_train_data(trainer)
         self._wrap(trainer)
         if state is None:
@@ -654,15 +651,14 @@ class ExactResume:
         """
         if not self.enabled:
             return
-        epoch = trainer.current_epoch
-        loaders = self._train_loaders(trainer)
         if not self._current(trainer):
             # New loaders (reload_dataloaders_every_n_epochs): wrap them before Lightning
             # makes this epoch's iterators; their samplers missed this epoch's set_epoch note.
             self._wrap(trainer)
             self._note_pre_iter(trainer)
             return
-        for i, (dl, (kind, _)) in enumerate(zip(loaders, self._samplers, strict=True)):
+        epoch = trainer.current_epoch
+        for i, (dl, (kind, _)) in enumerate(zip(self._train_loaders(trainer), self._samplers, strict=True)):
             noted = self._stateful_pre_iter[i]
             if kind == "stateful" and (noted is None or noted[0] != epoch):
                 self._stateful_pre_iter[i] = (epoch, snapshot_iter_rng(loader_generators(dl)))
