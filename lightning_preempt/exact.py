@@ -335,6 +335,8 @@ def _replays_sampler(loader: Any) -> bool:
     sampler = sampler if sampler is not None else getattr(loader, "sampler", None)
     if sampler is None or _stateful(sampler):
         return False
+    if type(sampler).__module__.startswith("torchdata."):  # its samplers' iterators save their state
+        return False
     if type(sampler).__name__ == "_InfiniteConstantSampler":  # iterable datasets: no indices
         return False
     return not any(_is_plain(sampler, cls) for cls in (SequentialSampler, DistributedSampler))
