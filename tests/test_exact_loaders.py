@@ -53,7 +53,6 @@ CASES: dict[str, list[str]] = {
     "reload-workers-replay": ["--reload", "--workers", "2", "--aug", "--replay"],
     "reload-stateful": ["--reload", "--stateful"],
 }
-KNOWN_GAPS: dict[str, str] = {}  # name -> why a case cannot be exact (a strict xfail)
 FAST = {"stateful-generator"}  # the reproducer runs in the default suite; the rest are `slow`
 
 
@@ -125,13 +124,7 @@ def test_exact_resume_loader_fast(tmp_path: Path, name: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=pytest.mark.xfail(reason=KNOWN_GAPS[n], strict=True)) if n in KNOWN_GAPS else n
-        for n in sorted(set(CASES) - FAST)
-    ],
-)
+@pytest.mark.parametrize("name", sorted(set(CASES) - FAST))
 def test_exact_resume_loader(tmp_path: Path, name: str) -> None:
     _run_case(tmp_path, name)
 
