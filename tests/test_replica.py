@@ -38,23 +38,29 @@ def _files_of(rank: int) -> dict[str, bytes]:
     return out
 
 
+def _write_share(local: str, rank: int, world: int) -> None:
+    """This rank's files of checkpoint step 7 in ``local``; rank 0 also writes the manifest
+    of every rank's files (the commit)."""
+    os.makedirs(local, exist_ok=True)
+    for name, data in _files_of(rank).items():
+        Path(local, name).write_bytes(data)
+    if rank == 0:
+        entries = {}
+        for r in range(world):
+            for name, data in _files_of(r).items():
+                crc = Crc32c()
+                crc.update(data)
+                entries[name] = FileEntry(size=len(data), crc32c=crc.hexdigest())
+        Path(local, MANIFEST_NAME).write_bytes(Manifest(step=7, epoch=0, world_size=world, files=entries).to_json())
+
+
 def _worker(rank: int, world: int, init_file: str, root: str, ranks_per_node: int) -> None:
     node = rank // ranks_per_node
     os.environ.update({"GROUP_RANK": str(node), "TORCHELASTIC_RUN_ID": "t"})
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         local = os.path.join(root, f"node{node}", "step-0000000007")
-        os.makedirs(local, exist_ok=True)
-        for name, data in _files_of(rank).items():
-            Path(local, name).write_bytes(data)
-        if rank == 0:
-            entries = {}
-            for r in range(world):
-                for name, data in _files_of(r).items():
-                    crc = Crc32c()
-                    crc.update(data)
-                    entries[name] = FileEntry(size=len(data), crc32c=crc.hexdigest())
-            Path(local, MANIFEST_NAME).write_bytes(Manifest(step=7, epoch=0, world_size=world, files=entries).to_json())
+        _write_share(local, rank, world)
         dist.barrier()
         report = replicate(local, dist.group.WORLD)
         Path(root, f"report{rank}.json").write_text(
@@ -112,17 +118,7 @@ def _union_worker(rank: int, world: int, init_file: str, root: str) -> None:
     try:
         local_root = os.path.join(root, f"node{rank}")
         local = os.path.join(local_root, "step-0000000007")
-        os.makedirs(local, exist_ok=True)
-        for name, data in _files_of(rank).items():
-            Path(local, name).write_bytes(data)
-        if rank == 0:
-            entries = {}
-            for r in range(world):
-                for name, data in _files_of(r).items():
-                    crc = Crc32c()
-                    crc.update(data)
-                    entries[name] = FileEntry(size=len(data), crc32c=crc.hexdigest())
-            Path(local, MANIFEST_NAME).write_bytes(Manifest(step=7, epoch=0, world_size=world, files=entries).to_json())
+        _write_share(local, rank, world)
         dist.barrier()
         replicate(local, dist.group.WORLD)
         dist.barrier()
