@@ -88,7 +88,7 @@ def two_tier_leave(tmp: Path, *, replica: bool, width: int, rate: float) -> dict
 
     from throttled_fs import set_rate
 
-    from lightning_preempt.replica import writer_of
+    from lightning_preempt.save.peer import writer_of
 
     slow = tmp / "slow"
     args = ("--max-steps", "25", "--every", "10", "--grace", "6", "--width", str(width))

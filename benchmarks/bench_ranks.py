@@ -51,8 +51,8 @@ LABELS = {
 
 def bytes_per_rank(ckpt_dir: str, world: int) -> list[int]:
     """Bytes each rank wrote, from the manifest's file list."""
-    from lightning_preempt.reader import read_manifest
-    from lightning_preempt.storage import Store
+    from lightning_preempt.read.verify import read_manifest
+    from lightning_preempt.storage.store import Store
 
     manifest = read_manifest(Store(ckpt_dir))
     out = [0] * world
@@ -70,7 +70,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, root: st
     import torch.distributed as dist
 
     from lightning_preempt import ShardedAsyncCheckpointIO
-    from lightning_preempt import dist as pdist
+    from lightning_preempt.collective import groups as pdist
 
     torch.set_num_threads(1)  # two ranks on two cores
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

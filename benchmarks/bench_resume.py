@@ -350,7 +350,7 @@ def _rank_worker(rank: int, init_file: str, root: str, size_mib: int, n_tensors:
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
     from lightning_preempt import ShardedAsyncCheckpointIO
-    from lightning_preempt.dist import new_gloo_group
+    from lightning_preempt.collective.groups import new_gloo_group
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)

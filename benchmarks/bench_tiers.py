@@ -33,7 +33,7 @@ import servers  # noqa: E402  (sets GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT before gcs
 from _common import MiB, fmt_s, lightning_style_checkpoint, machine_notes, median, table  # noqa: E402
 
 from lightning_preempt import ShardedAsyncCheckpointIO  # noqa: E402
-from lightning_preempt.storage import Store  # noqa: E402
+from lightning_preempt.storage.store import Store  # noqa: E402
 
 COLUMNS = ("save (blocking)", "local commit", "drain", "direct commit", "resume local", "resume remote")
 

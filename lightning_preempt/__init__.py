@@ -13,12 +13,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from lightning_preempt import _logsetup  # noqa: F401  (first: handler for our INFO lines)
+from lightning_preempt import _log  # noqa: F401  (first: handler for our INFO lines)
 
 if TYPE_CHECKING:
-    from lightning_preempt.callback import Preempted, PreemptionCallback
-    from lightning_preempt.checkpoint_io import ShardedAsyncCheckpointIO
-    from lightning_preempt.discovery import CheckpointInfo, list_checkpoints, newest_valid
+    from lightning_preempt.catalog.listing import CheckpointInfo, list_checkpoints
+    from lightning_preempt.catalog.newest import newest_valid
     from lightning_preempt.errors import (
         CheckpointError,
         CheckpointExistsError,
@@ -29,18 +28,23 @@ if TYPE_CHECKING:
         UnsupportedFormatError,
         UntrustedCheckpointError,
     )
-    from lightning_preempt.reader import verify_checkpoint
-    from lightning_preempt.replica_callback import PeerReplica
+    from lightning_preempt.lightning.callback import PreemptionCallback
+    from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
+    from lightning_preempt.lightning.peer_replica import PeerReplica
+    from lightning_preempt.preemption.controller import Preempted
+    from lightning_preempt.read.verify import verify_checkpoint
 
 __version__ = "0.1.0"
 
 _WHERE = {
-    "Preempted": "callback",
-    "PreemptionCallback": "callback",
-    "ShardedAsyncCheckpointIO": "checkpoint_io",
-    "CheckpointInfo": "discovery",
-    "list_checkpoints": "discovery",
-    "newest_valid": "discovery",
+    "Preempted": "preemption.controller",
+    "PreemptionCallback": "lightning.callback",
+    "ShardedAsyncCheckpointIO": "lightning.checkpoint_io",
+    "PeerReplica": "lightning.peer_replica",
+    "CheckpointInfo": "catalog.listing",
+    "list_checkpoints": "catalog.listing",
+    "newest_valid": "catalog.newest",
+    "verify_checkpoint": "read.verify",
     "CheckpointError": "errors",
     "CheckpointExistsError": "errors",
     "CheckpointNotFoundError": "errors",
@@ -49,8 +53,6 @@ _WHERE = {
     "NotACheckpointError": "errors",
     "UnsupportedFormatError": "errors",
     "UntrustedCheckpointError": "errors",
-    "verify_checkpoint": "reader",
-    "PeerReplica": "replica_callback",
 }
 
 __all__ = [

@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     status = Status(args.status, args.name)
     callbacks: list[Callback] = [cb, status]
     if args.replica:
-        from lightning_preempt.replica_callback import PeerReplica
+        from lightning_preempt.lightning.peer_replica import PeerReplica
 
         callbacks.append(PeerReplica())
     trainer = L.Trainer(

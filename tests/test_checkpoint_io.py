@@ -11,13 +11,8 @@ import torch
 from faulty_fs import FaultyFileSystem
 from helpers import assert_same, lightning_like_checkpoint
 
-from lightning_preempt import (
-    CheckpointWriteError,
-    NotACheckpointError,
-    ShardedAsyncCheckpointIO,
-    list_checkpoints,
-)
-from lightning_preempt.manifest import MANIFEST_NAME
+from lightning_preempt import CheckpointWriteError, NotACheckpointError, ShardedAsyncCheckpointIO, list_checkpoints
+from lightning_preempt.format.manifest import MANIFEST_NAME
 
 
 @pytest.fixture(params=["local", "memory"])

@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_preempt import cli
-from lightning_preempt.export import pickled_globals
-from lightning_preempt.reader import load_full_checkpoint
-from lightning_preempt.storage import Store
+from lightning_preempt.cli import commands as cli
+from lightning_preempt.format.pickle_scan import pickled_globals
+from lightning_preempt.read.load import load_full_checkpoint
+from lightning_preempt.storage.store import Store
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -454,7 +454,7 @@ def test_export_refuses_a_corrupt_checkpoint(damaged: Path, tmp_path: Path, caps
 def test_export_refuses_state_that_needs_this_package(
     trained: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from lightning_preempt import export
+    from lightning_preempt.cli import export
     from lightning_preempt.format import TensorRef
 
     real = export.load_full_checkpoint
@@ -475,8 +475,9 @@ def test_export_refuses_state_that_needs_this_package(
 def test_pickle_globals_sees_both_opcodes() -> None:
     import pickle
 
-    from lightning_preempt.export import pickle_globals, plain_numpy
+    from lightning_preempt.cli.export import plain_numpy
     from lightning_preempt.format import TensorRef
+    from lightning_preempt.format.pickle_scan import pickle_globals
 
     for protocol in (2, 4, 5):  # GLOBAL, then STACK_GLOBAL with memoised strings
         data = pickle.dumps({"a": [TensorRef("k"), TensorRef("j")], "b": Path("x")}, protocol=protocol)
@@ -538,7 +539,7 @@ def _assert_same(a: Any, b: Any, where: str = "", numpy_as_lists: bool = False) 
 
 def test_the_cli_reads_checkpoints_without_importing_lightning() -> None:
     code = (
-        "import sys, lightning_preempt.cli, lightning_preempt.reader, lightning_preempt.dcp_storage\n"
+        "import sys, lightning_preempt.cli, lightning_preempt.read.load, lightning_preempt.read.dcp\n"
         "assert not any(m == 'lightning' or m.startswith('lightning.') for m in sys.modules), 'Lightning imported'"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -22,10 +22,10 @@ def _worker(rank: int, init_file: str, out_dir: str, failing_rank: int) -> None:
     import torch.distributed as dist
     from faulty_fs import FaultyFileSystem
 
-    from lightning_preempt.commit import SaveRequest, write_checkpoint
-    from lightning_preempt.dist import new_gloo_group
+    from lightning_preempt.collective.groups import new_gloo_group
     from lightning_preempt.errors import CheckpointWriteError
-    from lightning_preempt.storage import Store
+    from lightning_preempt.save.commit import SaveRequest, write_checkpoint
+    from lightning_preempt.storage.store import Store
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     group = new_gloo_group(timeout_s=60)

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO
-from lightning_preempt.config import PreemptionConfig
+from lightning_preempt.engine.config import PreemptionConfig
 
 BAD_CALLBACK_ARGS: list[tuple[str, Any, str]] = [
     ("every_n_train_steps", 2.5, "every_n_train_steps must be an int"),

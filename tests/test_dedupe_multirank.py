@@ -34,8 +34,8 @@ def _state(step: int, extra_on_rank: int | None = None, rank: int = 0) -> dict[s
 def _worker(rank: int, init_file: str, root: str, scenario: str) -> None:
     import torch.distributed as dist
 
-    from lightning_preempt.checkpoint_io import ShardedAsyncCheckpointIO
-    from lightning_preempt.dist import new_gloo_group
+    from lightning_preempt.collective.groups import new_gloo_group
+    from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     io = ShardedAsyncCheckpointIO()
@@ -96,8 +96,8 @@ def _state_bytes(ckpt: dict[str, Any]) -> int:
 
 
 def _assert_complete(url: str, step: int) -> None:
-    from lightning_preempt.reader import load_full_checkpoint
-    from lightning_preempt.storage import Store
+    from lightning_preempt.read.load import load_full_checkpoint
+    from lightning_preempt.storage.store import Store
 
     loaded = load_full_checkpoint(Store(url))
     expected = _state(step)
@@ -138,8 +138,8 @@ def test_a_rank_dying_mid_save_commits_nothing_and_the_previous_checkpoint_is_wh
 
 
 def test_a_rank_that_owns_nothing_still_commits_with_the_others(tmp_path: Path) -> None:
-    from lightning_preempt.reader import load_full_checkpoint
-    from lightning_preempt.storage import Store
+    from lightning_preempt.read.load import load_full_checkpoint
+    from lightning_preempt.storage.store import Store
 
     outcomes = _run(tmp_path, "one_tensor")
     assert sorted(o["staged"] for o in outcomes) == [0, 40]

@@ -35,7 +35,7 @@ from lightning_preempt import (
     ShardedAsyncCheckpointIO,
     list_checkpoints,
 )
-from lightning_preempt.manifest import MANIFEST_NAME
+from lightning_preempt.format.manifest import MANIFEST_NAME
 
 
 def _trainer(
@@ -381,8 +381,8 @@ def test_a_replacement_leaves_no_stale_files(tmp_path: Path) -> None:
     names = sorted(os.listdir(path))
     assert names[0] == MANIFEST_NAME and len(names) == 2 and names[1].startswith("v-"), names
     # The verifier and the listing resolve the generation like the loader does.
-    from lightning_preempt.reader import verify_checkpoint
-    from lightning_preempt.storage import Store
+    from lightning_preempt.read.verify import verify_checkpoint
+    from lightning_preempt.storage.store import Store
 
     assert verify_checkpoint(Store(str(path))).step == 3
     assert _committed(tmp_path) == [("last.ckpt", 3)]
@@ -390,8 +390,8 @@ def test_a_replacement_leaves_no_stale_files(tmp_path: Path) -> None:
 
 
 def test_a_replaced_checkpoint_drains_to_another_store(tmp_path: Path) -> None:
-    from lightning_preempt.drain import drain_checkpoint
-    from lightning_preempt.storage import Store
+    from lightning_preempt.save.drain import drain_checkpoint
+    from lightning_preempt.storage.store import Store
 
     io = ShardedAsyncCheckpointIO()
     for step in (1, 2):

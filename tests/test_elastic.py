@@ -18,7 +18,7 @@ from elastic_cluster import Cluster
 from elastic_script import state_sha
 
 from lightning_preempt.elastic import ElasticEnv, exit_code_for, trainer_kwargs
-from lightning_preempt.manifest import MANIFEST_NAME
+from lightning_preempt.format.manifest import MANIFEST_NAME
 
 pytestmark = pytest.mark.multiproc
 
@@ -192,7 +192,7 @@ def test_two_tier_node_loss_with_the_peer_replica_loses_no_step(cluster_factory:
     """With ``PeerReplica`` the leaving node's share reached the survivor's disk before the
     exit: the survivor resumes from its own local tier at the snapshot (0 steps lost, bitwise)
     and its upload-on-start drains the snapshot to the bucket."""
-    from lightning_preempt.tiers import complete_local_checkpoints
+    from lightning_preempt.catalog.listing import complete_local_checkpoints
 
     c, snapshot = _two_tier_node_loss(cluster_factory, tmp_path, replica=True)
     after = c.records("A", "start")[-1]

@@ -14,18 +14,17 @@ import lightning as L
 import pytest
 import torch
 
-# (module, attribute) of every private name used outside lightning_preempt/_compat.py too.
+# (module, attribute) of every private name the package uses (format/dcp_compat.py, lightning/_compat.py).
 PRIVATE_NAMES = [
-    ("torch.distributed.checkpoint._fsspec_filesystem", "FsspecWriter"),  # dcp_storage.py
+    ("torch.distributed.checkpoint._fsspec_filesystem", "FsspecWriter"),  # format/dcp_compat.py
     ("torch.distributed.checkpoint._fsspec_filesystem", "FsspecReader"),
     ("torch.distributed.checkpoint._fsspec_filesystem", "FileSystem"),
     ("torch.distributed.checkpoint.default_planner", "_EmptyStateDictLoadPlanner"),
     ("torch.distributed.checkpoint.state_dict_loader", "_load_state_dict"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),  # safe_load.py
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch.serialization", "_get_layout"),
-    ("torch.serialization", "get_crc32_options"),  # dcp_storage.py wraps it
-    ("lightning.fabric.utilities.cloud_io", "_load"),  # checkpoint_io.py
-    ("lightning.fabric.utilities.data", "_set_sampler_epoch"),  # _compat.py
+    ("torch.serialization", "get_crc32_options"),  # save/dcp_writer.py wraps it
+    ("lightning.fabric.utilities.data", "_set_sampler_epoch"),  # lightning/_compat.py
     ("lightning.pytorch.trainer.connectors.callback_connector", "_CallbackConnector"),
 ]
 
@@ -47,7 +46,8 @@ def test_package_imports_every_module() -> None:
 def test_trainer_internals_used_by_exact_resume(tmp_path: Path) -> None:
     from lightning.pytorch.trainer.connectors.callback_connector import _CallbackConnector
 
-    from lightning_preempt import PreemptionCallback, _compat
+    from lightning_preempt import PreemptionCallback
+    from lightning_preempt.lightning import _compat
 
     PreemptionCallback(str(tmp_path))
     assert getattr(_CallbackConnector._configure_checkpoint_callbacks, "_lightning_preempt", False)
@@ -63,15 +63,29 @@ def test_trainer_internals_used_by_exact_resume(tmp_path: Path) -> None:
 def test_torchmetrics_internals_used_by_exact_resume() -> None:
     import torchmetrics
 
-    from lightning_preempt import _compat
+    from lightning_preempt.resume import metrics
 
     metric = torchmetrics.MeanSquaredError()
-    assert _compat.metric_state_names(metric) == ["sum_squared_error", "total"]
+    assert metrics.metric_state_names(metric) == ["sum_squared_error", "total"]
     metric(torch.ones(2), torch.zeros(2))
-    assert _compat.metric_update_count(metric) == 1
-    _compat.set_metric_update_count(metric, 3)
-    assert _compat.metric_update_count(metric) == 3 and metric._computed is None
-    assert _compat.metric_state_names(torch.nn.Linear(1, 1)) is None
+    assert metrics.metric_update_count(metric) == 1
+    metrics.set_metric_update_count(metric, 3)
+    assert metrics.metric_update_count(metric) == 3 and metric._computed is None
+    assert metrics.metric_state_names(torch.nn.Linear(1, 1)) is None
+
+
+def test_lightning_sampler_wrapper_layout_used_by_exact_resume() -> None:
+    """resume/samplers.py finds the user's sampler inside Lightning's DistributedSamplerWrapper
+    by its layout (no Lightning import there): the wrapper keeps it at ``dataset._sampler``."""
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+    from torch.utils.data import RandomSampler
+
+    from lightning_preempt.resume.samplers import distributed_wrapped_sampler
+
+    inner = RandomSampler(range(8))
+    wrapper = DistributedSamplerWrapper(inner, num_replicas=2, rank=0)
+    assert distributed_wrapped_sampler(wrapper) is inner
+    assert distributed_wrapped_sampler(inner) is None
 
 
 @pytest.mark.objectstore

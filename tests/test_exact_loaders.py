@@ -160,7 +160,7 @@ def test_loader_generators_are_found_for_every_loader_kind() -> None:
     from torch.utils.data import DataLoader, RandomSampler, TensorDataset
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from lightning_preempt.exact import loader_generators
+    from lightning_preempt.resume.samplers import loader_generators
 
     data = TensorDataset(torch.arange(8))
     g, h = torch.Generator(), torch.Generator()
@@ -179,7 +179,7 @@ def test_loader_generators_look_inside_lightnings_distributed_sampler_wrapper() 
     from torchdata.stateful_dataloader import StatefulDataLoader
     from torchdata.stateful_dataloader.sampler import RandomSampler as StatefulRandomSampler
 
-    from lightning_preempt.exact import loader_generators
+    from lightning_preempt.resume.samplers import loader_generators
 
     data = TensorDataset(torch.arange(8))
     own = StatefulRandomSampler(data)  # no generator given: it makes one
@@ -218,7 +218,8 @@ def test_rewound_sampler_repeats_the_epoch_start_draw_however_often_torchdata_it
     from torch.utils.data import TensorDataset
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from lightning_preempt.exact import rewound_sampler, snapshot_iter_rng
+    from lightning_preempt.resume.rng import snapshot_iter_rng
+    from lightning_preempt.resume.samplers import rewound_sampler
 
     g = torch.Generator().manual_seed(7)
     loader = StatefulDataLoader(TensorDataset(torch.arange(16)), sampler=cls(16, g), batch_size=4, generator=g)

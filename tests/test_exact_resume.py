@@ -265,7 +265,7 @@ def _draw_epochs(loader: Any, epochs: int) -> list[list[int]]:
 def test_resumable_sampler_yields_what_the_original_yields(kind: str) -> None:
     from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, TensorDataset
 
-    from lightning_preempt.exact import ResumableSampler, wrap_loader
+    from lightning_preempt.resume.samplers import ResumableSampler, wrap_loader
 
     data = TensorDataset(torch.arange(50))
 
@@ -316,7 +316,7 @@ def test_resumable_sampler_yields_what_the_original_yields(kind: str) -> None:
 def test_unsupported_loader_is_reported_not_wrapped() -> None:
     from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
 
-    from lightning_preempt.exact import wrap_loader
+    from lightning_preempt.resume.samplers import wrap_loader
 
     data = TensorDataset(torch.arange(10))
 
@@ -333,7 +333,7 @@ def test_rng_capture_restore_and_derived_seeds() -> None:
 
     import numpy as np
 
-    from lightning_preempt.exact import capture_rng, derive_seed, restore_rng
+    from lightning_preempt.resume.rng import capture_rng, derive_seed, restore_rng
 
     torch.manual_seed(1)
     random.seed(1)

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_preempt import fastload
-from lightning_preempt.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.errors import CorruptCheckpointError
-from lightning_preempt.reader import load_full_checkpoint
-from lightning_preempt.storage import Store
+from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
+from lightning_preempt.read import tensors as fastload
+from lightning_preempt.read.load import load_full_checkpoint
+from lightning_preempt.storage.store import Store
 
 
 def _checkpoint() -> dict[str, Any]:
@@ -167,7 +167,7 @@ def _two_checkpoints(root: Path) -> tuple[str, str]:
 
 
 def test_sizes_check_reads_no_data_but_catches_truncation(tmp_path: Path) -> None:
-    from lightning_preempt.discovery import newest_valid
+    from lightning_preempt.catalog.newest import newest_valid
 
     old, new = _two_checkpoints(tmp_path)
     path = _shard(new)
@@ -189,7 +189,7 @@ def test_sizes_check_reads_no_data_but_catches_truncation(tmp_path: Path) -> Non
 
 
 def test_sizes_check_on_memory_store(memory_url: str) -> None:
-    from lightning_preempt.reader import check_sizes
+    from lightning_preempt.read.verify import check_sizes
 
     _save(memory_url, _checkpoint())
     manifest = check_sizes(Store(memory_url))
@@ -267,14 +267,14 @@ def test_a_large_file_read_in_two_ranges_verifies_in_file_order(tmp_url: str, mo
 
 
 def _metadata(url: str) -> Any:
-    from lightning_preempt.safe_load import unpickle_dcp_metadata
+    from lightning_preempt.format.unpickle import unpickle_dcp_metadata
 
     return unpickle_dcp_metadata(Path(url, ".metadata").read_bytes(), path=url)
 
 
 @pytest.mark.parametrize(("n1", "n2"), [(0, 5), (5, 0), (1, 1), (1000, 12345), (3 << 20, (1 << 20) + 7)])
 def test_crc_of_two_ranges_combines_to_the_crc_of_the_whole(n1: int, n2: int) -> None:
-    from lightning_preempt.checksum import Crc32c
+    from lightning_preempt.storage.checksum import Crc32c
 
     a, b = os.urandom(n1), os.urandom(n2)
     first, second, whole = Crc32c(), Crc32c(), Crc32c()

@@ -42,12 +42,12 @@ PHASES: list[tuple[str, str, str, bool]] = [
 def _run_phase(phase: str, url: str, local: str, group: Any, io: Any, tiers_io: Any) -> str:
     from helpers import lightning_like_checkpoint
 
-    from lightning_preempt import agree
-    from lightning_preempt import dist as pdist
-    from lightning_preempt.discovery import apply_retention
-    from lightning_preempt.lease import Lease
-    from lightning_preempt.probe import probe_writable
-    from lightning_preempt.resume import ResumeResolver
+    from lightning_preempt.catalog.retention import apply_retention
+    from lightning_preempt.collective import agree
+    from lightning_preempt.collective import groups as pdist
+    from lightning_preempt.resume.resolver import ResumeResolver
+    from lightning_preempt.save.lease import Lease
+    from lightning_preempt.save.preflight import probe_writable
 
     resolver = ResumeResolver(url, {}, retries=2, backoff_s=0.01)
     if phase == "list":
@@ -97,8 +97,8 @@ def _worker(rank: int, world: int, init_file: str, root: str, ctl: str, failing:
     import chaos_fs
     import torch.distributed as dist
 
-    from lightning_preempt import dist as pdist
-    from lightning_preempt.checkpoint_io import ShardedAsyncCheckpointIO
+    from lightning_preempt.collective import groups as pdist
+    from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     group = pdist.new_gloo_group(timeout_s=120)
@@ -137,7 +137,7 @@ def _prepare(root: Path) -> None:
     sys.path.insert(0, TESTS)
     from helpers import lightning_like_checkpoint
 
-    from lightning_preempt.checkpoint_io import ShardedAsyncCheckpointIO
+    from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 
     io = ShardedAsyncCheckpointIO()
     for phase, steps in (("list", [2]), ("choose", [2]), ("retention", [1, 2, 3])):

@@ -9,8 +9,9 @@ import torch
 from helpers import assert_same, lightning_like_checkpoint
 
 from lightning_preempt.errors import CorruptCheckpointError, UnsupportedFormatError
-from lightning_preempt.format import TensorRef, merge_checkpoint, split_checkpoint
-from lightning_preempt.manifest import FileEntry, Manifest
+from lightning_preempt.format import TensorRef
+from lightning_preempt.format.manifest import FileEntry, Manifest
+from lightning_preempt.format.skeleton import merge_checkpoint, split_checkpoint
 
 
 def test_split_sends_model_and_optimizer_tensors_to_dcp_and_keeps_the_rest() -> None:

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.multiproc
 def _worker(rank: int, init_file: str, root: str) -> None:
     import torch.distributed as dist
 
-    from lightning_preempt.checkpoint_io import ShardedAsyncCheckpointIO
-    from lightning_preempt.dist import new_gloo_group
+    from lightning_preempt.collective.groups import new_gloo_group
+    from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     io = ShardedAsyncCheckpointIO()
@@ -36,7 +36,7 @@ def _worker(rank: int, init_file: str, root: str) -> None:
 
 
 def test_one_rank_finding_damage_makes_every_rank_fall_back(tmp_path: Path) -> None:
-    from lightning_preempt.checkpoint_io import ShardedAsyncCheckpointIO
+    from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 
     io = ShardedAsyncCheckpointIO()
     for step in (1, 2):
@@ -65,10 +65,11 @@ def test_one_rank_finding_damage_makes_every_rank_fall_back(tmp_path: Path) -> N
 def _verify_worker(rank: int, init_file: str, root: str) -> None:
     import torch.distributed as dist
 
-    from lightning_preempt.dist import new_gloo_group
+    from lightning_preempt.collective.groups import new_gloo_group
     from lightning_preempt.errors import CorruptCheckpointError
-    from lightning_preempt.reader import read_manifest, verify_shared
-    from lightning_preempt.storage import Store
+    from lightning_preempt.read.load import verify_shared
+    from lightning_preempt.read.verify import read_manifest
+    from lightning_preempt.storage.store import Store
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     group = new_gloo_group(timeout_s=60)
@@ -85,7 +86,7 @@ def _verify_worker(rank: int, init_file: str, root: str) -> None:
 
 
 def test_sharded_verification_splits_the_files_and_every_rank_learns_of_damage(tmp_path: Path) -> None:
-    from lightning_preempt.checkpoint_io import ShardedAsyncCheckpointIO
+    from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 
     io = ShardedAsyncCheckpointIO()
     io.save_checkpoint({"global_step": 1, "state_dict": {"w": torch.arange(4096.0)}}, str(tmp_path / "good"))

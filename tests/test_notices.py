@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from fake_metadata import AWS_ACTION, AWS_REBALANCE, AWS_TOKEN, AZURE_EVENTS, FakeMetadata, refused_url
 
-from lightning_preempt.notices import (
+from lightning_preempt.preemption.notices import (
     AutoSource,
     AWSSpotSource,
     AzureSource,
@@ -23,8 +23,8 @@ from lightning_preempt.notices import (
     NoopSource,
     make_sources,
 )
-from lightning_preempt.notices.base import MetadataSource
-from lightning_preempt.sources import Notice, PreemptionSource
+from lightning_preempt.preemption.notices.base import MetadataSource
+from lightning_preempt.preemption.sources import Notice, PreemptionSource
 
 
 def wait_until(pred: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:

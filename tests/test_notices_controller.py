@@ -11,9 +11,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from lightning_preempt.config import PreemptionConfig
-from lightning_preempt.controller import PreemptionController
-from lightning_preempt.sources import Notice
+from lightning_preempt.engine.config import PreemptionConfig
+from lightning_preempt.preemption.controller import PreemptionController
+from lightning_preempt.preemption.sources import Notice
 
 
 class SettableSource:

@@ -29,11 +29,13 @@ from lightning_preempt import (
     ShardedAsyncCheckpointIO,
     list_checkpoints,
 )
-from lightning_preempt.discovery import apply_retention, newest_valid
-from lightning_preempt.drain import drain_checkpoint
-from lightning_preempt.manifest import MANIFEST_NAME
-from lightning_preempt.reader import load_full_checkpoint, read_manifest, verify_checkpoint
-from lightning_preempt.storage import Store
+from lightning_preempt.catalog.newest import newest_valid
+from lightning_preempt.catalog.retention import apply_retention
+from lightning_preempt.format.manifest import MANIFEST_NAME
+from lightning_preempt.read.load import load_full_checkpoint
+from lightning_preempt.read.verify import read_manifest, verify_checkpoint
+from lightning_preempt.save.drain import drain_checkpoint
+from lightning_preempt.storage.store import Store
 
 if TYPE_CHECKING:
     from objectstore_plugin import Remote
@@ -293,7 +295,7 @@ def test_trainer_saves_to_and_resumes_from_a_bucket(remote: Remote) -> None:
 
 
 def test_large_s3_writes_stream_as_multipart_uploads(s3_remote: Remote) -> None:
-    from lightning_preempt.storage import UPLOAD_BLOCK_SIZE
+    from lightning_preempt.storage.store import UPLOAD_BLOCK_SIZE
 
     store = Store(s3_remote.url, s3_remote.storage_options)
     payload = bytes(UPLOAD_BLOCK_SIZE + MiB)

@@ -6,11 +6,10 @@ import math
 
 import pytest
 
-from lightning_preempt.plan import (
+from lightning_preempt.cli.plan import (
     PlanInputs,
     daly_interval,
     format_duration,
-    grace_margin,
     lost_fraction,
     make_plan,
     parse_bandwidth,
@@ -18,6 +17,7 @@ from lightning_preempt.plan import (
     parse_size,
     young_interval,
 )
+from lightning_preempt.preemption.deadline import grace_margin
 
 
 @pytest.mark.parametrize(

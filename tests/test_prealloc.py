@@ -8,12 +8,12 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_preempt.checkpoint_io import ShardedAsyncCheckpointIO
-from lightning_preempt.format import own_share, replica_owners
-from lightning_preempt.prealloc import prepare_staging
-from lightning_preempt.reader import load_full_checkpoint
-from lightning_preempt.staging import HostStager
-from lightning_preempt.storage import Store
+from lightning_preempt.format.shares import own_share, replica_owners
+from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
+from lightning_preempt.lightning.prealloc import prepare_staging
+from lightning_preempt.read.load import load_full_checkpoint
+from lightning_preempt.save.staging import HostStager
+from lightning_preempt.storage.store import Store
 
 
 def test_prepared_buffers_are_the_ones_stage_fills() -> None:

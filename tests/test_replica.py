@@ -16,10 +16,10 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_preempt.checksum import Crc32c
-from lightning_preempt.manifest import MANIFEST_NAME, FileEntry, Manifest
-from lightning_preempt.replica import complete_from_peers, placement, plan_union, replicate
-from lightning_preempt.tiers import complete_local_checkpoints
+from lightning_preempt.catalog.listing import complete_local_checkpoints
+from lightning_preempt.format.manifest import MANIFEST_NAME, FileEntry, Manifest
+from lightning_preempt.save.peer import complete_from_peers, placement, plan_union, replicate
+from lightning_preempt.storage.checksum import Crc32c
 
 
 def test_placement_puts_each_copy_on_the_next_node() -> None:
@@ -138,8 +138,8 @@ def _union_worker(rank: int, world: int, init_file: str, root: str) -> None:
 def test_three_nodes_one_lost_the_survivors_complete_the_checkpoint_in_the_bucket(tmp_path: Path) -> None:
     """No survivor holds every file after a node of three is lost; together they do, and
     upload the checkpoint (each file once) so the bucket holds it complete and committed."""
-    from lightning_preempt.reader import verify_checkpoint
-    from lightning_preempt.storage import Store
+    from lightning_preempt.read.verify import verify_checkpoint
+    from lightning_preempt.storage.store import Store
 
     world = 3
     mp.start_processes(_union_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world,

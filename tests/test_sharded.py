@@ -15,8 +15,8 @@ import torch
 from helpers import assert_same
 
 from lightning_preempt import list_checkpoints
-from lightning_preempt.reader import load_full_checkpoint
-from lightning_preempt.storage import Store
+from lightning_preempt.read.load import load_full_checkpoint
+from lightning_preempt.storage.store import Store
 
 SCRIPT = Path(__file__).resolve().parent / "train_script.py"
 pytestmark = pytest.mark.multiproc

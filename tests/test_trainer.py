@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 from train_script import TinyModel, data
 
 from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO, list_checkpoints
-from lightning_preempt.discovery import checkpoint_name
+from lightning_preempt.format.names import checkpoint_name
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCHES_PER_EPOCH = 10

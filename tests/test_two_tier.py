@@ -26,10 +26,10 @@ from torch.utils.data import DataLoader
 from train_script import TinyModel, data
 
 from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO, list_checkpoints
-from lightning_preempt.drain import owner_rank
-from lightning_preempt.manifest import MANIFEST_NAME
-from lightning_preempt.storage import Store
-from lightning_preempt.tiers import redact
+from lightning_preempt.format.manifest import MANIFEST_NAME
+from lightning_preempt.save.drain import owner_rank
+from lightning_preempt.storage.diagnose import redact
+from lightning_preempt.storage.store import Store
 
 if TYPE_CHECKING:
     from objectstore_plugin import Remote

@@ -24,11 +24,11 @@ import pytest
 import torch
 from helpers import lightning_like_checkpoint
 
-from lightning_preempt import cli, discovery
-from lightning_preempt.checkpoint_io import ShardedAsyncCheckpointIO
-from lightning_preempt.checksum import Crc32c
-from lightning_preempt.commit import SaveRequest, write_checkpoint
-from lightning_preempt.discovery import apply_retention, checkpoint_name, list_checkpoints, newest_valid
+from lightning_preempt.catalog import ownership, retention, verified
+from lightning_preempt.catalog.listing import list_checkpoints
+from lightning_preempt.catalog.newest import newest_valid
+from lightning_preempt.catalog.retention import apply_retention
+from lightning_preempt.cli import commands as cli
 from lightning_preempt.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -36,10 +36,14 @@ from lightning_preempt.errors import (
     CorruptCheckpointError,
     UnsupportedFormatError,
 )
-from lightning_preempt.manifest import MANIFEST_NAME, Manifest
-from lightning_preempt.reader import read_manifest, verify_checkpoint
-from lightning_preempt.safe_load import UntrustedCheckpointError, unpickle_dcp_metadata
-from lightning_preempt.storage import Store
+from lightning_preempt.format.manifest import MANIFEST_NAME, Manifest
+from lightning_preempt.format.names import checkpoint_name
+from lightning_preempt.format.unpickle import UntrustedCheckpointError, unpickle_dcp_metadata
+from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
+from lightning_preempt.read.verify import read_manifest, verify_checkpoint
+from lightning_preempt.save.commit import SaveRequest, write_checkpoint
+from lightning_preempt.storage.checksum import Crc32c
+from lightning_preempt.storage.store import Store
 
 ROOT = Path(__file__).resolve().parent.parent
 STATE = "state-rank00000.pt"
@@ -348,7 +352,7 @@ def test_retention_deletes_only_our_directories_with_only_our_files(
     (root / "README.txt").write_text("mine")
     (root / checkpoint_name(2) / "my-notes.txt").write_text("a user file inside one of ours")
     (root / checkpoint_name(0)).mkdir()  # an empty leftover of ours
-    discovery._WARNED_FOREIGN.discard(str(root))
+    retention._WARNED_FOREIGN.discard(str(root))
     caplog.set_level(logging.INFO, logger="lightning_preempt")  # our logger propagates
     removed = apply_retention(str(root), keep_last_n=2)
     assert sorted(Path(p).name for p in removed) == [checkpoint_name(s) for s in (0, 1, 3)]
@@ -369,7 +373,7 @@ def test_removing_a_directory_with_user_files_raises_with_a_hint(tmp_path: Path)
     ckpt = root / checkpoint_name(1)
     (ckpt / "precious.txt").write_text("x")
     with pytest.raises(CheckpointExistsError, match=r"precious\.txt") as info:
-        discovery.remove_checkpoint_dir(Store(str(ckpt)))
+        ownership.remove_checkpoint_dir(Store(str(ckpt)))
     assert "HINT:" in str(info.value)
     assert (ckpt / MANIFEST_NAME).exists() and (ckpt / "precious.txt").exists()
 
@@ -410,7 +414,7 @@ def test_retention_never_counts_corrupt_ones_and_keeps_the_newest_that_verifies(
     shard.write_bytes(bytes(data))
     state = root / checkpoint_name(3) / STATE
     state.write_bytes(state.read_bytes()[:-10])
-    discovery._VERIFIED.clear()  # this process wrote them; the damage came later
+    verified._VERIFIED.clear()  # this process wrote them; the damage came later
     removed = apply_retention(str(root), keep_last_n=1)
     assert [Path(p).name for p in removed] == [checkpoint_name(1)]
     assert sorted(p.name for p in root.iterdir()) == [checkpoint_name(s) for s in (2, 3, 4)]
@@ -444,7 +448,7 @@ def _body() -> dict[str, Any]:
 
 
 def _entry() -> Any:
-    from lightning_preempt.manifest import FileEntry
+    from lightning_preempt.format.manifest import FileEntry
 
     return FileEntry(10, "0a0b0c0d")
 
@@ -546,7 +550,7 @@ def test_writing_to_a_missing_s3_bucket_fails_with_a_hint_and_creates_nothing(tm
         fs.invalidate_cache()
         assert sorted(fs.ls("")) == before and not any("missing-bucket" in b for b in fs.ls(""))
         # the DCP writer alone (what a save does after the path check) creates nothing either
-        from lightning_preempt.dcp_storage import ChecksummingWriter
+        from lightning_preempt.save.dcp_writer import ChecksummingWriter
 
         writer = ChecksummingWriter(Store(f"s3://missing-bucket/x/{checkpoint_name(2)}", server.storage_options))
         with pytest.raises(CheckpointWriteError, match="never creates buckets"):
@@ -569,7 +573,7 @@ def test_cli_credential_hints_never_suggest_secrets_on_the_command_line() -> Non
 
 
 def test_draining_a_crafted_checkpoint_writes_nothing_outside_the_destination(tmp_path: Path) -> None:
-    from lightning_preempt.drain import drain_checkpoint
+    from lightning_preempt.save.drain import drain_checkpoint
 
     src_root = tmp_path / "bucket"
     _save(src_root, [1])

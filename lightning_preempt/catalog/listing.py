@@ -1,0 +1,134 @@
+"""Finding checkpoints: list, pick the newest valid one, and apply retention.
+
+Only a committed checkpoint (one with a readable manifest) counts, for resume and for
+retention alike: a partial directory can never push out the last good checkpoint.
+
+Storage is shared (docs/security.md): retention deletes only directories named as this
+package names them whose contents are all its own (:mod:`lightning_preempt.ownership`),
+logs every deletion, never deletes the newest checkpoint that verifies, never counts a
+corrupt one toward ``keep_last_n``, and leaves other runs' checkpoints alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Any
+
+from lightning_preempt.catalog.ownership import dir_step, is_our_dir_name
+from lightning_preempt.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    UnsupportedFormatError,
+)
+from lightning_preempt.format.manifest import MANIFEST_NAME, Manifest
+from lightning_preempt.read.verify import read_manifest
+from lightning_preempt.storage.store import Store
+
+_STEP_RE = re.compile(r"(?:^|[-_=])step[=_-]?(\d+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+    """One checkpoint directory under a root URL."""
+
+    path: str
+    name: str
+    step: int
+    committed: bool
+    epoch: int | None = None
+    created_unix: float | None = None
+    size_bytes: int | None = None
+    world_size: int | None = None
+    manifest: Manifest | None = dataclasses.field(default=None, repr=False, compare=False)
+    problem: str | None = None
+    newer_format: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("manifest")
+        return d
+
+
+def list_checkpoints(url: str, storage_options: dict[str, Any] | None = None) -> list[CheckpointInfo]:
+    """Every checkpoint directory directly under ``url``, newest first.
+
+    A directory counts when it is named as this package names checkpoints
+    (``step-NNNNNNNNNN``, committed or not) or holds a manifest of this package's format
+    (e.g. ``ModelCheckpoint``'s ``epoch=0-step=100.ckpt/``). ``committed`` is true only
+    when its manifest is present, parses, and names the step its directory name carries.
+    """
+    root = Store(url, storage_options)
+    found: list[CheckpointInfo] = []
+    for name in root.list_dirs():
+        found_info = _describe(root, name)
+        if found_info is not None:
+            found.append(found_info)
+    found.sort(key=lambda c: (c.step, c.committed, c.created_unix or 0.0, c.name), reverse=True)
+    return found
+
+
+def _describe(root: Store, name: str) -> CheckpointInfo | None:
+    store = root.child(name)
+    ours = is_our_dir_name(name)
+    match = _STEP_RE.search(name)
+    name_step = dir_step(name) if ours else (int(match.group(1)) if match else None)
+    if not store.exists(MANIFEST_NAME):
+        if not ours or name_step is None:
+            return None  # someone else's directory: not listed, never touched
+        return CheckpointInfo(store.url, name, name_step, committed=False, problem="no manifest (partial save)")
+    try:
+        m = read_manifest(store)
+        if name_step is not None and m.step != name_step:
+            # Believing it would let one planted manifest outrank (and prune) real checkpoints.
+            raise CorruptCheckpointError(
+                f"the manifest says step {m.step} but the directory is named for step {name_step}",
+                path=store.url,
+                hint="The checkpoint was renamed, copied under another name or tampered with; it is not used.",
+            )
+    except CheckpointError as err:
+        if not ours and _foreign_manifest(err):
+            return None  # a manifest.json of some other tool
+        return CheckpointInfo(
+            store.url,
+            name,
+            name_step if name_step is not None else -1,
+            committed=False,
+            problem=str(err).splitlines()[0],
+            newer_format=isinstance(err, UnsupportedFormatError),
+        )
+    return CheckpointInfo(
+        path=store.url,
+        name=name,
+        step=m.step,
+        committed=True,
+        epoch=m.epoch,
+        created_unix=m.created_unix,
+        size_bytes=m.total_bytes,
+        world_size=m.world_size,
+        manifest=m,
+    )
+
+
+def _foreign_manifest(err: CheckpointError) -> bool:
+    text = str(err)
+    return text.startswith("manifest does not declare format") or text.startswith("manifest is not valid JSON")
+
+
+def complete_local_checkpoints(local_root: str) -> list[CheckpointInfo]:
+    """Committed checkpoints under ``local_root`` whose files are all present with their sizes
+    (cheap: no checksums). On a multi-host job rank 0's disk holds only its host's shares:
+    those do not count."""
+    out = []
+    for info in list_checkpoints(local_root, {}):
+        if not info.committed or info.manifest is None:
+            continue
+        base = info.path
+        try:
+            if all(os.path.getsize(os.path.join(base, n)) == e.size for n, e in info.manifest.files.items()):
+                out.append(info)
+        except OSError:
+            continue
+    return out
+

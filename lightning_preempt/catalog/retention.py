@@ -1,0 +1,125 @@
+"""Retention: keep the newest ``keep_last_n`` sound checkpoints and delete older ones, only
+ever what this package wrote (catalog/ownership.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from lightning_preempt.catalog.listing import CheckpointInfo, list_checkpoints
+from lightning_preempt.catalog.ownership import is_our_dir_name, remove_if_ours
+from lightning_preempt.catalog.verified import _is_verified, mark_verified
+from lightning_preempt.errors import CheckpointError
+from lightning_preempt.read.verify import check_checkpoint
+from lightning_preempt.storage.store import Store
+
+log = logging.getLogger(__name__)
+
+
+_WARNED_FOREIGN: set[str] = set()
+
+
+def apply_retention(
+    url: str,
+    keep_last_n: int,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    protect: frozenset[str] = frozenset(),
+    run_id: str | None = None,
+) -> list[str]:
+    """Keep the newest ``keep_last_n`` sound committed checkpoints; remove older ones and
+    this package's corrupt checkpoints and uncommitted leftovers older than the newest
+    checkpoint that verifies. Returns the removed URLs; every removal is logged at INFO.
+
+    * Only directories named as this package names them and holding only its files are
+      touched (:mod:`lightning_preempt.ownership`); anything else under ``url`` is left
+      alone with one warning per process.
+    * A checkpoint is *sound* when its files exist with their sizes; one that is not, or
+      whose manifest is unreadable, never counts toward ``keep_last_n``.
+    * The newest sound checkpoint is read in full for its CRC32C unless this process
+      wrote or verified it; nothing is removed until one checkpoint verifies, and that one
+      is kept.
+    * ``run_id``: checkpoints whose manifest names another run are neither counted nor
+      removed. ``protect`` names directories never to touch (a save still in flight).
+    * A checkpoint written by a newer format version is never removed.
+    """
+    infos = list_checkpoints(url, storage_options)
+    _warn_foreign(url, storage_options, infos)
+    ours = [c for c in infos if is_our_dir_name(c.name) and not _other_run(c, run_id)]
+    anchor: CheckpointInfo | None = None
+    kept = 0
+    doomed: list[tuple[CheckpointInfo, str]] = []
+    for info in ours:
+        if info.newer_format or info.name in protect:
+            continue
+        problem = None if info.committed else (info.problem or "not committed")
+        if problem is None:
+            problem = _soundness_problem(info, storage_options, need_crc=anchor is None)
+        if problem is not None:
+            # Corrupt or partial: never counted; removed only below the newest verified one.
+            if anchor is not None:
+                doomed.append((info, f"{problem}; older than the newest verified checkpoint"))
+            continue
+        if anchor is None:
+            anchor = info  # the newest checkpoint that verifies: kept whatever keep_last_n says
+        elif kept >= keep_last_n:
+            doomed.append((info, f"retention keeps the newest {keep_last_n}"))
+            continue
+        kept += 1
+    if anchor is None:
+        if any(c.committed for c in ours):
+            log.warning("lightning_preempt: retention in %s removed nothing: no checkpoint there verifies", url)
+        return []
+    removed = []
+    for info, why in doomed:
+        try:
+            remove_if_ours(Store(info.path, storage_options), why=why)
+        except CheckpointError as err:
+            log.warning("lightning_preempt: retention left %s alone: %s", info.path, str(err).splitlines()[0])
+            continue
+        removed.append(info.path)
+    return removed
+
+
+def _other_run(info: CheckpointInfo, run_id: str | None) -> bool:
+    other = info.manifest.run_id if info.manifest is not None else None
+    return run_id is not None and other is not None and other != run_id
+
+
+def _soundness_problem(info: CheckpointInfo, storage_options: dict[str, Any] | None, *, need_crc: bool) -> str | None:
+    """Why a committed checkpoint cannot be counted (``None``: it can). ``need_crc``: it
+    would become the newest verified one, so its CRC32C must be known to match."""
+    store = Store(info.path, storage_options)
+    assert info.manifest is not None
+    try:
+        if need_crc and not _is_verified(info.path, info.manifest):
+            check_checkpoint(store, info.manifest, verify=True)
+            mark_verified(info.path, info.manifest)
+        else:
+            check_checkpoint(store, info.manifest, verify="sizes")
+    except (CheckpointError, OSError) as err:
+        log.warning("lightning_preempt: retention does not count %s: %s", info.path, str(err).splitlines()[0])
+        return str(err).splitlines()[0]
+    return None
+
+
+def _warn_foreign(url: str, storage_options: dict[str, Any] | None, infos: list[CheckpointInfo]) -> None:
+    """One warning per process and root for what retention will never touch there."""
+    if url in _WARNED_FOREIGN:
+        return
+    try:
+        names = [n for n, _ in Store(url, storage_options).children()]
+    except Exception:
+        return
+    foreign = sorted(n for n in names if not is_our_dir_name(n) and not n.startswith(".lp-"))
+    if foreign:
+        _WARNED_FOREIGN.add(url)
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        log.warning(
+            "lightning_preempt: retention leaves alone what it did not create in %s: %s "
+            "(only step-NNNNNNNNNN directories holding its own files are ever deleted)",
+            url,
+            shown,
+        )
+

@@ -1,0 +1,154 @@
+"""Export a sharded checkpoint directory as one ordinary Lightning ``.ckpt`` file.
+
+The result is ``torch.save`` of the full, unsharded checkpoint dict: plain Lightning
+loads it with ``Trainer.fit(ckpt_path=...)`` or ``Model.load_from_checkpoint`` without
+this package installed. Before the file gets its final name we scan its pickle for any
+class from ``lightning_preempt`` and refuse to publish one that would need us to load.
+
+``Model.load_from_checkpoint`` in Lightning >= 2.6 loads with ``weights_only=True`` by
+default, which rejects NumPy arrays. This package's own entry (the top-level
+``"lightning_preempt"`` key: exact-resume state, whose NumPy RNG state is an array) is
+made safe by turning NumPy values into plain Python ones; ``np.random.set_state``
+accepts them, so resuming from the exported file with this package stays exact. Other
+keys are written as they are; :attr:`ExportResult.weights_only_error` says when the
+result still needs ``weights_only=False``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import uuid
+from typing import Any
+
+import torch
+
+from lightning_preempt.errors import CheckpointError, CheckpointExistsError
+from lightning_preempt.format.pickle_scan import pickled_globals
+from lightning_preempt.format.unpickle import _map_tensors
+from lightning_preempt.read.load import load_full_checkpoint
+from lightning_preempt.storage.store import Store, fsync_dir
+
+_OUR_PACKAGE = "lightning_preempt"
+OWN_STATE_KEY = "lightning_preempt"  # the top-level checkpoint key this package's callback fills
+
+
+@dataclasses.dataclass
+class ExportResult:
+    """What :func:`export_checkpoint` wrote."""
+
+    path: str
+    checkpoint: dict[str, Any]
+    size_bytes: int
+    weights_only_error: str | None = None  # why torch.load(weights_only=True) fails, if it does
+
+
+class ExportError(CheckpointError):
+    """The checkpoint cannot be exported as a self-contained Lightning file."""
+
+
+def export_checkpoint(
+    store: Store, out_path: str, *, force: bool = False, verify: bool = True, trusted: bool = False
+) -> ExportResult:
+    """Write the checkpoint in ``store`` to ``out_path`` (a local file) atomically.
+
+    The checkpoint's state is unpickled with the allow-list only (nothing from storage
+    runs) unless ``trusted`` (docs/security.md).
+
+    Returns what was written. Raises :class:`CheckpointExistsError` when ``out_path``
+    exists and not ``force``; :class:`ExportError` when the dict would pickle a class of
+    this package; the reader's errors when the checkpoint is missing or corrupt.
+    """
+    out_path = os.path.abspath(os.path.expanduser(out_path))
+    if os.path.isdir(out_path):
+        raise ExportError(
+            f"the output path {out_path} is a directory",
+            hint="Name the file to write, e.g. OUT_DIR/model.ckpt.",
+        )
+    if os.path.exists(out_path) and not force:
+        raise CheckpointExistsError(
+            f"refusing to overwrite the existing file {out_path}",
+            hint="Choose another name, or pass --force to replace it.",
+        )
+    checkpoint = _own_storage(load_full_checkpoint(store, verify=verify, trusted=trusted))
+    if OWN_STATE_KEY in checkpoint:
+        checkpoint[OWN_STATE_KEY] = plain_numpy(checkpoint[OWN_STATE_KEY])
+    directory = os.path.dirname(out_path)
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{os.path.basename(out_path)}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(checkpoint, f)
+            f.flush()
+            os.fsync(f.fileno())
+        foreign = sorted(g for g in pickled_globals(tmp) if g.split(".")[0] == _OUR_PACKAGE)
+        if foreign:
+            raise ExportError(
+                f"the checkpoint state refers to {', '.join(foreign)}, which plain Lightning cannot load",
+                path=store.url,
+                hint="A callback or the module stores an object of lightning_preempt in its state; "
+                "store plain types (dict, list, str, numbers, tensors) there instead.",
+            )
+        weights_only_error = weights_only_problem(tmp)
+        if force:
+            os.replace(tmp, out_path)
+        else:
+            # link() fails if the name appeared meanwhile: never replace a file we did not check
+            try:
+                os.link(tmp, out_path)
+            except FileExistsError:
+                raise CheckpointExistsError(
+                    f"refusing to overwrite the existing file {out_path}", hint="Pass --force to replace it."
+                ) from None
+            except OSError:  # no hard links on this filesystem
+                os.replace(tmp, out_path)
+        fsync_dir(directory)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    return ExportResult(out_path, checkpoint, os.path.getsize(out_path), weights_only_error)
+
+
+def _own_storage(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """Tensors that view a larger buffer (the one-pass loader reads each archive into one)
+    get storage of their own: ``torch.save`` writes a tensor's whole storage, and a
+    storage of odd byte size under another dtype does not load back."""
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        exact = t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        return t if exact else t.clone(memory_format=torch.contiguous_format)
+
+    result = _map_tensors(checkpoint, own)
+    assert isinstance(result, dict)
+    return result
+
+
+def plain_numpy(value: Any) -> Any:
+    """``value`` with NumPy arrays and scalars (at any depth of dicts, lists and tuples)
+    turned into Python lists and numbers."""
+    module = type(value).__module__
+    if module == "numpy" or module.startswith("numpy."):
+        return value.tolist() if hasattr(value, "tolist") else value
+    if isinstance(value, dict):
+        items = {k: plain_numpy(v) for k, v in value.items()}
+        try:
+            return items if type(value) is dict else type(value)(items)
+        except TypeError:
+            return items
+    if isinstance(value, list):
+        return [plain_numpy(v) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(plain_numpy(v) for v in value)
+    return value
+
+
+def weights_only_problem(path: str) -> str | None:
+    """``None`` when ``torch.load(path, weights_only=True)`` works, else the first line of its error."""
+    try:
+        torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:
+        lines = [line.strip() for line in str(err).splitlines() if "Unsupported global" in line]
+        return lines[0] if lines else str(err).splitlines()[0]
+    return None
+

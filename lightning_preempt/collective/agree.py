@@ -1,0 +1,173 @@
+"""One primitive for decisions that must be the same on every rank, errors included.
+
+Two shapes cover every multi-rank decision in this package:
+
+* :func:`decide` — rank 0 runs ``fn`` (I/O: list, choose, probe, exists) and every rank
+  gets its *result or its exception*. A rank-0 error that was only logged, or raised on
+  rank 0 alone, would leave the others waiting in the next collective until the process
+  group times out (30 min with NCCL).
+* :func:`agree` — every rank runs ``fn`` (its own share of the work) and every rank learns
+  every rank's outcome; if any failed, all raise the same error.
+
+An outcome travels as a small picklable :class:`Outcome` (kind, type, message, hint, path),
+never as a string with a prefix to parse. The error raised is of the original class when it
+is one of ours (:mod:`lightning_preempt.errors`), else a :class:`RankFailedError` naming the
+rank and the original type; the rank where it happened chains the original (``from``).
+
+Every rank of ``group`` must make the same sequence of calls. Without torch.distributed
+(or with ``group=None``) both run ``fn`` locally and raise as above.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from lightning_preempt import errors
+from lightning_preempt.collective import groups as pdist
+
+T = TypeVar("T")
+
+_HINT_MARK = "\nHINT: "
+
+
+class RankFailedError(errors.CheckpointError):
+    """A rank failed with an error that is not one of ours; raised alike on every rank."""
+
+    def __init__(self, message: str, *, path: str | None = None, hint: str | None = None, error_type: str = "") -> None:
+        super().__init__(message, path=path, hint=hint)
+        self.error_type = error_type
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What one rank's ``fn`` did: a value, or an error described without pickling it."""
+
+    rank: int
+    ok: bool
+    value: Any = None
+    error_type: str = ""  # "module.QualName"
+    message: str = ""
+    hint: str | None = None
+    path: str | None = None
+
+    @classmethod
+    def of(cls, fn: Callable[[], Any], rank: int) -> tuple[Outcome, BaseException | None]:
+        """Run ``fn``; ``(outcome, the exception itself or None)``. ``KeyboardInterrupt`` and
+        ``SystemExit`` are not caught (DCP's ``CheckpointException``, a ``BaseException``, is)."""
+        try:
+            return cls(rank=rank, ok=True, value=fn()), None
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as err:  # DCP raises CheckpointException, a BaseException
+            return cls.failure(err, rank), err
+
+    @classmethod
+    def failure(cls, err: BaseException, rank: int) -> Outcome:
+        text = str(err)
+        hint = getattr(err, "hint", None)
+        if hint is None and _HINT_MARK in text:
+            text, hint = text.split(_HINT_MARK, 1)
+        elif hint is not None:
+            text = text.split(_HINT_MARK, 1)[0]
+        kind = type(err)
+        return cls(
+            rank=rank,
+            ok=False,
+            error_type=f"{kind.__module__}.{kind.__qualname__}",
+            message=text or kind.__name__,
+            hint=hint,
+            path=getattr(err, "path", None) if isinstance(getattr(err, "path", None), str) else None,
+        )
+
+    def to_error(
+        self, what: str = "", *, foreign: type[errors.CheckpointError] | None = None, hint: str | None = None
+    ) -> errors.CheckpointError:
+        """The exception every rank raises for this outcome.
+
+        Args:
+            what: the step that failed, for the message ("committing the manifest").
+            foreign: the class for an error that is not one of ours (an ``OSError`` from the
+                storage…); default :class:`RankFailedError`.
+            hint: the HINT when the error carries none.
+        """
+        prefix = f"{what} failed on rank {self.rank}: " if what else ""
+        cls = _our_error_class(self.error_type)
+        if cls is not None:
+            return cls(prefix + self.message, path=self.path, hint=self.hint or hint)
+        short = self.error_type.rsplit(".", 1)[-1]
+        error = (foreign or RankFailedError)(
+            f"{prefix or f'rank {self.rank}: '}{short}: {self.message}",
+            path=self.path,
+            hint=self.hint or hint or "See the error above; every rank stopped at the same point, nothing hangs.",
+        )
+        error.error_type = self.error_type  # type: ignore[attr-defined]
+        return error
+
+
+def _our_error_class(qualified: str) -> type[errors.CheckpointError] | None:
+    """The class named ``module.Name`` when it is one of this package's errors (never imports
+    anything outside the package: the name came over the wire)."""
+    module, _, name = qualified.rpartition(".")
+    if module != "lightning_preempt" and not module.startswith("lightning_preempt."):
+        return None
+    try:
+        cls = getattr(importlib.import_module(module), name, None)
+    except ImportError:
+        return None
+    if isinstance(cls, type) and issubclass(cls, errors.CheckpointError) and cls is not RankFailedError:
+        return cls
+    return None
+
+
+def decide(
+    fn: Callable[[], T],
+    group: pdist.ProcessGroup | None,
+    *,
+    what: str = "",
+    foreign: type[errors.CheckpointError] | None = None,
+    hint: str | None = None,
+) -> T:
+    """Run ``fn`` on rank 0 of ``group``; every rank returns its result or raises its error
+    (see :meth:`Outcome.to_error` for ``what``, ``foreign`` and ``hint``).
+
+    Collective: every rank of ``group`` calls it, in the same order as its other collectives.
+    """
+    rank = pdist.rank(group) if group is not None else 0
+    local_error: BaseException | None = None
+    outcome: Outcome | None = None
+    if rank == 0:
+        outcome, local_error = Outcome.of(fn, rank)
+    if group is not None and pdist.is_distributed():
+        outcome = pdist.broadcast_object(outcome, group)
+    assert outcome is not None
+    if outcome.ok:
+        return outcome.value  # type: ignore[no-any-return]
+    raise outcome.to_error(what, foreign=foreign, hint=hint) from local_error
+
+
+def agree(
+    fn: Callable[[], T],
+    group: pdist.ProcessGroup | None,
+    *,
+    what: str = "",
+    foreign: type[errors.CheckpointError] | None = None,
+    hint: str | None = None,
+) -> list[T]:
+    """Run ``fn`` on every rank; return every rank's value, or raise the first failing rank's
+    error on every rank (the message names all ranks that failed).
+
+    Collective: every rank of ``group`` calls it.
+    """
+    rank = pdist.rank(group) if group is not None else 0
+    mine, local_error = Outcome.of(fn, rank)
+    outcomes: list[Outcome] = pdist.all_gather_objects(mine, group)
+    failed = [o for o in outcomes if not o.ok]
+    if not failed:
+        return [o.value for o in outcomes]
+    first = failed[0]
+    if len(failed) > 1:
+        first = dataclasses.replace(first, message=f"{first.message} (ranks that failed: {[o.rank for o in failed]})")
+    raise first.to_error(what, foreign=foreign, hint=hint) from (local_error if first.rank == rank else None)

@@ -1,0 +1,2 @@
+"""The framework-neutral engine a training loop drives, and its validated configuration.
+"""

@@ -1,0 +1,38 @@
+"""Every private torch.distributed.checkpoint / torch.serialization name the package uses.
+
+Private names move between releases; keeping them in one module makes a torch upgrade a
+matter of reading one file (docs/compat.md). Checked with torch 2.7.0 (the floor) and
+2.13.0 by tests/test_exact_compat.py.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner as EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo as DcpStorageInfo
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as dcp_load_state_dict
+from torch.serialization import _get_layout as torch_get_layout
+
+# Lightning is imported lazily below: the operator CLI reads checkpoints (through
+# dcp_storage, which uses this module) without paying for importing Lightning.
+
+__all__ = [
+    "DcpStorageInfo",
+    "EmptyStateDictLoadPlanner",
+    "FsspecFileSystem",
+    "FsspecReader",
+    "FsspecWriter",
+    "dcp_load_state_dict",
+    "torch_get_layout",
+]
+
+
+# ---- torch.distributed.checkpoint -------------------------------------------------------
+def dcp_format_version() -> str | None:
+    """The DCP format version torch writes into ``.metadata`` (``None``: torch 2.6, whose
+    ``Metadata`` has no version field). Private: ``filesystem.CURRENT_DCP_VERSION``."""
+    from torch.distributed.checkpoint import filesystem
+
+    return getattr(filesystem, "CURRENT_DCP_VERSION", None)
+

@@ -1,0 +1,62 @@
+"""DDP: which rank stages and writes which replicated tensor (its share of the save).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# ---- DDP: who stages and writes which replicated tensor ---------------------------------
+#
+# Under DDP every rank holds the same replicated tensors. DCP de-duplicates them when it
+# plans the save (one copy of each key is written), but only *after* every rank staged
+# everything: N times the host memory and copy time that is written. We make the same
+# choice before staging instead: each plain tensor gets one owner rank, and a rank stages
+# (and hands DCP) only what it owns. DCP then sees no duplicates and writes the same
+# checkpoint. DTensors (FSDP2/TP shards) are per rank already and are always kept.
+# The choice is only made when every rank holds the same keys, shapes and dtypes
+# (compared with :func:`replica_fingerprint` on every save): a rank-specific tensor would
+# otherwise be owned by a rank that does not have it.
+
+
+def _is_plain(tensor: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, torch.Tensor) and not isinstance(tensor, DTensor)
+
+
+def replica_fingerprint(tensors: dict[str, torch.Tensor]) -> str:
+    """A digest of every plain tensor's key, shape and dtype: equal on all ranks exactly
+    when :func:`replica_owners` gives every rank the same assignment."""
+    import hashlib
+
+    h = hashlib.sha1()
+    for key in sorted(k for k, t in tensors.items() if _is_plain(t)):
+        t = tensors[key]
+        h.update(f"{key}\0{tuple(t.shape)}\0{t.dtype}\n".encode())
+    return h.hexdigest()
+
+
+def replica_owners(tensors: dict[str, torch.Tensor], world_size: int) -> dict[str, int]:
+    """The rank that stages and writes each plain tensor: largest first to the rank with
+    the fewest bytes so far (lowest rank on a tie; keys break size ties), so every rank
+    computes the same map and the largest rank's share stays close to 1/N."""
+    plain = [(t.numel() * t.element_size(), key) for key, t in tensors.items() if _is_plain(t)]
+    plain.sort(key=lambda sk: (-sk[0], sk[1]))
+    loads = [0] * world_size
+    owners: dict[str, int] = {}
+    for size, key in plain:
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        owners[key] = rank
+        loads[rank] += size
+    return owners
+
+
+def own_share(tensors: dict[str, torch.Tensor], rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    """The tensors ``rank`` stages and writes: the plain ones it owns, and every DTensor."""
+    if world_size <= 1:
+        return tensors
+    owners = replica_owners(tensors, world_size)
+    return {k: t for k, t in tensors.items() if owners.get(k, rank) == rank}
+

@@ -1,0 +1,114 @@
+"""Every use of a private Lightning or torch API that lightning_preempt makes goes through here.
+
+Private names move between releases; keeping them in one module makes the minimum-versions
+job (``scripts/test_min_versions.sh``) and a Lightning/torch upgrade a matter of reading one
+file. Each shim says which versions it was checked with and what happens when the private
+name is missing. docs/compat.md lists the private uses still made elsewhere.
+
+Checked with torch 2.6.0 / Lightning 2.4.0 (the floors) and torch 2.13.0 / Lightning 2.6.6.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# ---- DCP and torch.serialization internals ---------------------------------------------
+# torch 2.7-2.13: dcp_storage.py subclasses the fsspec DCP writer/reader and its FileSystem
+# (checksums while writing, no rename of .metadata on object stores) and loads a state dict
+# without a template (_load_state_dict + _EmptyStateDictLoadPlanner, as dcp.load does for
+# format conversion); safe_load.py allow-lists _StorageInfo and _get_layout, which DCP's
+# pickled .metadata refers to. Checked by tests/test_exact_compat.py.
+
+
+# ---- Trainer(enable_checkpointing=False) --------------------------------------------------
+_ALLOWED: list[type] = []
+
+
+def allow_with_disabled_checkpointing(callback_type: type) -> None:
+    """Let ``Trainer(enable_checkpointing=False, callbacks=[callback_type(...)])`` work.
+
+    Users pass ``enable_checkpointing=False`` to get no default ``ModelCheckpoint``.
+    Lightning refuses every ``Checkpoint`` callback then, with a message about a
+    ``ModelCheckpoint`` they never added, and ``callback_type`` must stay a ``Checkpoint``
+    (an ``OnExceptionCheckpoint``: it is how ``fit()`` finds the checkpoint to resume,
+    docs/design.md). When every checkpoint callback is a ``callback_type``, we configure as
+    Lightning does with checkpointing enabled and checkpoint callbacks given: nothing is
+    added, so that callback's checkpoints are the only ones. With another checkpoint
+    callback (a ``ModelCheckpoint``) Lightning's error stays: it is then accurate.
+
+    Private: ``_CallbackConnector._configure_checkpoint_callbacks`` (Lightning 2.4-2.6).
+    Without it Lightning's refusal stays.
+    """
+    if callback_type not in _ALLOWED:
+        _ALLOWED.append(callback_type)
+    try:
+        from lightning.pytorch.trainer.connectors.callback_connector import _CallbackConnector
+    except ImportError:  # pragma: no cover - moved in a newer Lightning
+        return
+    original = getattr(_CallbackConnector, "_configure_checkpoint_callbacks", None)
+    if original is None or getattr(original, "_lightning_preempt", False):
+        return
+
+    @functools.wraps(original)
+    def configure(self: Any, enable_checkpointing: bool, *args: Any, **kwargs: Any) -> None:
+        checkpoints = self.trainer.checkpoint_callbacks
+        if not enable_checkpointing and checkpoints and all(isinstance(cb, tuple(_ALLOWED)) for cb in checkpoints):
+            enable_checkpointing = True  # with checkpoint callbacks given, Lightning adds none
+        original(self, enable_checkpointing, *args, **kwargs)
+
+    configure._lightning_preempt = True  # type: ignore[attr-defined]
+    _CallbackConnector._configure_checkpoint_callbacks = configure  # type: ignore[method-assign]
+
+
+# ---- the training loop's data (exact resume, lightning_preempt/exact.py) ------------------
+# Lightning 2.4-2.6: FitLoop keeps the CombinedLoader in `_combined_loader` and the fetcher
+# in `_data_fetcher`; the CombinedLoader's mode iterator holds one iterator per loader in
+# `_iterator.iterators`; the training epoch loop keeps `self.log` results in `_results`.
+def train_loaders(trainer: Any) -> list[Any]:
+    """The training dataloaders as Lightning iterates them (after its sampler injection)."""
+    combined = getattr(trainer.fit_loop, "_combined_loader", None)
+    return list(combined.flattened) if combined is not None else []
+
+
+def train_fetcher(trainer: Any) -> Any | None:
+    """The training data fetcher; ``iter()`` on it remakes every loader's iterator."""
+    return getattr(trainer.fit_loop, "_data_fetcher", None)
+
+
+def train_loader_iterators(trainer: Any) -> list[Any] | None:
+    """The live iterator of each training loader (``None`` if Lightning holds them elsewhere)."""
+    combined = getattr(trainer.fit_loop, "_combined_loader", None)
+    mode_iterator = getattr(combined, "_iterator", None)
+    iterators = getattr(mode_iterator, "iterators", None)
+    return list(iterators) if iterators is not None else None
+
+
+def train_reload_due(trainer: Any) -> bool:
+    """Lightning will reload the training loaders at the next epoch start
+    (``reload_dataloaders_every_n_epochs``). Private: ``FitLoop._should_reload_train_dl``."""
+    fit_loop = trainer.fit_loop
+    return getattr(fit_loop, "_combined_loader", None) is not None and bool(
+        getattr(fit_loop, "_should_reload_train_dl", False)
+    )
+
+
+def reload_train_data(trainer: Any) -> None:
+    """Reload the training loaders now: ``FitLoop.setup_data`` makes them and their iterator
+    and notes the epoch, so the epoch start does not reload them again."""
+    trainer.fit_loop.setup_data()
+
+
+def training_results(trainer: Any) -> Any | None:
+    """The running ``self.log`` results of the training epoch (a ``_ResultCollection``)."""
+    return getattr(trainer.fit_loop.epoch_loop, "_results", None)
+
+
+def set_sampler_epoch(loader: Any, epoch: int) -> None:
+    """Lightning's own per-epoch ``set_epoch`` call on a loader's samplers."""
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+
+    _set_sampler_epoch(loader, epoch)

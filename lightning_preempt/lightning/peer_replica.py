@@ -1,0 +1,141 @@
+"""Lightning wiring of the peer replica (:mod:`lightning_preempt.replica`).
+
+``Trainer(callbacks=[PreemptionCallback(..., local_dirpath=...), PeerReplica()])``: after a
+preemption snapshot committed on the node-local tiers, every rank copies its share to a
+rank on another node before the process exits, so the survivors hold the snapshot even
+when the leaving node's disk goes and its upload did not finish (docs/peer-replica.md).
+
+Where it runs: :class:`PreemptionCallback` calls its ``snapshot_hooks`` on every rank
+after the emergency snapshot committed and *before* the drain to the bucket gets the rest
+of the grace period; this callback registers there in ``setup``. (Should a
+``PreemptionCallback`` lack the hook, the replica runs in ``on_exception`` of the
+:class:`~lightning_preempt.controller.Preempted` every rank raises: Lightning calls the
+hooks of non-checkpoint callbacks first, so the groups still exist; the drain has then
+used its budget already.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_preempt.catalog.listing import list_checkpoints
+from lightning_preempt.collective import agree
+from lightning_preempt.collective import groups as pdist
+from lightning_preempt.preemption.controller import Preempted
+from lightning_preempt.save.peer import ReplicaReport, complete_from_peers, replicate
+
+log = logging.getLogger(__name__)
+
+
+class PeerReplica(Callback):
+    """Copy the preemption snapshot's node-local files to a peer node before exiting.
+
+    Args:
+        timeout_s: the longest the transfer may block (its gloo group's timeout); keep it
+            inside the grace period.
+    """
+
+    def __init__(self, timeout_s: float = 20.0) -> None:
+        self.timeout_s = timeout_s
+        self.reports: list[ReplicaReport] = []
+        self._group: Any = None
+        self._hooked: Any = None  # the PreemptionCallback whose snapshot_hooks hold ours
+        self._done_step: int | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()  # the group and the registration belong to one fit
+        state["_group"] = None
+        state["_hooked"] = None
+        return state
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit" or not pdist.is_distributed():
+            return
+        self._group = pdist.new_gloo_group(timeout_s=self.timeout_s)  # collective: every rank
+        self._done_step = None
+        cb = self._preemption_callback(trainer)
+        if cb is not None and isinstance(getattr(cb, "snapshot_hooks", None), list):
+            cb.snapshot_hooks.append(self._after_snapshot)
+            self._hooked = cb
+        if cb is not None and getattr(cb, "local_dirpath", None) is not None:
+            self._complete_from_peers(cb)
+
+    def _complete_from_peers(self, cb: Any) -> None:
+        """Before the callback chooses what to resume from (its ``setup`` runs after ours:
+        Lightning orders checkpoint callbacks last): a snapshot that no single survivor holds
+        but the survivors do together is uploaded to ``dirpath`` (replica.complete_from_peers)."""
+        try:
+            step = complete_from_peers(str(cb.local_dirpath), cb.dirpath, cb.storage_options, self._group)
+        except Exception as err:  # resume then falls back to what the tiers hold
+            log.error("lightning_preempt: completing a checkpoint from the survivors' local tiers failed: %s", err)
+            return
+        if step is not None:
+            log.warning("lightning_preempt: step %d is complete in %s again (from the survivors)", step, cb.dirpath)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        try:
+            if isinstance(exception, Preempted) and self._group is not None and self._done_step is None:
+                self._replicate(trainer, trainer.global_step)
+        finally:
+            self._release()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        if self._hooked is not None:
+            with contextlib.suppress(ValueError):
+                self._hooked.snapshot_hooks.remove(self._after_snapshot)
+            self._hooked = None
+        group, self._group = self._group, None
+        pdist.destroy_group(group)
+
+    def _after_snapshot(self, trainer: pl.Trainer, step: int) -> None:
+        if self._group is not None:
+            self._replicate(trainer, step)
+            self._done_step = step
+
+    @staticmethod
+    def _preemption_callback(trainer: pl.Trainer) -> Any:
+        for cb in trainer.callbacks:  # type: ignore[attr-defined]
+            if hasattr(cb, "controller") and hasattr(cb, "local_dirpath"):
+                return cb
+        return None
+
+    def _replicate(self, trainer: pl.Trainer, step: int) -> None:
+        cb = self._preemption_callback(trainer)
+        root = getattr(cb, "local_dirpath", None)
+        if root is None:
+            return  # one shared dirpath: every node already reads every file
+
+        def snapshot_name() -> str | None:
+            mine = [c for c in list_checkpoints(root, {}) if c.committed and c.step == step]
+            return os.path.basename(mine[-1].path.rstrip("/")) if mine else None
+
+        try:
+            name = agree.decide(snapshot_name, self._group, what="finding the snapshot to replicate")
+            if name is None:
+                log.warning("lightning_preempt: no committed local snapshot of step %d to replicate", step)
+                return
+            report = replicate(os.path.join(root, name), self._group)
+        except Exception as err:  # the exit goes on: the replica is a second copy, never the only one
+            with contextlib.suppress(Exception):
+                log.error("lightning_preempt: [preemption] peer replica of step %d failed: %s", step, err)
+            return
+        self.reports.append(report)
+        log.warning(
+            "lightning_preempt: [preemption] replicated step %d to a peer node: sent %d B, received %d B "
+            "(%d files) in %.2fs; every file is on %d node(s) or more",
+            step, report.bytes_sent, report.bytes_received, len(report.files_received), report.seconds,
+            min((len(v) for v in report.holders.values()), default=0),
+        )  # fmt: skip

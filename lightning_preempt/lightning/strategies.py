@@ -1,0 +1,107 @@
+"""Making Lightning strategies save and load through our plugin on every rank.
+
+* DDP (and any strategy using the base ``Strategy.save_checkpoint``): Lightning calls the
+  ``CheckpointIO`` on global rank 0 only. We rebind ``save_checkpoint`` on the strategy
+  *instance* so every rank calls the plugin; DCP splits the replicated tensors so each
+  rank writes ~1/N of the bytes, and the commit protocol needs every rank anyway. Loading
+  needs nothing: every rank reads the full state (it is replicated).
+* ``ModelParallelStrategy`` (FSDP2 / TP) bypasses ``CheckpointIO``: it calls DCP itself
+  and writes ``meta.pt`` with no commit protocol. We rebind ``save_checkpoint`` to give
+  its sharded state dict (``DTensor``s) to the plugin on every rank, and
+  ``load_checkpoint`` to load our checkpoints into the current model and optimizers in
+  place, resharding to the current world size (any other path goes to Lightning).
+
+Other strategies that save by themselves (FSDP1, DeepSpeed) are left alone with a
+warning. See docs/design.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from typing import Any
+
+from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
+
+from lightning_preempt.collective import agree
+from lightning_preempt.collective import groups as pdist
+from lightning_preempt.format.skeleton import split_checkpoint
+from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
+
+log = logging.getLogger(__name__)
+
+
+def install_collective_saves(
+    strategy: Strategy, io: ShardedAsyncCheckpointIO, writer_group: pdist.ProcessGroup | None
+) -> bool:
+    """Route ``strategy``'s saves (and sharded loads) through ``io`` on all ranks.
+
+    Returns whether every rank now writes its own share.
+    """
+    if isinstance(strategy, ModelParallelStrategy):
+        _install_model_parallel(strategy, io)
+        io.enable_collective_saves(writer_group)
+        return writer_group is not None
+    if writer_group is None or pdist.world_size() == 1:
+        io.enable_collective_saves(None)
+        return False
+    if type(strategy).save_checkpoint is not Strategy.save_checkpoint:
+        log.warning(
+            "lightning_preempt: %s saves checkpoints itself; rank 0 writes through the plugin alone",
+            type(strategy).__name__,
+        )
+        io.enable_collective_saves(None)
+        return False
+
+    def save_on_every_rank(
+        self: Strategy, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
+    ) -> None:
+        self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    strategy.save_checkpoint = types.MethodType(save_on_every_rank, strategy)  # type: ignore[method-assign]
+    io.enable_collective_saves(writer_group)
+    return True
+
+
+def _install_model_parallel(strategy: ModelParallelStrategy, io: ShardedAsyncCheckpointIO) -> None:
+    original_save = strategy.save_checkpoint
+    original_load = strategy.load_checkpoint
+
+    def save(
+        self: ModelParallelStrategy, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
+    ) -> None:
+        if not self._save_distributed_checkpoint:
+            original_save(checkpoint, filepath, storage_options)  # full state on rank 0: Lightning's path
+            return
+        io.save_checkpoint(checkpoint, str(self.broadcast(str(filepath))), storage_options=storage_options)
+
+    def load(self: ModelParallelStrategy, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        path = self.broadcast(str(checkpoint_path))
+        # One rank looks at storage and decides; the rest get its answer or its error.
+        resolved = agree.decide(lambda: io.resolve(path), pdist.world_group(), what="resolving the checkpoint")
+        if resolved is None:
+            return original_load(checkpoint_path, weights_only)  # type: ignore[no-any-return]
+        model = self.model
+        assert model is not None
+        templates = {
+            "state_dict": get_model_state_dict(model),
+            "optimizer_states": [get_optimizer_state_dict(model, opt) for opt in self.optimizers],
+        }
+        flat, _ = split_checkpoint(templates)
+        checkpoint = io.load_sharded(resolved, flat)
+        assert self.lightning_module is not None
+        model.load_state_dict(checkpoint["state_dict"], strict=self.lightning_module.strict_loading)
+        options = StateDictOptions(cpu_offload=True)
+        for opt, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
+            set_optimizer_state_dict(model, opt, optim_state_dict=state, options=options)
+        return checkpoint
+
+    strategy.save_checkpoint = types.MethodType(save, strategy)  # type: ignore[method-assign]
+    strategy.load_checkpoint = types.MethodType(load, strategy)  # type: ignore[method-assign]

@@ -1,0 +1,3 @@
+"""Preemption: sources (signals, cloud notices), when ranks agree, the deadline, the
+controller and its emergency sequence, requeue. Framework-neutral.
+"""

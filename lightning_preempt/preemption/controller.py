@@ -1,0 +1,232 @@
+"""The preemption controller: framework-neutral policy for "are we being reclaimed, and
+what do we do about it".
+
+It owns the preemption sources (signals, cloud notices), the agreement schedule, the
+timeline, and the emergency sequence. It knows nothing about Lightning: the callback hands
+it the step, and callables that snapshot, drain and say which step is safe.
+
+The emergency sequence is unconditional (a scheduler must always see a preemption as one):
+whatever the snapshot does — commits, fails, or the storage is gone — the controller logs
+the step that is safe, requeues when configured (bounded by the grace period), and raises
+:class:`Preempted` with ``exit_code``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import NoReturn
+
+from lightning_preempt.collective.groups import ProcessGroup
+from lightning_preempt.engine.config import PreemptionConfig
+from lightning_preempt.preemption.deadline import grace_margin
+from lightning_preempt.preemption.requeue import requeue_slurm
+from lightning_preempt.preemption.schedule import AgreementSchedule
+from lightning_preempt.preemption.signals import SignalFlag
+from lightning_preempt.preemption.sources import Notice, PreemptionSource
+
+log = logging.getLogger(__name__)
+
+
+class Preempted(SystemExit):
+    """Raised on every rank after the emergency snapshot; exits with the configured code."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What every rank does at this boundary (the same on every rank)."""
+
+    preempt: bool = False
+    save_due: bool = False
+    stop: bool = False  # a rank's save failed or its lease was lost: raise the agreed error
+    notice_snapshot: bool = False  # this rank asked for this save: a notice with on_notice="continue"
+
+
+class PreemptionController:
+    """Sources -> agreement -> decisions; and the emergency sequence.
+
+    Args:
+        config: the validated options.
+        sources: extra preemption sources (cloud notices); a :class:`SignalFlag` for
+            ``config.signals`` is always the first.
+        on_notice: what a notice from ``sources`` does: ``"exit"``: preempt at once, like a
+            signal; ``"continue"``: snapshot once at the next agreed step and keep training
+            until a signal comes (that snapshot then costs only the steps since).
+    """
+
+    def __init__(
+        self, config: PreemptionConfig, sources: Sequence[PreemptionSource] = (), *, on_notice: str = "exit"
+    ) -> None:
+        self.config = config
+        self.on_notice = on_notice
+        self.notice_snapshot_taken = False
+        self.signal_after_notice = False
+        self.signal_flag = SignalFlag(config.signals)
+        self.sources: list[PreemptionSource] = [self.signal_flag, *sources]
+        self.schedule = AgreementSchedule(config.agree_every_n_steps, config.agree_interval_s, config.overlap_agreement)
+        self.timeline: list[tuple[str, float]] = []
+        self.notice: Notice | None = None
+
+    # ---- sources ----------------------------------------------------------------------
+    def bind(self, group: ProcessGroup | None) -> None:
+        """Agree on ``group`` (a gloo group of the controller's own)."""
+        self.schedule.bind(group)
+
+    def start(self) -> None:
+        """Start (or re-arm) every source; main thread."""
+        for source in self.sources:
+            source.start()
+
+    def stop(self) -> None:
+        for source in self.sources:
+            try:
+                source.stop()
+            except Exception as err:  # one broken source must not keep the others running
+                log.warning("lightning_preempt: stopping preemption source %s failed: %s", source.name, err)
+
+    def local_notice(self) -> Notice | None:
+        """The earliest notice any local source has seen (cheap: reads fields); an advisory
+        one (no deadline) is replaced when its source makes it definite."""
+        if self.notice is None or self.notice.deadline is None:
+            for source in self.sources:
+                try:
+                    notice = source.poll()
+                except Exception as err:
+                    log.warning("lightning_preempt: preemption source %s failed: %s", source.name, err)
+                    continue
+                if notice is None or notice == self.notice:
+                    continue
+                if self.notice is None or notice.received_at < self.notice.received_at:
+                    self.notice = notice
+                elif notice.source == self.notice.source and notice.deadline is not None:
+                    self.notice = notice  # e.g. AWS: a rebalance recommendation, then the interruption
+                    self.notice_snapshot_taken = False  # on_notice="continue": snapshot again
+        return self.notice
+
+    def _wants(self) -> tuple[bool, bool]:
+        """This rank's ``(preempt now, snapshot now)``: a signal preempts; so does a notice
+        unless ``on_notice="continue"``, where it asks for one snapshot (agreed like a due save)."""
+        notice = self.local_notice()
+        if notice is None:
+            return False, False
+        if self.signal_flag.is_set and not notice.source.startswith("SIG"):
+            if not self.signal_after_notice:  # on_notice="continue": now the signal ends it
+                self.signal_after_notice = True
+                self.mark(f"{getattr(self.signal_flag.received, 'name', 'a signal')} after the {notice.source} notice")
+            return True, False
+        if self.signal_flag.is_set or self.on_notice != "continue":
+            return True, False
+        return False, not self.notice_snapshot_taken
+
+    # ---- agreement ----------------------------------------------------------------------
+    def at_boundary(self, now: float, *, save_due: bool, stop: bool) -> Decision:
+        """At an optimizer-step boundary (every rank): what all ranks do now."""
+        preempt_here, snapshot_here = self._wants()
+        preempt, due, halt = self.schedule.at_boundary(now, preempt_here, save_due or snapshot_here, stop)
+        noticed = due and snapshot_here and not preempt
+        if noticed:
+            self.notice_snapshot_taken = True  # every rank saves this boundary: asked for once
+        return Decision(preempt=preempt, save_due=due, stop=halt, notice_snapshot=noticed)
+
+    def now(self, *, stop: bool = False) -> Decision:
+        """Agree synchronously (validation, start-up)."""
+        preempt_here = self._wants()[0]
+        if not self.schedule.bound:
+            return Decision(preempt=preempt_here, stop=stop)
+        preempt, halt = self.schedule.now(preempt_here, stop)
+        return Decision(preempt=preempt, stop=halt)
+
+    def flush(self) -> None:
+        self.schedule.flush()
+
+    # ---- time ------------------------------------------------------------------------
+    @property
+    def origin(self) -> float | None:
+        """When this process learnt of the preemption (monotonic), if it did."""
+        return self.notice.received_at if self.notice is not None else None
+
+    def deadline(self) -> float:
+        """Monotonic time by which the process must be gone: the notice's deadline when it
+        gives one, else the signal (or now) plus the grace period."""
+        origin = self.origin if self.origin is not None else time.monotonic()
+        by_grace = origin + self.config.grace_period_s
+        signalled = self.signal_flag.received_at
+        if signalled is not None and self.notice is not None and not self.notice.source.startswith("SIG"):
+            # A signal after a cloud notice (on_notice="continue"): its grace period is what
+            # is left, unless the notice's deadline (still ahead) is earlier.
+            by_signal = signalled + self.config.grace_period_s
+            ahead = self.notice.deadline if self.notice.deadline is not None and self.notice.deadline > signalled else None
+            return min(by_signal, ahead) if ahead is not None else by_signal
+        if self.notice is not None and self.notice.deadline is not None:
+            return min(self.notice.deadline, by_grace) if self.notice.source.startswith("SIG") else self.notice.deadline
+        return by_grace
+
+    def budget(self) -> float:
+        """Seconds left before the deadline, less the safety margin (>= 0)."""
+        return max(0.0, self.deadline() - grace_margin(self.config.grace_period_s) - time.monotonic())
+
+    def mark(self, event: str) -> None:
+        now = time.monotonic()
+        self.timeline.append((event, now))
+        origin = self.origin
+        since = f"{now - origin:.3f}s after the notice" if origin is not None else "no local notice"
+        notice = self.notice
+        if notice is not None and not notice.source.startswith("SIG"):  # a cloud notice: count down
+            signalled = self.signal_flag.received_at is not None
+            if notice.deadline is not None or signalled:
+                end = "the signal's grace period ends" if signalled else f"the {notice.source} deadline"
+                since += f", {self.deadline() - now:.1f}s before {end}"
+        log.warning("lightning_preempt: [preemption] %s (%s)", event, since)
+
+    # ---- the emergency sequence ------------------------------------------------------
+    def emergency(
+        self,
+        step: int,
+        *,
+        snapshot: Callable[[], None],
+        drain: Callable[[float], str],
+        safe_step: Callable[[], str],
+        leader: bool,
+    ) -> NoReturn:
+        """Snapshot, drain, requeue and exit — the exit happens whatever the others do.
+
+        Args:
+            step: the step all ranks agreed to stop at.
+            snapshot: save and wait for the commit (raises on failure).
+            drain: two tiers: drain for at most the given seconds; returns "held by …".
+            safe_step: describes the newest committed step (for the exit log).
+            leader: this rank requeues the job (global rank 0).
+        """
+        self.mark(f"ranks agreed to preempt at step {step}")
+        self.flush()
+        try:
+            snapshot()
+        except BaseException as err:
+            if isinstance(err, KeyboardInterrupt):
+                raise
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            self.mark(f"the snapshot of step {step} FAILED ({type(err).__name__}: {first}); exiting anyway")
+        held = ""
+        try:
+            held = drain(self.budget())
+        except Exception as err:
+            self.mark(f"the drain failed ({err}); exiting anyway")
+        if leader:
+            self._requeue()
+        self.mark(f"exiting with code {self.config.exit_code}; safe to resume from: {safe_step()}{held}")
+        raise Preempted(self.config.exit_code)
+
+    def _requeue(self) -> None:
+        job = os.environ.get("SLURM_JOB_ID")
+        wanted = self.config.requeue if self.config.requeue is not None else job is not None
+        if not wanted:
+            return
+        if job is None:
+            log.warning("lightning_preempt: requeue=True but SLURM_JOB_ID is not set; not requeueing")
+            return
+        timeout = max(1.0, min(self.config.requeue_timeout_s, self.budget()))
+        self.mark(requeue_slurm(job, timeout))
+

@@ -1,0 +1,164 @@
+"""AWS EC2 Spot: the interruption notice and the rebalance recommendation, over IMDSv2.
+
+IMDSv2 (session tokens): ``PUT /latest/api/token`` with header
+``X-aws-ec2-metadata-token-ttl-seconds`` returns a token; every ``GET`` sends it in
+``X-aws-ec2-metadata-token`` (a 401 means it expired: fetch a new one).
+
+* ``GET /latest/meta-data/spot/instance-action``: 404 while nothing is planned; about two
+  minutes before the interruption, 200 with ``{"action": "terminate"|"stop"|"hibernate",
+  "time": "2017-09-18T08:22:00Z"}`` (the deadline). AWS recommends checking every 5 s.
+* ``GET /latest/meta-data/events/recommendations/rebalance``: 404, or 200 with
+  ``{"noticeTime": "..."}`` when the instance is at elevated risk of interruption; it can
+  come earlier than the interruption notice (or with it) and has no deadline: an
+  *advisory* notice, replaced by the interruption notice when that comes.
+
+See docs/notices.md for the sources of these details.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+from lightning_preempt.preemption.notices._http import GarbageResponse, join, request
+from lightning_preempt.preemption.notices.base import (
+    MetadataSource,
+    Watcher,
+    parse_iso8601,
+    resolve_endpoint,
+    wall_to_monotonic,
+)
+from lightning_preempt.preemption.sources import Notice
+
+ENV_ENDPOINT = "LP_NOTICES_AWS_ENDPOINT"
+TOKEN_PATH = "/latest/api/token"
+ACTION_PATH = "/latest/meta-data/spot/instance-action"
+REBALANCE_PATH = "/latest/meta-data/events/recommendations/rebalance"
+TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
+TOKEN_HEADER = "X-aws-ec2-metadata-token"
+
+
+class AWSSpotSource(MetadataSource):
+    """Watches the EC2 instance metadata service (IMDSv2) for a Spot interruption.
+
+    Args:
+        endpoint: IMDS base URL; default ``$LP_NOTICES_AWS_ENDPOINT``, else
+            ``$AWS_EC2_METADATA_SERVICE_ENDPOINT`` (the AWS SDKs' variable), else
+            ``http://169.254.169.254``.
+        rebalance: also report rebalance recommendations (advisory, no deadline).
+        interval_s: time between checks (each check is one or two local GETs).
+        timeout_s: per-request timeout.
+        token_ttl_s: lifetime asked for the IMDSv2 token (max 21600).
+    """
+
+    name = "aws"
+
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        *,
+        rebalance: bool = True,
+        interval_s: float = 2.0,
+        timeout_s: float = 2.0,
+        token_ttl_s: int = 21600,
+    ) -> None:
+        super().__init__(
+            resolve_endpoint(endpoint, ENV_ENDPOINT, "AWS_EC2_METADATA_SERVICE_ENDPOINT"),
+            interval_s=interval_s,
+            timeout_s=timeout_s,
+        )
+        self.rebalance = rebalance
+        self.token_ttl_s = int(token_ttl_s)
+        self._token: str | None = None
+        self._token_expires = 0.0
+        self._rebalance_seen = False
+
+    def watchers(self) -> list[Watcher]:
+        return [self._check]
+
+    # ---- one check ---------------------------------------------------------------------
+    def _check(self, stop: threading.Event) -> Notice | None:
+        status, body = self._get(ACTION_PATH)
+        if status == 200:
+            return self._interruption(body)
+        if status != 404:
+            raise GarbageResponse(f"HTTP {status} from {ACTION_PATH}")
+        if self.rebalance and not self._rebalance_seen:
+            status, body = self._get(REBALANCE_PATH)
+            if status == 200:
+                self._rebalance_seen = True
+                return self._recommendation(body)
+            if status != 404:
+                raise GarbageResponse(f"HTTP {status} from {REBALANCE_PATH}")
+        return None
+
+    def _interruption(self, body: str) -> Notice:
+        doc = _json_object(body, ACTION_PATH)
+        action, when = doc.get("action"), doc.get("time")
+        if not isinstance(action, str) or not isinstance(when, str):
+            raise GarbageResponse(f"{ACTION_PATH} lacks 'action'/'time': {body[:200]!r}")
+        return Notice(
+            source="aws",
+            reason=f"spot instance-action {action!r} at {when}",
+            received_at=time.monotonic(),
+            deadline=wall_to_monotonic(parse_iso8601(when)),
+        )
+
+    def _recommendation(self, body: str) -> Notice:
+        when = _json_object(body, REBALANCE_PATH).get("noticeTime")
+        if not isinstance(when, str):
+            raise GarbageResponse(f"{REBALANCE_PATH} lacks 'noticeTime': {body[:200]!r}")
+        parse_iso8601(when)  # validate only: it says when AWS noticed, not when the node goes
+        return Notice(
+            source="aws",
+            reason=f"rebalance recommendation (elevated interruption risk, noticed {when}; no deadline)",
+            received_at=time.monotonic(),
+        )
+
+    # ---- IMDSv2 ------------------------------------------------------------------------
+    def _get(self, path: str) -> tuple[int, str]:
+        for attempt in (0, 1):
+            resp = request(
+                "GET",
+                join(self.endpoint, path),
+                headers={TOKEN_HEADER: self._session_token()},
+                timeout_s=self.timeout_s,
+            )
+            if resp.status == 401 and attempt == 0:
+                self._token = None  # expired or revoked: one fresh token, then give up
+                continue
+            return resp.status, resp.text
+        raise GarbageResponse(f"HTTP 401 from {path} with a fresh IMDSv2 token")
+
+    def _session_token(self) -> str:
+        now = time.monotonic()
+        if self._token is None or now >= self._token_expires:
+            resp = request(
+                "PUT",
+                join(self.endpoint, TOKEN_PATH),
+                headers={TTL_HEADER: str(self.token_ttl_s)},
+                timeout_s=self.timeout_s,
+            )
+            token = resp.text.strip()
+            if resp.status != 200 or not token or len(token) > 4096 or "\n" in token:
+                raise GarbageResponse(f"HTTP {resp.status} from PUT {TOKEN_PATH} (no IMDSv2 token)")
+            self._token = token
+            self._token_expires = now + max(self.token_ttl_s - 60, self.token_ttl_s / 2)  # renew early
+        return self._token
+
+
+def _json_object(body: str, path: str) -> dict[str, object]:
+    try:
+        doc = json.loads(body)
+    except ValueError as err:
+        raise GarbageResponse(f"{path} is not JSON: {body[:200]!r}") from err
+    if not isinstance(doc, dict):
+        raise GarbageResponse(f"{path} is not a JSON object: {body[:200]!r}")
+    return doc
+
+
+def probe(endpoint: str, timeout_s: float) -> bool:
+    """Does an IMDSv2 server answer at ``endpoint``? (the token PUT; for ``notices="auto"``)"""
+    resp = request("PUT", join(endpoint, TOKEN_PATH), headers={TTL_HEADER: "60"}, timeout_s=timeout_s)
+    return resp.status == 200 and 0 < len(resp.body) <= 4096

@@ -1,0 +1,179 @@
+"""Azure Scheduled Events (Instance Metadata Service): ``Preempt`` for Spot VMs, and the
+other events that end the VM's processes.
+
+``GET /metadata/scheduledevents?api-version=2020-07-01`` with header ``Metadata: true``
+returns ``{"DocumentIncarnation": N, "Events": [{"EventId", "EventType", "ResourceType",
+"Resources": [vm names], "EventStatus": "Scheduled"|"Started", "NotBefore": "Mon, 19 Sep
+2016 18:29:47 GMT", ...}]}``. ``Preempt`` (Spot eviction) is scheduled at least 30 s ahead;
+``Terminate`` 5 to 15 min (user configurable, scale sets); ``Reboot``/``Redeploy`` minutes.
+``Freeze`` (a pause of seconds) is not a reclaim. Events of an availability set or scale-set
+placement group reach every VM of it: only events whose ``Resources`` name this VM count
+(its name from ``/metadata/instance/compute/name``).
+
+The first request of a VM enables the service and may take up to two minutes to answer.
+Acknowledging (``POST`` ``{"StartRequests": [{"EventId": id}]}``) lets the event start
+before ``NotBefore``; :class:`AzureSource` does it only with ``acknowledge=True``, in
+:meth:`stop` (after the snapshot), so the node is handed back sooner.
+
+See docs/notices.md for the sources of these details.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+
+from lightning_preempt.preemption.notices._http import REQUEST_FAILURES, GarbageResponse, join, request
+from lightning_preempt.preemption.notices.base import (
+    MetadataSource,
+    Watcher,
+    parse_http_date,
+    resolve_endpoint,
+    wall_to_monotonic,
+)
+from lightning_preempt.preemption.sources import Notice
+
+log = logging.getLogger(__name__)
+
+ENV_ENDPOINT = "LP_NOTICES_AZURE_ENDPOINT"
+API_VERSION = "2020-07-01"
+EVENTS_PATH = f"/metadata/scheduledevents?api-version={API_VERSION}"
+NAME_PATH = "/metadata/instance/compute/name?api-version=2021-02-01&format=text"
+INSTANCE_PATH = "/metadata/instance?api-version=2021-02-01"
+HEADERS = {"Metadata": "true"}
+DEFAULT_EVENT_TYPES = ("Preempt", "Terminate", "Reboot", "Redeploy")
+FIRST_TIMEOUT_S = 130.0  # "expect a delayed response in your first call of up to two minutes"
+
+
+class AzureSource(MetadataSource):
+    """Polls Azure Scheduled Events for an event that ends this VM.
+
+    Args:
+        endpoint: IMDS base URL; default ``$LP_NOTICES_AZURE_ENDPOINT``, else
+            ``http://169.254.169.254``.
+        event_types: the ``EventType`` values that count as a reclaim.
+        acknowledge: in :meth:`stop`, approve the events we acted on (``StartRequests``).
+        interval_s: time between polls.
+        timeout_s: per-request timeout (the very first poll allows two minutes).
+    """
+
+    name = "azure"
+
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        *,
+        event_types: tuple[str, ...] = DEFAULT_EVENT_TYPES,
+        acknowledge: bool = False,
+        interval_s: float = 1.0,
+        timeout_s: float = 2.0,
+    ) -> None:
+        super().__init__(resolve_endpoint(endpoint, ENV_ENDPOINT), interval_s=interval_s, timeout_s=timeout_s)
+        self.event_types = tuple(event_types)
+        self.acknowledge = acknowledge
+        self.acknowledged: list[str] = []
+        self._vm_name: str | None = None
+        self._answered = False
+        self._event_ids: list[str] = []
+
+    def watchers(self) -> list[Watcher]:
+        return [self._check]
+
+    def stop(self) -> None:
+        super().stop()
+        if self.acknowledge and self._event_ids and not self.acknowledged:
+            self._acknowledge(list(self._event_ids))
+
+    # ---- one poll ----------------------------------------------------------------------
+    def _check(self, stop: threading.Event) -> Notice | None:
+        timeout = self.timeout_s if self._answered else max(self.timeout_s, FIRST_TIMEOUT_S)
+        resp = request("GET", join(self.endpoint, EVENTS_PATH), headers=HEADERS, timeout_s=timeout)
+        if resp.status != 200:
+            raise GarbageResponse(f"HTTP {resp.status} from {EVENTS_PATH}")
+        self._answered = True
+        try:
+            doc = json.loads(resp.text)
+            events = doc["Events"]
+            if not isinstance(events, list):
+                raise TypeError("Events is not a list")
+        except (ValueError, KeyError, TypeError) as err:
+            raise GarbageResponse(f"not a Scheduled Events document: {resp.text[:200]!r}") from err
+        mine = [e for e in events if self._concerns_us(e)]
+        if not mine:
+            return None
+        # The earliest one decides the deadline; remember all for the acknowledgement.
+        deadlines = [(self._deadline(e), e) for e in mine]
+        deadline, first = min(deadlines, key=lambda d: d[0])
+        self._event_ids = [str(e["EventId"]) for e in mine if e.get("EventId")]
+        return Notice(
+            source="azure",
+            reason=f"scheduled event {first.get('EventType')} ({first.get('EventStatus')}, NotBefore "
+            f"{first.get('NotBefore') or 'now'}, id {first.get('EventId')})",
+            received_at=time.monotonic(),
+            deadline=deadline,
+        )
+
+    def _concerns_us(self, event: object) -> bool:
+        if not isinstance(event, dict):
+            raise GarbageResponse(f"an event is not an object: {event!r:.200}")
+        if event.get("EventType") not in self.event_types:
+            return False
+        resources = event.get("Resources")
+        name = self._name()
+        # Without a name (or a list) we cannot tell: a needless snapshot beats a lost one.
+        return name is None or not isinstance(resources, list) or name in resources
+
+    def _deadline(self, event: dict[str, object]) -> float:
+        not_before = event.get("NotBefore")
+        if event.get("EventStatus") == "Started" or not not_before:
+            return time.monotonic()  # already under way
+        if not isinstance(not_before, str):
+            raise GarbageResponse(f"NotBefore is {not_before!r}")
+        return wall_to_monotonic(parse_http_date(not_before))
+
+    def _name(self) -> str | None:
+        if self._vm_name is None:
+            try:
+                resp = request("GET", join(self.endpoint, NAME_PATH), headers=HEADERS, timeout_s=self.timeout_s)
+                name = resp.text.strip() if resp.status == 200 else ""
+            except REQUEST_FAILURES as err:
+                log.debug("lightning_preempt: azure: cannot read this VM's name (%s)", err)
+                return None
+            if not name or len(name) > 256:
+                return None
+            self._vm_name = name
+        return self._vm_name
+
+    def _acknowledge(self, event_ids: list[str]) -> None:
+        body = json.dumps({"StartRequests": [{"EventId": i} for i in event_ids]}).encode()
+        try:
+            resp = request(
+                "POST",
+                join(self.endpoint, EVENTS_PATH),
+                headers={**HEADERS, "Content-Type": "application/json"},
+                body=body,
+                timeout_s=self.timeout_s,
+            )
+        except REQUEST_FAILURES as err:
+            log.warning("lightning_preempt: azure: could not acknowledge %s (%s)", event_ids, err)
+            return
+        if resp.status == 200:
+            self.acknowledged = event_ids
+            log.info("lightning_preempt: azure: acknowledged scheduled events %s", event_ids)
+        else:
+            log.warning("lightning_preempt: azure: acknowledging %s got HTTP %d", event_ids, resp.status)
+
+
+def probe(endpoint: str, timeout_s: float) -> bool:
+    """Does Azure IMDS answer at ``endpoint``? (``/metadata/instance``: fast, unlike the first
+    Scheduled Events call; for ``notices="auto"``)"""
+    resp = request("GET", join(endpoint, INSTANCE_PATH), headers=HEADERS, timeout_s=timeout_s)
+    if resp.status != 200:
+        return False
+    try:
+        doc = json.loads(resp.text)
+    except ValueError:
+        return False
+    return isinstance(doc, dict) and "compute" in doc

@@ -1,0 +1,200 @@
+"""What every cloud notice source shares: daemon watcher threads, backoff, one WARNING.
+
+A source's threads only talk HTTP to the node's metadata server and store a
+:class:`~lightning_preempt.sources.Notice`; :meth:`MetadataSource.poll` (training thread)
+reads that field and never blocks. A server that is slow, answers garbage or vanishes
+costs the watcher thread time, never the training loop: the first failure is logged at
+WARNING (once per start), later ones at DEBUG, and the thread backs off exponentially.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from email.utils import parsedate_to_datetime
+
+from lightning_preempt.preemption.notices._http import REQUEST_FAILURES, GarbageResponse
+from lightning_preempt.preemption.sources import Notice
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ENDPOINT = "http://169.254.169.254"  # the link-local address all three clouds use
+
+# A watcher checks once (or long-polls once) and returns a notice or None. It may block
+# (bounded by its own timeouts); it gets the stop event to end a wait early.
+Watcher = Callable[[threading.Event], "Notice | None"]
+
+
+def resolve_endpoint(explicit: str | None, *env_names: str, default: str = DEFAULT_ENDPOINT) -> str:
+    """The constructor argument, else the first environment variable set, else ``default``.
+
+    A bare ``host[:port]`` (as ``GCE_METADATA_HOST`` holds) gets ``http://`` in front.
+    """
+    value = explicit or next((os.environ[n] for n in env_names if os.environ.get(n)), None) or default
+    return value if "://" in value else f"http://{value}"
+
+
+def wall_to_monotonic(wall: float) -> float:
+    """A ``time.time()`` instant as ``time.monotonic()`` (deadlines are compared to monotonic)."""
+    return time.monotonic() + (wall - time.time())
+
+
+def parse_iso8601(text: str) -> float:
+    """``2017-09-18T08:22:00Z`` (AWS) → epoch seconds; :class:`GarbageResponse` otherwise."""
+    try:
+        stamp = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
+    except (ValueError, AttributeError) as err:
+        raise GarbageResponse(f"not an ISO 8601 time: {text!r}") from err
+    if stamp.tzinfo is None:
+        stamp = stamp.replace(tzinfo=timezone.utc)  # IMDS times are UTC
+    return stamp.timestamp()
+
+
+def parse_http_date(text: str) -> float:
+    """``Mon, 19 Sep 2016 18:29:47 GMT`` (Azure ``NotBefore``) → epoch seconds."""
+    try:
+        return parsedate_to_datetime(text).timestamp()
+    except (TypeError, ValueError, IndexError) as err:
+        raise GarbageResponse(f"not an HTTP date: {text!r}") from err
+
+
+class MetadataSource:
+    """Base for the cloud sources; implements the ``PreemptionSource`` protocol.
+
+    Subclasses set :attr:`name` and return their watchers from :meth:`watchers` (one
+    daemon thread each: a long-poll blocks its thread, so GCE's two keys need two).
+    A watcher's notice is kept; a notice with a deadline ends that watcher (nothing more
+    to learn), one without (advisory, e.g. AWS's rebalance recommendation) does not, and
+    a later notice with a deadline replaces it, so :meth:`poll` always returns the most
+    definite announcement seen.
+    """
+
+    name = "metadata"
+
+    def __init__(self, endpoint: str, *, interval_s: float, timeout_s: float, max_backoff_s: float = 60.0) -> None:
+        if interval_s <= 0 or timeout_s <= 0:
+            raise ValueError(
+                f"interval_s and timeout_s must be positive, got {interval_s!r} and {timeout_s!r}\n"
+                "HINT: the defaults (seconds) suit the real metadata servers."
+            )
+        self.endpoint = endpoint.rstrip("/")
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.max_backoff_s = max(max_backoff_s, interval_s)
+        self.failures = 0  # consecutive, over all watchers (for logs and tests)
+        self.requests_failed = 0  # total
+        self._notice: Notice | None = None
+        self._lock = threading.Lock()
+        self._stop: threading.Event | None = None
+        self._threads: list[threading.Thread] = []
+        self._warned = False
+
+    def __getstate__(self) -> dict[str, object]:
+        # A callback is pickled for ddp_spawn: threads and locks stay behind (not started there).
+        state = self.__dict__.copy()
+        state.update(_lock=None, _stop=None, _threads=[])
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    # ---- PreemptionSource --------------------------------------------------------------
+    def start(self) -> None:
+        """Start the watcher threads (again after :meth:`stop`); returns at once."""
+        if self._stop is not None and not self._stop.is_set():
+            return  # already running
+        stop = threading.Event()  # per start: an old thread still in a long-poll sees its own
+        self._stop = stop
+        self._warned = False
+        self._threads = [
+            threading.Thread(target=self._run, args=(w, stop), name=f"lightning_preempt-{self.name}-{i}", daemon=True)
+            for i, w in enumerate(self.watchers())
+        ]
+        for t in self._threads:
+            t.start()
+
+    def poll(self) -> Notice | None:
+        return self._notice  # one attribute read: never blocks the training thread
+
+    def stop(self) -> None:
+        """Ask the threads to end; does not wait for a long-poll in flight (daemon threads)."""
+        if self._stop is not None:
+            self._stop.set()
+
+    # ---- for subclasses ----------------------------------------------------------------
+    def watchers(self) -> list[Watcher]:
+        raise NotImplementedError
+
+    def backoff_s(self, failures: int) -> float:
+        """The pause after ``failures`` consecutive failures: exponential, capped (a vanished
+        server is asked rarely, not never: it may come back)."""
+        return min(self.max_backoff_s, self.interval_s * 2 ** min(failures, 16))
+
+    @property
+    def running(self) -> bool:
+        return any(t.is_alive() for t in self._threads)
+
+    # ---- the loop ----------------------------------------------------------------------
+    def _run(self, watch: Watcher, stop: threading.Event) -> None:
+        failures = 0
+        while not stop.is_set():
+            try:
+                notice = watch(stop)
+            except REQUEST_FAILURES as err:
+                failures += 1
+                self._failed(err, failures)
+                stop.wait(self.backoff_s(failures))
+                continue
+            if failures:
+                log.info("lightning_preempt: the %s metadata server at %s answers again", self.name, self.endpoint)
+                failures = self.failures = 0
+            if notice is not None and not stop.is_set():
+                self._record(notice)
+                if notice.deadline is not None:
+                    return  # definite: the node goes; nothing more to watch for
+            stop.wait(self.interval_s)
+
+    def _failed(self, err: BaseException, failures: int) -> None:
+        self.failures = failures
+        self.requests_failed += 1
+        if not self._warned:
+            self._warned = True
+            log.warning(
+                "lightning_preempt: %s notices: the metadata server at %s failed (%s: %s); retrying with backoff, "
+                "training is not affected\nHINT: off that cloud, drop %r from `notices`; on it, check that the "
+                "metadata server is reachable from the container (host network / hop limit).",
+                self.name, self.endpoint, type(err).__name__, err, self.name,
+            )  # fmt: skip
+        else:
+            log.debug("lightning_preempt: %s notices: request failed again (%s)", self.name, err)
+
+    def _record(self, notice: Notice) -> None:
+        with self._lock:
+            current = self._notice
+            if current is not None and (current.deadline is not None or notice.deadline is None):
+                return  # keep the first, unless an advisory one is now made definite
+            self._notice = notice
+        left = f"; {notice.deadline - time.monotonic():.0f}s left" if notice.deadline is not None else ""
+        log.warning("lightning_preempt: [notice] %s: %s%s", notice.source, notice.reason, left)
+
+
+class NoopSource:
+    """What a local rank other than 0 gets: rank 0 of its node watches for it, and the
+    notice reaches this rank through the all-rank agreement."""
+
+    def __init__(self, name: str) -> None:
+        self.name = f"{name} (watched by local rank 0)"
+
+    def start(self) -> None:
+        pass
+
+    def poll(self) -> Notice | None:
+        return None
+
+    def stop(self) -> None:
+        pass

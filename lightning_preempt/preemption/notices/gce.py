@@ -1,0 +1,134 @@
+"""Google Compute Engine: ``instance/preempted`` and ``instance/maintenance-event``.
+
+Both keys live under ``/computeMetadata/v1/instance/`` and need the request header
+``Metadata-Flavor: Google`` (the server answers with the same header). Each is watched by
+a long-poll, ``?wait_for_change=true&last_etag=E&timeout_sec=T``: the server holds the
+request until the value differs from the one whose ``ETag`` we pass (or ``T`` seconds
+pass), so a change is seen at once and nothing is missed between two requests.
+
+* ``preempted``: ``FALSE``, then ``TRUE`` when a Spot/preemptible VM is being preempted;
+  the VM then has about 30 s before it is stopped.
+* ``maintenance-event``: ``NONE``, or ``TERMINATE_ON_HOST_MAINTENANCE`` /
+  ``MIGRATE_ON_HOST_MAINTENANCE`` about 60 s before host maintenance (GCE sends the
+  warning only to a VM that has queried the key since the last event, which this watcher
+  does). ``TERMINATE_…`` (e.g. VMs with GPUs) ends the process: a notice. ``MIGRATE_…`` (live
+  migration) does not: logged only.
+
+See docs/notices.md for the sources of these details.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from urllib.parse import urlencode
+
+from lightning_preempt.preemption.notices._http import GarbageResponse, join, request
+from lightning_preempt.preemption.notices.base import MetadataSource, Watcher, resolve_endpoint
+from lightning_preempt.preemption.sources import Notice
+
+log = logging.getLogger(__name__)
+
+ENV_ENDPOINT = "LP_NOTICES_GCE_ENDPOINT"
+BASE = "/computeMetadata/v1/instance/"
+HEADERS = {"Metadata-Flavor": "Google"}
+PREEMPTED_GRACE_S = 30.0  # "about 30 seconds" between the preemption notice and the stop
+MAINTENANCE_NOTICE_S = 60.0  # the value changes 60 s before the event
+_MAINTENANCE_VALUES = ("NONE", "MIGRATE_ON_HOST_MAINTENANCE", "TERMINATE_ON_HOST_MAINTENANCE")
+
+
+class GCESource(MetadataSource):
+    """Long-polls the GCE metadata server for preemption and host maintenance.
+
+    Args:
+        endpoint: metadata server base URL; default ``$LP_NOTICES_GCE_ENDPOINT``, else
+            ``$GCE_METADATA_HOST`` (Google's client libraries' variable), else
+            ``http://169.254.169.254`` (= ``metadata.google.internal``).
+        maintenance: also watch ``maintenance-event``.
+        wait_s: the server-side long-poll timeout (``timeout_sec``).
+        timeout_s: added to ``wait_s`` for the client-side socket timeout.
+        interval_s: pause between two requests, also after a long-poll returned (a server
+            that ignores ``wait_for_change`` must not make this thread spin; no change is
+            missed meanwhile: the next long-poll passes the last ETag).
+    """
+
+    name = "gce"
+
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        *,
+        maintenance: bool = True,
+        wait_s: int = 60,
+        timeout_s: float = 5.0,
+        interval_s: float = 0.5,
+    ) -> None:
+        super().__init__(
+            resolve_endpoint(endpoint, ENV_ENDPOINT, "GCE_METADATA_HOST"), interval_s=interval_s, timeout_s=timeout_s
+        )
+        self.maintenance = maintenance
+        self.wait_s = int(wait_s)
+        self._etags: dict[str, str] = {}
+
+    def watchers(self) -> list[Watcher]:
+        self._etags = {}  # a fresh start reads the current values first
+        found: list[Watcher] = [self._watch_preempted]
+        if self.maintenance:
+            found.append(self._watch_maintenance)
+        return found
+
+    def _watch_preempted(self, stop: threading.Event) -> Notice | None:
+        value = self._next_value("preempted")
+        if value not in ("TRUE", "FALSE"):
+            raise GarbageResponse(f"{BASE}preempted is {value[:100]!r}, not TRUE/FALSE")
+        if value == "FALSE":
+            return None
+        now = time.monotonic()
+        return Notice(
+            source="gce",
+            reason=f"instance/preempted is TRUE (Spot/preemptible VM stops in ~{PREEMPTED_GRACE_S:.0f}s)",
+            received_at=now,
+            deadline=now + PREEMPTED_GRACE_S,
+        )
+
+    def _watch_maintenance(self, stop: threading.Event) -> Notice | None:
+        value = self._next_value("maintenance-event")
+        if value not in _MAINTENANCE_VALUES:
+            # Newer values may appear; only the documented terminating one is acted on.
+            if not value or len(value) > 100:
+                raise GarbageResponse(f"{BASE}maintenance-event is {value[:100]!r}")
+            log.info("lightning_preempt: gce maintenance-event is %r (not acted on)", value)
+            return None
+        if value == "MIGRATE_ON_HOST_MAINTENANCE":
+            log.info("lightning_preempt: gce live migration in ~%.0fs; training goes on", MAINTENANCE_NOTICE_S)
+        if value != "TERMINATE_ON_HOST_MAINTENANCE":
+            return None
+        now = time.monotonic()
+        return Notice(
+            source="gce",
+            reason=f"maintenance-event TERMINATE_ON_HOST_MAINTENANCE (host maintenance in ~{MAINTENANCE_NOTICE_S:.0f}s)",
+            received_at=now,
+            deadline=now + MAINTENANCE_NOTICE_S,
+        )
+
+    def _next_value(self, key: str) -> str:
+        """The current value at first, then the next *changed* value (long-poll)."""
+        etag = self._etags.get(key)
+        params = {"wait_for_change": "true", "last_etag": etag, "timeout_sec": str(self.wait_s)} if etag else {}
+        url = join(self.endpoint, BASE + key) + (f"?{urlencode(params)}" if params else "")
+        resp = request("GET", url, headers=HEADERS, timeout_s=self.wait_s + self.timeout_s if etag else self.timeout_s)
+        if resp.status != 200:
+            raise GarbageResponse(f"HTTP {resp.status} from {BASE}{key}")
+        new_etag = resp.headers.get("etag")
+        if new_etag:
+            self._etags[key] = new_etag
+        else:
+            self._etags.pop(key, None)  # without an ETag a long-poll would not know "changed since"
+        return resp.text.strip()
+
+
+def probe(endpoint: str, timeout_s: float) -> bool:
+    """Does a GCE metadata server answer at ``endpoint``? (for ``notices="auto"``)"""
+    resp = request("GET", join(endpoint, BASE + "preempted"), headers=HEADERS, timeout_s=timeout_s)
+    return resp.status == 200 and resp.headers.get("metadata-flavor") == "Google"

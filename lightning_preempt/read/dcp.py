@@ -1,0 +1,65 @@
+"""DCP's reader for our shard files; ``.metadata`` goes through the restricted unpickler.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata
+
+from lightning_preempt.format import dcp_compat as _compat
+from lightning_preempt.format.manifest import Manifest
+from lightning_preempt.format.unpickle import read_dcp_metadata
+from lightning_preempt.storage.store import Store
+
+
+class _CheckedReader(_compat.FsspecReader):
+    """DCP's reader with ``.metadata`` read through :func:`safe_load.read_dcp_metadata`:
+    a restricted unpickler and a check that it names only tensors in our shard files."""
+
+    def __init__(self, store: Store, manifest: Manifest | None) -> None:
+        super().__init__(store.url, **store.storage_options)
+        self.fs.fs = store.fs  # type: ignore[attr-defined]  # the Store's filesystem (e.g. plain gcsfs against an emulator)
+        self._store = store
+        self._manifest = manifest
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        metadata = read_dcp_metadata(self._store, self._manifest)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata  # type: ignore[no-any-return]
+
+
+def dcp_reader(store: Store, manifest: Manifest | None = None) -> _compat.FsspecReader:
+    """A DCP reader for the shards of a checkpoint directory (``manifest``: the files its
+    ``.metadata`` may refer to)."""
+    return _CheckedReader(store, manifest)
+
+
+def load_all_tensors(store: Store, *, manifest: Manifest | None = None) -> dict[str, Any]:
+    """Every tensor of the shards, full (unsharded), on CPU, in this process alone.
+
+    ``dcp.load`` needs a template; with none we use the empty-state-dict planner the way
+    DCP's own ``format_utils.dcp_to_torch_save`` does.
+    """
+    tensors: dict[str, Any] = {}
+    _compat.dcp_load_state_dict(
+        tensors, storage_reader=dcp_reader(store, manifest), planner=_compat.EmptyStateDictLoadPlanner(), no_dist=True
+    )
+    return tensors
+
+
+def load_tensors_into(
+    store: Store, tensors: dict[str, Any], *, process_group: Any = None, manifest: Manifest | None = None
+) -> None:
+    """Fill ``tensors`` (plain or ``DTensor``) in place from the shards, resharding as DCP
+    does. Collective over ``process_group`` when torch.distributed is initialised."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    distributed = dist.is_available() and dist.is_initialized()
+    dcp.load(tensors, storage_reader=dcp_reader(store, manifest), process_group=process_group, no_dist=not distributed)
+

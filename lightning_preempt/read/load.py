@@ -1,0 +1,238 @@
+"""Reading one checkpoint directory: manifest, verification, and the Lightning dict."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from lightning_preempt.collective import groups as pdist
+from lightning_preempt.errors import CorruptCheckpointError
+from lightning_preempt.format.layout import data_store
+from lightning_preempt.format.manifest import Manifest
+from lightning_preempt.format.names import DCP_METADATA_NAME
+from lightning_preempt.format.skeleton import merge_checkpoint, tensor_refs
+from lightning_preempt.format.unpickle import (
+    apply_map_location,
+    check_dcp_metadata,
+    load_state_bytes,
+    unpickle_dcp_metadata,
+)
+from lightning_preempt.read.dcp import load_all_tensors, load_tensors_into
+from lightning_preempt.read.tensors import read_tensors, read_verified_bytes, tensor_items
+from lightning_preempt.read.verify import _CORRUPT_HINT, check_files, read_manifest, verify_checkpoint
+from lightning_preempt.save.commit import STATE_FILE
+from lightning_preempt.storage.store import Store
+
+log = logging.getLogger(__name__)
+
+
+def load_skeleton(
+    store: Store,
+    manifest: Manifest,
+    rank: int,
+    *,
+    verify: bool = False,
+    trusted: bool = False,
+    map_location: Any = None,
+) -> Any:
+    """The non-tensor state saved by ``rank`` (rank 0's when this rank did not exist then).
+
+    ``verify``: check its size and CRC32C against the manifest in the same read.
+    Unpickled with ``weights_only=True`` and this package's allow-list unless ``trusted``
+    (:mod:`lightning_preempt.safe_load`); ``map_location`` as ``torch.load`` takes it.
+    """
+    name = STATE_FILE.format(rank=rank)
+    if name not in manifest.files:
+        name = STATE_FILE.format(rank=0)
+    data = read_verified_bytes(data_store(store, manifest), name, manifest.files.get(name), verify=verify)
+    # Storage is shared: a CRC proves integrity, not who wrote it. No code runs from it
+    # unless the user opted in (docs/security.md).
+    return load_state_bytes(data, path=store.url, trusted=trusted, map_location=map_location)
+
+
+def load_sharded_checkpoint(
+    store: Store,
+    templates: dict[str, Any],
+    *,
+    rank: int,
+    verify: bool = True,
+    process_group: Any = None,
+    trusted: bool = False,
+    verify_group: pdist.ProcessGroup | None = None,
+) -> dict[str, Any]:
+    """Load into ``templates`` (flat ``{key: tensor | DTensor}``, as :func:`split_checkpoint`
+    makes them from the *current* model and optimizers) in place, resharding to the current
+    world size, and return the Lightning checkpoint dict around them.
+
+    Collective: every rank of ``process_group`` calls it. ``trusted``: see :func:`load_skeleton`.
+    ``verify_group``: a gloo group of the same ranks; each rank then reads only its share of
+    the files for their CRC32C (every byte is checked once in all, not once per rank) and
+    the ranks agree on the outcome before loading.
+    """
+    if verify_group is not None and pdist.world_size(verify_group) > 1:
+        manifest = read_manifest(store)
+        # Ranks may differ (rank 0 verified while choosing): all take part if any wants it.
+        if any(pdist.all_gather_objects(verify, verify_group)):
+            verify_shared(store, manifest, verify_group)
+    else:
+        manifest = verify_checkpoint(store) if verify else read_manifest(store)
+    if not verify:
+        check_files(data_store(store, manifest), manifest)
+    skeleton = load_skeleton(store, manifest, rank, trusted=trusted)
+    missing = set(templates) - set(tensor_refs(skeleton))
+    if missing:
+        raise CorruptCheckpointError(
+            f"the model has {len(missing)} tensors that the checkpoint lacks (e.g. {sorted(missing)[0]!r})",
+            path=store.url,
+            hint="Resume with the model and optimizers that wrote this checkpoint.",
+        )
+    load_tensors_into(data_store(store, manifest), templates, process_group=process_group, manifest=manifest)
+    loaded = dict(templates)
+    result = merge_checkpoint(skeleton, _FallbackDict(loaded))
+    assert isinstance(result, dict)
+    return result
+
+
+def verify_shared(store: Store, manifest: Manifest, group: pdist.ProcessGroup) -> None:
+    """Check every file's size and CRC32C, each file on one rank of ``group`` (largest
+    first, to the rank with the fewest bytes so far); every rank raises the first error any
+    rank found. Collective over ``group``."""
+    rank, world = pdist.rank(group), pdist.world_size(group)
+    loads = [0] * world
+    mine: dict[str, Any] = {}
+    for name, entry in sorted(manifest.files.items(), key=lambda item: (-item[1].size, item[0])):
+        owner = min(range(world), key=lambda r: (loads[r], r))
+        loads[owner] += entry.size
+        if owner == rank:
+            mine[name] = entry
+    error: str | None = None
+    try:
+        verify_checkpoint(store, dataclasses.replace(manifest, files=mine))
+    except CorruptCheckpointError as err:
+        error = str(err).splitlines()[0]
+    errors = [e for e in pdist.all_gather_objects(error, group) if e is not None]
+    if errors:
+        raise CorruptCheckpointError(errors[0], path=store.url, hint=_CORRUPT_HINT)
+
+
+class _FallbackDict(dict):  # type: ignore[type-arg]
+    """Refs the model did not ask for (e.g. dropped parameters) resolve to ``None``."""
+
+    def __missing__(self, key: str) -> None:
+        return None
+
+
+def load_full_checkpoint(
+    store: Store, *, rank: int = 0, verify: bool = True, trusted: bool = False, map_location: Any = None
+) -> dict[str, Any]:
+    """The complete Lightning checkpoint dict, with full (unsharded) tensors on CPU, or
+    where ``map_location`` (as ``torch.load`` takes it) sends them. ``trusted``: see
+    :func:`load_skeleton`.
+
+    One pass over the bytes (:mod:`lightning_preempt.fastload`): every file this rank
+    reads (its skeleton, ``.metadata``, the shards) is checked against the manifest's
+    size and CRC32C while it is read; files it does not read (other ranks' skeletons)
+    are not. Raises :class:`CorruptCheckpointError` on any mismatch, before returning
+    anything: the caller can fall back to an older checkpoint.
+    """
+    manifest = read_manifest(store)
+    if not verify:
+        check_files(data_store(store, manifest), manifest)
+    skeleton = load_skeleton(store, manifest, rank, verify=verify, trusted=trusted, map_location=map_location)
+    keys = set(tensor_refs(skeleton))
+    tensors: dict[str, Any] = {}
+    if keys:
+        tensors = apply_map_location(_load_all_tensors_verified(store, manifest, verify=verify), map_location)
+    missing = keys - set(tensors)
+    if missing:
+        raise CorruptCheckpointError(
+            f"{len(missing)} tensors referenced by the state are not in the shards (e.g. {sorted(missing)[0]!r})",
+            path=store.url,
+            hint=_CORRUPT_HINT,
+        )
+    result = merge_checkpoint(skeleton, tensors)
+    assert isinstance(result, dict)
+    return result
+
+
+def _load_all_tensors_verified(store: Store, manifest: Manifest, *, verify: bool) -> dict[str, Any]:
+    """Every tensor of the shards, each shard file read once (CRC32C on the way)."""
+    files = data_store(store, manifest)
+    data = read_verified_bytes(files, DCP_METADATA_NAME, manifest.files.get(DCP_METADATA_NAME), verify=verify)
+    items = tensor_items(_dcp_metadata_from_bytes(data, store, manifest))
+    if items is None:  # not a layout the one-pass reader knows: DCP's reader, verified first
+        if verify:
+            verify_checkpoint(store, manifest)
+        return load_all_tensors(files, manifest=manifest)
+    return read_tensors(files, items, manifest.files, verify=verify)
+
+
+def _dcp_metadata_from_bytes(data: bytes, store: Store, manifest: Manifest) -> Any:
+    """DCP's ``.metadata`` (a pickled ``Metadata``) through the restricted unpickler, checked
+    to describe only tensors in byte ranges of the manifest's shard files (docs/security.md)."""
+    metadata = unpickle_dcp_metadata(data, path=store.url)
+    check_dcp_metadata(metadata, path=store.url, manifest=manifest)
+    return metadata
+
+
+#: ``fallback(excluded)``: the next checkpoint to try after those in ``excluded`` failed
+#: their check while loading, or ``None`` when none is left.
+Fallback = Callable[[list[str]], "str | None"]
+
+
+def load_agreed(
+    load: Callable[[str, bool], dict[str, Any]],
+    target: str,
+    verified: bool,
+    fallback: Fallback | None,
+    group: pdist.ProcessGroup | None,
+) -> tuple[dict[str, Any], str]:
+    """``load(target, verified)`` with a fall-back all ranks agree on; returns the
+    checkpoint and the path it was loaded from.
+
+    The load checks every byte it reads (one pass); a :class:`CorruptCheckpointError` on
+    any rank makes every rank drop its result and move on to ``fallback``'s next choice
+    (rank 0's, broadcast), so no two ranks resume from different steps. Collective over
+    ``group`` when both it and ``fallback`` are given (a gloo group idle during the load:
+    the writer's); without a fallback the error is raised where it was found.
+    """
+    excluded: list[str] = []
+    while True:
+        result: dict[str, Any] | None = None
+        error: CorruptCheckpointError | None = None
+        try:
+            result = load(target, verified)
+        except CorruptCheckpointError as err:
+            error = err
+        # Only a load that can fall back agrees (every rank loads then: the resume pointer,
+        # a directory of checkpoints); a plain path may be loaded by one rank alone.
+        agreeing = group is not None and fallback is not None
+        failed = pdist.all_gather_objects(error is not None, group) if agreeing else [error is not None]
+        if not any(failed):
+            assert result is not None
+            return result, target
+        result = None
+        reason = (
+            str(error).splitlines()[0]
+            if error is not None
+            else f"rank(s) {[r for r, f in enumerate(failed) if f]} found it damaged"
+        )
+        if fallback is None:
+            raise error or CorruptCheckpointError(reason, path=target, hint=_CORRUPT_HINT)
+        excluded.append(target)
+        log.warning(
+            "lightning_preempt: %s failed its check while loading (%s); trying an older checkpoint", target, reason
+        )
+        nxt = fallback(excluded)
+        nxt = pdist.broadcast_object(nxt, group) if agreeing else nxt
+        if nxt is None:
+            raise CorruptCheckpointError(
+                f"no older checkpoint verifies either (tried {excluded})",
+                path=target,
+                hint="Inspect them with `lightning-preempt ls --verify DIR`; delete the damaged ones "
+                "(or pass ckpt_path explicitly) and restart.",
+            )
+        target, verified = nxt, False
+

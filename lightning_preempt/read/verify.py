@@ -1,0 +1,131 @@
+"""Checking a checkpoint against its manifest: the manifest itself, every file's presence,
+size and CRC32C. Needs no torch.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Callable
+from typing import Literal
+
+from lightning_preempt.errors import CorruptCheckpointError, NotACheckpointError
+from lightning_preempt.format.layout import data_store
+from lightning_preempt.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest
+from lightning_preempt.storage.checksum import Crc32c
+from lightning_preempt.storage.store import Store
+
+_CHUNK = 8 << 20
+
+
+def read_manifest(store: Store) -> Manifest:
+    """The committed manifest of ``store``; raises :class:`NotACheckpointError` without one."""
+    try:
+        # a regular file, not through a symlink, size-capped: a FIFO or /dev/zero named
+        # manifest.json must neither hang nor exhaust memory (docs/security.md)
+        data = store.read_regular(MANIFEST_NAME, MAX_MANIFEST_BYTES)
+    except FileNotFoundError as err:
+        raise NotACheckpointError(
+            "no committed checkpoint here: manifest.json is missing",
+            path=store.url,
+            hint="A directory without a manifest is a partial (uncommitted) save. Pass the path of a "
+            "committed checkpoint, or its parent directory to take the newest valid one.",
+        ) from err
+    return parse_manifest(data, path=store.url)  # schema and file names checked
+
+
+def verify_checkpoint(
+    store: Store, manifest: Manifest | None = None, *, progress: Callable[[int], None] | None = None
+) -> Manifest:
+    """Check that every file the manifest lists exists with its size and CRC32C.
+
+    ``progress`` is called with the bytes read so far (for progress bars).
+    """
+    manifest = manifest or read_manifest(store)
+    files = data_store(store, manifest)  # a replaced checkpoint's files live in its generation dir
+    for name, entry in sorted(manifest.files.items()):
+        crc = Crc32c()
+        try:
+            with files.open_read(name) as f:
+                while crc.nbytes <= entry.size and (chunk := f.read(_CHUNK)):  # stop past the size
+                    crc.update(chunk)
+                    if progress is not None:
+                        progress(len(chunk))
+        except FileNotFoundError as err:
+            raise CorruptCheckpointError(
+                f"file {name!r} listed in the manifest is missing", path=store.url, hint=_CORRUPT_HINT
+            ) from err
+        if crc.nbytes != entry.size:
+            raise CorruptCheckpointError(
+                f"file {name!r} has {crc.nbytes} bytes, the manifest says {entry.size} (truncated?)",
+                path=store.url,
+                hint=_CORRUPT_HINT,
+            )
+        if crc.hexdigest() != entry.crc32c:
+            raise CorruptCheckpointError(
+                f"file {name!r} fails its CRC32C check ({crc.hexdigest()} != {entry.crc32c})",
+                path=store.url,
+                hint=_CORRUPT_HINT,
+            )
+    return manifest
+
+
+_CORRUPT_HINT = "This checkpoint is damaged; resume from an older one (auto-resume skips it)."
+
+
+#: How much a candidate is checked before it is chosen: ``True`` reads every file for
+#: its CRC32C, ``"sizes"`` only lists the files (existence and size; the CRC32C is then
+#: checked by the one-pass load itself), ``False`` checks nothing beyond the manifest.
+Verify = bool | Literal["sizes"]
+
+
+def check_sizes(store: Store, manifest: Manifest | None = None) -> Manifest:
+    """Every file the manifest lists exists with its size: one listing, no data read.
+
+    The cheap check for choosing a resume target; a truncated or missing file is the
+    common damage (a copy that stopped), a flipped bit is caught later by the load.
+    """
+    manifest = manifest or read_manifest(store)
+    store = data_store(store, manifest)  # a replaced checkpoint's files live in its generation dir
+    store.invalidate_cache()
+    try:
+        listing = store.fs.ls(store.path(), detail=True)
+    except FileNotFoundError:
+        listing = []
+    sizes = {posixpath.basename(str(e["name"]).rstrip("/")): e.get("size") for e in listing}
+    for name, entry in sorted(manifest.files.items()):
+        size = sizes.get(name)
+        if size is None and name not in sizes:
+            raise CorruptCheckpointError(
+                f"file {name!r} listed in the manifest is missing", path=store.url, hint=_CORRUPT_HINT
+            )
+        if size is None:
+            size = store.size(name)
+        if int(size) != entry.size:
+            raise CorruptCheckpointError(
+                f"file {name!r} has {size} bytes, the manifest says {entry.size} (truncated?)",
+                path=store.url,
+                hint=_CORRUPT_HINT,
+            )
+    return manifest
+
+
+def check_checkpoint(store: Store, manifest: Manifest | None = None, *, verify: Verify = True) -> Manifest:
+    """:func:`verify_checkpoint` (``True``), :func:`check_sizes` (``"sizes"``) or only the manifest."""
+    if verify == "sizes":
+        return check_sizes(store, manifest)
+    if verify:
+        return verify_checkpoint(store, manifest)
+    return manifest or read_manifest(store)
+
+
+def check_files(store: Store, manifest: Manifest) -> None:
+    """Without verification, still insist (cheaply, no data read) that every listed file
+    is a regular file of its size, not a symlink, FIFO or device (local disk)."""
+    for name, entry in sorted(manifest.files.items()):
+        try:
+            store.check_regular(name, entry.size)
+        except FileNotFoundError as err:
+            raise CorruptCheckpointError(
+                f"file {name!r} listed in the manifest is missing", path=store.url, hint=_CORRUPT_HINT
+            ) from err
+

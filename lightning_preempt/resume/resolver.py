@@ -1,0 +1,181 @@
+"""Which checkpoint a restarted job resumes from — decided once, for every rank.
+
+Two phases, because Lightning asks before the process group exists:
+
+1. :meth:`ResumeResolver.probe` (every rank, from the callback's ``ckpt_path`` property,
+   before any collective is possible): does ``dirpath`` (or the local tier) hold a committed
+   checkpoint? A listing *error* is retried with backoff; if it persists it is remembered,
+   never taken for "nothing there" (that would start training from step 0 and let retention
+   delete the previous run's checkpoints).
+2. :meth:`ResumeResolver.choose` (every rank, in ``setup``, collective): ranks agree on their
+   probes (any error raises the same error everywhere), then rank 0 picks the newest
+   checkpoint that verifies and every rank gets it or the same error (:func:`agree.decide`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from lightning_preempt.catalog.listing import CheckpointInfo, complete_local_checkpoints, list_checkpoints
+from lightning_preempt.catalog.newest import newest_valid
+from lightning_preempt.collective import agree
+from lightning_preempt.collective import groups as pdist
+from lightning_preempt.errors import CheckpointError, NotACheckpointError
+from lightning_preempt.read.load import Fallback
+from lightning_preempt.read.verify import Verify
+from lightning_preempt.save.tiers import TwoTier
+
+log = logging.getLogger(__name__)
+
+
+class ListingError(CheckpointError):
+    """``dirpath`` could not be listed (after retries): resuming is impossible to decide."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """What one rank saw before the process group existed."""
+
+    has_checkpoint: bool
+    error: agree.Outcome | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The checkpoint every rank resumes from, and what was skipped to get there."""
+
+    path: str
+    step: int
+    skipped: tuple[str, ...] = ()
+    run_id: str | None = None  # the run that wrote it: a resumed run continues it
+
+
+class ResumeResolver:
+    """Probe, agree and choose the resume target for one ``dirpath``.
+
+    Args:
+        dirpath: the checkpoints' root (any fsspec URL).
+        storage_options: fsspec options for ``dirpath``.
+        local_dirpath: the node-local tier, if any.
+        retries: listing attempts before giving up (>= 1).
+        backoff_s: first retry delay; doubles each time.
+        sleep: how to wait between attempts (tests pass a recorder).
+    """
+
+    def __init__(
+        self,
+        dirpath: str,
+        storage_options: dict[str, Any],
+        local_dirpath: str | None = None,
+        *,
+        retries: int = 4,
+        backoff_s: float = 1.0,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.dirpath = dirpath
+        self.storage_options = storage_options
+        self.local_dirpath = local_dirpath
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.sleep = sleep
+        self.probe_result: Probe | None = None
+
+    # ---- phase 1: before the process group ---------------------------------------------
+    def probe(self) -> Probe:
+        """List (with retries) and remember whether a committed checkpoint exists."""
+        local = self.local_dirpath is not None and bool(complete_local_checkpoints(self.local_dirpath))
+        for attempt in range(1, self.retries + 1):
+            try:
+                remote = any(c.committed for c in list_checkpoints(self.dirpath, self.storage_options))
+                self.probe_result = Probe(local or remote)
+                return self.probe_result
+            except Exception as err:
+                if attempt == self.retries:
+                    outcome = agree.Outcome.failure(_listing_error(self.dirpath, err, attempt), pdist.rank())
+                    self.probe_result = Probe(local, outcome)
+                    return self.probe_result
+                delay = self.backoff_s * 2 ** (attempt - 1)
+                log.warning(
+                    "lightning_preempt: listing %s failed (%s: %s); attempt %d of %d, retrying in %.1fs",
+                    self.dirpath, type(err).__name__, str(err).splitlines()[0] if str(err) else "",
+                    attempt, self.retries, delay,
+                )  # fmt: skip
+                self.sleep(delay)
+        raise AssertionError("unreachable")
+
+    # ---- phase 2: in setup, collective ---------------------------------------------------
+    def agree_on_probes(self, group: pdist.ProcessGroup | None) -> bool:
+        """Every rank: ``True`` when all ranks saw a checkpoint; the same error everywhere
+        when a rank could not list, or when ranks saw different things."""
+        mine = self.probe_result or Probe(False)
+        probes: list[Probe] = pdist.all_gather_objects(mine, group)
+        for rank, probe in enumerate(probes):
+            if probe.error is not None:  # probed before the group existed: its rank is the index
+                raise dataclasses.replace(probe.error, rank=rank).to_error(what="listing dirpath")
+        wants = [p.has_checkpoint for p in probes]
+        if any(wants) and not all(wants):
+            raise NotACheckpointError(
+                f"ranks disagree on whether {self.dirpath} holds a checkpoint (per rank: {wants})",
+                path=self.dirpath,
+                hint="dirpath must be storage that every rank sees (a shared filesystem or an object store).",
+            )
+        return all(wants)
+
+    def choose(self, group: pdist.ProcessGroup | None, *, tiers: TwoTier | None, verify: Verify) -> Choice:
+        """Rank 0 picks the newest valid checkpoint; every rank returns it or raises the same error.
+
+        ``verify="sizes"`` checks manifests and file sizes only: the load then checks every
+        byte once, and :meth:`fallback` names the next candidate if it finds damage.
+        """
+        return agree.decide(lambda: self._pick(tiers, verify, ()), group, what="choosing the checkpoint to resume from")
+
+    def fallback(self, group: pdist.ProcessGroup | None, *, tiers: TwoTier | None, verify: Verify) -> Fallback:
+        """For ``io.alias(fallback=)``: the next checkpoint after the ``excluded`` ones (rank 0
+        answers; the loader broadcasts its answer), or ``None`` when none is left."""
+
+        def next_one(excluded: list[str]) -> str | None:
+            if pdist.rank(group) != 0:
+                return None  # only rank 0's answer is taken
+            try:
+                return self._pick(tiers, verify, tuple(excluded)).path
+            except Exception as err:  # a broadcast follows on every rank: never raise here alone
+                log.error("lightning_preempt: no older checkpoint to fall back to: %s", str(err).splitlines()[0])
+                return None
+
+        return next_one
+
+    def _pick(self, tiers: TwoTier | None, verify: Verify, exclude: tuple[str, ...]) -> Choice:
+        skipped: list[str] = []
+
+        def note(info: CheckpointInfo, reason: str) -> None:
+            skipped.append(f"{info.name}: {reason}")
+            log.warning("lightning_preempt: skipping checkpoint %s (step %d): %s", info.path, info.step, reason)
+
+        if tiers is not None:  # newest across both tiers; local wins a tie
+            info = tiers.newest(verify=verify, on_skip=note, exclude=exclude)
+        else:
+            info = newest_valid(self.dirpath, self.storage_options, verify=verify, on_skip=note, exclude=exclude)
+        if info is None:
+            raise NotACheckpointError(
+                "every checkpoint found is uncommitted or corrupt",
+                path=self.dirpath,
+                hint="Inspect them with `lightning-preempt ls --verify DIR`; delete the damaged ones "
+                "(or pass ckpt_path explicitly) and restart.",
+            )
+        run_id = info.manifest.run_id if info.manifest is not None else None
+        return Choice(info.path, info.step, tuple(skipped), run_id)
+
+
+def _listing_error(dirpath: str, err: BaseException, attempts: int) -> ListingError:
+    text = str(err).splitlines()[0] if str(err) else ""
+    return ListingError(
+        f"cannot list {dirpath} after {attempts} attempt(s): {type(err).__name__}: {text}",
+        path=dirpath,
+        hint="Training did not start, so nothing was lost or deleted. Check that the storage is reachable and "
+        "the credentials work (`lightning-preempt ls DIR`), then restart; or pass "
+        "PreemptionCallback(resume=False) to start fresh on purpose.",
+    )

@@ -1,0 +1,270 @@
+"""One writer per dirpath: a create-only, heartbeated lease.
+
+After a requeue the old job may not be dead yet (still in its grace period, or a zombie
+on a node the scheduler lost); two jobs writing one dirpath would each be told
+"committed" while the other overwrote or deleted its files. So a job takes a lease at
+``setup`` (rank 0 only; every rank gets the outcome through :func:`agree.decide`):
+
+* the lease is a series of small files ``.lp-lease-<generation>.json`` in dirpath; the
+  highest generation is the current holder. A new holder *creates* the next generation
+  (create-only: local disk ``link``, GCS ``ifGenerationMatch=0``, S3 ``If-None-Match``), so of
+  two jobs taking over at once exactly one wins;
+* the holder rewrites its own file every ``timeout_s / 4`` (heartbeat thread) and marks it
+  released when it exits (normal end, preemption) so a successor starts at once;
+* a lease is *stale* — and taken over — when it was released, when its holder is a process
+  on this host that no longer exists, or when its heartbeat has not advanced for
+  ``timeout_s`` (watched, so clock skew between hosts does not matter);
+* a lease whose heartbeat keeps advancing belongs to a live job: :class:`LeaseHeldError`.
+
+The heartbeat thread also notices when a newer generation appears (another job took the
+lease over, e.g. after this job was suspended for longer than the timeout): :attr:`lost`
+is then set and the callback stops training with :class:`LeaseLostError` at the next
+agreed step instead of writing into a dirpath it no longer owns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from lightning_preempt.errors import CheckpointError, CheckpointExistsError
+from lightning_preempt.storage.store import Store
+
+log = logging.getLogger(__name__)
+
+LEASE_PREFIX = ".lp-lease-"
+_LEASE_RE = re.compile(r"^\.lp-lease-(\d{10})\.json$")
+
+
+class LeaseHeldError(CheckpointError):
+    """Another live job holds the lease on this dirpath."""
+
+
+class LeaseLostError(CheckpointError):
+    """Another job took over this job's lease while it was running."""
+
+
+def lease_name(generation: int) -> str:
+    return f"{LEASE_PREFIX}{generation:010d}.json"
+
+
+def _job_id() -> str | None:
+    for var in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "JOB_COMPLETION_INDEX", "KUBERNETES_POD_NAME", "HOSTNAME"):
+        if os.environ.get(var):
+            return f"{var}={os.environ[var]}"
+    return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Lease:
+    """The lease on one dirpath, held by rank 0 of one job.
+
+    Args:
+        url: the dirpath (any fsspec URL).
+        storage_options: fsspec options for ``url``.
+        timeout_s: a heartbeat that does not advance for this long means the holder is dead.
+        clock: wall-clock source (tests).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        timeout_s: float = 60.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store = Store(url, storage_options)
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self.token = uuid.uuid4().hex
+        self.generation: int | None = None
+        self.lost = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- reading ----------------------------------------------------------------------
+    def _generations(self) -> list[int]:
+        self.store.invalidate_cache()
+        try:
+            names = [n for n in self.store.fs.ls(self.store.path(), detail=False)]
+        except FileNotFoundError:
+            return []
+        gens = []
+        for name in names:
+            m = _LEASE_RE.match(os.path.basename(str(name).rstrip("/")))
+            if m:
+                gens.append(int(m.group(1)))
+        return sorted(gens)
+
+    def _read(self, generation: int) -> dict[str, Any] | None:
+        try:
+            data = json.loads(self.store.read_bytes(lease_name(generation)))
+        except FileNotFoundError:
+            return None
+        except (ValueError, OSError):
+            return {}  # unreadable: treated as a lease whose heartbeat never advances
+        return data if isinstance(data, dict) else {}
+
+    def _record(self, heartbeat: float, released: bool = False) -> bytes:
+        return json.dumps(
+            {
+                "token": self.token,
+                "job": _job_id(),
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "heartbeat_unix": heartbeat,
+                "released": released,
+            },
+            sort_keys=True,
+        ).encode()
+
+    # ---- taking it --------------------------------------------------------------------
+    def acquire(self, *, poll_s: float = 1.0) -> None:
+        """Take the lease, waiting at most ``timeout_s`` for a silent holder to go stale.
+
+        Raises:
+            LeaseHeldError: the holder's heartbeat advanced while we watched.
+        """
+        self.store.makedirs()
+        deadline = time.monotonic() + self.timeout_s + poll_s
+        watched: tuple[int, Any] | None = None
+        while True:
+            gens = self._generations()
+            if not gens:
+                if self._try_create(1):
+                    return
+                continue
+            top = gens[-1]
+            current = self._read(top)
+            if current is None:  # deleted under us: look again
+                continue
+            if current.get("token") == self.token:
+                self.generation = top
+                return
+            stale, why = self._is_stale(current, watched, top)
+            if stale:
+                log.info("lightning_preempt: taking over the lease on %s (%s)", self.store.url, why)
+                if self._try_create(top + 1):
+                    self._cleanup_older(top + 1)
+                    return
+                continue  # another job took it first: look at theirs
+            if watched is not None and watched[0] == top and watched[1] != current.get("heartbeat_unix"):
+                raise self._held(current)
+            if watched is None or watched[0] != top:
+                watched = (top, current.get("heartbeat_unix"))
+            if time.monotonic() > deadline:
+                # Silent for the whole timeout: its holder is gone.
+                watched = (top, "expired")
+                continue
+            time.sleep(poll_s)
+
+    def _is_stale(self, current: dict[str, Any], watched: tuple[int, Any] | None, top: int) -> tuple[bool, str]:
+        if current.get("released"):
+            return True, "released by its holder"
+        if watched is not None and watched == (top, "expired"):
+            return True, f"no heartbeat for {self.timeout_s:.0f}s"
+        pid = current.get("pid")
+        if current.get("host") == socket.gethostname() and isinstance(pid, int) and not _pid_alive(pid):
+            return True, f"its process {pid} on this host is gone"
+        beat = current.get("heartbeat_unix")
+        if isinstance(beat, (int, float)) and self.clock() - beat > 2 * self.timeout_s:
+            return True, f"heartbeat {self.clock() - beat:.0f}s old"
+        return False, ""
+
+    def _held(self, current: dict[str, Any]) -> LeaseHeldError:
+        return LeaseHeldError(
+            f"another job is writing to this dirpath: job {current.get('job')}, host {current.get('host')}, "
+            f"pid {current.get('pid')} (its heartbeat is advancing)",
+            path=self.store.url,
+            hint="Two jobs must not share a dirpath: wait for the other job to end (a requeued job's "
+            "predecessor releases the lease when it exits), stop it, or give this run its own dirpath. "
+            "PreemptionCallback(lease=False) turns the check off.",
+        )
+
+    def _try_create(self, generation: int) -> bool:
+        try:
+            self.store.commit_bytes(lease_name(generation), self._record(self.clock()), exclusive=True)
+        except CheckpointExistsError:
+            return False
+        self.generation = generation
+        return True
+
+    def _cleanup_older(self, generation: int) -> None:
+        for old in self._generations():
+            if old < generation:
+                with contextlib.suppress(Exception):
+                    self.store.rm_file(lease_name(old))
+
+    # ---- holding it -------------------------------------------------------------------
+    def beat(self) -> None:
+        """Refresh the heartbeat; sets :attr:`lost` when a newer generation exists."""
+        if self.generation is None:
+            return
+        gens = self._generations()
+        if gens and gens[-1] > self.generation:
+            if not self.lost:
+                log.error("lightning_preempt: the lease on %s was taken over by another job", self.store.url)
+            self.lost = True
+            return
+        self.store.commit_bytes(lease_name(self.generation), self._record(self.clock()), exclusive=False)
+
+    def start_heartbeat(self) -> None:
+        """Beat every ``timeout_s / 4`` on a daemon thread until :meth:`release`."""
+        if self._thread is not None:
+            return
+        self._stop.clear()
+
+        def run() -> None:
+            while not self._stop.wait(self.timeout_s / 4):
+                try:
+                    self.beat()
+                except Exception as err:  # a storage hiccup: the next beat tries again
+                    log.warning("lightning_preempt: lease heartbeat on %s failed: %s", self.store.url, err)
+
+        self._thread = threading.Thread(target=run, name="lightning_preempt-lease", daemon=True)
+        self._thread.start()
+
+    def check(self) -> None:
+        """Raise :class:`LeaseLostError` when another job took the lease over."""
+        if self.lost:
+            raise LeaseLostError(
+                "another job took over the lease on this dirpath while this one was running",
+                path=self.store.url,
+                hint="Two jobs were writing one dirpath (this one was suspended or cut off for longer than "
+                "lease_timeout_s). This job stops so the other's checkpoints stay intact; restart it when the "
+                "other ends, or give it its own dirpath.",
+            )
+
+    def release(self) -> None:
+        """Stop the heartbeat and mark the lease released (a successor takes over at once)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        if self.generation is None or self.lost:
+            return
+        try:
+            self.store.commit_bytes(lease_name(self.generation), self._record(self.clock(), released=True),
+                                    exclusive=False)  # fmt: skip
+        except Exception as err:
+            log.warning("lightning_preempt: could not release the lease on %s: %s", self.store.url, err)
+        self.generation = None
