@@ -1,6 +1,6 @@
 """Elastic resize times: a node leaves (N -> N-1) and comes back (N-1 -> N) under torchrun.
 
-Simulates 2 nodes as torchrun agents on this machine (``tests/elastic_cluster.py``: c10d
+Simulates 2 nodes as torchrun agents on this machine (``tests/support/elastic_cluster.py``: c10d
 rendezvous on a store at 127.0.0.1, one gloo rank per agent, shared dirpath, the fast
 rendezvous settings of docs/elastic.md) and prints one markdown table per run:
 
@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 
 from elastic_cluster import Cluster
 
@@ -88,7 +88,7 @@ def two_tier_leave(tmp: Path, *, replica: bool, width: int, rate: float) -> dict
 
     from throttled_fs import set_rate
 
-    from lightning_preempt.save.peer import writer_of
+    from lightning_preempt.format.names import writer_of
 
     slow = tmp / "slow"
     args = ("--max-steps", "25", "--every", "10", "--grace", "6", "--width", str(width))

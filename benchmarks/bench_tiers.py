@@ -1,7 +1,7 @@
 """Two-tier mode: save, local commit, drain and resume times per remote tier.
 
 Remote tiers: a second local directory (the baseline), the GCS emulator and moto's S3
-server, both started on 127.0.0.1 (see tests/servers.py). For each, with ``local_dirpath``
+server, both started on 127.0.0.1 (see tests/support/servers.py). For each, with ``local_dirpath``
 on local disk:
 
 * save (blocking): ``save_checkpoint`` until it returns (staging);
@@ -28,7 +28,7 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "support"))
 import servers  # noqa: E402  (sets GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT before gcsfs is imported)
 from _common import MiB, fmt_s, lightning_style_checkpoint, machine_notes, median, table  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Fault injection: SIGTERM and SIGKILL a real training job at random moments, restart it
 like a scheduler would, and check what the restart resumed from.
 
-The job is ``tests/train_script.py`` (TinyModel, deterministic data, ``PreemptionCallback``
+The job is ``tests/support/train_script.py`` (TinyModel, deterministic data, ``PreemptionCallback``
 saving every ``--every`` steps, ``ShardedAsyncCheckpointIO``). One chain of launches: each
 launch is the victim of one trial *and* the restart that measures the previous trial (a
 scheduler restarts the job after every preemption). A trial:
@@ -58,7 +58,7 @@ from typing import Any
 import crc32c
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "tests" / "train_script.py"
+SCRIPT = ROOT / "tests" / "support" / "train_script.py"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import machine_notes, table  # noqa: E402
 
@@ -578,7 +578,7 @@ def render(summary: dict[str, Any], cfg: argparse.Namespace, command: str, elaps
         "",
         f"Command: `{command}`  ",
         f"Run: {machine_notes()}; {elapsed / 60:.1f} min, {launches} launches  ",
-        f"Job: tests/train_script.py --every {cfg.every} --step-sleep {cfg.step_sleep} --width {cfg.width} "
+        f"Job: tests/support/train_script.py --every {cfg.every} --step-sleep {cfg.step_sleep} --width {cfg.width} "
         f"(seed {cfg.seed}, {cfg.n} trials per signal); code: {_revision(cfg)}",
         "",
         summary["table"],
@@ -618,7 +618,7 @@ def write_section(path: Path, label: str, body: str) -> None:
 _HEADER = """# Fault injection
 
 `benchmarks/fault_injection.py` SIGTERMs and SIGKILLs a real training job
-(`tests/train_script.py`) at random moments — during steps, while a periodic save is in
+(`tests/support/train_script.py`) at random moments — during steps, while a periodic save is in
 flight ("flush"), and during start-up (after set-up, before the first step: restore,
 strategy set-up, train start) — and restarts it like a scheduler until each restart
 shows where it resumed. "hit during" is the phase observed when the signal was sent.

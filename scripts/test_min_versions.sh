@@ -38,13 +38,13 @@ if [ "${1:-}" = "--ci" ]; then
   # CI's sample (about a minute once the venv exists): the private names, a real Trainer
   # that saves and resumes through the plugin, the S3 create-only PUT, one exact-resume job.
   shift
-  set -- tests/test_exact_compat.py tests/test_exact_enable_checkpointing.py \
-    "tests/test_exact_loaders.py::test_exact_resume_loader_fast" "$@"
+  set -- tests/unit/test_exact_compat.py tests/e2e/test_exact_enable_checkpointing.py \
+    "tests/e2e/test_exact_loaders.py::test_exact_resume_loader_fast" "$@"
 elif [ $# -eq 0 ]; then
   # The wider sample (several minutes on 2 cores): the plugin and the callback in real
   # Trainers, DCP shards on 2 ranks, the GCS/S3 emulators, exact resume.
-  set -- tests/test_exact_compat.py tests/test_exact_enable_checkpointing.py tests/test_checkpoint_io.py \
-    tests/test_trainer.py tests/test_sharded.py tests/test_objectstore.py tests/test_exact_loaders.py \
-    "tests/test_exact_resume.py::test_sigterm_three_times_single_process"
+  set -- tests/unit/test_exact_compat.py tests/e2e/test_exact_enable_checkpointing.py tests/unit/test_checkpoint_io.py \
+    tests/e2e/test_trainer.py tests/multiproc/test_sharded.py tests/objectstore/test_objectstore.py tests/e2e/test_exact_loaders.py \
+    "tests/e2e/test_exact_resume.py::test_sigterm_three_times_single_process"
 fi
 exec "$VENV/bin/python" -m pytest -q -ra -p no:cacheprovider "$@"

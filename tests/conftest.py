@@ -15,7 +15,8 @@ import pytest
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+SUPPORT = Path(__file__).resolve().parent / "support"
+sys.path.insert(0, str(SUPPORT))
 
 # One case in SAMPLE_EVERY of the `slow` tests runs unless LP_FULL=1 (CI, min-versions job included,
 # measured 14m56s on 2 cores with 1 in 3; 1 in 4 keeps it well under 15 min).

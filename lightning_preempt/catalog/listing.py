@@ -13,20 +13,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from typing import Any
 
-from lightning_preempt.catalog.ownership import dir_step, is_our_dir_name
 from lightning_preempt.errors import (
     CheckpointError,
     CorruptCheckpointError,
     UnsupportedFormatError,
 )
-from lightning_preempt.format.manifest import MANIFEST_NAME, Manifest
+from lightning_preempt.format.manifest import Manifest
+from lightning_preempt.format.names import MANIFEST_NAME, dir_step, foreign_step, is_our_dir_name
 from lightning_preempt.read.verify import read_manifest
 from lightning_preempt.storage.store import Store
-
-_STEP_RE = re.compile(r"(?:^|[-_=])step[=_-]?(\d+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +69,7 @@ def list_checkpoints(url: str, storage_options: dict[str, Any] | None = None) ->
 def _describe(root: Store, name: str) -> CheckpointInfo | None:
     store = root.child(name)
     ours = is_our_dir_name(name)
-    match = _STEP_RE.search(name)
-    name_step = dir_step(name) if ours else (int(match.group(1)) if match else None)
+    name_step = dir_step(name) if ours else foreign_step(name)
     if not store.exists(MANIFEST_NAME):
         if not ours or name_step is None:
             return None  # someone else's directory: not listed, never touched

@@ -8,9 +8,10 @@ import logging
 from typing import Any
 
 from lightning_preempt.catalog.listing import CheckpointInfo, list_checkpoints
-from lightning_preempt.catalog.ownership import is_our_dir_name, remove_if_ours
+from lightning_preempt.catalog.ownership import remove_if_ours
 from lightning_preempt.catalog.verified import _is_verified, mark_verified
 from lightning_preempt.errors import CheckpointError
+from lightning_preempt.format.names import HIDDEN_PREFIX, is_our_dir_name
 from lightning_preempt.read.verify import check_checkpoint
 from lightning_preempt.storage.store import Store
 
@@ -112,7 +113,7 @@ def _warn_foreign(url: str, storage_options: dict[str, Any] | None, infos: list[
         names = [n for n, _ in Store(url, storage_options).children()]
     except Exception:
         return
-    foreign = sorted(n for n in names if not is_our_dir_name(n) and not n.startswith(".lp-"))
+    foreign = sorted(n for n in names if not is_our_dir_name(n) and not n.startswith(HIDDEN_PREFIX))
     if foreign:
         _WARNED_FOREIGN.add(url)
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")

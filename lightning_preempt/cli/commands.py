@@ -33,8 +33,10 @@ from lightning_preempt.cli.plan import (
     parse_size,
 )
 from lightning_preempt.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
-from lightning_preempt.format.manifest import MANIFEST_NAME, Manifest
+from lightning_preempt.format.manifest import Manifest
+from lightning_preempt.format.names import DCP_METADATA_NAME, MANIFEST_NAME, is_checkpoint_file, state_ranks
 from lightning_preempt.read.verify import read_manifest, verify_checkpoint
+from lightning_preempt.storage.diagnose import storage_hint
 from lightning_preempt.storage.store import Store
 
 PROG = "lightning-preempt"
@@ -331,16 +333,14 @@ def check_loadable(store: Store, manifest: Manifest) -> None:
     """Raise :class:`~lightning_preempt.safe_load.UntrustedCheckpointError` (naming the
     global) unless every rank's state and DCP's ``.metadata`` load with the allow-list only.
     Nothing from the checkpoint runs: that is what the allow-list guarantees."""
-    import re
-
     from lightning_preempt.format.unpickle import UntrustedCheckpointError, read_dcp_metadata
     from lightning_preempt.read.load import load_skeleton  # imports torch: only when needed
 
-    ranks = sorted(int(m.group(1)) for n in manifest.files if (m := re.fullmatch(r"state-rank(\d+)\.pt", n)))
+    ranks = state_ranks(manifest.files)
     try:
         for rank in ranks:
             load_skeleton(store, manifest, rank)
-        if ".metadata" in manifest.files:
+        if DCP_METADATA_NAME in manifest.files:
             from lightning_preempt.format.layout import data_store
 
             read_dcp_metadata(data_store(store, manifest), manifest)
@@ -368,7 +368,7 @@ def resolve_checkpoint(url: str, step: int | None, options: dict[str, Any]) -> t
         return store, manifest
     infos = list_checkpoints(url, options)
     if not infos:
-        if any(f.endswith(".distcp") or f.startswith("state-rank") for f in store.list_files()):
+        if any(is_checkpoint_file(f) for f in store.list_files()):
             read_manifest(store)  # a checkpoint's files without its manifest: says "partial save"
         raise _nothing_here(url, options)
     committed = [c for c in infos if c.committed]
@@ -642,18 +642,6 @@ def parse_storage_options(pairs: Sequence[str]) -> dict[str, Any]:
     return options
 
 
-_CREDENTIAL_HINTS = {
-    "gs": "Set GOOGLE_APPLICATION_CREDENTIALS to a service-account key file, or run "
-    "`gcloud auth application-default login` (public buckets: -o token=anon).",
-    "gcs": "Set GOOGLE_APPLICATION_CREDENTIALS, or run `gcloud auth application-default login`.",
-    "s3": "Set AWS_PROFILE (a profile in ~/.aws/credentials) or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in "
-    "the environment; never pass secrets with -o (they show in `ps`). For S3-compatible stores add "
-    "-o endpoint_url=https://...",
-    "az": "Set AZURE_STORAGE_CONNECTION_STRING (or AZURE_STORAGE_ACCOUNT_NAME and a key).",
-    "abfs": "Set AZURE_STORAGE_CONNECTION_STRING (or AZURE_STORAGE_ACCOUNT_NAME and a key).",
-}
-
-
 def _storage_call(url: str, fn: Any) -> Any:
     """Run ``fn``; turn storage-layer failures (credentials, network, missing driver) into
     a :class:`StorageAccessError` whose HINT says what to set."""
@@ -669,28 +657,6 @@ def _storage_call(url: str, fn: Any) -> Any:
         raise StorageAccessError(
             f"cannot access the storage: {type(err).__name__}: {err}", path=url, hint=storage_hint(url, err)
         ) from err
-
-
-_DRIVERS = {"gs": "gcsfs", "gcs": "gcsfs", "s3": "s3fs", "s3a": "s3fs", "az": "adlfs", "abfs": "adlfs"}
-
-
-def storage_hint(url: str, err: BaseException) -> str:
-    """What to set or install when reaching ``url`` failed with ``err``."""
-    protocol = url.split("://", 1)[0].lower() if "://" in url else "file"
-    credentials = _CREDENTIAL_HINTS.get(protocol, "")
-    text = f"{type(err).__name__} {err}".lower()
-    if isinstance(err, ImportError):
-        driver = _DRIVERS.get(protocol)
-        return f"Install the fsspec driver for {protocol}://" + (f": pip install {driver}" if driver else ".")
-    if isinstance(err, ValueError) and "protocol" in text:
-        return "Use a local path or an fsspec URL such as gs://bucket/run, s3://bucket/run, memory://x."
-    if protocol == "file":
-        return "Check the path and that this user may read it."
-    if any(w in text for w in ("credential", "auth", "token", "forbidden", "denied", "403", "401", "signature")):
-        return credentials or "Check the credentials of the fsspec driver for this URL."
-    if any(w in text for w in ("connect", "timeout", "timed out", "dns", "resolve", "unreachable", "network")):
-        return "The storage endpoint cannot be reached: check the network, proxy and endpoint_url. " + credentials
-    return credentials or "Check the URL, the network and the credentials of the fsspec driver for it."
 
 
 def _nothing_here(url: str, options: dict[str, Any]) -> NotACheckpointError:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_preempt.collective import groups as pdist
-from lightning_preempt.format.manifest import MANIFEST_NAME
+from lightning_preempt.format.names import MANIFEST_NAME
 from lightning_preempt.save.tiers import TwoTier
 from lightning_preempt.storage.store import Store
 

@@ -4,15 +4,13 @@ directory its manifest names (a checkpoint replaced at the same path, see save/l
 
 from __future__ import annotations
 
-import re
-
 from lightning_preempt.errors import CorruptCheckpointError
 from lightning_preempt.format.manifest import Manifest
+from lightning_preempt.format.names import is_generation
 from lightning_preempt.storage.store import Store
 
 #: The manifest ``extra`` key naming the generation directory that holds the files.
 DATA_DIR_KEY = "data_dir"
-_GENERATION_RE = re.compile(r"v-[0-9a-f]{12}")
 
 
 def generation_of(manifest: Manifest, *, path: str) -> str | None:
@@ -20,7 +18,7 @@ def generation_of(manifest: Manifest, *, path: str) -> str | None:
     value = manifest.extra.get(DATA_DIR_KEY)
     if value is None:
         return None
-    if not isinstance(value, str) or not _GENERATION_RE.fullmatch(value):
+    if not isinstance(value, str) or not is_generation(value):
         # Never follow an arbitrary path out of the checkpoint (``../..``).
         raise CorruptCheckpointError(
             f"manifest names an invalid data directory {value!r}",

@@ -21,21 +21,13 @@ import time
 from typing import Any
 
 from lightning_preempt.errors import CorruptCheckpointError, UnsupportedFormatError
+from lightning_preempt.format.names import is_checkpoint_file, is_safe_file_name
 
-MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "lightning_preempt.checkpoint"
 FORMAT_VERSION = 1
 
 #: Larger manifests are refused unread (a 4096-rank checkpoint's is well under 1 MiB).
 MAX_MANIFEST_BYTES = 32 << 20
-
-#: The only file names a checkpoint of this package holds (besides ``manifest.json``):
-#: DCP's shards and metadata, and each rank's non-tensor state (``commit.STATE_FILE``).
-FILE_NAME_PATTERNS: tuple[re.Pattern[str], ...] = (
-    re.compile(r"__\d{1,6}_\d{1,9}\.distcp"),
-    re.compile(r"\.metadata"),
-    re.compile(r"state-rank\d{5,6}\.pt"),
-)
 
 _CRC_RE = re.compile(r"[0-9a-f]{8}")
 _MAX_INT = 2**63 - 1
@@ -48,22 +40,6 @@ _KNOWN_KEYS = frozenset(
 _DAMAGED_HINT = (
     "The checkpoint is damaged or was not written by lightning_preempt; delete it or resume from an older one."
 )
-
-
-def is_checkpoint_file_name(name: str) -> bool:
-    """Whether ``name`` is a file name this package writes into a checkpoint directory."""
-    return any(p.fullmatch(name) for p in FILE_NAME_PATTERNS)
-
-
-def is_safe_file_name(name: object) -> bool:
-    """A single path component that cannot leave its directory (no ``/``, ``..``, NUL…)."""
-    return (
-        isinstance(name, str)
-        and 0 < len(name) <= 255
-        and name not in (".", "..")
-        and not any(c in name for c in "/\\\x00")
-        and name.isprintable()
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,7 +150,7 @@ class Manifest:
     def check_file_names(self, *, path: str) -> None:
         """Raise :class:`CorruptCheckpointError` unless every listed file is named as this
         package names its files (nothing else is ever read, copied or trusted)."""
-        bad = sorted(name for name in self.files if not is_checkpoint_file_name(name))
+        bad = sorted(name for name in self.files if not is_checkpoint_file(name))
         if bad:
             raise _corrupt(
                 f"manifest lists {len(bad)} file name(s) this package never writes (e.g. {bad[0]!r})",

@@ -1,12 +1,145 @@
-"""Every name this package gives a file or directory, and how to recognise it.
+"""Every name this package gives a file or directory, and how to recognise one.
+
+The writer, the readers, retention, the drain, the peer replica and the ownership check
+must agree on what is ours, so this is the only module that spells a name or a pattern.
+
+In a checkpoint directory (any path: ``<dirpath>/step-0000000500/``, ``last.ckpt/``…)::
+
+    manifest.json                the commit marker, written last (MANIFEST_NAME)
+    __{rank}_{i}.distcp          DCP's shard files, written by ``rank``
+    .metadata                    DCP's metadata, written by rank 0
+    state-rank{rank:05d}.pt      each rank's non-tensor state (the skeleton)
+    v-{12 hex}/                  a generation: the files of a checkpoint replaced at its path
+    .lightning_preempt           zero-byte marker: the path exists before its commit (object stores)
+    .manifest.json.{hex}.tmp     a local commit's temporary manifest
+
+Under a checkpoint root (``dirpath``)::
+
+    step-{step:010d}[-{8 hex}]   the callback's checkpoints (the suffix: a step reached again)
+    .lp-lease-{gen:010d}.json    the lease (save/lease.py)
+    .lp-probe-…                  the storage probe's file (save/preflight.py)
+
+Beside a path whose kind changes (a plain file replaced by a checkpoint directory, local
+disk): ``.{name}.lp-new-{12 hex}`` and ``.{name}.lp-old-{12 hex}`` (save/layout.py).
 """
 
 from __future__ import annotations
 
+import re
+import uuid
+from collections.abc import Iterable
+
+MANIFEST_NAME = "manifest.json"
 DCP_METADATA_NAME = ".metadata"
+#: A zero-byte object that makes a checkpoint path exist on object stores before its commit.
+MARKER_NAME = ".lightning_preempt"
+#: Every name this package gives an entry directly under a checkpoint root starts with it,
+#: except the checkpoints themselves.
+HIDDEN_PREFIX = ".lp-"
+LEASE_PREFIX = ".lp-lease-"
+PROBE_PREFIX = ".lp-probe-"
+
+SHARD_RE = re.compile(r"__(\d{1,6})_\d{1,9}\.distcp")
+STATE_RE = re.compile(r"state-rank(\d{5,6})\.pt")
+GENERATION_RE = re.compile(r"v-[0-9a-f]{12}")
+STEP_DIR_RE = re.compile(r"step-(\d{10,19})(?:-[0-9a-f]{8})?")
+LEASE_RE = re.compile(r"\.lp-lease-(\d{10})\.json")
+#: What a killed save or commit leaves in a checkpoint directory: a temporary manifest, DCP
+#: output of any name (the extension is DCP's own), DCP's own temporary metadata.
+_LEFTOVER_RE = re.compile(r"\.manifest\.json\.[0-9a-f]+\.tmp|[^/]+\.distcp|\.metadata\.tmp")
+#: A step number in a name this package did not give (``epoch=0-step=100.ckpt``).
+_FOREIGN_STEP_RE = re.compile(r"(?:^|[-_=])step[=_-]?(\d+)")
 
 
-def checkpoint_name(step: int) -> str:
-    """The directory name the callback uses for the checkpoint of ``step``."""
-    return f"step-{step:010d}"
+# ---- checkpoint files --------------------------------------------------------------------
+def state_file(rank: int) -> str:
+    """The name of ``rank``'s non-tensor state file."""
+    return f"state-rank{rank:05d}.pt"
 
+
+def is_checkpoint_file(name: str) -> bool:
+    """A file a manifest may list: DCP's shards and metadata, or a rank's state file."""
+    return name == DCP_METADATA_NAME or SHARD_RE.fullmatch(name) is not None or STATE_RE.fullmatch(name) is not None
+
+
+def is_our_file(name: str) -> bool:
+    """A file this package writes directly in a checkpoint directory (listed in the
+    manifest or not: the manifest itself, the marker, what a killed save leaves)."""
+    return (
+        name in (MANIFEST_NAME, MARKER_NAME) or is_checkpoint_file(name) or _LEFTOVER_RE.fullmatch(name) is not None
+    )
+
+
+def writer_of(name: str) -> int:
+    """The rank that writes ``name`` into a checkpoint (rank 0 for ``.metadata``)."""
+    match = SHARD_RE.fullmatch(name) or STATE_RE.fullmatch(name)
+    return int(match.group(1)) if match else 0
+
+
+def state_ranks(names: Iterable[str]) -> list[int]:
+    """The ranks whose state files are among ``names``, in order."""
+    return sorted(int(m.group(1)) for n in names if (m := STATE_RE.fullmatch(n)))
+
+
+def is_safe_file_name(name: object) -> bool:
+    """A single path component that cannot leave its directory (no ``/``, ``..``, NUL…)."""
+    return (
+        isinstance(name, str)
+        and 0 < len(name) <= 255
+        and name not in (".", "..")
+        and not any(c in name for c in "/\\\x00")
+        and name.isprintable()
+    )
+
+
+# ---- generations (a checkpoint replaced at its path) -----------------------------------------
+def new_generation() -> str:
+    return f"v-{uuid.uuid4().hex[:12]}"
+
+
+def is_generation(name: str) -> bool:
+    return GENERATION_RE.fullmatch(name) is not None
+
+
+# ---- checkpoint directories under a root ---------------------------------------------------
+def checkpoint_name(step: int, suffix: str | None = None) -> str:
+    """The directory name the callback gives the checkpoint of ``step`` (``suffix``: 8 hex
+    digits, for a step reached again after resuming from an older checkpoint)."""
+    return f"step-{step:010d}" + (f"-{suffix}" if suffix else "")
+
+
+def dir_step(name: str) -> int | None:
+    """The step in one of our checkpoint directory names, or ``None`` for any other name."""
+    match = STEP_DIR_RE.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def is_our_dir_name(name: str) -> bool:
+    """Whether ``name`` is a checkpoint directory name this package gives."""
+    return STEP_DIR_RE.fullmatch(name) is not None
+
+
+def foreign_step(name: str) -> int | None:
+    """The step a name this package did not give carries (``epoch=0-step=100.ckpt``), if any."""
+    match = _FOREIGN_STEP_RE.search(name)
+    return int(match.group(1)) if match else None
+
+
+def lease_name(generation: int) -> str:
+    return f"{LEASE_PREFIX}{generation:010d}.json"
+
+
+def lease_generation(name: str) -> int | None:
+    match = LEASE_RE.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+# ---- a change of kind at a path (local disk) ------------------------------------------------
+def sibling_name(base: str, kind: str) -> str:
+    """``.{base}.lp-{kind}-{12 hex}``: where a file or directory waits beside ``base``."""
+    return f".{base}.lp-{kind}-{uuid.uuid4().hex[:12]}"
+
+
+def is_sibling_of(name: str, base: str) -> bool:
+    """Whether ``name`` is a :func:`sibling_name` of ``base`` (``new`` or ``old``)."""
+    return re.fullmatch(re.escape(f".{base}.lp-") + r"(new|old)-[0-9a-f]{12}", name) is not None

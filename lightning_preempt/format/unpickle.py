@@ -33,7 +33,8 @@ import torch
 from lightning_preempt.errors import CheckpointError, CorruptCheckpointError, UntrustedCheckpointError
 from lightning_preempt.format import TensorRef
 from lightning_preempt.format import dcp_compat as _compat
-from lightning_preempt.format.manifest import FILE_NAME_PATTERNS, Manifest
+from lightning_preempt.format.manifest import Manifest
+from lightning_preempt.format.names import DCP_METADATA_NAME, SHARD_RE
 from lightning_preempt.storage.store import Store
 
 TRUST_HINT = (
@@ -42,11 +43,9 @@ TRUST_HINT = (
     "`lightning-preempt export --trust` on the command line). Better: keep plain types (dict, list, str, "
     "numbers, tensors, NumPy arrays) in on_save_checkpoint / hyper-parameters. See docs/security.md."
 )
-METADATA_NAME = ".metadata"
 #: ``.metadata`` larger than this is refused unread when the manifest does not bound it.
 MAX_METADATA_BYTES = 256 << 20
 
-_SHARD_RE = FILE_NAME_PATTERNS[0]
 _GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
 
 
@@ -220,7 +219,7 @@ def check_dcp_metadata(metadata: Any, *, path: str, manifest: Manifest | None) -
         if not isinstance(index, md.MetadataIndex) or not isinstance(info, _compat.DcpStorageInfo):
             raise bad("storage_data holds something other than DCP storage records")
         name = info.relative_path
-        if not isinstance(name, str) or not _SHARD_RE.fullmatch(name):
+        if not isinstance(name, str) or not SHARD_RE.fullmatch(name):
             raise bad(f"a tensor is stored in {name!r}, not in one of our shard files")
         if not _is_nonneg_int(info.offset) or not _is_nonneg_int(info.length):
             raise bad(f"a byte range in {name!r} is not a pair of non-negative integers")
@@ -240,10 +239,10 @@ def _is_nonneg_int(value: object) -> bool:
 
 def read_dcp_metadata(store: Store, manifest: Manifest | None = None) -> Any:
     """Read, unpickle (restricted) and check the ``.metadata`` of the checkpoint in ``store``."""
-    entry = manifest.files.get(METADATA_NAME) if manifest is not None else None
+    entry = manifest.files.get(DCP_METADATA_NAME) if manifest is not None else None
     limit = entry.size if entry is not None else MAX_METADATA_BYTES
     try:
-        data = store.read_regular(METADATA_NAME, limit)
+        data = store.read_regular(DCP_METADATA_NAME, limit)
     except FileNotFoundError as err:
         raise CorruptCheckpointError(
             "file '.metadata' listed in the manifest is missing",

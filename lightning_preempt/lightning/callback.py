@@ -46,7 +46,7 @@ from lightning_preempt.preemption.sources import PreemptionSource
 from lightning_preempt.read.verify import Verify
 from lightning_preempt.resume.resolver import ResumeResolver
 from lightning_preempt.save.lease import Lease
-from lightning_preempt.save.preflight import probe_writable
+from lightning_preempt.save.preflight import check_writable
 from lightning_preempt.storage.store import join_url
 
 __all__ = ["Preempted", "PreemptionCallback"]
@@ -314,12 +314,12 @@ class PreemptionCallback(OnExceptionCheckpoint):
 
         The local tier is probed too, but a failure there only warns: saves then go straight
         to dirpath (docs/two-tier.md), which is slower but loses nothing."""
-        agree.agree(lambda: probe_writable(self.dirpath, self.storage_options), group, what="probing the storage")
+        agree.agree(lambda: check_writable(self.dirpath, self.storage_options), group, what="probing the storage")
         local = self.local_dirpath
         if local is None:
             return
         try:
-            agree.agree(lambda: probe_writable(local, {}), group, what="probing the local tier")
+            agree.agree(lambda: check_writable(local, {}), group, what="probing the local tier")
         except CheckpointError as err:
             log.warning("lightning_preempt: %s\nSaves will be written directly to %s.", err, self.dirpath)
 

@@ -22,13 +22,14 @@ from lightning_preempt.catalog.verified import mark_verified
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.engine.config import check_plugin_options, local_dirpath_from_env
 from lightning_preempt.errors import CheckpointNotFoundError, CheckpointWriteError, NotACheckpointError
-from lightning_preempt.format.manifest import MANIFEST_NAME, Manifest
+from lightning_preempt.format.manifest import Manifest
+from lightning_preempt.format.names import MANIFEST_NAME
 from lightning_preempt.format.shares import own_share, replica_fingerprint
 from lightning_preempt.format.skeleton import DEFAULT_SHARDED_KEYS
 from lightning_preempt.format.skeleton import split_checkpoint as _split
 from lightning_preempt.read.load import Fallback, load_agreed, load_full_checkpoint, load_sharded_checkpoint
 from lightning_preempt.save.commit import SaveRequest, write_checkpoint
-from lightning_preempt.save.jobs import BackgroundWriter
+from lightning_preempt.save.jobs import JobQueue
 from lightning_preempt.save.layout import ensure_exists, remove_local, write_file_atomic
 from lightning_preempt.save.staging import HostStager
 from lightning_preempt.save.tiers import TwoTier
@@ -155,7 +156,7 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         #: DDP: each rank stages and writes only its share of the replicated tensors
         #: (``format.own_share``) when every rank holds the same ones (checked per save).
         self.dedupe_replicas = True
-        self._writer = BackgroundWriter()
+        self._writer = JobQueue()
         self._pending: Future[Manifest] | None = None
         self._group: pdist.ProcessGroup | None = None
         self._group_rank = 0

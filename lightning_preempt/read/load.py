@@ -11,7 +11,7 @@ from lightning_preempt.collective import groups as pdist
 from lightning_preempt.errors import CorruptCheckpointError
 from lightning_preempt.format.layout import data_store
 from lightning_preempt.format.manifest import Manifest
-from lightning_preempt.format.names import DCP_METADATA_NAME
+from lightning_preempt.format.names import DCP_METADATA_NAME, state_file
 from lightning_preempt.format.skeleton import merge_checkpoint, tensor_refs
 from lightning_preempt.format.unpickle import (
     apply_map_location,
@@ -22,7 +22,6 @@ from lightning_preempt.format.unpickle import (
 from lightning_preempt.read.dcp import load_all_tensors, load_tensors_into
 from lightning_preempt.read.tensors import read_tensors, read_verified_bytes, tensor_items
 from lightning_preempt.read.verify import _CORRUPT_HINT, check_files, read_manifest, verify_checkpoint
-from lightning_preempt.save.commit import STATE_FILE
 from lightning_preempt.storage.store import Store
 
 log = logging.getLogger(__name__)
@@ -43,9 +42,9 @@ def load_skeleton(
     Unpickled with ``weights_only=True`` and this package's allow-list unless ``trusted``
     (:mod:`lightning_preempt.safe_load`); ``map_location`` as ``torch.load`` takes it.
     """
-    name = STATE_FILE.format(rank=rank)
+    name = state_file(rank)
     if name not in manifest.files:
-        name = STATE_FILE.format(rank=0)
+        name = state_file(0)
     data = read_verified_bytes(data_store(store, manifest), name, manifest.files.get(name), verify=verify)
     # Storage is shared: a CRC proves integrity, not who wrote it. No code runs from it
     # unless the user opted in (docs/security.md).

@@ -10,7 +10,8 @@ from typing import Literal
 
 from lightning_preempt.errors import CorruptCheckpointError, NotACheckpointError
 from lightning_preempt.format.layout import data_store
-from lightning_preempt.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest
+from lightning_preempt.format.manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
+from lightning_preempt.format.names import MANIFEST_NAME
 from lightning_preempt.storage.checksum import Crc32c
 from lightning_preempt.storage.store import Store
 

@@ -31,13 +31,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.errors import CheckpointWriteError
-from lightning_preempt.format.manifest import MANIFEST_NAME, FileEntry, Manifest
+from lightning_preempt.format.manifest import FileEntry, Manifest
+from lightning_preempt.format.names import MANIFEST_NAME, state_file
 from lightning_preempt.save.dcp_writer import ChecksummingWriter
 from lightning_preempt.save.layout import finish_write, plan_write
 from lightning_preempt.storage.checksum import Crc32c
 from lightning_preempt.storage.store import Store
-
-STATE_FILE = "state-rank{rank:05d}.pt"
 
 _STORAGE_HINT = (
     "Check that the storage is reachable, writable and has space; earlier committed checkpoints are "
@@ -97,7 +96,7 @@ def write_checkpoint(
                 f"writing the shards failed: {what}", path=root.url, hint=_hint_of(mine, err)
             ) from err
         entries.update(writer.entries)
-        name = STATE_FILE.format(rank=rank)
+        name = state_file(rank)
         entries[name] = _write_hashed(store, name, request.skeleton)
 
     outcome = _attempt(write_files)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -27,7 +26,8 @@ from lightning_preempt.errors import (
     CorruptCheckpointError,
 )
 from lightning_preempt.format.layout import data_store
-from lightning_preempt.format.manifest import MANIFEST_NAME, FileEntry, Manifest, parse_manifest
+from lightning_preempt.format.manifest import FileEntry, Manifest, parse_manifest
+from lightning_preempt.format.names import MANIFEST_NAME, writer_of
 from lightning_preempt.read.verify import read_manifest
 from lightning_preempt.storage.checksum import Crc32c
 from lightning_preempt.storage.store import Store
@@ -57,12 +57,6 @@ class DrainOutcome:
     attempts: int = 0
 
 
-def owner_rank(name: str) -> int:
-    """The rank that wrote ``name`` in a checkpoint directory (rank 0 for shared files)."""
-    m = re.match(r"__(\d+)_\d+\.distcp$", name) or re.match(r"state-rank(\d+)\.pt$", name)
-    return int(m.group(1)) if m else 0
-
-
 def drain_files(
     src: Store,
     dst: Store,
@@ -83,7 +77,7 @@ def drain_files(
     process) and by the two-tier drain thread (collective).
 
     With ``group`` every rank of it calls this for the same checkpoint and uploads the files
-    it wrote (``owner_rank``); rank 0 prepares, decides retries and commits, and every rank
+    it wrote (``names.writer_of``); rank 0 prepares, decides retries and commits, and every rank
     returns the same outcome or raises the same error (:mod:`lightning_preempt.agree`).
 
     Args:
@@ -112,7 +106,7 @@ def drain_files(
         log.info("lightning_preempt: %s already holds this checkpoint; nothing to drain", dst.url)
         return outcome
     world = pdist.world_size(group) if group is not None else 1
-    mine = [n for n in manifest.files if group is None or owner_rank(n) % world == rank]
+    mine = [n for n in manifest.files if group is None or writer_of(n) % world == rank]
     for attempt in range(1, retries + 1):
         outcome.attempts = attempt
         try:

@@ -1,11 +1,11 @@
-"""The background writer: one thread that runs save and delete jobs in order.
+"""The job queue: one background thread that runs save and delete jobs in order.
 
 Jobs run strictly in submission order, so a delete never overtakes a pending write.
 The thread never touches the training process group: save jobs get their own gloo
 group from the caller. A job's exception is delivered through its Future.
 
 The thread, its queue and its lock are runtime state: they are created on the first
-:meth:`BackgroundWriter.submit` and dropped by pickling (``ddp_spawn`` pickles the
+:meth:`JobQueue.submit` and dropped by pickling (``ddp_spawn`` pickles the
 plugin into its workers; ``deepcopy`` of a trainer copies it), so a copy starts idle.
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
-class BackgroundWriter:
+class JobQueue:
     """A single worker thread with a FIFO of jobs, each returning a :class:`Future`."""
 
     def __init__(self, name: str = "lightning_preempt-writer") -> None:

@@ -23,7 +23,7 @@ replaced the same way where the store allows both a file and a directory at ``P`
 ``memory://``) the new checkpoint is committed beside ``P`` and swapped in with two
 renames (:func:`swap_in`), so the old one exists until the new one does.
 
-Only names this package writes are ever deleted here (:func:`is_ours`).
+Only names this package writes are ever deleted here (``format/names.py``).
 """
 
 from __future__ import annotations
@@ -33,34 +33,28 @@ import dataclasses
 import logging
 import os
 import posixpath
-import re
-import uuid
 from typing import Literal
 
 from lightning_preempt.format.layout import DATA_DIR_KEY
-from lightning_preempt.format.manifest import MANIFEST_NAME
+from lightning_preempt.format.names import (
+    MANIFEST_NAME,
+    MARKER_NAME,
+    is_generation,
+    is_our_file,
+    is_sibling_of,
+    new_generation,
+    sibling_name,
+)
 from lightning_preempt.storage.store import Store, fsync_dir
 
 log = logging.getLogger(__name__)
-#: A zero-byte object that makes a path exist on object stores before its commit.
-MARKER_NAME = ".lightning_preempt"
 
 _OBJECT_STORES = frozenset({"gs", "gcs", "s3", "s3a"})
-_OURS_RE = re.compile(r"__\d+_\d+\.distcp|\.metadata|state-rank\d+\.pt|v-[0-9a-f]{12}|\.manifest\.json\.[0-9a-f]+\.tmp")
 
 
 def file_and_dir_coexist(store: Store) -> bool:
     """Object stores can hold an object ``P`` and objects under ``P/`` at once; file systems cannot."""
     return not store.is_local and store.protocol in _OBJECT_STORES
-
-
-def is_ours(name: str) -> bool:
-    """Whether ``name`` (one path component) is something this package writes into a checkpoint."""
-    return bool(_OURS_RE.fullmatch(name))
-
-
-def new_generation() -> str:
-    return f"v-{uuid.uuid4().hex[:12]}"
 
 
 # ---- the path exists as soon as a save is accepted ------------------------------------
@@ -122,7 +116,7 @@ def plan_write(root: Store) -> WritePlan:
         if file_and_dir_coexist(root):
             remove_stale(root, live=None)  # partial objects of an earlier save under P/
             return WritePlan("in_place", remove_file=True)
-        return WritePlan("beside", _sibling_name(root.url, "new"))
+        return WritePlan("beside", sibling_name(posixpath.basename(root.url.rstrip("/")), "new"))
     remove_stale(root, live=None)  # an earlier save's partial files
     return WritePlan("in_place")
 
@@ -152,7 +146,7 @@ def remove_stale(root: Store, *, live: str | None) -> list[str]:
     marker and the ``live`` generation (``None``: the files are being written in place)."""
     removed = []
     for name, is_dir in _entries(root):
-        if name in (MANIFEST_NAME, MARKER_NAME, live) or not is_ours(name):
+        if name in (MANIFEST_NAME, MARKER_NAME, live) or not (is_generation(name) if is_dir else is_our_file(name)):
             continue
         if is_dir:
             root.rm_tree(name)
@@ -166,10 +160,10 @@ def remove_stale_siblings(root: Store) -> list[str]:
     """File systems: delete ``.NAME.lp-new-…``/``.NAME.lp-old-…`` left beside the path by
     a change of kind that a crash interrupted (the path itself is complete now)."""
     parent = Store(posixpath.dirname(root.url.rstrip("/")), root.storage_options)
-    pattern = re.compile(re.escape(f".{posixpath.basename(root.url.rstrip('/'))}.lp-") + r"(new|old)-[0-9a-f]{12}")
+    base = posixpath.basename(root.url.rstrip("/"))
     removed = []
     for name, is_dir in _entries(parent):
-        if pattern.fullmatch(name):
+        if is_sibling_of(name, base):
             if is_dir:
                 parent.rm_tree(name)
             else:
@@ -207,10 +201,6 @@ def join_sibling(url: str, name: str) -> str:
     return posixpath.join(posixpath.dirname(str(url).rstrip("/")), name)
 
 
-def _sibling_name(url: str, kind: str) -> str:
-    return f".{posixpath.basename(str(url).rstrip('/'))}.lp-{kind}-{uuid.uuid4().hex[:12]}"
-
-
 def swap_in(root: Store, new_path: str) -> None:
     """Put the entry at ``new_path`` (same file system) at ``root``'s path, whatever kind
     of entry each is (never on object stores: no renames there).
@@ -219,7 +209,7 @@ def swap_in(root: Store, new_path: str) -> None:
     deleted. At every moment a complete checkpoint exists, at the path or beside it.
     """
     path = root.path()
-    old = posixpath.join(posixpath.dirname(path), _sibling_name(path, "old"))
+    old = posixpath.join(posixpath.dirname(path), sibling_name(posixpath.basename(path.rstrip("/")), "old"))
     if root.is_local:
         had_old = os.path.lexists(path)
         if had_old:
@@ -284,7 +274,7 @@ def write_file_atomic(store: Store, data: bytes) -> None:
         path = store.path()
         parent = os.path.dirname(path)
         os.makedirs(parent, exist_ok=True)
-        tmp = os.path.join(parent, f".{os.path.basename(path)}.lp-new-{uuid.uuid4().hex[:12]}")
+        tmp = os.path.join(parent, sibling_name(os.path.basename(path), "new"))
         try:
             with open(tmp, "wb") as f:
                 f.write(data)
@@ -301,7 +291,7 @@ def write_file_atomic(store: Store, data: bytes) -> None:
         _quietly_remove_stale_siblings(store)
         return
     if not file_and_dir_coexist(store) and store.isdir():
-        tmp = join_sibling(store.path(), _sibling_name(store.path(), "new"))
+        tmp = join_sibling(store.path(), sibling_name(posixpath.basename(store.path().rstrip("/")), "new"))
         store.fs.pipe_file(tmp, data)
         swap_in(store, tmp)
         _quietly_remove_stale_siblings(store)

@@ -28,7 +28,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import socket
 import threading
 import time
@@ -37,12 +36,11 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_preempt.errors import CheckpointError, CheckpointExistsError
+from lightning_preempt.format.names import lease_generation, lease_name
 from lightning_preempt.storage.store import Store
 
 log = logging.getLogger(__name__)
 
-LEASE_PREFIX = ".lp-lease-"
-_LEASE_RE = re.compile(r"^\.lp-lease-(\d{10})\.json$")
 
 
 class LeaseHeldError(CheckpointError):
@@ -51,10 +49,6 @@ class LeaseHeldError(CheckpointError):
 
 class LeaseLostError(CheckpointError):
     """Another job took over this job's lease while it was running."""
-
-
-def lease_name(generation: int) -> str:
-    return f"{LEASE_PREFIX}{generation:010d}.json"
 
 
 def _job_id() -> str | None:
@@ -110,9 +104,9 @@ class Lease:
             return []
         gens = []
         for name in names:
-            m = _LEASE_RE.match(os.path.basename(str(name).rstrip("/")))
-            if m:
-                gens.append(int(m.group(1)))
+            generation = lease_generation(os.path.basename(str(name).rstrip("/")))
+            if generation is not None:
+                gens.append(generation)
         return sorted(gens)
 
     def _read(self, generation: int) -> dict[str, Any] | None:

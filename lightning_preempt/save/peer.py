@@ -21,7 +21,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import re
 import socket
 import time
 import uuid
@@ -31,11 +30,11 @@ import torch
 import torch.distributed as dist
 
 from lightning_preempt.catalog.listing import list_checkpoints
-from lightning_preempt.catalog.ownership import dir_step
 from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.errors import CheckpointError
-from lightning_preempt.format.manifest import MANIFEST_NAME, Manifest, is_checkpoint_file_name, parse_manifest
+from lightning_preempt.format.manifest import Manifest, parse_manifest
+from lightning_preempt.format.names import MANIFEST_NAME, dir_step, is_checkpoint_file, writer_of
 from lightning_preempt.save.drain import CHUNK_SIZE, _copy_files
 from lightning_preempt.storage.checksum import Crc32c
 from lightning_preempt.storage.store import Store
@@ -126,15 +125,6 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-_RANK_RE = re.compile(r"^(?:__(\d+)_\d+\.distcp|state-rank(\d+)\.pt)$")
-
-
-def writer_of(name: str) -> int:
-    """The rank that writes ``name`` into a checkpoint (``.metadata``: rank 0)."""
-    m = _RANK_RE.match(name)
-    return int(m.group(1) or m.group(2)) if m else 0
 
 
 def _chunks(size: int) -> list[tuple[int, int]]:
@@ -258,7 +248,7 @@ def _local_holdings(local_root: str, floor: int) -> dict[str, dict[str, object]]
             continue
         files = {}
         for entry in os.listdir(path):
-            if is_checkpoint_file_name(entry):
+            if is_checkpoint_file(entry):
                 with contextlib.suppress(OSError):
                     files[entry] = os.path.getsize(os.path.join(path, entry))
         out[name] = {"step": step, "manifest": _read_manifest(path), "files": files}

@@ -13,12 +13,11 @@ import uuid
 from typing import Any
 
 from lightning_preempt.errors import CheckpointWriteError
+from lightning_preempt.format.names import PROBE_PREFIX
 from lightning_preempt.storage.store import Store
 
-PROBE_PREFIX = ".lp-probe-"
 
-
-def probe_writable(url: str, storage_options: dict[str, Any] | None = None) -> None:
+def check_writable(url: str, storage_options: dict[str, Any] | None = None) -> None:
     """Create, list and delete ``<url>/.lp-probe-…``; raise :class:`CheckpointWriteError` with
     a HINT naming the step that failed."""
     store = Store(url, storage_options)

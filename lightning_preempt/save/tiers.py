@@ -45,10 +45,11 @@ from lightning_preempt.errors import (
     CheckpointExistsError,
     CheckpointWriteError,
 )
-from lightning_preempt.format.manifest import MANIFEST_NAME, Manifest
+from lightning_preempt.format.manifest import Manifest
+from lightning_preempt.format.names import MANIFEST_NAME
 from lightning_preempt.read.verify import Verify, check_checkpoint
 from lightning_preempt.save.drain import drain_files
-from lightning_preempt.save.jobs import BackgroundWriter
+from lightning_preempt.save.jobs import JobQueue
 from lightning_preempt.storage.diagnose import describe, is_transient, redact
 from lightning_preempt.storage.store import Store, join_url
 
@@ -122,7 +123,7 @@ class TwoTier:
         self.drains: list[DrainRecord] = []
         #: called with the byte count of every chunk a drain uploads (drain threads); may raise
         self.progress: Callable[[int], None] | None = None
-        self._writer = BackgroundWriter("lightning_preempt-drain")
+        self._writer = JobQueue("lightning_preempt-drain")
         self._lock = threading.Lock()
         self._queued: list[str] = []
         self._futures: list[Future[Any]] = []

@@ -18,8 +18,7 @@ from helpers import lightning_like_checkpoint
 
 from lightning_preempt import ShardedAsyncCheckpointIO, UnsupportedFormatError, list_checkpoints, newest_valid
 from lightning_preempt.catalog.retention import apply_retention
-from lightning_preempt.format.manifest import MANIFEST_NAME
-from lightning_preempt.format.names import checkpoint_name
+from lightning_preempt.format.names import MANIFEST_NAME, checkpoint_name
 
 
 def _save_steps(root: Path, steps: list[int], width: int = 32) -> None:

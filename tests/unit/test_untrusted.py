@@ -36,8 +36,8 @@ from lightning_preempt.errors import (
     CorruptCheckpointError,
     UnsupportedFormatError,
 )
-from lightning_preempt.format.manifest import MANIFEST_NAME, Manifest
-from lightning_preempt.format.names import checkpoint_name
+from lightning_preempt.format.manifest import Manifest
+from lightning_preempt.format.names import MANIFEST_NAME, checkpoint_name
 from lightning_preempt.format.unpickle import UntrustedCheckpointError, unpickle_dcp_metadata
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.read.verify import read_manifest, verify_checkpoint
@@ -45,7 +45,7 @@ from lightning_preempt.save.commit import SaveRequest, write_checkpoint
 from lightning_preempt.storage.checksum import Crc32c
 from lightning_preempt.storage.store import Store
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 STATE = "state-rank00000.pt"
 
 

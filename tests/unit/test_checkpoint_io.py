@@ -12,7 +12,7 @@ from faulty_fs import FaultyFileSystem
 from helpers import assert_same, lightning_like_checkpoint
 
 from lightning_preempt import CheckpointWriteError, NotACheckpointError, ShardedAsyncCheckpointIO, list_checkpoints
-from lightning_preempt.format.manifest import MANIFEST_NAME
+from lightning_preempt.format.names import MANIFEST_NAME
 
 
 @pytest.fixture(params=["local", "memory"])

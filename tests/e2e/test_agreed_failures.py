@@ -20,7 +20,7 @@ import pytest
 
 from lightning_preempt import list_checkpoints
 
-SCRIPT = Path(__file__).resolve().parent / "train_script.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "support" / "train_script.py"
 pytestmark = pytest.mark.multiproc
 
 

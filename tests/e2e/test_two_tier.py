@@ -26,8 +26,7 @@ from torch.utils.data import DataLoader
 from train_script import TinyModel, data
 
 from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO, list_checkpoints
-from lightning_preempt.format.manifest import MANIFEST_NAME
-from lightning_preempt.save.drain import owner_rank
+from lightning_preempt.format.names import MANIFEST_NAME, writer_of
 from lightning_preempt.storage.diagnose import redact
 from lightning_preempt.storage.store import Store
 
@@ -39,7 +38,7 @@ from helpers import StartProbe
 pytest_plugins = ["objectstore_plugin"]
 pytestmark = [pytest.mark.objectstore, pytest.mark.timeout(180)]
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1] / "support"
 
 
 def _fit(
@@ -214,7 +213,7 @@ def test_local_disk_failure_falls_back_to_the_remote_tier(tmp_path: Path, gs_rem
 
 
 def test_helpers() -> None:
-    assert [owner_rank(n) for n in ("__1_0.distcp", "state-rank00003.pt", ".metadata", "__0_2.distcp")] == [1, 3, 0, 0]
+    assert [writer_of(n) for n in ("__1_0.distcp", "state-rank00003.pt", ".metadata", "__0_2.distcp")] == [1, 3, 0, 0]
     assert redact("key AKIAXYZ secret s3cr3t at http://h", {"key": "AKIAXYZ", "secret": "s3cr3t"}) == (
         "key *** secret *** at http://h"
     )

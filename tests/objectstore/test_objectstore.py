@@ -31,7 +31,7 @@ from lightning_preempt import (
 )
 from lightning_preempt.catalog.newest import newest_valid
 from lightning_preempt.catalog.retention import apply_retention
-from lightning_preempt.format.manifest import MANIFEST_NAME
+from lightning_preempt.format.names import MANIFEST_NAME
 from lightning_preempt.read.load import load_full_checkpoint
 from lightning_preempt.read.verify import read_manifest, verify_checkpoint
 from lightning_preempt.save.drain import drain_checkpoint

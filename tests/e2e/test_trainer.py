@@ -19,7 +19,7 @@ from train_script import TinyModel, data
 from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO, list_checkpoints
 from lightning_preempt.format.names import checkpoint_name
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BATCHES_PER_EPOCH = 10
 
 

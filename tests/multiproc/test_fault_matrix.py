@@ -21,7 +21,7 @@ import pytest
 import torch.multiprocessing as mp
 
 pytestmark = pytest.mark.multiproc
-TESTS = str(Path(__file__).resolve().parent)
+TESTS = str(Path(__file__).resolve().parents[1] / "support")
 PHASE_BOUND_S = 45.0  # the groups' timeout is 120 s; a hang shows up as a phase past this
 # (phase, chaos op, which ranks perform the op, does a failure stop the phase)
 PHASES: list[tuple[str, str, str, bool]] = [
@@ -47,7 +47,7 @@ def _run_phase(phase: str, url: str, local: str, group: Any, io: Any, tiers_io: 
     from lightning_preempt.collective import groups as pdist
     from lightning_preempt.resume.resolver import ResumeResolver
     from lightning_preempt.save.lease import Lease
-    from lightning_preempt.save.preflight import probe_writable
+    from lightning_preempt.save.preflight import check_writable
 
     resolver = ResumeResolver(url, {}, retries=2, backoff_s=0.01)
     if phase == "list":
@@ -56,7 +56,7 @@ def _run_phase(phase: str, url: str, local: str, group: Any, io: Any, tiers_io: 
     if phase == "choose":  # rank 0 verifies the candidates while choosing
         return f"ok {Path(resolver.choose(group, tiers=None, verify=True).path).name}"
     if phase == "probe":
-        agree.agree(lambda: probe_writable(url), group, what="probing the storage")
+        agree.agree(lambda: check_writable(url), group, what="probing the storage")
         return "ok"
     if phase == "lease":
         lease = Lease(url, timeout_s=5)

@@ -18,7 +18,7 @@ import pytest
 
 from lightning_preempt import list_checkpoints, newest_valid
 
-SCRIPT = Path(__file__).resolve().parent / "train_script.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "support" / "train_script.py"
 GRACE_S = 30.0
 pytestmark = pytest.mark.multiproc
 

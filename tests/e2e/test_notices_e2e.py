@@ -21,7 +21,7 @@ from fake_metadata import FakeMetadata
 
 from lightning_preempt import list_checkpoints
 
-SCRIPT = Path(__file__).resolve().parent / "notices_script.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "support" / "notices_script.py"
 pytestmark = pytest.mark.multiproc
 
 

@@ -18,7 +18,7 @@ from lightning_preempt import list_checkpoints
 from lightning_preempt.read.load import load_full_checkpoint
 from lightning_preempt.storage.store import Store
 
-SCRIPT = Path(__file__).resolve().parent / "train_script.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "support" / "train_script.py"
 pytestmark = pytest.mark.multiproc
 
 

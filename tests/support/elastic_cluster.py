@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).resolve().parent / "elastic_script.py"
 
 # Fast resizes: a dead node is dropped after 1 s x 3 missed keep-alives; a complete round

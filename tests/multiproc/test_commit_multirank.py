@@ -13,7 +13,7 @@ import pytest
 import torch.multiprocessing as mp
 
 pytestmark = pytest.mark.multiproc
-TESTS = str(Path(__file__).resolve().parent)
+TESTS = str(Path(__file__).resolve().parents[1] / "support")
 
 
 def _worker(rank: int, init_file: str, out_dir: str, failing_rank: int) -> None:

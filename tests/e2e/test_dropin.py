@@ -35,7 +35,7 @@ from lightning_preempt import (
     ShardedAsyncCheckpointIO,
     list_checkpoints,
 )
-from lightning_preempt.format.manifest import MANIFEST_NAME
+from lightning_preempt.format.names import MANIFEST_NAME
 
 
 def _trainer(
@@ -354,7 +354,7 @@ def test_sigkill_while_replacing_on_local_disk_leaves_a_complete_checkpoint(tmp_
     import sys
 
     path = str(tmp_path / "last.ckpt")
-    code = _REPLACE_FOREVER.format(tests=str(Path(__file__).parent), path=path)
+    code = _REPLACE_FOREVER.format(tests=str(Path(__file__).resolve().parents[1] / "support"), path=path)
     rng = random.Random(12)
     for _ in range(3):
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

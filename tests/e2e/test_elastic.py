@@ -18,7 +18,7 @@ from elastic_cluster import Cluster
 from elastic_script import state_sha
 
 from lightning_preempt.elastic import ElasticEnv, exit_code_for, trainer_kwargs
-from lightning_preempt.format.manifest import MANIFEST_NAME
+from lightning_preempt.format.names import MANIFEST_NAME
 
 pytestmark = pytest.mark.multiproc
 

@@ -25,7 +25,7 @@ from lightning_preempt.format.pickle_scan import pickled_globals
 from lightning_preempt.read.load import load_full_checkpoint
 from lightning_preempt.storage.store import Store
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # The model lives in its own file so the "plain Lightning" subprocess can import it
 # without importing lightning_preempt (or this test module, which does).

@@ -17,7 +17,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_preempt.catalog.listing import complete_local_checkpoints
-from lightning_preempt.format.manifest import MANIFEST_NAME, FileEntry, Manifest
+from lightning_preempt.format.manifest import FileEntry, Manifest
+from lightning_preempt.format.names import MANIFEST_NAME
 from lightning_preempt.save.peer import complete_from_peers, placement, plan_union, replicate
 from lightning_preempt.storage.checksum import Crc32c
 

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = Path(__file__).resolve().parent / "exact_script.py"
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).resolve().parents[1] / "support" / "exact_script.py"
 PREEMPTED = 143
 
 
