@@ -1,4 +1,4 @@
-"""Exact resume: the per-rank state Lightning does not put in its checkpoints.
+"""Exact resume for the Trainer: the per-rank state Lightning does not put in its checkpoints.
 
 Lightning restores weights, optimizers (AMP scaler included, via the precision plugin),
 LR schedulers and loop counters. It does *not* save:
@@ -13,12 +13,13 @@ LR schedulers and loop counters. It does *not* save:
 * the state of ``torchmetrics`` metrics (their states are not ``persistent``) and the
   running ``on_epoch`` aggregates of ``self.log``.
 
-:class:`ExactResume` captures those at save time (per rank: they go to each rank's
-skeleton file, never to the DCP shards) and restores them at ``on_train_start``, the last
-hook before the first batch of a resumed run is fetched. For a plain ``DataLoader`` whose
-sampler is a ``SequentialSampler``, ``RandomSampler`` or ``DistributedSampler`` it swaps
-in a :class:`ResumableSampler` that yields exactly what the original would (same
-permutation, same draws from the global RNG) and can skip the batches already trained.
+:class:`ExactResume` is the Trainer's driver of the framework-neutral pieces in
+``resume/`` (``loaders.ResumableLoaders``, ``exact_state``, ``rng``, ``samplers``,
+``metrics``): it captures the state at save time (per rank: it goes to each rank's
+skeleton file, never to the DCP shards) and restores it at ``on_train_start``, the last
+hook before the first batch of a resumed run is fetched. What stays here is Lightning's:
+the fit loop's loaders, fetcher and counters (through ``_compat``), the ``self.log``
+aggregates, Lightning's ``set_epoch`` call and when its hooks fire.
 
 Restore points (why ``on_train_start``): on a mid-epoch restart Lightning calls neither
 ``on_train_epoch_start`` nor ``iter(dataloader)`` again, and nothing between
@@ -29,47 +30,29 @@ seed, and torchdata's samplers their epoch seed), so we create it again after re
 
 The RNG states each epoch's iterators are made from are noted when the epoch starts
 (``ResumableSampler.set_epoch``, :meth:`ExactResume.on_train_epoch_start`) and saved: a
-mid-epoch resume makes the iterators again from them (:func:`rewound_sampler` for a
+mid-epoch resume makes the iterators again from them (``rewound_sampler`` for a
 ``StatefulDataLoader`` whose sampler torchdata must iterate again to resume).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import warnings
+from collections.abc import Callable
 from typing import Any, cast
 
 import lightning.pytorch as pl
-import torch
 
 from lightning_preempt.lightning import _compat
-from lightning_preempt.resume.metrics import _clone, load_metric_states, metric_states
-from lightning_preempt.resume.rng import (
-    capture_rng,
-    derive_seed,
-    restore_rng,
-    seed_all,
-    set_generator_states,
-    snapshot_iter_rng,
-)
-from lightning_preempt.resume.samplers import (
-    ResumableSampler,
-    _describe,
-    _has_set_epoch,
-    _replays_sampler,
-    _workers,
-    loader_generators,
-    rewound_sampler,
-    wrap_loader,
-)
+from lightning_preempt.resume import exact_state
+from lightning_preempt.resume.exact_state import STATE_KEY
+from lightning_preempt.resume.loaders import ResumableLoaders, drop_replayed
+from lightning_preempt.resume.metrics import cpu_copy, metric_states
+from lightning_preempt.resume.rng import restore_rng
 
 log = logging.getLogger(__name__)
 
-STATE_KEY = "lightning_preempt"
-"""Top-level checkpoint key of the exact-resume state (stays in the per-rank skeleton)."""
-
-FORMAT_VERSION = 1
+__all__ = ["STATE_KEY", "ExactResume", "merge_result_states", "result_states"]
 
 
 def result_states(trainer: pl.Trainer) -> dict[str, dict[str, Any]]:
@@ -80,9 +63,9 @@ def result_states(trainer: pl.Trainer) -> dict[str, dict[str, Any]]:
         return out
     for key, rm in results.items():
         if getattr(rm, "is_tensor", False) and rm.meta.on_epoch and not rm.has_reset:
-            entry = {"value": _clone(rm.value)}
+            entry = {"value": cpu_copy(rm.value)}
             if hasattr(rm, "cumulated_batch_size"):
-                entry["cumulated_batch_size"] = _clone(rm.cumulated_batch_size)
+                entry["cumulated_batch_size"] = cpu_copy(rm.cumulated_batch_size)
             out[key] = entry
     return out
 
@@ -115,6 +98,18 @@ def _batches_done(trainer: pl.Trainer) -> int:
     return int(cast(Any, trainer.fit_loop.epoch_loop.batch_progress.current).processed)
 
 
+def _sampler_epoch_setter(trainer: pl.Trainer) -> Callable[[Any], None]:
+    """Sets a loader's sampler epoch as Lightning is about to (its count of epochs finished)."""
+    epoch = cast(Any, trainer.fit_loop.epoch_progress.current).processed
+    return lambda loader: _compat.set_sampler_epoch(loader, epoch)
+
+
+def _iterator_maker(trainer: pl.Trainer) -> Callable[[], object] | None:
+    """``iter(fetcher)``: remakes every training loader's iterator (``None``: no fetcher yet)."""
+    fetcher = _compat.train_fetcher(trainer)
+    return None if fetcher is None else lambda: iter(fetcher)
+
+
 # ---- the orchestration used by PreemptionCallback ----------------------------------------
 class ExactResume:
     """Captures and restores what an exact resume needs; driven by :class:`PreemptionCallback`.
@@ -134,14 +129,9 @@ class ExactResume:
         self.enabled = enabled
         self.replay_worker_draws = replay_worker_draws
         self._loaded: dict[str, Any] | None = None
-        self._samplers: list[tuple[str, ResumableSampler | None]] = []
-        # Per loader (same order): for "stateful" loaders, (epoch, snapshot_iter_rng) taken
-        # just before the epoch's iterator was made; a ResumableSampler keeps its own.
-        self._stateful_pre_iter: list[tuple[int, dict[str, Any]] | None] = []
-        self._wrapped: list[Any] = []  # the loaders _wrap saw (a reload makes new ones)
+        self._loaders = ResumableLoaders(replay_setting="PreemptionCallback(...).exact.replay_worker_draws")
         self._warned_stale = False
         self._pending_results: dict[str, dict[str, Any]] = {}
-        self._warned = False
         self.restored: str | None = None  # "mid-epoch", "epoch-end", "derived" (for tests and logs)
 
     # -- saving --
@@ -163,63 +153,38 @@ class ExactResume:
     def capture(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         """This rank's state at the moment of the save (call from ``on_save_checkpoint``)."""
         batches = _batches_done(trainer)
-        loaders = []
-        epoch = trainer.current_epoch
-        if not self._current(trainer) and not self._warned_stale:
+        loaders = _compat.train_loaders(trainer)
+        if not self._loaders.is_current(loaders) and not self._warned_stale:
             self._warned_stale = True
             log.warning(
                 "lightning_preempt: the training loaders were replaced without on_train_epoch_start being called; "
                 "a mid-epoch resume from this checkpoint keeps the position but not the data order"
             )
-        for i, (dl, (kind, sampler)) in enumerate(zip(self._train_loaders(trainer), self._samplers, strict=True)):
-            pre_iter = sampler.pre_iter if sampler is not None else self._stateful_pre_iter[i]
-            loaders.append(
-                {
-                    "kind": kind,
-                    "epoch_state": sampler.epoch_state if sampler is not None else None,
-                    "generators": [g.get_state() for g in loader_generators(dl)],
-                    "pre_iter": pre_iter[1] if pre_iter is not None and pre_iter[0] == epoch else None,
-                }
-            )
-        return {
-            "version": FORMAT_VERSION,
-            "rank": trainer.global_rank,
-            "world_size": trainer.world_size,
-            "epoch": trainer.current_epoch,
-            "global_step": trainer.global_step,
-            "batches_in_epoch": batches,
-            "rng": capture_rng(),
-            "loaders": loaders,
-            "metrics": metric_states(pl_module),
-            "results": result_states(trainer),
-        }
+        return exact_state.make_state(
+            rank=trainer.global_rank,
+            world_size=trainer.world_size,
+            epoch=trainer.current_epoch,
+            global_step=trainer.global_step,
+            batches_in_epoch=batches,
+            loaders=self._loaders.capture(loaders, trainer.current_epoch),
+            metrics=metric_states(pl_module),
+            results=result_states(trainer),
+        )
 
     # -- loading --
     def load(self, state: dict[str, Any] | None) -> None:
         """Keep the saved state until :meth:`on_train_start` applies it."""
         if not self.enabled:
             return
-        if state is not None and state.get("version") != FORMAT_VERSION:
-            log.warning(
-                "lightning_preempt: exact-resume state version %r is not %d; ignoring it (the resume is not exact)",
-                state.get("version"),
-                FORMAT_VERSION,
-            )
-            state = None
-        self._loaded = state
+        self._loaded = exact_state.checked(state)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Wrap the training samplers, then restore the saved state (last, just before data is fetched)."""
         if not self.enabled:
             return
         state, self._loaded = self._loaded, None
-        num_batches = trainer.num_training_batches
         # Lightning goes on inside the saved epoch unless the save ended it (then it starts the next).
-        mid_epoch = (
-            state is not None
-            and state.get("epoch") == trainer.current_epoch
-            and 0 < state["batches_in_epoch"] < num_batches
-        )
+        mid_epoch = exact_state.is_mid_epoch(state, trainer.current_epoch, trainer.num_training_batches)
         own = state is not None and state.get("rank") == trainer.global_rank
         # A resume from a save that ended an epoch reloads the loaders (when they are reloaded
         # every n epochs) at the next epoch start, after this hook and without calling
@@ -232,31 +197,23 @@ class ExactResume:
             _compat.reload_train_data(trainer)
         self._wrap(trainer)
         if state is None:
-            self._restart_worker_iterators(trainer)
+            self._remake_iterators(trainer)
             return
-        rank, world = trainer.global_rank, trainer.world_size
-        if state.get("world_size") != world:
-            log.warning(
-                "lightning_preempt: the checkpoint was written by %d ranks, this run has %d: the data order and the "
-                "random streams cannot match an uninterrupted run exactly",
-                state.get("world_size"),
-                world,
-            )
-        self._restore_data(state, mid_epoch)
+        exact_state.warn_world_size(state, trainer.world_size)
+        saved = state.get("loaders", [])
+        self._loaders.restore_positions(saved, mid_epoch, state["batches_in_epoch"] if mid_epoch else 0)
         if mid_epoch:
-            missing = load_metric_states(pl_module, state.get("metrics", {}))
-            if missing:
-                log.warning("lightning_preempt: saved metric states not found in the model: %s", missing)
+            exact_state.restore_metrics(pl_module, state)
             self._pending_results = dict(state.get("results", {}))
         if own and mid_epoch:
             # Remake the iterators from the RNG states this epoch's iterators were made from
             # (the workers get the same base seed), let the workers replay what they loaded
             # (replay_worker_draws), then restore the states of the moment of the save.
-            self._set_pre_iter_rng(trainer, state)
-            replay = self._restart_worker_iterators(trainer, mid_epoch=True)
+            self._loaders.set_pre_iter_rng(_compat.train_loaders(trainer), saved)
+            replay = self._remake_iterators(trainer, mid_epoch=True)
             self._drop_replayed(trainer, replay)
             restore_rng(state["rng"])
-            self._restore_generators(trainer, state)
+            self._loaders.restore_generators(_compat.train_loaders(trainer), saved)
             self.restored = "mid-epoch"
         elif own:
             # The save ended an epoch: the uninterrupted run made the next epoch's iterators
@@ -266,22 +223,18 @@ class ExactResume:
                 _compat.reload_train_data(trainer)
                 self._wrap(trainer)  # new loaders: their generators are as train_dataloader() made them
             else:
-                self._restore_generators(trainer, state)
-            self._restart_iterators(trainer)
+                self._loaders.restore_generators(_compat.train_loaders(trainer), saved)
+            self._loaders.make_next_epoch_iterators(
+                _compat.train_loaders(trainer),
+                trainer.current_epoch,
+                _iterator_maker(trainer),
+                _sampler_epoch_setter(trainer),
+            )
             self.restored = "epoch-end"
         else:
-            self._restart_worker_iterators(trainer)
-            seed = derive_seed(state["rng"], rank)
-            seed_all(seed)
+            self._remake_iterators(trainer)
+            exact_state.seed_from_saved_rank(state, trainer.global_rank)
             self.restored = "derived"
-            log.warning(
-                "lightning_preempt: rank %d has no saved RNG state (the checkpoint had %s ranks); seeding it with %d, "
-                "derived from rank %s's state",
-                rank,
-                state.get("world_size"),
-                seed,
-                state.get("rank"),
-            )
         log.info(
             "lightning_preempt: exact resume (%s) at epoch %d, batch %d of the epoch",
             self.restored,
@@ -294,22 +247,18 @@ class ExactResume:
 
         Lightning makes the epoch's iterators right after the ``on_train_epoch_start`` hooks
         (ours run after other callbacks', before the module's). A mid-epoch resume makes the
-        iterator again from these states (see :func:`_replays_sampler`). The first epoch of a
+        iterator again from these states (see ``replays_sampler``). The first epoch of a
         process is noted by :meth:`on_train_start`, which makes that iterator again.
         """
         if not self.enabled:
             return
-        if not self._current(trainer):
+        if not self._loaders.is_current(_compat.train_loaders(trainer)):
             # New loaders (reload_dataloaders_every_n_epochs): wrap them before Lightning
             # makes this epoch's iterators; their samplers missed this epoch's set_epoch note.
             self._wrap(trainer)
-            self._note_pre_iter(trainer)
+            self._loaders.note_pre_iter(_compat.train_loaders(trainer), trainer.current_epoch)
             return
-        epoch = trainer.current_epoch
-        for i, (dl, (kind, _)) in enumerate(zip(self._train_loaders(trainer), self._samplers, strict=True)):
-            noted = self._stateful_pre_iter[i]
-            if kind == "stateful" and (noted is None or noted[0] != epoch):
-                self._stateful_pre_iter[i] = (epoch, snapshot_iter_rng(loader_generators(dl)))
+        self._loaders.note_epoch_start(_compat.train_loaders(trainer), trainer.current_epoch)
 
     def on_train_batch_end(self, trainer: pl.Trainer) -> None:
         """Fold the saved ``self.log`` aggregates in once the resumed run has logged them again."""
@@ -317,81 +266,20 @@ class ExactResume:
             merge_result_states(trainer, self._pending_results)
 
     # -- internals --
-    def _train_loaders(self, trainer: pl.Trainer) -> list[Any]:
-        return _compat.train_loaders(trainer)
-
-    def _current(self, trainer: pl.Trainer) -> bool:
-        """The loaders that train are those :meth:`_wrap` saw (a reload makes new ones)."""
-        loaders = self._train_loaders(trainer)
-        return len(loaders) == len(self._wrapped) and all(a is b for a, b in zip(loaders, self._wrapped, strict=True))
-
     def _wrap(self, trainer: pl.Trainer) -> None:
-        loaders = self._train_loaders(trainer)
-        self._samplers = [wrap_loader(dl) for dl in loaders]
-        self._stateful_pre_iter = [None] * len(loaders)
-        self._wrapped = list(loaders)
-        bad = [_describe(dl) for dl, (kind, _) in zip(loaders, self._samplers, strict=True) if kind == "unsupported"]
-        if bad and not self._warned:
-            self._warned = True
-            warnings.warn(
-                f"lightning_preempt: cannot resume the position of the training data {', '.join(bad)} "
-                "mid-epoch: after a preemption the epoch restarts from its first batch while the step counter "
-                "goes on.\nHINT: use torchdata.stateful_dataloader.StatefulDataLoader (a drop-in DataLoader "
-                "that Lightning checkpoints), or a plain DataLoader with a Sequential/Random/DistributedSampler "
-                "and the default batch sampler.",
-                stacklevel=2,
-            )
+        self._loaders.wrap(_compat.train_loaders(trainer))
         self._check_prefetch(trainer)
 
-    def _restart_worker_iterators(self, trainer: pl.Trainer, mid_epoch: bool = False) -> dict[int, int]:
-        """Remake the iterators where needed; returns {loader index: batches to drop} (replay).
-
-        Needed for worker loaders we wrapped (their workers asked the original sampler for
-        indices as soon as Lightning made them); mid-epoch, for a StatefulDataLoader whose
-        sampler takes ``set_epoch`` (torchdata made the resumed epoch's indices before
-        Lightning set the epoch: we set it and hand the loader its own position again); and
-        for a StatefulDataLoader that replays its sampler (:func:`_replays_sampler`): in a
-        fresh process its first iterator is made again here, after the states it is made
-        from are noted, so that a mid-epoch resume can make it from the same states.
-        """
-        loaders = self._train_loaders(trainer)
-        pairs = list(zip(loaders, self._samplers, strict=True))
-        wrapped_workers = [i for i, (dl, (kind, _)) in enumerate(pairs) if kind == "sampler" and _workers(dl)]
-        epoch_samplers = [i for i, (dl, (kind, _)) in enumerate(pairs) if kind == "stateful" and _has_set_epoch(dl)]
-        replaying = [i for i, (dl, (kind, _)) in enumerate(pairs) if kind == "stateful" and _replays_sampler(dl)]
-        if mid_epoch:
-            for dl, (kind, _) in pairs:
-                if _workers(dl) and (kind == "stateful" or (kind == "sampler" and not self.replay_worker_draws)):
-                    self._warn_worker_draws(dl)
-        fetcher = _compat.train_fetcher(trainer)
-        if fetcher is None or not (wrapped_workers or replaying or (mid_epoch and epoch_samplers)):
-            return {}
-        self._note_pre_iter(trainer)
-        replay: dict[int, int] = {}
-        for i, (dl, (kind, sampler)) in enumerate(pairs):
-            if kind == "stateful":
-                # iter(fetcher) remakes every loader's iterator: a StatefulDataLoader would lose
-                # the position Lightning just loaded into it, so hand that position back first.
-                _compat.set_sampler_epoch(dl, cast(Any, trainer.fit_loop.epoch_progress.current).processed)
-                dl.load_state_dict(dl.state_dict())
-            if mid_epoch and _workers(dl) and kind == "sampler" and sampler is not None and self.replay_worker_draws:
-                replay[i] = sampler.replay()
-        with contextlib.ExitStack() as stack:
-            for i in replaying:  # dl.load_state_dict above: torchdata iterates the sampler again
-                noted = self._stateful_pre_iter[i]
-                if noted is not None:
-                    stack.enter_context(rewound_sampler(loaders[i], noted[1]))
-            iter(fetcher)
-        return replay
-
-    def _note_pre_iter(self, trainer: pl.Trainer) -> None:
-        """Note, for every loader, the states the iterators about to be made are made from."""
-        epoch = trainer.current_epoch
-        for i, (dl, (kind, sampler)) in enumerate(zip(self._train_loaders(trainer), self._samplers, strict=True)):
-            if sampler is not None:  # (see ResumableSampler.set_epoch)
-                sampler.pre_iter = (epoch, snapshot_iter_rng(sampler.generators))
-            elif kind == "stateful":
-                self._stateful_pre_iter[i] = (epoch, snapshot_iter_rng(loader_generators(dl)))
+    def _remake_iterators(self, trainer: pl.Trainer, mid_epoch: bool = False) -> dict[int, int]:
+        """:meth:`ResumableLoaders.remake_iterators` with Lightning's fetcher and sampler epoch."""
+        return self._loaders.remake_iterators(
+            _compat.train_loaders(trainer),
+            trainer.current_epoch,
+            _iterator_maker(trainer),
+            _sampler_epoch_setter(trainer),
+            mid_epoch=mid_epoch,
+            replay_worker_draws=self.replay_worker_draws,
+        )
 
     def _drop_replayed(self, trainer: pl.Trainer, replay: dict[int, int]) -> None:
         """Take the replayed batches out of the remade iterators, past Lightning's counters."""
@@ -403,48 +291,11 @@ class ExactResume:
                 "lightning_preempt: cannot reach the training loader iterators to drop the replayed batches\n"
                 "HINT: set PreemptionCallback(...).exact.replay_worker_draws = False with this Lightning version."
             )
-        for i, n in replay.items():
-            for _ in range(n):
-                next(iterators[i])
-
-    def _warn_worker_draws(self, loader: Any) -> None:
-        warnings.warn(
-            f"lightning_preempt: resuming mid-epoch with worker processes ({_describe(loader)}): random draws made "
-            "inside the workers (augmentations in __getitem__) start again from the epoch's worker seed, so for "
-            "the rest of this epoch they differ from an uninterrupted run (the next epochs match again).\n"
-            "HINT: if the workers draw random numbers, set PreemptionCallback(...).exact.replay_worker_draws = True "
-            "(plain DataLoader: the workers load this epoch's trained batches again), or draw them from a "
-            "generator seeded with the sample index (and the epoch).",
-            stacklevel=2,
-        )
-
-    def _set_pre_iter_rng(self, trainer: pl.Trainer, state: dict[str, Any]) -> None:
-        saved = state.get("loaders", [])
-        if len(saved) != len(self._samplers):
-            return
-        for dl, entry in zip(self._train_loaders(trainer), saved, strict=True):
-            pre_iter = entry.get("pre_iter")
-            if pre_iter is not None:
-                torch.set_rng_state(pre_iter["torch"])  # the same for every loader (one moment)
-                set_generator_states(loader_generators(dl), pre_iter["generators"])
-
-    def _restore_generators(self, trainer: pl.Trainer, state: dict[str, Any]) -> None:
-        saved = state.get("loaders", [])
-        if len(saved) != len(self._samplers):
-            return  # _restore_data warned
-        for dl, entry in zip(self._train_loaders(trainer), saved, strict=True):
-            if "generators" in entry and not set_generator_states(loader_generators(dl), entry["generators"]):
-                log.warning(
-                    "lightning_preempt: the training loader %s has %d torch generators, the checkpoint %d: "
-                    "not restoring them (the data order of the next epochs will differ)",
-                    _describe(dl),
-                    len(loader_generators(dl)),
-                    len(entry["generators"]),
-                )
+        drop_replayed(iterators, replay)
 
     def _check_prefetch(self, trainer: pl.Trainer) -> None:
         fetcher = _compat.train_fetcher(trainer)
-        stateful = any(kind == "stateful" for kind, _ in self._samplers)
+        stateful = "stateful" in self._loaders.kinds
         if stateful and fetcher is not None and getattr(fetcher, "length", 0) is None:
             warnings.warn(
                 "lightning_preempt: the training data has no length, so Lightning fetches one batch ahead and the "
@@ -452,40 +303,3 @@ class ExactResume:
                 "HINT: give the dataset a __len__ (or resume from epoch ends).",
                 stacklevel=2,
             )
-
-    def _restore_data(self, state: dict[str, Any], mid_epoch: bool) -> None:
-        saved = state.get("loaders", [])
-        if len(saved) != len(self._samplers):
-            if mid_epoch:
-                log.warning(
-                    "lightning_preempt: %d training loaders now, %d when saved: not resuming their positions",
-                    len(self._samplers),
-                    len(saved),
-                )
-            return
-        if not mid_epoch:
-            return
-        for (kind, sampler), entry in zip(self._samplers, saved, strict=True):
-            if kind == "sampler" and sampler is not None:
-                epoch_state = entry.get("epoch_state") if entry.get("kind") == "sampler" else None
-                sampler.resume_at(epoch_state, state["batches_in_epoch"] * sampler.batch_size)
-            elif kind == "unsupported":
-                log.warning(
-                    "lightning_preempt: resuming mid-epoch (batch %d) with a data loader whose position is not "
-                    "saved: this epoch's data starts again from its first batch",
-                    state["batches_in_epoch"],
-                )
-
-    def _restart_iterators(self, trainer: pl.Trainer) -> None:
-        # The save ended an epoch. The uninterrupted run creates the next epoch's iterators
-        # after this point (drawing a worker base seed, and for torchdata's samplers the
-        # epoch's seed); the resumed run created them before the restore. Create them again
-        # now, after the sampler epoch is set the way Lightning is about to set it.
-        epoch = cast(Any, trainer.fit_loop.epoch_progress.current).processed
-        for dl in self._train_loaders(trainer):
-            _compat.set_sampler_epoch(dl, epoch)
-        fetcher = _compat.train_fetcher(trainer)
-        if fetcher is not None:
-            self._note_pre_iter(trainer)
-            iter(fetcher)
-

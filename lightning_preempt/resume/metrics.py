@@ -12,9 +12,7 @@ from typing import Any
 import torch
 
 
-# ---- torchmetrics (metric states are not in state_dict) ---------------------------------
-# torchmetrics 1.x: `Metric._defaults` names the state attributes, `_update_count` counts
-# updates (compute() warns at 0) and `_computed` caches compute()'s result.
+# ---- torchmetrics internals (the module docstring says which) ---------------------------
 def metric_state_names(metric: Any) -> list[str] | None:
     """The state attributes of a torchmetrics ``Metric`` (``None``: not one we know)."""
     defaults = getattr(metric, "_defaults", None)
@@ -22,6 +20,7 @@ def metric_state_names(metric: Any) -> list[str] | None:
 
 
 def metric_update_count(metric: Any) -> int:
+    """How many times ``metric`` was updated since its last reset."""
     return int(getattr(metric, "_update_count", 0))
 
 
@@ -32,11 +31,12 @@ def set_metric_update_count(metric: Any, count: int) -> None:
 
 
 # ---- metrics -----------------------------------------------------------------------------
-def _clone(value: Any) -> Any:
+def cpu_copy(value: Any) -> Any:
+    """A detached CPU copy of a state value (tensor, list of tensors, anything else deep-copied)."""
     if isinstance(value, torch.Tensor):
         return value.detach().clone().cpu()
     if isinstance(value, list):
-        return [_clone(v) for v in value]
+        return [cpu_copy(v) for v in value]
     return copy.deepcopy(value)
 
 
@@ -59,7 +59,7 @@ def metric_states(module: torch.nn.Module) -> dict[str, dict[str, Any]]:
         names = metric_state_names(m) if isinstance(m, Metric) else None
         if names is not None:
             out[name] = {
-                "states": {attr: _clone(getattr(m, attr)) for attr in names},
+                "states": {attr: cpu_copy(getattr(m, attr)) for attr in names},
                 "update_count": metric_update_count(m),
             }
     return out
@@ -79,4 +79,3 @@ def load_metric_states(module: torch.nn.Module, saved: dict[str, dict[str, Any]]
             setattr(m, attr, _to(value, device))
         set_metric_update_count(m, entry["update_count"])
     return missing
-

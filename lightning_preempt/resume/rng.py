@@ -1,5 +1,4 @@
-"""RNG states for exact resume: capture, restore, derive for a rank that had none.
-"""
+"""RNG states for exact resume: capture, restore, derive for a rank that had none."""
 
 from __future__ import annotations
 
@@ -88,4 +87,3 @@ def set_generator_states(generators: list[torch.Generator], states: list[Any]) -
     for g, state in zip(generators, states, strict=True):
         g.set_state(state)
     return True
-

@@ -48,7 +48,9 @@ def loader_generators(loader: Any) -> list[torch.Generator]:
     samplers += [distributed_wrapped_sampler(s) for s in samplers]
     candidates = [getattr(loader, "generator", None)]
     for sampler in samplers:
-        candidates.append(getattr(sampler.inner if isinstance(sampler, ResumableSampler) else sampler, "generator", None))
+        candidates.append(
+            getattr(sampler.inner if isinstance(sampler, ResumableSampler) else sampler, "generator", None)
+        )
     found: list[torch.Generator] = []
     for g in candidates:
         if isinstance(g, torch.Generator) and all(g is not f for f in found):
@@ -144,8 +146,8 @@ class ResumableSampler(Sampler[int]):
 
         Lightning calls this at the start of every epoch, before it creates the epoch's
         iterator (the first epoch of a process excepted: its iterator exists already, and
-        :class:`ExactResume` notes the states when it recreates it). Only the first call for
-        an epoch counts: Lightning calls it twice (``DataLoader.sampler`` and ours).
+        ``ResumableLoaders.note_pre_iter`` notes the states when it is made again). Only the
+        first call for an epoch counts: Lightning calls it twice (``DataLoader.sampler`` and ours).
         """
         set_epoch = getattr(self.inner, "set_epoch", None)
         if callable(set_epoch):
@@ -196,11 +198,13 @@ class ResumableSampler(Sampler[int]):
         yield from itertools.islice(it, skip, None)
 
 
-def _workers(loader: Any) -> bool:
+def has_workers(loader: Any) -> bool:
+    """``loader`` loads in worker processes (they draw from a base seed made by ``iter``)."""
     return int(getattr(loader, "num_workers", 0) or 0) > 0
 
 
-def _has_set_epoch(loader: Any) -> bool:
+def has_set_epoch(loader: Any) -> bool:
+    """``loader``'s sampler (or its batch sampler's) takes ``set_epoch``."""
     samplers = [getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)]
     return any(callable(getattr(s, "set_epoch", None)) for s in samplers)
 
@@ -209,7 +213,7 @@ def _stateful(loader: Any) -> bool:
     return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
 
 
-def _replays_sampler(loader: Any) -> bool:
+def replays_sampler(loader: Any) -> bool:
     """A ``StatefulDataLoader`` that resumes by iterating its sampler again from the start.
 
     torchdata saves the position of a sampler that has ``state_dict`` (its ``RandomSampler``
@@ -232,7 +236,8 @@ def _replays_sampler(loader: Any) -> bool:
     return not any(_is_plain(sampler, cls) for cls in (SequentialSampler, DistributedSampler))
 
 
-def _describe(loader: Any) -> str:
+def describe_loader(loader: Any) -> str:
+    """``Loader(sampler=..., batch_sampler=...)``: how warnings name a loader."""
     sampler = getattr(loader, "sampler", None)
     batch_sampler = getattr(loader, "batch_sampler", None)
     return f"{type(loader).__name__}(sampler={type(sampler).__name__}, batch_sampler={type(batch_sampler).__name__})"
@@ -264,4 +269,3 @@ def wrap_loader(loader: Any) -> tuple[str, ResumableSampler | None]:
     # DataLoader.sampler stays the original: Lightning's set_epoch still reaches it.
     batch_sampler.sampler = wrapped
     return "sampler", wrapped
-

@@ -1,0 +1,107 @@
+"""The exact-resume state one rank saves, and the checks and restores any front-end makes with it.
+
+The state is a plain dict under :data:`STATE_KEY` in the rank's own checkpoint file (never
+in shared shards: every rank has its own RNG states and data position)::
+
+    {"version": 1, "rank": int, "world_size": int, "epoch": int, "global_step": int,
+     "batches_in_epoch": int, "rng": capture_rng(), "loaders": ResumableLoaders.capture(),
+     "metrics": metric_states(), "results": front-end specific (Lightning: self.log aggregates)}
+
+Checkpoints written since version 1 restore with these keys; a change of their meaning
+bumps :data:`FORMAT_VERSION` (an older state is then ignored, with a warning).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from lightning_preempt.resume.metrics import load_metric_states
+from lightning_preempt.resume.rng import capture_rng, derive_seed, seed_all
+
+log = logging.getLogger(__name__)
+
+STATE_KEY = "lightning_preempt"
+"""Top-level checkpoint key of the exact-resume state (stays in the per-rank skeleton)."""
+
+FORMAT_VERSION = 1
+
+
+def make_state(
+    *,
+    rank: int,
+    world_size: int,
+    epoch: int,
+    global_step: int,
+    batches_in_epoch: int,
+    loaders: list[dict[str, Any]],
+    metrics: dict[str, dict[str, Any]],
+    results: dict[str, dict[str, Any]],
+) -> dict[str, Any]:
+    """This rank's state, with the RNG states of this moment (call at the save, nothing drawn after)."""
+    return {
+        "version": FORMAT_VERSION,
+        "rank": rank,
+        "world_size": world_size,
+        "epoch": epoch,
+        "global_step": global_step,
+        "batches_in_epoch": batches_in_epoch,
+        "rng": capture_rng(),
+        "loaders": loaders,
+        "metrics": metrics,
+        "results": results,
+    }
+
+
+def checked(state: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``state`` if this version can restore it, else ``None`` (warned: the resume is not exact)."""
+    if state is not None and state.get("version") != FORMAT_VERSION:
+        log.warning(
+            "lightning_preempt: exact-resume state version %r is not %d; ignoring it (the resume is not exact)",
+            state.get("version"),
+            FORMAT_VERSION,
+        )
+        return None
+    return state
+
+
+def is_mid_epoch(state: dict[str, Any] | None, epoch: int, num_batches: int | float) -> bool:
+    """The loop goes on inside the saved epoch (else the save ended it and the next one starts).
+
+    ``num_batches`` is the epoch's length (``inf`` for data without one).
+    """
+    return state is not None and state.get("epoch") == epoch and 0 < state["batches_in_epoch"] < num_batches
+
+
+def warn_world_size(state: dict[str, Any], world_size: int) -> None:
+    """Warn when the state was written by another number of ranks (the resume cannot be exact)."""
+    if state.get("world_size") != world_size:
+        log.warning(
+            "lightning_preempt: the checkpoint was written by %d ranks, this run has %d: the data order and the "
+            "random streams cannot match an uninterrupted run exactly",
+            state.get("world_size"),
+            world_size,
+        )
+
+
+def restore_metrics(module: torch.nn.Module, state: dict[str, Any]) -> None:
+    """Put the saved torchmetrics states back into ``module`` (warned for metrics it lacks)."""
+    missing = load_metric_states(module, state.get("metrics", {}))
+    if missing:
+        log.warning("lightning_preempt: saved metric states not found in the model: %s", missing)
+
+
+def seed_from_saved_rank(state: dict[str, Any], rank: int) -> None:
+    """Seed every RNG of a rank that has no saved state from the saving rank's (deterministic; warned)."""
+    seed = derive_seed(state["rng"], rank)
+    seed_all(seed)
+    log.warning(
+        "lightning_preempt: rank %d has no saved RNG state (the checkpoint had %s ranks); seeding it with %d, "
+        "derived from rank %s's state",
+        rank,
+        state.get("world_size"),
+        seed,
+        state.get("rank"),
+    )

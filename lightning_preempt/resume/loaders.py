@@ -1,0 +1,274 @@
+"""Per-loader bookkeeping of exact resume, for any loop that iterates a list of training loaders.
+
+:class:`ResumableLoaders` knows which loaders it wrapped (a :class:`ResumableSampler`
+installed), which save their own position (``"stateful"``: a torchdata
+``StatefulDataLoader``) and which it cannot resume; it notes the RNG states each epoch's
+iterators are made from, captures one saved entry per loader and puts positions,
+generators and iterators back. It never touches a training loop: a front-end passes the
+loaders (always the same list, in the same order, as its loop iterates them), the epoch
+number and small callables (make the loop's iterators again; Lightning's per-epoch
+``set_epoch``). ``lightning/exact.py`` is the Trainer's front-end.
+
+Call order (one process, per rank):
+
+1. :meth:`~ResumableLoaders.wrap` once the loaders exist, before the first epoch's iterators
+   are made where the loop allows; again whenever the loop replaces them
+   (:meth:`~ResumableLoaders.is_current` is ``False``), followed then by
+   :meth:`~ResumableLoaders.note_pre_iter`.
+2. :meth:`~ResumableLoaders.note_epoch_start` at every epoch start, just before the epoch's
+   iterators are made (a ``ResumableSampler`` notes its own in ``set_epoch``).
+3. :meth:`~ResumableLoaders.capture` at a save: the ``"loaders"`` entries of the state.
+4. At the restore, after :meth:`~ResumableLoaders.wrap` and before the first batch is fetched,
+   with the saved entries: :meth:`~ResumableLoaders.restore_positions`; then
+
+   * mid-epoch: :meth:`~ResumableLoaders.set_pre_iter_rng`,
+     :meth:`~ResumableLoaders.remake_iterators` (``mid_epoch=True``), :func:`drop_replayed`,
+     ``restore_rng`` (the states of the save), :meth:`~ResumableLoaders.restore_generators`;
+   * the save ended an epoch: ``restore_rng``, :meth:`~ResumableLoaders.restore_generators`,
+     :meth:`~ResumableLoaders.make_next_epoch_iterators`;
+   * nothing saved for this rank: :meth:`~ResumableLoaders.remake_iterators`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from lightning_preempt.resume.rng import set_generator_states, snapshot_iter_rng
+from lightning_preempt.resume.samplers import (
+    ResumableSampler,
+    describe_loader,
+    has_set_epoch,
+    has_workers,
+    loader_generators,
+    replays_sampler,
+    rewound_sampler,
+    wrap_loader,
+)
+
+log = logging.getLogger(__name__)
+
+SetSamplerEpoch = Callable[[Any], None]
+"""Sets a loader's sampler epoch the way the loop is about to (Lightning: ``_set_sampler_epoch``)."""
+
+
+class ResumableLoaders:
+    """Which training loaders are wrapped, stateful or unsupported, and what their resume needs.
+
+    Args:
+        replay_setting: how the user turns on replaying worker draws, named in the warning
+            given when a mid-epoch resume with worker processes cannot replay them.
+    """
+
+    def __init__(self, replay_setting: str = "replay_worker_draws") -> None:
+        self.replay_setting = replay_setting
+        self._samplers: list[tuple[str, ResumableSampler | None]] = []
+        # Per loader (same order): for "stateful" loaders, (epoch, snapshot_iter_rng) taken
+        # just before the epoch's iterator was made; a ResumableSampler keeps its own.
+        self._stateful_pre_iter: list[tuple[int, dict[str, Any]] | None] = []
+        self._wrapped: list[Any] = []  # the loaders wrap() saw (a reload makes new ones)
+        self._warned = False  # the unsupported-loader warning is given once per process
+
+    @property
+    def kinds(self) -> list[str]:
+        """Per wrapped loader: ``"sampler"``, ``"stateful"`` or ``"unsupported"`` (see :func:`wrap_loader`)."""
+        return [kind for kind, _ in self._samplers]
+
+    def wrap(self, loaders: Sequence[Any]) -> None:
+        """Install a :class:`ResumableSampler` where safe; warn (once) about loaders that cannot resume."""
+        self._samplers = [wrap_loader(dl) for dl in loaders]
+        self._stateful_pre_iter = [None] * len(loaders)
+        self._wrapped = list(loaders)
+        bad = [describe_loader(dl) for dl, kind in zip(loaders, self.kinds, strict=True) if kind == "unsupported"]
+        if bad and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"lightning_preempt: cannot resume the position of the training data {', '.join(bad)} "
+                "mid-epoch: after a preemption the epoch restarts from its first batch while the step counter "
+                "goes on.\nHINT: use torchdata.stateful_dataloader.StatefulDataLoader (a drop-in DataLoader "
+                "that Lightning checkpoints), or a plain DataLoader with a Sequential/Random/DistributedSampler "
+                "and the default batch sampler.",
+                stacklevel=2,
+            )
+
+    def is_current(self, loaders: Sequence[Any]) -> bool:
+        """``loaders`` are the very objects :meth:`wrap` saw (a reload makes new ones)."""
+        return len(loaders) == len(self._wrapped) and all(a is b for a, b in zip(loaders, self._wrapped, strict=True))
+
+    # -- notes of the states each epoch's iterators are made from --
+    def note_epoch_start(self, loaders: Sequence[Any], epoch: int) -> None:
+        """Note, for stateful loaders not yet noted this epoch, the states their iterator is made from."""
+        for i, (dl, kind) in enumerate(zip(loaders, self.kinds, strict=True)):
+            noted = self._stateful_pre_iter[i]
+            if kind == "stateful" and (noted is None or noted[0] != epoch):
+                self._stateful_pre_iter[i] = (epoch, snapshot_iter_rng(loader_generators(dl)))
+
+    def note_pre_iter(self, loaders: Sequence[Any], epoch: int) -> None:
+        """Note, for every loader, the states the iterators about to be made are made from."""
+        for i, (dl, (kind, sampler)) in enumerate(zip(loaders, self._samplers, strict=True)):
+            if sampler is not None:  # (see ResumableSampler.set_epoch)
+                sampler.pre_iter = (epoch, snapshot_iter_rng(sampler.generators))
+            elif kind == "stateful":
+                self._stateful_pre_iter[i] = (epoch, snapshot_iter_rng(loader_generators(dl)))
+
+    # -- saving --
+    def capture(self, loaders: Sequence[Any], epoch: int) -> list[dict[str, Any]]:
+        """One saved entry per loader: its kind, its epoch's order, its generators' states and
+        the states its ``epoch`` iterator was made from (``None`` if not noted this epoch)."""
+        entries = []
+        for i, (dl, (kind, sampler)) in enumerate(zip(loaders, self._samplers, strict=True)):
+            pre_iter = sampler.pre_iter if sampler is not None else self._stateful_pre_iter[i]
+            entries.append(
+                {
+                    "kind": kind,
+                    "epoch_state": sampler.epoch_state if sampler is not None else None,
+                    "generators": [g.get_state() for g in loader_generators(dl)],
+                    "pre_iter": pre_iter[1] if pre_iter is not None and pre_iter[0] == epoch else None,
+                }
+            )
+        return entries
+
+    # -- restoring --
+    def restore_positions(self, saved: list[dict[str, Any]], mid_epoch: bool, batches_in_epoch: int = 0) -> None:
+        """Mid-epoch: make each wrapped sampler's next epoch replay the saved order and skip
+        ``batches_in_epoch`` batches (warned for loaders whose position is not saved)."""
+        if len(saved) != len(self._samplers):
+            if mid_epoch:
+                log.warning(
+                    "lightning_preempt: %d training loaders now, %d when saved: not resuming their positions",
+                    len(self._samplers),
+                    len(saved),
+                )
+            return
+        if not mid_epoch:
+            return
+        for (kind, sampler), entry in zip(self._samplers, saved, strict=True):
+            if kind == "sampler" and sampler is not None:
+                epoch_state = entry.get("epoch_state") if entry.get("kind") == "sampler" else None
+                sampler.resume_at(epoch_state, batches_in_epoch * sampler.batch_size)
+            elif kind == "unsupported":
+                log.warning(
+                    "lightning_preempt: resuming mid-epoch (batch %d) with a data loader whose position is not "
+                    "saved: this epoch's data starts again from its first batch",
+                    batches_in_epoch,
+                )
+
+    def set_pre_iter_rng(self, loaders: Sequence[Any], saved: list[dict[str, Any]]) -> None:
+        """Set the global torch RNG and the generators to the states the saved epoch's iterators were made from."""
+        if len(saved) != len(self._samplers):
+            return
+        for dl, entry in zip(loaders, saved, strict=True):
+            pre_iter = entry.get("pre_iter")
+            if pre_iter is not None:
+                torch.set_rng_state(pre_iter["torch"])  # the same for every loader (one moment)
+                set_generator_states(loader_generators(dl), pre_iter["generators"])
+
+    def restore_generators(self, loaders: Sequence[Any], saved: list[dict[str, Any]]) -> None:
+        """Set every loader's generators to their states at the save (warned when the counts differ)."""
+        if len(saved) != len(self._samplers):
+            return  # restore_positions warned
+        for dl, entry in zip(loaders, saved, strict=True):
+            if "generators" in entry and not set_generator_states(loader_generators(dl), entry["generators"]):
+                log.warning(
+                    "lightning_preempt: the training loader %s has %d torch generators, the checkpoint %d: "
+                    "not restoring them (the data order of the next epochs will differ)",
+                    describe_loader(dl),
+                    len(loader_generators(dl)),
+                    len(entry["generators"]),
+                )
+
+    def remake_iterators(
+        self,
+        loaders: Sequence[Any],
+        epoch: int,
+        make_iterators: Callable[[], object] | None,
+        set_sampler_epoch: SetSamplerEpoch,
+        *,
+        mid_epoch: bool = False,
+        replay_worker_draws: bool = False,
+    ) -> dict[int, int]:
+        """Make the loop's iterators again where needed; returns {loader index: batches to drop}.
+
+        Needed for worker loaders we wrapped (their workers asked the original sampler for
+        indices as soon as the loop made them); mid-epoch, for a StatefulDataLoader whose
+        sampler takes ``set_epoch`` (torchdata made the resumed epoch's indices before the
+        loop set the epoch: we set it and hand the loader its own position again); and for a
+        StatefulDataLoader that replays its sampler (:func:`replays_sampler`): in a fresh
+        process its first iterator is made again here, after the states it is made from are
+        noted, so that a mid-epoch resume can make it from the same states.
+
+        ``make_iterators`` makes every loader's iterator again (``None``: the loop has none
+        yet, nothing is remade). With ``replay_worker_draws`` the workers of wrapped loaders
+        load the trained batches again: the caller drops them (:func:`drop_replayed`).
+        """
+        pairs = list(zip(loaders, self._samplers, strict=True))
+        kinds = self.kinds
+        wrapped_workers = [i for i, dl in enumerate(loaders) if kinds[i] == "sampler" and has_workers(dl)]
+        epoch_samplers = [i for i, dl in enumerate(loaders) if kinds[i] == "stateful" and has_set_epoch(dl)]
+        replaying = [i for i, dl in enumerate(loaders) if kinds[i] == "stateful" and replays_sampler(dl)]
+        if mid_epoch:
+            for dl, kind in zip(loaders, kinds, strict=True):
+                if has_workers(dl) and (kind == "stateful" or (kind == "sampler" and not replay_worker_draws)):
+                    self._warn_worker_draws(dl)
+        if make_iterators is None or not (wrapped_workers or replaying or (mid_epoch and epoch_samplers)):
+            return {}
+        self.note_pre_iter(loaders, epoch)
+        replay: dict[int, int] = {}
+        for i, (dl, (kind, sampler)) in enumerate(pairs):
+            if kind == "stateful":
+                # Making the iterators again would lose the position the loop just loaded
+                # into a StatefulDataLoader: hand that position back first.
+                set_sampler_epoch(dl)
+                dl.load_state_dict(dl.state_dict())
+            if mid_epoch and has_workers(dl) and kind == "sampler" and sampler is not None and replay_worker_draws:
+                replay[i] = sampler.replay()
+        with contextlib.ExitStack() as stack:
+            for i in replaying:  # dl.load_state_dict above: torchdata iterates the sampler again
+                noted = self._stateful_pre_iter[i]
+                if noted is not None:
+                    stack.enter_context(rewound_sampler(loaders[i], noted[1]))
+            make_iterators()
+        return replay
+
+    def make_next_epoch_iterators(
+        self,
+        loaders: Sequence[Any],
+        epoch: int,
+        make_iterators: Callable[[], object] | None,
+        set_sampler_epoch: SetSamplerEpoch,
+    ) -> None:
+        """After restoring a save that ended an epoch: make the next epoch's iterators again.
+
+        The uninterrupted run made them after the save (drawing a worker base seed, and for
+        torchdata's samplers the epoch's seed); the resumed loop made them before the
+        restore. We set the sampler epoch the way the loop is about to, note the states and
+        make them again (``make_iterators`` ``None``: the loop has none, nothing is made).
+        """
+        for dl in loaders:
+            set_sampler_epoch(dl)
+        if make_iterators is not None:
+            self.note_pre_iter(loaders, epoch)
+            make_iterators()
+
+    def _warn_worker_draws(self, loader: Any) -> None:
+        warnings.warn(
+            f"lightning_preempt: resuming mid-epoch with worker processes ({describe_loader(loader)}): random draws "
+            "made inside the workers (augmentations in __getitem__) start again from the epoch's worker seed, so "
+            "for the rest of this epoch they differ from an uninterrupted run (the next epochs match again).\n"
+            f"HINT: if the workers draw random numbers, set {self.replay_setting} = True "
+            "(plain DataLoader: the workers load this epoch's trained batches again), or draw them from a "
+            "generator seeded with the sample index (and the epoch).",
+            stacklevel=3,  # the front-end's call of remake_iterators
+        )
+
+
+def drop_replayed(iterators: Sequence[Iterator[Any]], replay: dict[int, int]) -> None:
+    """Take the replayed batches (:meth:`ResumableLoaders.remake_iterators`) out of the live iterators."""
+    for i, n in replay.items():
+        for _ in range(n):
+            next(iterators[i])
