@@ -1,7 +1,7 @@
 """``lightning-preempt`` on checkpoints written by a real ``trainer.fit``.
 
 A few commands run as a user runs them (``python -m lightning_preempt.cli`` in a
-subprocess); the many error cases call ``cli.main`` in-process, which is the same code
+subprocess); the many error cases call ``lightning_preempt.cli.main`` in-process, which is the same code
 without paying the interpreter and Lightning start-up each time.
 """
 
@@ -20,9 +20,11 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_preempt.cli import commands as cli
+from lightning_preempt.cli.main import main as cli_main
+from lightning_preempt.cli.options import parse_storage_options
 from lightning_preempt.format.pickle_scan import pickled_globals
 from lightning_preempt.read.load import load_full_checkpoint
+from lightning_preempt.storage.diagnose import storage_hint
 from lightning_preempt.storage.store import Store
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -120,10 +122,10 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str
 
 
 def call(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    """``cli.main`` in-process: (exit code, stdout, stderr)."""
+    """``lightning_preempt.cli.main`` in-process: (exit code, stdout, stderr)."""
     capsys.readouterr()
     try:
-        code = cli.main(list(args))
+        code = cli_main(list(args))
     except SystemExit as exit_:  # argparse usage errors
         code = int(exit_.code or 0)
     out, err = capsys.readouterr()
@@ -409,15 +411,15 @@ def test_storage_error_hints() -> None:
     class NoCredentialsError(Exception):
         pass
 
-    hint = cli.storage_hint("s3://bucket/run", NoCredentialsError("Unable to locate credentials"))
+    hint = storage_hint("s3://bucket/run", NoCredentialsError("Unable to locate credentials"))
     assert "AWS_ACCESS_KEY_ID" in hint
-    hint = cli.storage_hint("gs://bucket/run", OSError("Cannot connect to host storage.googleapis.com"))
+    hint = storage_hint("gs://bucket/run", OSError("Cannot connect to host storage.googleapis.com"))
     assert "cannot be reached" in hint and "GOOGLE_APPLICATION_CREDENTIALS" in hint
-    assert "pip install gcsfs" in cli.storage_hint("gs://b/r", ImportError("Install gcsfs"))
+    assert "pip install gcsfs" in storage_hint("gs://b/r", ImportError("Install gcsfs"))
 
 
 def test_storage_options_parse() -> None:
-    assert cli.parse_storage_options(["anon=true", "client_kwargs.region_name=eu-west-1", "n=3", "s=abc"]) == {
+    assert parse_storage_options(["anon=true", "client_kwargs.region_name=eu-west-1", "n=3", "s=abc"]) == {
         "anon": True,
         "client_kwargs": {"region_name": "eu-west-1"},
         "n": 3,

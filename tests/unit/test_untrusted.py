@@ -28,7 +28,8 @@ from lightning_preempt.catalog import ownership, retention, verified
 from lightning_preempt.catalog.listing import list_checkpoints
 from lightning_preempt.catalog.newest import newest_valid
 from lightning_preempt.catalog.retention import apply_retention
-from lightning_preempt.cli import commands as cli
+from lightning_preempt.cli.main import build_parser
+from lightning_preempt.cli.main import main as cli_main
 from lightning_preempt.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -43,6 +44,7 @@ from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.read.verify import read_manifest, verify_checkpoint
 from lightning_preempt.save.commit import SaveRequest, write_checkpoint
 from lightning_preempt.storage.checksum import Crc32c
+from lightning_preempt.storage.diagnose import storage_hint
 from lightning_preempt.storage.store import Store
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -114,7 +116,7 @@ def _state_with(ckpt: Path, **extra: Any) -> bytes:
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = cli.main(list(argv))
+    code = cli_main(list(argv))
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -566,10 +568,10 @@ def test_cli_credential_hints_never_suggest_secrets_on_the_command_line() -> Non
         pass
 
     for url in ("s3://b/run", "gs://b/run"):
-        hint = cli.storage_hint(url, NoCredentialsError("Unable to locate credentials"))
+        hint = storage_hint(url, NoCredentialsError("Unable to locate credentials"))
         assert "secret=" not in hint and "key=" not in hint and "token=PATH" not in hint
-    assert "AWS_PROFILE" in cli.storage_hint("s3://b/r", NoCredentialsError("Unable to locate credentials"))
-    assert "ps" in cli.build_parser()._subparsers._group_actions[0].choices["ls"].format_help()  # type: ignore[union-attr]
+    assert "AWS_PROFILE" in storage_hint("s3://b/r", NoCredentialsError("Unable to locate credentials"))
+    assert "ps" in build_parser()._subparsers._group_actions[0].choices["ls"].format_help()  # type: ignore[union-attr]
 
 
 def test_draining_a_crafted_checkpoint_writes_nothing_outside_the_destination(tmp_path: Path) -> None:
