@@ -1,7 +1,7 @@
-"""Every use of a private Lightning or torch API that lightning_preempt makes goes through here.
+"""Every use of a private Lightning API that lightning_preempt makes goes through here.
 
 Private names move between releases; keeping them in one module makes the minimum-versions
-job (``scripts/test_min_versions.sh``) and a Lightning/torch upgrade a matter of reading one
+job (``scripts/test_min_versions.sh``) and a Lightning upgrade a matter of reading one
 file. Each shim says which versions it was checked with and what happens when the private
 name is missing. docs/compat.md lists the private uses still made elsewhere.
 
@@ -17,11 +17,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 # ---- DCP and torch.serialization internals ---------------------------------------------
-# torch 2.7-2.13: dcp_storage.py subclasses the fsspec DCP writer/reader and its FileSystem
-# (checksums while writing, no rename of .metadata on object stores) and loads a state dict
-# without a template (_load_state_dict + _EmptyStateDictLoadPlanner, as dcp.load does for
-# format conversion); safe_load.py allow-lists _StorageInfo and _get_layout, which DCP's
-# pickled .metadata refers to. Checked by tests/test_exact_compat.py.
+# They live below the front-ends, in format/dcp_compat.py (the CLI reads checkpoints without
+# Lightning). Checked by tests/unit/test_exact_compat.py.
 
 
 # ---- Trainer(enable_checkpointing=False) --------------------------------------------------
@@ -64,7 +61,7 @@ def allow_with_disabled_checkpointing(callback_type: type) -> None:
     _CallbackConnector._configure_checkpoint_callbacks = configure  # type: ignore[method-assign]
 
 
-# ---- the training loop's data (exact resume, lightning_preempt/exact.py) ------------------
+# ---- the training loop's data (exact resume, lightning/exact.py) --------------------------
 # Lightning 2.4-2.6: FitLoop keeps the CombinedLoader in `_combined_loader` and the fetcher
 # in `_data_fetcher`; the CombinedLoader's mode iterator holds one iterator per loader in
 # `_iterator.iterators`; the training epoch loop keeps `self.log` results in `_results`.

@@ -26,7 +26,12 @@ Call order (one process, per rank):
      ``restore_rng`` (the states of the save), :meth:`~ResumableLoaders.restore_generators`;
    * the save ended an epoch: ``restore_rng``, :meth:`~ResumableLoaders.restore_generators`,
      :meth:`~ResumableLoaders.make_next_epoch_iterators`;
-   * nothing saved for this rank: :meth:`~ResumableLoaders.remake_iterators`.
+   * no state, or another rank's: :meth:`~ResumableLoaders.remake_iterators`.
+
+The restore assumes the loop made its iterators before it (Lightning does, before
+``on_train_start``; a StatefulDataLoader after loading its position) and makes them again
+only where they depend on the restored states. A loop that makes an iterator *after* the
+restore draws its worker base seed from the states of the save, not of the epoch start.
 """
 
 from __future__ import annotations

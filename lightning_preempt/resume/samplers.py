@@ -27,7 +27,7 @@ def distributed_wrapped_sampler(sampler: Any) -> Any | None:
     """The user's sampler inside Lightning's ``DistributedSamplerWrapper`` (``None`` if
     ``sampler`` is not one). Lightning 2.5-2.6 (Trainer and Fabric) keep it in
     ``sampler.dataset._sampler``. Recognised by its class name, so this layer runs without
-    Lightning; tests/test_exact_compat.py checks the layout on every version CI runs."""
+    Lightning; tests/unit/test_exact_compat.py checks the layout on every version CI runs."""
     if type(sampler).__name__ != "DistributedSamplerWrapper" or not isinstance(sampler, DistributedSampler):
         return None
     return getattr(sampler.dataset, "_sampler", None)
