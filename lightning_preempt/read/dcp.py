@@ -19,7 +19,8 @@ class _CheckedReader(_compat.FsspecReader):
 
     def __init__(self, store: Store, manifest: Manifest | None) -> None:
         super().__init__(store.url, **store.storage_options)
-        self.fs.fs = store.fs  # type: ignore[attr-defined]  # the Store's filesystem (e.g. plain gcsfs against an emulator)
+        # the Store's own filesystem (its options: e.g. plain gcsfs against an emulator)
+        self.fs.fs = store.dcp_filesystem()  # type: ignore[attr-defined]
         self._store = store
         self._manifest = manifest
 

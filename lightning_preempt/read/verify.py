@@ -4,7 +4,6 @@ size and CRC32C. Needs no torch.
 
 from __future__ import annotations
 
-import posixpath
 from collections.abc import Callable
 from typing import Literal
 
@@ -13,9 +12,7 @@ from lightning_preempt.format.layout import data_store
 from lightning_preempt.format.manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from lightning_preempt.format.names import MANIFEST_NAME
 from lightning_preempt.storage.checksum import Crc32c
-from lightning_preempt.storage.store import Store
-
-_CHUNK = 8 << 20
+from lightning_preempt.storage.store import CHUNK_BYTES, Store
 
 
 def read_manifest(store: Store) -> Manifest:
@@ -47,7 +44,7 @@ def verify_checkpoint(
         crc = Crc32c()
         try:
             with files.open_read(name) as f:
-                while crc.nbytes <= entry.size and (chunk := f.read(_CHUNK)):  # stop past the size
+                while crc.nbytes <= entry.size and (chunk := f.read(CHUNK_BYTES)):  # stop past the size
                     crc.update(chunk)
                     if progress is not None:
                         progress(len(chunk))
@@ -87,12 +84,7 @@ def check_sizes(store: Store, manifest: Manifest | None = None) -> Manifest:
     """
     manifest = manifest or read_manifest(store)
     store = data_store(store, manifest)  # a replaced checkpoint's files live in its generation dir
-    store.invalidate_cache()
-    try:
-        listing = store.fs.ls(store.path(), detail=True)
-    except FileNotFoundError:
-        listing = []
-    sizes = {posixpath.basename(str(e["name"]).rstrip("/")): e.get("size") for e in listing}
+    sizes = {e.name: e.size for e in store.entries()}
     for name, entry in sorted(manifest.files.items()):
         size = sizes.get(name)
         if size is None and name not in sizes:

@@ -28,6 +28,7 @@ from lightning_preempt.errors import CheckpointError, NotACheckpointError
 from lightning_preempt.read.load import Fallback
 from lightning_preempt.read.verify import Verify
 from lightning_preempt.save.tiers import TwoTier
+from lightning_preempt.storage.retry import Backoff, retry
 
 log = logging.getLogger(__name__)
 
@@ -88,24 +89,24 @@ class ResumeResolver:
     def probe(self) -> Probe:
         """List (with retries) and remember whether a committed checkpoint exists."""
         local = self.local_dirpath is not None and bool(complete_local_checkpoints(self.local_dirpath))
-        for attempt in range(1, self.retries + 1):
-            try:
-                remote = any(c.committed for c in list_checkpoints(self.dirpath, self.storage_options))
-                self.probe_result = Probe(local or remote)
-                return self.probe_result
-            except Exception as err:
-                if attempt == self.retries:
-                    outcome = agree.Outcome.failure(_listing_error(self.dirpath, err, attempt), pdist.rank())
-                    self.probe_result = Probe(local, outcome)
-                    return self.probe_result
-                delay = self.backoff_s * 2 ** (attempt - 1)
-                log.warning(
-                    "lightning_preempt: listing %s failed (%s: %s); attempt %d of %d, retrying in %.1fs",
-                    self.dirpath, type(err).__name__, str(err).splitlines()[0] if str(err) else "",
-                    attempt, self.retries, delay,
-                )  # fmt: skip
-                self.sleep(delay)
-        raise AssertionError("unreachable")
+
+        def listing(attempt: int) -> bool:
+            return any(c.committed for c in list_checkpoints(self.dirpath, self.storage_options))
+
+        def retrying(err: BaseException, attempt: int, delay: float) -> None:
+            log.warning(
+                "lightning_preempt: listing %s failed (%s: %s); attempt %d of %d, retrying in %.1fs",
+                self.dirpath, type(err).__name__, str(err).splitlines()[0] if str(err) else "",
+                attempt, self.retries, delay,
+            )  # fmt: skip
+
+        try:
+            remote = retry(listing, Backoff(self.retries, self.backoff_s, sleep=self.sleep), on_retry=retrying)
+            self.probe_result = Probe(local or remote)
+        except Exception as err:  # remembered, never taken for "nothing there"
+            outcome = agree.Outcome.failure(_listing_error(self.dirpath, err, self.retries), pdist.rank())
+            self.probe_result = Probe(local, outcome)
+        return self.probe_result
 
     # ---- phase 2: in setup, collective ---------------------------------------------------
     def agree_on_probes(self, group: pdist.ProcessGroup | None) -> bool:

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import traceback
 import warnings
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -44,6 +44,8 @@ _STORAGE_HINT = (
 )
 #: a storage error on rank 0 becomes the same CheckpointWriteError on every rank
 _FAILED: dict[str, Any] = {"foreign": CheckpointWriteError, "hint": _STORAGE_HINT}
+
+T = TypeVar("T")
 
 # dcp.save(no_dist=True) still warns that it assumes a single process: that is our intent.
 warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized")
@@ -81,11 +83,10 @@ def write_checkpoint(
 
     plan = agree.decide(lambda: plan_write(root), group, what="preparing the checkpoint path", **_FAILED)
     store = plan.data(root)
-    _agree_or_raise(_attempt(store.makedirs), group, root, "creating the checkpoint directory")
+    _on_every_rank(store.makedirs, group, root, "creating the checkpoint directory")
 
-    entries: dict[str, FileEntry] = {}
-
-    def write_files() -> None:
+    def write_files() -> dict[str, FileEntry]:
+        entries: dict[str, FileEntry] = {}
         writer = ChecksummingWriter(store, thread_count=thread_count)
         try:
             dcp.save(request.tensors, storage_writer=writer, process_group=group, no_dist=group is None)
@@ -98,16 +99,15 @@ def write_checkpoint(
         entries.update(writer.entries)
         name = state_file(rank)
         entries[name] = _write_hashed(store, name, request.skeleton)
+        return entries
 
-    outcome = _attempt(write_files)
-    results = pdist.all_gather_objects((entries, outcome), group)
-    _agree_or_raise([r[1] for r in results], None, root, "writing checkpoint files")
+    written = _on_every_rank(write_files, group, root, "writing checkpoint files")
 
     manifest = Manifest(
         step=request.step,
         epoch=request.epoch,
         world_size=world,
-        files={name: entry for rank_entries, _ in results for name, entry in rank_entries.items()},
+        files={name: entry for rank_entries in written for name, entry in rank_entries.items()},
         tensor_bytes=sum(t.numel() * t.element_size() for t in request.tensors.values()),
         stats={**request.stats, "write_s": time.perf_counter() - started},
         extra={**request.extra, **plan.manifest_extra},
@@ -146,29 +146,33 @@ def _write_hashed(store: Store, name: str, data: bytes) -> FileEntry:
     return FileEntry(len(data), crc.hexdigest())
 
 
-def _attempt(fn: Any) -> str | None:
-    """Run ``fn``; return ``None`` or a picklable description of what went wrong."""
-    try:
-        fn()
-        return None
-    except (Exception, CheckpointException) as err:
-        return "".join(traceback.format_exception_only(type(err), err)).strip()
+def _on_every_rank(fn: Callable[[], T], group: pdist.ProcessGroup | None, root: Store, what: str) -> list[T]:
+    """Every rank runs ``fn`` (its share of the work); every rank returns every rank's result,
+    or raises the same :class:`CheckpointWriteError` naming each failed rank and its error.
+
+    :func:`agree.agree`'s shape, on its :class:`agree.Outcome` (type, message, HINT travel as
+    fields); the message differs: a failed write always says that nothing was committed and
+    lists every failed rank's error, not only the first one's. The HINT is the first failed
+    rank's own (an error of ours already says what to do, e.g. "the bucket does not exist").
+    """
+    mine, local_error = agree.Outcome.of(fn, pdist.rank(group) if group is not None else 0)
+    outcomes: list[agree.Outcome] = pdist.all_gather_objects(mine, group)
+    failed = [o for o in outcomes if not o.ok]
+    if not failed:
+        return [o.value for o in outcomes]
+    detail = "; ".join(f"rank {o.rank}: {_first_line(o)}" for o in failed)
+    raise CheckpointWriteError(
+        f"{what} failed, nothing was committed ({detail})",
+        path=root.url,
+        hint=next((o.hint for o in failed if o.hint), _STORAGE_HINT),
+    ) from local_error
 
 
-def _agree_or_raise(
-    outcome: str | list[str | None] | None, group: pdist.ProcessGroup | None, store: Store, what: str
-) -> None:
-    outcomes = outcome if isinstance(outcome, list) else pdist.all_gather_objects(outcome, group)
-    failures = [(r, e) for r, e in enumerate(outcomes) if e is not None]
-    if failures:
-        detail = "; ".join(f"rank {r}: {e.splitlines()[0]}" for r, e in failures)
-        # an error of ours already says what to do (e.g. "the bucket does not exist")
-        hints = [e.split("\nHINT: ", 1)[1].strip() for _, e in failures if "\nHINT: " in e]
-        raise CheckpointWriteError(
-            f"{what} failed, nothing was committed ({detail})",
-            path=store.url,
-            hint=hints[0] if hints else _STORAGE_HINT,
-        )
+def _first_line(outcome: agree.Outcome) -> str:
+    """``Type: first line of the message``, the type named as a traceback names it."""
+    kind = outcome.error_type.removeprefix("builtins.")
+    line = outcome.message.splitlines()[0] if outcome.message else ""
+    return kind if line in ("", kind.rsplit(".", 1)[-1]) else f"{kind}: {line}"
 
 
 def _hint_of(mine: BaseException | None, err: CheckpointException) -> str | None:

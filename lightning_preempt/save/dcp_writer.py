@@ -107,7 +107,7 @@ class _HashingStream(io.RawIOBase):
 class _ChecksummingFileSystem(_compat.FsspecFileSystem):
     def __init__(self, store: Store, entries: dict[str, FileEntry]) -> None:
         super().__init__()
-        self.fs = store.fs
+        self.fs = store.dcp_filesystem()  # what DCP's own code may still call; our writes go through the Store
         self._store = store
         self._entries = entries
         self._lock = threading.Lock()

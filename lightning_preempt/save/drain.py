@@ -19,23 +19,17 @@ from typing import Any
 from lightning_preempt.catalog.ownership import remove_if_ours
 from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
-from lightning_preempt.errors import (
-    CheckpointError,
-    CheckpointExistsError,
-    CheckpointWriteError,
-    CorruptCheckpointError,
-)
+from lightning_preempt.errors import CheckpointExistsError, CheckpointWriteError, CorruptCheckpointError
 from lightning_preempt.format.layout import data_store
 from lightning_preempt.format.manifest import FileEntry, Manifest, parse_manifest
 from lightning_preempt.format.names import MANIFEST_NAME, writer_of
 from lightning_preempt.read.verify import read_manifest
 from lightning_preempt.storage.checksum import Crc32c
-from lightning_preempt.storage.store import Store
+from lightning_preempt.storage.diagnose import describe as describe_error
+from lightning_preempt.storage.retry import Backoff, retry
+from lightning_preempt.storage.store import CHUNK_BYTES, Store
 
 log = logging.getLogger(__name__)
-
-#: Bytes read from the source and handed to the destination per step.
-CHUNK_SIZE = 8 << 20
 
 _HINT = (
     "The destination holds no committed copy (its partial files were removed where possible); "
@@ -46,6 +40,15 @@ _HINT = (
 
 class _Cancelled(Exception):
     """Another file of the same drain failed: stop this one early."""
+
+
+class _RanksFailed(Exception):
+    """Copying failed on some rank (the same on every rank: the failures are gathered)."""
+
+    def __init__(self, failures: list[tuple[int, tuple[bool, str]]], local_error: Exception | None) -> None:
+        super().__init__("; ".join(f"rank {r}: {f[1]}" for r, f in failures))
+        self.all_transient = all(f[0] for _, f in failures)
+        self.local_error = local_error
 
 
 @dataclasses.dataclass
@@ -63,7 +66,7 @@ def drain_files(
     *,
     group: pdist.ProcessGroup | None = None,
     max_workers: int = 4,
-    chunk_size: int = CHUNK_SIZE,
+    chunk_size: int = CHUNK_BYTES,
     progress: Callable[[int], None] | None = None,
     retries: int = 1,
     backoff_s: float = 1.0,
@@ -87,7 +90,7 @@ def drain_files(
         describe: one line for an error in messages (e.g. with secrets redacted).
         hint: the HINT of the error raised when the drain fails.
     """
-    say = describe or _describe
+    say = describe or describe_error
     rank = pdist.rank(group) if group is not None else 0
 
     def prepare() -> tuple[bytes, bool]:
@@ -107,56 +110,60 @@ def drain_files(
         return outcome
     world = pdist.world_size(group) if group is not None else 1
     mine = [n for n in manifest.files if group is None or writer_of(n) % world == rank]
-    for attempt in range(1, retries + 1):
+
+    def copy(attempt: int) -> None:
         outcome.attempts = attempt
+        failure: tuple[bool, str] | None = None
+        local_error: Exception | None = None
         try:
             dst.makedirs()
             # a replaced checkpoint's files live in its generation dir (layout.py), same name at dst
-            _copy_files(data_store(src, manifest), data_store(dst, manifest), manifest, max_workers=max_workers,
-                        progress=progress, chunk_size=chunk_size, names=mine)  # fmt: skip
-            failure: tuple[bool, str] | None = None
-            local_error: Exception | None = None
+            copy_files(data_store(src, manifest), data_store(dst, manifest), manifest, max_workers=max_workers,
+                       progress=progress, chunk_size=chunk_size, names=mine)  # fmt: skip
         except Exception as err:
             failure, local_error = (transient(err), say(err)), err
         failures = [(r, f) for r, f in enumerate(pdist.all_gather_objects(failure, group)) if f is not None]
-        if not failures:
-            break
-        detail = "; ".join(f"rank {r}: {f[1]}" for r, f in failures)
-        delay = backoff_s * 2 ** (attempt - 1)
+        if failures:  # raised alike on every rank, so every rank takes the same branch below
+            raise _RanksFailed(failures, local_error)
+
+    def copy_retried(err: BaseException, attempt: int, delay: float) -> None:
+        log.warning("lightning_preempt: drain to %s, attempt %d failed (%s); retrying in %.1fs",
+                    dst.url, attempt, err, delay)  # fmt: skip
+
+    copies = Backoff(retries, backoff_s, transient=lambda err: getattr(err, "all_transient", False), give_up=give_up)
+    try:
         # Clocks and deadlines are rank-local: rank 0 decides for all, so no rank retries
         # (and enters the next attempt's collectives) while another gives up.
-        retry = agree.decide(
-            lambda: all(f[0] for _, f in failures) and attempt < retries and not give_up(delay), group  # noqa: B023
-        )
-        if not retry:
-            if rank == 0:
-                _remove_partial(dst)
-            raise CheckpointWriteError(
-                f"draining {src.url} to {dst.url} failed after {attempt} attempt(s), nothing was committed "
-                f"there ({detail})",
-                path=dst.url,
-                hint=hint,
-            ) from local_error
-        log.warning("lightning_preempt: drain to %s, attempt %d failed (%s); retrying in %.1fs",
-                    dst.url, attempt, detail, delay)  # fmt: skip
-        time.sleep(delay)
+        retry(copy, copies, on_retry=copy_retried, decide=lambda question: agree.decide(question, group),
+              retry_on=(_RanksFailed,))  # fmt: skip
+    except _RanksFailed as failed:
+        if rank == 0:
+            _remove_partial(dst)
+        raise CheckpointWriteError(
+            f"draining {src.url} to {dst.url} failed after {outcome.attempts} attempt(s), nothing was committed "
+            f"there ({failed})",
+            path=dst.url,
+            hint=hint,
+        ) from failed.local_error
+
+    def commit_once(attempt: int) -> None:
+        dst.commit_bytes(MANIFEST_NAME, manifest_bytes)  # the commit: last, one small create-only PUT
 
     def commit() -> None:
-        for attempt in range(1, retries + 1):
-            try:
-                dst.commit_bytes(MANIFEST_NAME, manifest_bytes)  # the commit: last, one small create-only PUT
-                return
-            except CheckpointExistsError:
-                raise  # someone else committed a different checkpoint there: leave their files alone
-            except Exception as err:
-                if not transient(err) or attempt == retries:
-                    _remove_partial(dst)
-                    raise CheckpointWriteError(
-                        f"committing the manifest at {dst.url} failed, nothing was committed there: {say(err)}",
-                        path=dst.url,
-                        hint=hint,
-                    ) from err
-                time.sleep(backoff_s * 2 ** (attempt - 1))
+        # CheckpointExistsError is never transient: someone else committed a different
+        # checkpoint there, and their files are left alone.
+        worth_it = lambda err: not isinstance(err, CheckpointExistsError) and transient(err)  # noqa: E731
+        try:
+            retry(commit_once, Backoff(retries, backoff_s, transient=worth_it))
+        except CheckpointExistsError:
+            raise
+        except Exception as err:
+            _remove_partial(dst)
+            raise CheckpointWriteError(
+                f"committing the manifest at {dst.url} failed, nothing was committed there: {say(err)}",
+                path=dst.url,
+                hint=hint,
+            ) from err
 
     agree.decide(commit, group, what="committing the drained manifest")
     return outcome
@@ -168,7 +175,7 @@ def drain_checkpoint(
     *,
     max_workers: int = 4,
     progress: Callable[[int], None] | None = None,
-    chunk_size: int = CHUNK_SIZE,
+    chunk_size: int = CHUNK_BYTES,
 ) -> Manifest:
     """Copy the committed checkpoint at ``src`` to ``dst`` and commit it there (one process).
 
@@ -203,9 +210,6 @@ def drain_checkpoint(
 
 
 def _already_there(dst: Store, manifest_bytes: bytes) -> bool:
-    dst.invalidate_cache()
-    if not dst.exists(MANIFEST_NAME):
-        return False
     try:
         existing = dst.read_bytes(MANIFEST_NAME)
     except FileNotFoundError:
@@ -219,18 +223,21 @@ def _already_there(dst: Store, manifest_bytes: bytes) -> bool:
     )
 
 
-def _copy_files(
+def copy_files(
     src: Store,
     dst: Store,
     manifest: Manifest,
     *,
-    max_workers: int,
-    progress: Callable[[int], None] | None,
-    chunk_size: int,
+    max_workers: int = 4,
+    progress: Callable[[int], None] | None = None,
+    chunk_size: int = CHUNK_BYTES,
     names: list[str] | None = None,
 ) -> None:
-    """Upload ``names`` (default: every file of ``manifest``) in parallel; ``progress``
-    may raise to stop the copy (the failed uploads are aborted)."""
+    """Copy ``names`` (default: every file of ``manifest``) from ``src`` to ``dst`` in
+    parallel, each checked against ``manifest`` while it streams and after it lands; the
+    first failure stops the others and is raised. ``progress`` (bytes per chunk) may raise
+    to stop the copy (the failed uploads are aborted). Commits nothing: the caller writes
+    the manifest after every rank's copies landed (:func:`drain_files`, the peer replica)."""
     cancel = threading.Event()
     lock = threading.Lock()
 
@@ -288,8 +295,7 @@ def _copy_one(
 
 def _check_landed(dst: Store, name: str, entry: FileEntry) -> None:
     """The destination's own view of ``name``: size always, CRC32C where it is free (GCS)."""
-    dst.fs.invalidate_cache(dst.path(name))
-    info = dst.info(name)
+    info = dst.info(name)  # fresh from the server
     size = int(info.get("size", -1))
     if size != entry.size:
         raise CorruptCheckpointError(
@@ -315,15 +321,8 @@ def _remove_partial(dst: Store) -> None:
             "lightning_preempt: could not remove the partial copy at %s (%s); it has no manifest and does "
             "not count as a checkpoint",
             dst.url,
-            _describe(err),
+            describe_error(err),
         )
-
-
-def _describe(err: BaseException) -> str:
-    if isinstance(err, CheckpointError):
-        return str(err).splitlines()[0]
-    text = str(err).splitlines()[0] if str(err) else ""
-    return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
 def drain_url(

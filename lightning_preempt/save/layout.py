@@ -23,15 +23,16 @@ replaced the same way where the store allows both a file and a directory at ``P`
 ``memory://``) the new checkpoint is committed beside ``P`` and swapped in with two
 renames (:func:`swap_in`), so the old one exists until the new one does.
 
+Every storage access goes through :class:`Store` (and :mod:`lightning_preempt.storage.local`
+for the renames that only local disk can do atomically).
+
 Only names this package writes are ever deleted here (``format/names.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import os
 import posixpath
 from typing import Literal
 
@@ -45,16 +46,10 @@ from lightning_preempt.format.names import (
     new_generation,
     sibling_name,
 )
-from lightning_preempt.storage.store import Store, fsync_dir
+from lightning_preempt.storage import local
+from lightning_preempt.storage.store import Store
 
 log = logging.getLogger(__name__)
-
-_OBJECT_STORES = frozenset({"gs", "gcs", "s3", "s3a"})
-
-
-def file_and_dir_coexist(store: Store) -> bool:
-    """Object stores can hold an object ``P`` and objects under ``P/`` at once; file systems cannot."""
-    return not store.is_local and store.protocol in _OBJECT_STORES
 
 
 # ---- the path exists as soon as a save is accepted ------------------------------------
@@ -90,7 +85,7 @@ class WritePlan:
         if self.mode == "generation":
             return root.child(self.name)
         if self.mode == "beside":
-            return Store(join_sibling(root.url, self.name), root.storage_options)
+            return root.parent().child(self.name)
         return root
 
     def commit_store(self, root: Store) -> Store:
@@ -113,10 +108,10 @@ def plan_write(root: Store) -> WritePlan:
     if root.exists(MANIFEST_NAME):
         return WritePlan("generation", new_generation())
     if root.exists() and not root.isdir():
-        if file_and_dir_coexist(root):
+        if root.is_object_store:  # the file object and our objects under P/ coexist
             remove_stale(root, live=None)  # partial objects of an earlier save under P/
             return WritePlan("in_place", remove_file=True)
-        return WritePlan("beside", sibling_name(posixpath.basename(root.url.rstrip("/")), "new"))
+        return WritePlan("beside", sibling_name(_base(root), "new"))
     remove_stale(root, live=None)  # an earlier save's partial files
     return WritePlan("in_place")
 
@@ -128,14 +123,13 @@ def finish_write(root: Store, plan: WritePlan) -> None:
     the new checkpoint is already live and a failed clean-up is only logged.
     """
     if plan.mode == "beside":
-        swap_in(root, plan.data(root).path())
+        swap_in(root, plan.name)
     try:
         if plan.remove_file:
-            root.fs.rm_file(root.path())  # P/manifest.json exists now: it wins over the file
-            root.invalidate_cache()
+            root.rm_file()  # P/manifest.json exists now: it wins over the file
         elif plan.mode == "generation":
             remove_stale(root, live=plan.name)
-        if not file_and_dir_coexist(root):
+        if not root.is_object_store:
             remove_stale_siblings(root)
     except Exception as err:  # the new checkpoint is committed; leftovers go next time
         log.warning("lightning_preempt: could not delete the replaced checkpoint's files at %s: %s", root.url, err)
@@ -143,15 +137,19 @@ def finish_write(root: Store, plan: WritePlan) -> None:
 
 def remove_stale(root: Store, *, live: str | None) -> list[str]:
     """Delete this package's entries directly under ``root`` except the manifest, the
-    marker and the ``live`` generation (``None``: the files are being written in place)."""
+    marker and the ``live`` generation (``None``: the files are being written in place).
+    A symlink or anything but a file or directory is never ours."""
     removed = []
-    for name, is_dir in _entries(root):
-        if name in (MANIFEST_NAME, MARKER_NAME, live) or not (is_generation(name) if is_dir else is_our_file(name)):
+    for entry in root.entries():
+        name = entry.name
+        if name in (MANIFEST_NAME, MARKER_NAME, live):
             continue
-        if is_dir:
+        if entry.kind == "dir" and is_generation(name):
             root.rm_tree(name)
-        else:
+        elif entry.kind == "file" and is_our_file(name):
             root.rm_file(name)
+        else:
+            continue
         removed.append(name)
     return removed
 
@@ -159,16 +157,12 @@ def remove_stale(root: Store, *, live: str | None) -> list[str]:
 def remove_stale_siblings(root: Store) -> list[str]:
     """File systems: delete ``.NAME.lp-new-…``/``.NAME.lp-old-…`` left beside the path by
     a change of kind that a crash interrupted (the path itself is complete now)."""
-    parent = Store(posixpath.dirname(root.url.rstrip("/")), root.storage_options)
-    base = posixpath.basename(root.url.rstrip("/"))
+    parent, base = root.parent(), _base(root)
     removed = []
-    for name, is_dir in _entries(parent):
-        if is_sibling_of(name, base):
-            if is_dir:
-                parent.rm_tree(name)
-            else:
-                parent.rm_file(name)
-            removed.append(name)
+    for entry in parent.entries():
+        if is_sibling_of(entry.name, base) and entry.kind in ("file", "dir"):
+            _delete(parent, entry.name, is_dir=entry.kind == "dir")
+            removed.append(entry.name)
     return removed
 
 
@@ -179,131 +173,94 @@ def _quietly_remove_stale_siblings(store: Store) -> None:
         log.warning("lightning_preempt: could not delete leftovers beside %s: %s", store.url, err)
 
 
-def _entries(root: Store) -> list[tuple[str, bool]]:
-    root.invalidate_cache()
-    base = root.path().rstrip("/")
-    try:
-        listing = root.fs.ls(base, detail=True)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    out = []
-    for entry in listing:
-        full = str(entry["name"]).rstrip("/")
-        name = posixpath.basename(full)
-        if not name or full == base:
-            continue
-        out.append((name, entry.get("type") == "directory"))
-    return out
+def _base(store: Store) -> str:
+    return posixpath.basename(store.url.rstrip("/"))
 
 
 # ---- file systems: a plain file and a directory cannot share a path ------------------
-def join_sibling(url: str, name: str) -> str:
-    return posixpath.join(posixpath.dirname(str(url).rstrip("/")), name)
+def swap_in(root: Store, new_name: str) -> None:
+    """Put the entry ``new_name`` beside ``root`` (in the same parent) at ``root``'s path,
+    whatever kind of entry each is (never on object stores: no renames there).
 
-
-def swap_in(root: Store, new_path: str) -> None:
-    """Put the entry at ``new_path`` (same file system) at ``root``'s path, whatever kind
-    of entry each is (never on object stores: no renames there).
-
-    Two renames: the old entry moves aside, the new one moves in, then the old one is
-    deleted. At every moment a complete checkpoint exists, at the path or beside it.
+    The old entry moves aside, the new one moves in, then the old one is deleted. At every
+    moment a complete checkpoint exists, at the path or beside it.
     """
-    path = root.path()
-    old = posixpath.join(posixpath.dirname(path), sibling_name(posixpath.basename(path.rstrip("/")), "old"))
-    if root.is_local:
-        had_old = os.path.lexists(path)
-        if had_old:
-            os.rename(path, old)
-        os.rename(new_path, path)
-        fsync_dir(os.path.dirname(path))
-        if had_old:
-            remove_local(old)
+    parent, base = root.parent(), _base(root)
+    aside = sibling_name(base, "old")
+    if root.is_local:  # two atomic renames
+        local.replace_entry(root.path(), parent.path(new_name), parent.path(aside), first=MANIFEST_NAME)
         return
-    root.invalidate_cache()
-    had_old = bool(root.fs.exists(path))
+    had_old = parent.exists(base)
     if had_old:
-        _move(root, path, old)
-    _move(root, new_path, path)
+        _move(parent, base, aside)
+    _move(parent, new_name, base)
     if had_old:
-        _delete(root, old)
-    root.invalidate_cache()
+        _delete(parent, aside, is_dir=parent.isdir(aside))
 
 
-def _move(root: Store, src: str, dst: str) -> None:
-    """A move on a file system without atomic directory renames (fsspec's ``mv`` is copy,
-    then delete): the copy gets its manifest last, the source loses its manifest first,
-    so neither is ever a committed but incomplete checkpoint."""
-    fs = root.fs
-    if not fs.isdir(src):
-        fs.mv(src, dst)
+def _move(store: Store, src: str, dst: str) -> None:
+    """A move on a file system without atomic renames (``memory://``; fsspec's ``mv`` is
+    copy, then delete): the copy gets its manifest last, the source loses its manifest
+    first, so neither is ever a committed but incomplete checkpoint."""
+    if not store.isdir(src):
+        store.copy_file(src, dst)
+        store.rm_file(src)
         return
-    files = sorted(fs.find(src), key=lambda p: posixpath.basename(p) == MANIFEST_NAME)
-    for file in files:
-        fs.makedirs(posixpath.dirname(posixpath.join(dst, posixpath.relpath(file, src))), exist_ok=True)
-        fs.cp_file(file, posixpath.join(dst, posixpath.relpath(file, src)))
-    _delete(root, src)
+    for rel in sorted(store.list_files(src), key=lambda r: posixpath.basename(r) == MANIFEST_NAME):
+        store.copy_file(f"{src}/{rel}", f"{dst}/{rel}")
+    _delete(store, src, is_dir=True)
 
 
-def _delete(root: Store, path: str) -> None:
-    fs = root.fs
-    if fs.isdir(path):
-        with contextlib.suppress(FileNotFoundError):
-            fs.rm_file(posixpath.join(path, MANIFEST_NAME))  # uncommit first
-        fs.rm(path, recursive=True)
+def _delete(store: Store, name: str, *, is_dir: bool) -> None:
+    if is_dir:
+        store.rm_file(f"{name}/{MANIFEST_NAME}")  # uncommit first
+        store.rm_tree(name)
     else:
-        fs.rm_file(path)
+        store.rm_file(name)
 
 
 def remove_local(path: str) -> None:
-    """Delete a local file, symlink (only the link) or directory tree."""
-    import shutil
-
-    if os.path.islink(path) or os.path.isfile(path):
-        os.unlink(path)
-    elif os.path.isdir(path):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(path, MANIFEST_NAME))  # uncommit first: never half-deleted yet committed
-        shutil.rmtree(path)
-    fsync_dir(os.path.dirname(path))
+    """Delete a local file, symlink (only the link) or checkpoint directory tree (its
+    manifest first: never half-deleted yet committed)."""
+    local.remove_local(path, first=MANIFEST_NAME)
 
 
 def write_file_atomic(store: Store, data: bytes) -> None:
     """Put a plain file holding ``data`` at ``store.url``; readers see the old entry or the
     new file, never a partial one (local: temp + fsync + rename; object stores: one PUT)."""
-    if store.is_local:
-        path = store.path()
-        parent = os.path.dirname(path)
-        os.makedirs(parent, exist_ok=True)
-        tmp = os.path.join(parent, sibling_name(os.path.basename(path), "new"))
+    parent, base = store.parent(), _base(store)
+    if store.is_object_store:
+        _replace_on_object_store(store, data)
+        return
+    tmp = sibling_name(base, "new")
+    parent.makedirs()
+    if not _is_real_dir(parent, base):
+        if store.is_local:
+            local.write_atomic(store.path(), data, tmp_name=tmp)
+        else:
+            store.commit_bytes("", data, exclusive=False)
+    else:  # a checkpoint directory is at the path: write beside it, then swap
         try:
-            with open(tmp, "wb") as f:
+            with parent.open_write(tmp) as f:  # durable on close; nobody reads this name
                 f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            if os.path.isdir(path) and not os.path.islink(path):
-                swap_in(store, tmp)
-            else:
-                os.replace(tmp, path)
-                fsync_dir(parent)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-        _quietly_remove_stale_siblings(store)
-        return
-    if not file_and_dir_coexist(store) and store.isdir():
-        tmp = join_sibling(store.path(), sibling_name(posixpath.basename(store.path().rstrip("/")), "new"))
-        store.fs.pipe_file(tmp, data)
-        swap_in(store, tmp)
-        _quietly_remove_stale_siblings(store)
-        return
-    store.fs.pipe_file(store.path(), data)
-    store.invalidate_cache()
+            swap_in(store, tmp)
+        except BaseException:
+            parent.rm_file(tmp)
+            raise
+    _quietly_remove_stale_siblings(store)
+
+
+def _is_real_dir(parent: Store, name: str) -> bool:
+    """A directory, not a symlink to one, is at ``name`` (a symlink is replaced as a file)."""
+    return any(e.name == name and e.kind == "dir" for e in parent.entries())
+
+
+def _replace_on_object_store(store: Store, data: bytes) -> None:
+    store.commit_bytes("", data, exclusive=False)
     if store.exists(MANIFEST_NAME):
         # An object store holds the new file and the old directory side by side: uncommit
         # the directory (loading then takes the file), then delete its objects one by one
         # (a recursive delete of the prefix would take the file with it).
         store.rm_file(MANIFEST_NAME)
         for rel in store.list_files():
-            if rel not in (".", ""):
-                store.rm_file(rel)
-
+            store.rm_file(rel)

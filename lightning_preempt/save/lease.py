@@ -42,7 +42,6 @@ from lightning_preempt.storage.store import Store
 log = logging.getLogger(__name__)
 
 
-
 class LeaseHeldError(CheckpointError):
     """Another live job holds the lease on this dirpath."""
 
@@ -97,17 +96,9 @@ class Lease:
 
     # ---- reading ----------------------------------------------------------------------
     def _generations(self) -> list[int]:
-        self.store.invalidate_cache()
-        try:
-            names = [n for n in self.store.fs.ls(self.store.path(), detail=False)]
-        except FileNotFoundError:
-            return []
-        gens = []
-        for name in names:
-            generation = lease_generation(os.path.basename(str(name).rstrip("/")))
-            if generation is not None:
-                gens.append(generation)
-        return sorted(gens)
+        """The lease generations present in dirpath, oldest first (a fresh listing)."""
+        found = (lease_generation(e.name) for e in self.store.entries() if e.kind == "file")
+        return sorted(g for g in found if g is not None)
 
     def _read(self, generation: int) -> dict[str, Any] | None:
         try:

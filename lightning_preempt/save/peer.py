@@ -17,7 +17,6 @@ Nothing here imports Lightning (``replica_callback.py`` wires it into a Trainer)
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
@@ -33,17 +32,14 @@ from lightning_preempt.catalog.listing import list_checkpoints
 from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.errors import CheckpointError
-from lightning_preempt.format.manifest import Manifest, parse_manifest
+from lightning_preempt.format.manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from lightning_preempt.format.names import MANIFEST_NAME, dir_step, is_checkpoint_file, writer_of
-from lightning_preempt.save.drain import CHUNK_SIZE, _copy_files
+from lightning_preempt.save.drain import copy_files
+from lightning_preempt.storage import local
 from lightning_preempt.storage.checksum import Crc32c
-from lightning_preempt.storage.store import Store
+from lightning_preempt.storage.store import CHUNK_BYTES, Store
 
 log = logging.getLogger(__name__)
-
-#: Files are sent in chunks of this size (a receiver holds every chunk sent to it in RAM
-#: until the transfer completes, then commits the files to its local tier).
-CHUNK_BYTES = 64 << 20
 
 
 class ReplicaError(CheckpointError):
@@ -98,9 +94,10 @@ class ReplicaReport:
 
 
 def _read_manifest(local_dir: str) -> bytes | None:
+    """The manifest in ``local_dir`` (a regular file, not through a symlink, size-capped:
+    :meth:`Store.read_regular`), or ``None`` when there is none."""
     try:
-        with open(os.path.join(local_dir, MANIFEST_NAME), "rb") as f:
-            return f.read()
+        return Store(local_dir).read_regular(MANIFEST_NAME, MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         return None
 
@@ -110,21 +107,7 @@ def _write_durable(path: str, data: bytes | memoryview) -> None:
     # ranks of one node may write the same manifest into their shared local tier.
     base = os.path.basename(path)
     tag = uuid.uuid4().hex
-    tmp_name = f".{base}.{tag}.tmp" if base == MANIFEST_NAME else f".replica-{tag}.distcp"
-    tmp = os.path.join(os.path.dirname(path), tmp_name)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    local.write_atomic(path, data, tmp_name=f".{base}.{tag}.tmp" if base == MANIFEST_NAME else f".replica-{tag}.distcp")
 
 
 def _chunks(size: int) -> list[tuple[int, int]]:
@@ -140,13 +123,14 @@ def replicate(local_dir: str, group: dist.ProcessGroup | None) -> ReplicaReport:
     """
     start = time.monotonic()
     me, world = pdist.rank(group), pdist.world_size(group)
-    raw = pdist.broadcast_object(_read_manifest(local_dir) if me == 0 else None, group)
+    raw = agree.decide(lambda: _read_manifest(local_dir), group, what="reading the checkpoint's manifest")
     if raw is None:
         raise ReplicaError("rank 0 holds no manifest for this checkpoint", path=local_dir,
                            hint="Replicate only a checkpoint that committed on the local tier.")  # fmt: skip
     manifest = parse_manifest(raw, path=local_dir)
     # A rank sends the files it wrote (several ranks of one node may share a local tier).
-    own = sorted(n for n in manifest.files if writer_of(n) == me and os.path.exists(os.path.join(local_dir, n)))
+    here = {e.name for e in Store(local_dir).entries() if e.kind == "file"}
+    own = sorted(n for n in manifest.files if writer_of(n) == me and n in here)
     where = placement(pdist.all_gather_objects(node_id(), group))
     held = pdist.all_gather_objects(own, group)
     claimed: set[str] = set()  # a file two ranks of one node hold (a shared local tier) is sent once
@@ -167,7 +151,6 @@ def replicate(local_dir: str, group: dist.ProcessGroup | None) -> ReplicaReport:
                            "on a peer node is missing. Check the local tier's free space.")  # fmt: skip
     if me != 0 and received:
         _write_durable(os.path.join(local_dir, MANIFEST_NAME), raw)  # last: the files are durable
-        _fsync_dir(local_dir)
     holders: dict[str, list[str]] = {}
     for sender, name in plan:
         buddy = where.buddy[sender]
@@ -203,8 +186,7 @@ def _transfer(
         assert buddy is not None
         size = manifest.files[name].size
         if me == sender:
-            with open(os.path.join(local_dir, name), "rb") as f:
-                data = torch.frombuffer(bytearray(f.read()) or bytearray(1), dtype=torch.uint8)
+            data = torch.frombuffer(bytearray(Store(local_dir).read_bytes(name)) or bytearray(1), dtype=torch.uint8)
             for off, n in _chunks(size):
                 ops.append(dist.P2POp(dist.isend, data[off : off + max(n, 1)], buddy, group))
             sent += size
@@ -225,8 +207,6 @@ def _transfer(
                 return sent, [], f"{name} arrived damaged (size {len(got)}, crc {crc.hexdigest()} != {entry.crc32c})"
             os.makedirs(local_dir, exist_ok=True)
             _write_durable(os.path.join(local_dir, name), got)
-        if incoming:
-            _fsync_dir(local_dir)
     except OSError as err:
         return sent, [], f"{type(err).__name__}: {err}"
     return sent, sorted(incoming), None
@@ -237,21 +217,18 @@ def _local_holdings(local_root: str, floor: int) -> dict[str, dict[str, object]]
     """This rank's view of its local tier: for each of our checkpoint dirs newer than
     ``floor``, the manifest bytes (if here) and the sizes of the checkpoint files here."""
     out: dict[str, dict[str, object]] = {}
-    try:
-        names = os.listdir(local_root)
-    except FileNotFoundError:
-        return out
-    for name in names:
-        step = dir_step(name)
-        path = os.path.join(local_root, name)
-        if step is None or step <= floor or not os.path.isdir(path):
+    root = Store(local_root)
+    for entry in root.entries():
+        step = dir_step(entry.name)
+        if step is None or step <= floor or entry.kind != "dir":
             continue
-        files = {}
-        for entry in os.listdir(path):
-            if is_checkpoint_file(entry):
-                with contextlib.suppress(OSError):
-                    files[entry] = os.path.getsize(os.path.join(path, entry))
-        out[name] = {"step": step, "manifest": _read_manifest(path), "files": files}
+        ckpt = root.child(entry.name)
+        files = {e.name: e.size for e in ckpt.entries() if e.kind == "file" and is_checkpoint_file(e.name)}
+        try:
+            manifest = _read_manifest(ckpt.path())
+        except CheckpointError:  # not a regular file, or too large: no manifest to trust here
+            manifest = None
+        out[entry.name] = {"step": step, "manifest": manifest, "files": files}
     return out
 
 
@@ -307,7 +284,7 @@ def complete_from_peers(
     err: str | None = None
     try:
         dst.makedirs()
-        _copy_files(src, dst, manifest, max_workers=4, progress=None, chunk_size=CHUNK_SIZE, names=mine)
+        copy_files(src, dst, manifest, names=mine)
     except Exception as exc:
         err = f"{type(exc).__name__}: {exc}"
     failed = [(r, e) for r, e in enumerate(pdist.all_gather_objects(err, group)) if e is not None]

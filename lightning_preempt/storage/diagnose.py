@@ -1,23 +1,82 @@
-"""What a storage error means: worth retrying or not, what the user should set or install, and
-its text with secrets redacted. The one place that classifies storage errors."""
+"""What a storage error means: the one place that classifies storage errors.
+
+:func:`classify` sorts an error into one :data:`ErrorKind` from one table of words; worth
+retrying (:func:`is_transient`) and what the user should set or install
+(:func:`storage_hint`) both derive from that kind. :func:`describe` gives an error's first
+line with secrets redacted (:func:`redact`), for messages and logs.
+"""
 
 from __future__ import annotations
 
 import re
-import traceback
-from typing import Any
+from typing import Any, Literal
 
 from lightning_preempt.errors import (
+    CheckpointError,
     CheckpointExistsError,
     CorruptCheckpointError,
     NotACheckpointError,
 )
 
-_FATAL_NAMES = re.compile(
-    r"NoCredentialsError|PartialCredentialsError|DefaultCredentialsError|RefreshError|"
-    r"AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch|Forbidden|Unauthorized|PermissionError|"
-    r"NoSuchBucket|\b40[13]\b"
+ErrorKind = Literal[
+    "credentials",  # no or bad credentials: nothing works until they are fixed
+    "permission",  # the credentials work but may not do this
+    "no_bucket",  # the bucket named in the URL does not exist
+    "not_found",  # a file or object is missing (a listing may catch up: worth retrying)
+    "missing_driver",  # the fsspec driver for the protocol is not installed
+    "bad_protocol",  # not a URL fsspec knows
+    "network",  # the endpoint cannot be reached (for now)
+    "exists",  # another writer's checkpoint is there
+    "damaged",  # a checkpoint does not match its manifest, or is none
+    "unknown",
+]
+
+#: Kinds a retry cannot fix.
+_PERMANENT: frozenset[str] = frozenset(
+    {"credentials", "permission", "no_bucket", "missing_driver", "bad_protocol", "exists", "damaged"}
 )
+
+# Matched against "TypeName: first line of the message", lower case; the first kind that
+# matches wins (a 403 that mentions a timeout is about permissions).
+_WORDS: tuple[tuple[ErrorKind, re.Pattern[str]], ...] = (
+    ("credentials", re.compile(
+        r"credential|refresherror|invalidaccesskeyid|signature|unauthori[sz]ed|\b401\b|auth|token"
+    )),
+    ("permission", re.compile(r"denied|forbidden|permissionerror|\b403\b")),
+    ("no_bucket", re.compile(r"nosuchbucket")),
+    ("network", re.compile(r"connect|timeout|timed out|dns|resolve|unreachable|network")),
+    ("not_found", re.compile(r"filenotfounderror|no such file|not found")),
+)  # fmt: skip
+
+
+def classify(err: BaseException) -> ErrorKind:
+    """What kind of failure ``err`` is (its own type and first line only: a HINT below it is
+    advice, not a symptom)."""
+    if isinstance(err, CheckpointExistsError):
+        return "exists"
+    if isinstance(err, (CorruptCheckpointError, NotACheckpointError)):
+        return "damaged"
+    if isinstance(err, ImportError):
+        return "missing_driver"
+    if isinstance(err, ValueError) and "protocol" in str(err).lower():
+        return "bad_protocol"
+    if isinstance(err, PermissionError):
+        return "permission"
+    text = f"{type(err).__name__}: {str(err).split(chr(10), 1)[0]}".lower()
+    return next((kind for kind, words in _WORDS if words.search(text)), "unknown")
+
+
+def is_transient(err: BaseException, permanent: tuple[type[BaseException], ...] = ()) -> bool:
+    """Worth retrying: no error in ``err``'s chain of causes is of a kind a retry cannot
+    fix (credentials, permission, a missing bucket, exists, damaged…) or one of ``permanent``."""
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, permanent) or classify(e) in _PERMANENT:
+            return False
+        e = e.__cause__ or e.__context__
+    return True
 
 
 def redact(text: str, options: dict[str, Any]) -> str:
@@ -38,25 +97,14 @@ def _flat(options: Any, prefix: str = "") -> list[tuple[str, Any]]:
     return out
 
 
-def is_transient(err: BaseException, permanent: tuple[type[BaseException], ...] = ()) -> bool:
-    """Worth retrying: not a credentials / permission / exists / damaged-source error, nor
-    one of ``permanent`` (anywhere in its chain of causes)."""
-    seen: set[int] = set()
-    e: BaseException | None = err
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, (CheckpointExistsError, CorruptCheckpointError, NotACheckpointError, *permanent)):
-            return False
-        if _FATAL_NAMES.search(type(e).__name__) or _FATAL_NAMES.search(str(e).split("\n", 1)[0]):
-            return False
-        e = e.__cause__ or e.__context__
-    return True
-
-
-def describe(err: BaseException, options: dict[str, Any]) -> str:
-    """The first line of ``err`` (type and message) with ``options``' secrets redacted."""
-    text = "".join(traceback.format_exception_only(type(err), err)).strip().splitlines()
-    return redact(text[0] if text else type(err).__name__, options)
+def describe(err: BaseException, options: dict[str, Any] | None = None) -> str:
+    """One line for ``err`` in a message or log: ours say what happened in their first line;
+    any other error is ``TypeName: first line``. ``options``' secrets are redacted."""
+    first = str(err).splitlines()[0] if str(err) else ""
+    text = first if isinstance(err, CheckpointError) and first else (
+        f"{type(err).__name__}: {first}" if first else type(err).__name__
+    )  # fmt: skip
+    return redact(text, options or {})
 
 
 _CREDENTIAL_HINTS = {
@@ -70,7 +118,6 @@ _CREDENTIAL_HINTS = {
     "abfs": "Set AZURE_STORAGE_CONNECTION_STRING (or AZURE_STORAGE_ACCOUNT_NAME and a key).",
 }
 
-
 _DRIVERS = {"gs": "gcsfs", "gcs": "gcsfs", "s3": "s3fs", "s3a": "s3fs", "az": "adlfs", "abfs": "adlfs"}
 
 
@@ -78,16 +125,16 @@ def storage_hint(url: str, err: BaseException) -> str:
     """What to set or install when reaching ``url`` failed with ``err``."""
     protocol = url.split("://", 1)[0].lower() if "://" in url else "file"
     credentials = _CREDENTIAL_HINTS.get(protocol, "")
-    text = f"{type(err).__name__} {err}".lower()
-    if isinstance(err, ImportError):
+    kind = classify(err)
+    if kind == "missing_driver":
         driver = _DRIVERS.get(protocol)
         return f"Install the fsspec driver for {protocol}://" + (f": pip install {driver}" if driver else ".")
-    if isinstance(err, ValueError) and "protocol" in text:
+    if kind == "bad_protocol":
         return "Use a local path or an fsspec URL such as gs://bucket/run, s3://bucket/run, memory://x."
     if protocol == "file":
         return "Check the path and that this user may read it."
-    if any(w in text for w in ("credential", "auth", "token", "forbidden", "denied", "403", "401", "signature")):
+    if kind in ("credentials", "permission"):
         return credentials or "Check the credentials of the fsspec driver for this URL."
-    if any(w in text for w in ("connect", "timeout", "timed out", "dns", "resolve", "unreachable", "network")):
+    if kind == "network":
         return "The storage endpoint cannot be reached: check the network, proxy and endpoint_url. " + credentials
     return credentials or "Check the URL, the network and the credentials of the fsspec driver for it."

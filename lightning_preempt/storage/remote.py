@@ -1,0 +1,139 @@
+"""What only a remote fsspec filesystem needs: listings of prefixes, bounded uploads that a
+failure aborts, the store's own CRC32C, and a bucket check that never creates a bucket.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import io
+import posixpath
+from typing import Any
+
+import fsspec
+from fsspec.spec import AbstractBufferedFile
+
+from lightning_preempt.errors import CheckpointWriteError
+
+#: Protocols of object stores: an object ``P`` and objects under ``P/`` can coexist, a
+#: "directory" is a prefix, and ``mv`` is copy + delete (never commit by renaming there).
+OBJECT_STORES = frozenset({"gs", "gcs", "s3", "s3a"})
+GCS_PROTOCOLS = frozenset({"gs", "gcs"})
+
+_BUCKETS_SEEN: set[tuple[str, str, str]] = set()
+
+
+def listing(fs: fsspec.AbstractFileSystem, base: str) -> list[tuple[str, str, int | None]]:
+    """``(name, kind, size)`` of the entries directly under ``base`` (``kind``: ``"dir"`` or
+    ``"file"``), fresh from the server; empty when ``base`` does not exist."""
+    fs.invalidate_cache()  # the servers are consistent, fsspec's listing cache is not
+    base = base.rstrip("/")
+    try:
+        entries = fs.ls(base, detail=True)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    out: dict[str, tuple[str, int | None]] = {}
+    for e in entries:
+        name = str(e["name"])
+        stripped = name.rstrip("/")
+        if not stripped or stripped == base:
+            continue
+        # a zero-byte "folder marker" object (``run/step-1/``) also denotes a directory
+        is_dir = e.get("type") == "directory" or (name.endswith("/") and not e.get("size"))
+        size = e.get("size")
+        out[posixpath.basename(stripped)] = ("dir", None) if is_dir else ("file", None if size is None else int(size))
+    return sorted((name, kind, size) for name, (kind, size) in out.items())
+
+
+def info_entry(info: dict[str, Any]) -> tuple[str, int | None]:
+    """``(kind, size)`` from fsspec's ``info()`` of one path."""
+    if info.get("type") == "directory":
+        return "dir", None
+    size = info.get("size")
+    return "file", None if size is None else int(size)
+
+
+def crc32c_of(info: dict[str, Any], protocol: str) -> str | None:
+    """The CRC32C (8 hex digits) the store keeps for an object, from its ``info()``, or
+    ``None``. GCS keeps one for every object (base64, big-endian); for other stores
+    computing it would mean reading the object."""
+    if protocol not in GCS_PROTOCOLS:
+        return None
+    value = info.get("crc32c")
+    if not value:
+        return None
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    return raw.hex() if len(raw) == 4 else None
+
+
+def require_bucket(fs: fsspec.AbstractFileSystem, protocol: str, root: str, options: dict[str, Any], url: str) -> None:
+    """Raise :class:`CheckpointWriteError` with a HINT when the bucket of ``root`` does not
+    exist. Inconclusive answers (no permission to look) pass: the writes themselves then tell.
+    A bucket is never created: fsspec's ``makedirs`` would make one (with default ACL,
+    region and billing) for a mistyped URL."""
+    bucket = root.split("/", 1)[0]
+    key = (protocol, bucket, repr(sorted(options.items())))
+    if not bucket or key in _BUCKETS_SEEN:
+        return
+    try:
+        fs.info(bucket)
+    except FileNotFoundError:
+        if fs.exists(bucket):  # s3fs < 2025.10: info() of an *empty* bucket says "not found"
+            _BUCKETS_SEEN.add(key)
+            return
+        raise CheckpointWriteError(
+            f"the bucket {bucket!r} does not exist",
+            path=url,
+            hint="lightning_preempt never creates buckets. Create it first (e.g. `gcloud storage buckets "
+            f"create {protocol}://{bucket}` or `aws s3 mb s3://{bucket}`) with the location, access and "
+            "lifecycle you want, or fix the URL.",
+        ) from None
+    except Exception:  # e.g. allowed to write objects but not to look at the bucket
+        return
+    _BUCKETS_SEEN.add(key)
+
+
+class BoundedWrites(io.RawIOBase):
+    """Splits each ``write`` into pieces of at most ``chunk`` bytes.
+
+    fsspec's buffered files copy a whole ``write()`` into their buffer before uploading:
+    DCP writing a 10 GB tensor would otherwise cost a second 10 GB in memory.
+    """
+
+    def __init__(self, inner: Any, chunk: int) -> None:
+        super().__init__()
+        self._inner = inner
+        self._chunk = chunk
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        for offset in range(0, view.nbytes, self._chunk):
+            self._inner.write(view[offset : offset + self._chunk])
+        return view.nbytes
+
+    def tell(self) -> int:
+        return int(self._inner.tell())
+
+    def flush(self) -> None:
+        self._inner.flush()
+
+    def close(self) -> None:
+        pass  # the owner (Store.open_write) closes or abandons the inner file
+
+
+def abandon(f: Any) -> None:
+    """Close ``f`` after a failure without publishing its bytes where we can."""
+    if isinstance(f, AbstractBufferedFile):
+        with contextlib.suppress(Exception):
+            f.discard()  # abort the multi-part / resumable upload
+        f.closed = True  # never let close() (or __del__) upload the partial data
+        return
+    with contextlib.suppress(Exception):
+        f.close()
