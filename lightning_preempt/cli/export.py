@@ -16,10 +16,8 @@ result still needs ``weights_only=False``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-import uuid
 from typing import Any
 
 import torch
@@ -28,7 +26,8 @@ from lightning_preempt.errors import CheckpointError, CheckpointExistsError
 from lightning_preempt.format.pickle_scan import pickled_globals
 from lightning_preempt.format.unpickle import _map_tensors
 from lightning_preempt.read.load import load_full_checkpoint
-from lightning_preempt.storage.store import Store, fsync_dir
+from lightning_preempt.storage.local import write_atomic
+from lightning_preempt.storage.store import Store
 
 _OUR_PACKAGE = "lightning_preempt"
 OWN_STATE_KEY = "lightning_preempt"  # the top-level checkpoint key this package's callback fills
@@ -76,12 +75,9 @@ def export_checkpoint(
         checkpoint[OWN_STATE_KEY] = plain_numpy(checkpoint[OWN_STATE_KEY])
     directory = os.path.dirname(out_path)
     os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(out_path)}.{uuid.uuid4().hex}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(checkpoint, f)
-            f.flush()
-            os.fsync(f.fileno())
+    found: dict[str, str | None] = {}
+
+    def check(tmp: str) -> None:  # the durable temp file, before it gets its name
         foreign = sorted(g for g in pickled_globals(tmp) if g.split(".")[0] == _OUR_PACKAGE)
         if foreign:
             raise ExportError(
@@ -90,24 +86,16 @@ def export_checkpoint(
                 hint="A callback or the module stores an object of lightning_preempt in its state; "
                 "store plain types (dict, list, str, numbers, tensors) there instead.",
             )
-        weights_only_error = weights_only_problem(tmp)
-        if force:
-            os.replace(tmp, out_path)
-        else:
-            # link() fails if the name appeared meanwhile: never replace a file we did not check
-            try:
-                os.link(tmp, out_path)
-            except FileExistsError:
-                raise CheckpointExistsError(
-                    f"refusing to overwrite the existing file {out_path}", hint="Pass --force to replace it."
-                ) from None
-            except OSError:  # no hard links on this filesystem
-                os.replace(tmp, out_path)
-        fsync_dir(directory)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-    return ExportResult(out_path, checkpoint, os.path.getsize(out_path), weights_only_error)
+        found["weights_only_error"] = weights_only_problem(tmp)
+
+    try:
+        # create-only unless forced: never replace a file that appeared meanwhile unchecked
+        write_atomic(out_path, lambda f: torch.save(checkpoint, f), exclusive=not force, check=check)
+    except FileExistsError:
+        raise CheckpointExistsError(
+            f"refusing to overwrite the existing file {out_path}", hint="Pass --force to replace it."
+        ) from None
+    return ExportResult(out_path, checkpoint, os.path.getsize(out_path), found["weights_only_error"])
 
 
 def _own_storage(checkpoint: dict[str, Any]) -> dict[str, Any]:
