@@ -12,6 +12,7 @@ import torch
 
 from lightning_preempt.errors import CorruptCheckpointError
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
+from lightning_preempt.read import archive, crc_reader
 from lightning_preempt.read import tensors as fastload
 from lightning_preempt.read.load import load_full_checkpoint
 from lightning_preempt.storage.store import Store
@@ -146,7 +147,7 @@ def test_chunks_of_a_sharded_tensor_are_assembled() -> None:
 
 def test_small_chunks_pipeline_the_crc(tmp_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # Many chunks per file: the CRC thread and the reads interleave; the result is the same.
-    monkeypatch.setattr(fastload, "CHUNK_BYTES", 1 << 20)
+    monkeypatch.setattr(crc_reader, "CHUNK_BYTES", 1 << 20)  # read_into reads it
     big = {"global_step": 1, "state_dict": {"a": torch.randn(3 << 20), "b": torch.randn(1000)}, "optimizer_states": []}
     _save(tmp_url, big)
     loaded = load_full_checkpoint(Store(tmp_url))
@@ -206,10 +207,10 @@ def test_archive_of_a_view_falls_back_to_torch_load() -> None:
     for tensor in (big[10:20], torch.arange(5000, dtype=torch.float32)[:2000]):
         buf = io.BytesIO()
         torch.save(tensor, buf)
-        archive = buf.getvalue()
-        item = fastload.TensorItem("t", "f", 0, len(archive), torch.float32, (0,), (tensor.numel(),), (tensor.numel(),))
-        got, n = fastload._read_archive(io.BytesIO(archive), item, fastload._Cursor(None, 0))
-        assert n == len(archive) and got is not None and torch.equal(got, tensor)
+        data = buf.getvalue()
+        item = fastload.TensorItem("t", "f", 0, len(data), torch.float32, (0,), (tensor.numel(),), (tensor.numel(),))
+        got, n = archive.read_archive(io.BytesIO(data), item, crc_reader.Cursor(None, 0))
+        assert n == len(data) and got is not None and torch.equal(got, tensor)
 
 
 def _flip(url: str) -> None:
@@ -249,7 +250,7 @@ def test_alias_with_fallback_and_without(tmp_path: Path) -> None:
 
 def test_a_large_file_read_in_two_ranges_verifies_in_file_order(tmp_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fastload, "SPLIT_BYTES", 1 << 20)  # split even this small file
-    monkeypatch.setattr(fastload, "CHUNK_BYTES", 1 << 18)
+    monkeypatch.setattr(crc_reader, "CHUNK_BYTES", 1 << 18)
     ckpt = {
         "global_step": 1,
         "state_dict": {f"t{i}": torch.randn(50_000 + i) for i in range(8)},

@@ -1,0 +1,133 @@
+"""One ``torch.save`` archive (a DCP tensor record) read straight into its tensor.
+
+DCP writes every tensor chunk as a small ``torch.save`` zip archive inside a shard file;
+its ``.metadata`` says where each archive sits and the chunk's dtype and size. Only the
+archive's zip local headers are parsed (no unpickling): the head (``data.pkl`` and the
+other small records, well under :data:`_HEAD_BYTES`) goes to scratch, the ``*/data/0``
+record's bytes are read straight into a new tensor of exactly the chunk's size, and the
+zip data descriptor after them confirms the record's size. An archive laid out otherwise
+(never written by us) falls back to ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import sys
+from typing import IO, Any, cast
+
+import torch
+
+from lightning_preempt.read.crc_reader import Cursor, read_into
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorItem:
+    """One tensor chunk's archive in a shard file (from DCP's ``.metadata``)."""
+
+    fqn: str
+    file: str
+    offset: int  # of the archive in the file
+    length: int
+    dtype: torch.dtype
+    chunk_offsets: tuple[int, ...]
+    chunk_sizes: tuple[int, ...]
+    full_size: tuple[int, ...]
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU uint8 tensor, writable, without a copy."""
+    return memoryview(cast(Any, t.numpy())).cast("B")
+
+
+#: The head of an archive read first: torch.save's records before the tensor data
+#: (data.pkl, .format_version, .storage_alignment, byteorder) take well under 1 KiB.
+_HEAD_BYTES = 4096
+_LOCAL_HEADER = b"PK\x03\x04"
+_DESCRIPTOR = b"PK\x07\x08"
+
+
+def read_archive(f: IO[bytes], item: TensorItem, crc: Cursor) -> tuple[torch.Tensor | None, int]:
+    """Read one ``torch.save`` archive of ``item.length`` bytes from ``f``: its head into
+    scratch, the tensor data straight into a new tensor of exactly the chunk's size (its
+    own storage: nothing else is kept alive by it, and it saves and pickles like any
+    tensor), the rest into scratch. Returns ``(tensor, bytes read)``; ``None`` for a
+    short read. An archive laid out otherwise than our stager writes it is handed to
+    ``torch.load(weights_only=True)`` (one copy of that tensor).
+    """
+    head = memoryview(bytearray(min(item.length, _HEAD_BYTES)))
+    got = read_into(f, head, crc)
+    if got < head.nbytes:
+        return None, got
+    numel = 1
+    for size in item.chunk_sizes:
+        numel *= size
+    nbytes = numel * item.dtype.itemsize
+    start = _data_start(head)
+    if start is None or sys.byteorder != "little":
+        return _read_rest_and_load(f, item, head, crc)
+    tensor = torch.empty(item.chunk_sizes, dtype=item.dtype)
+    data = _bytes_of(tensor.view(-1).view(torch.uint8)) if nbytes else memoryview(bytearray())
+    in_head = max(0, min(head.nbytes, start + nbytes) - start)
+    data[:in_head] = head[start : start + in_head]
+    got += read_into(f, data[in_head:], crc)
+    rest = memoryview(bytearray(max(0, item.length - max(head.nbytes, start + nbytes))))
+    got += read_into(f, rest, crc)
+    if got < item.length:
+        return None, got
+    # The data descriptor right after the data records the record's real size.
+    after = bytes(head[start + nbytes :]) + bytes(rest[:24]) if start + nbytes < head.nbytes else bytes(rest[:24])
+    if not _descriptor_says(after, nbytes):
+        whole = bytes(head) + bytes(data[in_head:]) + bytes(rest)  # the archive as it was in the file
+        return _load_archive(whole, item), got
+    return tensor, got
+
+
+def _data_start(head: memoryview) -> int | None:
+    """Offset of the ``*/data/0`` record's data in an archive whose first bytes are ``head``."""
+    raw = bytes(head)
+    pos = 0
+    while (pos := raw.find(_LOCAL_HEADER, pos)) >= 0 and pos + 30 <= len(raw):
+        method = int.from_bytes(raw[pos + 8 : pos + 10], "little")
+        name_len = int.from_bytes(raw[pos + 26 : pos + 28], "little")
+        extra_len = int.from_bytes(raw[pos + 28 : pos + 30], "little")
+        name = raw[pos + 30 : pos + 30 + name_len]
+        if name.endswith(b"/data/0"):
+            return pos + 30 + name_len + extra_len if method == 0 else None
+        pos += 30 + name_len + extra_len  # skip this header (its data follows; headers are searched for)
+    return None
+
+
+def _descriptor_says(after: bytes, nbytes: int) -> bool:
+    """Whether the zip data descriptor in ``after`` records ``nbytes`` for the record."""
+    if not after.startswith(_DESCRIPTOR):
+        return False
+    size32 = int.from_bytes(after[12:16], "little") if len(after) >= 16 else -1
+    size64 = int.from_bytes(after[16:24], "little") if len(after) >= 24 else -1
+    return nbytes in (size32, size64)
+
+
+def _read_rest_and_load(
+    f: IO[bytes], item: TensorItem, head: memoryview, crc: Cursor
+) -> tuple[torch.Tensor | None, int]:
+    rest = memoryview(bytearray(item.length - head.nbytes))
+    got = head.nbytes + read_into(f, rest, crc)
+    if got < item.length:
+        return None, got
+    return _load_archive(bytes(head) + bytes(rest), item), got
+
+
+class Unparsable(Exception):
+    """An archive read in full that torch cannot turn into the expected tensor."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _load_archive(archive: bytes, item: TensorItem) -> torch.Tensor:
+    try:
+        tensor = torch.load(io.BytesIO(archive), map_location="cpu", weights_only=True)
+        return tensor.reshape(item.chunk_sizes)
+    except Exception as err:  # garbage bytes raise anything from the zip reader or unpickler
+        raise Unparsable(err) from err

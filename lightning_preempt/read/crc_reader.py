@@ -1,0 +1,106 @@
+"""Reading a file range by range with its CRC32C computed on the way.
+
+A reading thread fills memory chunk by chunk (:func:`read_into`, :data:`CHUNK_BYTES` per
+call); each chunk just read is hashed on a helper thread while the next one is read (both
+``readinto`` and ``crc32c`` release the GIL), so verifying costs no extra pass. Ranges of
+one file read at once are hashed at once too, and their CRCs combined in file order
+(:func:`file_digest`).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import IO
+
+from lightning_preempt.storage.checksum import Crc32c
+from lightning_preempt.storage.store import CHUNK_BYTES
+
+
+class OrderedCrc:
+    """CRC32C of one range of a file, starting at ``start``: each piece read is queued
+    under its file offset and hashed in order by a helper task (``crc32c`` releases the
+    GIL, so hashing overlaps the reads). Ranges read at once are hashed at once too, and
+    their CRCs combined (:meth:`Crc32c.extend`)."""
+
+    def __init__(self, pool: ThreadPoolExecutor | None, start: int = 0) -> None:
+        self.crc = Crc32c()
+        self._pool = pool
+        self._next = start
+        self._pending: dict[int, memoryview] = {}
+        self._queue_lock = threading.Lock()
+        self._hash_lock = threading.Lock()  # one hashing task at a time: the CRC is sequential
+        self._tasks: list[Future[None]] = []
+
+    def update(self, offset: int, view: memoryview) -> None:
+        if view.nbytes == 0:
+            return
+        with self._queue_lock:
+            self._pending[offset] = view
+        if self._pool is None:
+            self._drain()
+        else:
+            self._tasks.append(self._pool.submit(self._drain))
+
+    def _drain(self) -> None:
+        with self._hash_lock:
+            while True:
+                with self._queue_lock:
+                    view = self._pending.pop(self._next, None)
+                if view is None:
+                    return
+                self.crc.update(view)
+                self._next += view.nbytes
+
+    def finish(self) -> Crc32c | None:
+        """The CRC32C of every byte queued, or ``None`` when a piece is missing (a hole)."""
+        for task in self._tasks:
+            task.result()
+        self._drain()
+        return None if self._pending else self.crc
+
+
+class Cursor:
+    """Where one reading thread is in the file; hands each piece it reads to the CRC."""
+
+    def __init__(self, crc: OrderedCrc | None, offset: int) -> None:
+        self.crc = crc
+        self.offset = offset
+
+    def update(self, view: memoryview) -> None:
+        if self.crc is not None:
+            self.crc.update(self.offset, view)
+        self.offset += view.nbytes
+
+
+def read_into(f: IO[bytes], view: memoryview, cursor: Cursor) -> int:
+    """Fill ``view`` from ``f`` chunk by chunk, each chunk to the CRC; returns bytes read."""
+    done = 0
+    readinto = getattr(f, "readinto", None)
+    while done < view.nbytes:
+        part = view[done : done + CHUNK_BYTES]
+        if readinto is not None:
+            n = readinto(part) or 0
+        else:  # a file object without readinto: one extra copy of this chunk
+            data = f.read(part.nbytes)
+            n = len(data)
+            part[:n] = data
+        if n == 0:
+            break
+        cursor.update(part[:n])
+        done += n
+    return done
+
+
+def file_digest(crcs: list[OrderedCrc | None]) -> str:
+    """The file's CRC32C from its ranges' (in order); ``"(a hole)"`` if a piece is missing."""
+    whole: Crc32c | None = None
+    for part in crcs:
+        got = part.finish() if part is not None else None
+        if got is None:
+            return "(a hole)"
+        if whole is None:
+            whole = got
+        else:
+            whole.extend(got)
+    return whole.hexdigest() if whole is not None else Crc32c().hexdigest()
