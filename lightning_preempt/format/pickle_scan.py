@@ -25,6 +25,7 @@ import io
 import pickle
 import pickletools
 import re
+import struct
 import zipfile
 from collections import Counter, OrderedDict
 from collections.abc import Callable
@@ -134,18 +135,21 @@ METADATA_GLOBALS = (
 )
 
 # torch's weights-only unpickler renames these Python 2 globals first (torch._utils, taken
-# from _compat_pickle; a guard test compares).
-_IMPORT_MAPPING = {
-    k: _compat_pickle.IMPORT_MAPPING[k]
-    for k in _names("{}", "__builtin__ copy_reg Queue repr _abcoll UserDict UserList UserString whichdb StringIO")
-    | {"cStringIO"}
-}
+# from _compat_pickle; a guard test compares). torch.save writes protocol 2, which spells
+# builtins the Python 2 way: every set or complex in a state is a __builtin__ global.
+def _pair(dotted: str) -> tuple[str, str]:
+    module, _, name = dotted.partition(".")
+    return module, name
+
+
+_PY2_MODULES = "__builtin__ copy_reg Queue repr _abcoll UserDict UserList UserString whichdb StringIO cStringIO"
+_IMPORT_MAPPING = {k: _compat_pickle.IMPORT_MAPPING[k] for k in _names("{}", _PY2_MODULES)}
 _NAME_MAPPING = {
-    (m, n): _compat_pickle.NAME_MAPPING[m, n]
-    for m, _, n in (k.partition(".") for k in _names("__builtin__.{}", "xrange reduce intern unichr unicode long basestring")
+    _pair(k): _compat_pickle.NAME_MAPPING[_pair(k)]
+    for k in _names("__builtin__.{}", "xrange reduce intern unichr unicode long basestring")
     | _names("itertools.{}", "izip imap ifilter ifilterfalse izip_longest")
     | _names("{}", "UserDict.IterableUserDict UserDict.UserDict UserList.UserList UserString.UserString")
-    | {"exceptions.StandardError"})
+    | {"exceptions.StandardError"}
 }
 _BLOCKED_MODULES = frozenset({"sys", "os", "posix", "nt"})  # torch refuses them even when allowed
 
@@ -188,20 +192,23 @@ def check_state_pickle(data: bytes, *, path: str) -> None:
     ``torch.save`` archive or its pickle does not hold together.
     """
     try:
-        archive = zipfile.ZipFile(io.BytesIO(data))
-    except zipfile.BadZipFile as err:
-        raise _corrupt_state(f"not a zip archive: {err}", path) from None
-    with archive:
-        prefix, pkl = _archive_pickle(archive, path)
-        try:
-            _WeightsOnlyReplay(pkl, lambda key: f"{prefix}/data/{key}" in archive.NameToInfo).run()
-        except _Refused as err:
-            raise untrusted_state_error(err.global_name, str(err), path) from None
-        except (ValueError, TypeError, KeyError, IndexError, EOFError) as err:
-            raise _corrupt_state(f"{type(err).__name__}: {str(err)[:200]}", path) from None
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            prefix, info = _archive_pickle(archive, path)
+            pkl = _record_bytes(archive, info, data)
+            records = set(archive.namelist())
+    except CheckpointError:
+        raise
+    except Exception as err:  # not a zip, a record failing its CRC, an unknown compression...
+        raise _corrupt_state(f"not a readable zip archive: {type(err).__name__}: {str(err)[:200]}", path) from None
+    try:
+        _WeightsOnlyReplay(pkl, lambda key: f"{prefix}/data/{key}" in records).run()
+    except _Refused as err:
+        raise untrusted_state_error(err.global_name, str(err), path) from None
+    except (ValueError, TypeError, KeyError, IndexError, EOFError) as err:
+        raise _corrupt_state(f"{type(err).__name__}: {str(err)[:200]}", path) from None
 
 
-def _archive_pickle(archive: zipfile.ZipFile, path: str) -> tuple[str, bytes]:
+def _archive_pickle(archive: zipfile.ZipFile, path: str) -> tuple[str, zipfile.ZipInfo]:
     """The archive's directory name and its ``data.pkl``, checked as torch's reader checks them."""
     names = archive.namelist()
     prefix = names[0].split("/", 1)[0] if names else ""
@@ -217,7 +224,23 @@ def _archive_pickle(archive: zipfile.ZipFile, path: str) -> tuple[str, bytes]:
         raise _corrupt_state("no data.pkl", path)
     if info.file_size > MAX_PICKLE_BYTES:
         raise _corrupt_state(f"data.pkl holds {info.file_size} bytes", path)
-    return prefix, archive.read(info)
+    return prefix, info
+
+
+def _record_bytes(archive: zipfile.ZipFile, info: zipfile.ZipInfo, data: bytes) -> bytes:
+    """A record's bytes as torch's reader takes them: a stored record (torch.save stores)
+    is sliced out without zipfile's CRC-32 check, which torch does not make either (the
+    manifest's CRC32C covers the whole file)."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        return archive.read(info)
+    header = data[info.header_offset : info.header_offset + 30]
+    if len(header) < 30 or header[:4] != b"PK\x03\x04":
+        raise ValueError(f"no local header for {info.filename}")
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    start = info.header_offset + 30 + name_len + extra_len
+    if start + info.file_size > len(data):
+        raise ValueError(f"{info.filename} runs past the end of the archive")
+    return data[start : start + info.file_size]
 
 
 class _Global:
