@@ -99,11 +99,12 @@ class Store:
         return f"{self.url}/{rel}" if rel else self.url
 
     def child(self, rel: str) -> Store:
-        return Store(self.url_of(rel), self.storage_options)
+        """The store rooted at ``rel`` (of this class: a subclass's behaviour carries over)."""
+        return type(self)(self.url_of(rel), self.storage_options)
 
     def parent(self) -> Store:
         """The store of the directory that holds this one (siblings of a path live there)."""
-        return Store(posixpath.dirname(self.url.rstrip("/")), self.storage_options)
+        return type(self)(posixpath.dirname(self.url.rstrip("/")), self.storage_options)
 
     @property
     def is_object_store(self) -> bool:
@@ -281,7 +282,7 @@ class Store:
         except BaseException:
             remote.abandon(f)
             with contextlib.suppress(Exception):
-                self._fs.rm(path)
+                self._fs.rm_file(path)  # not rm(): it would read "[...]" in a path as a glob
             raise
 
     def commit_bytes(self, rel: str, data: bytes, *, exclusive: bool = True) -> None:
@@ -335,7 +336,12 @@ class Store:
             self._fs.invalidate_cache(self.path(rel))
 
     def rm_tree(self, rel: str = "") -> None:
-        """Delete ``rel`` and everything below it; a missing one is fine."""
+        """Delete ``rel`` and everything below it (a local symlink: only the link); a missing
+        one is fine. Remote paths with glob characters (``[``, ``*``) are read as patterns by
+        fsspec's recursive delete: our names never have them."""
+        if self.is_local:
+            local.remove_local(self.path(rel))
+            return
         with contextlib.suppress(FileNotFoundError):
             self._fs.rm(self.path(rel), recursive=True)
         self._fs.invalidate_cache()
