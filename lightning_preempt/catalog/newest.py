@@ -1,19 +1,36 @@
-"""The newest committed checkpoint under a root that verifies.
+"""The newest valid checkpoint: under one root, or across a node-local and a remote tier.
+
+The one place that picks: resume (every rank loads what rank 0 picked here), a load given
+a directory of checkpoints, the fall-back after a load found damage, and the CLI all ask
+these functions. A candidate counts when it is committed (its manifest reads and names
+the step its directory carries), was not already found damaged (``exclude``), and passes
+``verify``:
+
+* ``True``: every file's size and CRC32C (reads every byte);
+* ``"sizes"``: every file exists with its size (one listing); the CRC32C is then checked
+  by the one-pass load itself, which falls back to :func:`fallback`'s next choice;
+* ``False``: the manifest only.
+
+A checkpoint written by a newer format version is never skipped over: falling back would
+silently throw away the progress it holds, so :class:`UnsupportedFormatError` is raised.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
-from lightning_preempt.catalog.listing import CheckpointInfo, list_checkpoints
+from lightning_preempt.catalog.listing import CheckpointInfo, complete_local_checkpoints, list_checkpoints
 from lightning_preempt.catalog.verified import mark_verified
 from lightning_preempt.errors import CheckpointError, UnsupportedFormatError
-from lightning_preempt.read.verify import Verify, check_checkpoint
+from lightning_preempt.read.verify import Fallback, Verify, check_checkpoint
 from lightning_preempt.storage.store import Store
 
 log = logging.getLogger(__name__)
+
+#: ``on_skip(candidate, reason)``: told about every candidate passed over.
+OnSkip = Callable[[CheckpointInfo, str], None]
 
 
 def newest_valid(
@@ -21,48 +38,116 @@ def newest_valid(
     storage_options: dict[str, Any] | None = None,
     *,
     verify: Verify = True,
-    on_skip: Callable[[CheckpointInfo, str], None] | None = None,
+    on_skip: OnSkip | None = None,
     exclude: Collection[str] = (),
 ) -> CheckpointInfo | None:
-    """The newest committed checkpoint under ``url`` whose files verify, or ``None``.
+    """The newest committed checkpoint under ``url`` that passes ``verify`` (see the module
+    docstring), or ``None``. Each candidate passed over is reported to ``on_skip`` (default:
+    a warning naming it and the reason)."""
+    return first_valid(list_checkpoints(url, storage_options), storage_options, verify=verify, on_skip=on_skip,
+                       exclude=exclude)  # fmt: skip
 
-    ``verify``: ``True`` reads every file for its CRC32C; ``"sizes"`` only checks that
-    every file exists with its size (one listing) and leaves the CRC32C to the load
-    (:func:`~lightning_preempt.reader.load_full_checkpoint` raises
-    :class:`CorruptCheckpointError`; call again with the failed path in ``exclude`` to
-    fall back to the next one).
 
-    Each skipped candidate (uncommitted, unreadable manifest, failed checksum) is reported
-    to ``on_skip`` (default: a warning naming it and the reason). A checkpoint written by a
-    newer format version is not skipped: :class:`UnsupportedFormatError` is raised.
+def newest_in_tiers(
+    local_root: str,
+    remote_root: str | None,
+    remote_options: dict[str, Any],
+    *,
+    local_usable: bool,
+    verify: Verify,
+    on_skip: OnSkip | None = None,
+    exclude: Collection[str] = (),
+) -> CheckpointInfo | None:
+    """The newest valid checkpoint across a node-local tier and a remote one; the local copy
+    wins a tie. The remote tier is looked at only when it may hold something newer.
+
+    ``local_usable``: whether a local checkpoint can be resumed from at all (every rank runs
+    on this host: another host's local disk holds its own ranks' files only). A local
+    checkpoint whose files are not all on this disk is passed over.
     """
     report = on_skip or _warn_skip
-    for info in list_checkpoints(url, storage_options):
+    local = None
+    if local_usable:
+        complete = {c.name for c in complete_local_checkpoints(local_root)}
+
+        def usable(info: CheckpointInfo) -> str | None:
+            return None if info.name in complete else "files missing on this node's disk"
+
+        local = first_valid(list_checkpoints(local_root, {}), {}, verify=verify, on_skip=report, exclude=exclude,
+                            usable=usable)  # fmt: skip
+    if remote_root is None:
+        return local
+    floor = local.step if local is not None else -1
+    remote_infos = list_checkpoints(remote_root, remote_options)
+    if not any(c.committed and c.step > floor and c.path not in exclude for c in remote_infos):
+        return local
+    remote = first_valid(remote_infos, remote_options, verify=verify, on_skip=report, exclude=exclude)
+    if remote is None or (local is not None and local.step >= remote.step):
+        return local
+    return remote
+
+
+def first_valid(
+    candidates: Iterable[CheckpointInfo],
+    storage_options: dict[str, Any] | None,
+    *,
+    verify: Verify,
+    on_skip: OnSkip | None = None,
+    exclude: Collection[str] = (),
+    usable: Callable[[CheckpointInfo], str | None] | None = None,
+) -> CheckpointInfo | None:
+    """The first of ``candidates`` (newest first, as :func:`list_checkpoints` orders them)
+    that counts (module docstring); ``usable(info)`` may pass one over with a reason."""
+    report = on_skip or _warn_skip
+    for info in candidates:
         if info.newer_format:
-            # Falling back would silently throw away the progress it holds.
             raise UnsupportedFormatError(
                 f"the newest checkpoint {info.name} was written by a newer lightning_preempt ({info.problem})",
                 path=info.path,
                 hint="Upgrade lightning_preempt to resume from it, or pass an older ckpt_path explicitly.",
             )
-        if info.path in exclude:
-            report(info, "failed its check while loading")
-            continue
-        if not info.committed:
-            report(info, info.problem or "not committed")
-            continue
-        if verify:
-            try:
-                check_checkpoint(Store(info.path, storage_options), info.manifest, verify=verify)
-            except CheckpointError as err:
-                report(info, str(err).splitlines()[0])
-                continue
-            if verify is True and info.manifest is not None:
-                mark_verified(info.path, info.manifest)
-        return info
+        reason = _why_not(info, storage_options, verify, exclude, usable)
+        if reason is None:
+            return info
+        if reason:  # "" passes over silently: an uncommitted leftover of an unusable local tier
+            report(info, reason)
+    return None
+
+
+def fallback(url: str, storage_options: dict[str, Any] | None, *, verify: Verify) -> Fallback:
+    """For a load given a directory of checkpoints: the newest valid one after ``excluded``."""
+
+    def next_one(excluded: list[str]) -> str | None:
+        info = newest_valid(url, storage_options, verify=verify, exclude=excluded)
+        return info.path if info is not None else None
+
+    return next_one
+
+
+def _why_not(
+    info: CheckpointInfo,
+    storage_options: dict[str, Any] | None,
+    verify: Verify,
+    exclude: Collection[str],
+    usable: Callable[[CheckpointInfo], str | None] | None,
+) -> str | None:
+    """Why ``info`` does not count (``None``: it does)."""
+    if info.path in exclude:
+        return "failed its check while loading"
+    if not info.committed:
+        return "" if usable is not None else info.problem or "not committed"
+    unusable = usable(info) if usable is not None else None
+    if unusable is not None:
+        return unusable
+    if verify:
+        try:
+            check_checkpoint(Store(info.path, storage_options), info.manifest, verify=verify)
+        except CheckpointError as err:
+            return str(err).splitlines()[0]
+        if verify is True and info.manifest is not None:
+            mark_verified(info.path, info.manifest)
     return None
 
 
 def _warn_skip(info: CheckpointInfo, reason: str) -> None:
     log.warning("lightning_preempt: skipping checkpoint %s (step %d): %s", info.path, info.step, reason)
-

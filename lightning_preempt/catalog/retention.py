@@ -9,10 +9,11 @@ from typing import Any
 
 from lightning_preempt.catalog.listing import CheckpointInfo, list_checkpoints
 from lightning_preempt.catalog.ownership import remove_if_ours
-from lightning_preempt.catalog.verified import _is_verified, mark_verified
+from lightning_preempt.catalog.verified import is_verified, mark_verified
 from lightning_preempt.errors import CheckpointError
 from lightning_preempt.format.names import HIDDEN_PREFIX, is_our_dir_name
 from lightning_preempt.read.verify import check_checkpoint
+from lightning_preempt.storage.diagnose import describe
 from lightning_preempt.storage.store import Store
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ def apply_retention(
     checkpoint that verifies. Returns the removed URLs; every removal is logged at INFO.
 
     * Only directories named as this package names them and holding only its files are
-      touched (:mod:`lightning_preempt.ownership`); anything else under ``url`` is left
+      touched (:mod:`lightning_preempt.catalog.ownership`); anything else under ``url`` is left
       alone with one warning per process.
     * A checkpoint is *sound* when its files exist with their sizes; one that is not, or
       whose manifest is unreadable, never counts toward ``keep_last_n``.
@@ -83,6 +84,28 @@ def apply_retention(
     return removed
 
 
+def retain(
+    url: str,
+    keep_last_n: int,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    protect: frozenset[str] = frozenset(),
+    run_id: str | None = None,
+) -> list[str]:
+    """:func:`apply_retention` for the background jobs that run it after a commit or a drain:
+    a failure is logged (secrets redacted) and never raised; the checkpoints stay and the
+    next commit tries again. Returns the removed URLs."""
+    try:
+        return apply_retention(url, keep_last_n, storage_options, protect=protect, run_id=run_id)
+    except Exception as err:
+        log.warning(
+            "lightning_preempt: retention in %s failed (%s)\nHINT: older checkpoints were kept; check that the "
+            "storage allows deletes. The next save retries.",
+            url, describe(err, storage_options or {}),
+        )  # fmt: skip
+        return []
+
+
 def _other_run(info: CheckpointInfo, run_id: str | None) -> bool:
     other = info.manifest.run_id if info.manifest is not None else None
     return run_id is not None and other is not None and other != run_id
@@ -94,7 +117,7 @@ def _soundness_problem(info: CheckpointInfo, storage_options: dict[str, Any] | N
     store = Store(info.path, storage_options)
     assert info.manifest is not None
     try:
-        if need_crc and not _is_verified(info.path, info.manifest):
+        if need_crc and not is_verified(info.path, info.manifest):
             check_checkpoint(store, info.manifest, verify=True)
             mark_verified(info.path, info.manifest)
         else:

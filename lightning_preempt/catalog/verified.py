@@ -1,7 +1,8 @@
 """Which checkpoints this process knows to be intact: it committed them (the CRC32C came
 from the bytes it wrote) or read and verified them in full. Retention needs one verified
 checkpoint before it deletes anything; this saves reading the newest one back after
-every save.
+every save, and a resume that chose a checkpoint after reading it in full need not read it
+twice. One cache per process, shared by every caller (a bounded LRU).
 """
 
 from __future__ import annotations
@@ -11,10 +12,7 @@ from collections import OrderedDict
 
 from lightning_preempt.format.manifest import Manifest
 
-# ---- which checkpoints are known to verify ------------------------------------------------
-# A checkpoint this process committed (CRC32C computed from the bytes it wrote) or read in
-# full and verified. Retention needs one verified checkpoint before it deletes anything;
-# remembering them saves reading the newest checkpoint back after every save.
+#: (url, manifest bytes) -> None, oldest first: a manifest that changed is another checkpoint.
 _VERIFIED: OrderedDict[tuple[str, bytes], None] = OrderedDict()
 _VERIFIED_LOCK = threading.Lock()
 _VERIFIED_MAX = 256
@@ -28,7 +26,8 @@ def mark_verified(url: str, manifest: Manifest) -> None:
             _VERIFIED.popitem(last=False)
 
 
-def _is_verified(url: str, manifest: Manifest) -> bool:
+def is_verified(url: str, manifest: Manifest) -> bool:
+    """Whether :func:`mark_verified` recorded the checkpoint at ``url`` with ``manifest``."""
     with _VERIFIED_LOCK:
         return (url.rstrip("/"), manifest.to_json()) in _VERIFIED
 

@@ -1,9 +1,13 @@
 """Validated configuration: a bad argument fails at construction with a HINT, not one
 save interval (or one preemption) later.
 
-:class:`PreemptionConfig` holds every option of :class:`PreemptionCallback`; the callback
-keeps its plain keyword signature (LightningCLI reads it) and builds one of these. The
-``check_*`` helpers are shared with the plugin's options.
+One frozen dataclass per configurable object: :class:`PreemptionConfig` for the engine (and
+so for :class:`~lightning_preempt.PreemptionCallback`), :class:`CheckpointIOConfig` for
+:class:`~lightning_preempt.ShardedAsyncCheckpointIO`. The front-ends keep plain keyword
+signatures (LightningCLI reads them) whose parameters are exactly these fields, with the
+same defaults (tests/unit/test_config.py checks that they never drift apart), and build one
+of these from their arguments. Normalisation (trailing slashes, ``~`` and ``$VARS`` in
+``local_dirpath``, signal names) happens here, once.
 """
 
 from __future__ import annotations
@@ -13,9 +17,20 @@ import math
 import os
 import signal
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
+from lightning_preempt.preemption.notices import parse_names
 from lightning_preempt.preemption.signals import resolve_signal
+
+T = TypeVar("T")
+
+
+def from_arguments(cls: type[T], arguments: dict[str, Any]) -> T:
+    """``cls(**arguments)`` for the fields of the dataclass ``cls``: a front-end's ``__init__``
+    passes its ``locals()`` (its parameters are exactly the config's fields)."""
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    return cls(**{k: v for k, v in arguments.items() if k in names})
+
 
 # SIGKILL and SIGSTOP cannot be caught; the others would stop the process for reasons
 # that are not a preemption (a crash, a debugger).
@@ -79,33 +94,6 @@ def check_signals(value: Any) -> tuple[signal.Signals, ...]:
     return tuple(dict.fromkeys(out))
 
 
-def check_plugin_options(
-    *,
-    storage_options: Any,
-    pin_memory: Any,
-    thread_count: Any,
-    verify_on_load: Any,
-    sharded_keys: Any,
-    drain_workers: Any,
-    drain_retries: Any,
-    drain_backoff_s: Any,
-    trust_checkpoints: Any,
-) -> None:
-    """Validate :class:`~lightning_preempt.ShardedAsyncCheckpointIO`'s options (raises ``ValueError``)."""
-    if storage_options is not None and not isinstance(storage_options, dict):
-        raise _fail("storage_options", storage_options, "a dict or None", "e.g. storage_options={'token': 'anon'}")
-    if pin_memory is not None and not isinstance(pin_memory, bool):
-        raise _fail("pin_memory", pin_memory, "True, False or None", "None pins when CUDA is available.")
-    for name, value in (("verify_on_load", verify_on_load), ("trust_checkpoints", trust_checkpoints)):
-        if not isinstance(value, bool):
-            raise _fail(name, value, "True or False", f"e.g. {name}={name == 'verify_on_load'}")
-    check_int("thread_count", thread_count, minimum=1, hint="writer threads per rank, e.g. thread_count=1.")
-    check_str_tuple("sharded_keys", sharded_keys, hint="e.g. sharded_keys=('state_dict', 'optimizer_states').")
-    check_int("drain_workers", drain_workers, minimum=1, hint="files uploaded in parallel, e.g. 4.")
-    check_int("drain_retries", drain_retries, minimum=1, hint="attempts per drain, e.g. 4 (1 = no retry).")
-    check_seconds("drain_backoff_s", drain_backoff_s, positive=False, hint="the first retry delay, e.g. 1.0.")
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PreemptionConfig:
     """Every option of :class:`~lightning_preempt.PreemptionCallback`, validated.
@@ -134,10 +122,15 @@ class PreemptionConfig:
     lease: bool = True
     lease_timeout_s: float = 60.0
     probe_storage: bool = True
+    notices: tuple[str, ...] = ()
+    on_notice: Literal["continue", "exit"] = "continue"
 
     def __post_init__(self) -> None:
+        if isinstance(self.dirpath, os.PathLike):
+            object.__setattr__(self, "dirpath", os.fspath(self.dirpath))
         if not isinstance(self.dirpath, str) or not self.dirpath.strip():
             raise _fail("dirpath", self.dirpath, "a directory or URL", "e.g. dirpath='checkpoints/' or 'gs://bucket/run'.")
+        object.__setattr__(self, "dirpath", self.dirpath.rstrip("/") or self.dirpath)
         check_int("every_n_train_steps", self.every_n_train_steps, minimum=1, optional=True,
                   hint="pass None to disable step-based saves.")  # fmt: skip
         check_seconds("every_n_seconds", self.every_n_seconds, optional=True, hint="pass None to disable time-based saves.")
@@ -157,16 +150,69 @@ class PreemptionConfig:
         for name in ("overlap_agreement", "resume", "save_on_train_end", "lease", "probe_storage"):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, getattr(self, name), "True or False", f"e.g. {name}=True")
-        if not isinstance(self.storage_options, dict):
-            raise _fail("storage_options", self.storage_options, "a dict", "e.g. storage_options={'token': 'anon'}")
-        if self.local_dirpath is not None and (not isinstance(self.local_dirpath, str) or not self.local_dirpath):
-            raise _fail("local_dirpath", self.local_dirpath, "a local directory or None", "e.g. '/local_nvme/ckpt'.")
+        object.__setattr__(self, "storage_options", check_storage_options(self.storage_options, optional=True))
+        object.__setattr__(self, "local_dirpath", check_local_dirpath(self.local_dirpath))
         check_int("list_retries", self.list_retries, minimum=1)
         check_seconds("list_backoff_s", self.list_backoff_s, positive=False)
         check_seconds("lease_timeout_s", self.lease_timeout_s)
+        object.__setattr__(self, "notices", tuple(parse_names(self.notices)))  # type: ignore[arg-type]
+        if self.on_notice not in ("continue", "exit"):
+            raise _fail("on_notice", self.on_notice, "'continue' or 'exit'", "'continue' snapshots and trains on "
+                        "until the signal; 'exit' snapshots and exits for requeue at once.")  # fmt: skip
 
-def local_dirpath_from_env(value: str | None) -> str | None:
-    """Expand ``~`` and environment variables (``$SLURM_TMPDIR/ckpt``) in ``local_dirpath``."""
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointIOConfig:
+    """Every option of :class:`~lightning_preempt.ShardedAsyncCheckpointIO`, validated.
+
+    See the plugin's docstring for what each one means.
+    """
+
+    storage_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    pin_memory: bool | None = None
+    thread_count: int = 1
+    verify_on_load: bool = True
+    sharded_keys: tuple[str, ...] = ("state_dict", "optimizer_states")
+    local_dirpath: str | None = None
+    drain_workers: int = 4
+    drain_retries: int = 4
+    drain_backoff_s: float = 1.0
+    trust_checkpoints: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "storage_options", check_storage_options(self.storage_options, optional=True))
+        if self.pin_memory is not None and not isinstance(self.pin_memory, bool):
+            raise _fail("pin_memory", self.pin_memory, "True, False or None", "None pins when CUDA is available.")
+        for name in ("verify_on_load", "trust_checkpoints"):
+            if not isinstance(getattr(self, name), bool):
+                raise _fail(name, getattr(self, name), "True or False", f"e.g. {name}={name == 'verify_on_load'}")
+        check_int("thread_count", self.thread_count, minimum=1, hint="writer threads per rank, e.g. thread_count=1.")
+        object.__setattr__(self, "sharded_keys", check_str_tuple(
+            "sharded_keys", self.sharded_keys, hint="e.g. sharded_keys=('state_dict', 'optimizer_states')."))  # fmt: skip
+        object.__setattr__(self, "local_dirpath", check_local_dirpath(self.local_dirpath))
+        check_int("drain_workers", self.drain_workers, minimum=1, hint="files uploaded in parallel, e.g. 4.")
+        check_int("drain_retries", self.drain_retries, minimum=1, hint="attempts per drain, e.g. 4 (1 = no retry).")
+        check_seconds("drain_backoff_s", self.drain_backoff_s, positive=False, hint="the first retry delay, e.g. 1.0.")
+
+
+def check_storage_options(value: Any, *, optional: bool) -> dict[str, Any]:
+    """A copy of a dict of fsspec options (``None`` allowed when ``optional``: no options)."""
+    if value is None and optional:
+        return {}
+    if not isinstance(value, dict):
+        want = "a dict or None" if optional else "a dict"
+        raise _fail("storage_options", value, want, "e.g. storage_options={'token': 'anon'}")
+    return dict(value)
+
+
+def check_local_dirpath(value: Any) -> str | None:
+    """``None``, or a local directory with ``~`` and environment variables expanded
+    (``$SLURM_TMPDIR/ckpt``), without a trailing slash."""
     if value is None:
         return None
-    return os.path.expandvars(os.path.expanduser(str(value)))
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value:
+        raise _fail("local_dirpath", value, "a local directory or None", "e.g. '/local_nvme/ckpt'.")
+    expanded = os.path.expandvars(os.path.expanduser(value))
+    return expanded.rstrip("/") or expanded

@@ -1,9 +1,9 @@
-"""What the callback does with two tiers (docs/two-tier.md), apart from Lightning.
+"""The engine's two-tier decisions (docs/two-tier.md).
 
-The mechanism (local commit, drain queue, per-tier retention) lives in :mod:`tiers`; these
-are the callback's policy decisions around it: wiring the plugin's tiers, uploading on
-start what only this node holds, where the "already taken" check looks, and how long an
-emergency snapshot may drain.
+The mechanism (local commit, drain queue, per-tier retention) lives in save/tiers.py; these
+are the policy decisions around it: wiring the saver's tiers, uploading on start what only
+this node holds, where the "already taken" check looks, and how long an emergency snapshot
+may drain.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.format.names import MANIFEST_NAME
+from lightning_preempt.save.saver import Saver
 from lightning_preempt.save.tiers import TwoTier
 from lightning_preempt.storage.store import Store
 
@@ -21,30 +22,27 @@ log = logging.getLogger(__name__)
 
 
 def configure_tiers(
-    io: Any,
-    *,
-    dirpath: str,
-    local_dirpath: str | None,
-    keep_last_n: int,
+    saver: Saver, *, dirpath: str, local_dirpath: str | None, keep_last_n: int,
     new_group: Callable[[], pdist.ProcessGroup | None],
-) -> str | None:
-    """Give the plugin (``io``) its tiers: the remote root, retention, and a gloo group for the
-    drain thread. Collective when tiers are on (every rank configures alike). Returns the
-    local tier in use (the callback's or the plugin's)."""
-    if local_dirpath is not None and io.tiers is None:
-        io.tiers = TwoTier(local_dirpath, io.storage_options)
-    elif io.tiers is not None and local_dirpath is None:
-        local_dirpath = io.tiers.local_root
-    elif io.tiers is not None and io.tiers.local_root != str(local_dirpath).rstrip("/"):
+) -> str | None:  # fmt: skip
+    """Give the saver its tiers: the remote root, retention, and a gloo group for the drain
+    thread. Collective when tiers are on (every rank configures alike). Returns the local
+    tier in use (the engine's ``local_dirpath`` or the plugin's)."""
+    tiers = saver.tiers
+    if local_dirpath is not None and tiers is None:
+        saver.use_local_tier(local_dirpath)
+    elif tiers is not None and local_dirpath is None:
+        local_dirpath = tiers.local_root
+    elif tiers is not None and tiers.local_root != str(local_dirpath).rstrip("/"):
         raise ValueError(
-            f"local_dirpath differs: {local_dirpath!r} (callback) vs {io.tiers.local_root!r} (plugin)\n"
+            f"local_dirpath differs: {local_dirpath!r} (callback) vs {tiers.local_root!r} (plugin)\n"
             "HINT: pass the same local_dirpath to both, or to one of them."
         )
-    if io.tiers is None:
+    if saver.tiers is None:
         return local_dirpath
     drain_group = new_group()
-    collective = pdist.is_distributed() and io._group is not None
-    io.set_tiers(dirpath, keep_last_n=keep_last_n, group=drain_group if collective else None)
+    collective = pdist.is_distributed() and saver.group is not None
+    saver.tiers.configure(dirpath, keep_last_n, drain_group if collective else None)
     return local_dirpath
 
 
@@ -81,17 +79,17 @@ def taken(tiers: TwoTier | None, path: str, storage_options: dict[str, Any]) -> 
 
 
 def drain_within_grace(
-    io: Any, *, dirpath: str, step: int, budget: float, mark: Callable[[str], None],
+    saver: Saver, *, dirpath: str, step: int, budget: float, mark: Callable[[str], None],
     saved: tuple[str, int | None] | None,
 ) -> str:  # fmt: skip
     """Two tiers: let the snapshot drain for ``budget`` seconds. Returns "; step N held by …"
     for the exit log when ``saved`` (path, step: rank 0's last save) is given."""
-    if io.tiers is None:
+    if saver.tiers is None:
         return ""
     mark(f"draining step {step} to {dirpath} for at most {budget:.1f}s")
-    finished = io.wait_drained(budget)
+    finished = saver.wait_drained(budget)
     mark("drained" if finished else "drain did not finish within the grace period")
     if saved is None:
         return ""
-    held = io.tiers.holders(saved[0])
+    held = saver.tiers.holders(saved[0])
     return f"; step {saved[1]} held by: {', '.join(held) or 'no tier (see the errors above)'}"

@@ -1,10 +1,9 @@
-"""The Lightning callback: a thin set of hooks over the preemption controller, the resume
-resolver and the plugin.
+"""The Lightning Trainer front-end: maps the Trainer's hooks onto the engine (engine/engine.py).
 
-Policy lives in :mod:`~lightning_preempt.controller` (sources, agreement, the emergency
-sequence) and :mod:`~lightning_preempt.resume` (which checkpoint to resume from); the
-mechanism (staging, writing, committing, verifying) in :class:`ShardedAsyncCheckpointIO`
-and below. This module maps Lightning's hooks onto them. See ``docs/design.md``.
+Policy and bookkeeping live in the engine; the mechanism in the plugin and the layers below
+it. What is Lightning's alone stays here: the route into ``fit``'s checkpoint resolution
+(docs/design.md, "Auto-resume"), installing the plugin, routing the strategies' saves,
+staging ahead of the first save, exact resume of the Trainer's loops, and the loggers.
 """
 
 from __future__ import annotations
@@ -13,9 +12,6 @@ import contextlib
 import logging
 import os
 import tempfile
-import time
-import uuid
-import warnings
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -24,75 +20,31 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from typing_extensions import override
 
-from lightning_preempt.catalog.listing import list_checkpoints
-from lightning_preempt.catalog.retention import apply_retention
-from lightning_preempt.collective import agree
-from lightning_preempt.collective import groups as pdist
-from lightning_preempt.engine import tiers as tier_policy
-from lightning_preempt.engine.config import PreemptionConfig, local_dirpath_from_env
-from lightning_preempt.errors import CheckpointError
-from lightning_preempt.format.names import checkpoint_name
+from lightning_preempt.engine.config import PreemptionConfig, from_arguments
+from lightning_preempt.engine.engine import Engine
 from lightning_preempt.lightning import _compat
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.lightning.exact import STATE_KEY, ExactResume
+from lightning_preempt.lightning.logs import PointerNames, quiet_auto_resume_warnings
 from lightning_preempt.lightning.prealloc import prepare_staging
 from lightning_preempt.lightning.reporting import SaveReporter, report_resume
 from lightning_preempt.lightning.strategies import install_collective_saves
 from lightning_preempt.preemption.controller import Preempted, PreemptionController
-from lightning_preempt.preemption.deadline import GraceCheck
-from lightning_preempt.preemption.notices import make_sources, parse_names
 from lightning_preempt.preemption.signals import SignalFlag
 from lightning_preempt.preemption.sources import PreemptionSource
-from lightning_preempt.read.verify import Verify
-from lightning_preempt.resume.resolver import ResumeResolver
-from lightning_preempt.save.lease import Lease
-from lightning_preempt.save.preflight import check_writable
-from lightning_preempt.storage.store import join_url
 
 __all__ = ["Preempted", "PreemptionCallback"]
 
 log = logging.getLogger(__name__)
 
-def _quiet_resume_warnings() -> None:
-    """Lightning warns about "last" checkpoints whenever an OnExceptionCheckpoint is present
-    and fit() gets no ckpt_path: that is exactly our auto-resume route, so the text misleads.
-    The warnings are raised inside Lightning's ``fit`` before any hook of ours runs, so no
-    ``catch_warnings`` block can scope them; the filters are added when a callback is
-    constructed (never at import; re-adding an identical filter replaces it)."""
-    warnings.filterwarnings("ignore", message=r".*ckpt_path=None\)` was called without a model.*")
-    warnings.filterwarnings("ignore", message=r".*ckpt_path=\"last\"\) is set, but there is no last checkpoint.*")
-
-
-class _Runtime:
-    """What one ``fit`` holds and ``teardown`` releases (never pickled)."""
-
-    def __init__(self) -> None:
-        self.groups: list[pdist.ProcessGroup] = []
-        self.agree_group: pdist.ProcessGroup | None = None
-        self.lease: Lease | None = None
-
-    def new_group(self) -> pdist.ProcessGroup | None:
-        group = pdist.new_gloo_group()
-        if group is not None:
-            self.groups.append(group)
-        return group
-
-    def release(self) -> None:
-        if self.lease is not None:
-            self.lease.release()
-            self.lease = None
-        for group in self.groups:
-            pdist.destroy_group(group)
-        self.groups.clear()
-        self.agree_group = None
-
 
 class PreemptionCallback(OnExceptionCheckpoint):
     """Periodic async checkpoints, a snapshot on preemption, and resume on restart.
 
-    Add it with :class:`ShardedAsyncCheckpointIO` to the ``Trainer``; ``trainer.fit(model)``
-    then resumes from the newest valid checkpoint in ``dirpath`` on every (re)start.
-    Every argument is validated here (:class:`~lightning_preempt.config.PreemptionConfig`).
+    Add it with :class:`ShardedAsyncCheckpointIO` to the ``Trainer`` (it installs the plugin
+    when none is configured); ``trainer.fit(model)`` then resumes from the newest valid
+    checkpoint in ``dirpath`` on every (re)start. Every argument is validated here
+    (:class:`~lightning_preempt.engine.config.PreemptionConfig`).
 
     Args:
         dirpath: where checkpoints go (any fsspec URL: local path, ``gs://``, ``s3://``…).
@@ -124,7 +76,6 @@ class PreemptionCallback(OnExceptionCheckpoint):
         lease_timeout_s: a lease whose heartbeat has not advanced for this long is taken over.
         probe_storage: at ``setup``, check that every rank can write and list ``dirpath``
             (and ``local_dirpath``) and fail before step 1 if not.
-        sources: extra preemption sources (:class:`~lightning_preempt.sources.PreemptionSource`).
         notices: cloud preemption notices to watch (docs/notices.md): any of ``"aws"``,
             ``"gce"``, ``"azure"`` (``"aws-interruption"``: AWS without rebalance
             recommendations), or ``"auto"`` (probe which metadata server answers). Local rank
@@ -132,6 +83,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
         on_notice: ``"continue"``: on a notice (from ``notices`` or ``sources``), snapshot at
             the next agreed step and train on until the signal (whose snapshot then costs only
             the steps since); ``"exit"``: snapshot and exit with ``exit_code`` at once.
+        sources: extra preemption sources (:class:`~lightning_preempt.preemption.sources.PreemptionSource`).
     """
 
     def __init__(
@@ -158,108 +110,84 @@ class PreemptionCallback(OnExceptionCheckpoint):
         lease: bool = True,
         lease_timeout_s: float = 60.0,
         probe_storage: bool = True,
-        sources: Sequence[PreemptionSource] = (),
         notices: str | Sequence[str] | None = None,
         on_notice: Literal["continue", "exit"] = "continue",
+        sources: Sequence[PreemptionSource] = (),
     ) -> None:
-        root = str(dirpath).rstrip("/") or str(dirpath) if isinstance(dirpath, (str, os.PathLike)) else dirpath
-        self.config = PreemptionConfig(
-            dirpath=root,  # type: ignore[arg-type]  # validated there
-            every_n_train_steps=every_n_train_steps,
-            every_n_seconds=every_n_seconds,
-            keep_last_n=keep_last_n,
-            signals=signals,  # type: ignore[arg-type]  # resolved and validated there
-            grace_period_s=grace_period_s,
-            exit_code=exit_code,
-            requeue=requeue,
-            requeue_timeout_s=requeue_timeout_s,
-            agree_every_n_steps=agree_every_n_steps,
-            agree_interval_s=agree_interval_s,
-            overlap_agreement=overlap_agreement,
-            resume=resume,
-            save_on_train_end=save_on_train_end,
-            storage_options=dict(storage_options) if isinstance(storage_options, dict) else storage_options or {},
-            local_dirpath=local_dirpath_from_env(local_dirpath),
-            list_retries=list_retries,
-            list_backoff_s=list_backoff_s,
-            lease=lease,
-            lease_timeout_s=lease_timeout_s,
-            probe_storage=probe_storage,
-        )
-        _quiet_resume_warnings()
-        super().__init__(dirpath=self.config.dirpath)
-        self.dirpath: str = self.config.dirpath
-        self.storage_options = self.config.storage_options
-        self.local_dirpath = self.config.local_dirpath
-        if on_notice not in ("continue", "exit"):
-            raise ValueError(
-                f"on_notice must be 'continue' or 'exit', got {on_notice!r}\nHINT: 'continue' snapshots and trains "
-                "on until the signal; 'exit' snapshots and exits for requeue at once."
-            )
-        self.notices = parse_names(notices)  # validated now; built in setup, for this rank's node
-        self._notice_sources: list[PreemptionSource] = []
-        self.controller = PreemptionController(self.config, sources, on_notice=on_notice)
-        self.resolver = ResumeResolver(
-            self.dirpath,
-            self.storage_options,
-            self.local_dirpath,
-            retries=self.config.list_retries,
-            backoff_s=self.config.list_backoff_s,
-        )
+        config = from_arguments(PreemptionConfig, locals())
+        super().__init__(dirpath=config.dirpath)
+        self.engine = Engine(config, sources)
         self.exact = ExactResume()  # RNG, data position, metric states; `.enabled = False` turns it off
         _compat.allow_with_disabled_checkpointing(PreemptionCallback)  # Trainer(enable_checkpointing=False) works
-        self.resumed_from: str | None = None
-        self.run_id: str | None = None  # set in setup; recorded in every manifest of this run
-        self._grace = GraceCheck(self.config.grace_period_s)
+        quiet_auto_resume_warnings()
         self._reporter = SaveReporter()
-        self._rt: _Runtime | None = None
         self._pointer: str | None = None
-        self._last_saved_path: str | None = None
-        self._last_save_time = time.monotonic()
-        self._last_saved_step: int | None = None
-        self._last_seen_step: int | None = None
-        self._save_kind = "periodic"
+        self._names = PointerNames()  # Lightning's log names the checkpoint, not the pointer
         self._restored_state: dict[str, Any] | None = None
-        #: Called on every rank as ``hook(trainer, step)`` after the emergency snapshot
-        #: committed and before the drain gets the rest of the grace period (PeerReplica).
-        self.snapshot_hooks: list[Any] = []
+        self._prepare_after: int | None = None  # the step after which staging is prepared again
 
     # ---- views kept for users and tools -----------------------------------------------
     @property
+    def config(self) -> PreemptionConfig:
+        return self.engine.config
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        return self.engine.config.storage_options
+
+    @property
+    def local_dirpath(self) -> str | None:
+        return self.engine.local_dirpath
+
+    @property
+    def notices(self) -> list[str]:
+        return list(self.engine.config.notices)
+
+    @property
+    def controller(self) -> PreemptionController:
+        return self.engine.controller
+
+    @property
     def signal_flag(self) -> SignalFlag:
-        return self.controller.signal_flag
+        return self.engine.controller.signal_flag
 
     @property
     def timeline(self) -> list[tuple[str, float]]:
         """``(event, time.monotonic())`` of the preemption sequence, in order."""
-        return self.controller.timeline
+        return self.engine.controller.timeline
+
+    @property
+    def resumed_from(self) -> str | None:
+        return self.engine.resumed_from
+
+    @property
+    def run_id(self) -> str | None:
+        return self.engine.run_id
+
+    @property
+    def snapshot_hooks(self) -> list[Any]:
+        """Called on every rank as ``hook(step)`` after the emergency snapshot committed."""
+        return self.engine.snapshot_hooks
 
     def __getstate__(self) -> dict[str, Any]:
-        # Process groups, the lease thread and the resume pointer belong to one fit.
         state = self.__dict__.copy()
-        state["_rt"] = None
-        state["_pointer"] = None
+        state["_pointer"] = None  # belongs to one fit
+        state["_names"] = PointerNames()
         return state
 
-    # ---- auto-resume -------------------------------------------------------------------
+    # ---- auto-resume: Lightning reads this before any hook (docs/design.md) -------------
     @property
     @override
     def ckpt_path(self) -> str | None:  # type: ignore[override]
-        """Read by Lightning when ``fit()`` gets no ``ckpt_path`` (see docs/design.md).
-
-        Returns a local pointer file when ``dirpath`` holds a committed checkpoint; the
-        plugin maps the pointer to the checkpoint all ranks agreed on in :meth:`setup`. A
-        listing that keeps failing is remembered and raised on every rank in ``setup``.
-        """
-        if not self.config.resume:
-            return None
-        probe = self.resolver.probe()
-        if not probe.has_checkpoint:
+        """Read by Lightning when ``fit()`` gets no ``ckpt_path``: a local pointer file when
+        ``dirpath`` holds a committed checkpoint. In :meth:`setup` every rank agrees on the
+        checkpoint and the plugin maps the pointer to it; Lightning's log then names it."""
+        if not self.engine.peek():
             return None
         if self._pointer is None:
             fd, self._pointer = tempfile.mkstemp(prefix="lightning_preempt-resume-", suffix=".pointer")
             with os.fdopen(fd, "w") as f:
-                f.write(self.dirpath)
+                f.write(self.config.dirpath)
         return self._pointer
 
     @property
@@ -273,95 +201,21 @@ class PreemptionCallback(OnExceptionCheckpoint):
         # (launchers/multiprocessing.py); this callback keeps no "best": ignore it.
         pass
 
-    # ---- set-up ------------------------------------------------------------------------
+    # ---- set-up --------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
         io = self._ensure_plugin(trainer)
-        rt = self._rt = _Runtime()
-        writer_group = rt.new_group()
-        group = rt.agree_group = rt.new_group()
-        self.controller.bind(group)
-        install_collective_saves(trainer.strategy, io, writer_group)
-        self.local_dirpath = tier_policy.configure_tiers(
-            io, dirpath=self.dirpath, local_dirpath=self.local_dirpath, keep_last_n=self.config.keep_last_n,
-            new_group=rt.new_group,
+        target = self.engine.setup(
+            io.saver, save=trainer.save_checkpoint, leader=trainer.is_global_zero, local_rank=trainer.local_rank,
+            route_saves=lambda group: install_collective_saves(trainer.strategy, io, group),
+            verify_on_load=io.config.verify_on_load,
         )  # fmt: skip
-        # A listing that kept failing on any rank stops every rank here, before step 1.
-        resuming = self.config.resume and self.resolver.agree_on_probes(group)
-        if self.config.probe_storage:
-            self._probe_storage(group)
-        if self.config.lease:
-            self._take_lease(trainer, rt)
-        run_id = self._choose_resume_target(trainer, io, group) if resuming else None
-        # A resumed run continues the run it resumed from; a fresh one gets a new id.
-        self.run_id = io.run_id = agree.decide(lambda: run_id or uuid.uuid4().hex, group)
-        if io.tiers is not None:
-            io.tiers.run_id = self.run_id
-        if trainer.is_global_zero:
-            tier_policy.upload_local_only(io.tiers, self.dirpath)
-        newest = agree.decide(self._newest_manifest, group, what="reading the newest manifest")
-        self._grace.check_manifest(newest)
-        self.signal_flag.clear()
-        if self.notices and not self._notice_sources:  # only local rank 0 of a node watches
-            self._notice_sources = make_sources(self.notices, local_rank=trainer.local_rank)
-            self.controller.sources.extend(self._notice_sources)
-        self.controller.start()
-
-    def _probe_storage(self, group: pdist.ProcessGroup | None) -> None:
-        """Every rank writes, lists and deletes a probe in dirpath: fail before step 1, alike.
-
-        The local tier is probed too, but a failure there only warns: saves then go straight
-        to dirpath (docs/two-tier.md), which is slower but loses nothing."""
-        agree.agree(lambda: check_writable(self.dirpath, self.storage_options), group, what="probing the storage")
-        local = self.local_dirpath
-        if local is None:
-            return
-        try:
-            agree.agree(lambda: check_writable(local, {}), group, what="probing the local tier")
-        except CheckpointError as err:
-            log.warning("lightning_preempt: %s\nSaves will be written directly to %s.", err, self.dirpath)
-
-    def _take_lease(self, trainer: pl.Trainer, rt: _Runtime) -> None:
-        """Rank 0 takes the lease on dirpath (heartbeat thread); every rank gets the outcome."""
-        lease = Lease(self.dirpath, self.storage_options, timeout_s=self.config.lease_timeout_s)
-        if trainer.is_global_zero:
-            rt.lease = lease
-
-        def take() -> None:
-            lease.acquire()
-            lease.start_heartbeat()
-
-        agree.decide(take, rt.agree_group, what="taking the lease on dirpath")
-
-    def _choose_resume_target(
-        self, trainer: pl.Trainer, io: ShardedAsyncCheckpointIO, group: pdist.ProcessGroup | None
-    ) -> str | None:
-        """Rank 0 picks the newest valid checkpoint, every rank loads it; returns its run id."""
-        # Manifests and sizes only: the load checks every byte once, and on damage every rank
-        # moves to the next candidate together (the fallback; docs/resume-speed.md).
-        verify: Verify = "sizes" if io.verify_on_load else False
-        choice = self.resolver.choose(group, tiers=io.tiers, verify=verify)
-        assert self._pointer is not None
-        fallback = self.resolver.fallback(group, tiers=io.tiers, verify=verify) if io.verify_on_load else None
-        io.alias(self._pointer, choice.path, verified=False, fallback=fallback)
-        self.resumed_from = choice.path
-        self._last_saved_step = choice.step
-        log.info(
-            "lightning_preempt: resuming from %s (step %d)%s",
-            choice.path, choice.step, f"; skipped {list(choice.skipped)}" if choice.skipped else "",
-        )  # fmt: skip
-        return choice.run_id
-
-    def _newest_manifest(self) -> Any:
-        """For the grace projection only: a failure here is logged, never fatal."""
-        try:
-            newest = next((c for c in list_checkpoints(self.dirpath, self.storage_options) if c.committed), None)
-        except Exception as err:
-            log.warning("lightning_preempt: cannot read the newest manifest for the grace check: %s", err)
-            return None
-        return newest.manifest if newest is not None else None
+        if target is not None:
+            assert self._pointer is not None
+            io.alias(self._pointer, target.path, fallback=target.fallback)
+            self._names.install(self._pointer, target.path)
 
     def _ensure_plugin(self, trainer: pl.Trainer) -> ShardedAsyncCheckpointIO:
         io = trainer.strategy.checkpoint_io
@@ -381,7 +235,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
     def state_dict(self) -> dict[str, Any]:
         """Saved in every checkpoint: why it was taken (read back to report steps lost)."""
         notice = self.controller.notice
-        return {"kind": self._save_kind, "signal": notice.source if notice is not None else None}
+        return {"kind": self.engine.save_kind, "signal": notice.source if notice is not None else None}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -394,25 +248,15 @@ class PreemptionCallback(OnExceptionCheckpoint):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.controller.start()
+        io = self._plugin(trainer)
         # Staging buffers allocated and touched in the background now: the first (maybe the
         # emergency) save only copies. Again after the first step: optimizer state appears there.
-        self._prepare_after_step = prepare_staging(trainer, self._plugin(trainer)) is not None
-        self._last_save_time = time.monotonic()
-        self._last_seen_step = trainer.global_step
-        io = self._plugin(trainer)
-        if self.resumed_from is not None and io.loaded_from not in (None, self.resumed_from):
-            # the chosen checkpoint failed its check while loading: an older one was loaded
-            self.resumed_from, self._last_saved_step = io.loaded_from, trainer.global_step
-        if self._last_saved_step is None and trainer.global_step > 0:
-            self._last_saved_step = trainer.global_step  # resumed from an explicit ckpt_path
-            self._warn_about_newer_checkpoints(trainer)
+        self._prepare_after = trainer.global_step if prepare_staging(trainer, io) is not None else None
         report_resume(trainer, self._restored_state)
         # The checkpoint is loaded: the pointer has served. Removed now, not at teardown,
         # which a preempted process never reaches (one file in /tmp per preemption).
         self._drop_pointer()
-        # A signal that arrived during start-up or restore: nothing new to save.
-        self._check_now(trainer)
+        self.engine.start(trainer.global_step, loaded_from=io.loaded_from)
         self.exact.on_train_start(trainer, pl_module)  # last: restores RNG just before the first fetch
 
     @override
@@ -426,47 +270,21 @@ class PreemptionCallback(OnExceptionCheckpoint):
         self.exact.on_train_batch_end(trainer)
         io = self._plugin(trainer)
         self._reporter.report(trainer, io.history)
-        step = trainer.global_step
-        if step == self._last_seen_step:
-            return  # mid gradient-accumulation: no optimizer step happened, nothing to snapshot
-        self._last_seen_step = step
-        if self._prepare_after_step:
-            self._prepare_after_step = False
+        if self._prepare_after is not None and trainer.global_step > self._prepare_after:
+            self._prepare_after = None
             prepare_staging(trainer, io)
-        now = time.monotonic()
-        every_s = self.config.every_n_seconds
-        local_due = every_s is not None and now - self._last_save_time >= every_s
-        decision = self.controller.at_boundary(now, save_due=local_due, stop=self._must_stop(io))
-        if decision.stop:
-            self._stop(trainer, io)
-        if decision.preempt:
-            self._emergency(trainer)
-        every_n = self.config.every_n_train_steps
-        if (every_n is not None and step % every_n == 0) or decision.save_due:
-            self._save(trainer, kind="notice" if decision.notice_snapshot else "periodic")
-            if decision.notice_snapshot:
-                self._noticed(io, step)
+        self.engine.step_end(trainer.global_step)
 
     @override
     def on_validation_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int,
         dataloader_idx: int = 0,
-    ) -> None:
-        # Validation and the sanity check can be long: agree here too.
-        self._check_now(trainer)
+    ) -> None:  # fmt: skip
+        self.engine.check(trainer.global_step)  # validation and the sanity check can be long: agree here too
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.controller.flush()  # every rank completes its overlapped exchange
-        step = trainer.global_step
-        if self.config.save_on_train_end and step != self._last_saved_step and step > 0:
-            self._save(trainer, kind="final")
-        self._wait_agreed(trainer)
+        self.engine.finish(trainer.global_step)
         self._reporter.report(trainer, self._plugin(trainer).history)
 
     @override
@@ -484,167 +302,26 @@ class PreemptionCallback(OnExceptionCheckpoint):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # Unlike OnExceptionCheckpoint we save nothing here: after an arbitrary error the
-        # state may be inconsistent. We only make sure committed saves are complete.
-        self.controller.stop()
-        # Lightning calls no `teardown` hook after an exception: release here. The plugin
-        # finishes its writes and drains first (they use the groups released after it).
-        with contextlib.suppress(Exception):
-            self._plugin(trainer).teardown()
-        self._release()
+        # state may be inconsistent. Lightning calls no `teardown` hook after an exception:
+        # the committed saves are finished and everything is released here.
+        self.engine.close(finish_saves=True)
+        self._drop_pointer()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self.controller.stop()
-        self._release()
-
-    def _release(self) -> None:
-        """Give back what this fit held: lease, process groups, the resume pointer."""
-        if self._rt is not None:
-            self._rt.release()
-            self._rt = None
+        self.engine.close()
         self._drop_pointer()
 
     def _drop_pointer(self) -> None:
+        self._names.remove()
         if self._pointer is not None:
             with contextlib.suppress(OSError):
                 os.unlink(self._pointer)
             self._pointer = None
 
-    # ---- mechanics ---------------------------------------------------------------------
-    def _plugin(self, trainer: pl.Trainer) -> ShardedAsyncCheckpointIO:
+    @staticmethod
+    def _plugin(trainer: pl.Trainer) -> ShardedAsyncCheckpointIO:
         io = trainer.strategy.checkpoint_io
         assert isinstance(io, ShardedAsyncCheckpointIO)
         return io
 
-    def _group(self) -> pdist.ProcessGroup | None:
-        return self._rt.agree_group if self._rt is not None else None
-
-    def _must_stop(self, io: ShardedAsyncCheckpointIO) -> bool:
-        """This rank's reason to stop training: its save failed, or the lease was lost."""
-        lease = self._rt.lease if self._rt is not None else None
-        return io.pending_failed() or (lease is not None and lease.lost)
-
-    def _stop(self, trainer: pl.Trainer, io: ShardedAsyncCheckpointIO) -> None:
-        """Every rank raises the same error: the lease's, else the failed save's."""
-        lease = self._rt.lease if self._rt is not None else None
-        agree.decide(lambda: lease.check() if lease is not None else None, self._group(), what="holding the lease")
-        self._wait_agreed(trainer)
-
-    def _wait_agreed(self, trainer: pl.Trainer) -> None:
-        """Wait for pending saves; a failure on any rank raises on every rank."""
-        agree.agree(self._plugin(trainer).wait, self._group(), what="saving the checkpoint")
-
-    def _check_now(self, trainer: pl.Trainer) -> None:
-        if not self.controller.schedule.bound:
-            return
-        decision = self.controller.now()
-        if decision.preempt:
-            self._emergency(trainer)
-
-    def _save(self, trainer: pl.Trainer, kind: str = "periodic") -> None:
-        step = trainer.global_step
-        if step == self._last_saved_step:
-            return
-        path = self._fresh_path(trainer, step)
-        self._save_kind = kind  # recorded by state_dict() inside this save
-        trainer.save_checkpoint(path)
-        self._last_saved_step = step
-        self._last_saved_path = path
-        self._last_save_time = time.monotonic()
-        io = self._plugin(trainer)
-        if trainer.is_global_zero and io.tiers is None:  # two tiers: each drain job applies retention per tier
-            # Queued behind the save: runs after it committed (or failed; then the old
-            # checkpoints are still the newest committed and are kept).
-            io.submit(self._retention)
-        self._grace.check_records(io.history[:-1])
-
-    def _retention(self) -> None:
-        try:
-            apply_retention(self.dirpath, self.config.keep_last_n, self.storage_options, run_id=self.run_id)
-        except Exception as err:  # the checkpoints stay; the next save's retention tries again
-            log.warning(
-                "lightning_preempt: retention in %s failed (%s: %s)\nHINT: older checkpoints were kept; check "
-                "that the storage allows deletes. The next save retries.",
-                self.dirpath, type(err).__name__, err,
-            )  # fmt: skip
-
-    def _fresh_path(self, trainer: pl.Trainer, step: int) -> str:
-        """``dirpath/step-N``, or a suffixed sibling when a committed ``step-N`` exists (a run
-        resumed from an older checkpoint re-reaches a step). Rank 0 decides for all ranks."""
-        path = join_url(self.dirpath, checkpoint_name(step))
-        tiers = self._plugin(trainer).tiers
-
-        def pick() -> str:
-            return f"{path}-{uuid.uuid4().hex[:8]}" if tier_policy.taken(tiers, path, self.storage_options) else path
-
-        return agree.decide(pick, self._group(), what="choosing the checkpoint path")
-
-    def _emergency(self, trainer: pl.Trainer) -> None:
-        io = self._plugin(trainer)
-        step = trainer.global_step
-
-        def snapshot() -> None:
-            try:
-                self._wait_agreed(trainer)  # an in-flight periodic save is not lost: let it commit first
-            except CheckpointError as err:
-                log.error("lightning_preempt: the in-flight save failed (%s); snapshotting anyway", err)
-                self._last_saved_step = None
-            if step == self._last_saved_step or step == 0:
-                self.controller.mark(f"step {step} is already committed; no snapshot needed")
-                return
-            self._save(trainer, kind="emergency")
-            self.controller.mark(f"staged step {step}")
-            self._wait_agreed(trainer)
-            self.controller.mark(f"committed step {step}")
-            for hook in list(self.snapshot_hooks):
-                hook(trainer, step)
-
-        def drain(budget: float) -> str:
-            path = self._last_saved_path
-            saved = (path, self._last_saved_step) if trainer.is_global_zero and path is not None else None
-            return tier_policy.drain_within_grace(
-                io, dirpath=self.dirpath, step=step, budget=budget, mark=self.controller.mark, saved=saved
-            )
-
-        self.controller.emergency(
-            step, snapshot=snapshot, drain=drain, safe_step=lambda: self._safe_step(io), leader=trainer.is_global_zero
-        )
-
-    def _noticed(self, io: ShardedAsyncCheckpointIO, step: int) -> None:
-        """on_notice="continue": log the snapshot a notice asked for and, from the writer
-        thread behind the save, whether it committed (training does not wait)."""
-        notice = self.controller.notice
-        source = notice.source if notice is not None else "a"
-        self.controller.mark(f"{source} notice: snapshot of step {step} staged; training goes on until the signal")
-
-        def committed() -> None:
-            rec = next((r for r in reversed(io.history) if r.step == step), None)
-            ok = rec is not None and rec.committed_s is not None and rec.error is None
-            self.controller.mark(f"committed step {step} (the {source} notice's snapshot)" if ok else
-                                 f"the {source} notice's snapshot of step {step} did not commit")  # fmt: skip
-
-        io.submit(committed)
-
-    def _safe_step(self, io: ShardedAsyncCheckpointIO) -> str:
-        done = [r for r in io.history if r.committed_s is not None and r.error is None]
-        if done:
-            return f"step {done[-1].step} ({done[-1].path})"
-        if self.resumed_from is not None:
-            return f"step {self._last_saved_step} ({self.resumed_from}, the checkpoint this run resumed from)"
-        return "no checkpoint of this run committed (the newest in dirpath, if any)"
-
-    def _warn_about_newer_checkpoints(self, trainer: pl.Trainer) -> None:
-        if not trainer.is_global_zero:
-            return
-        try:
-            newer = [c.step for c in list_checkpoints(self.dirpath, self.storage_options) if c.committed]
-        except Exception as err:  # a warning only: never let it stop training
-            log.warning("lightning_preempt: cannot list %s to compare steps: %s", self.dirpath, err)
-            return
-        if newer and max(newer) > trainer.global_step:
-            warnings.warn(
-                f"lightning_preempt: resumed from step {trainer.global_step} but {self.dirpath} holds a newer "
-                f"checkpoint (step {max(newer)}); after a preemption auto-resume takes the newest step.\n"
-                "HINT: use a fresh dirpath for a run that branches off an older checkpoint.",
-                stacklevel=2,
-            )

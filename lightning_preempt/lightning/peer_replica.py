@@ -17,6 +17,7 @@ used its budget already.)
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from typing import Any
@@ -47,12 +48,14 @@ class PeerReplica(Callback):
         self.reports: list[ReplicaReport] = []
         self._group: Any = None
         self._hooked: Any = None  # the PreemptionCallback whose snapshot_hooks hold ours
+        self._hook: Any = None  # what we registered there: hook(step)
         self._done_step: int | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()  # the group and the registration belong to one fit
         state["_group"] = None
         state["_hooked"] = None
+        state["_hook"] = None
         return state
 
     @override
@@ -63,7 +66,8 @@ class PeerReplica(Callback):
         self._done_step = None
         cb = self._preemption_callback(trainer)
         if cb is not None and isinstance(getattr(cb, "snapshot_hooks", None), list):
-            cb.snapshot_hooks.append(self._after_snapshot)
+            self._hook = functools.partial(self._after_snapshot, trainer)
+            cb.snapshot_hooks.append(self._hook)
             self._hooked = cb
         if cb is not None and getattr(cb, "local_dirpath", None) is not None:
             self._complete_from_peers(cb)
@@ -95,8 +99,8 @@ class PeerReplica(Callback):
     def _release(self) -> None:
         if self._hooked is not None:
             with contextlib.suppress(ValueError):
-                self._hooked.snapshot_hooks.remove(self._after_snapshot)
-            self._hooked = None
+                self._hooked.snapshot_hooks.remove(self._hook)
+            self._hooked = self._hook = None
         group, self._group = self._group, None
         pdist.destroy_group(group)
 

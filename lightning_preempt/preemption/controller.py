@@ -16,12 +16,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import time
 from collections.abc import Callable, Sequence
-from typing import NoReturn
+from typing import Literal, NoReturn, Protocol
 
 from lightning_preempt.collective.groups import ProcessGroup
-from lightning_preempt.engine.config import PreemptionConfig
 from lightning_preempt.preemption.deadline import grace_margin
 from lightning_preempt.preemption.requeue import requeue_slurm
 from lightning_preempt.preemption.schedule import AgreementSchedule
@@ -45,11 +45,33 @@ class Decision:
     notice_snapshot: bool = False  # this rank asked for this save: a notice with on_notice="continue"
 
 
+class ControllerSettings(Protocol):
+    """What the controller reads of its configuration (the engine's validated
+    ``PreemptionConfig`` is one; see the engine's docstring for what each means)."""
+
+    @property
+    def signals(self) -> tuple[signal.Signals, ...]: ...
+    @property
+    def grace_period_s(self) -> float: ...
+    @property
+    def exit_code(self) -> int: ...
+    @property
+    def requeue(self) -> bool | None: ...
+    @property
+    def requeue_timeout_s(self) -> float: ...
+    @property
+    def agree_every_n_steps(self) -> int | Literal["auto"]: ...
+    @property
+    def agree_interval_s(self) -> float: ...
+    @property
+    def overlap_agreement(self) -> bool: ...
+
+
 class PreemptionController:
     """Sources -> agreement -> decisions; and the emergency sequence.
 
     Args:
-        config: the validated options.
+        config: the settings (validated by the caller).
         sources: extra preemption sources (cloud notices); a :class:`SignalFlag` for
             ``config.signals`` is always the first.
         on_notice: what a notice from ``sources`` does: ``"exit"``: preempt at once, like a
@@ -58,7 +80,7 @@ class PreemptionController:
     """
 
     def __init__(
-        self, config: PreemptionConfig, sources: Sequence[PreemptionSource] = (), *, on_notice: str = "exit"
+        self, config: ControllerSettings, sources: Sequence[PreemptionSource] = (), *, on_notice: str = "exit"
     ) -> None:
         self.config = config
         self.on_notice = on_notice

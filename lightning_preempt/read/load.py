@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.errors import CorruptCheckpointError
@@ -21,7 +24,7 @@ from lightning_preempt.format.unpickle import (
 )
 from lightning_preempt.read.dcp import load_all_tensors, load_tensors_into
 from lightning_preempt.read.tensors import read_tensors, read_verified_bytes, tensor_items
-from lightning_preempt.read.verify import _CORRUPT_HINT, check_files, read_manifest, verify_checkpoint
+from lightning_preempt.read.verify import _CORRUPT_HINT, Fallback, check_files, read_manifest, verify_checkpoint
 from lightning_preempt.storage.store import Store
 
 log = logging.getLogger(__name__)
@@ -176,11 +179,6 @@ def _dcp_metadata_from_bytes(data: bytes, store: Store, manifest: Manifest) -> A
     return metadata
 
 
-#: ``fallback(excluded)``: the next checkpoint to try after those in ``excluded`` failed
-#: their check while loading, or ``None`` when none is left.
-Fallback = Callable[[list[str]], "str | None"]
-
-
 def load_agreed(
     load: Callable[[str, bool], dict[str, Any]],
     target: str,
@@ -235,3 +233,13 @@ def load_agreed(
             )
         target, verified = nxt, False
 
+
+def load_plain_file(store: Store, *, map_location: Any = None, trusted: bool = False) -> dict[str, Any]:
+    """A plain ``torch.save`` checkpoint file (Lightning's ``.ckpt``), read as Lightning's own
+    plugin reads it but through our storage options (credentials). Unless ``trusted`` only
+    ``weights_only`` types are unpickled (docs/security.md). A symlink the caller named is
+    followed (``ModelCheckpoint(save_last="link")`` makes them)."""
+    if store.is_local and os.path.islink(store.path()):
+        store = Store(os.path.realpath(store.path()))
+    with store.open_read("") as f:
+        return torch.load(f, map_location=map_location or "cpu", weights_only=not trusted)  # type: ignore[no-any-return]

@@ -75,6 +75,11 @@ _CORRUPT_HINT = "This checkpoint is damaged; resume from an older one (auto-resu
 #: checked by the one-pass load itself), ``False`` checks nothing beyond the manifest.
 Verify = bool | Literal["sizes"]
 
+#: ``fallback(excluded)``: the next checkpoint to try after those in ``excluded`` failed
+#: their check while loading, or ``None`` when none is left (catalog/newest.py makes them,
+#: read/load.py's ``load_agreed`` calls them).
+Fallback = Callable[[list[str]], "str | None"]
+
 
 def check_sizes(store: Store, manifest: Manifest | None = None) -> Manifest:
     """Every file the manifest lists exists with its size: one listing, no data read.

@@ -35,9 +35,9 @@ from concurrent.futures import Future
 from typing import Any
 
 from lightning_preempt.catalog.listing import CheckpointInfo, complete_local_checkpoints, list_checkpoints
-from lightning_preempt.catalog.newest import newest_valid
+from lightning_preempt.catalog.newest import OnSkip, newest_in_tiers
 from lightning_preempt.catalog.ownership import remove_if_ours
-from lightning_preempt.catalog.retention import apply_retention
+from lightning_preempt.catalog.retention import retain
 from lightning_preempt.catalog.verified import mark_verified
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.errors import (
@@ -47,7 +47,7 @@ from lightning_preempt.errors import (
 )
 from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.format.names import MANIFEST_NAME
-from lightning_preempt.read.verify import Verify, check_checkpoint
+from lightning_preempt.read.verify import Verify
 from lightning_preempt.save.drain import drain_files
 from lightning_preempt.save.jobs import JobQueue
 from lightning_preempt.storage.diagnose import describe, is_transient, redact
@@ -270,6 +270,8 @@ class TwoTier:
 
     # ---- retention (drain thread, after each drain) ------------------------------------
     def _retention(self, group: pdist.ProcessGroup | None) -> None:
+        """Per tier, rank 0 decides (catalog/retention.py); other hosts' local disks hold their
+        ranks' shares of the same checkpoints, so their first ranks delete the same names."""
         keep = self.keep_last_n
         if keep is None:
             return
@@ -277,23 +279,10 @@ class TwoTier:
         if group is None or pdist.rank(group) == 0:
             with self._lock:
                 protect = frozenset(self._queued)
-            try:
-                doomed = [
-                    posixpath.basename(p)
-                    for p in apply_retention(self.local_root, keep, {}, protect=protect, run_id=self.run_id)
-                ]  # fmt: skip
-            except Exception as err:
-                log.warning("lightning_preempt: local retention in %s failed: %s", self.local_root, err)
+            removed = retain(self.local_root, keep, {}, protect=protect, run_id=self.run_id)
+            doomed = [posixpath.basename(p) for p in removed]
             if self.remote_root is not None:
-                try:
-                    apply_retention(self.remote_root, keep, self.remote_options, run_id=self.run_id)
-                except Exception as err:
-                    log.warning(
-                        "lightning_preempt: remote retention in %s failed: %s",
-                        self.remote_root,
-                        describe(err, self.remote_options),
-                    )
-        # Other hosts' local disks hold their ranks' shares of the same checkpoints.
+                retain(self.remote_root, keep, self.remote_options, run_id=self.run_id)
         doomed = pdist.broadcast_object(doomed, group)
         if group is not None and pdist.rank(group) != 0 and self.leads_host and not self.single_host:
             for name in doomed:
@@ -351,48 +340,11 @@ class TwoTier:
         return out
 
     def newest(
-        self,
-        *,
-        verify: Verify,
-        on_skip: Callable[[CheckpointInfo, str], None] | None = None,
-        exclude: Collection[str] = (),
+        self, *, verify: Verify, on_skip: OnSkip | None = None, exclude: Collection[str] = ()
     ) -> CheckpointInfo | None:
-        """The newest valid checkpoint across both tiers; local wins a tie. The remote tier
-        is verified only when it may hold something newer than the local one. ``exclude``:
-        paths already found damaged (by a load)."""
-        local = None
-        if self.single_host:
-            complete = {c.name for c in complete_local_checkpoints(self.local_root)}
-            skip = on_skip or (lambda i, why: None)
-            for info in list_checkpoints(self.local_root, {}):
-                if info.path in exclude:
-                    continue
-                if info.name not in complete:
-                    if info.committed:
-                        skip(info, "files missing on this node's disk")
-                    continue
-                if verify:
-                    try:
-                        check_checkpoint(Store(info.path), info.manifest, verify=verify)
-                    except CheckpointError as err:
-                        skip(info, str(err).splitlines()[0])
-                        continue
-                local = info
-                break
-        if self.remote_root is None:
-            return local
-        floor = local.step if local is not None else -1
-        remote_committed = [
-            c
-            for c in list_checkpoints(self.remote_root, self.remote_options)
-            if c.committed and c.step > floor and c.path not in exclude
-        ]
-        if not remote_committed:
-            return local
-        remote = newest_valid(self.remote_root, self.remote_options, verify=verify, on_skip=on_skip, exclude=exclude)
-        if remote is None or (local is not None and local.step >= remote.step):
-            return local
-        return remote
+        """The newest valid checkpoint across both tiers (catalog/newest.py); local wins a tie."""
+        return newest_in_tiers(self.local_root, self.remote_root, self.remote_options, local_usable=self.single_host,
+                               verify=verify, on_skip=on_skip, exclude=exclude)  # fmt: skip
 
     def local_only(self) -> list[CheckpointInfo]:
         """Local committed checkpoints newer than the newest remote one (oldest first)."""

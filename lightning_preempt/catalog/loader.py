@@ -1,0 +1,126 @@
+"""Loading what a path means: one checkpoint, a directory of them, a plain Lightning file,
+or an alias the engine set; verified, with a fall-back all ranks agree on.
+
+* a checkpoint directory (it holds ``manifest.json``) is loaded and checked in one pass
+  (read/load.py: every byte it reads against the manifest's size and CRC32C);
+* a directory of checkpoints means the newest valid one (catalog/newest.py: manifests and
+  sizes while choosing, the CRC32C while loading); damage found while loading moves on to
+  the next one;
+* a plain ``torch.save`` file (Lightning's ``.ckpt``) is read as Lightning reads it, through
+  our storage options;
+* :meth:`Loader.alias` makes a path mean another checkpoint (the resume pointer, see
+  docs/design.md), with the fall-back the engine chose (every rank moves on together).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_preempt.catalog.newest import Fallback, fallback, newest_valid
+from lightning_preempt.collective import groups as pdist
+from lightning_preempt.errors import CheckpointNotFoundError, NotACheckpointError
+from lightning_preempt.format.names import MANIFEST_NAME
+from lightning_preempt.read.load import load_agreed, load_full_checkpoint, load_plain_file, load_sharded_checkpoint
+from lightning_preempt.read.verify import Verify
+from lightning_preempt.storage.store import Store
+
+LOAD_HINT = (
+    "Pass a checkpoint directory written by ShardedAsyncCheckpointIO (it contains manifest.json), "
+    "a directory of them, or a Lightning .ckpt file."
+)
+
+
+class Loader:
+    """Loads checkpoints for one process (see the module docstring).
+
+    Args:
+        storage_options: fsspec options for every path.
+        verify_on_load: check every byte read against the manifest's CRC32C.
+        trust_checkpoints: unpickle the non-tensor state with full ``pickle`` (docs/security.md).
+    """
+
+    def __init__(self, storage_options: dict[str, Any], *, verify_on_load: bool, trust_checkpoints: bool) -> None:
+        self.storage_options = storage_options
+        self.verify_on_load = verify_on_load
+        self.trust_checkpoints = trust_checkpoints
+        self._aliases: dict[str, str] = {}
+        self._fallbacks: dict[str, Fallback] = {}
+        #: The checkpoint the last :meth:`load` returned (after any fall-back).
+        self.loaded_from: str | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_fallbacks"] = {}  # closures over one fit's process groups
+        return state
+
+    def alias(self, path: str, target: str, *, fallback: Fallback | None = None) -> None:
+        """Make a load of ``path`` load ``target``. ``fallback(excluded)``: the next checkpoint
+        to try when the load finds ``target`` damaged (every rank calls it, rank 0's answer is
+        taken), or ``None`` when none is left."""
+        self._aliases[str(path)] = target
+        if fallback is not None:
+            self._fallbacks[str(path)] = fallback
+
+    def resolve(self, path: Any) -> str | None:
+        """The committed checkpoint ``path`` means (alias, checkpoint dir, or the newest valid
+        in a directory of checkpoints), or ``None`` when it is none of ours."""
+        return self._resolve(self._aliases.get(str(path), str(path)))
+
+    def _resolve(self, url: str) -> str | None:
+        store = Store(url, self.storage_options)
+        if store.exists(MANIFEST_NAME):
+            return url
+        if store.isdir():
+            # Manifests and sizes only: the load checks the CRC32C of every byte it reads and
+            # falls back to the next one on damage.
+            verify: Verify = "sizes" if self.verify_on_load else False
+            info = newest_valid(url, self.storage_options, verify=verify)
+            if info is not None:
+                return info.path
+        return None
+
+    def not_found(self, url: str) -> NotACheckpointError:
+        """The error for a path that holds no checkpoint (also a ``FileNotFoundError`` when
+        nothing exists there, as Lightning's own plugin raises for a missing ``ckpt_path``)."""
+        if not Store(url, self.storage_options).exists():
+            return CheckpointNotFoundError("no checkpoint exists at this path", path=url, hint=LOAD_HINT)
+        return NotACheckpointError("no committed checkpoint found", path=url, hint=LOAD_HINT)
+
+    def load(
+        self, path: Any, *, map_location: Any = None, trusted: bool, group: pdist.ProcessGroup | None
+    ) -> dict[str, Any]:
+        """The checkpoint dict at ``path`` (tensors on CPU, or where ``map_location`` sends
+        them). ``group``: a gloo group idle during the load; every rank falling back agrees on it."""
+        url = self._aliases.get(str(path), str(path))
+        store = Store(url, self.storage_options)
+        # A plain Lightning file; on an object store also one that replaced a checkpoint
+        # directory whose objects are still being deleted (its manifest went first).
+        if not store.exists(MANIFEST_NAME) and store.is_file():
+            return load_plain_file(store, map_location=map_location, trusted=trusted)
+        target = self._resolve(url)
+        if target is None:
+            raise self.not_found(url)
+        retry = self._fallbacks.get(str(path))
+        if retry is None and store.exists() and not store.exists(MANIFEST_NAME):  # a directory of checkpoints
+            retry = fallback(url, self.storage_options, verify="sizes")
+
+        def load(at: str, at_verified: bool) -> dict[str, Any]:
+            return load_full_checkpoint(Store(at, self.storage_options), rank=pdist.rank(),
+                                        verify=self.verify_on_load and not at_verified, trusted=trusted,
+                                        map_location=map_location)  # fmt: skip
+
+        checkpoint, self.loaded_from = load_agreed(load, target, False, retry, group)
+        return checkpoint
+
+    def load_sharded(
+        self, path: Any, templates: dict[str, Any], *, process_group: Any, verify_group: pdist.ProcessGroup | None
+    ) -> dict[str, Any]:
+        """Load into sharded ``templates`` in place (collective; read/load.py
+        ``load_sharded_checkpoint``); each rank CRC-checks a share of the files."""
+        url = self._aliases.get(str(path), str(path))
+        target = self._resolve(url)
+        if target is None:
+            raise self.not_found(url)
+        return load_sharded_checkpoint(Store(target, self.storage_options), templates, rank=pdist.rank(),
+                                       verify=self.verify_on_load, process_group=process_group,
+                                       trusted=self.trust_checkpoints, verify_group=verify_group)  # fmt: skip

@@ -1,0 +1,378 @@
+"""The engine: preemption safety for a training loop, whatever framework runs it.
+
+It owns the policy: when to save (every N steps, every N seconds, on a cloud notice), where
+(``dirpath/step-N``), which checkpoint to resume from, the agreement of all ranks at step
+boundaries, the emergency snapshot inside the grace period and the exit for requeue,
+retention, the lease, and the bookkeeping of what was saved. The mechanism is below it
+(save/, catalog/, preemption/, resume/); a front-end (lightning/: the Trainer callback)
+only maps its framework's hooks onto these calls and hands over a function that saves the
+current training state at a path (``trainer.save_checkpoint``).
+
+Call order (and which ranks call):
+
+1. (every rank; torch.distributed may not exist yet) :meth:`Engine.peek`: does ``dirpath``
+   hold a committed checkpoint? A listing that keeps failing is remembered, never taken
+   for "nothing there".
+2. (every rank, collective) :meth:`Engine.setup`: process groups, the saver's wiring and
+   tiers, the agreed resume decision, the storage probe, the lease, the run id. Returns the
+   :class:`ResumeTarget` every rank loads (the same on every rank), or ``None``.
+3. (every rank) :meth:`Engine.start` once the state is loaded, just before the first step:
+   reconciles what was loaded, acts on a signal that came during start-up.
+4. (every rank, at every optimizer-step boundary) :meth:`Engine.step_end`: what every rank
+   does now — a periodic save, the emergency sequence (raises
+   :class:`~lightning_preempt.Preempted`, a ``SystemExit`` with ``exit_code``), or an agreed
+   stop (raises the error of the rank whose save failed or whose lease was lost).
+   :meth:`Engine.check` at other boundaries (validation batches) acts on preemption only.
+5. (every rank) :meth:`Engine.finish` when training ends normally: the final save, and
+   every rank waits until it is committed.
+6. (every rank) :meth:`Engine.close` after training or after an exception.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from lightning_preempt.catalog.listing import list_checkpoints
+from lightning_preempt.catalog.retention import retain
+from lightning_preempt.collective import agree
+from lightning_preempt.engine import tiers as tier_policy
+from lightning_preempt.engine.config import PreemptionConfig
+from lightning_preempt.engine.runtime import Runtime, preflight, take_lease
+from lightning_preempt.errors import CheckpointError
+from lightning_preempt.format.manifest import Manifest
+from lightning_preempt.format.names import checkpoint_name
+from lightning_preempt.preemption.controller import PreemptionController
+from lightning_preempt.preemption.deadline import GraceCheck
+from lightning_preempt.preemption.notices import make_sources
+from lightning_preempt.preemption.sources import PreemptionSource
+from lightning_preempt.read.verify import Fallback, Verify
+from lightning_preempt.resume.resolver import ResumeResolver
+from lightning_preempt.save.saver import Saver
+from lightning_preempt.storage.store import join_url
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumeTarget:
+    """The checkpoint every rank loads, and the next one to try if the load finds it damaged."""
+
+    path: str
+    step: int
+    fallback: Fallback | None = None
+    run_id: str | None = None  # the run that wrote it: a resumed run continues it
+
+
+class Engine:
+    """Periodic saves, the agreed emergency snapshot and resume, for any training loop.
+
+    Args:
+        config: the validated options (:class:`~lightning_preempt.engine.config.PreemptionConfig`).
+        sources: extra preemption sources besides the signals and ``config.notices``.
+    """
+
+    def __init__(self, config: PreemptionConfig, sources: Sequence[PreemptionSource] = ()) -> None:
+        self.config = config
+        self.controller = PreemptionController(config, sources, on_notice=config.on_notice)
+        self.resolver = ResumeResolver(config.dirpath, config.storage_options, config.local_dirpath,
+                                       retries=config.list_retries, backoff_s=config.list_backoff_s)  # fmt: skip
+        self.grace = GraceCheck(config.grace_period_s)
+        self.local_dirpath = config.local_dirpath  # the plugin's local tier, once set up
+        #: Called on every rank as ``hook(step)`` after the emergency snapshot committed and
+        #: before the drain gets the rest of the grace period (the peer replica).
+        self.snapshot_hooks: list[Callable[[int], None]] = []
+        self.resumed_from: str | None = None
+        self.run_id: str | None = None  # set in setup; recorded in every manifest of this run
+        self.save_kind = "periodic"  # why the save in progress is taken (saved in the checkpoint)
+        self.last_saved_step: int | None = None
+        self._last_saved_path: str | None = None
+        self._last_save_time = time.monotonic()
+        self._last_seen_step: int | None = None
+        self._notice_sources: list[PreemptionSource] = []
+        self._runtime: Runtime | None = None
+        self._saver: Saver | None = None
+        self._save: Callable[[str], None] | None = None
+        self._leader = True
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Process groups, the lease thread, the saver and the save function belong to one run.
+        state = self.__dict__.copy()
+        state.update(_runtime=None, _saver=None, _save=None)
+        return state
+
+    # ---- 1. before the process group ----------------------------------------------------
+    def peek(self) -> bool:
+        """Whether to resume: ``resume`` is on and ``dirpath`` (or the local tier) holds a
+        committed checkpoint. Every rank; before any collective is possible."""
+        return self.config.resume and self.resolver.probe().has_checkpoint
+
+    # ---- 2. set-up -------------------------------------------------------------------
+    def setup(
+        self,
+        saver: Saver,
+        *,
+        save: Callable[[str], None],
+        route_saves: Callable[[Any], object],
+        leader: bool,
+        local_rank: int = 0,
+        verify_on_load: bool = True,
+    ) -> ResumeTarget | None:
+        """Collective set-up (see the module docstring).
+
+        Args:
+            saver: the process's save pipeline (the plugin's).
+            save: saves the current training state at a path (through ``saver``).
+            route_saves: called with the gloo group reserved for the saver's job thread;
+                makes every rank save its share (``saver.enable_collective``) where the
+                framework allows it.
+            leader: this is global rank 0 (retention, requeue, the upload on start).
+            local_rank: this process's rank on its node (one watcher of cloud notices per node).
+            verify_on_load: the load checks every byte, so choosing checks manifests and sizes
+                only and a damaged choice falls back to the next (docs/resume-speed.md).
+        """
+        config = self.config
+        self._saver, self._save, self._leader = saver, save, leader
+        rt = self._runtime = Runtime()
+        writer_group = rt.new_group()
+        group = rt.agree_group = rt.new_group()
+        self.controller.bind(group)
+        route_saves(writer_group)
+        self.local_dirpath = tier_policy.configure_tiers(
+            saver, dirpath=config.dirpath, local_dirpath=self.local_dirpath, keep_last_n=config.keep_last_n,
+            new_group=rt.new_group,
+        )  # fmt: skip
+        # A listing that kept failing on any rank stops every rank here, before step 1.
+        resuming = config.resume and self.resolver.agree_on_probes(group)
+        if config.probe_storage:
+            preflight(config.dirpath, config.storage_options, self.local_dirpath, group)
+        if config.lease:
+            take_lease(rt, config, leader=leader)
+        target = self._choose(saver, group, verify_on_load) if resuming else None
+        # A resumed run continues the run it resumed from; a fresh one gets a new id.
+        continued = target.run_id if target is not None else None
+        self.run_id = saver.run_id = agree.decide(lambda: continued or uuid.uuid4().hex, group)
+        if saver.tiers is not None:
+            saver.tiers.run_id = self.run_id
+            if leader:
+                tier_policy.upload_local_only(saver.tiers, config.dirpath)
+        self.grace.check_manifest(agree.decide(self._newest_manifest, group, what="reading the newest manifest"))
+        self.controller.signal_flag.clear()
+        if config.notices and not self._notice_sources:  # one watcher per node: local rank 0
+            self._notice_sources = make_sources(config.notices, local_rank=local_rank)
+            self.controller.sources.extend(self._notice_sources)
+        self.controller.start()
+        return target
+
+    def _choose(self, saver: Saver, group: Any, verify_on_load: bool) -> ResumeTarget:
+        """Rank 0 picks the newest valid checkpoint, every rank gets it. Manifests and sizes
+        only: the load checks every byte once, and on damage every rank moves on together."""
+        verify: Verify = "sizes" if verify_on_load else False
+        choice = self.resolver.choose(group, tiers=saver.tiers, verify=verify)
+        fallback = self.resolver.fallback(group, tiers=saver.tiers, verify=verify) if verify_on_load else None
+        self.resumed_from, self.last_saved_step = choice.path, choice.step
+        log.info(
+            "lightning_preempt: resuming from %s (step %d)%s",
+            choice.path, choice.step, f"; skipped {list(choice.skipped)}" if choice.skipped else "",
+        )  # fmt: skip
+        return ResumeTarget(choice.path, choice.step, fallback, choice.run_id)
+
+    def _newest_manifest(self) -> Manifest | None:
+        """For the grace projection only: a failure here is logged, never fatal."""
+        try:
+            newest = next((c for c in list_checkpoints(self.config.dirpath, self.config.storage_options)
+                           if c.committed), None)  # fmt: skip
+        except Exception as err:
+            log.warning("lightning_preempt: cannot read the newest manifest for the grace check: %s", err)
+            return None
+        return newest.manifest if newest is not None else None
+
+    # ---- 3. the state is loaded ------------------------------------------------------------
+    def start(self, step: int, *, loaded_from: str | None) -> None:
+        """Every rank, once the state of ``step`` is loaded (``loaded_from``: what the load
+        really read, after any fall-back), just before the first step."""
+        self.controller.start()
+        self._last_save_time = time.monotonic()
+        self._last_seen_step = step
+        if self.resumed_from is not None and loaded_from not in (None, self.resumed_from):
+            # the chosen checkpoint failed its check while loading: an older one was loaded
+            self.resumed_from, self.last_saved_step = loaded_from, step
+        if self.last_saved_step is None and step > 0:
+            self.last_saved_step = step  # resumed from a path the user gave
+            self._warn_about_newer_checkpoints(step)
+        self.check(step)  # a signal during start-up or restore: nothing new to save
+
+    def _warn_about_newer_checkpoints(self, step: int) -> None:
+        if not self._leader:
+            return
+        try:
+            newer = [c.step for c in list_checkpoints(self.config.dirpath, self.config.storage_options) if c.committed]
+        except Exception as err:  # a warning only: never let it stop training
+            log.warning("lightning_preempt: cannot list %s to compare steps: %s", self.config.dirpath, err)
+            return
+        if newer and max(newer) > step:
+            warnings.warn(
+                f"lightning_preempt: resumed from step {step} but {self.config.dirpath} holds a newer checkpoint "
+                f"(step {max(newer)}); after a preemption auto-resume takes the newest step.\n"
+                "HINT: use a fresh dirpath for a run that branches off an older checkpoint.",
+                stacklevel=3,
+            )
+
+    # ---- 4. step boundaries ----------------------------------------------------------------
+    def step_end(self, step: int) -> None:
+        """Every rank, after every training batch (``step``: optimizer steps so far)."""
+        if step == self._last_seen_step:
+            return  # mid gradient-accumulation: no optimizer step happened, nothing to snapshot
+        self._last_seen_step = step
+        now = time.monotonic()
+        every_s = self.config.every_n_seconds
+        local_due = every_s is not None and now - self._last_save_time >= every_s
+        decision = self.controller.at_boundary(now, save_due=local_due, stop=self._must_stop())
+        if decision.stop:
+            self._stop()
+        if decision.preempt:
+            self._emergency(step)
+        every_n = self.config.every_n_train_steps
+        if (every_n is not None and step % every_n == 0) or decision.save_due:
+            self.save(step, kind="notice" if decision.notice_snapshot else "periodic")
+            if decision.notice_snapshot:
+                self._noticed(step)
+
+    def check(self, step: int) -> None:
+        """Every rank, at boundaries other than training steps: agree now, act on preemption."""
+        if self.controller.schedule.bound and self.controller.now().preempt:
+            self._emergency(step)
+
+    def _must_stop(self) -> bool:
+        """This rank's reason to stop training: its save failed, or the lease was lost."""
+        lease = self._runtime.lease if self._runtime is not None else None
+        return self.saver.pending_failed() or (lease is not None and lease.lost)
+
+    def _stop(self) -> None:
+        """Every rank raises the same error: the lease's, else the failed save's."""
+        lease = self._runtime.lease if self._runtime is not None else None
+        agree.decide(lambda: lease.check() if lease is not None else None, self._group, what="holding the lease")
+        self.wait()
+
+    # ---- saving ------------------------------------------------------------------------------
+    @property
+    def saver(self) -> Saver:
+        assert self._saver is not None, "Engine.setup() first"
+        return self._saver
+
+    @property
+    def _group(self) -> Any:
+        return self._runtime.agree_group if self._runtime is not None else None
+
+    def wait(self) -> None:
+        """Every rank: wait for pending saves; a failure on any rank raises on every rank."""
+        agree.agree(self.saver.wait, self._group, what="saving the checkpoint")
+
+    def save(self, step: int, kind: str = "periodic") -> None:
+        """Every rank: save ``step`` at a fresh path (asynchronous), unless it is saved already."""
+        if step == self.last_saved_step:
+            return
+        assert self._save is not None, "Engine.setup() first"
+        path = self._fresh_path(step)
+        self.save_kind = kind  # recorded in the checkpoint by the front-end during this save
+        self._save(path)
+        self.last_saved_step, self._last_saved_path = step, path
+        self._last_save_time = time.monotonic()
+        saver = self.saver
+        if self._leader and saver.tiers is None:  # two tiers: each drain job applies retention per tier
+            # Queued behind the save: runs after it committed (or failed; then the old
+            # checkpoints are still the newest committed and are kept).
+            config = self.config
+            saver.submit(lambda: retain(config.dirpath, config.keep_last_n, config.storage_options,
+                                        run_id=self.run_id))  # fmt: skip
+        self.grace.check_records(saver.history[:-1])
+
+    def _fresh_path(self, step: int) -> str:
+        """``dirpath/step-N``, or a suffixed sibling when a committed ``step-N`` exists (a run
+        resumed from an older checkpoint re-reaches a step). Rank 0 decides for all ranks."""
+        path = join_url(self.config.dirpath, checkpoint_name(step))
+        tiers, options = self.saver.tiers, self.config.storage_options
+
+        def pick() -> str:
+            if not tier_policy.taken(tiers, path, options):
+                return path
+            return join_url(self.config.dirpath, checkpoint_name(step, suffix=uuid.uuid4().hex[:8]))
+
+        return agree.decide(pick, self._group, what="choosing the checkpoint path")
+
+    # ---- the emergency sequence -----------------------------------------------------------------
+    def _emergency(self, step: int) -> None:
+        def snapshot() -> None:
+            try:
+                self.wait()  # an in-flight periodic save is not lost: let it commit first
+            except CheckpointError as err:
+                log.error("lightning_preempt: the in-flight save failed (%s); snapshotting anyway", err)
+                self.last_saved_step = None
+            if step in (self.last_saved_step, 0):
+                self.controller.mark(f"step {step} is already committed; no snapshot needed")
+                return
+            self.save(step, kind="emergency")
+            self.controller.mark(f"staged step {step}")
+            self.wait()
+            self.controller.mark(f"committed step {step}")
+            for hook in list(self.snapshot_hooks):
+                hook(step)
+
+        def drain(budget: float) -> str:
+            path = self._last_saved_path
+            saved = (path, self.last_saved_step) if self._leader and path is not None else None
+            return tier_policy.drain_within_grace(self.saver, dirpath=self.config.dirpath, step=step, budget=budget,
+                                                  mark=self.controller.mark, saved=saved)  # fmt: skip
+
+        self.controller.emergency(step, snapshot=snapshot, drain=drain, safe_step=self._safe_step, leader=self._leader)
+
+    def _noticed(self, step: int) -> None:
+        """on_notice="continue": log the snapshot a notice asked for and, from the job thread
+        behind the save, whether it committed (training does not wait)."""
+        notice = self.controller.notice
+        source = notice.source if notice is not None else "a"
+        self.controller.mark(f"{source} notice: snapshot of step {step} staged; training goes on until the signal")
+        history = self.saver.history
+
+        def committed() -> None:
+            rec = next((r for r in reversed(history) if r.step == step), None)
+            ok = rec is not None and rec.committed_s is not None and rec.error is None
+            self.controller.mark(f"committed step {step} (the {source} notice's snapshot)" if ok else
+                                 f"the {source} notice's snapshot of step {step} did not commit")  # fmt: skip
+
+        self.saver.submit(committed)
+
+    def _safe_step(self) -> str:
+        done = [r for r in self.saver.history if r.committed_s is not None and r.error is None]
+        if done:
+            return f"step {done[-1].step} ({done[-1].path})"
+        if self.resumed_from is not None:
+            return f"step {self.last_saved_step} ({self.resumed_from}, the checkpoint this run resumed from)"
+        return "no checkpoint of this run committed (the newest in dirpath, if any)"
+
+    # ---- 5./6. the end ---------------------------------------------------------------------------
+    def finish(self, step: int) -> None:
+        """Every rank, when training ends normally: the final save, then wait for every commit."""
+        self.controller.flush()  # every rank completes its overlapped exchange
+        if self.config.save_on_train_end and step != self.last_saved_step and step > 0:
+            self.save(step, kind="final")
+        self.wait()
+
+    def close(self, *, finish_saves: bool = False) -> None:
+        """Every rank: stop the sources, release the lease and the process groups.
+        ``finish_saves``: first finish the saver's writes and drains (they use the groups)
+        — after an exception, when no framework teardown did it."""
+        self.controller.stop()
+        if finish_saves and self._saver is not None:
+            try:
+                self._saver.close()
+            except Exception as err:
+                log.error("lightning_preempt: finishing the pending saves failed: %s", err)
+        if self._runtime is not None:
+            self._runtime.release()
+            self._runtime = None

@@ -1,0 +1,348 @@
+"""The save pipeline of one process: stage, queue, write, commit. Framework-neutral.
+
+:meth:`Saver.save` blocks only while the tensors are copied into reusable host buffers
+(``save/staging.py``); a background job (``save/jobs.py``) writes them through DCP and
+commits the checkpoint by writing its manifest last (``save/commit.py``). At most one save
+is in flight: the next one first waits for the previous one (its staging buffers are in use
+until the commit). Deletes and other jobs queue behind the saves, so a delete never overtakes
+a write. With a node-local tier (``save/tiers.py``) the commit goes to the local disk and a
+drain uploads it afterwards.
+
+Call order (the ranks that call):
+
+1. (every rank, once the process group exists) :meth:`Saver.enable_collective` with a gloo
+   group reserved for the job thread: every rank then calls :meth:`save` for every
+   checkpoint and writes its share (DDP: its replicated tensors' share; FSDP/TP: its shards).
+   Without it (one process, or a strategy where rank 0 saves alone) the calling rank writes all.
+2. (the ranks that save, training thread) :meth:`save` (async) or :meth:`save_plain`
+   (a synchronous single ``torch.save`` file, outside training), :meth:`remove`,
+   :meth:`submit` for jobs that must run after the pending saves (retention).
+3. (same ranks) :meth:`wait` / :meth:`pending_failed` at step boundaries.
+4. (every rank) :meth:`close` at the end of training: waits, then stops the threads; from then
+   on :meth:`submit` runs jobs at once on the calling thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import os
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from lightning_preempt.catalog.ownership import remove_checkpoint_dir
+from lightning_preempt.catalog.verified import mark_verified
+from lightning_preempt.collective import groups as pdist
+from lightning_preempt.errors import CheckpointWriteError
+from lightning_preempt.format.manifest import Manifest
+from lightning_preempt.format.names import MANIFEST_NAME
+from lightning_preempt.format.shares import own_share, replica_fingerprint
+from lightning_preempt.format.skeleton import split_checkpoint
+from lightning_preempt.save.commit import SaveRequest, write_checkpoint
+from lightning_preempt.save.jobs import JobQueue
+from lightning_preempt.save.layout import ensure_exists, remove_local, write_file_atomic
+from lightning_preempt.save.staging import HostStager
+from lightning_preempt.save.tiers import TwoTier
+from lightning_preempt.storage.store import Store
+
+log = logging.getLogger(__name__)
+
+#: Save records kept in :attr:`Saver.history` (the newest ones).
+HISTORY_KEPT = 64
+
+
+class SaveRecord:
+    """Timings of one save, filled in as it progresses (seconds, bytes)."""
+
+    __slots__ = ("blocking_s", "bytes", "committed_s", "error", "path", "started", "step", "waited_s")
+
+    def __init__(self, path: str, step: int, started: float) -> None:
+        self.path = path
+        self.step = step
+        self.started = started
+        self.waited_s = 0.0
+        self.blocking_s = 0.0
+        self.committed_s: float | None = None
+        self.bytes = 0
+        self.error: BaseException | None = None
+
+    @property
+    def throughput_bps(self) -> float | None:
+        if not self.committed_s:
+            return None
+        return self.bytes / max(self.committed_s - self.blocking_s, 1e-9)
+
+
+class Saver:
+    """Sharded, staged, asynchronous, committed saves (see the module docstring).
+
+    Args:
+        storage_options: fsspec options for every path (merged with per-save options).
+        pin_memory: pin staging buffers; ``None``: when CUDA is available.
+        thread_count: DCP writer threads per rank.
+        sharded_keys: top-level checkpoint keys whose tensors go to the DCP shards.
+    """
+
+    def __init__(
+        self,
+        storage_options: dict[str, Any],
+        *,
+        pin_memory: bool | None = None,
+        thread_count: int = 1,
+        sharded_keys: tuple[str, ...] = ("state_dict", "optimizer_states"),
+    ) -> None:
+        self.storage_options = storage_options
+        self.thread_count = thread_count
+        self.sharded_keys = sharded_keys
+        self.stager = HostStager(pin_memory)
+        self.jobs = JobQueue()
+        self.history: list[SaveRecord] = []
+        #: recorded in every manifest; retention never deletes another run's checkpoints
+        self.run_id: str | None = None
+        self.tiers: TwoTier | None = None
+        self._tier_args: dict[str, Any] | None = None
+        self.group: pdist.ProcessGroup | None = None
+        self.rank = 0  # this process's rank in ``group``
+        self.closed = False
+        self._pending: Future[Manifest] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Configuration only: a copy (``ddp_spawn``, ``deepcopy``) has no pending save, group,
+        history or drain thread (the job queue and the stager drop theirs themselves)."""
+        state = self.__dict__.copy()
+        state.update(_pending=None, group=None, rank=0, history=[], tiers=None)
+        tiers = self.tiers
+        state["_tier_config"] = (tiers.remote_root, tiers.keep_last_n) if tiers is not None else None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        tier_config = state.pop("_tier_config", None)
+        self.__dict__.update(state)
+        if self._tier_args is not None:
+            self.use_local_tier(**self._tier_args)
+            if self.tiers is not None and tier_config is not None:
+                # TwoTier.configure is collective; the engine calls it again in its set-up
+                self.tiers.remote_root, self.tiers.keep_last_n = tier_config
+
+    def use_local_tier(self, local_root: str, *, max_workers: int = 4, retries: int = 4, backoff_s: float = 1.0) -> None:
+        """Two tiers (save/tiers.py): commit to ``local_root`` first, then drain to where each
+        save is addressed (``storage_options`` apply there)."""
+        self._tier_args = {"local_root": local_root, "max_workers": max_workers, "retries": retries,
+                           "backoff_s": backoff_s}  # fmt: skip
+        self.tiers = TwoTier(local_root, self.storage_options, max_workers=max_workers, retries=retries,
+                             backoff_s=backoff_s)  # fmt: skip
+
+    # ---- wiring ------------------------------------------------------------------------
+    def enable_collective(self, group: pdist.ProcessGroup | None) -> None:
+        """Every rank calls :meth:`save` from now on; the job thread syncs on ``group`` (a
+        gloo group reserved for it). Also re-opens a closed saver (a new ``fit``)."""
+        self.group = group
+        # Kept: after the run the group is destroyed, yet saves outside it still ask who writes.
+        self.rank = pdist.rank(group) if group is not None else 0
+        self.closed = False
+
+    def _dedupes(self) -> bool:
+        return self.group is not None and pdist.world_size(self.group) > 1
+
+    def prepare_staging(self, checkpoint_like: dict[str, Any], *, background: bool = True) -> Future[int]:
+        """Allocate and touch this rank's staging buffers now, from the tensors' shapes
+        alone, so the first (maybe the emergency) save only copies. Not collective; call it
+        again when the state grows (buffers that fit are kept). The Future holds the bytes
+        newly allocated."""
+        tensors, _ = split_checkpoint(checkpoint_like, self.sharded_keys)
+        if self._dedupes():
+            tensors = own_share(tensors, pdist.rank(self.group), pdist.world_size(self.group))
+        return self.stager.prepare(tensors, background=background)
+
+    def _my_share(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        """This rank's share of the replicated tensors (collective saves under DDP).
+
+        Ranks compare fingerprints first (one small gather on the job thread's group, idle
+        here: the previous save has finished): a tensor only some ranks hold would be lost
+        if its owner lacked it, so any difference means every rank stages all."""
+        if not self._dedupes():
+            return tensors
+        fingerprints = pdist.all_gather_objects(replica_fingerprint(tensors), self.group)
+        if len(set(fingerprints)) != 1:
+            log.warning("lightning_preempt: ranks hold different tensors; every rank stages all of them")
+            return tensors
+        return own_share(tensors, pdist.rank(self.group), len(fingerprints))
+
+    # ---- saving ------------------------------------------------------------------------
+    def save(self, checkpoint: dict[str, Any], url: str, options: dict[str, Any], *, wait: bool = False) -> None:
+        """Stage ``checkpoint`` and queue its write and commit to ``url``; returns once the
+        tensors are copied and ``url`` exists (``wait``: once it is committed).
+
+        Raises:
+            CheckpointWriteError: the previous save failed (raised once).
+        """
+        started = time.perf_counter()
+        record = SaveRecord(url, int(checkpoint.get("global_step", -1)), started)
+        self._wait_pending()  # at most one save in flight: the stager's buffers are in use until commit
+        record.waited_s = time.perf_counter() - started
+        local_url = self.tiers.local_twin(url) if self.tiers is not None else None
+        if self.rank == 0:
+            self._ensure_exists(url, options, local_url)
+        tensors, skeleton = split_checkpoint(checkpoint, self.sharded_keys)
+        tensors = self._my_share(tensors)
+        buffer = io.BytesIO()
+        torch.save(skeleton, buffer)  # freezes the non-tensor state now
+        staged = self.stager.stage(tensors)
+        record.bytes = self.stager.last_staged_bytes + buffer.tell()
+        record.blocking_s = time.perf_counter() - started
+        request = SaveRequest(url=url, tensors=staged, skeleton=buffer.getvalue(), step=record.step,
+                              epoch=int(checkpoint.get("epoch", -1)), storage_options=options,
+                              stats={"blocking_s": record.blocking_s}, run_id=self.run_id)  # fmt: skip
+        self.history.append(record)
+        del self.history[:-HISTORY_KEPT]  # a long run saves thousands of times
+        if local_url is not None and self.tiers is not None:
+            tiers = self.tiers
+
+            def write_to(tier_url: str, tier_options: dict[str, Any]) -> Manifest:
+                tier_request = dataclasses.replace(request, url=tier_url, storage_options=tier_options)
+                record.error = None  # a local failure followed by a remote fallback that works
+                return self._write(tier_request, record)
+
+            self._pending = self.submit(lambda: tiers.save(write_to, url, local_url, record.step))
+        else:
+            self._pending = self.submit(lambda: self._write(request, record))
+        if wait:
+            self._wait_pending()
+
+    @staticmethod
+    def _ensure_exists(url: str, options: dict[str, Any], local_url: str | None) -> None:
+        """``url`` exists when :meth:`save` returns: Lightning's ``ModelCheckpoint`` looks for
+        it right after saving (``-v1`` versioning, ``save_last="link"``). With two tiers the
+        training thread touches only the local disk (a remote outage must not stall a step)."""
+        try:
+            ensure_exists(Store(url, options) if local_url is None else Store(local_url))
+        except Exception as err:
+            # Never raise on rank 0 alone here: the other ranks would enter the job's
+            # collectives and wait until the group times out. The write job meets the same
+            # failure and raises it on every rank (save/commit.py's agreement).
+            log.warning("lightning_preempt: could not create %s yet (%s); the save reports it", url, err)
+
+    def _write(self, request: SaveRequest, record: SaveRecord) -> Manifest:
+        try:
+            # write_checkpoint clears an uncommitted leftover at the path (never mixing old
+            # and new files) and replaces a committed checkpoint there (save/layout.py).
+            manifest = write_checkpoint(request, group=self.group, thread_count=self.thread_count)
+        except BaseException as err:
+            record.error = err
+            raise
+        record.committed_s = time.perf_counter() - record.started
+        if self.rank != 0:
+            return manifest
+        mark_verified(request.url, manifest)  # CRC32C computed from the bytes written: retention need not re-read
+        log.info(
+            "lightning_preempt: committed %s (step %d): blocked %.3fs, committed after %.3fs, %.1f MB at %.0f MB/s",
+            request.url, request.step, record.blocking_s, record.committed_s, record.bytes / 1e6,
+            (record.throughput_bps or 0.0) / 1e6,
+        )  # fmt: skip
+        return manifest
+
+    def save_plain(self, checkpoint: dict[str, Any], url: str, options: dict[str, Any]) -> None:
+        """One synchronous ``torch.save`` file, as Lightning's ``TorchCheckpointIO`` writes it
+        (every Lightning tool reads it), written atomically (save/layout.py). With
+        collective saves every rank calls and rank 0 writes."""
+        if self.rank != 0:
+            return
+        buffer = io.BytesIO()
+        torch.save(checkpoint, buffer)
+        write_file_atomic(Store(url, options), buffer.getvalue())
+        log.info("lightning_preempt: saved %s synchronously as a plain Lightning checkpoint (outside fit)", url)
+
+    def _wait_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        err = pending.exception()
+        if err is not None:
+            raise CheckpointWriteError(
+                f"the previous checkpoint save failed: {str(err).splitlines()[0] if str(err) else repr(err)}",
+                path=getattr(err, "path", None),
+                hint=getattr(err, "hint", None) or "Check the storage; earlier committed checkpoints are intact.",
+            ) from err
+
+    def remove(self, url: str) -> None:
+        """Delete what is at ``url`` once every pending write is done (a delete never overtakes
+        a save): our checkpoint directory (only if it holds nothing foreign), a plain
+        checkpoint file, a symlink (never what it points to). Failures are logged with the
+        path, never raised into training. At once when nothing was ever saved."""
+        if self.rank != 0:
+            return
+        if self.idle:
+            _remove_path(Store(url, self.storage_options))  # e.g. the ddp_spawn parent's copy: no thread to start
+            return
+        self.submit(lambda: _remove_path(Store(url, self.storage_options)))
+
+    # ---- everything else queues behind the saves ---------------------------------------
+    def submit(self, job: Any) -> Future[Any]:
+        """Run ``job`` on the job thread after every pending save and delete (at once on this
+        thread after :meth:`close`)."""
+        if not self.closed:
+            return self.jobs.submit(job)
+        done: Future[Any] = Future()
+        try:
+            done.set_result(job())
+        except BaseException as err:
+            done.set_exception(err)
+        return done
+
+    @property
+    def idle(self) -> bool:
+        """Nothing was ever saved and no job thread runs (before the first ``fit``)."""
+        return not self.history and self._pending is None and not self.jobs.running
+
+    def pending_failed(self) -> bool:
+        """Whether the save in flight already failed (non-blocking; polled at step boundaries)."""
+        pending = self._pending
+        return pending is not None and pending.done() and pending.exception() is not None
+
+    def wait(self) -> Manifest | None:
+        """Block until every pending save and job finished; re-raise a save's error once."""
+        pending = self._pending
+        self._wait_pending()
+        self.jobs.drain()
+        return pending.result() if pending is not None else None
+
+    def wait_drained(self, timeout_s: float | None = None) -> bool:
+        """Two tiers: wait for local commits, then for queued drains to the remote tier (at
+        most ``timeout_s``; a drain still running then gives up). Returns whether all finished."""
+        self.wait()
+        return self.tiers.wait(timeout_s) if self.tiers is not None else True
+
+    def close(self) -> None:
+        """Wait for pending saves, jobs and drains, then stop the threads (see the module docstring)."""
+        try:
+            self.wait()
+        finally:
+            self.closed = True
+            self.jobs.close()
+            if self.tiers is not None:
+                self.tiers.close()
+
+
+def _remove_path(store: Store) -> None:
+    """Delete what is at ``store``'s path (see :meth:`Saver.remove`); log, never raise."""
+    try:
+        if store.is_local and (os.path.islink(store.path()) or os.path.isfile(store.path())):
+            remove_local(store.path())  # a link goes, never what it points to
+        elif store.exists(MANIFEST_NAME) or store.isdir():
+            remove_checkpoint_dir(store)  # manifest first: never half-deleted yet committed
+        elif store.exists():
+            store.rm_file("")
+        else:
+            log.debug("lightning_preempt: nothing to remove at %s", store.url)
+            return
+        log.debug("lightning_preempt: removed checkpoint %s", store.url)
+    except Exception as err:
+        log.error(
+            "lightning_preempt: could not remove checkpoint %s: %s: %s\nHINT: check permissions and the storage; "
+            "delete it by hand if it is no longer needed.",
+            store.url, type(err).__name__, err,
+        )  # fmt: skip
