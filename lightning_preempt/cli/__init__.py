@@ -4,7 +4,7 @@
 CRC32C and a replay of the loader's allow-lists need neither; an import-linter contract in
 pyproject.toml keeps it so); ``export`` imports torch when it runs.
 
-* ``main``: the parser and the dispatch, exit codes.
+* ``app``: the parser and the dispatch, exit codes (``main``).
 * ``cmd_ls``, ``cmd_verify``, ``cmd_export``, ``cmd_plan``: one module per command (its
   options and what it prints).
 * ``options``: what all commands share on the command line (``-o``, usage errors).
@@ -13,6 +13,6 @@ pyproject.toml keeps it so); ``export`` imports torch when it runs.
 * ``plan``: Young/Daly math (pure); ``export``: writing one plain ``.ckpt`` (torch).
 """
 
-from lightning_preempt.cli.main import main
+from lightning_preempt.cli.app import main
 
 __all__ = ["main"]

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_preempt.cli.main import main as cli_main
+from lightning_preempt.cli.app import main as cli_main
 from lightning_preempt.cli.options import parse_storage_options
 from lightning_preempt.format.pickle_scan import pickled_globals
 from lightning_preempt.read.load import load_full_checkpoint

@@ -28,8 +28,8 @@ from lightning_preempt.catalog import ownership, retention, verified
 from lightning_preempt.catalog.listing import list_checkpoints
 from lightning_preempt.catalog.newest import newest_valid
 from lightning_preempt.catalog.retention import apply_retention
-from lightning_preempt.cli.main import build_parser
-from lightning_preempt.cli.main import main as cli_main
+from lightning_preempt.cli.app import build_parser
+from lightning_preempt.cli.app import main as cli_main
 from lightning_preempt.errors import (
     CheckpointError,
     CheckpointExistsError,
