@@ -119,13 +119,6 @@ class Store:
         through the methods of this class."""
         return self._fs
 
-    @property
-    def fs(self) -> fsspec.AbstractFileSystem:
-        """Deprecated: the raw filesystem. Use :meth:`is_file`, :meth:`open_read`,
-        :meth:`rm_file` (or :meth:`dcp_filesystem` for DCP); kept until the last caller
-        outside storage/ has switched."""
-        return self._fs
-
     # ---- primitives: what exists ---------------------------------------------------------
     def entries(self, rel: str = "") -> list[Entry]:
         """Every entry directly in ``rel``, by name (empty when ``rel`` does not exist). On
