@@ -34,18 +34,21 @@ import dataclasses
 import logging
 import time
 import uuid
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lightning_preempt.catalog.listing import list_checkpoints
 from lightning_preempt.catalog.retention import retain
 from lightning_preempt.collective import agree
 from lightning_preempt.engine import tiers as tier_policy
 from lightning_preempt.engine.config import PreemptionConfig
-from lightning_preempt.engine.runtime import Runtime, preflight, take_lease
+from lightning_preempt.engine.runtime import (
+    Runtime,
+    newest_manifest,
+    preflight,
+    take_lease,
+    warn_about_newer_checkpoints,
+)
 from lightning_preempt.errors import CheckpointError
-from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.format.names import checkpoint_name
 from lightning_preempt.preemption.controller import PreemptionController
 from lightning_preempt.preemption.deadline import GraceCheck
@@ -161,7 +164,8 @@ class Engine:
             saver.tiers.run_id = self.run_id
             if leader:
                 tier_policy.upload_local_only(saver.tiers, config.dirpath)
-        self.grace.check_manifest(agree.decide(self._newest_manifest, group, what="reading the newest manifest"))
+        newest = agree.decide(lambda: newest_manifest(config), group, what="reading the newest manifest")
+        self.grace.check_manifest(newest)
         self.controller.signal_flag.clear()
         if config.notices and not self._notice_sources:  # one watcher per node: local rank 0
             self._notice_sources = make_sources(config.notices, local_rank=local_rank)
@@ -182,16 +186,6 @@ class Engine:
         )  # fmt: skip
         return ResumeTarget(choice.path, choice.step, fallback, choice.run_id)
 
-    def _newest_manifest(self) -> Manifest | None:
-        """For the grace projection only: a failure here is logged, never fatal."""
-        try:
-            newest = next((c for c in list_checkpoints(self.config.dirpath, self.config.storage_options)
-                           if c.committed), None)  # fmt: skip
-        except Exception as err:
-            log.warning("lightning_preempt: cannot read the newest manifest for the grace check: %s", err)
-            return None
-        return newest.manifest if newest is not None else None
-
     # ---- 3. the state is loaded ------------------------------------------------------------
     def start(self, step: int, *, loaded_from: str | None) -> None:
         """Every rank, once the state of ``step`` is loaded (``loaded_from``: what the load
@@ -204,24 +198,9 @@ class Engine:
             self.resumed_from, self.last_saved_step = loaded_from, step
         if self.last_saved_step is None and step > 0:
             self.last_saved_step = step  # resumed from a path the user gave
-            self._warn_about_newer_checkpoints(step)
+            if self._leader:
+                warn_about_newer_checkpoints(self.config, step)
         self.check(step)  # a signal during start-up or restore: nothing new to save
-
-    def _warn_about_newer_checkpoints(self, step: int) -> None:
-        if not self._leader:
-            return
-        try:
-            newer = [c.step for c in list_checkpoints(self.config.dirpath, self.config.storage_options) if c.committed]
-        except Exception as err:  # a warning only: never let it stop training
-            log.warning("lightning_preempt: cannot list %s to compare steps: %s", self.config.dirpath, err)
-            return
-        if newer and max(newer) > step:
-            warnings.warn(
-                f"lightning_preempt: resumed from step {step} but {self.config.dirpath} holds a newer checkpoint "
-                f"(step {max(newer)}); after a preemption auto-resume takes the newest step.\n"
-                "HINT: use a fresh dirpath for a run that branches off an older checkpoint.",
-                stacklevel=3,
-            )
 
     # ---- 4. step boundaries ----------------------------------------------------------------
     def step_end(self, step: int) -> None:

@@ -1,15 +1,19 @@
-"""What one run of the engine holds and releases: its process groups and the lease, and the
-set-up steps that take them (the storage probe, the lease)."""
+"""What one run of the engine holds and releases (its process groups and the lease), and the
+checks it makes once at start-up: the storage probe, the lease, the newest manifest for the
+grace projection, a newer checkpoint than the one the user resumed from."""
 
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any
 
+from lightning_preempt.catalog.listing import list_checkpoints
 from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.engine.config import PreemptionConfig
 from lightning_preempt.errors import CheckpointError
+from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.save.lease import Lease
 from lightning_preempt.save.preflight import check_writable
 
@@ -66,3 +70,31 @@ def take_lease(rt: Runtime, config: PreemptionConfig, *, leader: bool) -> None:
         lease.start_heartbeat()
 
     agree.decide(take, rt.agree_group, what="taking the lease on dirpath")
+
+
+def newest_manifest(config: PreemptionConfig) -> Manifest | None:
+    """The newest committed manifest in ``dirpath`` (for the grace projection only: a failure
+    here is logged, never fatal)."""
+    try:
+        newest = next((c for c in list_checkpoints(config.dirpath, config.storage_options) if c.committed), None)
+    except Exception as err:
+        log.warning("lightning_preempt: cannot read the newest manifest for the grace check: %s", err)
+        return None
+    return newest.manifest if newest is not None else None
+
+
+def warn_about_newer_checkpoints(config: PreemptionConfig, step: int) -> None:
+    """A run resumed from a path the user gave, at ``step``: warn when ``dirpath`` holds a
+    newer checkpoint (after a preemption auto-resume would take that one)."""
+    try:
+        newer = [c.step for c in list_checkpoints(config.dirpath, config.storage_options) if c.committed]
+    except Exception as err:  # a warning only: never let it stop training
+        log.warning("lightning_preempt: cannot list %s to compare steps: %s", config.dirpath, err)
+        return
+    if newer and max(newer) > step:
+        warnings.warn(
+            f"lightning_preempt: resumed from step {step} but {config.dirpath} holds a newer checkpoint "
+            f"(step {max(newer)}); after a preemption auto-resume takes the newest step.\n"
+            "HINT: use a fresh dirpath for a run that branches off an older checkpoint.",
+            stacklevel=4,
+        )

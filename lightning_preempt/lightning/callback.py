@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from typing_extensions import override
 
@@ -28,8 +27,8 @@ from lightning_preempt.lightning.exact import STATE_KEY, ExactResume
 from lightning_preempt.lightning.logs import PointerNames, quiet_auto_resume_warnings
 from lightning_preempt.lightning.prealloc import prepare_staging
 from lightning_preempt.lightning.reporting import SaveReporter, report_resume
-from lightning_preempt.lightning.strategies import install_collective_saves
-from lightning_preempt.preemption.controller import Preempted, PreemptionController
+from lightning_preempt.lightning.strategies import ensure_plugin, install_collective_saves
+from lightning_preempt.preemption.controller import Preempted
 from lightning_preempt.preemption.signals import SignalFlag
 from lightning_preempt.preemption.sources import PreemptionSource
 
@@ -126,26 +125,10 @@ class PreemptionCallback(OnExceptionCheckpoint):
         self._restored_state: dict[str, Any] | None = None
         self._prepare_after: int | None = None  # the step after which staging is prepared again
 
-    # ---- views kept for users and tools -----------------------------------------------
+    # ---- views kept for users and tools (the rest: ``self.engine``) -------------------
     @property
     def config(self) -> PreemptionConfig:
         return self.engine.config
-
-    @property
-    def storage_options(self) -> dict[str, Any]:
-        return self.engine.config.storage_options
-
-    @property
-    def local_dirpath(self) -> str | None:
-        return self.engine.local_dirpath
-
-    @property
-    def notices(self) -> list[str]:
-        return list(self.engine.config.notices)
-
-    @property
-    def controller(self) -> PreemptionController:
-        return self.engine.controller
 
     @property
     def signal_flag(self) -> SignalFlag:
@@ -158,16 +141,8 @@ class PreemptionCallback(OnExceptionCheckpoint):
 
     @property
     def resumed_from(self) -> str | None:
+        """The checkpoint this ``fit`` resumed from (after any fall-back), if any."""
         return self.engine.resumed_from
-
-    @property
-    def run_id(self) -> str | None:
-        return self.engine.run_id
-
-    @property
-    def snapshot_hooks(self) -> list[Any]:
-        """Called on every rank as ``hook(step)`` after the emergency snapshot committed."""
-        return self.engine.snapshot_hooks
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -206,7 +181,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        io = self._ensure_plugin(trainer)
+        io = ensure_plugin(trainer.strategy, self.config.storage_options, self.engine.local_dirpath)
         target = self.engine.setup(
             io.saver, save=trainer.save_checkpoint, leader=trainer.is_global_zero, local_rank=trainer.local_rank,
             route_saves=lambda group: install_collective_saves(trainer.strategy, io, group),
@@ -217,24 +192,10 @@ class PreemptionCallback(OnExceptionCheckpoint):
             io.alias(self._pointer, target.path, fallback=target.fallback)
             self._names.install(self._pointer, target.path)
 
-    def _ensure_plugin(self, trainer: pl.Trainer) -> ShardedAsyncCheckpointIO:
-        io = trainer.strategy.checkpoint_io
-        if isinstance(io, ShardedAsyncCheckpointIO):
-            return io
-        if type(io) is TorchCheckpointIO:
-            log.info("lightning_preempt: installing ShardedAsyncCheckpointIO (none was configured)")
-            new_io = ShardedAsyncCheckpointIO(storage_options=self.storage_options, local_dirpath=self.local_dirpath)
-            trainer.strategy.checkpoint_io = new_io
-            return new_io
-        raise TypeError(
-            f"PreemptionCallback needs ShardedAsyncCheckpointIO, but the Trainer uses {type(io).__name__}\n"
-            "HINT: pass plugins=[ShardedAsyncCheckpointIO()] to the Trainer (and remove other CheckpointIO plugins)."
-        )
-
     @override
     def state_dict(self) -> dict[str, Any]:
         """Saved in every checkpoint: why it was taken (read back to report steps lost)."""
-        notice = self.controller.notice
+        notice = self.engine.controller.notice
         return {"kind": self.engine.save_kind, "signal": notice.source if notice is not None else None}
 
     @override
@@ -244,7 +205,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
     # ---- training-time hooks -----------------------------------------------------------
     @override
     def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.controller.start()  # Lightning installed its own handler just before the run stage
+        self.engine.controller.start()  # Lightning installed its own handler just before the run stage
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

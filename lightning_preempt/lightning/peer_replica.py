@@ -1,17 +1,16 @@
-"""Lightning wiring of the peer replica (:mod:`lightning_preempt.replica`).
+"""Lightning wiring of the peer replica (:mod:`lightning_preempt.save.peer`).
 
 ``Trainer(callbacks=[PreemptionCallback(..., local_dirpath=...), PeerReplica()])``: after a
 preemption snapshot committed on the node-local tiers, every rank copies its share to a
 rank on another node before the process exits, so the survivors hold the snapshot even
 when the leaving node's disk goes and its upload did not finish (docs/peer-replica.md).
 
-Where it runs: :class:`PreemptionCallback` calls its ``snapshot_hooks`` on every rank
-after the emergency snapshot committed and *before* the drain to the bucket gets the rest
-of the grace period; this callback registers there in ``setup``. (Should a
-``PreemptionCallback`` lack the hook, the replica runs in ``on_exception`` of the
-:class:`~lightning_preempt.controller.Preempted` every rank raises: Lightning calls the
-hooks of non-checkpoint callbacks first, so the groups still exist; the drain has then
-used its budget already.)
+Where it runs: the engine of :class:`PreemptionCallback` calls its ``snapshot_hooks`` on
+every rank after the emergency snapshot committed and *before* the drain to the bucket gets
+the rest of the grace period; this callback registers there in ``setup``. (Without that
+engine, the replica runs in ``on_exception`` of the :class:`~lightning_preempt.Preempted`
+every rank raises: Lightning calls the hooks of non-checkpoint callbacks first, so the
+groups still exist; the drain has then used its budget already.)
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from typing_extensions import override
 from lightning_preempt.catalog.listing import list_checkpoints
 from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
+from lightning_preempt.engine.engine import Engine
 from lightning_preempt.preemption.controller import Preempted
 from lightning_preempt.save.peer import ReplicaReport, complete_from_peers, replicate
 
@@ -64,25 +64,26 @@ class PeerReplica(Callback):
             return
         self._group = pdist.new_gloo_group(timeout_s=self.timeout_s)  # collective: every rank
         self._done_step = None
-        cb = self._preemption_callback(trainer)
-        if cb is not None and isinstance(getattr(cb, "snapshot_hooks", None), list):
+        engine = self._engine(trainer)
+        if engine is not None:
             self._hook = functools.partial(self._after_snapshot, trainer)
-            cb.snapshot_hooks.append(self._hook)
-            self._hooked = cb
-        if cb is not None and getattr(cb, "local_dirpath", None) is not None:
-            self._complete_from_peers(cb)
+            engine.snapshot_hooks.append(self._hook)
+            self._hooked = engine
+        if engine is not None and engine.local_dirpath is not None:
+            self._complete_from_peers(engine)
 
-    def _complete_from_peers(self, cb: Any) -> None:
+    def _complete_from_peers(self, engine: Engine) -> None:
         """Before the callback chooses what to resume from (its ``setup`` runs after ours:
         Lightning orders checkpoint callbacks last): a snapshot that no single survivor holds
         but the survivors do together is uploaded to ``dirpath`` (replica.complete_from_peers)."""
         try:
-            step = complete_from_peers(str(cb.local_dirpath), cb.dirpath, cb.storage_options, self._group)
+            config = engine.config
+            step = complete_from_peers(str(engine.local_dirpath), config.dirpath, config.storage_options, self._group)
         except Exception as err:  # resume then falls back to what the tiers hold
             log.error("lightning_preempt: completing a checkpoint from the survivors' local tiers failed: %s", err)
             return
         if step is not None:
-            log.warning("lightning_preempt: step %d is complete in %s again (from the survivors)", step, cb.dirpath)
+            log.warning("lightning_preempt: step %d is complete in %s again (from the survivors)", step, config.dirpath)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -110,15 +111,17 @@ class PeerReplica(Callback):
             self._done_step = step
 
     @staticmethod
-    def _preemption_callback(trainer: pl.Trainer) -> Any:
+    def _engine(trainer: pl.Trainer) -> Engine | None:
+        """The engine of the Trainer's ``PreemptionCallback``, if it has one."""
         for cb in trainer.callbacks:  # type: ignore[attr-defined]
-            if hasattr(cb, "controller") and hasattr(cb, "local_dirpath"):
-                return cb
+            engine = getattr(cb, "engine", None)
+            if isinstance(engine, Engine):
+                return engine
         return None
 
     def _replicate(self, trainer: pl.Trainer, step: int) -> None:
-        cb = self._preemption_callback(trainer)
-        root = getattr(cb, "local_dirpath", None)
+        engine = self._engine(trainer)
+        root = engine.local_dirpath if engine is not None else None
         if root is None:
             return  # one shared dirpath: every node already reads every file
 

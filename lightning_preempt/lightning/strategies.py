@@ -1,4 +1,5 @@
-"""Making Lightning strategies save and load through our plugin on every rank.
+"""Making Lightning strategies save and load through our plugin on every rank (and
+installing the plugin where the Trainer has Lightning's default one).
 
 * DDP (and any strategy using the base ``Strategy.save_checkpoint``): Lightning calls the
   ``CheckpointIO`` on global rank 0 only. We rebind ``save_checkpoint`` on the strategy
@@ -21,6 +22,7 @@ import logging
 import types
 from typing import Any
 
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 
 from lightning_preempt.collective import agree
@@ -29,6 +31,25 @@ from lightning_preempt.format.skeleton import split_checkpoint
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 
 log = logging.getLogger(__name__)
+
+
+def ensure_plugin(
+    strategy: Strategy, storage_options: dict[str, Any], local_dirpath: str | None
+) -> ShardedAsyncCheckpointIO:
+    """The strategy's :class:`ShardedAsyncCheckpointIO`; installed (with these options) when
+    the Trainer has Lightning's default plugin. Another plugin is refused with a HINT."""
+    io = strategy.checkpoint_io
+    if isinstance(io, ShardedAsyncCheckpointIO):
+        return io
+    if type(io) is TorchCheckpointIO:
+        log.info("lightning_preempt: installing ShardedAsyncCheckpointIO (none was configured)")
+        new_io = ShardedAsyncCheckpointIO(storage_options=storage_options, local_dirpath=local_dirpath)
+        strategy.checkpoint_io = new_io
+        return new_io
+    raise TypeError(
+        f"PreemptionCallback needs ShardedAsyncCheckpointIO, but the Trainer uses {type(io).__name__}\n"
+        "HINT: pass plugins=[ShardedAsyncCheckpointIO()] to the Trainer (and remove other CheckpointIO plugins)."
+    )
 
 
 def install_collective_saves(

@@ -126,6 +126,6 @@ def test_callback_options_are_plain_types_for_lightningcli(tmp_path) -> None:  #
     ):
         cfg = parser.parse_string(yaml)
         cb = parser.instantiate_classes(cfg).cb
-        assert cb.notices == names and cb.controller.on_notice == mode
+        assert list(cb.config.notices) == names and cb.engine.controller.on_notice == mode
     with pytest.raises(ValueError, match="HINT"):
         PreemptionCallback(str(tmp_path), notices=["azure"], on_notice="later")  # type: ignore[arg-type]
