@@ -26,7 +26,6 @@ from lightning_preempt.preemption.notices.base import (
     MetadataSource,
     Watcher,
     parse_iso8601,
-    resolve_endpoint,
     wall_to_monotonic,
 )
 from lightning_preempt.preemption.sources import Notice
@@ -53,21 +52,11 @@ class AWSSpotSource(MetadataSource):
     """
 
     name = "aws"
+    endpoint_env = (ENV_ENDPOINT, "AWS_EC2_METADATA_SERVICE_ENDPOINT")
 
-    def __init__(
-        self,
-        endpoint: str | None = None,
-        *,
-        rebalance: bool = True,
-        interval_s: float = 2.0,
-        timeout_s: float = 2.0,
-        token_ttl_s: int = 21600,
-    ) -> None:
-        super().__init__(
-            resolve_endpoint(endpoint, ENV_ENDPOINT, "AWS_EC2_METADATA_SERVICE_ENDPOINT"),
-            interval_s=interval_s,
-            timeout_s=timeout_s,
-        )
+    def __init__(self, endpoint: str | None = None, *, rebalance: bool = True, interval_s: float = 2.0,
+                 timeout_s: float = 2.0, token_ttl_s: int = 21600) -> None:  # fmt: skip
+        super().__init__(endpoint, interval_s=interval_s, timeout_s=timeout_s)
         self.rebalance = rebalance
         self.token_ttl_s = int(token_ttl_s)
         self._token: str | None = None

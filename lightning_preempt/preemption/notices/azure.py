@@ -30,7 +30,6 @@ from lightning_preempt.preemption.notices.base import (
     MetadataSource,
     Watcher,
     parse_http_date,
-    resolve_endpoint,
     wall_to_monotonic,
 )
 from lightning_preempt.preemption.sources import Notice
@@ -60,6 +59,7 @@ class AzureSource(MetadataSource):
     """
 
     name = "azure"
+    endpoint_env = (ENV_ENDPOINT,)
 
     def __init__(
         self,
@@ -70,7 +70,7 @@ class AzureSource(MetadataSource):
         interval_s: float = 1.0,
         timeout_s: float = 2.0,
     ) -> None:
-        super().__init__(resolve_endpoint(endpoint, ENV_ENDPOINT), interval_s=interval_s, timeout_s=timeout_s)
+        super().__init__(endpoint, interval_s=interval_s, timeout_s=timeout_s)
         self.event_types = tuple(event_types)
         self.acknowledge = acknowledge
         self.acknowledged: list[str] = []

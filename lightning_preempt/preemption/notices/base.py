@@ -74,14 +74,18 @@ class MetadataSource:
     """
 
     name = "metadata"
+    #: Environment variables that name the endpoint when none is given (first set wins).
+    endpoint_env: tuple[str, ...] = ()
 
-    def __init__(self, endpoint: str, *, interval_s: float, timeout_s: float, max_backoff_s: float = 60.0) -> None:
+    def __init__(
+        self, endpoint: str | None, *, interval_s: float, timeout_s: float, max_backoff_s: float = 60.0
+    ) -> None:
         if interval_s <= 0 or timeout_s <= 0:
             raise ValueError(
                 f"interval_s and timeout_s must be positive, got {interval_s!r} and {timeout_s!r}\n"
                 "HINT: the defaults (seconds) suit the real metadata servers."
             )
-        self.endpoint = endpoint.rstrip("/")
+        self.endpoint = resolve_endpoint(endpoint, *self.endpoint_env).rstrip("/")
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.max_backoff_s = max(max_backoff_s, interval_s)

@@ -25,7 +25,7 @@ import time
 from urllib.parse import urlencode
 
 from lightning_preempt.preemption.notices._http import GarbageResponse, join, request
-from lightning_preempt.preemption.notices.base import MetadataSource, Watcher, resolve_endpoint
+from lightning_preempt.preemption.notices.base import MetadataSource, Watcher
 from lightning_preempt.preemption.sources import Notice
 
 log = logging.getLogger(__name__)
@@ -54,19 +54,11 @@ class GCESource(MetadataSource):
     """
 
     name = "gce"
+    endpoint_env = (ENV_ENDPOINT, "GCE_METADATA_HOST")
 
-    def __init__(
-        self,
-        endpoint: str | None = None,
-        *,
-        maintenance: bool = True,
-        wait_s: int = 60,
-        timeout_s: float = 5.0,
-        interval_s: float = 0.5,
-    ) -> None:
-        super().__init__(
-            resolve_endpoint(endpoint, ENV_ENDPOINT, "GCE_METADATA_HOST"), interval_s=interval_s, timeout_s=timeout_s
-        )
+    def __init__(self, endpoint: str | None = None, *, maintenance: bool = True, wait_s: int = 60,
+                 timeout_s: float = 5.0, interval_s: float = 0.5) -> None:  # fmt: skip
+        super().__init__(endpoint, interval_s=interval_s, timeout_s=timeout_s)
         self.maintenance = maintenance
         self.wait_s = int(wait_s)
         self._etags: dict[str, str] = {}
