@@ -18,8 +18,9 @@ from lightning_preempt.cli.resolve import resolve_checkpoint, storage_call
 from lightning_preempt.errors import UntrustedCheckpointError
 from lightning_preempt.format.layout import data_store
 from lightning_preempt.format.manifest import Manifest
+from lightning_preempt.format.metadata_scan import check_metadata_pickle
 from lightning_preempt.format.names import DCP_METADATA_NAME, STATE_RE
-from lightning_preempt.format.pickle_scan import check_metadata_pickle, check_state_pickle
+from lightning_preempt.format.state_replay import check_state_pickle
 from lightning_preempt.read.verify import verify_checkpoint
 from lightning_preempt.storage.store import Store
 

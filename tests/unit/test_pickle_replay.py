@@ -26,11 +26,12 @@ import pytest
 import torch
 
 from lightning_preempt.errors import CheckpointError
-from lightning_preempt.format import pickle_scan
+from lightning_preempt.format import allowlists as pickle_scan
 from lightning_preempt.format import unpickle as torch_path
 from lightning_preempt.format.manifest import Manifest
+from lightning_preempt.format.metadata_scan import check_dcp_structure, check_metadata_pickle
 from lightning_preempt.format.names import checkpoint_name
-from lightning_preempt.format.pickle_scan import check_dcp_structure, check_metadata_pickle, check_state_pickle
+from lightning_preempt.format.state_replay import check_state_pickle
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.read.verify import read_manifest
 from lightning_preempt.storage.store import Store
