@@ -113,7 +113,7 @@ class Engine:
     def peek(self) -> bool:
         """Whether to resume: ``resume`` is on and ``dirpath`` (or the local tier) holds a
         committed checkpoint. Every rank; before any collective is possible."""
-        return self.config.resume and self.resolver.probe().has_checkpoint
+        return self.config.resume and self.resolver.peek().has_checkpoint
 
     # ---- 2. set-up -------------------------------------------------------------------
     def setup(
@@ -151,7 +151,7 @@ class Engine:
             new_group=rt.new_group,
         )  # fmt: skip
         # A listing that kept failing on any rank stops every rank here, before step 1.
-        resuming = config.resume and self.resolver.agree_on_probes(group)
+        resuming = config.resume and self.resolver.agree_on_peeks(group)
         if config.probe_storage:
             preflight(config.dirpath, config.storage_options, self.local_dirpath, group)
         if config.lease:

@@ -2,13 +2,13 @@
 
 Two phases, because Lightning asks before the process group exists:
 
-1. :meth:`ResumeResolver.probe` (every rank, from the callback's ``ckpt_path`` property,
+1. :meth:`ResumeResolver.peek` (every rank, from the callback's ``ckpt_path`` property,
    before any collective is possible): does ``dirpath`` (or the local tier) hold a committed
    checkpoint? A listing *error* is retried with backoff; if it persists it is remembered,
    never taken for "nothing there" (that would start training from step 0 and let retention
    delete the previous run's checkpoints).
 2. :meth:`ResumeResolver.choose` (every rank, in ``setup``, collective): ranks agree on their
-   probes (any error raises the same error everywhere), then rank 0 picks the newest
+   peeks (any error raises the same error everywhere), then rank 0 picks the newest
    checkpoint that verifies and every rank gets it or the same error (:func:`agree.decide`).
 """
 
@@ -38,7 +38,7 @@ class ListingError(CheckpointError):
 
 
 @dataclasses.dataclass(frozen=True)
-class Probe:
+class Peek:
     """What one rank saw before the process group existed."""
 
     has_checkpoint: bool
@@ -56,7 +56,7 @@ class Choice:
 
 
 class ResumeResolver:
-    """Probe, agree and choose the resume target for one ``dirpath``.
+    """Peek, agree and choose the resume target for one ``dirpath``.
 
     Args:
         dirpath: the checkpoints' root (any fsspec URL).
@@ -83,10 +83,10 @@ class ResumeResolver:
         self.retries = retries
         self.backoff_s = backoff_s
         self.sleep = sleep
-        self.probe_result: Probe | None = None
+        self.peeked: Peek | None = None
 
     # ---- phase 1: before the process group ---------------------------------------------
-    def probe(self) -> Probe:
+    def peek(self) -> Peek:
         """List (with retries) and remember whether a committed checkpoint exists."""
         local = self.local_dirpath is not None and bool(complete_local_checkpoints(self.local_dirpath))
 
@@ -102,22 +102,22 @@ class ResumeResolver:
 
         try:
             remote = retry(listing, Backoff(self.retries, self.backoff_s, sleep=self.sleep), on_retry=retrying)
-            self.probe_result = Probe(local or remote)
+            self.peeked = Peek(local or remote)
         except Exception as err:  # remembered, never taken for "nothing there"
             outcome = agree.Outcome.failure(_listing_error(self.dirpath, err, self.retries), pdist.rank())
-            self.probe_result = Probe(local, outcome)
-        return self.probe_result
+            self.peeked = Peek(local, outcome)
+        return self.peeked
 
     # ---- phase 2: in setup, collective ---------------------------------------------------
-    def agree_on_probes(self, group: pdist.ProcessGroup | None) -> bool:
+    def agree_on_peeks(self, group: pdist.ProcessGroup | None) -> bool:
         """Every rank: ``True`` when all ranks saw a checkpoint; the same error everywhere
         when a rank could not list, or when ranks saw different things."""
-        mine = self.probe_result or Probe(False)
-        probes: list[Probe] = pdist.all_gather_objects(mine, group)
-        for rank, probe in enumerate(probes):
-            if probe.error is not None:  # probed before the group existed: its rank is the index
-                raise dataclasses.replace(probe.error, rank=rank).to_error(what="listing dirpath")
-        wants = [p.has_checkpoint for p in probes]
+        mine = self.peeked or Peek(False)
+        peeks: list[Peek] = pdist.all_gather_objects(mine, group)
+        for rank, peeked in enumerate(peeks):
+            if peeked.error is not None:  # made before the group existed: its rank is the index
+                raise dataclasses.replace(peeked.error, rank=rank).to_error(what="listing dirpath")
+        wants = [p.has_checkpoint for p in peeks]
         if any(wants) and not all(wants):
             raise NotACheckpointError(
                 f"ranks disagree on whether {self.dirpath} holds a checkpoint (per rank: {wants})",

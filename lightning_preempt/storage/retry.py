@@ -1,6 +1,6 @@
 """The one retry loop: attempts with exponential backoff, for storage that fails for a while.
 
-Used by the drain (copying, then committing the manifest) and by the resume probe (listing
+Used by the drain (copying, then committing the manifest) and by the resume peek (listing
 ``dirpath`` before the process group exists). Who retries decides *what* is worth it
 (``transient``) and *until when* (``give_up``, e.g. a grace-period deadline); in a collective
 the decision is rank 0's for every rank (``decide``), so no rank retries into the next
