@@ -1,0 +1,114 @@
+"""The engine drives a hand-written training loop: no Lightning anywhere (docs/design.md, "The
+engine's call order"). A real signal preempts the loop; the engine snapshots the agreed step,
+exits with 143, and a fresh engine resumes there, ending bit-identical to a run without the
+signal. This is the seam a front-end for Lightning Fabric builds on."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_preempt.catalog.listing import list_checkpoints
+from lightning_preempt.catalog.loader import Loader
+from lightning_preempt.engine.config import PreemptionConfig
+from lightning_preempt.engine.engine import Engine
+from lightning_preempt.errors import CheckpointWriteError
+from lightning_preempt.preemption.controller import Preempted
+from lightning_preempt.save.saver import Saver
+
+STEPS = 12
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(4, 3, generator=g), torch.randn(4, 1, generator=g)) for _ in range(STEPS)]
+
+
+def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(1)
+    model = torch.nn.Linear(3, 1)
+    return model, torch.optim.Adam(model.parameters(), lr=0.1)
+
+
+def _run(dirpath: Path, *, signal_at: int | None = None) -> tuple[int, dict[str, torch.Tensor], list[int]]:
+    """One process lifetime of a hand-written loop; returns (exit code, weights, steps trained)."""
+    config = PreemptionConfig(dirpath=str(dirpath), every_n_train_steps=5, signals=("SIGUSR1",), lease=False,
+                              agree_every_n_steps=1)  # fmt: skip
+    engine, saver = Engine(config), Saver({})
+    loader = Loader({}, verify_on_load=True, trust_checkpoints=False)
+    model, opt = _model()
+    state: dict[str, Any] = {"step": 0}
+
+    def save(path: str) -> None:
+        checkpoint = {"state_dict": model.state_dict(), "optimizer_states": [opt.state_dict()],
+                      "global_step": state["step"], "epoch": 0}  # fmt: skip
+        saver.save(checkpoint, path, {})
+
+    trained: list[int] = []
+    code = 0
+    engine.peek()  # before any process group, as a launcher would
+    target = engine.setup(saver, save=save, route_saves=saver.enable_collective, leader=True)
+    if target is not None:
+        checkpoint = loader.load(target.path, trusted=False, group=None)
+        model.load_state_dict(checkpoint["state_dict"])
+        opt.load_state_dict(checkpoint["optimizer_states"][0])
+        state["step"] = checkpoint["global_step"]
+    try:
+        engine.start(state["step"], loaded_from=loader.loaded_from)
+        for x, y in _batches()[state["step"] :]:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            state["step"] += 1
+            trained.append(state["step"])
+            if state["step"] == signal_at:
+                os.kill(os.getpid(), signal.SIGUSR1)  # a real signal; the handler only sets a flag
+            engine.step_end(state["step"])
+        engine.finish(state["step"])
+    except Preempted as exit_:
+        code = int(exit_.code or 0)
+    finally:
+        engine.close(finish_saves=True)
+    return code, {k: v.clone() for k, v in model.state_dict().items()}, trained
+
+
+def test_a_hand_written_loop_is_preempted_and_resumes_bit_identical(tmp_path: Path) -> None:
+    previous = signal.getsignal(signal.SIGUSR1)
+    code, _, trained = _run(tmp_path / "preempted", signal_at=7)
+    assert code == 143 and trained == list(range(1, 8))  # the signal's step was snapshotted, then exit
+    assert signal.getsignal(signal.SIGUSR1) == previous  # the engine put the handler back
+    steps = [c.step for c in list_checkpoints(str(tmp_path / "preempted")) if c.committed]
+    assert steps == [7, 5]
+    code, resumed, trained = _run(tmp_path / "preempted")
+    assert code == 0 and trained == list(range(8, STEPS + 1))  # 0 steps lost, none repeated
+    _, uninterrupted, _ = _run(tmp_path / "straight")
+    for key, value in uninterrupted.items():
+        assert torch.equal(resumed[key], value), key
+    committed = [c.step for c in list_checkpoints(str(tmp_path / "preempted")) if c.committed]
+    assert committed == [12, 10]  # the final save; retention keeps the newest 2
+
+
+def test_a_failed_save_stops_the_loop_with_the_storage_error(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    dirpath = tmp_path / "file" / "ckpts"  # every write under it fails, for root too
+    config = PreemptionConfig(dirpath=str(dirpath), every_n_train_steps=1, lease=False, probe_storage=False)
+    engine, saver = Engine(config), Saver({})
+
+    def save(path: str) -> None:
+        saver.save({"state_dict": {"w": torch.ones(2)}, "global_step": 1, "epoch": 0}, path, {})
+
+    engine.setup(saver, save=save, route_saves=saver.enable_collective, leader=True)
+    engine.start(0, loaded_from=None)
+    try:
+        engine.step_end(1)  # accepted: the write fails in the background
+        with pytest.raises(CheckpointWriteError, match="ckpts") as err:
+            engine.step_end(2)  # the next boundary stops the loop with that failure
+        assert "HINT:" in str(err.value)
+        assert not dirpath.exists()
+    finally:
+        engine.close(finish_saves=True)
