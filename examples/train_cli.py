@@ -1,7 +1,8 @@
 """LightningCLI entry point: `python examples/train_cli.py fit --config examples/config.yaml`.
 
 The YAML sets up `PreemptionCallback` and `ShardedAsyncCheckpointIO`; every (re)start of
-the same command resumes from the newest valid checkpoint.
+the same command resumes from the newest valid checkpoint. The effective config is saved as
+`checkpoints/config.yaml` (``--trainer.default_root_dir`` moves it).
 """
 
 from __future__ import annotations
@@ -45,8 +46,15 @@ class SyntheticData(L.LightningDataModule):
 
 
 def main() -> None:
-    # A requeued job runs the same command again: let it rewrite its saved config.
-    LightningCLI(RegressionModel, SyntheticData, save_config_kwargs={"overwrite": True})
+    # LightningCLI saves the effective config into the Trainer's log dir, the working
+    # directory by default: keep it under checkpoints/ (git ignores it) instead of beside the
+    # code. A requeued job runs the same command again: let it rewrite its saved config.
+    LightningCLI(
+        RegressionModel,
+        SyntheticData,
+        trainer_defaults={"default_root_dir": "checkpoints"},
+        save_config_kwargs={"overwrite": True},
+    )
 
 
 if __name__ == "__main__":
