@@ -10,45 +10,37 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import chaos_fs
 import pytest
+from ckpts import committed
+from jobs import env_with, launch, step_of, wait_for
 
 from lightning_preempt import list_checkpoints
 
-SCRIPT = Path(__file__).resolve().parents[1] / "support" / "train_script.py"
 pytestmark = pytest.mark.multiproc
 
 
 def _launch(tmp: Path, dirpath: str, *extra: str, cb: dict | None = None, env: dict | None = None,
             status: str = "st") -> subprocess.Popen[str]:  # fmt: skip
-    args = [sys.executable, str(SCRIPT), "--dirpath", dirpath, "--status", str(tmp / status), *extra]
+    args = ["--dirpath", dirpath, "--status", str(tmp / status), *extra]
     args += ["--cb-kwargs", json.dumps({"list_backoff_s": 0.05, **(cb or {})})]
-    full_env = {**os.environ, "LP_CHAOS_DIR": str(tmp / "ctl"), **(env or {})}
-    return subprocess.Popen(args, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env)
+    return launch("train_script.py", tmp, *args, env=env_with(LP_CHAOS_DIR=str(tmp / "ctl"), **(env or {})))
 
 
 def _step(tmp: Path, status: str = "st", rank: int = 0) -> int | None:
-    try:
-        return int((tmp / status / f"rank{rank}.step").read_text())
-    except (FileNotFoundError, ValueError):
-        return None
+    return step_of(tmp / status, rank)
 
 
 def _wait_step(tmp: Path, proc: subprocess.Popen[str], step: int, status: str = "st", timeout: float = 90) -> int:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def reached() -> int | None:
         seen = _step(tmp, status)
-        if seen is not None and seen >= step:
-            return seen
-        if proc.poll() is not None:
-            raise AssertionError(f"training ended early:\n{proc.communicate()[0][-3000:]}")
-        time.sleep(0.02)
-    raise AssertionError("training did not reach the step in time")
+        return seen if seen is not None and seen >= step else None
+
+    return wait_for(proc, f"step {step}", reached, timeout)
 
 
 def _first_run(tmp: Path, url: str, steps: int = 10) -> None:
@@ -151,8 +143,8 @@ def test_a_failed_save_stops_training_within_a_step_or_two(tmp_path: Path) -> No
     assert "CheckpointWriteError" in out and "Injected" not in out and "injected: write" in out
     last = _step(tmp_path)
     assert last is not None and 20 <= last <= 22  # the step-20 save failed; stopped at the next boundary or so
-    committed = [c.step for c in list_checkpoints(str(tmp_path / "ck")) if c.committed]
-    assert 20 not in committed and 10 in committed
+    saved = committed(tmp_path / "ck")
+    assert 20 not in saved and 10 in saved
 
 
 # ---- one writer per dirpath ------------------------------------------------------------
@@ -181,19 +173,16 @@ def test_a_second_live_job_refuses_and_a_dead_ones_lease_is_taken_over(tmp_path:
 
 # ---- teardown releases everything ---------------------------------------------------------
 def test_fit_leaves_no_thread_behind_and_releases_the_lease(tmp_path: Path) -> None:
-    import lightning as L
-    from torch.utils.data import DataLoader
-    from train_script import TinyModel, data
+    from models import TinyModel, loader
+    from trainers import make_trainer
 
-    from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO
+    from lightning_preempt import PreemptionCallback
 
     before = {t.name for t in threading.enumerate()}
     for max_steps in (6, 9):
         cb = PreemptionCallback(str(tmp_path / "ck"), every_n_train_steps=3)
-        trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", callbacks=[cb], logger=False,
-                            plugins=[ShardedAsyncCheckpointIO()], enable_progress_bar=False,
-                            enable_model_summary=False)  # fmt: skip
-        trainer.fit(TinyModel(), DataLoader(data(64), batch_size=8))
+        trainer = make_trainer(max_steps, [cb])
+        trainer.fit(TinyModel(), loader(8, batch_size=8))
         assert trainer.global_step == max_steps
     left = {t.name for t in threading.enumerate()} - before
     assert not {n for n in left if n.startswith("lightning_preempt")}, left

@@ -20,12 +20,13 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from ckpts import assert_same, committed_names, lightning_like_checkpoint
 from crash_fs import CrashFileSystem, SimulatedCrash
-from helpers import StartProbe, assert_same, lightning_like_checkpoint
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
+from models import TinyModel, data, loader
 from torch.utils.data import DataLoader
-from train_script import TinyModel, data
+from trainers import StartProbe, make_trainer
 
 from lightning_preempt import (
     CheckpointError,
@@ -38,26 +39,6 @@ from lightning_preempt import (
 from lightning_preempt.format.names import MANIFEST_NAME
 
 
-def _trainer(
-    max_steps: int, callbacks: list[Callback], plugins: list[Any] | None = None, *, root: Path, **kw: Any
-) -> L.Trainer:
-    return L.Trainer(
-        default_root_dir=root,
-        max_steps=max_steps,
-        accelerator="cpu",
-        callbacks=callbacks,
-        plugins=plugins if plugins is not None else [ShardedAsyncCheckpointIO()],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kw,
-    )
-
-
-def _loader(batches: int = 4) -> DataLoader:
-    return DataLoader(data(16 * batches), batch_size=16, shuffle=False)
-
-
 def _our_threads(before: set[threading.Thread]) -> list[str]:
     """Our threads started since ``before`` and still alive."""
     return [t.name for t in set(threading.enumerate()) - before if t.name.startswith("lightning_preempt")]
@@ -67,11 +48,11 @@ def _our_threads(before: set[threading.Thread]) -> list[str]:
 def test_a_trainer_with_the_plugin_pickles_and_its_callbacks_deepcopy(tmp_path: Path) -> None:
     io = ShardedAsyncCheckpointIO()
     mc = ModelCheckpoint(dirpath=tmp_path / "mc", save_last=True, every_n_train_steps=2)
-    trainer = _trainer(
+    trainer = make_trainer(
         4, [mc, PreemptionCallback(str(tmp_path / "pre"), every_n_train_steps=2)], plugins=[io], root=tmp_path
     )
     pickle.dumps(trainer)  # before fit: nothing started yet
-    trainer.fit(TinyModel(), _loader())
+    trainer.fit(TinyModel(), loader(4))
     assert io.staging_allocated_bytes > 0 and io.history  # it did save, with buffers and records
     copies = copy.deepcopy(trainer.callbacks)
     assert [type(c) for c in copies] == [type(c) for c in trainer.callbacks]
@@ -112,8 +93,8 @@ def test_ddp_spawn_trains_saves_and_resumes(tmp_path: Path) -> None:
         start = StartStepFile(str(tmp_path / "start"))
         # PreemptionCallback first: ddp_spawn hands best_model_path back to the first one.
         pre = PreemptionCallback(str(tmp_path / "pre"), every_n_train_steps=2)
-        trainer = _trainer(max_steps, [pre, mc, start], strategy="ddp_spawn", devices=2, root=tmp_path)
-        trainer.fit(model, _loader(8), ckpt_path=ckpt_path)
+        trainer = make_trainer(max_steps, [pre, mc, start], strategy="ddp_spawn", devices=2, root=tmp_path)
+        trainer.fit(model, loader(8), ckpt_path=ckpt_path)
         return model
 
     before = set(threading.enumerate())
@@ -128,24 +109,20 @@ def test_ddp_spawn_trains_saves_and_resumes(tmp_path: Path) -> None:
     assert [c.name for c in list_checkpoints(str(tmp_path / "mc"))] == ["last.ckpt"]
 
     assert (tmp_path / "start").read_text() == "0"
-    assert _committed(tmp_path / "pre") == [("step-0000000004", 4), ("step-0000000002", 2)]
+    assert committed_names(tmp_path / "pre") == [("step-0000000004", 4), ("step-0000000002", 2)]
     run(6, last)  # resume in ddp_spawn from the replaced last.ckpt
     assert (tmp_path / "start").read_text() == "4"
-    assert _committed(tmp_path / "pre")[0] == ("step-0000000006", 6)
+    assert committed_names(tmp_path / "pre")[0] == ("step-0000000006", 6)
     resumed = ShardedAsyncCheckpointIO().load_checkpoint(last)
     assert resumed["global_step"] == 6
     assert resumed["optimizer_states"][0]["state"][0]["step"].item() == 6
 
 
 # ---- 2. replacing a checkpoint at the same path -------------------------------------------
-def _committed(root: Path) -> list[tuple[str, int]]:
-    return [(c.name, c.step) for c in list_checkpoints(str(root)) if c.committed]
-
-
 def test_save_last_replaces_last_ckpt_every_time(tmp_path: Path) -> None:
     mc = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=2, save_top_k=0)
-    _trainer(6, [mc], root=tmp_path).fit(TinyModel(), _loader())
-    assert _committed(tmp_path) == [("last.ckpt", 6)]
+    make_trainer(6, [mc], root=tmp_path).fit(TinyModel(), loader(4))
+    assert committed_names(tmp_path) == [("last.ckpt", 6)]
     assert ShardedAsyncCheckpointIO().load_checkpoint(str(tmp_path / "last.ckpt"))["global_step"] == 6
 
 
@@ -159,8 +136,8 @@ def test_save_last_replaces_last_ckpt_every_time(tmp_path: Path) -> None:
 )
 def test_a_fixed_filename_is_replaced_in_place(tmp_path: Path, kwargs: dict[str, Any]) -> None:
     mc = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, **kwargs)
-    _trainer(6, [mc], root=tmp_path).fit(TinyModel(), _loader())
-    assert _committed(tmp_path) == [("fixed.ckpt", 6)]
+    make_trainer(6, [mc], root=tmp_path).fit(TinyModel(), loader(4))
+    assert committed_names(tmp_path) == [("fixed.ckpt", 6)]
     assert mc.best_model_path == str(tmp_path / "fixed.ckpt")
 
 
@@ -171,14 +148,14 @@ def test_rerunning_fit_into_the_same_folder_names_files_as_lightning_does(tmp_pa
     def two_runs(root: Path, plugins: list[Any]) -> list[str]:
         for _ in range(2):
             mc = ModelCheckpoint(dirpath=root, save_last=True, every_n_train_steps=2, save_top_k=-1)
-            _trainer(4, [mc], plugins=[type(p)() for p in plugins], root=tmp_path).fit(TinyModel(), _loader())
+            make_trainer(4, [mc], plugins=[type(p)() for p in plugins], root=tmp_path).fit(TinyModel(), loader(4))
         return sorted(os.listdir(root))
 
     ours = two_runs(tmp_path / "ours", [ShardedAsyncCheckpointIO()])
     theirs = two_runs(tmp_path / "theirs", [TorchCheckpointIO()])
     assert ours == theirs
     assert "epoch=0-step=2-v1.ckpt" in ours
-    assert {name: step for name, step in _committed(tmp_path / "ours")}["last.ckpt"] == 4
+    assert {name: step for name, step in committed_names(tmp_path / "ours")}["last.ckpt"] == 4
 
 
 class LoggingModel(TinyModel):
@@ -213,7 +190,7 @@ def test_model_checkpoint_keeps_what_it_keeps_with_torch_checkpoint_io(tmp_path:
         for _ in range(2):
             L.seed_everything(0)
             mc = ModelCheckpoint(dirpath=root, every_n_train_steps=2, **MC_MATRIX[config])  # type: ignore[arg-type]
-            _trainer(6, [mc], plugins=[plugin_type()], root=tmp_path).fit(LoggingModel(), _loader(8))
+            make_trainer(6, [mc], plugins=[plugin_type()], root=tmp_path).fit(LoggingModel(), loader(8))
         paths = {"best": os.path.basename(mc.best_model_path), "last": os.path.basename(mc.last_model_path)}
         reader = ShardedAsyncCheckpointIO(trust_checkpoints=True)
         steps = {
@@ -229,14 +206,14 @@ def test_model_checkpoint_keeps_what_it_keeps_with_torch_checkpoint_io(tmp_path:
 
 
 def test_ckpt_path_last_and_best_resolve_to_our_checkpoints(tmp_path: Path) -> None:
-    def trainer(max_steps: int, probe: Callback) -> L.Trainer:
+    def with_top1_and_last(max_steps: int, probe: Callback) -> L.Trainer:
         mc = ModelCheckpoint(dirpath=tmp_path, monitor="metric", save_last=True, every_n_train_steps=2)
-        return _trainer(max_steps, [mc, probe], root=tmp_path)
+        return make_trainer(max_steps, [mc, probe], root=tmp_path)
 
-    trainer(4, StartProbe()).fit(LoggingModel(), _loader(8))
+    with_top1_and_last(4, StartProbe()).fit(LoggingModel(), loader(8))
     probe = StartProbe()
-    second = trainer(6, probe)
-    second.fit(LoggingModel(), _loader(8), ckpt_path="last")  # Lightning finds last.ckpt itself
+    second = with_top1_and_last(6, probe)
+    second.fit(LoggingModel(), loader(8), ckpt_path="last")  # Lightning finds last.ckpt itself
     assert probe.start_step == 4
     best = second.checkpoint_callback.best_model_path  # type: ignore[union-attr]
     assert best and os.path.isdir(best)
@@ -333,7 +310,7 @@ def test_a_crash_at_any_moment_of_a_replacement_leaves_one_complete_checkpoint(s
 _REPLACE_FOREVER = """
 import sys
 sys.path.insert(0, {tests!r})
-from helpers import lightning_like_checkpoint
+from ckpts import lightning_like_checkpoint
 from lightning_preempt import ShardedAsyncCheckpointIO
 io = ShardedAsyncCheckpointIO()
 step = 0
@@ -385,7 +362,7 @@ def test_a_replacement_leaves_no_stale_files(tmp_path: Path) -> None:
     from lightning_preempt.storage.store import Store
 
     assert verify_checkpoint(Store(str(path))).step == 3
-    assert _committed(tmp_path) == [("last.ckpt", 3)]
+    assert committed_names(tmp_path) == [("last.ckpt", 3)]
     io.teardown()
 
 
@@ -433,7 +410,7 @@ def test_the_path_exists_when_save_returns(tmp_path: Path, memory_url: str) -> N
 
 def test_save_last_link_on_a_fresh_dirpath(tmp_path: Path) -> None:
     mc = ModelCheckpoint(dirpath=tmp_path, save_last="link", every_n_train_steps=2, save_top_k=-1)
-    _trainer(4, [mc], root=tmp_path).fit(TinyModel(), _loader())
+    make_trainer(4, [mc], root=tmp_path).fit(TinyModel(), loader(4))
     last = tmp_path / "last.ckpt"
     assert last.is_symlink() and os.readlink(last) == "epoch=0-step=4.ckpt"
     assert ShardedAsyncCheckpointIO().load_checkpoint(str(last))["global_step"] == 4
@@ -462,7 +439,7 @@ def test_top_k_retention_removes_plain_files_left_by_torch_checkpoint_io(tmp_pat
     # bookkeeping deletes the old plain .ckpt files through our plugin.
     def run(plugin: Any, max_steps: int, ckpt_path: str | None = None) -> ModelCheckpoint:
         mc = ModelCheckpoint(dirpath=tmp_path, monitor="step", mode="max", save_top_k=1, every_n_train_steps=2)
-        _trainer(max_steps, [mc], plugins=[plugin], root=tmp_path).fit(TinyModel(), _loader(8), ckpt_path=ckpt_path)
+        make_trainer(max_steps, [mc], plugins=[plugin], root=tmp_path).fit(TinyModel(), loader(8), ckpt_path=ckpt_path)
         return mc
 
     first = run(TorchCheckpointIO(), 2)
@@ -491,7 +468,7 @@ def test_a_failed_remove_is_logged_with_the_path(caplog: pytest.LogCaptureFixtur
 # ---- 5. nothing at the path is a FileNotFoundError --------------------------------------
 def test_a_missing_ckpt_path_raises_file_not_found_in_fit(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError) as info:
-        _trainer(2, [], root=tmp_path).fit(TinyModel(), _loader(), ckpt_path=str(tmp_path / "missing.ckpt"))
+        make_trainer(2, [], root=tmp_path).fit(TinyModel(), loader(4), ckpt_path=str(tmp_path / "missing.ckpt"))
     assert isinstance(info.value, CheckpointNotFoundError)
     assert "missing.ckpt" in str(info.value) and "HINT:" in str(info.value)
     # Something that exists but is not a checkpoint is not "not found".
@@ -505,8 +482,8 @@ def test_a_missing_ckpt_path_raises_file_not_found_in_fit(tmp_path: Path) -> Non
 def test_save_after_fit_then_load_from_checkpoint(tmp_path: Path) -> None:
     before = set(threading.enumerate())
     model = TinyModel()
-    trainer = _trainer(3, [], root=tmp_path)
-    trainer.fit(model, _loader())
+    trainer = make_trainer(3, [], root=tmp_path)
+    trainer.fit(model, loader(4))
     assert _our_threads(before) == []  # teardown stopped the writer
     path = str(tmp_path / "final.ckpt")
     trainer.save_checkpoint(path)
@@ -526,7 +503,7 @@ def test_save_before_fit_then_load_from_checkpoint(tmp_path: Path) -> None:
     synchronous (a plain file, there when save_checkpoint returns) and leaves no thread."""
     before = set(threading.enumerate())
     model = TinyModel()
-    trainer = _trainer(3, [], root=tmp_path)
+    trainer = make_trainer(3, [], root=tmp_path)
     trainer.strategy.connect(model)
     path = str(tmp_path / "untrained.ckpt")
     trainer.save_checkpoint(path)
@@ -556,11 +533,11 @@ def test_on_exception_checkpoint_saves_then_its_teardown_removes_synchronously(t
 
     before = set(threading.enumerate())
     with pytest.raises(RuntimeError, match="boom"):
-        _trainer(5, [on_exception(), Boom()], root=tmp_path).fit(TinyModel(), _loader())
+        make_trainer(5, [on_exception(), Boom()], root=tmp_path).fit(TinyModel(), loader(4))
     path = str(tmp_path / "on_exception.ckpt")
     assert ShardedAsyncCheckpointIO().load_checkpoint(path)["global_step"] == 2  # committed by teardown
     probe = StartProbe()
-    _trainer(4, [on_exception(), probe], root=tmp_path).fit(TinyModel(), _loader(), ckpt_path=path)
+    make_trainer(4, [on_exception(), probe], root=tmp_path).fit(TinyModel(), loader(4), ckpt_path=path)
     assert probe.start_step == 2
     # A normal end: OnExceptionCheckpoint.teardown removed it, after the plugin's teardown.
     assert not os.path.exists(path)
@@ -584,12 +561,12 @@ class RecipeModel(TinyModel):
 def test_fit_passes_weights_only_to_the_plugin(tmp_path: Path) -> None:
     path = str(tmp_path / "a.ckpt")
     mc = ModelCheckpoint(dirpath=tmp_path, filename="a", every_n_train_steps=2, save_top_k=1, monitor=None)
-    _trainer(2, [mc], root=tmp_path).fit(RecipeModel(Recipe(0.1)), _loader())
+    make_trainer(2, [mc], root=tmp_path).fit(RecipeModel(Recipe(0.1)), loader(4))
     assert os.path.isdir(path)
     with pytest.raises(CheckpointError, match=r"needs the global test_dropin\.Recipe"):
-        _trainer(4, [], root=tmp_path).fit(RecipeModel(Recipe(0.1)), _loader(), ckpt_path=path, weights_only=True)
+        make_trainer(4, [], root=tmp_path).fit(RecipeModel(Recipe(0.1)), loader(4), ckpt_path=path, weights_only=True)
     probe = StartProbe()
-    _trainer(4, [probe], root=tmp_path).fit(RecipeModel(Recipe(0.1)), _loader(), ckpt_path=path, weights_only=False)
+    make_trainer(4, [probe], root=tmp_path).fit(RecipeModel(Recipe(0.1)), loader(4), ckpt_path=path, weights_only=False)
     assert probe.start_step == 2
     meta = ShardedAsyncCheckpointIO().load_checkpoint(path, map_location="meta", weights_only=False)
     assert all(t.device.type == "meta" for t in meta["state_dict"].values())

@@ -14,11 +14,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from ckpts import committed
 from elastic_cluster import Cluster
 from elastic_script import state_sha
 
 from lightning_preempt.elastic import ElasticEnv, exit_code_for, trainer_kwargs
-from lightning_preempt.format.names import MANIFEST_NAME
 
 pytestmark = pytest.mark.multiproc
 
@@ -36,10 +36,6 @@ def cluster_factory(tmp_path: Path) -> Iterator[type[Cluster]]:
     yield make  # type: ignore[misc]
     for c in made:
         c.close()
-
-
-def _committed(dirpath: Path) -> list[int]:
-    return sorted(int(p.parent.name.split("-")[1]) for p in dirpath.glob(f"step-*/{MANIFEST_NAME}"))
 
 
 # ---- unit: the wrapper's pieces -----------------------------------------------------------------
@@ -83,7 +79,7 @@ def test_node_loss_survivor_goes_on_at_n_minus_1_losing_no_step(cluster_factory:
     snapshot = b_exit["step"]
     assert b_exit["code"] == 143 and a_first["code"] == 143  # both ranks snapshot the agreed step
     assert a_first["step"] == snapshot and a_first["weights"] == b_exit["weights"]
-    assert snapshot in _committed(c.dirpath)
+    assert snapshot in committed(c.dirpath)
 
     before, after = c.records("A", "start")
     assert before["world_size"] == 2 and after["world_size"] == 1
@@ -116,7 +112,7 @@ def test_node_join_restarts_at_n_with_a_snapshot(cluster_factory: type[Cluster])
     assert c.wait("A") == 143 and c.wait("B") == 143
     ends = [c.records(n, "exit")[-1] for n in ("A", "B")]
     assert ends[0]["step"] == ends[1]["step"] and ends[0]["weights"] == ends[1]["weights"]
-    assert ends[0]["step"] in _committed(c.dirpath)
+    assert ends[0]["step"] in committed(c.dirpath)
 
 
 @pytest.mark.slow
@@ -179,7 +175,7 @@ def test_two_tier_node_loss_with_a_slow_remote_falls_back_to_the_bucket(
     assert after["world_size"] == 1
     resumed = after["start_step"]
     assert 10 <= resumed < snapshot  # the snapshot never reached the bucket: steps lost
-    assert resumed in _committed(c.dirpath)
+    assert resumed in committed(c.dirpath)
     ckpt = ShardedAsyncCheckpointIO().load_checkpoint(str(c.dirpath / f"step-{resumed:010d}"))
     assert after["weights"] == state_sha(ckpt["state_dict"])  # bitwise: what the bucket holds
     # The survivor's own disk held the snapshot only in part (its rank's files).
@@ -200,7 +196,7 @@ def test_two_tier_node_loss_with_the_peer_replica_loses_no_step(cluster_factory:
     assert after["start_step"] == snapshot  # 0 steps lost
     assert after["weights"] == c.records("B", "exit")[0]["weights"]  # bitwise: the snapshot
     assert snapshot in [ck.step for ck in complete_local_checkpoints(str(tmp_path / "local-A"))]
-    assert snapshot in _committed(c.dirpath)  # drained to the bucket from the survivor
+    assert snapshot in committed(c.dirpath)  # drained to the bucket from the survivor
     assert "replicated step" in c.log("B") or "replicated step" in c.log("A")
 
 
@@ -235,7 +231,7 @@ def test_three_nodes_two_tier_node_loss_with_the_peer_replica_loses_no_step(
         assert first["world_size"] == 3 and after["world_size"] == 2
         assert after["start_step"] == snapshot  # 0 steps lost
         assert after["weights"] == c_exit["weights"]  # bitwise
-    assert snapshot in _committed(c.dirpath)  # completed in the bucket by the survivors
+    assert snapshot in committed(c.dirpath)  # completed in the bucket by the survivors
 
 
 @pytest.mark.slow

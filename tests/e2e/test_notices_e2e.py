@@ -12,16 +12,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from ckpts import committed
 from fake_metadata import FakeMetadata
+from jobs import launch, read, step_of, wait_for
 
-from lightning_preempt import list_checkpoints
-
-SCRIPT = Path(__file__).resolve().parents[1] / "support" / "notices_script.py"
 pytestmark = pytest.mark.multiproc
 
 
@@ -34,36 +31,12 @@ def _env(**endpoints: str) -> dict[str, str]:
 
 
 def _launch(tmp: Path, env: dict[str, str], *extra: str) -> subprocess.Popen[str]:
-    args = [sys.executable, str(SCRIPT), "--dirpath", str(tmp / "ck"), "--status", str(tmp / "st"), *extra]
-    return subprocess.Popen(args, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text()
-    except FileNotFoundError:
-        return None
+    args = ["--dirpath", str(tmp / "ck"), "--status", str(tmp / "st"), *extra]
+    return launch("notices_script.py", tmp, *args, env=env)
 
 
 def _step(tmp: Path, rank: int = 0) -> int:
-    return int(_read(tmp / "st" / f"rank{rank}.step") or 0)
-
-
-def _wait(proc: subprocess.Popen[str], what: str, pred, timeout: float = 120.0):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        if proc.poll() is not None:
-            raise AssertionError(f"training ended before {what}:\n{proc.communicate()[0][-4000:]}")
-        time.sleep(0.02)
-    proc.kill()
-    raise AssertionError(f"{what}: not within {timeout}s:\n{proc.communicate()[0][-4000:]}")
-
-
-def _committed(tmp: Path) -> list[int]:
-    return sorted(c.step for c in list_checkpoints(str(tmp / "ck")) if c.committed)
+    return step_of(tmp / "st", rank) or 0
 
 
 def _in_order(out: str, *needles: str) -> None:
@@ -82,7 +55,7 @@ def _resume(tmp: Path, env: dict[str, str], at: int, devices: int = 1) -> None:
     out, _ = again.communicate(timeout=180)
     assert again.returncode == 0, out[-4000:]
     for r in range(devices):
-        result = _read(tmp / "st" / f"rank{r}.result.json") or ""
+        result = read(tmp / "st" / f"rank{r}.result.json") or ""
         assert f'"start_step": {at},' in result and f'"step": {at + 3},' in result, result  # 0 steps lost
 
 
@@ -90,17 +63,17 @@ def test_aws_notice_snapshots_before_sigterm_and_training_goes_on(tmp_path: Path
     with FakeMetadata(("aws",)) as fake:
         env = _env(aws=fake.url)
         proc = _launch(tmp_path, env, "--notices", "aws", "--on-notice", "continue")
-        _wait(proc, "step 15", lambda: _step(tmp_path) >= 15)
+        wait_for(proc, "step 15", lambda: _step(tmp_path) >= 15)
         announced = _step(tmp_path)
         fake.announce_aws("terminate", in_s=120)
-        (snap,) = _wait(proc, "the notice's snapshot", lambda: _committed(tmp_path))  # every=1000: no other save
+        (snap,) = wait_for(proc, "the notice's snapshot", lambda: sorted(committed(tmp_path / "ck")))  # every=1000: no other save
         assert snap >= announced
-        _wait(proc, "training past the snapshot", lambda: _step(tmp_path) >= snap + 5)
+        wait_for(proc, "training past the snapshot", lambda: _step(tmp_path) >= snap + 5)
         signalled = _step(tmp_path)
-        os.kill(int(_read(tmp_path / "st" / "rank0.pid") or 0), signal.SIGTERM)
+        os.kill(int(read(tmp_path / "st" / "rank0.pid") or 0), signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 143, out[-4000:]
-        final = _committed(tmp_path)
+        final = sorted(committed(tmp_path / "ck"))
         assert final[0] == snap and final[-1] >= signalled and len(final) == 2, final
         _in_order(
             out,
@@ -126,15 +99,15 @@ def test_gce_notice_exits_at_once_on_every_rank(tmp_path: Path) -> None:
     with FakeMetadata(("gce",)) as fake:
         env = _env(gce=fake.url)
         proc = _launch(tmp_path, env, "--notices", "gce", "--on-notice", "exit", "--devices", "2")
-        _wait(proc, "step 15 on both ranks", lambda: min(_step(tmp_path, 0), _step(tmp_path, 1)) >= 15)
+        wait_for(proc, "step 15 on both ranks", lambda: min(_step(tmp_path, 0), _step(tmp_path, 1)) >= 15)
         fake.wait_for(lambda: fake.held >= 2)  # preempted + maintenance-event, long-polled
         announced = max(_step(tmp_path, 0), _step(tmp_path, 1))
         fake.announce_gce("preempted", "TRUE")
         out, _ = proc.communicate(timeout=90)  # no signal is sent: the notice alone ends the job
         assert proc.returncode == 143, out[-4000:]
-        assert [_read(tmp_path / "st" / f"rank{r}.exit") for r in (0, 1)] == ["143", "143"]
+        assert [read(tmp_path / "st" / f"rank{r}.exit") for r in (0, 1)] == ["143", "143"]
         assert fake.peak_held == 2  # only local rank 0 watched; rank 1 learnt it through the agreement
-        (agreed,) = _committed(tmp_path)
+        (agreed,) = sorted(committed(tmp_path / "ck"))
         assert agreed >= announced
         _in_order(
             out,
@@ -153,11 +126,11 @@ def test_azure_notice_drains_two_tiers_within_the_notices_deadline(tmp_path: Pat
         env = _env(azure=fake.url)
         local = str(tmp_path / "local")
         proc = _launch(tmp_path, env, "--notices", "azure", "--on-notice", "exit", "--local-dirpath", local)
-        _wait(proc, "step 10", lambda: _step(tmp_path) >= 10)
+        wait_for(proc, "step 10", lambda: _step(tmp_path) >= 10)
         fake.announce_azure("Preempt", in_s=100)  # longer than the 30 s grace period
         out, _ = proc.communicate(timeout=90)
     assert proc.returncode == 143, out[-4000:]
-    (agreed,) = _committed(tmp_path)  # drained to dirpath (the remote tier) before the exit
+    (agreed,) = sorted(committed(tmp_path / "ck"))  # drained to dirpath (the remote tier) before the exit
     drain = next(line for line in out.splitlines() if f"draining step {agreed} to" in line)
     budget = float(drain.split("for at most ")[1].split("s")[0])
     assert 30.0 < budget < 100.0, drain  # the notice's deadline, not grace_period_s, bounds the drain
@@ -172,15 +145,15 @@ def test_a_metadata_server_that_misbehaves_never_disturbs_training(tmp_path: Pat
         fake.set_mode("garbage")
         env = _env(aws=fake.url, gce=fake.url, azure=fake.url)
         proc = _launch(tmp_path, env, "--notices", "aws,gce,azure", "--max-steps", "60")
-        _wait(proc, "step 15", lambda: _step(tmp_path) >= 15)
+        wait_for(proc, "step 15", lambda: _step(tmp_path) >= 15)
         fake.set_mode("slow")  # hangs every request it gets
-        _wait(proc, "step 30", lambda: _step(tmp_path) >= 30)
+        wait_for(proc, "step 30", lambda: _step(tmp_path) >= 30)
         fake.stop()  # vanishes: connections are refused from now on
         out, _ = proc.communicate(timeout=120)
     finally:
         fake.stop()
     assert proc.returncode == 0, out[-4000:]
-    result = _read(tmp_path / "st" / "rank0.result.json") or ""
+    result = read(tmp_path / "st" / "rank0.result.json") or ""
     assert '"start_step": 0,' in result and '"step": 60,' in result, result
     assert "[preemption]" not in out and "[notice]" not in out
     for cloud in ("aws", "gce", "azure"):

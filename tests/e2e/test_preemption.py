@@ -10,44 +10,37 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from ckpts import committed
+from jobs import launch, read, wait_for
 
-from lightning_preempt import list_checkpoints, newest_valid
+from lightning_preempt import newest_valid
 
-SCRIPT = Path(__file__).resolve().parents[1] / "support" / "train_script.py"
 GRACE_S = 30.0
 pytestmark = pytest.mark.multiproc
 
 
 def _launch(tmp: Path, *extra: str, devices: int = 1, max_steps: int = 400) -> subprocess.Popen[str]:
-    args = [sys.executable, str(SCRIPT), "--dirpath", str(tmp / "ck"), "--status", str(tmp / "st")]
+    args = ["--dirpath", str(tmp / "ck"), "--status", str(tmp / "st")]
     args += ["--max-steps", str(max_steps), "--grace", str(GRACE_S), *extra]
     if devices > 1:
         args += ["--devices", str(devices), "--strategy", "ddp"]
-    return subprocess.Popen(args, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return launch("train_script.py", tmp, *args)
 
 
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text()
-    except FileNotFoundError:
-        return None
+def _wait_for_step(tmp: Path, ranks: int, step: int, proc: subprocess.Popen[str]) -> int:
+    """Every rank at ``step`` or later: the furthest rank's step."""
 
-
-def _wait_for_step(tmp: Path, ranks: int, step: int, proc: subprocess.Popen[str], timeout: float = 120) -> int:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        steps = [_read(tmp / "st" / f"rank{r}.step") for r in range(ranks)]
+    def reached() -> int | None:
+        steps = [read(tmp / "st" / f"rank{r}.step") for r in range(ranks)]
         if all(s for s in steps) and min(int(s) for s in steps if s) >= step:
             return max(int(s) for s in steps if s)
-        if proc.poll() is not None:
-            raise AssertionError(f"training ended early:\n{proc.communicate()[0][-4000:]}")
-        time.sleep(0.02)
-    raise AssertionError("training did not reach the step in time")
+        return None
+
+    return wait_for(proc, f"step {step} on {ranks} rank(s)", reached)
 
 
 def _wait_exit(tmp: Path, ranks: int, proc: subprocess.Popen[str], since: float) -> list[int]:
@@ -56,9 +49,9 @@ def _wait_exit(tmp: Path, ranks: int, proc: subprocess.Popen[str], since: float)
     codes = []
     for r in range(ranks):
         deadline = time.monotonic() + 10
-        while _read(tmp / "st" / f"rank{r}.exit") is None and time.monotonic() < deadline:
+        while read(tmp / "st" / f"rank{r}.exit") is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        code = _read(tmp / "st" / f"rank{r}.exit")
+        code = read(tmp / "st" / f"rank{r}.exit")
         assert code is not None, f"rank {r} left no exit record:\n{out[-4000:]}"
         codes.append(int(code))
     assert elapsed < GRACE_S, f"took {elapsed:.1f}s, longer than the grace period"
@@ -69,7 +62,7 @@ def _wait_exit(tmp: Path, ranks: int, proc: subprocess.Popen[str], since: float)
 def _preempt_and_resume(tmp: Path, devices: int, targets: list[int]) -> None:
     proc = _launch(tmp, "--every", "1000", "--step-sleep", "0.02", devices=devices)
     signalled_at = _wait_for_step(tmp, devices, 15, proc)
-    pids = [int(_read(tmp / "st" / f"rank{r}.pid") or 0) for r in targets]
+    pids = [int(read(tmp / "st" / f"rank{r}.pid") or 0) for r in targets]
     sent = time.monotonic()
     for pid in pids:
         os.kill(pid, signal.SIGTERM)
@@ -114,29 +107,25 @@ def _run_self_signal(tmp: Path, spec: str, *extra: str) -> tuple[int, str]:
     return proc.returncode, out
 
 
-def _committed(tmp: Path) -> list[int]:
-    return [c.step for c in list_checkpoints(str(tmp / "ck")) if c.committed]
-
-
 def test_signal_during_validation_snapshots_the_current_step(tmp_path: Path) -> None:
     code, out = _run_self_signal(tmp_path, "validation", "--val-every", "10", "--every", "1000")
     assert code == 143, out[-3000:]
-    assert _committed(tmp_path) == [10]
+    assert committed(tmp_path / "ck") == [10]
 
 
 def test_signal_during_the_sanity_check_exits_without_a_snapshot(tmp_path: Path) -> None:
     code, out = _run_self_signal(tmp_path, "sanity", "--val-every", "10")
     assert code == 143, out[-3000:]
-    assert _committed(tmp_path) == []  # nothing trained yet: nothing to lose
+    assert committed(tmp_path / "ck") == []  # nothing trained yet: nothing to lose
 
 
 def test_signal_during_restore_exits_before_the_first_step(tmp_path: Path) -> None:
     code, out = _run_self_signal(tmp_path, "step:12", "--every", "5")
-    assert code == 143 and _committed(tmp_path) == [12, 10, 5]
+    assert code == 143 and committed(tmp_path / "ck") == [12, 10, 5]
     code, out = _run_self_signal(tmp_path, "restore", "--every", "5")
     assert code == 143, out[-3000:]
     assert "already committed; no snapshot needed" in out
-    assert _committed(tmp_path) == [12, 10, 5]
+    assert committed(tmp_path / "ck") == [12, 10, 5]
 
 
 def test_a_preempted_resumed_run_leaves_no_resume_pointer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -146,9 +135,9 @@ def test_a_preempted_resumed_run_leaves_no_resume_pointer(tmp_path: Path, monkey
     tmpdir.mkdir()
     monkeypatch.setenv("TMPDIR", str(tmpdir))
     code, out = _run_self_signal(tmp_path, "step:6", "--every", "1000")
-    assert code == 143 and _committed(tmp_path) == [6], out[-3000:]
+    assert code == 143 and committed(tmp_path / "ck") == [6], out[-3000:]
     code, out = _run_self_signal(tmp_path, "kill:9", "--every", "1000")  # resumes at 6, SIGKILLed at 9
-    assert code == -signal.SIGKILL and _committed(tmp_path) == [6], out[-3000:]
+    assert code == -signal.SIGKILL and committed(tmp_path / "ck") == [6], out[-3000:]
     assert "resuming from" in out
     assert sorted(p.name for p in tmpdir.iterdir() if p.name.startswith("lightning_preempt-resume-")) == []
 
@@ -157,12 +146,12 @@ def test_signal_while_a_periodic_save_is_flushing_keeps_both(tmp_path: Path) -> 
     code, out = _run_self_signal(tmp_path, "periodic-save", "--every", "7")
     assert code == 143, out[-3000:]
     # The save in flight at step 7 commits; ranks agree at the next boundary and snapshot it.
-    assert _committed(tmp_path) == [8, 7]
+    assert committed(tmp_path / "ck") == [8, 7]
 
 
 def test_a_second_signal_does_not_abort_the_snapshot(tmp_path: Path) -> None:
     code, out = _run_self_signal(tmp_path, "double:9", "--every", "1000")
     assert code == 143, out[-3000:]
-    assert _committed(tmp_path) == [9]
+    assert committed(tmp_path / "ck") == [9]
     chosen = newest_valid(str(tmp_path / "ck"))
     assert chosen is not None and chosen.step == 9

@@ -3,119 +3,83 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any
 
 import lightning as L
 import pytest
 import torch
-from helpers import StartProbe
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from ckpts import committed, flip_byte
+from jobs import launch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from models import TinyModel, data, loader
 from torch.utils.data import DataLoader
-from train_script import TinyModel, data
+from trainers import StartProbe, fit, make_trainer
 
 from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO, list_checkpoints
 from lightning_preempt.format.names import checkpoint_name
 
 ROOT = Path(__file__).resolve().parents[2]
-BATCHES_PER_EPOCH = 10
-
-
-def _trainer(max_steps: int, callbacks: list[Callback], plugins: list[Any] | None = None, **kw: Any) -> L.Trainer:
-    return L.Trainer(
-        max_steps=max_steps,
-        accelerator="cpu",
-        callbacks=callbacks,
-        plugins=plugins if plugins is not None else [ShardedAsyncCheckpointIO()],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=kw.pop("enable_checkpointing", True),
-        **kw,
-    )
-
-
-def _loader() -> DataLoader:
-    return DataLoader(data(16 * BATCHES_PER_EPOCH), batch_size=16, shuffle=False)
-
-
-def _fit(
-    dirpath: Path, max_steps: int, every: int | None = None, seed: int = 0, **cb_kw: Any
-) -> tuple[TinyModel, StartProbe]:
-    L.seed_everything(seed)
-    model = TinyModel()
-    probe = StartProbe()
-    cb = PreemptionCallback(str(dirpath), every_n_train_steps=every, **cb_kw)
-    _trainer(max_steps, [cb, probe]).fit(model, _loader())
-    return model, probe
 
 
 def test_resume_restores_the_exact_step_weights_and_optimizer(tmp_path: Path) -> None:
-    first, probe1 = _fit(tmp_path, max_steps=10, every=10)
-    assert probe1.start_step == 0
-    weights_at_10 = {k: v.clone() for k, v in first.state_dict().items()}
+    first = fit(tmp_path, max_steps=10, every=10)
+    assert first.probe.start_step == 0
+    weights_at_10 = {k: v.clone() for k, v in first.model.state_dict().items()}
     # A new process would build the model from a different seed: resume must overwrite it.
-    _, probe2 = _fit(tmp_path, max_steps=20, every=10, seed=123)
+    probe2 = fit(tmp_path, max_steps=20, every=10, seed=123).probe
     assert probe2.start_step == 10
     for k, v in weights_at_10.items():
         assert torch.equal(probe2.start_weights[k], v), k
     assert probe2.start_optim["state"][0]["step"].item() == 10
-    assert [c.step for c in list_checkpoints(str(tmp_path)) if c.committed] == [20, 10]
+    assert committed(tmp_path) == [20, 10]
 
 
 def test_resume_ends_where_lightnings_own_resume_ends(tmp_path: Path) -> None:
-    _fit(tmp_path / "ours", max_steps=10, every=10)
-    ours, _ = _fit(tmp_path / "ours", max_steps=25, every=10, seed=7)
+    fit(tmp_path / "ours", max_steps=10, every=10)
+    ours = fit(tmp_path / "ours", max_steps=25, every=10, seed=7).model
 
     L.seed_everything(0)
     mc = ModelCheckpoint(dirpath=tmp_path / "plain", every_n_train_steps=10, save_top_k=-1)
-    _trainer(10, [mc], plugins=[]).fit(TinyModel(), _loader())
+    make_trainer(10, [mc], plugins=[]).fit(TinyModel(), loader())
     L.seed_everything(7)
     theirs = TinyModel()
-    _trainer(25, [], plugins=[]).fit(theirs, _loader(), ckpt_path=str(tmp_path / "plain" / "epoch=0-step=10.ckpt"))
+    make_trainer(25, [], plugins=[]).fit(theirs, loader(), ckpt_path=str(tmp_path / "plain" / "epoch=0-step=10.ckpt"))
     for (k, a), b in zip(ours.state_dict().items(), theirs.state_dict().values()):
         assert torch.equal(a, b), k
 
 
 def test_an_explicit_ckpt_path_wins_over_auto_resume(tmp_path: Path) -> None:
-    _fit(tmp_path, max_steps=20, every=10)
+    fit(tmp_path, max_steps=20, every=10)
     L.seed_everything(0)
     probe = StartProbe()
     cb = PreemptionCallback(str(tmp_path), every_n_train_steps=10)
-    _trainer(25, [cb, probe]).fit(TinyModel(), _loader(), ckpt_path=str(tmp_path / checkpoint_name(10)))
+    make_trainer(25, [cb, probe]).fit(TinyModel(), loader(), ckpt_path=str(tmp_path / checkpoint_name(10)))
     assert probe.start_step == 10
 
 
 def test_a_corrupt_newest_checkpoint_is_skipped_in_fit(tmp_path: Path) -> None:
-    _fit(tmp_path, max_steps=20, every=10)
-    shard = next((tmp_path / checkpoint_name(20)).glob("*.distcp"))
-    data_ = bytearray(shard.read_bytes())
-    data_[len(data_) // 2] ^= 0xFF
-    shard.write_bytes(bytes(data_))
-    _, probe = _fit(tmp_path, max_steps=25, every=100)
-    assert probe.start_step == 10
+    fit(tmp_path, max_steps=20, every=10)
+    flip_byte(next((tmp_path / checkpoint_name(20)).glob("*.distcp")))
+    assert fit(tmp_path, max_steps=25, every=100).probe.start_step == 10
 
 
 def test_retention_and_the_final_save(tmp_path: Path) -> None:
-    _fit(tmp_path, max_steps=11, every=3, keep_last_n=2)
+    fit(tmp_path, max_steps=11, every=3, keep_last_n=2)
     assert [(c.step, c.committed) for c in list_checkpoints(str(tmp_path))] == [(11, True), (9, True)]
 
 
 def test_no_resume_when_disabled(tmp_path: Path) -> None:
-    _fit(tmp_path, max_steps=10, every=10)
-    _, probe = _fit(tmp_path / "other", max_steps=5, resume=False)
-    assert probe.start_step == 0
+    fit(tmp_path, max_steps=10, every=10)
+    assert fit(tmp_path / "other", max_steps=5, resume=False).probe.start_step == 0
 
 
 def test_model_checkpoint_top1_keeps_exactly_the_best(tmp_path: Path) -> None:
     L.seed_everything(0)
     mc = ModelCheckpoint(dirpath=tmp_path / "mc", monitor="val_loss", mode="min", save_top_k=1)
     model = TinyModel()
-    trainer = _trainer(40, [mc], val_check_interval=5, limit_val_batches=2, num_sanity_val_steps=0)
-    trainer.fit(model, _loader(), DataLoader(data(32, seed=1), batch_size=16))
-    trainer.strategy.checkpoint_io.teardown()
+    run = make_trainer(40, [mc], val_check_interval=5, limit_val_batches=2, num_sanity_val_steps=0)
+    run.fit(model, loader(), DataLoader(data(32, seed=1), batch_size=16))
+    run.strategy.checkpoint_io.teardown()
     kept = sorted(p.name for p in (tmp_path / "mc").iterdir())
     assert kept == [Path(mc.best_model_path).name]
     best = list_checkpoints(str(tmp_path / "mc"))
@@ -128,10 +92,10 @@ def test_model_checkpoint_top1_keeps_exactly_the_best(tmp_path: Path) -> None:
 
 def test_the_callback_installs_the_plugin_when_none_is_configured(tmp_path: Path) -> None:
     L.seed_everything(0)
-    trainer = _trainer(4, [PreemptionCallback(str(tmp_path), every_n_train_steps=2)], plugins=[])
-    trainer.fit(TinyModel(), _loader())
-    assert isinstance(trainer.strategy.checkpoint_io, ShardedAsyncCheckpointIO)
-    assert [c.step for c in list_checkpoints(str(tmp_path)) if c.committed] == [4, 2]
+    run = make_trainer(4, [PreemptionCallback(str(tmp_path), every_n_train_steps=2)], plugins=[])
+    run.fit(TinyModel(), loader())
+    assert isinstance(run.strategy.checkpoint_io, ShardedAsyncCheckpointIO)
+    assert committed(tmp_path) == [4, 2]
 
 
 def test_bad_arguments_say_what_to_do() -> None:
@@ -149,18 +113,21 @@ def test_lightning_cli_yaml_sets_both_up_and_resumes(tmp_path: Path) -> None:
     config = (ROOT / "examples" / "config.yaml").read_text()
     config = config.replace("dirpath: checkpoints/cli-demo", f"dirpath: {tmp_path / 'ck'}")
     (tmp_path / "config.yaml").write_text(config)
-    cmd = [sys.executable, str(ROOT / "examples" / "train_cli.py"), "fit", "--config", str(tmp_path / "config.yaml")]
+    cli = ROOT / "examples" / "train_cli.py"
+    args = ["fit", "--config", str(tmp_path / "config.yaml")]
     workdir = tmp_path / "run"  # LightningCLI saves the effective config here, not over ours
     workdir.mkdir()
-    first = subprocess.run(
-        [*cmd, "--trainer.max_steps", "40"], cwd=workdir, capture_output=True, text=True, timeout=240
-    )
-    assert first.returncode == 0, first.stderr[-3000:]
-    second = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=240)
-    assert second.returncode == 0, second.stderr[-3000:]
-    resumed = re.search(r"resuming from \S+ \(step (\d+)\)", second.stdout + second.stderr)
+    first = launch(cli, workdir, *args, "--trainer.max_steps", "40")
+    out, _ = first.communicate(timeout=240)
+    assert first.returncode == 0, out[-3000:]
+    second = launch(cli, workdir, *args)
+    out, _ = second.communicate(timeout=240)
+    assert second.returncode == 0, out[-3000:]
+    resumed = re.search(r"resuming from \S+ \(step (\d+)\)", out)
     assert resumed and int(resumed.group(1)) == 40
-    assert [c.step for c in list_checkpoints(str(tmp_path / "ck")) if c.committed] == [60, 40]
+    assert committed(tmp_path / "ck") == [60, 40]
+    # the effective config went under checkpoints/ (git ignores it), nothing beside the code
+    assert sorted(str(p.relative_to(workdir)) for p in workdir.rglob("*")) == ["checkpoints", "checkpoints/config.yaml"]
 
 
 def test_saves_and_resumes_are_reported_through_the_loggers(tmp_path: Path) -> None:
@@ -170,17 +137,7 @@ def test_saves_and_resumes_are_reported_through_the_loggers(tmp_path: Path) -> N
         L.seed_everything(0)
         logger = CSVLogger(str(tmp_path / "logs"), name="run", version=str(max_steps))
         cb = PreemptionCallback(str(tmp_path / "ck"), every_n_train_steps=4)
-        trainer = L.Trainer(
-            max_steps=max_steps,
-            accelerator="cpu",
-            callbacks=[cb],
-            plugins=[ShardedAsyncCheckpointIO()],
-            logger=logger,
-            log_every_n_steps=1,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
-        trainer.fit(TinyModel(), _loader())
+        make_trainer(max_steps, [cb], logger=logger, log_every_n_steps=1).fit(TinyModel(), loader())
         return Path(logger.log_dir) / "metrics.csv"
 
     first = run(8).read_text()

@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,11 +18,11 @@ import lightning as L
 import pytest
 import servers
 import torch
+from ckpts import committed
+from jobs import launch
 from lightning.pytorch.callbacks import Callback
-from torch.utils.data import DataLoader
-from train_script import TinyModel, data
+from trainers import Fit, fit
 
-from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO, list_checkpoints
 from lightning_preempt.format.names import MANIFEST_NAME, writer_of
 from lightning_preempt.storage.diagnose import redact
 from lightning_preempt.storage.store import Store
@@ -33,44 +30,15 @@ from lightning_preempt.storage.store import Store
 if TYPE_CHECKING:
     from objectstore_plugin import Remote
 
-from helpers import StartProbe
-
 pytest_plugins = ["objectstore_plugin"]
 pytestmark = [pytest.mark.objectstore, pytest.mark.timeout(180)]
 
-HERE = Path(__file__).resolve().parents[1] / "support"
 
-
-def _fit(
-    remote_url: str,
-    options: dict[str, Any],
-    local: Path,
-    max_steps: int,
-    seed: int,
-    *,
-    width: int = 32,
-    io_kwargs: dict[str, Any] | None = None,
-    probe: Callback | None = None,
-) -> tuple[TinyModel, StartProbe, PreemptionCallback, ShardedAsyncCheckpointIO]:
-    L.seed_everything(seed)
-    model, start = TinyModel(width=width), StartProbe()
-    cb = PreemptionCallback(remote_url, every_n_train_steps=3, keep_last_n=2, storage_options=options)
-    io = ShardedAsyncCheckpointIO(storage_options=options, local_dirpath=str(local), **(io_kwargs or {}))
-    trainer = L.Trainer(
-        max_steps=max_steps,
-        accelerator="cpu",
-        callbacks=[cb, start, *([probe] if probe else [])],
-        plugins=[io],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+def _fit(remote_url: str, options: dict[str, Any], local: Path, max_steps: int, seed: int, **kw: Any) -> Fit:
+    """Two tiers: every 3 steps to ``local``, drained to ``remote_url``; 2 kept per tier."""
+    return fit(
+        remote_url, max_steps, seed=seed, every=3, keep_last_n=2, storage_options=options, local_dirpath=local, **kw
     )
-    trainer.fit(model, DataLoader(data(16 * 10), batch_size=16))
-    return model, start, cb, io
-
-
-def _committed(url: str, options: dict[str, Any] | None = None) -> list[int]:
-    return [c.step for c in list_checkpoints(url, options) if c.committed]
 
 
 def _name(step: int) -> str:
@@ -79,11 +47,12 @@ def _name(step: int) -> str:
 
 def test_periodic_saves_drain_and_resume_from_remote_on_a_new_node(tmp_path: Path, remote: Remote) -> None:
     node_a, node_b = tmp_path / "node-a", tmp_path / "node-b"
-    first, _, _, io = _fit(remote.url, remote.storage_options, node_a, max_steps=6, seed=0)
-    weights_at_6 = {k: v.clone() for k, v in first.state_dict().items()}
+    first = _fit(remote.url, remote.storage_options, node_a, max_steps=6, seed=0)
+    io = first.io
+    weights_at_6 = {k: v.clone() for k, v in first.model.state_dict().items()}
     # Both tiers hold the same committed checkpoints (per-tier retention keeps 2).
-    assert _committed(str(node_a)) == [6, 3]
-    assert _committed(remote.url, remote.storage_options) == [6, 3]
+    assert committed(str(node_a)) == [6, 3]
+    assert committed(remote.url, remote.storage_options) == [6, 3]
     assert io.tiers is not None
     assert [(d.step, d.error) for d in io.tiers.drains if d.skipped is None] == [(3, None), (6, None)]
     for step in (3, 6):  # byte-identical manifests: the remote copy is the local one, drained
@@ -91,59 +60,60 @@ def test_periodic_saves_drain_and_resume_from_remote_on_a_new_node(tmp_path: Pat
         assert Store(remote.join(_name(step)), remote.storage_options).read_bytes(MANIFEST_NAME) == local
 
     # A new node: its local tier is empty; resume comes from the bucket.
-    _, probe, cb, _ = _fit(remote.url, remote.storage_options, node_b, max_steps=9, seed=123)
-    assert cb.resumed_from == remote.join(_name(6))
-    assert probe.start_step == 6
+    second = _fit(remote.url, remote.storage_options, node_b, max_steps=9, seed=123)
+    assert second.callback.resumed_from == remote.join(_name(6))
+    assert second.probe.start_step == 6
     for k, v in weights_at_6.items():
-        assert torch.equal(probe.start_weights[k], v), k
-    assert _committed(str(node_b)) == [9]
-    assert _committed(remote.url, remote.storage_options) == [9, 6]
+        assert torch.equal(second.probe.start_weights[k], v), k
+    assert committed(str(node_b)) == [9]
+    assert committed(remote.url, remote.storage_options) == [9, 6]
 
 
 def test_resume_prefers_local_and_uploads_local_only_checkpoints_on_start(tmp_path: Path, gs_remote: Remote) -> None:
     remote, local = gs_remote, tmp_path / "node"
     _fit(remote.url, remote.storage_options, local, max_steps=6, seed=0)
     # Same step on both tiers: local wins the tie (no download).
-    _, probe, cb, _ = _fit(remote.url, remote.storage_options, local, max_steps=7, seed=1)
-    assert cb.resumed_from == str(local / _name(6)) and probe.start_step == 6
-    assert _committed(remote.url, remote.storage_options) == [7, 6]
+    run = _fit(remote.url, remote.storage_options, local, max_steps=7, seed=1)
+    assert run.callback.resumed_from == str(local / _name(6)) and run.probe.start_step == 6
+    assert committed(remote.url, remote.storage_options) == [7, 6]
 
     # The bucket lost step 7 (it was never uploaded: e.g. preempted mid-drain): local is newer.
     Store(remote.join(_name(7)), remote.storage_options).rm_tree()
-    assert _committed(remote.url, remote.storage_options) == [6]
-    _, probe, cb, io = _fit(remote.url, remote.storage_options, local, max_steps=9, seed=2)
-    assert cb.resumed_from == str(local / _name(7)) and probe.start_step == 7
-    assert io.tiers is not None
-    assert [d.step for d in io.tiers.drains if d.skipped is None and d.error is None][:1] == [7]  # on start, first
+    assert committed(remote.url, remote.storage_options) == [6]
+    run = _fit(remote.url, remote.storage_options, local, max_steps=9, seed=2)
+    assert run.callback.resumed_from == str(local / _name(7)) and run.probe.start_step == 7
+    assert run.io.tiers is not None
+    assert [d.step for d in run.io.tiers.drains if d.skipped is None and d.error is None][:1] == [7]  # on start, first
     # Uploaded before retention pruned the bucket: step 6 went, 7 and 9 stay.
-    assert _committed(remote.url, remote.storage_options) == [9, 7]
-    assert _committed(str(local)) == [9, 7]
+    assert committed(remote.url, remote.storage_options) == [9, 7]
+    assert committed(str(local)) == [9, 7]
 
 
 def test_sigterm_snapshot_commits_locally_then_drains(tmp_path: Path, s3_remote: Remote) -> None:
     remote = s3_remote
     status, local = tmp_path / "status", tmp_path / "node-a"
     argv = [
-        sys.executable, str(HERE / "train_script.py"), "--dirpath", remote.url, "--status", str(status),
+        "--dirpath", remote.url, "--status", str(status),
         "--local-dirpath", str(local), "--storage-options", json.dumps(remote.storage_options),
         "--every", "5", "--max-steps", "30", "--signal-at", "step:7",
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
-    assert proc.returncode == 143, proc.stderr[-3000:]
-    exit_line = next(line for line in proc.stderr.splitlines() if "exiting with code 143" in line)
+    proc = launch("train_script.py", tmp_path, *argv)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 143, out[-3000:]
+    exit_line = next(line for line in out.splitlines() if "exiting with code 143" in line)
     assert f"local ({local / _name(7)})" in exit_line and f"remote ({remote.join(_name(7))})" in exit_line
-    assert _committed(str(local)) == [7, 5]
-    assert _committed(remote.url, remote.storage_options) == [7, 5]
+    assert committed(str(local)) == [7, 5]
+    assert committed(remote.url, remote.storage_options) == [7, 5]
     for secret in ("x", "y"):  # the dummy keys are too short to grep; the real ones are redacted
-        assert f"'secret': '{secret}'" not in proc.stderr
+        assert f"'secret': '{secret}'" not in out
 
     # The job is requeued on another node: empty local tier, resume from the bucket.
     shutil.rmtree(local)
     argv2 = [a if a != "30" else "9" for a in argv[: argv.index("--signal-at")]]
     argv2[argv2.index(str(local))] = str(tmp_path / "node-b")
-    proc = subprocess.run(argv2, capture_output=True, text=True, timeout=120, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = launch("train_script.py", tmp_path, *argv2)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-3000:]
     result = json.loads((status / "rank0.result.json").read_text())
     assert result["resumed_from"] == remote.join(_name(7)) and result["start_step"] == 7 and result["step"] == 9
 
@@ -183,13 +153,13 @@ def test_server_killed_mid_upload_leaves_no_remote_commit_and_training_goes_on(
     try:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(Store, "commit_bytes", recording)
-            _, _, _, io = _fit(
+            io = _fit(
                 url, options, local, max_steps=9, seed=0, width=512,
-                io_kwargs={"drain_retries": 2, "drain_backoff_s": 0.05}, probe=KillDuringSecondDrain(),
-            )  # fmt: skip
+                io_kwargs={"drain_retries": 2, "drain_backoff_s": 0.05}, callbacks=[KillDuringSecondDrain()],
+            ).io  # fmt: skip
         assert not server.alive
         # Training went on to the end; every checkpoint is committed on the local tier.
-        assert _committed(str(local)) == [9, 6]
+        assert committed(str(local)) == [9, 6]
         assert io.tiers is not None
         ok = [d.step for d in io.tiers.drains if d.error is None and d.skipped is None]
         failed = [d for d in io.tiers.drains if d.error is not None]
@@ -207,8 +177,8 @@ def test_server_killed_mid_upload_leaves_no_remote_commit_and_training_goes_on(
 def test_local_disk_failure_falls_back_to_the_remote_tier(tmp_path: Path, gs_remote: Remote) -> None:
     local = tmp_path / "full-disk"
     local.write_text("not a directory")  # every local write fails (like ENOSPC)
-    _, _, _, io = _fit(gs_remote.url, gs_remote.storage_options, local, max_steps=6, seed=0)
-    assert _committed(gs_remote.url, gs_remote.storage_options) == [6, 3]
+    io = _fit(gs_remote.url, gs_remote.storage_options, local, max_steps=6, seed=0).io
+    assert committed(gs_remote.url, gs_remote.storage_options) == [6, 3]
     assert all(r.error is None for r in io.history)
 
 

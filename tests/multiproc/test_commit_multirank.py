@@ -5,21 +5,17 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
+from ranks import run_ranks
 
 pytestmark = pytest.mark.multiproc
-TESTS = str(Path(__file__).resolve().parents[1] / "support")
 
 
-def _worker(rank: int, init_file: str, out_dir: str, failing_rank: int) -> None:
-    sys.path.insert(0, TESTS)
+def _worker(rank: int, world: int, out_dir: str, failing_rank: int) -> None:
     import torch
-    import torch.distributed as dist
     from faulty_fs import FaultyFileSystem
 
     from lightning_preempt.collective.groups import new_gloo_group
@@ -27,7 +23,6 @@ def _worker(rank: int, init_file: str, out_dir: str, failing_rank: int) -> None:
     from lightning_preempt.save.commit import SaveRequest, write_checkpoint
     from lightning_preempt.storage.store import Store
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     group = new_gloo_group(timeout_s=60)
     # Each process has its own in-memory "faulty://" store; only the failing rank's breaks.
     FaultyFileSystem.reset(fail_after_bytes=1000 if rank == failing_rank else None)
@@ -43,24 +38,11 @@ def _worker(rank: int, init_file: str, out_dir: str, failing_rank: int) -> None:
     outcome["seconds"] = time.monotonic() - started
     outcome["manifest_here"] = Store("faulty://run/step-1").exists("manifest.json")
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(outcome))
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("failing_rank", [0, 1])
 def test_one_rank_failing_commits_nothing_and_every_rank_raises(tmp_path: Path, failing_rank: int) -> None:
-    ctx = mp.start_processes(
-        _worker,
-        args=(str(tmp_path / "init"), str(tmp_path), failing_rank),
-        nprocs=2,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + 120
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("ranks hung instead of failing together")
+    run_ranks(_worker, 2, tmp_path, str(tmp_path), failing_rank, on_hang=lambda: "instead of failing together")
     outcomes = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for o in outcomes:
         assert o["error"], o

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from ranks import run_ranks
 
 pytestmark = pytest.mark.multiproc
 
@@ -31,13 +30,10 @@ def _state(step: int, extra_on_rank: int | None = None, rank: int = 0) -> dict[s
     return ckpt
 
 
-def _worker(rank: int, init_file: str, root: str, scenario: str) -> None:
-    import torch.distributed as dist
-
+def _worker(rank: int, world: int, root: str, scenario: str) -> None:
     from lightning_preempt.collective.groups import new_gloo_group
     from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     io = ShardedAsyncCheckpointIO()
     io.enable_collective_saves(new_gloo_group(timeout_s=60))
     out: dict[str, Any] = {"rank": rank}
@@ -71,20 +67,8 @@ def _worker(rank: int, init_file: str, root: str, scenario: str) -> None:
 
 
 def _run(tmp_path: Path, scenario: str) -> list[dict[str, Any]]:
-    ctx = mp.start_processes(
-        _worker, args=(str(tmp_path / "init"), str(tmp_path), scenario), nprocs=2, join=False, start_method="spawn"
-    )
-    # Wait on each process ourselves: ProcessContext.join() terminates the other ranks as
-    # soon as one exits with an error, and rank 1 dying on purpose is the point here.
-    deadline = time.monotonic() + 150
-    for p in ctx.processes:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
-    if any(p.is_alive() for p in ctx.processes):
-        for p in ctx.processes:
-            p.kill()
-        pytest.fail("ranks hung")
-    codes = [p.exitcode for p in ctx.processes]
-    assert codes == ([0, 3] if scenario == "rank_dies" else [0, 0]), codes
+    codes = [0, 3] if scenario == "rank_dies" else [0, 0]  # rank 1 dies on purpose there
+    run_ranks(_worker, 2, tmp_path, str(tmp_path), scenario, timeout_s=150, exit_codes=codes)
     return [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
 
 

@@ -18,10 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch.multiprocessing as mp
+from ranks import run_ranks
 
 pytestmark = pytest.mark.multiproc
-TESTS = str(Path(__file__).resolve().parents[1] / "support")
 PHASE_BOUND_S = 45.0  # the groups' timeout is 120 s; a hang shows up as a phase past this
 # (phase, chaos op, which ranks perform the op, does a failure stop the phase)
 PHASES: list[tuple[str, str, str, bool]] = [
@@ -40,7 +39,7 @@ PHASES: list[tuple[str, str, str, bool]] = [
 
 
 def _run_phase(phase: str, url: str, local: str, group: Any, io: Any, tiers_io: Any) -> str:
-    from helpers import lightning_like_checkpoint
+    from ckpts import lightning_like_checkpoint
 
     from lightning_preempt.catalog.retention import apply_retention
     from lightning_preempt.collective import agree
@@ -51,8 +50,8 @@ def _run_phase(phase: str, url: str, local: str, group: Any, io: Any, tiers_io: 
 
     resolver = ResumeResolver(url, {}, retries=2, backoff_s=0.01)
     if phase == "list":
-        resolver.probe()
-        return f"ok {resolver.agree_on_probes(group)}"
+        resolver.peek()
+        return f"ok {resolver.agree_on_peeks(group)}"
     if phase == "choose":  # rank 0 verifies the candidates while choosing
         return f"ok {Path(resolver.choose(group, tiers=None, verify=True).path).name}"
     if phase == "probe":
@@ -86,12 +85,11 @@ def _run_phase(phase: str, url: str, local: str, group: Any, io: Any, tiers_io: 
     return "ok"
 
 
-def _worker(rank: int, world: int, init_file: str, root: str, ctl: str, failing: list[int], out: str) -> None:
+def _worker(rank: int, world: int, root: str, ctl: str, failing: list[int], out: str) -> None:
     import os
 
     os.environ["RANK"] = str(rank)
     os.environ["LP_CHAOS_DIR"] = ctl
-    sys.path.insert(0, TESTS)
     import threading
 
     import chaos_fs
@@ -100,7 +98,6 @@ def _worker(rank: int, world: int, init_file: str, root: str, ctl: str, failing:
     from lightning_preempt.collective import groups as pdist
     from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     group = pdist.new_gloo_group(timeout_s=120)
     io = ShardedAsyncCheckpointIO()
     io.enable_collective_saves(pdist.new_gloo_group(timeout_s=120))
@@ -129,13 +126,11 @@ def _worker(rank: int, world: int, init_file: str, root: str, ctl: str, failing:
     tiers_io.teardown()
     results["threads"] = [t.name for t in threading.enumerate() if t.name.startswith("lightning_preempt")]
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
 
 
 def _prepare(root: Path) -> None:
     """Committed checkpoints that the list/choose/retention phases find, and a leftover for rm."""
-    sys.path.insert(0, TESTS)
-    from helpers import lightning_like_checkpoint
+    from ckpts import lightning_like_checkpoint
 
     from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 
@@ -167,20 +162,15 @@ def test_every_rank_ends_each_phase_alike(tmp_path: Path, world: int, failing: l
     for d in (root, ctl, out):
         d.mkdir()
     _prepare(root)
-    ctx = mp.start_processes(
-        _worker,
-        args=(world, str(tmp_path / "init"), str(root), str(ctl), failing, str(out)),
-        nprocs=world,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + PHASE_BOUND_S * 2 + 30 * world
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            done = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
-            pytest.fail(f"ranks hung; phases finished per rank: {[list(d) for d in done]}")
+
+    def phases_done() -> str:
+        done = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+        return f"; phases finished per rank: {[list(d) for d in done]}"
+
+    run_ranks(
+        _worker, world, tmp_path, str(root), str(ctl), failing, str(out),
+        timeout_s=PHASE_BOUND_S * 2 + 30 * world, on_hang=phases_done,
+    )  # fmt: skip
     per_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
     for phase, _, actors, stops in PHASES:
         outcomes = {r: per_rank[r][phase]["outcome"] for r in range(world)}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import run_ranks
 
 from lightning_preempt.catalog.listing import complete_local_checkpoints
 from lightning_preempt.format.manifest import FileEntry, Manifest
@@ -55,29 +55,22 @@ def _write_share(local: str, rank: int, world: int) -> None:
         Path(local, MANIFEST_NAME).write_bytes(Manifest(step=7, epoch=0, world_size=world, files=entries).to_json())
 
 
-def _worker(rank: int, world: int, init_file: str, root: str, ranks_per_node: int) -> None:
+def _worker(rank: int, world: int, root: str, ranks_per_node: int) -> None:
     node = rank // ranks_per_node
     os.environ.update({"GROUP_RANK": str(node), "TORCHELASTIC_RUN_ID": "t"})
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        local = os.path.join(root, f"node{node}", "step-0000000007")
-        _write_share(local, rank, world)
-        dist.barrier()
-        report = replicate(local, dist.group.WORLD)
-        Path(root, f"report{rank}.json").write_text(
-            json.dumps({"sent": report.bytes_sent, "received": report.bytes_received, "holders": report.holders})
-        )
-    finally:
-        dist.destroy_process_group()
+    local = os.path.join(root, f"node{node}", "step-0000000007")
+    _write_share(local, rank, world)
+    dist.barrier()
+    report = replicate(local, dist.group.WORLD)
+    Path(root, f"report{rank}.json").write_text(
+        json.dumps({"sent": report.bytes_sent, "received": report.bytes_received, "holders": report.holders})
+    )
 
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize(("world", "ranks_per_node"), [(2, 1), pytest.param(4, 2, marks=pytest.mark.slow)])
 def test_every_file_survives_the_loss_of_any_one_node(tmp_path: Path, world: int, ranks_per_node: int) -> None:
-    mp.start_processes(
-        _worker, args=(world, str(tmp_path / "init"), str(tmp_path), ranks_per_node), nprocs=world, join=True,
-        start_method="spawn",
-    )  # fmt: skip
+    run_ranks(_worker, world, tmp_path, str(tmp_path), ranks_per_node)
     nodes = world // ranks_per_node
     reports = [json.loads((tmp_path / f"report{r}.json").read_text()) for r in range(world)]
     share = {r: sum(len(d) for d in _files_of(r).values()) for r in range(world)}
@@ -113,25 +106,21 @@ def test_plan_union_takes_the_newest_checkpoint_the_ranks_hold_together() -> Non
     assert plan_union(ranks) is None  # type: ignore[arg-type]
 
 
-def _union_worker(rank: int, world: int, init_file: str, root: str) -> None:
+def _union_worker(rank: int, world: int, root: str) -> None:
     os.environ.update({"GROUP_RANK": str(rank), "TORCHELASTIC_RUN_ID": "t"})
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        local_root = os.path.join(root, f"node{rank}")
-        local = os.path.join(local_root, "step-0000000007")
-        _write_share(local, rank, world)
-        dist.barrier()
-        replicate(local, dist.group.WORLD)
-        dist.barrier()
-        if rank == world - 1:  # this node is reclaimed: its disk is gone
-            import shutil
+    local_root = os.path.join(root, f"node{rank}")
+    local = os.path.join(local_root, "step-0000000007")
+    _write_share(local, rank, world)
+    dist.barrier()
+    replicate(local, dist.group.WORLD)
+    dist.barrier()
+    if rank == world - 1:  # this node is reclaimed: its disk is gone
+        import shutil
 
-            shutil.rmtree(local_root)
-        dist.barrier()
-        step = complete_from_peers(local_root, os.path.join(root, "bucket"), {}, dist.group.WORLD)
-        Path(root, f"union{rank}.json").write_text(json.dumps({"step": step}))
-    finally:
-        dist.destroy_process_group()
+        shutil.rmtree(local_root)
+    dist.barrier()
+    step = complete_from_peers(local_root, os.path.join(root, "bucket"), {}, dist.group.WORLD)
+    Path(root, f"union{rank}.json").write_text(json.dumps({"step": step}))
 
 
 @pytest.mark.multiproc
@@ -143,8 +132,7 @@ def test_three_nodes_one_lost_the_survivors_complete_the_checkpoint_in_the_bucke
     from lightning_preempt.storage.store import Store
 
     world = 3
-    mp.start_processes(_union_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world,
-                       join=True, start_method="spawn")  # fmt: skip
+    run_ranks(_union_worker, world, tmp_path, str(tmp_path))
     assert [json.loads((tmp_path / f"union{r}.json").read_text())["step"] for r in range(world)] == [7, 7, 7]
     bucket = tmp_path / "bucket" / "step-0000000007"
     for r in range(world):

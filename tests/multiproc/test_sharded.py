@@ -5,31 +5,30 @@ Real processes: DDP and ModelParallelStrategy (FSDP2 `fully_shard`) with 2 ranks
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from helpers import assert_same
+from ckpts import assert_same
+from jobs import launch
 
 from lightning_preempt import list_checkpoints
 from lightning_preempt.read.load import load_full_checkpoint
 from lightning_preempt.storage.store import Store
 
-SCRIPT = Path(__file__).resolve().parents[1] / "support" / "train_script.py"
 pytestmark = pytest.mark.multiproc
 
 
 def _run(tmp: Path, devices: int, strategy: str, max_steps: int, dump: str = "") -> None:
-    args = [sys.executable, str(SCRIPT), "--dirpath", str(tmp / "ck"), "--status", str(tmp / f"st{max_steps}")]
+    args = ["--dirpath", str(tmp / "ck"), "--status", str(tmp / f"st{max_steps}")]
     args += ["--max-steps", str(max_steps), "--every", "5", "--devices", str(devices), "--strategy", strategy]
     args += ["--width", "512"]  # tensors large enough that per-file overhead does not dominate
     if dump:
         args += ["--dump-start", dump]
-    proc = subprocess.run(args, cwd=tmp, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    proc = launch("train_script.py", tmp, *args)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-5000:]
 
 
 def _bytes_per_rank(ckpt: Any) -> dict[int, int]:

@@ -12,20 +12,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import fsspec
-import lightning as L
 import pytest
 import servers
 import torch
-from helpers import StartProbe, assert_same, lightning_like_checkpoint
-from torch.utils.data import DataLoader
-from train_script import TinyModel, data
+from ckpts import assert_same, committed, lightning_like_checkpoint
+from trainers import fit
 
 from lightning_preempt import (
     CheckpointExistsError,
     CheckpointWriteError,
     CorruptCheckpointError,
     NotACheckpointError,
-    PreemptionCallback,
     ShardedAsyncCheckpointIO,
     list_checkpoints,
 )
@@ -168,7 +165,7 @@ def test_drain_local_to_remote_and_back_to_a_new_node(tmp_path: Path, remote: Re
     restored = Store(str(tmp_path / "node-b" / "step-1"))
     drain_checkpoint(dst, restored)
     assert_same(load_full_checkpoint(restored), ckpt)
-    assert [c.step for c in list_checkpoints(remote.url, remote.storage_options) if c.committed] == [1]
+    assert committed(remote.url, remote.storage_options) == [1]
 
 
 def test_drain_refuses_an_uncommitted_source(tmp_path: Path, gs_remote: Remote) -> None:
@@ -261,36 +258,19 @@ def test_s3_server_killed_mid_drain_raises_cleanly_without_a_commit(tmp_path: Pa
 
 
 # ---- real training -----------------------------------------------------------------------
-def _fit(remote: Remote, max_steps: int, seed: int) -> tuple[TinyModel, StartProbe, PreemptionCallback]:
-    L.seed_everything(seed)
-    model, probe = TinyModel(), StartProbe()
-    cb = PreemptionCallback(remote.url, every_n_train_steps=3, keep_last_n=2, storage_options=remote.storage_options)
-    trainer = L.Trainer(
-        max_steps=max_steps,
-        accelerator="cpu",
-        callbacks=[cb, probe],
-        plugins=[ShardedAsyncCheckpointIO(storage_options=remote.storage_options)],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=True,  # PreemptionCallback is the checkpoint callback: no default one
-    )
-    trainer.fit(model, DataLoader(data(16 * 10), batch_size=16))
-    return model, probe, cb
-
-
 def test_trainer_saves_to_and_resumes_from_a_bucket(remote: Remote) -> None:
-    first, probe1, _ = _fit(remote, max_steps=6, seed=0)
-    assert probe1.start_step == 0
-    weights_at_6 = {k: v.clone() for k, v in first.state_dict().items()}
+    bucket = {"every": 3, "keep_last_n": 2, "storage_options": remote.storage_options}
+    first = fit(remote.url, max_steps=6, seed=0, **bucket)
+    assert first.probe.start_step == 0
+    weights_at_6 = {k: v.clone() for k, v in first.model.state_dict().items()}
     infos = list_checkpoints(remote.url, remote.storage_options)
     assert [(c.step, c.committed) for c in infos] == [(6, True), (3, True)]
 
-    _, probe2, cb2 = _fit(remote, max_steps=9, seed=123)  # a "new process": different init
-    assert cb2.resumed_from == remote.join("step-0000000006")
-    assert probe2.start_step == 6
+    second = fit(remote.url, max_steps=9, seed=123, **bucket)  # a "new process": different init
+    assert second.callback.resumed_from == remote.join("step-0000000006")
+    assert second.probe.start_step == 6
     for k, v in weights_at_6.items():
-        assert torch.equal(probe2.start_weights[k], v), k
+        assert torch.equal(second.probe.start_weights[k], v), k
     assert [c.step for c in list_checkpoints(remote.url, remote.storage_options)] == [9, 6]
 
 

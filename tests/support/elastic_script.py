@@ -27,8 +27,8 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
+from models import TinyModel, data
 from torch.utils.data import DataLoader
-from train_script import TinyModel, data
 
 from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO
 from lightning_preempt.elastic import trainer_kwargs

@@ -17,8 +17,8 @@ from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
+from models import TinyModel, data, weights_digest
 from torch.utils.data import DataLoader
-from train_script import TinyModel, data, weights_digest
 
 from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO
 

@@ -14,76 +14,14 @@ import json
 import os
 import signal
 import sys
-import time
 from typing import Any
 
 import lightning as L
-import torch
 from lightning.pytorch.callbacks import Callback
-from torch.utils.data import DataLoader, TensorDataset
+from models import TinyModel, data, weights_digest
+from torch.utils.data import DataLoader
 
 from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO
-
-
-class TinyModel(L.LightningModule):
-    def __init__(
-        self, width: int = 32, step_sleep: float = 0.0, status: str = "", lr: float = 0.05, dump_start: str = ""
-    ) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Tanh(), torch.nn.Linear(width, 1))
-        self.batches_seen: list[float] = []
-
-    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
-        x, y = batch
-        loss = torch.nn.functional.mse_loss(self.net(x), y)
-        if self.hparams.step_sleep:
-            time.sleep(self.hparams.step_sleep)
-        return loss
-
-    def validation_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
-        x, y = batch
-        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
-
-    def configure_model(self) -> None:
-        mesh = getattr(self, "device_mesh", None)
-        if mesh is None or getattr(self, "_sharded", False):
-            return
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in self.net:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer, mesh=mesh["data_parallel"])
-        fully_shard(self.net, mesh=mesh["data_parallel"])
-        self._sharded = True
-
-    def setup(self, stage: str) -> None:
-        if self.hparams.status:
-            os.makedirs(self.hparams.status, exist_ok=True)
-            with open(os.path.join(self.hparams.status, f"rank{self.global_rank}.pid"), "w") as f:
-                f.write(str(os.getpid()))
-
-    def on_train_start(self) -> None:
-        self.start_step = self.trainer.global_step
-        if self.hparams.get("dump_start"):
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-            full = StateDictOptions(full_state_dict=True, cpu_offload=False)
-            optim = get_optimizer_state_dict(self, self.trainer.optimizers[0], options=full)
-            weights = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in self.state_dict().items()}
-            torch.save({"weights": weights, "optim": optim}, f"{self.hparams.dump_start}.rank{self.global_rank}")
-
-    def on_train_batch_end(self, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
-        if self.hparams.status:
-            path = os.path.join(self.hparams.status, f"rank{self.global_rank}.step")
-            with open(path + ".tmp", "w") as f:
-                f.write(str(self.trainer.global_step))
-            os.replace(path + ".tmp", path)
-
-    def configure_optimizers(self):  # type: ignore[no-untyped-def]
-        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.9)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
 class SelfSignal(Callback):
@@ -124,17 +62,6 @@ class SelfSignal(Callback):
             self._fire(trainer)
         elif self.phase == "double" and self.fired == 1:
             self._fire(trainer)  # a second signal while the snapshot is written
-
-
-def data(n: int = 512, seed: int = 0) -> TensorDataset:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 8, generator=g)
-    y = x.sum(dim=1, keepdim=True).sin()
-    return TensorDataset(x, y)
-
-
-def weights_digest(model: torch.nn.Module) -> list[float]:
-    return [float(p.detach().double().sum()) for p in model.parameters()]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from ckpts import assert_same, lightning_like_checkpoint
 from faulty_fs import FaultyFileSystem
-from helpers import assert_same, lightning_like_checkpoint
 
 from lightning_preempt import CheckpointWriteError, NotACheckpointError, ShardedAsyncCheckpointIO, list_checkpoints
 from lightning_preempt.format.names import MANIFEST_NAME

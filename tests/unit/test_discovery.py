@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers import lightning_like_checkpoint
+from ckpts import lightning_like_checkpoint
 
 from lightning_preempt import ShardedAsyncCheckpointIO, UnsupportedFormatError, list_checkpoints, newest_valid
 from lightning_preempt.catalog.retention import apply_retention

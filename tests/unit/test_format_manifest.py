@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from helpers import assert_same, lightning_like_checkpoint
+from ckpts import assert_same, lightning_like_checkpoint
 
 from lightning_preempt.errors import CorruptCheckpointError, UnsupportedFormatError
 from lightning_preempt.format import TensorRef

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import lightning_like_checkpoint
+from ckpts import lightning_like_checkpoint
 
 from lightning_preempt.catalog import ownership, retention, verified
 from lightning_preempt.catalog.listing import list_checkpoints

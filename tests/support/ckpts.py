@@ -1,13 +1,14 @@
-"""Small builders shared by the tests."""
+"""Checkpoints for the tests: a Lightning-shaped checkpoint dict, deep bitwise equality,
+what a directory holds committed, and a flipped byte (damage only a CRC32C check sees)."""
 
 from __future__ import annotations
 
-import copy
+from pathlib import Path
 from typing import Any
 
-import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
+
+from lightning_preempt import list_checkpoints
 
 
 def lightning_like_checkpoint(step: int = 5, width: int = 4) -> dict[str, Any]:
@@ -50,15 +51,18 @@ def assert_same(a: Any, b: Any, path: str = "") -> None:
         assert a == b, f"{path}: {a!r} != {b!r}"
 
 
-class StartProbe(Callback):
-    """Records the step, weights and optimizer state when training (re)starts."""
+def committed(url: str | Path, storage_options: dict[str, Any] | None = None) -> list[int]:
+    """The steps of the committed checkpoints under ``url``, newest first."""
+    return [c.step for c in list_checkpoints(str(url), storage_options) if c.committed]
 
-    def __init__(self) -> None:
-        self.start_step: int | None = None
-        self.start_weights: dict[str, torch.Tensor] = {}
-        self.start_optim: dict[str, Any] = {}
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.start_step = trainer.global_step
-        self.start_weights = {k: v.clone() for k, v in pl_module.state_dict().items()}
-        self.start_optim = copy.deepcopy(trainer.optimizers[0].state_dict())
+def committed_names(url: str | Path) -> list[tuple[str, int]]:
+    """``(name, step)`` of the committed checkpoints under ``url``, newest first."""
+    return [(c.name, c.step) for c in list_checkpoints(str(url)) if c.committed]
+
+
+def flip_byte(path: str | Path, mask: int = 0xFF) -> None:
+    """Flip bits of the middle byte of a file: same size, so only a checksum notices."""
+    data = bytearray(Path(path).read_bytes())
+    data[len(data) // 2] ^= mask
+    Path(path).write_bytes(bytes(data))
