@@ -1,0 +1,100 @@
+"""When ranks agree, across 2 real gloo ranks (preemption/schedule.py, collective/flags.py):
+every rank acts at the same boundary, ``auto`` switches k on every rank together after the
+calibration steps, ``overlap`` acts one exchange later, and a flag one rank raised between
+exchanges is never lost. Each rank writes what the schedule told it at every boundary; the
+test compares the ranks with each other and with the expected boundaries."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from ranks import run_ranks
+
+from lightning_preempt.preemption.schedule import CALIBRATION_STEPS
+
+pytestmark = pytest.mark.multiproc
+
+# Step times as exact binary fractions, so each rank's proposal (interval / median step) is exact.
+STEP_S = {0: 1 / 64, 1: 1 / 32}  # rank 0 proposes k=64, rank 1 k=32: they must take 64
+AUTO_K = 64
+
+
+def _boundaries(schedule: Any, rank: int, n: int, flags: Any) -> list[list[Any]]:
+    """``at_boundary`` at boundaries 1..n; ``flags(rank, b)`` -> (signalled, time_due, stop).
+    Records ``[b, k after it, signalled?, due?, stop?]`` for every boundary."""
+    out = []
+    for b in range(1, n + 1):
+        signalled, due, stop = flags(rank, b)
+        agreed = schedule.at_boundary(b * STEP_S[rank], signalled=signalled, time_due=due, stop=stop)
+        out.append([b, schedule.k, *agreed])
+    return out
+
+
+def _worker(rank: int, world: int, out: str) -> None:
+    from lightning_preempt.collective.groups import new_gloo_group
+    from lightning_preempt.preemption.schedule import AgreementSchedule
+
+    group = new_gloo_group(timeout_s=60)
+    results: dict[str, Any] = {}
+
+    def scheduled(every: int | str, overlap: bool) -> AgreementSchedule:
+        schedule = AgreementSchedule(every, interval_s=1.0, overlap=overlap)  # type: ignore[arg-type]
+        schedule.bind(group)
+        return schedule
+
+    # every 3rd boundary: rank 1 is signalled from boundary 4 on (the flag stays raised, as
+    # SignalFlag's does); rank 0's save falls due at boundary 6 only; rank 0 must stop at 9 only.
+    s = scheduled(3, overlap=False)
+    results["every3"] = _boundaries(s, rank, 9, lambda r, b: (r == 1 and b >= 4, r == 0 and b == 6, r == 0 and b == 9))
+    # overlapped, every boundary: rank 0 signalled from 3 on; rank 1 must stop at 5 only.
+    s = scheduled(1, overlap=True)
+    results["overlap"] = _boundaries(s, rank, 7, lambda r, b: (r == 0 and b >= 3, False, r == 1 and b == 5))
+    s.flush()
+    # overlapped: rank 1 raises its flag at boundary 4 only, then validation starts and the ranks
+    # agree at once: the exchange still in flight is not dropped.
+    s = scheduled(1, overlap=True)
+    results["overlap_then_now"] = _boundaries(s, rank, 4, lambda r, b: (r == 1 and b == 4, False, False))
+    results["now"] = list(s.now(signalled=False))
+    # auto: calibrate, switch k together; rank 1 signalled from boundary 100 on.
+    s = scheduled("auto", overlap=False)
+    results["auto"] = _boundaries(s, rank, 2 * AUTO_K + 2, lambda r, b: (r == 1 and b >= 100, False, False))
+    s = scheduled("auto", overlap=True)
+    results["auto_overlap"] = _boundaries(s, rank, 3 * AUTO_K + 2, lambda r, b: (r == 1 and b >= 100, False, False))
+    s.flush()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def _said(rows: list[list[Any]], what: int) -> list[int]:
+    """The boundaries at which the ranks agreed on flag ``what`` (0 signal, 1 due, 2 stop)."""
+    return [row[0] for row in rows if row[2 + what]]
+
+
+def test_every_rank_acts_at_the_same_boundaries(tmp_path: Path) -> None:
+    run_ranks(_worker, 2, tmp_path, str(tmp_path))
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert rank0 == rank1  # every boundary, every k, every decision: the same on both ranks
+    got = rank0
+
+    # every 3rd boundary: rank 1's signal from 4 is acted on at 6 (not 4, 5: no exchange there)
+    assert _said(got["every3"], 0) == [6, 9]
+    assert _said(got["every3"], 1) == [6] and _said(got["every3"], 2) == [9]
+    assert {row[1] for row in got["every3"]} == {3}
+
+    # overlapped: each exchange is read one boundary later, on both ranks alike
+    assert _said(got["overlap"], 0) == [4, 5, 6, 7]  # raised at 3
+    assert _said(got["overlap"], 2) == [6]  # raised at 5 only, on the other rank
+    # a flag raised at the last overlapped exchange reaches every rank when they agree at once
+    assert _said(got["overlap_then_now"], 0) == [] and got["now"] == [True, False]
+
+    # auto: every boundary while calibrating, then the larger proposal on every rank at once
+    ks = [row[1] for row in got["auto"]]
+    assert ks[: CALIBRATION_STEPS - 1] == [1] * (CALIBRATION_STEPS - 1)
+    assert ks[CALIBRATION_STEPS - 1 :] == [AUTO_K] * (len(ks) - CALIBRATION_STEPS + 1)  # from boundary 20
+    assert _said(got["auto"], 0) == [2 * AUTO_K]  # signalled from 100: the exchange at 128
+    # auto + overlap: the proposals are read one boundary later, so k switches at 21
+    ks = [row[1] for row in got["auto_overlap"]]
+    assert ks.index(AUTO_K) + 1 == CALIBRATION_STEPS + 1 and set(ks[CALIBRATION_STEPS:]) == {AUTO_K}
+    assert _said(got["auto_overlap"], 0) == [3 * AUTO_K]  # exchanged at 128, read at the next one, 192
