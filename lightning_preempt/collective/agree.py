@@ -161,13 +161,22 @@ def agree(
 
     Collective: every rank of ``group`` calls it.
     """
-    rank = pdist.rank(group) if group is not None else 0
-    mine, local_error = Outcome.of(fn, rank)
-    outcomes: list[Outcome] = pdist.all_gather_objects(mine, group)
+    outcomes, local_error = gather(fn, group)
     failed = [o for o in outcomes if not o.ok]
     if not failed:
         return [o.value for o in outcomes]
     first = failed[0]
     if len(failed) > 1:
         first = dataclasses.replace(first, message=f"{first.message} (ranks that failed: {[o.rank for o in failed]})")
-    raise first.to_error(what, foreign=foreign, hint=hint) from (local_error if first.rank == rank else None)
+    raise first.to_error(what, foreign=foreign, hint=hint) from local_error
+
+
+def gather(fn: Callable[[], T], group: pdist.ProcessGroup | None) -> tuple[list[Outcome], BaseException | None]:
+    """Run ``fn`` on every rank; every rank gets every rank's :class:`Outcome` (in rank
+    order) and its own exception, if any, to chain. :func:`agree` raises the first failure;
+    a caller that words the error itself (the commit names every failed rank) starts here.
+
+    Collective: every rank of ``group`` calls it.
+    """
+    mine, local_error = Outcome.of(fn, pdist.rank(group) if group is not None else 0)
+    return pdist.all_gather_objects(mine, group), local_error

@@ -150,13 +150,12 @@ def _on_every_rank(fn: Callable[[], T], group: pdist.ProcessGroup | None, root: 
     """Every rank runs ``fn`` (its share of the work); every rank returns every rank's result,
     or raises the same :class:`CheckpointWriteError` naming each failed rank and its error.
 
-    :func:`agree.agree`'s shape, on its :class:`agree.Outcome` (type, message, HINT travel as
-    fields); the message differs: a failed write always says that nothing was committed and
-    lists every failed rank's error, not only the first one's. The HINT is the first failed
-    rank's own (an error of ours already says what to do, e.g. "the bucket does not exist").
+    :func:`agree.gather` (type, message, HINT travel as :class:`agree.Outcome` fields), worded
+    for a write: it always says that nothing was committed and lists every failed rank's
+    error, not only the first one's. The HINT is the first failed rank's own (an error of
+    ours already says what to do, e.g. "the bucket does not exist").
     """
-    mine, local_error = agree.Outcome.of(fn, pdist.rank(group) if group is not None else 0)
-    outcomes: list[agree.Outcome] = pdist.all_gather_objects(mine, group)
+    outcomes, local_error = agree.gather(fn, group)
     failed = [o for o in outcomes if not o.ok]
     if not failed:
         return [o.value for o in outcomes]
