@@ -7,6 +7,8 @@ matter of reading one file (docs/compat.md). Checked with torch 2.7.0 (the floor
 
 from __future__ import annotations
 
+import warnings
+
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner as EmptyStateDictLoadPlanner
@@ -36,3 +38,16 @@ def dcp_format_version() -> str | None:
 
     return getattr(filesystem, "CURRENT_DCP_VERSION", None)
 
+
+_SINGLE_PROCESS_QUIETED = False
+
+
+def quiet_single_process_warning() -> None:
+    """``dcp.save``/``dcp.load`` without a process group (``no_dist``) warn on every call that
+    they assume a single process: that is our intent, and the line would follow every save.
+    The filter matches that message only and is added the first time we call DCP that way
+    (never at import: an application that never saves alone keeps its warnings untouched)."""
+    global _SINGLE_PROCESS_QUIETED
+    if not _SINGLE_PROCESS_QUIETED:
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized")
+        _SINGLE_PROCESS_QUIETED = True

@@ -34,7 +34,8 @@ from lightning_preempt.errors import CheckpointError, CorruptCheckpointError, Un
 from lightning_preempt.format import TensorRef
 from lightning_preempt.format import dcp_compat as _compat
 from lightning_preempt.format.manifest import Manifest
-from lightning_preempt.format.names import DCP_METADATA_NAME, SHARD_RE
+from lightning_preempt.format.metadata_scan import check_dcp_structure
+from lightning_preempt.format.names import DCP_METADATA_NAME
 from lightning_preempt.storage.store import Store
 
 TRUST_HINT = (
@@ -192,51 +193,6 @@ def unpickle_dcp_metadata(data: bytes, *, path: str) -> Any:
     return metadata
 
 
-def check_dcp_metadata(metadata: Any, *, path: str, manifest: Manifest | None) -> None:
-    """Raise :class:`CorruptCheckpointError` unless ``metadata`` describes only tensors
-    stored in byte ranges of our shard files (listed in ``manifest``, when given)."""
-    from torch.distributed.checkpoint import metadata as md
-
-    def bad(why: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(
-            f"DCP's .metadata is not what lightning_preempt writes: {why}",
-            path=path,
-            hint="The checkpoint is damaged or was tampered with; resume from an older one.",
-        )
-
-    if not isinstance(metadata, md.Metadata):
-        raise bad(f"it holds a {type(metadata).__name__}, not DCP Metadata")
-    entries = metadata.state_dict_metadata
-    if not isinstance(entries, dict) or not all(isinstance(k, str) for k in entries):
-        raise bad("state_dict_metadata is not a mapping of names")
-    for fqn, entry in entries.items():
-        if not isinstance(entry, md.TensorStorageMetadata):
-            raise bad(f"{fqn!r} is a {type(entry).__name__}, not a tensor")
-    storage = metadata.storage_data
-    if not isinstance(storage, dict):
-        raise bad("storage_data is not a mapping")
-    for index, info in storage.items():
-        if not isinstance(index, md.MetadataIndex) or not isinstance(info, _compat.DcpStorageInfo):
-            raise bad("storage_data holds something other than DCP storage records")
-        name = info.relative_path
-        if not isinstance(name, str) or not SHARD_RE.fullmatch(name):
-            raise bad(f"a tensor is stored in {name!r}, not in one of our shard files")
-        if not _is_nonneg_int(info.offset) or not _is_nonneg_int(info.length):
-            raise bad(f"a byte range in {name!r} is not a pair of non-negative integers")
-        if info.transform_descriptors:
-            raise bad(f"a record in {name!r} needs stream transforms {list(info.transform_descriptors)!r}")
-        if manifest is not None:
-            entry_file = manifest.files.get(name)
-            if entry_file is None:
-                raise bad(f"{name!r} is not listed in the manifest")
-            if info.offset + info.length > entry_file.size:
-                raise bad(f"a record lies beyond the end of {name!r}")
-
-
-def _is_nonneg_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
 def read_dcp_metadata(store: Store, manifest: Manifest | None = None) -> Any:
     """Read, unpickle (restricted) and check the ``.metadata`` of the checkpoint in ``store``."""
     entry = manifest.files.get(DCP_METADATA_NAME) if manifest is not None else None
@@ -250,7 +206,7 @@ def read_dcp_metadata(store: Store, manifest: Manifest | None = None) -> Any:
             hint="This checkpoint is damaged; resume from an older one (auto-resume skips it).",
         ) from err
     metadata = unpickle_dcp_metadata(data, path=store.url)
-    check_dcp_metadata(metadata, path=store.url, manifest=manifest)
+    check_dcp_structure(metadata, path=store.url, manifest=manifest)
     return metadata
 
 

@@ -62,5 +62,7 @@ def load_tensors_into(
     import torch.distributed.checkpoint as dcp
 
     distributed = dist.is_available() and dist.is_initialized()
+    if not distributed:
+        _compat.quiet_single_process_warning()
     dcp.load(tensors, storage_reader=dcp_reader(store, manifest), process_group=process_group, no_dist=not distributed)
 

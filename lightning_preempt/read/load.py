@@ -14,11 +14,11 @@ from lightning_preempt.collective import groups as pdist
 from lightning_preempt.errors import CorruptCheckpointError
 from lightning_preempt.format.layout import data_store
 from lightning_preempt.format.manifest import Manifest
+from lightning_preempt.format.metadata_scan import check_dcp_structure
 from lightning_preempt.format.names import DCP_METADATA_NAME, state_file
 from lightning_preempt.format.skeleton import merge_checkpoint, tensor_refs
 from lightning_preempt.format.unpickle import (
     apply_map_location,
-    check_dcp_metadata,
     load_state_bytes,
     unpickle_dcp_metadata,
 )
@@ -175,7 +175,7 @@ def _dcp_metadata_from_bytes(data: bytes, store: Store, manifest: Manifest) -> A
     """DCP's ``.metadata`` (a pickled ``Metadata``) through the restricted unpickler, checked
     to describe only tensors in byte ranges of the manifest's shard files (docs/security.md)."""
     metadata = unpickle_dcp_metadata(data, path=store.url)
-    check_dcp_metadata(metadata, path=store.url, manifest=manifest)
+    check_dcp_structure(metadata, path=store.url, manifest=manifest)
     return metadata
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -31,6 +30,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.errors import CheckpointWriteError
+from lightning_preempt.format.dcp_compat import quiet_single_process_warning
 from lightning_preempt.format.manifest import FileEntry, Manifest
 from lightning_preempt.format.names import MANIFEST_NAME, state_file
 from lightning_preempt.save.dcp_writer import ChecksummingWriter
@@ -46,9 +46,6 @@ _STORAGE_HINT = (
 _FAILED: dict[str, Any] = {"foreign": CheckpointWriteError, "hint": _STORAGE_HINT}
 
 T = TypeVar("T")
-
-# dcp.save(no_dist=True) still warns that it assumes a single process: that is our intent.
-warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized")
 
 
 @dataclasses.dataclass
@@ -88,6 +85,8 @@ def write_checkpoint(
     def write_files() -> dict[str, FileEntry]:
         entries: dict[str, FileEntry] = {}
         writer = ChecksummingWriter(store, thread_count=thread_count)
+        if group is None:
+            quiet_single_process_warning()
         try:
             dcp.save(request.tensors, storage_writer=writer, process_group=group, no_dist=group is None)
         except CheckpointException as err:  # BaseException in DCP: convert, keep the cause

@@ -1,4 +1,4 @@
-"""The torch-free loadability check (format/pickle_scan.py) says what the loader says.
+"""The torch-free loadability check (format/state_replay.py, format/metadata_scan.py) says what the loader says.
 
 ``lightning-preempt verify`` replays the pickles of a checkpoint against the loader's
 allow-lists instead of unpickling them with torch (format/unpickle.py). Here both run on
@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from lightning_preempt.errors import CheckpointError
-from lightning_preempt.format import allowlists as pickle_scan
+from lightning_preempt.format import allowlists
 from lightning_preempt.format import unpickle as torch_path
 from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.format.metadata_scan import check_dcp_structure, check_metadata_pickle
@@ -128,7 +128,7 @@ def _same_verdict(with_torch: tuple[str, str | None, str], replayed: tuple[str, 
 
 def _metadata_outcomes(data: bytes, manifest: Manifest | None) -> tuple[Any, Any]:
     def with_torch() -> None:
-        torch_path.check_dcp_metadata(torch_path.unpickle_dcp_metadata(data, path="ckpt"), path="ckpt", manifest=manifest)
+        check_dcp_structure(torch_path.unpickle_dcp_metadata(data, path="ckpt"), path="ckpt", manifest=manifest)
 
     return _outcome(with_torch), _outcome(lambda: check_metadata_pickle(data, path="ckpt", manifest=manifest))
 
@@ -291,8 +291,8 @@ def test_crafted_metadata_same_verdict(case: str, written: Path) -> None:
 
 
 def test_one_structure_check_serves_real_objects_too(written: Path) -> None:
-    """check_dcp_structure on torch's real objects says what unpickle.check_dcp_metadata says:
-    the load path can call it instead (one structural checker)."""
+    """check_dcp_structure gives the same verdict on torch's real objects (the load path) as
+    on the torch-free replay's stand-ins (``verify``): one structural checker serves both."""
     _, honest, manifest = _files(written / checkpoint_name(1))
     for case in ("path out of the checkpoint", "record beyond the end", "stream transforms", "byte-IO item"):
         if case == "byte-IO item":  # refused while unpickling; build the object by hand
@@ -300,9 +300,12 @@ def test_one_structure_check_serves_real_objects_too(written: Path) -> None:
             _byte_io(md)
         else:
             md = torch_path.unpickle_dcp_metadata(METADATA_CASES[case](honest), path="x")
-        with_torch = _outcome(lambda md=md: torch_path.check_dcp_metadata(md, path="ckpt", manifest=manifest))
-        shared = _outcome(lambda md=md: check_dcp_structure(md, path="ckpt", manifest=manifest))
-        assert with_torch == shared and shared[0] == "CorruptCheckpointError", case
+        real = _outcome(lambda md=md: check_dcp_structure(md, path="ckpt", manifest=manifest))
+        assert real[0] == "CorruptCheckpointError", case
+        if case != "byte-IO item":  # (the replay refuses that one while unpickling, as torch does)
+            stand_ins = _outcome(lambda case=case: check_metadata_pickle(METADATA_CASES[case](honest), path="ckpt",
+                                                                       manifest=manifest))  # fmt: skip
+            assert stand_ins == real, case
     md = torch_path.unpickle_dcp_metadata(honest, path="x")
     check_dcp_structure(md, path="ckpt", manifest=manifest)
 
@@ -317,22 +320,22 @@ def test_state_allow_list_is_what_the_loader_allows() -> None:
 
     torch_defaults = set(_weights_only_unpickler._get_allowed_globals())
     loader = torch_defaults | {_qualified(g) for g in torch_path.skeleton_safe_globals()}
-    replay = set(pickle_scan.STATE_GLOBALS)
+    replay = set(allowlists.STATE_GLOBALS)
     assert not replay - loader  # never more than the load allows: `verify` must not say "loads" where it refuses
-    assert not loader - replay  # nor less (a new torch default is a name to add to pickle_scan)
+    assert not loader - replay  # nor less (a new torch default is a name to add to format/allowlists.py)
 
 
 def test_numpy_dtype_codes_are_the_allowed_dtype_classes() -> None:
     allowed = {g for g in torch_path.skeleton_safe_globals() if isinstance(g, type) and issubclass(g, np.dtype)}
     allowed.discard(np.dtype)
-    assert {type(np.dtype(code)) for code in pickle_scan.NUMPY_DTYPE_CODES} == allowed
-    assert {np.dtype(t).__reduce__()[1][0] for t in (np.int64, np.float32, np.bool_)} <= pickle_scan.NUMPY_DTYPE_CODES
+    assert {type(np.dtype(code)) for code in allowlists.NUMPY_DTYPE_CODES} == allowed
+    assert {np.dtype(t).__reduce__()[1][0] for t in (np.int64, np.float32, np.bool_)} <= allowlists.NUMPY_DTYPE_CODES
 
 
 def test_metadata_allow_list_is_what_the_loader_allows() -> None:
     classes = {f"{m}.{n}" for m, n in torch_path._metadata_classes()}
-    dtypes = pickle_scan.METADATA_GLOBALS - classes
-    assert classes <= pickle_scan.METADATA_GLOBALS
+    dtypes = allowlists.METADATA_GLOBALS - classes
+    assert classes <= allowlists.METADATA_GLOBALS
     for name in dtypes:  # the rest are dtypes, which the loader resolves as torch.<name>
         module, attr = name.rsplit(".", 1)
         assert module == "torch" and isinstance(getattr(torch, attr, None), torch.dtype), name
@@ -343,5 +346,5 @@ def test_metadata_allow_list_is_what_the_loader_allows() -> None:
 def test_python2_renames_are_torchs() -> None:
     from torch import _utils
 
-    assert pickle_scan._IMPORT_MAPPING == _utils.IMPORT_MAPPING
-    assert pickle_scan._NAME_MAPPING == _utils.NAME_MAPPING
+    assert allowlists._IMPORT_MAPPING == _utils.IMPORT_MAPPING
+    assert allowlists._NAME_MAPPING == _utils.NAME_MAPPING
