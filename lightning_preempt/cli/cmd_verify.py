@@ -1,6 +1,6 @@
 """``lightning-preempt verify URL [STEP]``: the manifest, every file's size and CRC32C, and
 that the state loads without ``trust_checkpoints``. Needs no torch: the last check replays
-what the loader's unpickling would accept (format/pickle_scan.py) instead of loading.
+what the loader's unpickling would accept (format/state_replay.py, format/metadata_scan.py) instead of loading.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def check_loadable(store: Store, manifest: Manifest) -> None:
     state and DCP's ``.metadata`` would load with the allow-list only.
 
     Nothing is unpickled with real classes and torch is not imported: the pickles are
-    replayed against the loader's allow-lists (format/pickle_scan.py), which raise what
+    replayed against the loader's allow-lists (format/allowlists.py), which raise what
     the load would raise (tests/unit/test_pickle_replay.py compares the two).
     """
     files = data_store(store, manifest)  # a replaced checkpoint's files live in its generation dir

@@ -1,7 +1,8 @@
 """The checkpoint format: every name rule, the manifest, where files live, splitting
 Lightning's dict into DCP tensors and a per-rank skeleton, and unpickling it safely.
 
-Nothing here writes. Modules that need no torch (names, manifest, layout, pickle_scan)
+Nothing here writes. Modules that need no torch (names, manifest, layout, pickle_scan,
+allowlists, state_replay, metadata_scan)
 import none, so the operator CLI can read checkpoints without it.
 
 :class:`TensorRef` is defined in this package's ``__init__`` on purpose: every
