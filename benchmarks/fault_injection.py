@@ -217,6 +217,7 @@ def snapshot(work: Path, attempts: int = 10) -> Path:
             ROOT / "lightning_preempt", src / "lightning_preempt", ignore=shutil.ignore_patterns("__pycache__")
         )
         shutil.copy2(SCRIPT, src / "train_script.py")
+        shutil.copy2(SCRIPT.parent / "models.py", src / "models.py")  # the job's model and data
         env = dict(os.environ, PYTHONPATH=str(src))
         probe = (
             "import lightning_preempt, sys; sys.exit(0 if lightning_preempt.__file__.startswith(sys.argv[1]) else 3)"
