@@ -96,5 +96,5 @@ def warn_about_newer_checkpoints(config: PreemptionConfig, step: int) -> None:
             f"lightning_preempt: resumed from step {step} but {config.dirpath} holds a newer checkpoint "
             f"(step {max(newer)}); after a preemption auto-resume takes the newest step.\n"
             "HINT: use a fresh dirpath for a run that branches off an older checkpoint.",
-            stacklevel=4,
+            stacklevel=3,  # the front-end hook that started training
         )
