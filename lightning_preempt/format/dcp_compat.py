@@ -2,7 +2,7 @@
 
 Private names move between releases; keeping them in one module makes a torch upgrade a
 matter of reading one file (docs/compat.md). Checked with torch 2.7.0 (the floor) and
-2.13.0 by tests/test_exact_compat.py.
+2.13.0 by tests/unit/test_exact_compat.py.
 """
 
 from __future__ import annotations
@@ -15,9 +15,6 @@ from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlan
 from torch.distributed.checkpoint.filesystem import _StorageInfo as DcpStorageInfo
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as dcp_load_state_dict
 from torch.serialization import _get_layout as torch_get_layout
-
-# Lightning is imported lazily below: the operator CLI reads checkpoints (through
-# dcp_storage, which uses this module) without paying for importing Lightning.
 
 __all__ = [
     "DcpStorageInfo",
@@ -32,7 +29,7 @@ __all__ = [
 
 # ---- torch.distributed.checkpoint -------------------------------------------------------
 def dcp_format_version() -> str | None:
-    """The DCP format version torch writes into ``.metadata`` (``None``: torch 2.6, whose
+    """The DCP format version torch writes into ``.metadata`` (``None``: a torch whose
     ``Metadata`` has no version field). Private: ``filesystem.CURRENT_DCP_VERSION``."""
     from torch.distributed.checkpoint import filesystem
 

@@ -140,7 +140,7 @@ def _metadata_classes() -> dict[tuple[str, str], Any]:
         "StorageMeta",
         "_MEM_FORMAT_ENCODING",
     ):
-        if hasattr(metadata, name):  # every one exists in torch 2.6-2.13
+        if hasattr(metadata, name):  # every one exists in torch 2.7-2.13
             allowed[("torch.distributed.checkpoint.metadata", name)] = getattr(metadata, name)
     return allowed
 

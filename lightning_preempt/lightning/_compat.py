@@ -2,10 +2,11 @@
 
 Private names move between releases; keeping them in one module makes the minimum-versions
 job (``scripts/test_min_versions.sh``) and a Lightning upgrade a matter of reading one
-file. Each shim says which versions it was checked with and what happens when the private
-name is missing. docs/compat.md lists the private uses still made elsewhere.
+file. Each shim says what happens when the private name is missing. docs/compat.md lists
+every private use, including those below the front-ends (format/dcp_compat.py for torch's,
+resume/metrics.py for torchmetrics').
 
-Checked with torch 2.6.0 / Lightning 2.4.0 (the floors) and torch 2.13.0 / Lightning 2.6.6.
+Checked with Lightning 2.5.0 (the floor) and 2.6.6 by tests/unit/test_exact_compat.py.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def allow_with_disabled_checkpointing(callback_type: type) -> None:
     added, so that callback's checkpoints are the only ones. With another checkpoint
     callback (a ``ModelCheckpoint``) Lightning's error stays: it is then accurate.
 
-    Private: ``_CallbackConnector._configure_checkpoint_callbacks`` (Lightning 2.4-2.6).
+    Private: ``_CallbackConnector._configure_checkpoint_callbacks`` (Lightning 2.5-2.6).
     Without it Lightning's refusal stays.
     """
     if callback_type not in _ALLOWED:
@@ -62,7 +63,7 @@ def allow_with_disabled_checkpointing(callback_type: type) -> None:
 
 
 # ---- the training loop's data (exact resume, lightning/exact.py) --------------------------
-# Lightning 2.4-2.6: FitLoop keeps the CombinedLoader in `_combined_loader` and the fetcher
+# Lightning 2.5-2.6: FitLoop keeps the CombinedLoader in `_combined_loader` and the fetcher
 # in `_data_fetcher`; the CombinedLoader's mode iterator holds one iterator per loader in
 # `_iterator.iterators`; the training epoch loop keeps `self.log` results in `_results`.
 def train_loaders(trainer: Any) -> list[Any]:
