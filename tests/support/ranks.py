@@ -10,7 +10,10 @@ They import what they need themselves and report through files.
 
 The ranks are forked from a forkserver that has imported torch and the package once
 (``LP_RANKS_START=spawn``: a fresh interpreter per rank, as before), so a rank starts in a
-fraction of a second instead of paying the imports (~2-3 s of CPU) every time.
+fraction of a second instead of paying the imports (~2-3 s of CPU) every time. Each rank
+gets this process's environment as it is at the call, as a spawned one would. A forked rank
+ends with ``os._exit`` after its worker returns (multiprocessing's forkserver does), so an
+abort during interpreter shutdown shows only with ``LP_RANKS_START=spawn``.
 """
 
 from __future__ import annotations
@@ -33,7 +36,11 @@ if START_METHOD == "forkserver":
     mp.set_forkserver_preload(PRELOAD)
 
 
-def _rank_main(rank: int, worker: Callable[..., None], world: int, init_file: str, args: tuple[Any, ...]) -> None:
+def _rank_main(
+    rank: int, worker: Callable[..., None], world: int, init_file: str, env: dict[str, str], args: tuple[Any, ...]
+) -> None:
+    os.environ.clear()  # the caller's environment now, not the forkserver's when it started
+    os.environ.update(env)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     worker(rank, world, *args)
     if dist.is_initialized():
@@ -53,7 +60,11 @@ def run_ranks(
     ``exit_codes[rank]`` (default 0) within ``timeout_s``. ``on_hang`` adds to the hang message."""
     init_file = tmp_path / f"gloo-init-{os.getpid()}-{time.monotonic_ns()}"
     ctx = mp.start_processes(
-        _rank_main, args=(worker, world, str(init_file), args), nprocs=world, join=False, start_method=START_METHOD
+        _rank_main,
+        args=(worker, world, str(init_file), dict(os.environ), args),
+        nprocs=world,
+        join=False,
+        start_method=START_METHOD,
     )
     # Each process is waited for here, not with ProcessContext.join(): that one terminates the
     # other ranks as soon as one exits with an error, and a rank dying on purpose is a case.
