@@ -60,7 +60,7 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(f"LP_SLICE={chosen} is not a slice of 0..{SAMPLE_EVERY - 1} (LP_SAMPLE_EVERY)")
 
 
-def pytest_report_header(config: pytest.Config) -> str:
+def _which_slow_tests() -> str:
     if os.environ.get("LP_FULL") == "1":
         return "slow tests: all (LP_FULL=1)"
     chosen = os.environ["LP_SLICE"]
@@ -68,6 +68,15 @@ def pytest_report_header(config: pytest.Config) -> str:
         f"slow tests: slice {chosen} of 0..{SAMPLE_EVERY - 1} (today's is {_slice_today()}); "
         f"reproduce with LP_SLICE={chosen} LP_SAMPLE_EVERY={SAMPLE_EVERY}, or run all with LP_FULL=1"
     )
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return _which_slow_tests()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    # Also at the end: `-q` (scripts/test.sh, CI) hides the header.
+    terminalreporter.write_line(_which_slow_tests())
 
 
 def _named(config: pytest.Config) -> set[str]:
