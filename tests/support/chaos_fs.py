@@ -83,9 +83,11 @@ class ChaosFileSystem(AbstractFileSystem):
 
     @classmethod
     def _strip_protocol(cls, path: str) -> str:
+        """``<protocol>://a/b`` -> ``/a/b`` (for subclasses with another protocol too)."""
         path = str(path)
-        if path.startswith("chaos://"):
-            path = path[len("chaos://") :]
+        prefix = f"{cls.protocol}://"
+        if path.startswith(prefix):
+            path = path[len(prefix) :]
         return "/" + path.lstrip("/") if path else "/"
 
     def ls(self, path: str, detail: bool = True, **kwargs: Any) -> Any:

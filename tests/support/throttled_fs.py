@@ -59,13 +59,6 @@ class _Throttled:
 class ThrottledFileSystem(ChaosFileSystem):
     protocol = "slow"
 
-    @classmethod
-    def _strip_protocol(cls, path: str) -> str:
-        path = str(path)
-        if path.startswith("slow://"):
-            path = path[len("slow://") :]
-        return "/" + path.lstrip("/") if path else "/"
-
     def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
         f = super()._open(path, mode, **kwargs)
         return f if "r" in mode else _Throttled(f)

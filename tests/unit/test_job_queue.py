@@ -97,13 +97,6 @@ class RecordingSlowFileSystem(ThrottledFileSystem):
     events: list[tuple[str, str]] = []
     lock = threading.Lock()
 
-    @classmethod
-    def _strip_protocol(cls, path: str) -> str:
-        path = str(path)
-        if path.startswith("slowlog://"):
-            path = path[len("slowlog://") :]
-        return "/" + path.lstrip("/") if path else "/"
-
     def _record(self, op: str, path: Any) -> None:
         with self.lock:
             self.events.append((op, self._strip_protocol(str(path))))
