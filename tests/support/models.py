@@ -2,13 +2,18 @@
 scripts alike (train_script.py, notices_script.py, elastic_script.py).
 
 :class:`TinyModel` optionally reports to a status directory (``rank{R}.pid`` at setup,
-``rank{R}.step`` after each batch), so a test can signal a chosen rank at a known step.
+``rank{R}.step`` after each batch), so a test can signal a chosen rank at a known step;
+:func:`fit_reporting` adds ``rank{R}.exit`` (the exit code) and, after a normal end,
+``rank{R}.result.json`` (start and final step, a digest of the weights).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
+from collections.abc import Callable
+from typing import Any
 
 import lightning as L
 import torch
@@ -90,3 +95,37 @@ def weights_digest(model: torch.nn.Module) -> list[float]:
 def loader(batches: int = 10, batch_size: int = 16) -> DataLoader:
     """``batches`` batches of :func:`data`, in order."""
     return DataLoader(data(batch_size * batches), batch_size=batch_size, shuffle=False)
+
+
+def write_status(status: str, rank: int, what: str, text: str) -> None:
+    """``<status>/rank{rank}.<what>`` (nothing without a status directory)."""
+    if status:
+        os.makedirs(status, exist_ok=True)
+        with open(os.path.join(status, f"rank{rank}.{what}"), "w") as f:
+            f.write(text)
+
+
+def fit_reporting(
+    trainer: L.Trainer,
+    model: TinyModel,
+    status: str,
+    *fit_args: Any,
+    extra: Callable[[], dict[str, Any]] = dict,
+    **fit_kwargs: Any,
+) -> int:
+    """``trainer.fit(model, …)``, then the status files: ``rank{R}.exit`` (also when the
+    fit exits, e.g. 143 after a preemption) and ``rank{R}.result.json`` with ``extra()``."""
+    try:
+        trainer.fit(model, *fit_args, **fit_kwargs)
+    except SystemExit as exc:
+        write_status(status, trainer.global_rank, "exit", str(exc.code))
+        raise
+    write_status(status, trainer.global_rank, "exit", "0")
+    result = {
+        "start_step": getattr(model, "start_step", None),
+        "step": trainer.global_step,
+        "weights": weights_digest(model),
+        **extra(),
+    }
+    write_status(status, trainer.global_rank, "result.json", json.dumps(result))
+    return 0

@@ -9,15 +9,13 @@ normal end, ``rank{R}.result.json``.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
-from models import TinyModel, data, weights_digest
+from models import TinyModel, data, fit_reporting
 from torch.utils.data import DataLoader
 
 from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO
@@ -75,26 +73,8 @@ def main() -> int:
         limit_val_batches=0,
         deterministic=True,
     )
-    try:
-        trainer.fit(model, DataLoader(data(), batch_size=16, shuffle=False))
-    except SystemExit as exc:
-        _write(args.status, trainer.global_rank, "exit", str(exc.code))
-        raise
-    _write(args.status, trainer.global_rank, "exit", "0")
-    result = {
-        "start_step": model.start_step,
-        "step": trainer.global_step,
-        "weights": weights_digest(model),
-        "s_per_step": timer.s_per_step,
-    }
-    _write(args.status, trainer.global_rank, "result.json", json.dumps(result))
-    return 0
-
-
-def _write(status: str, rank: int, what: str, text: str) -> None:
-    os.makedirs(status, exist_ok=True)
-    with open(os.path.join(status, f"rank{rank}.{what}"), "w") as f:
-        f.write(text)
+    loader = DataLoader(data(), batch_size=16, shuffle=False)
+    return fit_reporting(trainer, model, args.status, loader, extra=lambda: {"s_per_step": timer.s_per_step})
 
 
 if __name__ == "__main__":

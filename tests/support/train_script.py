@@ -18,7 +18,7 @@ from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
-from models import TinyModel, data, weights_digest
+from models import TinyModel, data, fit_reporting
 from torch.utils.data import DataLoader
 
 from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO
@@ -127,27 +127,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     loader = DataLoader(data(args.data_size), batch_size=args.batch_size, shuffle=False)
     val = DataLoader(data(64, seed=1), batch_size=16)
-    try:
-        trainer.fit(model, loader, val if args.val_every else None, ckpt_path=args.ckpt_path)
-    except SystemExit as exc:
-        _write(args.status, trainer.global_rank, "exit", str(exc.code))
-        raise
-    _write(args.status, trainer.global_rank, "exit", "0")
-    result = {
-        "start_step": getattr(model, "start_step", None),
-        "step": trainer.global_step,
-        "weights": weights_digest(model),
-        "resumed_from": cb.resumed_from,
-    }
-    _write(args.status, trainer.global_rank, "result.json", json.dumps(result))
-    return 0
-
-
-def _write(status: str, rank: int, what: str, text: str) -> None:
-    if status:
-        os.makedirs(status, exist_ok=True)
-        with open(os.path.join(status, f"rank{rank}.{what}"), "w") as f:
-            f.write(text)
+    return fit_reporting(
+        trainer,
+        model,
+        args.status,
+        loader,
+        val if args.val_every else None,
+        ckpt_path=args.ckpt_path,
+        extra=lambda: {"resumed_from": cb.resumed_from},
+    )
 
 
 if __name__ == "__main__":
