@@ -17,8 +17,9 @@ import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
+from trainers import make_trainer
 
-from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO, list_checkpoints
+from lightning_preempt import PreemptionCallback, list_checkpoints
 
 
 class Tiny(L.LightningModule):
@@ -35,17 +36,7 @@ class Tiny(L.LightningModule):
 
 
 def _trainer(tmp_path: Path, callbacks: list[Any], max_steps: int = 3, **kwargs: Any) -> L.Trainer:
-    return L.Trainer(
-        default_root_dir=str(tmp_path),
-        max_steps=max_steps,
-        accelerator="cpu",
-        callbacks=callbacks,
-        plugins=[ShardedAsyncCheckpointIO()],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kwargs,
-    )
+    return make_trainer(max_steps, callbacks, root=tmp_path, **kwargs)
 
 
 def _fit(trainer: L.Trainer) -> None:
