@@ -173,12 +173,14 @@ def open_regular(path: str) -> IO[bytes]:
 def scan(path: str) -> list[tuple[str, str, int | None]]:
     """``(name, kind, size)`` of every entry directly in ``path``, symlinks not followed;
     ``kind``: ``"file"`` (regular), ``"dir"``, ``"link"`` or ``"other"``; ``size`` for
-    regular files. Empty when ``path`` does not exist or is not a directory."""
+    regular files. Empty when ``path`` does not exist or is not a directory. An entry
+    deleted while it is listed (another rank's probe file) is left out, never the listing."""
     try:
         with os.scandir(path) as it:
-            return sorted((e.name, *_kind_and_size(e)) for e in it)
+            found = [(e.name, kind) for e in it if (kind := _kind_and_size(e)) is not None]
     except (FileNotFoundError, NotADirectoryError):
         return []
+    return sorted((name, *kind) for name, kind in found)
 
 
 def stat_entry(path: str) -> tuple[str, int | None] | None:
@@ -200,13 +202,17 @@ def regular_size(path: str) -> int:
     return size
 
 
-def _kind_and_size(entry: os.DirEntry[str]) -> tuple[str, int | None]:
-    if entry.is_symlink():
-        return "link", None
-    if entry.is_dir(follow_symlinks=False):
-        return "dir", None
-    if entry.is_file(follow_symlinks=False):
-        return "file", entry.stat(follow_symlinks=False).st_size
+def _kind_and_size(entry: os.DirEntry[str]) -> tuple[str, int | None] | None:
+    """``(kind, size)``, or ``None`` when the entry is gone by the time it is looked at."""
+    try:
+        if entry.is_symlink():
+            return "link", None
+        if entry.is_dir(follow_symlinks=False):
+            return "dir", None
+        if entry.is_file(follow_symlinks=False):
+            return "file", entry.stat(follow_symlinks=False).st_size
+    except FileNotFoundError:
+        return None
     return "other", None
 
 

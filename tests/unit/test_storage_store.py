@@ -118,3 +118,17 @@ def test_replace_entry_swaps_a_file_for_a_directory(tmp_path: Path) -> None:
 def test_object_store_kind_is_one_property(tmp_path: Path, memory_url: str) -> None:
     assert not Store(str(tmp_path)).is_object_store
     assert not Store(memory_url).is_object_store  # a file and a directory cannot share a path there
+
+
+def test_an_entry_deleted_while_listed_is_left_out_not_the_whole_listing(tmp_path: Path) -> None:
+    """Another rank deletes its probe file while this rank lists the root (DDP set-up): the
+    listing must still show everything else. The entry is taken from scandir, then deleted,
+    then looked at, as the race orders it."""
+
+    (tmp_path / "keep").write_bytes(b"1")
+    (tmp_path / "gone").write_bytes(b"22")
+    entries = {e.name: e for e in os.scandir(tmp_path)}
+    os.unlink(tmp_path / "gone")
+    assert local._kind_and_size(entries["gone"]) is None
+    assert local._kind_and_size(entries["keep"]) == ("file", 1)
+    assert local.scan(str(tmp_path)) == [("keep", "file", 1)]
