@@ -17,13 +17,12 @@ workers' base seed and on how many samples they loaded before, so it is exact on
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from jobs import launch
 from test_exact_resume import COMMON, PREEMPTED, ROOT, SCRIPT, _env, compare
 
 EPOCHS4 = [*COMMON, "--max-steps", "40"]  # 10 batches per epoch
@@ -63,20 +62,19 @@ def run_until_done(
     appends each start's output to ``outputs``)."""
     codes: list[int] = []
     for _ in range(max_starts):
-        proc = subprocess.run(
-            [sys.executable, str(SCRIPT), "--status", str(status), *args],
-            cwd=ROOT,
-            env=_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            timeout=timeout,
-        )
+        proc = launch(SCRIPT, ROOT, "--status", str(status), *args, env=_env())
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
         codes.append(proc.returncode)
         if outputs is not None:
-            outputs.append(proc.stdout.decode(errors="replace"))
+            outputs.append(out)
         if proc.returncode == 0:
             return codes
-        assert proc.returncode == PREEMPTED, f"exit code {proc.returncode}:\n{proc.stdout.decode()[-4000:]}"
+        assert proc.returncode == PREEMPTED, f"exit code {proc.returncode}:\n{out[-4000:]}"
     raise AssertionError(f"not done after {max_starts} starts: {codes}")
 
 

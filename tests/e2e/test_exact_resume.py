@@ -1,6 +1,6 @@
 """Exact resume: preempted-and-restarted runs end bitwise equal to an uninterrupted run.
 
-Real subprocesses (``tests/exact_script.py``): the job is signalled at chosen steps, exits
+Real processes (``tests/support/exact_script.py``, forked from the zygote: support/jobs.py): the job is signalled at chosen steps, exits
 with 143 (SIGTERM) or is killed (SIGKILL), and is restarted with the same command; the
 callback resumes it from the newest checkpoint each time. We compare the final weights
 bitwise, the sequence of sample indices trained per step, and the epoch metrics.
@@ -11,14 +11,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from jobs import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).resolve().parents[1] / "support" / "exact_script.py"
@@ -40,7 +39,7 @@ def _read_int(path: Path) -> int | None:
         return None
 
 
-def _wait_for_pid(path: Path, proc: subprocess.Popen[bytes], timeout: float) -> int:
+def _wait_for_pid(path: Path, proc: Any, timeout: float) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         pid = _read_int(path)
@@ -65,20 +64,19 @@ def run_job(
     """Run the script, signal ``signal_rank`` once its step reaches each of ``preempt_at``
     (restarting after each), then (``finish``) let the last start finish. Returns the exit codes."""
     codes: list[int] = []
-    cmd = [sys.executable, str(SCRIPT), "--status", str(status), *args]
     for target in [*preempt_at, None] if finish else list(preempt_at):
         for f in status.glob("rank*.step"):
             f.unlink()
         for f in status.glob("rank*.pid"):
             f.unlink()
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        proc = launch(SCRIPT, ROOT, "--status", str(status), *args, env=_env())
         try:
             if target is not None:
                 pid = _wait_for_pid(status / f"rank{signal_rank}.pid", proc, timeout)
                 deadline = time.monotonic() + timeout
                 while (_read_int(status / f"rank{signal_rank}.step") or 0) < target:
                     if proc.poll() is not None or time.monotonic() > deadline:
-                        out = proc.stdout.read().decode() if proc.stdout else ""
+                        out = proc.communicate(timeout=timeout)[0] if proc.poll() is not None else ""
                         raise AssertionError(f"job ended (rc={proc.returncode}) before step {target}:\n{out[-3000:]}")
                     time.sleep(0.005)
                 os.kill(pid, sig)
@@ -90,7 +88,7 @@ def run_job(
         codes.append(proc.returncode)
         expected = 0 if target is None else (PREEMPTED if sig == signal.SIGTERM else None)
         if expected is not None and proc.returncode != expected:
-            raise AssertionError(f"exit code {proc.returncode}, expected {expected}:\n{out.decode()[-4000:]}")
+            raise AssertionError(f"exit code {proc.returncode}, expected {expected}:\n{out[-4000:]}")
     return codes
 
 
