@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -63,6 +64,26 @@ class Outcome:
             raise
         except BaseException as err:  # DCP raises CheckpointException, a BaseException
             return cls.failure(err, rank), err
+
+    def to_wire(self) -> dict[str, Any]:
+        """The outcome as a JSON object (``value`` must be JSON-serialisable)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_wire(cls, body: object) -> Outcome:
+        """The outcome :meth:`to_wire` sent; a field of the wrong type is refused, not trusted."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(body, dict) or set(body) != fields:
+            raise errors.CheckpointError(f"a rank's outcome arrived malformed: {str(body)[:200]!r}")
+        text = ("error_type", "message")
+        if (
+            not isinstance(body["ok"], bool)
+            or not isinstance(body["rank"], int)
+            or not all(isinstance(body[k], str) for k in text)
+            or not all(body[k] is None or isinstance(body[k], str) for k in ("hint", "path"))
+        ):
+            raise errors.CheckpointError(f"a rank's outcome arrived malformed: {str(body)[:200]!r}")
+        return cls(**body)
 
     @classmethod
     def failure(cls, err: BaseException, rank: int) -> Outcome:
@@ -129,9 +150,14 @@ def decide(
     what: str = "",
     foreign: type[errors.CheckpointError] | None = None,
     hint: str | None = None,
+    json_max_bytes: int | None = None,
 ) -> T:
     """Run ``fn`` on rank 0 of ``group``; every rank returns its result or raises its error
     (see :meth:`Outcome.to_error` for ``what``, ``foreign`` and ``hint``).
+
+    With ``json_max_bytes`` the outcome travels as JSON of at most that many bytes
+    (:func:`pdist.broadcast_json`), never pickled: for a value read from storage (a
+    manifest), whose bytes must never reach an unpickler. ``fn`` then returns JSON values.
 
     Collective: every rank of ``group`` calls it, in the same order as its other collectives.
     """
@@ -140,12 +166,25 @@ def decide(
     outcome: Outcome | None = None
     if rank == 0:
         outcome, local_error = Outcome.of(fn, rank)
-    if group is not None and pdist.is_distributed():
+    if group is not None and pdist.is_distributed() and json_max_bytes is not None:
+        sent = outcome.to_wire() if outcome is not None else None
+        if sent is not None and not _json_ready(sent):  # fail on every rank, not on rank 0 alone
+            sent = Outcome.failure(TypeError(f"{what or 'the result'} is not JSON-serialisable"), rank).to_wire()
+        outcome = Outcome.from_wire(pdist.broadcast_json(sent, group, max_bytes=json_max_bytes))
+    elif group is not None and pdist.is_distributed():
         outcome = pdist.broadcast_object(outcome, group)
     assert outcome is not None
     if outcome.ok:
         return outcome.value  # type: ignore[no-any-return]
     raise outcome.to_error(what, foreign=foreign, hint=hint) from local_error
+
+
+def _json_ready(body: dict[str, Any]) -> bool:
+    try:
+        json.dumps(body, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        return False
+    return True
 
 
 def agree(

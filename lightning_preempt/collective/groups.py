@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 from typing import Any
 
+import torch
 import torch.distributed as dist
+
+from lightning_preempt.errors import CheckpointError
 
 ProcessGroup = dist.ProcessGroup
 
@@ -57,10 +61,95 @@ def all_gather_objects(obj: Any, group: ProcessGroup | None) -> list[Any]:
 
 
 def broadcast_object(obj: Any, group: ProcessGroup | None, src_rank: int = 0) -> Any:
-    """Rank ``src_rank``'s ``obj`` on every rank of ``group``."""
+    """Rank ``src_rank``'s ``obj`` on every rank of ``group`` (pickled: only for values this
+    job made itself; what was read from storage goes by :func:`broadcast_json`)."""
     if group is None or not is_distributed():
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, src_rank), group=group)
     return box[0]
 
+
+# ---- JSON over the wire: for values read from storage (untrusted), never unpickled --------
+class WireError(CheckpointError):
+    """Bytes sent over a collective were more than allowed, or not the JSON expected; a size
+    is raised alike on every rank (the length travels first, every rank sees it)."""
+
+
+def _encode(obj: Any) -> bytes:
+    return json.dumps(obj, allow_nan=False, separators=(",", ":")).encode("utf-8")
+
+
+def _decode(data: bytes) -> Any:
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise WireError(f"a value received from another rank is not valid JSON ({err})",
+                        hint="Ranks of one job run one build of lightning_preempt; check that they do.") from None  # fmt: skip
+
+
+def _too_large(size: int, max_bytes: int, rank: int) -> WireError:
+    return WireError(
+        f"rank {rank} sent {size} bytes, more than the {max_bytes} allowed",
+        hint="The value came from storage and is larger than any checkpoint of this package writes; inspect it.",
+    )
+
+
+def broadcast_bytes(data: bytes | None, group: ProcessGroup | None, *, max_bytes: int, src_rank: int = 0) -> bytes:
+    """Rank ``src_rank``'s ``data`` on every rank of ``group``: its length (one int64) first,
+    checked against ``max_bytes`` on every rank before a buffer is allocated, then the bytes
+    as a uint8 tensor. Nothing is unpickled. Collective: every rank calls it (``data`` is
+    read on ``src_rank`` only). Raises :class:`WireError` on every rank alike."""
+    if group is None or not is_distributed():
+        out = bytes(data or b"")
+        if len(out) > max_bytes:
+            raise _too_large(len(out), max_bytes, src_rank)
+        return out
+    src = dist.get_global_rank(group, src_rank)
+    sender = dist.get_rank(group) == src_rank
+    payload = bytes(data or b"") if sender else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    dist.broadcast(size, src=src, group=group)
+    n = int(size.item())
+    if not 0 <= n <= max_bytes:
+        raise _too_large(n, max_bytes, src_rank)
+    if n == 0:
+        return b""
+    buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if sender else torch.empty(n, dtype=torch.uint8)
+    dist.broadcast(buf, src=src, group=group)
+    return payload if sender else buf.numpy().tobytes()
+
+
+def all_gather_bytes(data: bytes, group: ProcessGroup | None, *, max_bytes: int) -> list[bytes]:
+    """``[data of rank 0, data of rank 1, …]`` on every rank (see :func:`broadcast_bytes`;
+    ``max_bytes`` bounds each rank's share, checked on every rank before allocating)."""
+    if group is None or not is_distributed():
+        return [broadcast_bytes(data, None, max_bytes=max_bytes)]
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=group)
+    lengths = [int(s.item()) for s in sizes]
+    for r, n in enumerate(lengths):
+        if not 0 <= n <= max_bytes:
+            raise _too_large(n, max_bytes, r)
+    width = max(max(lengths), 1)  # gloo's all_gather wants equal sizes: pad to the longest
+    mine = torch.zeros(width, dtype=torch.uint8)
+    if data:
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    bufs = [torch.empty(width, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(bufs, mine, group=group)
+    return [b.numpy().tobytes()[:n] for b, n in zip(bufs, lengths, strict=True)]
+
+
+def broadcast_json(obj: Any, group: ProcessGroup | None, *, max_bytes: int, src_rank: int = 0) -> Any:
+    """Rank ``src_rank``'s ``obj`` (JSON-serialisable) on every rank, as UTF-8 JSON bytes
+    (:func:`broadcast_bytes`), never pickled: what came from storage cannot run code on a
+    receiver. Tuples arrive as lists. Collective."""
+    sender = group is None or not is_distributed() or dist.get_rank(group) == src_rank
+    return _decode(broadcast_bytes(_encode(obj) if sender else None, group, max_bytes=max_bytes, src_rank=src_rank))
+
+
+def all_gather_json(obj: Any, group: ProcessGroup | None, *, max_bytes: int) -> list[Any]:
+    """``[obj of rank 0, obj of rank 1, …]`` on every rank, as JSON bytes
+    (:func:`all_gather_bytes`), never pickled. Collective."""
+    return [_decode(b) for b in all_gather_bytes(_encode(obj), group, max_bytes=max_bytes)]

@@ -130,7 +130,9 @@ class PeerReplica(Callback):
             return os.path.basename(mine[-1].path.rstrip("/")) if mine else None
 
         try:
-            name = agree.decide(snapshot_name, self._group, what="finding the snapshot to replicate")
+            name = agree.decide(  # a directory name, as JSON: nothing on the replica's path is unpickled
+                snapshot_name, self._group, what="finding the snapshot to replicate", json_max_bytes=1 << 16
+            )
             if name is None:
                 log.warning("lightning_preempt: no committed local snapshot of step %d to replicate", step)
                 return

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from lightning_preempt.catalog.listing import list_checkpoints
 from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
-from lightning_preempt.errors import CheckpointError
+from lightning_preempt.errors import CheckpointError, CorruptCheckpointError
 from lightning_preempt.format.manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from lightning_preempt.format.names import MANIFEST_NAME, dir_step, is_checkpoint_file, writer_of
 from lightning_preempt.save.drain import copy_files
@@ -40,6 +40,13 @@ from lightning_preempt.storage.checksum import Crc32c
 from lightning_preempt.storage.store import CHUNK_BYTES, Store
 
 log = logging.getLogger(__name__)
+
+#: Bound of the small JSON values ranks exchange here (node ids, file lists, error texts):
+#: the file names of one rank's share of even a 100k-file manifest stay far below it.
+_WIRE_MAX_BYTES = 8 << 20
+#: Bound of one rank's holdings (its local tier's checkpoints newer than the bucket's, each
+#: with its manifest's text): a few manifests, each capped at MAX_MANIFEST_BYTES.
+_HOLDINGS_MAX_BYTES = 4 * MAX_MANIFEST_BYTES
 
 
 class ReplicaError(CheckpointError):
@@ -120,19 +127,33 @@ def replicate(local_dir: str, group: dist.ProcessGroup | None) -> ReplicaReport:
     ``local_dir`` is this rank's path of one committed checkpoint (rank 0 holds its
     ``manifest.json``). Collective over ``group``; a failure on any rank raises
     :class:`ReplicaError` on every rank (the transfer is agreed, never half-assumed).
+
+    The local tier is untrusted input like any storage (docs/security.md): the manifest is
+    read size-capped, not through a symlink, validated on rank 0 and sent as its JSON bytes
+    (never a pickle), validated again by every receiver before anything is written; a file
+    is read only when it is a regular file of its manifest size (no symlink, FIFO, device),
+    by every sender *before* any transfer starts, so a refusal fails every rank at once
+    instead of leaving a buddy waiting in a receive.
     """
     start = time.monotonic()
     me, world = pdist.rank(group), pdist.world_size(group)
-    raw = agree.decide(lambda: _read_manifest(local_dir), group, what="reading the checkpoint's manifest")
-    if raw is None:
-        raise ReplicaError("rank 0 holds no manifest for this checkpoint", path=local_dir,
-                           hint="Replicate only a checkpoint that committed on the local tier.")  # fmt: skip
-    manifest = parse_manifest(raw, path=local_dir)
-    # A rank sends the files it wrote (several ranks of one node may share a local tier).
-    here = {e.name for e in Store(local_dir).entries() if e.kind == "file"}
-    own = sorted(n for n in manifest.files if writer_of(n) == me and n in here)
-    where = placement(pdist.all_gather_objects(node_id(), group))
-    held = pdist.all_gather_objects(own, group)
+    raw = _agreed_manifest(local_dir, group)
+    manifest = parse_manifest(raw, path=local_dir)  # every rank: the strict schema, before any write
+    # A rank sends the files it wrote (several ranks of one node may share a local tier). An
+    # entry of any kind counts as present: a symlink or FIFO in a shard's place is refused
+    # below, loudly, never skipped (the peer would commit a checkpoint missing a file).
+    present = {e.name for e in Store(local_dir).entries()}
+    own = sorted(n for n in manifest.files if writer_of(n) == me and n in present)
+    data: dict[str, bytes] = {}
+    err: str | None = None
+    try:
+        data = _read_own(Store(local_dir), manifest, own)
+    except (OSError, CheckpointError) as exc:
+        err = f"{type(exc).__name__}: {exc}"
+    shares = pdist.all_gather_json({"node": node_id(), "own": own, "error": err}, group, max_bytes=_WIRE_MAX_BYTES)
+    _raise_failed([s["error"] for s in shares], manifest.step, local_dir, "Nothing was sent; ")
+    where = placement([str(s["node"]) for s in shares])
+    held: list[list[str]] = [[n for n in s["own"] if n in manifest.files] for s in shares]
     claimed: set[str] = set()  # a file two ranks of one node hold (a shared local tier) is sent once
     plan: list[tuple[int, str]] = []  # (sender, file) in one global order, identical on every rank
     for sender in range(world):
@@ -141,14 +162,8 @@ def replicate(local_dir: str, group: dist.ProcessGroup | None) -> ReplicaReport:
             if where.buddy[sender] is not None and key not in claimed:
                 claimed.add(key)
                 plan.append((sender, name))
-    sent, received, err = _transfer(local_dir, manifest, plan, where, me, group)
-    outcomes = pdist.all_gather_objects(err, group)
-    failed = [(r, e) for r, e in enumerate(outcomes) if e is not None]
-    if failed:
-        rank, why = failed[0]
-        raise ReplicaError(f"the peer replica of step {manifest.step} failed on rank {rank}: {why}",
-                           path=local_dir, hint="The checkpoint stays committed where it was; only the copy "
-                           "on a peer node is missing. Check the local tier's free space.")  # fmt: skip
+    sent, received, err = _transfer(local_dir, manifest, data, plan, where, me, group)
+    _raise_failed(pdist.all_gather_json(err, group, max_bytes=_WIRE_MAX_BYTES), manifest.step, local_dir, "")
     if me != 0 and received:
         _write_durable(os.path.join(local_dir, MANIFEST_NAME), raw)  # last: the files are durable
     holders: dict[str, list[str]] = {}
@@ -168,16 +183,66 @@ def replicate(local_dir: str, group: dist.ProcessGroup | None) -> ReplicaReport:
     )
 
 
+def _agreed_manifest(local_dir: str, group: dist.ProcessGroup | None) -> bytes:
+    """Rank 0's manifest bytes on every rank: read and validated on rank 0 (the outcome
+    agreed as JSON), then sent as the bytes themselves, length first, at most
+    :data:`MAX_MANIFEST_BYTES`."""
+    raw: bytes | None = None
+
+    def load() -> bool:
+        nonlocal raw
+        raw = _read_manifest(local_dir)
+        if raw is not None:
+            parse_manifest(raw, path=local_dir)  # refused on rank 0 before a byte is sent
+        return raw is not None
+
+    found = agree.decide(load, group, what="reading the checkpoint's manifest", json_max_bytes=_WIRE_MAX_BYTES)
+    if not found:
+        raise ReplicaError("rank 0 holds no manifest for this checkpoint", path=local_dir,
+                           hint="Replicate only a checkpoint that committed on the local tier.")  # fmt: skip
+    return pdist.broadcast_bytes(raw, group, max_bytes=MAX_MANIFEST_BYTES)
+
+
+def _read_own(store: Store, manifest: Manifest, names: list[str]) -> dict[str, bytes]:
+    """Each of ``names`` as the drain and the loader read it: a regular file, not through a
+    symlink, of exactly its manifest size (:meth:`Store.check_regular` before opening, then
+    :meth:`Store.read_regular` capped at that size: a FIFO never blocks, a file grown since
+    is never read whole)."""
+    out: dict[str, bytes] = {}
+    for name in names:
+        size = manifest.files[name].size
+        store.check_regular(name, size)
+        data = store.read_regular(name, size)
+        if len(data) != size:
+            raise CorruptCheckpointError(f"file {name!r} has {len(data)} bytes, the manifest says {size}",
+                                         path=store.url, hint="The local copy changed after the commit; "
+                                         "the drain to the bucket is the copy to trust.")  # fmt: skip
+        out[name] = data
+    return out
+
+
+def _raise_failed(errors: list[object], step: int, local_dir: str, done: str) -> None:
+    """Raise :class:`ReplicaError` on every rank when any rank reported an error."""
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        rank, why = failed[0]
+        raise ReplicaError(f"the peer replica of step {step} failed on rank {rank}: {why}", path=local_dir,
+                           hint=f"{done}The checkpoint stays committed where it was; only the copy on a peer "
+                           "node is missing. Check the local tier's files and free space.")  # fmt: skip
+
+
 def _transfer(
     local_dir: str,
     manifest: Manifest,
+    data: dict[str, bytes],
     plan: list[tuple[int, str]],
     where: Placement,
     me: int,
     group: dist.ProcessGroup | None,
 ) -> tuple[int, list[str], str | None]:
     """Post every send and receive of ``plan`` at once (pairs run in parallel), wait, then
-    verify and commit what this rank received. Returns (bytes sent, files received, error)."""
+    verify and commit what this rank received. ``data``: this rank's files, read already.
+    Returns (bytes sent, files received, error)."""
     ops: list[dist.P2POp] = []
     incoming: dict[str, list[torch.Tensor]] = {}
     sent = 0
@@ -186,9 +251,9 @@ def _transfer(
         assert buddy is not None
         size = manifest.files[name].size
         if me == sender:
-            data = torch.frombuffer(bytearray(Store(local_dir).read_bytes(name)) or bytearray(1), dtype=torch.uint8)
+            tensor = torch.frombuffer(bytearray(data[name]) or bytearray(1), dtype=torch.uint8)
             for off, n in _chunks(size):
-                ops.append(dist.P2POp(dist.isend, data[off : off + max(n, 1)], buddy, group))
+                ops.append(dist.P2POp(dist.isend, tensor[off : off + max(n, 1)], buddy, group))
             sent += size
         elif me == buddy:
             bufs = [torch.empty(max(n, 1), dtype=torch.uint8) for _, n in _chunks(size)]
@@ -214,8 +279,9 @@ def _transfer(
 
 # ---- after a resize: the survivors complete the checkpoint in the bucket ----------------------
 def _local_holdings(local_root: str, floor: int) -> dict[str, dict[str, object]]:
-    """This rank's view of its local tier: for each of our checkpoint dirs newer than
-    ``floor``, the manifest bytes (if here) and the sizes of the checkpoint files here."""
+    """This rank's view of its local tier, as JSON values: for each of our checkpoint dirs
+    newer than ``floor``, the manifest's text (if here and valid) and the sizes of the
+    checkpoint files here (regular files only: a symlink or FIFO is held by nobody)."""
     out: dict[str, dict[str, object]] = {}
     root = Store(local_root)
     for entry in root.entries():
@@ -225,8 +291,11 @@ def _local_holdings(local_root: str, floor: int) -> dict[str, dict[str, object]]
         ckpt = root.child(entry.name)
         files = {e.name: e.size for e in ckpt.entries() if e.kind == "file" and is_checkpoint_file(e.name)}
         try:
-            manifest = _read_manifest(ckpt.path())
-        except CheckpointError:  # not a regular file, or too large: no manifest to trust here
+            raw = _read_manifest(ckpt.path())
+            manifest = None if raw is None else raw.decode("utf-8")
+            if raw is not None:
+                parse_manifest(raw, path=ckpt.url)  # validated before it is sent (UTF-8 then too)
+        except (CheckpointError, UnicodeDecodeError):  # not a regular file, too large, damaged: untrusted
             manifest = None
         out[entry.name] = {"step": step, "manifest": manifest, "files": files}
     return out
@@ -272,8 +341,12 @@ def complete_from_peers(
         committed = [c.step for c in list_checkpoints(remote_url, remote_options) if c.committed]
         return max(committed, default=-1)
 
-    floor = agree.decide(remote_floor, group, what="listing the remote tier")
-    plan = plan_union(pdist.all_gather_objects(_local_holdings(local_root, floor), group))
+    floor = agree.decide(remote_floor, group, what="listing the remote tier", json_max_bytes=_WIRE_MAX_BYTES)
+    gathered = pdist.all_gather_json(_local_holdings(local_root, floor), group, max_bytes=_HOLDINGS_MAX_BYTES)
+    for holding in gathered:  # the manifests travelled as JSON text; plan_union takes their bytes
+        for held in holding.values():
+            held["manifest"] = held["manifest"].encode("utf-8") if isinstance(held["manifest"], str) else None
+    plan = plan_union(gathered)
     if plan is None:
         return None
     name, raw, assignment = plan
@@ -287,11 +360,13 @@ def complete_from_peers(
         copy_files(src, dst, manifest, names=mine)
     except Exception as exc:
         err = f"{type(exc).__name__}: {exc}"
-    failed = [(r, e) for r, e in enumerate(pdist.all_gather_objects(err, group)) if e is not None]
+    errors = pdist.all_gather_json(err, group, max_bytes=_WIRE_MAX_BYTES)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
         raise ReplicaError(f"uploading {name} from the survivors failed on rank {failed[0][0]}: {failed[0][1]}",
                            path=dst.url, hint="Nothing was committed there; the local copies stay.")  # fmt: skip
-    agree.decide(lambda: dst.commit_bytes(MANIFEST_NAME, raw), group, what="committing the survivors' upload")
+    agree.decide(lambda: dst.commit_bytes(MANIFEST_NAME, raw), group, what="committing the survivors' upload",
+                 json_max_bytes=_WIRE_MAX_BYTES)  # fmt: skip
     log.warning("lightning_preempt: %s (step %d) completed in %s from the survivors' local tiers",
                 name, manifest.step, remote_url)  # fmt: skip
     return manifest.step

@@ -139,3 +139,103 @@ def test_three_nodes_one_lost_the_survivors_complete_the_checkpoint_in_the_bucke
         for name, data in _files_of(r).items():
             assert (bucket / name).read_bytes() == data
     verify_checkpoint(Store(str(bucket)))  # committed, every CRC32C as in the manifest
+
+
+# ---- the local tier is untrusted input (issue 20, finding 4) ----------------------------------
+def _attack_worker(rank: int, world: int, root: str, attack: str) -> None:
+    """Rank 0's local tier is tampered with after the commit; every rank records what
+    :func:`replicate` did (its error's class and text, or ``ok``)."""
+    import datetime
+
+    from lightning_preempt.errors import CheckpointError
+
+    os.environ.update({"GROUP_RANK": str(rank), "TORCHELASTIC_RUN_ID": "t"})
+    local = os.path.join(root, f"node{rank}", "step-0000000007")
+    _write_share(local, rank, world)
+    if rank == 0:
+        shard = os.path.join(local, "__0_0.distcp")
+        if attack == "symlink":  # to a root-only file holding the very bytes: only the kind gives it away
+            secret = os.path.join(root, "secret")
+            Path(secret).write_bytes(Path(shard).read_bytes())
+            os.chmod(secret, 0o600)
+            os.remove(shard)
+            os.symlink(secret, shard)
+        elif attack == "fifo":  # opening it for reading would block until a writer comes
+            os.remove(shard)
+            os.mkfifo(shard)
+        elif attack == "manifest-dev-zero":  # reading it whole never ends
+            os.remove(os.path.join(local, MANIFEST_NAME))
+            os.symlink("/dev/zero", os.path.join(local, MANIFEST_NAME))
+    dist.barrier()
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=30))
+    try:
+        replicate(local, group)
+        outcome = {"ok": True}
+    except CheckpointError as err:
+        outcome = {"error": type(err).__name__, "message": str(err)}
+    Path(root, f"outcome{rank}.json").write_text(json.dumps(outcome))
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(
+    ("attack", "said"),
+    [("symlink", "a symbolic link"), ("fifo", "a FIFO"), ("manifest-dev-zero", "a symbolic link")],
+)
+def test_a_tampered_local_tier_is_refused_on_every_rank_and_nothing_reaches_the_peer(
+    tmp_path: Path, attack: str, said: str
+) -> None:
+    """A shard swapped for a symlink (to a root-only file) or a FIFO, or a manifest linked to
+    /dev/zero: every rank raises the same error naming the file (no hang: the ranks end
+    within run_ranks' deadline), and the peer node holds only its own files, no manifest."""
+    run_ranks(_attack_worker, 2, tmp_path, str(tmp_path), attack, timeout_s=90)
+    outcomes = [json.loads((tmp_path / f"outcome{r}.json").read_text()) for r in range(2)]
+    for outcome in outcomes:
+        assert "error" in outcome, outcome
+        assert said in outcome["message"] and "HINT:" in outcome["message"]
+    if attack != "manifest-dev-zero":
+        assert outcomes[0]["error"] == outcomes[1]["error"] == "ReplicaError"
+        assert "__0_0.distcp" in outcomes[1]["message"]
+    peer = tmp_path / "node1" / "step-0000000007"
+    assert sorted(p.name for p in peer.iterdir()) == sorted(_files_of(1))  # not sent, nothing committed
+
+
+def _no_pickle_worker(rank: int, world: int, root: str) -> None:
+    """replicate then complete_from_peers with every object collective of torch.distributed
+    (the ones that pickle) made to fail: the replica's path must not use any."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a pickled object crossed the replica's collectives")
+
+    for name in ("broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list"):
+        setattr(dist, name, refuse)
+    os.environ.update({"GROUP_RANK": str(rank), "TORCHELASTIC_RUN_ID": "t"})
+    local_root = os.path.join(root, f"node{rank}")
+    _write_share(os.path.join(local_root, "step-0000000007"), rank, world)
+    dist.barrier()
+    report = replicate(os.path.join(local_root, "step-0000000007"), dist.group.WORLD)
+    dist.barrier()
+    if rank == 1:  # this node is reclaimed; the survivor's tier holds every file
+        import shutil
+
+        shutil.rmtree(local_root)
+    dist.barrier()
+    step = complete_from_peers(local_root, os.path.join(root, "bucket"), {}, dist.group.WORLD)
+    Path(root, f"nopickle{rank}.json").write_text(json.dumps({"received": report.bytes_received, "step": step}))
+
+
+@pytest.mark.multiproc
+def test_no_pickle_crosses_the_replica_path(tmp_path: Path) -> None:
+    """The manifest and every value the ranks exchange travel as bytes (JSON), so no
+    unpickler sees what came from the local tier; the replica and the upload still work."""
+    from lightning_preempt.read.verify import verify_checkpoint
+    from lightning_preempt.storage.store import Store
+
+    run_ranks(_no_pickle_worker, 2, tmp_path, str(tmp_path), timeout_s=90)
+    results = [json.loads((tmp_path / f"nopickle{r}.json").read_text()) for r in range(2)]
+    assert [r["step"] for r in results] == [7, 7]
+    assert results[0]["received"] == sum(len(d) for d in _files_of(1).values())
+    bucket = tmp_path / "bucket" / "step-0000000007"
+    for r in range(2):
+        for name, data in _files_of(r).items():
+            assert (bucket / name).read_bytes() == data
+    verify_checkpoint(Store(str(bucket)))
