@@ -4,12 +4,12 @@ failures into errors whose HINT says what to set. Needs no torch.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from lightning_preempt.catalog.listing import CheckpointInfo, list_checkpoints
 from lightning_preempt.cli.options import PROG, UsageError
+from lightning_preempt.cli.output import print_note
 from lightning_preempt.errors import CheckpointError, NotACheckpointError
 from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.format.names import MANIFEST_NAME, is_checkpoint_file
@@ -104,7 +104,7 @@ def _newest_committed(infos: list[CheckpointInfo], url: str) -> CheckpointInfo:
         )
     for c in infos:
         if not c.committed and c.step > committed[0].step:
-            print(f"note: skipping newer {c.name}: {c.problem}", file=sys.stderr)
+            print_note(f"note: skipping newer {c.name}: {c.problem}")
     return committed[0]
 
 

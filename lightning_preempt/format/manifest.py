@@ -28,6 +28,13 @@ FORMAT_VERSION = 1
 
 #: Larger manifests are refused unread (a 4096-rank checkpoint's is well under 1 MiB).
 MAX_MANIFEST_BYTES = 32 << 20
+#: Most files one manifest may list. A manifest lists files, not tensors (the tensors of a
+#: sharded state live inside the DCP shards and ``.metadata``): each rank writes
+#: ``thread_count`` shard files and one ``state-rank*.pt``, so 2**18 entries hold a job of
+#: 131,072 ranks at the default one writer thread (8x the largest published runs, ~16k
+#: GPUs) or 32,768 ranks at 7 threads. Parsing that many takes about 1.5 s; a crafted
+#: manifest of 430k entries took 6.6 s and 540 MB in ``ls`` before this limit.
+MAX_MANIFEST_FILES = 1 << 18
 
 _CRC_RE = re.compile(r"[0-9a-f]{8}")
 _MAX_INT = 2**63 - 1
@@ -102,6 +109,10 @@ class Manifest:
         """
         if len(data) > MAX_MANIFEST_BYTES:
             raise _corrupt(f"manifest is {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} allowed", path)
+        # Before json.loads builds anything: every entry our writer makes has this literal
+        # key once (a string value cannot hold it: its quotes would be escaped). A key spelt
+        # with \u escapes passes here and is counted after the parse, before validation.
+        _check_entry_count(data.count(b'"crc32c"'), path)
         try:
             body = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
         except (UnicodeDecodeError, ValueError, RecursionError) as err:
@@ -130,6 +141,8 @@ class Manifest:
         unknown = sorted(set(body) - _KNOWN_KEYS)
         if unknown:
             raise _corrupt(f"manifest has unknown field(s) {', '.join(map(repr, unknown[:5]))}", path)
+        if isinstance(body.get("files"), dict):
+            _check_entry_count(len(body["files"]), path)
         try:
             return cls(
                 step=_int_field(body, "step", -1),
@@ -168,6 +181,17 @@ def parse_manifest(data: bytes, *, path: str) -> Manifest:
 
 def _corrupt(message: str, path: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(message, path=path, hint=_DAMAGED_HINT)
+
+
+def _check_entry_count(count: int, path: str) -> None:
+    if count > MAX_MANIFEST_FILES:
+        raise CorruptCheckpointError(
+            f"manifest lists more than {MAX_MANIFEST_FILES} files ({count} found); refusing to parse it",
+            path=path,
+            hint=f"A checkpoint of this package lists at most {MAX_MANIFEST_FILES} files (a shard per writer "
+            "thread and a state file per rank): this manifest is damaged or was not written by "
+            "lightning_preempt; delete it or resume from an older checkpoint.",
+        )
 
 
 def _reject_constant(name: str) -> Any:
