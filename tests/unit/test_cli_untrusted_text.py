@@ -45,7 +45,9 @@ def _committed(path: Path, step: int = 3) -> Path:
     crc = Crc32c()
     crc.update(data)
     entry = FileEntry(size=len(data), crc32c=crc.hexdigest())
-    (path / MANIFEST_NAME).write_bytes(Manifest(step=step, epoch=0, world_size=1, files={"__0_0.distcp": entry}).to_json())
+    (path / MANIFEST_NAME).write_bytes(
+        Manifest(step=step, epoch=0, world_size=1, files={"__0_0.distcp": entry}).to_json()
+    )
     return path
 
 
@@ -117,7 +119,7 @@ def test_the_cli_refuses_a_manifest_with_too_many_entries(tmp_path: Path) -> Non
     (ckpt / MANIFEST_NAME).write_bytes(_huge_manifest(MAX_MANIFEST_FILES + 1000))
     listed = run_cli("ls", str(tmp_path))
     assert listed.returncode == 0
-    assert b"no" in listed.stdout and f"more than {MAX_MANIFEST_FILES} files".encode() in listed.stdout
+    assert b"  no  " in listed.stdout and f"more than {MAX_MANIFEST_FILES} files".encode() in listed.stdout
     checked = run_cli("verify", str(ckpt))
     assert checked.returncode == 2  # INVALID
     assert f"more than {MAX_MANIFEST_FILES} files".encode() in checked.stderr and b"\nHINT: " in checked.stderr
