@@ -214,10 +214,13 @@ def _no_pickle_worker(rank: int, world: int, root: str) -> None:
     dist.barrier()
     report = replicate(os.path.join(local_root, "step-0000000007"), dist.group.WORLD)
     dist.barrier()
-    if rank == 1:  # this node is reclaimed; the survivor's tier holds every file
-        import shutil
-
-        shutil.rmtree(local_root)
+    ckpt = os.path.join(local_root, "step-0000000007")
+    if rank == 0:  # its copy of rank 1's shard becomes a FIFO: held by nobody, never opened
+        os.remove(os.path.join(ckpt, "__1_0.distcp"))
+        os.mkfifo(os.path.join(ckpt, "__1_0.distcp"))
+    else:  # its manifest becomes endless: not read whole, not trusted
+        os.remove(os.path.join(ckpt, MANIFEST_NAME))
+        os.symlink("/dev/zero", os.path.join(ckpt, MANIFEST_NAME))
     dist.barrier()
     step = complete_from_peers(local_root, os.path.join(root, "bucket"), {}, dist.group.WORLD)
     Path(root, f"nopickle{rank}.json").write_text(json.dumps({"received": report.bytes_received, "step": step}))
@@ -226,7 +229,9 @@ def _no_pickle_worker(rank: int, world: int, root: str) -> None:
 @pytest.mark.multiproc
 def test_no_pickle_crosses_the_replica_path(tmp_path: Path) -> None:
     """The manifest and every value the ranks exchange travel as bytes (JSON), so no
-    unpickler sees what came from the local tier; the replica and the upload still work."""
+    unpickler sees what came from the local tier; the replica and the upload still work,
+    past a FIFO in one tier (the file is taken from the other) and a manifest linked to
+    /dev/zero in the other (rank 0's is used)."""
     from lightning_preempt.read.verify import verify_checkpoint
     from lightning_preempt.storage.store import Store
 
