@@ -16,6 +16,17 @@ preemptible cluster, and what this module provides:
   whole job goes with it. :func:`serve_store` (``python -m lightning_preempt.elastic store``)
   hosts it on a node that stays (a login node, a small CPU pod); agents then pass
   ``--rdzv-conf is_host=false``.
+* **Who can reach the store.** torch's ``TCPStore`` has no authentication and no TLS, and
+  the c10d rendezvous state in it is a pickle every joining agent loads: whoever can
+  connect can run code in the agents. In torch 2.13 a ``TCPStore`` server listens on
+  *all* interfaces (``[::]``) whatever ``host_name`` says; it only binds what it is given
+  through ``master_listen_fd``. :func:`bound_tcp_store` does that, and both stores of ours
+  bind the address clients use, nothing wider: ``elastic store`` binds ``--host``
+  (default ``127.0.0.1``; ``0.0.0.0`` widens it), and :func:`run` makes the agent that hosts
+  the rendezvous store bind the ``--rdzv-endpoint`` address (loopback for a loopback
+  endpoint; ``LP_RDZV_BIND_HOST`` widens it). The workers' own store (``MASTER_PORT``,
+  created by worker rank 0 inside torch's process-group set-up) is out of our reach and
+  still listens on all interfaces (docs/elastic.md, "Who can reach the stores").
 * **A node that joins a running job hangs the resize** (torch 2.13, c10d rendezvous with the
   TCP store shared with the workers, the default): an agent that was rank 0 before keeps
   its bootstrap store info and does not publish ``MASTER_ADDR`` for the new round, while
@@ -30,13 +41,23 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["ElasticEnv", "exit_code_for", "run", "serve_store", "trainer_kwargs"]
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
+
+__all__ = ["ElasticEnv", "bound_tcp_store", "exit_code_for", "listen_socket", "run", "serve_store", "trainer_kwargs"]
+
+#: Widens the address the rendezvous store of a ``run`` agent binds (e.g. ``0.0.0.0``).
+ENV_BIND_HOST = "LP_RDZV_BIND_HOST"
+_ALL_INTERFACES = ("", "0.0.0.0", "::", "*")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +106,99 @@ def trainer_kwargs(environ: dict[str, str] | None = None) -> dict[str, int]:
     return {"devices": env.local_world_size, "num_nodes": env.num_nodes}
 
 
+# ---- stores that listen where their clients connect, nowhere else --------------------------
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host``'s address (``0.0.0.0``/``::``/``""``: every interface).
+
+    A name is resolved here; one that resolves to a loopback address other than
+    ``localhost`` (Debian's ``127.0.1.1 <hostname>`` line) gets every interface, as before:
+    other nodes reach that name through DNS, at another address, and a loopback bind would
+    shut them out.
+    """
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # "[::1]"
+    if host in _ALL_INTERFACES:
+        family, addr = (socket.AF_INET6, "::") if host == "::" else (socket.AF_INET, "0.0.0.0")
+    else:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        addr = str(sockaddr[0])
+        literal = _is_ip(host)
+        if not literal and host != "localhost" and ipaddress.ip_address(addr.split("%")[0]).is_loopback:
+            family, addr = socket.AF_INET, "0.0.0.0"
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart on a fixed port: TIME_WAIT
+        if family == socket.AF_INET6 and addr == "::":
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # "::" means IPv4 too
+        sock.bind((addr, port))
+        sock.listen(512)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.strip("[]").split("%")[0])
+    except ValueError:
+        return False
+    return True
+
+
+def bound_tcp_store(host: str, port: int, *, bind_host: str | None = None, **kwargs: Any) -> TCPStore:
+    """A ``TCPStore`` server that listens on ``bind_host`` (default: ``host``'s address) only.
+
+    torch 2.13's ``TCPStore(host, port, is_master=True)`` binds every interface whatever
+    ``host`` is (both the libuv and the classic server); given a listening socket through
+    ``master_listen_fd`` it serves on that one. ``kwargs`` go to ``TCPStore``
+    (``multi_tenant``, ``timeout``, ``wait_for_workers``…).
+    """
+    from torch.distributed import TCPStore
+
+    sock = listen_socket(bind_host if bind_host is not None else host, port)
+    bound_port = sock.getsockname()[1]
+    # The store takes the descriptor over (and closes it): detach, or Python would close it twice.
+    fd = sock.detach()
+    try:
+        return TCPStore(host, bound_port, is_master=True, master_listen_fd=fd, **kwargs)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _bind_rendezvous_store_to_endpoint() -> None:
+    """Make the agent that hosts the c10d rendezvous store bind the endpoint's address.
+
+    torch builds that store in ``c10d_rendezvous_backend._create_tcp_store`` with the
+    module's ``TCPStore``; there is no option for the bind address, so the module's name is
+    pointed at a factory that hosts through :func:`bound_tcp_store` (clients are unchanged).
+    A torch whose module no longer has that name keeps its own behaviour, with a note.
+    """
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as backend
+
+    current = getattr(backend, "TCPStore", None)
+    if getattr(current, "lightning_preempt_bound", False):
+        return
+    if current is not TCPStore:
+        print("lightning_preempt.torchrun: this torch builds its rendezvous store differently; it may listen on "
+              "every interface", file=sys.stderr, flush=True)  # fmt: skip
+        return
+
+    def tcp_store(host_name: str, port: int, *args: Any, is_master: bool = False, **kwargs: Any) -> TCPStore:
+        if is_master and not args:
+            try:
+                return bound_tcp_store(host_name, port, bind_host=os.environ.get(ENV_BIND_HOST) or None, **kwargs)
+            except OSError as err:
+                # torch's own store says RuntimeError when the port is taken, and torch falls back
+                # to a client on exactly that (another agent of this host hosts it): keep the contract.
+                raise RuntimeError(f"cannot host the rendezvous store on {host_name}:{port}: {err}") from err
+        return TCPStore(host_name, port, *args, is_master=is_master, **kwargs)  # type: ignore[misc]
+
+    tcp_store.lightning_preempt_bound = True  # type: ignore[attr-defined]
+    backend.TCPStore = tcp_store  # type: ignore[misc,assignment]
+
+
 # ---- the launcher --------------------------------------------------------------------------
 def exit_code_for(exc: BaseException) -> int:
     """The exit code a scheduler should see for what ended ``torch.distributed.run``.
@@ -121,6 +235,7 @@ def run(argv: Sequence[str] | None = None) -> int:
 
     # Without this a node joining a running job deadlocks the re-rendezvous (module docstring).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    _bind_rendezvous_store_to_endpoint()  # its pickled state must not be reachable wider than needed
     args = torchrun.parse_args(list(argv) if argv is not None else None)
     try:
         torchrun.run(args)
@@ -143,10 +258,12 @@ def serve_store(host: str, port: int, *, ready_file: str | None = None) -> None:
     Agents connect with ``--rdzv-backend=c10d --rdzv-endpoint=HOST:PORT --rdzv-conf
     is_host=false`` and keep their rendezvous state here, so the loss of any training node
     leaves the rendezvous intact. ``ready_file`` is written once the store listens.
-    """
-    from torch.distributed import TCPStore
 
-    store = TCPStore(host, port, is_master=True, wait_for_workers=False, multi_tenant=True)
+    The store listens on ``host``'s address only (``0.0.0.0``: every interface): whoever
+    can connect can run code in the agents that join (the state is a pickle, and torch's
+    store has no authentication), so name the address the agents use, nothing wider.
+    """
+    store = bound_tcp_store(host, port, wait_for_workers=False, multi_tenant=True)
     stop = False
 
     def _stop(signum: int, frame: object) -> None:
@@ -159,7 +276,8 @@ def serve_store(host: str, port: int, *, ready_file: str | None = None) -> None:
         with open(ready_file + ".tmp", "w") as f:
             f.write(str(store.port))
         os.replace(ready_file + ".tmp", ready_file)
-    print(f"lightning_preempt: rendezvous store listening on {host}:{store.port}", flush=True)
+    print(f"lightning_preempt: rendezvous store listening on {host}:{store.port} (no authentication: only "
+          "hosts that may run code in the agents should reach this address)", flush=True)  # fmt: skip
     while not stop:
         time.sleep(0.5)
 
@@ -168,7 +286,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lightning_preempt.elastic")
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("store", help="host the c10d rendezvous store (run it on a node that is not preemptible)")
-    s.add_argument("--host", default="0.0.0.0")
+    s.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the address to listen on, the one the agents' --rdzv-endpoint names (default 127.0.0.1: this host "
+        "only; 0.0.0.0: every interface). Whoever reaches it can run code in the agents: see docs/elastic.md",
+    )
     s.add_argument("--port", type=int, default=29400)
     s.add_argument("--ready-file", default=None, help="write the port here once listening")
     args = p.parse_args(argv)

@@ -14,6 +14,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol, runtime_checkable
 
+# The furthest ahead a notice's deadline may lie. Real ones are 30 s (GCE) to 15 min (Azure
+# Terminate); a server's "year 9999" would make every wait on it overflow (``threading``
+# refuses timeouts past ``TIMEOUT_MAX``: the drain was cancelled at once) or hang for ever.
+MAX_NOTICE_HORIZON_S = 3600.0
+
 
 @dataclasses.dataclass(frozen=True)
 class Notice:
@@ -25,12 +30,19 @@ class Notice:
         received_at: ``time.monotonic()`` when this process learnt of it.
         deadline: ``time.monotonic()`` by which the node is gone, when the source knows it
             (a signal's deadline is ``received_at + grace_period_s``, set by the controller).
+            Clamped to at most :data:`MAX_NOTICE_HORIZON_S` after ``received_at``: the one
+            place every source's deadline passes through.
     """
 
     source: str
     reason: str
     received_at: float
     deadline: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.deadline is not None and not self.deadline <= self.received_at + MAX_NOTICE_HORIZON_S:
+            # ``not <=`` also catches NaN.
+            object.__setattr__(self, "deadline", self.received_at + MAX_NOTICE_HORIZON_S)
 
 
 @runtime_checkable

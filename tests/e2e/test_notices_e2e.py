@@ -12,12 +12,15 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 from ckpts import committed
 from fake_metadata import FakeMetadata
 from jobs import launch, read, step_of, wait_for
+
+from lightning_preempt.preemption.sources import MAX_NOTICE_HORIZON_S
 
 pytestmark = pytest.mark.multiproc
 
@@ -137,6 +140,25 @@ def test_azure_notice_drains_two_tiers_within_the_notices_deadline(tmp_path: Pat
     _in_order(
         out, "[notice] azure: scheduled event Preempt", f"draining step {agreed}", "drained", "exiting with code 143"
     )
+
+
+def test_a_notice_for_the_year_9999_drains_within_the_clamped_horizon(tmp_path: Path) -> None:
+    """A deadline past ``threading.TIMEOUT_MAX`` made the drain's wait overflow: it was
+    cancelled at once, the remote tier never got the snapshot. Clamped, the drain runs."""
+    with FakeMetadata(("azure",)) as fake:
+        env = _env(azure=fake.url)
+        local = str(tmp_path / "local")
+        proc = _launch(tmp_path, env, "--notices", "azure", "--on-notice", "exit", "--local-dirpath", local)
+        wait_for(proc, "step 10", lambda: _step(tmp_path) >= 10)
+        fake.announce_azure("Preempt", in_s=253402300799 - time.time())  # NotBefore: 31 Dec 9999
+        out, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 143, out[-4000:]
+    assert "Dec 9999" in out, out[-4000:]
+    (agreed,) = sorted(committed(tmp_path / "ck"))  # the remote tier has it: the drain was not cancelled
+    drain = next(line for line in out.splitlines() if f"draining step {agreed} to" in line)
+    budget = float(drain.split("for at most ")[1].split("s")[0])
+    assert 30.0 < budget <= MAX_NOTICE_HORIZON_S, drain
+    _in_order(out, f"draining step {agreed}", "drained", "exiting with code 143")
 
 
 def test_a_metadata_server_that_misbehaves_never_disturbs_training(tmp_path: Path) -> None:

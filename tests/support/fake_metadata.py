@@ -57,6 +57,7 @@ class FakeMetadata:
         self._aws_rebalance: dict[str, str] | None = None
         self._gce = {"preempted": "FALSE", "maintenance-event": "NONE"}
         self._azure_events: list[dict[str, Any]] = []
+        self._raw: dict[tuple[str, str], tuple[int, bytes]] = {}  # (method, path) -> a hostile answer
         self._incarnation = 1
         self._cond = threading.Condition()
         self._release = threading.Event()
@@ -154,6 +155,11 @@ class FakeMetadata:
         self._set(lambda: self._azure_events.append(event))
         return event_id
 
+    def serve_raw(self, method: str, path: str, body: bytes | None, status: int = 200) -> None:
+        """Answer ``method path`` with exactly ``body`` (a malformed document, a bad token)
+        until called again with ``body=None``."""
+        self._set(lambda: self._raw.pop((method, path), None) if body is None else self._raw.__setitem__((method, path), (status, body)))
+
     def revoke_tokens(self) -> None:
         """AWS: every issued token now gets 401 (as after its TTL)."""
         self._set(self._tokens.clear)
@@ -181,6 +187,8 @@ class FakeMetadata:
             return h.reply(200, b"<html>\x00\x01 not what you expected \xff</html>")
         if self.mode == "error":
             return h.reply(500, b"internal error")
+        if (h.command, path) in self._raw:
+            return h.reply(*self._raw[(h.command, path)])
         if "aws" in self.clouds and path.startswith("/latest/"):
             return self._aws(h, path)
         if "gce" in self.clouds and path.startswith(GCE):

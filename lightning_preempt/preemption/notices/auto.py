@@ -14,7 +14,6 @@ import threading
 from collections.abc import Callable, Mapping
 
 from lightning_preempt.preemption.notices import aws, azure, gce
-from lightning_preempt.preemption.notices._http import REQUEST_FAILURES
 from lightning_preempt.preemption.notices.base import MetadataSource
 from lightning_preempt.preemption.sources import Notice
 
@@ -96,14 +95,14 @@ class AutoSource:
         def one(name: str) -> None:
             try:
                 answered[name] = CLOUDS[name][0](candidates[name].endpoint, self.probe_timeout_s)
-            except REQUEST_FAILURES:
+            except Exception:  # REQUEST_FAILURES, or an answer that breaks the parser: not that cloud
                 answered[name] = False
 
         probes = [threading.Thread(target=one, args=(n,), daemon=True) for n in candidates]
         for t in probes:
             t.start()
         for t in probes:
-            t.join()  # each probe is bounded by probe_timeout_s (connect and read)
+            t.join()  # each probe's whole request is bounded by probe_timeout_s
         if self._stop.is_set():
             self.probed.set()
             return

@@ -130,17 +130,23 @@ class AWSSpotSource(MetadataSource):
                 timeout_s=self.timeout_s,
             )
             token = resp.text.strip()
-            if resp.status != 200 or not token or len(token) > 4096 or "\n" in token:
+            # It goes back in a header: printable ASCII only (CR/LF or non-ASCII would make
+            # http.client raise ValueError/UnicodeEncodeError on every later request).
+            if resp.status != 200 or not token or len(token) > 4096 or not _is_header_safe(token):
                 raise GarbageResponse(f"HTTP {resp.status} from PUT {TOKEN_PATH} (no IMDSv2 token)")
             self._token = token
             self._token_expires = now + max(self.token_ttl_s - 60, self.token_ttl_s / 2)  # renew early
         return self._token
 
 
+def _is_header_safe(value: str) -> bool:
+    return value.isascii() and value.isprintable()
+
+
 def _json_object(body: str, path: str) -> dict[str, object]:
     try:
         doc = json.loads(body)
-    except ValueError as err:
+    except (ValueError, RecursionError) as err:  # RecursionError: '[[[[…' nested past the C stack
         raise GarbageResponse(f"{path} is not JSON: {body[:200]!r}") from err
     if not isinstance(doc, dict):
         raise GarbageResponse(f"{path} is not a JSON object: {body[:200]!r}")

@@ -25,6 +25,7 @@ import logging
 import threading
 import time
 
+from lightning_preempt._log import untrusted_text
 from lightning_preempt.preemption.notices._http import REQUEST_FAILURES, GarbageResponse, join, request
 from lightning_preempt.preemption.notices.base import (
     MetadataSource,
@@ -98,7 +99,7 @@ class AzureSource(MetadataSource):
             events = doc["Events"]
             if not isinstance(events, list):
                 raise TypeError("Events is not a list")
-        except (ValueError, KeyError, TypeError) as err:
+        except (ValueError, KeyError, TypeError, RecursionError) as err:  # RecursionError: deep nesting
             raise GarbageResponse(f"not a Scheduled Events document: {resp.text[:200]!r}") from err
         mine = [e for e in events if self._concerns_us(e)]
         if not mine:
@@ -139,7 +140,7 @@ class AzureSource(MetadataSource):
                 resp = request("GET", join(self.endpoint, NAME_PATH), headers=HEADERS, timeout_s=self.timeout_s)
                 name = resp.text.strip() if resp.status == 200 else ""
             except REQUEST_FAILURES as err:
-                log.debug("lightning_preempt: azure: cannot read this VM's name (%s)", err)
+                log.debug("lightning_preempt: azure: cannot read this VM's name (%s)", untrusted_text(err))
                 return None
             if not name or len(name) > 256:
                 return None
@@ -157,13 +158,13 @@ class AzureSource(MetadataSource):
                 timeout_s=self.timeout_s,
             )
         except REQUEST_FAILURES as err:
-            log.warning("lightning_preempt: azure: could not acknowledge %s (%s)", event_ids, err)
+            log.warning("lightning_preempt: azure: could not acknowledge %s (%s)", untrusted_text(event_ids), untrusted_text(err))
             return
         if resp.status == 200:
             self.acknowledged = event_ids
-            log.info("lightning_preempt: azure: acknowledged scheduled events %s", event_ids)
+            log.info("lightning_preempt: azure: acknowledged scheduled events %s", untrusted_text(event_ids))
         else:
-            log.warning("lightning_preempt: azure: acknowledging %s got HTTP %d", event_ids, resp.status)
+            log.warning("lightning_preempt: azure: acknowledging %s got HTTP %d", untrusted_text(event_ids), resp.status)
 
 
 def probe(endpoint: str, timeout_s: float) -> bool:
@@ -174,6 +175,6 @@ def probe(endpoint: str, timeout_s: float) -> bool:
         return False
     try:
         doc = json.loads(resp.text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
     return isinstance(doc, dict) and "compute" in doc

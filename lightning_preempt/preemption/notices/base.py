@@ -5,6 +5,11 @@ A source's threads only talk HTTP to the node's metadata server and store a
 reads that field and never blocks. A server that is slow, answers garbage or vanishes
 costs the watcher thread time, never the training loop: the first failure is logged at
 WARNING (once per start), later ones at DEBUG, and the thread backs off exponentially.
+Every exception of one answer counts as a failed request, not just the expected ones (an
+answer that breaks a parser in a way nobody foresaw must not end the watcher: a real
+notice served later would never be seen); each request is bounded in total time
+(``_http.request``); the server's text reaches the log escaped and cut
+(:func:`~lightning_preempt._log.untrusted_text`).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from email.utils import parsedate_to_datetime
 
+from lightning_preempt._log import untrusted_text
 from lightning_preempt.preemption.notices._http import REQUEST_FAILURES, GarbageResponse
 from lightning_preempt.preemption.sources import Notice
 
@@ -149,7 +155,7 @@ class MetadataSource:
         while not stop.is_set():
             try:
                 notice = watch(stop)
-            except REQUEST_FAILURES as err:
+            except Exception as err:  # REQUEST_FAILURES, and whatever a malformed answer raises
                 failures += 1
                 self._failed(err, failures)
                 stop.wait(self.backoff_s(failures))
@@ -166,16 +172,22 @@ class MetadataSource:
     def _failed(self, err: BaseException, failures: int) -> None:
         self.failures = failures
         self.requests_failed += 1
+        what = untrusted_text(err)  # an exception's text may quote the server's bytes
         if not self._warned:
             self._warned = True
+            hint = (
+                f"off that cloud, drop {self.name!r} from `notices`; on it, check that the metadata server is "
+                "reachable from the container (host network / hop limit)."
+                if isinstance(err, REQUEST_FAILURES)
+                else "the answer broke the parser (a hostile server, or a bug of ours: please report it)."
+            )
             log.warning(
                 "lightning_preempt: %s notices: the metadata server at %s failed (%s: %s); retrying with backoff, "
-                "training is not affected\nHINT: off that cloud, drop %r from `notices`; on it, check that the "
-                "metadata server is reachable from the container (host network / hop limit).",
-                self.name, self.endpoint, type(err).__name__, err, self.name,
+                "training is not affected\nHINT: %s",
+                self.name, self.endpoint, type(err).__name__, what, hint,
             )  # fmt: skip
         else:
-            log.debug("lightning_preempt: %s notices: request failed again (%s)", self.name, err)
+            log.debug("lightning_preempt: %s notices: request failed again (%s: %s)", self.name, type(err).__name__, what)
 
     def _record(self, notice: Notice) -> None:
         with self._lock:
@@ -184,7 +196,8 @@ class MetadataSource:
                 return  # keep the first, unless an advisory one is now made definite
             self._notice = notice
         left = f"; {notice.deadline - time.monotonic():.0f}s left" if notice.deadline is not None else ""
-        log.warning("lightning_preempt: [notice] %s: %s%s", notice.source, notice.reason, left)
+        # The reason quotes the server (an event id, a status): escaped, so it cannot start a line of its own.
+        log.warning("lightning_preempt: [notice] %s: %s%s", notice.source, untrusted_text(notice.reason), left)
 
 
 class NoopSource:

@@ -24,6 +24,7 @@ import threading
 import time
 from urllib.parse import urlencode
 
+from lightning_preempt._log import untrusted_text
 from lightning_preempt.preemption.notices._http import GarbageResponse, join, request
 from lightning_preempt.preemption.notices.base import MetadataSource, Watcher
 from lightning_preempt.preemption.sources import Notice
@@ -90,7 +91,7 @@ class GCESource(MetadataSource):
             # Newer values may appear; only the documented terminating one is acted on.
             if not value or len(value) > 100:
                 raise GarbageResponse(f"{BASE}maintenance-event is {value[:100]!r}")
-            log.info("lightning_preempt: gce maintenance-event is %r (not acted on)", value)
+            log.info("lightning_preempt: gce maintenance-event is %r (not acted on)", untrusted_text(value))
             return None
         if value == "MIGRATE_ON_HOST_MAINTENANCE":
             log.info("lightning_preempt: gce live migration in ~%.0fs; training goes on", MAINTENANCE_NOTICE_S)
