@@ -65,10 +65,10 @@ class FailingStat:
         self._real = os.stat
 
     def _stat(self, path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
-        if isinstance(path, (str, os.PathLike)) and os.fspath(path).endswith(self.suffix):
-            if self.times is None or self.failed < self.times:
-                self.failed += 1
-                raise OSError(self.errno, f"{os.strerror(self.errno)} (injected)", os.fspath(path))
+        ours = isinstance(path, (str, os.PathLike)) and os.fspath(path).endswith(self.suffix)
+        if ours and (self.times is None or self.failed < self.times):
+            self.failed += 1
+            raise OSError(self.errno, f"{os.strerror(self.errno)} (injected)", os.fspath(path))
         return self._real(path, *args, **kwargs)
 
     def __enter__(self) -> FailingStat:
