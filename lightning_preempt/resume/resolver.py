@@ -98,15 +98,21 @@ class ResumeResolver:
     def peek(self) -> Peek:
         """List (with retries) and remember whether a committed checkpoint exists."""
 
-        def listing() -> bool:
-            local = self.local_dirpath is not None and bool(complete_local_checkpoints(self.local_dirpath))
-            return local or any(c.committed for c in list_checkpoints(self.dirpath, self.storage_options))
-
         try:
-            self.peeked = Peek(self._retrying(listing))
+            self.peeked = Peek(self._retrying(self._has_checkpoint))
         except ListingError as err:  # remembered, never taken for "nothing there"
             self.peeked = Peek(False, agree.Outcome.failure(err, pdist.rank()))
         return self.peeked
+
+    def look_again(self, group: pdist.ProcessGroup | None) -> bool:
+        """Every rank, collective, once this job holds the lease: does ``dirpath`` hold a
+        committed checkpoint *now*? A job that waited for another job's lease must resume
+        from what that job committed meanwhile, not keep the answer of its :meth:`peek`."""
+        return agree.decide(lambda: self._retrying(self._has_checkpoint), group, what="listing dirpath again")
+
+    def _has_checkpoint(self) -> bool:
+        local = self.local_dirpath is not None and bool(complete_local_checkpoints(self.local_dirpath))
+        return local or any(c.committed for c in list_checkpoints(self.dirpath, self.storage_options))
 
     def _retrying(self, fn: Callable[[], T]) -> T:
         """``fn()`` with the listing's retries; an error that persists (or is not worth
