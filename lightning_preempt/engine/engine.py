@@ -154,15 +154,18 @@ class Engine:
             new_group=rt.new_group,
         )  # fmt: skip
         # A listing that kept failing on any rank stops every rank here, before step 1.
+        asked = self.resolver.peeked is not None  # the front-end asked (no explicit checkpoint given)
         resuming = config.resume and self.resolver.agree_on_peeks(group)
+        self.resolver.peeked = None  # one peek per set-up
         if config.probe_storage:
             preflight(config.dirpath, config.storage_options, self.local_dirpath, group)
         if config.lease:
             take_lease(rt, config, leader=leader)
             if config.resume and not resuming:
                 # The peek was made before the lease was ours: the job that held it may have
-                # committed since (a requeued job waiting for its predecessor to let go).
-                resuming = self.resolver.look_again(group)
+                # committed since (a requeued job waiting for its predecessor to let go). Not
+                # when the front-end never asked (an explicit checkpoint was given).
+                resuming = self.resolver.look_again(group, asked=asked)
         target = self._choose(saver, group, verify_on_load) if resuming else None
         # A resumed run continues the run it resumed from; a fresh one gets a new id.
         continued = target.run_id if target is not None else None

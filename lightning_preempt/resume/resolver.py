@@ -104,11 +104,14 @@ class ResumeResolver:
             self.peeked = Peek(False, agree.Outcome.failure(err, pdist.rank()))
         return self.peeked
 
-    def look_again(self, group: pdist.ProcessGroup | None) -> bool:
+    def look_again(self, group: pdist.ProcessGroup | None, *, asked: bool) -> bool:
         """Every rank, collective, once this job holds the lease: does ``dirpath`` hold a
         committed checkpoint *now*? A job that waited for another job's lease must resume
-        from what that job committed meanwhile, not keep the answer of its :meth:`peek`."""
-        return agree.decide(lambda: self._retrying(self._has_checkpoint), group, what="listing dirpath again")
+        from what that job committed meanwhile, not keep the answer of its :meth:`peek`.
+        ``asked``: the front-end peeked (``False``: it was given a checkpoint; the answer is
+        then ``False``). Rank 0's view decides for every rank."""
+        return agree.decide(lambda: asked and self._retrying(self._has_checkpoint), group,
+                            what="listing dirpath again")  # fmt: skip
 
     def _has_checkpoint(self) -> bool:
         local = self.local_dirpath is not None and bool(complete_local_checkpoints(self.local_dirpath))
