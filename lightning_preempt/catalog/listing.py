@@ -124,7 +124,7 @@ def complete_local_checkpoints(local_root: str) -> list[CheckpointInfo]:
         try:
             if all(os.path.getsize(os.path.join(base, n)) == e.size for n, e in info.manifest.files.items()):
                 out.append(info)
-        except OSError:
-            continue
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # any other error is "could not tell" and raised: never "incomplete" on an EIO
     return out
 

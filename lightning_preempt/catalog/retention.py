@@ -45,6 +45,8 @@ def apply_retention(
     * ``run_id``: checkpoints whose manifest names another run are neither counted nor
       removed. ``protect`` names directories never to touch (a save still in flight).
     * A checkpoint written by a newer format version is never removed.
+    * An error that does not prove damage (a manifest or file that could not be statted or
+      read: EIO, a 503) is raised and nothing is removed: "could not tell" is never "partial".
     """
     infos = list_checkpoints(url, storage_options)
     _warn_foreign(url, storage_options, infos)
@@ -99,8 +101,8 @@ def retain(
         return apply_retention(url, keep_last_n, storage_options, protect=protect, run_id=run_id)
     except Exception as err:
         log.warning(
-            "lightning_preempt: retention in %s failed (%s)\nHINT: older checkpoints were kept; check that the "
-            "storage allows deletes. The next save retries.",
+            "lightning_preempt: retention in %s failed (%s)\nHINT: nothing was deleted; check that the storage "
+            "is reachable and allows deletes. The next save retries.",
             url, describe(err, storage_options or {}),
         )  # fmt: skip
         return []
@@ -122,7 +124,10 @@ def _soundness_problem(info: CheckpointInfo, storage_options: dict[str, Any] | N
             mark_verified(info.path, info.manifest)
         else:
             check_checkpoint(store, info.manifest, verify="sizes")
-    except (CheckpointError, OSError) as err:
+    except CheckpointError as err:
+        # Damage only. Any other error (EIO, a 503) means "could not tell": it is raised and
+        # retention removes nothing this time (retain() logs it), so a checkpoint that was
+        # merely unreadable for a moment is never deleted as corrupt.
         log.warning("lightning_preempt: retention does not count %s: %s", info.path, str(err).splitlines()[0])
         return str(err).splitlines()[0]
     return None

@@ -15,7 +15,10 @@ Call order (and which ranks call):
    for "nothing there".
 2. (every rank, collective) :meth:`Engine.setup`: process groups, the saver's wiring and
    tiers, the agreed resume decision, the storage probe, the lease, the run id. Returns the
-   :class:`ResumeTarget` every rank loads (the same on every rank), or ``None``.
+   :class:`ResumeTarget` every rank loads (the same on every rank), or ``None``. The target
+   is chosen after the lease is taken: when :meth:`Engine.peek` saw nothing but a job whose
+   lease this one waited for committed meanwhile, the target is that checkpoint (the
+   front-end must then load it although it asked "is there one?" before: the callback does).
 3. (every rank) :meth:`Engine.start` once the state is loaded, just before the first step:
    reconciles what was loaded, acts on a signal that came during start-up.
 4. (every rank, at every optimizer-step boundary) :meth:`Engine.step_end`: what every rank
@@ -151,11 +154,18 @@ class Engine:
             new_group=rt.new_group,
         )  # fmt: skip
         # A listing that kept failing on any rank stops every rank here, before step 1.
+        asked = self.resolver.peeked is not None  # the front-end asked (no explicit checkpoint given)
         resuming = config.resume and self.resolver.agree_on_peeks(group)
+        self.resolver.peeked = None  # one peek per set-up
         if config.probe_storage:
             preflight(config.dirpath, config.storage_options, self.local_dirpath, group)
         if config.lease:
             take_lease(rt, config, leader=leader)
+            if config.resume and not resuming:
+                # The peek was made before the lease was ours: the job that held it may have
+                # committed since (a requeued job waiting for its predecessor to let go). Not
+                # when the front-end never asked (an explicit checkpoint was given).
+                resuming = self.resolver.look_again(group, asked=asked)
         target = self._choose(saver, group, verify_on_load) if resuming else None
         # A resumed run continues the run it resumed from; a fresh one gets a new id.
         continued = target.run_id if target is not None else None

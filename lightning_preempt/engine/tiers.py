@@ -16,6 +16,7 @@ from lightning_preempt.collective import groups as pdist
 from lightning_preempt.format.names import MANIFEST_NAME
 from lightning_preempt.save.saver import Saver
 from lightning_preempt.save.tiers import TwoTier
+from lightning_preempt.storage.diagnose import describe
 from lightning_preempt.storage.store import Store
 
 log = logging.getLogger(__name__)
@@ -72,10 +73,15 @@ def upload_local_only(tiers: TwoTier | None, dirpath: str) -> None:
 def taken(tiers: TwoTier | None, path: str, storage_options: dict[str, Any]) -> bool:
     """Does ``path`` already hold a committed checkpoint? With two tiers the training thread
     looks at the local disk only (a remote outage must not stall a step)."""
-    if tiers is None:
-        return Store(path, storage_options).exists(MANIFEST_NAME)
-    local = tiers.local_twin(path)
-    return local is not None and tiers.committed(local)
+    try:
+        if tiers is None:
+            return Store(path, storage_options).exists(MANIFEST_NAME)
+        local = tiers.local_twin(path)
+        return local is not None and tiers.committed(local)
+    except Exception as err:  # could not tell: a fresh name, so nothing committed is ever replaced
+        log.warning("lightning_preempt: cannot tell whether %s is committed (%s); saving beside it", path,
+                    describe(err, storage_options))  # fmt: skip
+        return True
 
 
 def drain_within_grace(

@@ -125,7 +125,15 @@ def foreign_step(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+#: The highest lease generation a name can carry (:data:`LEASE_RE`: exactly 10 digits). A
+#: name with more digits would be invisible to every reader of the lease.
+LEASE_GENERATION_MAX = 10**10 - 1
+
+
 def lease_name(generation: int) -> str:
+    """The file name of lease ``generation`` (1 … :data:`LEASE_GENERATION_MAX`)."""
+    if not 1 <= generation <= LEASE_GENERATION_MAX:
+        raise ValueError(f"lease generation {generation} is outside 1..{LEASE_GENERATION_MAX}")
     return f"{LEASE_PREFIX}{generation:010d}.json"
 
 

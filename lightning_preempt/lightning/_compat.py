@@ -110,3 +110,37 @@ def set_sampler_epoch(loader: Any, epoch: int) -> None:
     from lightning.fabric.utilities.data import _set_sampler_epoch
 
     _set_sampler_epoch(loader, epoch)
+
+
+# ---- a resume target chosen after Lightning chose "no checkpoint" -------------------------
+def restores_after_setup(trainer: Any) -> bool:
+    """Whether the strategy loads the checkpoint after its own set-up (FSDP, DeepSpeed):
+    Lightning's public ``Strategy.restore_checkpoint_after_setup``."""
+    return bool(getattr(trainer.strategy, "restore_checkpoint_after_setup", False))
+
+
+def restore_late(trainer: Any, path: str) -> None:
+    """Load ``path`` for this ``fit`` although Lightning's ``ckpt_path`` was ``None``.
+
+    Lightning chooses ``ckpt_path`` before any hook; the lease is taken in ``setup``, and a
+    job that waited for it must resume what the previous holder committed meanwhile. Called
+    in ``setup`` (``on_fit_start`` when the strategy restores after its set-up), that is
+    before Lightning's ``_restore_modules_and_callbacks(None)``, which keeps the checkpoint
+    loaded here (its ``resume_start(None)`` returns at once), restores the model and callbacks
+    from it, then the loops and optimizers (``restore_training_state``).
+
+    Private: ``trainer._checkpoint_connector.resume_start`` (Lightning 2.5-2.6). Without it
+    the run refuses to start from step 0 silently: a clear error says to restart it.
+    """
+    connector = getattr(trainer, "_checkpoint_connector", None)
+    resume_start = getattr(connector, "resume_start", None)
+    if resume_start is None:  # pragma: no cover - moved in a newer Lightning
+        from lightning_preempt.errors import CheckpointError
+
+        raise CheckpointError(
+            "a checkpoint was committed to dirpath while this job waited for the lease, and this Lightning "
+            "version cannot load it this late",
+            path=path,
+            hint="Restart the job: it then resumes from that checkpoint.",
+        )
+    resume_start(path)

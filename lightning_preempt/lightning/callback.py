@@ -121,6 +121,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
         quiet_auto_resume_warnings()
         self._reporter = SaveReporter()
         self._pointer: str | None = None
+        self._late_pointer: str | None = None  # a target chosen after Lightning asked (the lease)
         self._names = PointerNames()  # Lightning's log names the checkpoint, not the pointer
         self._restored_state: dict[str, Any] | None = None
         self._prepare_after: int | None = None  # the step after which staging is prepared again
@@ -146,7 +147,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_pointer"] = None  # belongs to one fit
+        state["_pointer"] = state["_late_pointer"] = None  # belongs to one fit
         state["_names"] = PointerNames()
         return state
 
@@ -159,6 +160,9 @@ class PreemptionCallback(OnExceptionCheckpoint):
         checkpoint and the plugin maps the pointer to it; Lightning's log then names it."""
         if not self.engine.peek():
             return None
+        return self._make_pointer()
+
+    def _make_pointer(self) -> str:
         if self._pointer is None:
             fd, self._pointer = tempfile.mkstemp(prefix="lightning_preempt-resume-", suffix=".pointer")
             with os.fdopen(fd, "w") as f:
@@ -188,9 +192,23 @@ class PreemptionCallback(OnExceptionCheckpoint):
             verify_on_load=io.config.verify_on_load,
         )  # fmt: skip
         if target is not None:
-            assert self._pointer is not None
-            io.alias(self._pointer, target.path, fallback=target.fallback)
-            self._names.install(self._pointer, target.path)
+            # No pointer: Lightning was told "no checkpoint" before this job held the lease, and
+            # the job it waited for committed meanwhile. Loaded here, through the same pointer.
+            late = self._pointer is None
+            pointer = self._make_pointer()
+            io.alias(pointer, target.path, fallback=target.fallback)
+            self._names.install(pointer, target.path)
+            if late:
+                self._late_pointer = pointer
+                if not _compat.restores_after_setup(trainer):
+                    _compat.restore_late(trainer, pointer)
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Strategies that restore after their own set-up (FSDP, DeepSpeed) load only now.
+        if self._late_pointer is not None and _compat.restores_after_setup(trainer):
+            _compat.restore_late(trainer, self._late_pointer)
+        self._late_pointer = None
 
     @override
     def state_dict(self) -> dict[str, Any]:

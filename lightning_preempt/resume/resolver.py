@@ -10,6 +10,12 @@ Two phases, because Lightning asks before the process group exists:
 2. :meth:`ResumeResolver.choose` (every rank, in ``setup``, collective): ranks agree on their
    peeks (any error raises the same error everywhere), then rank 0 picks the newest
    checkpoint that verifies and every rank gets it or the same error (:func:`agree.decide`).
+
+"Could not tell" is never "absent": a manifest that cannot be statted or read (EIO on NFS
+or FUSE, a 503; see ``Store.stat``) fails the listing, which is retried like any listing
+error. When it persists, resuming fails on every rank with :class:`ListingError` (and its
+HINT) — the candidate is not skipped for an older one, and training never silently starts
+from step 0. A candidate is passed over only for what it *is* (uncommitted, damaged).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from lightning_preempt.catalog.listing import CheckpointInfo, complete_local_checkpoints, list_checkpoints
 from lightning_preempt.catalog.newest import newest_valid
@@ -28,9 +34,12 @@ from lightning_preempt.errors import CheckpointError, NotACheckpointError
 from lightning_preempt.read.load import Fallback
 from lightning_preempt.read.verify import Verify
 from lightning_preempt.save.tiers import TwoTier
+from lightning_preempt.storage.diagnose import describe, is_transient
 from lightning_preempt.storage.retry import Backoff, retry
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class ListingError(CheckpointError):
@@ -88,25 +97,47 @@ class ResumeResolver:
     # ---- phase 1: before the process group ---------------------------------------------
     def peek(self) -> Peek:
         """List (with retries) and remember whether a committed checkpoint exists."""
-        local = self.local_dirpath is not None and bool(complete_local_checkpoints(self.local_dirpath))
 
-        def listing(attempt: int) -> bool:
-            return any(c.committed for c in list_checkpoints(self.dirpath, self.storage_options))
+        try:
+            self.peeked = Peek(self._retrying(self._has_checkpoint))
+        except ListingError as err:  # remembered, never taken for "nothing there"
+            self.peeked = Peek(False, agree.Outcome.failure(err, pdist.rank()))
+        return self.peeked
+
+    def look_again(self, group: pdist.ProcessGroup | None, *, asked: bool) -> bool:
+        """Every rank, collective, once this job holds the lease: does ``dirpath`` hold a
+        committed checkpoint *now*? A job that waited for another job's lease must resume
+        from what that job committed meanwhile, not keep the answer of its :meth:`peek`.
+        ``asked``: the front-end peeked (``False``: it was given a checkpoint; the answer is
+        then ``False``). Rank 0's view decides for every rank."""
+        return agree.decide(lambda: asked and self._retrying(self._has_checkpoint), group,
+                            what="listing dirpath again")  # fmt: skip
+
+    def _has_checkpoint(self) -> bool:
+        local = self.local_dirpath is not None and bool(complete_local_checkpoints(self.local_dirpath))
+        return local or any(c.committed for c in list_checkpoints(self.dirpath, self.storage_options))
+
+    def _retrying(self, fn: Callable[[], T]) -> T:
+        """``fn()`` with the listing's retries; an error that persists (or is not worth
+        retrying) becomes :class:`ListingError`. Damage (a :class:`CheckpointError`) is an
+        answer, not a failure to look: it passes unchanged."""
 
         def retrying(err: BaseException, attempt: int, delay: float) -> None:
             log.warning(
-                "lightning_preempt: listing %s failed (%s: %s); attempt %d of %d, retrying in %.1fs",
-                self.dirpath, type(err).__name__, str(err).splitlines()[0] if str(err) else "",
-                attempt, self.retries, delay,
+                "lightning_preempt: listing %s failed (%s); attempt %d of %d, retrying in %.1fs",
+                self.dirpath, describe(err, self.storage_options), attempt, self.retries, delay,
             )  # fmt: skip
 
+        def transient(err: BaseException) -> bool:
+            return not isinstance(err, CheckpointError) and is_transient(err)
+
+        policy = Backoff(self.retries, self.backoff_s, transient=transient, sleep=self.sleep)
         try:
-            remote = retry(listing, Backoff(self.retries, self.backoff_s, sleep=self.sleep), on_retry=retrying)
-            self.peeked = Peek(local or remote)
-        except Exception as err:  # remembered, never taken for "nothing there"
-            outcome = agree.Outcome.failure(_listing_error(self.dirpath, err, self.retries), pdist.rank())
-            self.peeked = Peek(local, outcome)
-        return self.peeked
+            return retry(lambda attempt: fn(), policy, on_retry=retrying)
+        except CheckpointError:
+            raise
+        except Exception as err:
+            raise _listing_error(self.dirpath, err, self.retries, self.storage_options) from err
 
     # ---- phase 2: in setup, collective ---------------------------------------------------
     def agree_on_peeks(self, group: pdist.ProcessGroup | None) -> bool:
@@ -156,10 +187,15 @@ class ResumeResolver:
             skipped.append(f"{info.name}: {reason}")
             log.warning("lightning_preempt: skipping checkpoint %s (step %d): %s", info.path, info.step, reason)
 
-        if tiers is not None:  # newest across both tiers; local wins a tie
-            info = tiers.newest(verify=verify, on_skip=note, exclude=exclude)
-        else:
-            info = newest_valid(self.dirpath, self.storage_options, verify=verify, on_skip=note, exclude=exclude)
+        def newest() -> CheckpointInfo | None:
+            skipped.clear()
+            if tiers is not None:  # newest across both tiers; local wins a tie
+                return tiers.newest(verify=verify, on_skip=note, exclude=exclude)
+            return newest_valid(self.dirpath, self.storage_options, verify=verify, on_skip=note, exclude=exclude)
+
+        # A candidate that cannot be judged (its manifest could not be statted or read) is
+        # never skipped: skipping it would silently resume from older progress, or from none.
+        info = self._retrying(newest)
         if info is None:
             raise NotACheckpointError(
                 "every checkpoint found is uncommitted or corrupt",
@@ -171,10 +207,9 @@ class ResumeResolver:
         return Choice(info.path, info.step, tuple(skipped), run_id)
 
 
-def _listing_error(dirpath: str, err: BaseException, attempts: int) -> ListingError:
-    text = str(err).splitlines()[0] if str(err) else ""
+def _listing_error(dirpath: str, err: BaseException, attempts: int, options: dict[str, Any]) -> ListingError:
     return ListingError(
-        f"cannot list {dirpath} after {attempts} attempt(s): {type(err).__name__}: {text}",
+        f"cannot list {dirpath} after {attempts} attempt(s): {describe(err, options)}",
         path=dirpath,
         hint="Training did not start, so nothing was lost or deleted. Check that the storage is reachable and "
         "the credentials work (`lightning-preempt ls DIR`), then restart; or pass "

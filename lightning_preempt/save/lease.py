@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -36,7 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_preempt.errors import CheckpointError, CheckpointExistsError
-from lightning_preempt.format.names import lease_generation, lease_name
+from lightning_preempt.format.names import LEASE_GENERATION_MAX, LEASE_PREFIX, lease_generation, lease_name
 from lightning_preempt.storage.store import Store
 
 log = logging.getLogger(__name__)
@@ -62,9 +63,37 @@ def _pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except (PermissionError, OverflowError, ValueError):
+        return True  # not ours to signal, or not a pid: never taken for a dead holder
     return True
+
+
+#: A lease record is a few hundred bytes; anything larger is not one.
+MAX_LEASE_BYTES = 4096
+#: Process ids are below 2**22 on Linux (``pid_max``), lower elsewhere.
+MAX_PID = 2**22
+_TEXT_FIELDS = ("token", "job", "host")
+
+
+def _valid_record(data: Any) -> dict[str, Any]:
+    """The fields of a lease record that have their type and range; others are dropped (a
+    record without ``heartbeat_unix`` never advances, so it goes stale after the timeout)."""
+    if not isinstance(data, dict):
+        return {}
+    out: dict[str, Any] = {}
+    for key in _TEXT_FIELDS:  # printed in errors: printable and short
+        value = data.get(key)
+        if isinstance(value, str):
+            out[key] = "".join(c if c.isprintable() and c.isascii() else "?" for c in value[:200])
+    pid = data.get("pid")
+    if isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid < MAX_PID:
+        out["pid"] = pid
+    beat = data.get("heartbeat_unix")
+    if isinstance(beat, (int, float)) and not isinstance(beat, bool) and math.isfinite(beat):
+        out["heartbeat_unix"] = float(beat)
+    if isinstance(data.get("released"), bool):
+        out["released"] = data["released"]
+    return out
 
 
 class Lease:
@@ -101,13 +130,19 @@ class Lease:
         return sorted(g for g in found if g is not None)
 
     def _read(self, generation: int) -> dict[str, Any] | None:
+        """The record of ``generation`` with only its well-formed fields (``{}``: damaged,
+        treated as a lease whose heartbeat never advances), or ``None`` when it is gone.
+
+        Lease files are written by other processes, maybe not ours (docs/security.md): read
+        through the storage's size-bounded regular-file read (no FIFO, symlink or 8 GiB
+        file), and every field checked before it is used."""
         try:
-            data = json.loads(self.store.read_bytes(lease_name(generation)))
+            data = json.loads(self.store.read_regular(lease_name(generation), MAX_LEASE_BYTES))
         except FileNotFoundError:
             return None
-        except (ValueError, OSError):
-            return {}  # unreadable: treated as a lease whose heartbeat never advances
-        return data if isinstance(data, dict) else {}
+        except (ValueError, OSError, RecursionError, CheckpointError):
+            return {}
+        return _valid_record(data)
 
     def _record(self, heartbeat: float, released: bool = False) -> bytes:
         return json.dumps(
@@ -139,6 +174,8 @@ class Lease:
                     return
                 continue
             top = gens[-1]
+            if top >= LEASE_GENERATION_MAX:
+                raise self._exhausted(top)
             current = self._read(top)
             if current is None:  # deleted under us: look again
                 continue
@@ -183,6 +220,17 @@ class Lease:
             hint="Two jobs must not share a dirpath: wait for the other job to end (a requeued job's "
             "predecessor releases the lease when it exits), stop it, or give this run its own dirpath. "
             "PreemptionCallback(lease=False) turns the check off.",
+        )
+
+    def _exhausted(self, top: int) -> LeaseHeldError:
+        # The next generation's name would have 11 digits: invisible to every job, so a
+        # second job would start again at generation 1 while this one holds the lease.
+        return LeaseHeldError(
+            f"the lease in this dirpath is at generation {top}, the last one its file names allow "
+            "(a damaged or planted lease file)",
+            path=self.store.url,
+            hint=f"If no other job writes to this dirpath, delete its {LEASE_PREFIX}*.json files and restart; "
+            "otherwise give this run its own dirpath.",
         )
 
     def _try_create(self, generation: int) -> bool:

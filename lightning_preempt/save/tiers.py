@@ -324,19 +324,19 @@ class TwoTier:
 
     # ---- discovery across tiers --------------------------------------------------------
     def committed(self, url: str) -> bool:
-        try:
-            return Store(url, self.options_for(url)).exists(MANIFEST_NAME)
-        except Exception:
-            return False
+        """Whether ``url`` holds a manifest; an error that does not say "absent" is raised."""
+        return Store(url, self.options_for(url)).exists(MANIFEST_NAME)
 
     def holders(self, remote_url: str) -> list[str]:
         """Which tiers hold a committed copy of ``remote_url`` (``["local", "remote"]``…)."""
         local = self.local_twin(remote_url)
         out = []
-        if local is not None and self.committed(local):
-            out.append(f"local ({local})")
-        if self.committed(remote_url):
-            out.append(f"remote ({remote_url})")
+        for tier, url in (("local", local), ("remote", remote_url)):
+            try:
+                if url is not None and self.committed(url):
+                    out.append(f"{tier} ({url})")
+            except Exception:
+                out.append(f"{tier}: could not tell ({url})")
         return out
 
     def newest(

@@ -183,13 +183,24 @@ def scan(path: str) -> list[tuple[str, str, int | None]]:
     return sorted((name, *kind) for name, kind in found)
 
 
+#: ``stat`` errors that mean "nothing is there": no such entry, a parent that is not a
+#: directory, a symlink that resolves to nothing (or loops). Any other error (EIO on NFS or
+#: FUSE, EACCES, ESTALE…) means "could not tell" and is raised: taken for "absent" it makes
+#: a committed checkpoint look partial (resume from step 0, retention deleting it).
+_ABSENT_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.ENAMETOOLONG})
+
+
 def stat_entry(path: str) -> tuple[str, int | None] | None:
     """``(kind, size)`` of ``path`` through symlinks (see :func:`scan`), or ``None`` when
-    nothing is there (as ``os.path.exists`` answers: an entry it cannot stat is absent)."""
+    nothing is there. An error that does not say "absent" (EIO, EACCES…) is raised."""
     try:
         st = os.stat(path)
-    except (OSError, ValueError):
+    except ValueError:  # a NUL in the path: no entry can have that name
         return None
+    except OSError as err:
+        if err.errno in _ABSENT_ERRNOS:
+            return None
+        raise
     return _mode_kind(st.st_mode), st.st_size if stat.S_ISREG(st.st_mode) else None
 
 

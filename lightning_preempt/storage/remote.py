@@ -82,7 +82,15 @@ def require_bucket(fs: fsspec.AbstractFileSystem, protocol: str, root: str, opti
     try:
         fs.info(bucket)
     except FileNotFoundError:
-        if fs.exists(bucket):  # s3fs < 2025.10: info() of an *empty* bucket says "not found"
+        # s3fs < 2025.10: info() of an *empty* bucket says "not found"; a listing tells.
+        # Never fsspec's exists(): it answers False on any error (a 503, no permission).
+        try:
+            fs.ls(bucket)
+        except FileNotFoundError:
+            pass
+        except Exception:  # inconclusive: the writes themselves tell
+            return
+        else:
             _BUCKETS_SEEN.add(key)
             return
         raise CheckpointWriteError(

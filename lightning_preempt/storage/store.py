@@ -38,6 +38,8 @@ test set-up's business (tests/conftest.py), not this module's.
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import os
 import posixpath
 from collections.abc import Iterator
@@ -48,6 +50,10 @@ from fsspec.implementations.local import LocalFileSystem
 
 from lightning_preempt.errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from lightning_preempt.storage import local, remote
+from lightning_preempt.storage.diagnose import describe, is_transient
+from lightning_preempt.storage.retry import Backoff, retry
+
+log = logging.getLogger(__name__)
 
 #: Bytes per upload request (GCS resumable chunk / S3 part). S3 allows 10,000 parts, so
 #: one file can hold up to ~312 GiB at this size.
@@ -58,6 +64,11 @@ UPLOAD_BLOCK_SIZE = 32 << 20
 CHUNK_BYTES = 8 << 20
 
 Kind = Literal["file", "dir", "link", "other"]
+
+#: Attempts of one :meth:`Store.stat` that failed with something else than "absent": a
+#: short blip (an NFS server failing over, a 503) passes, a lasting failure is raised
+#: within a fraction of a second for the caller's own policy (resume retries its listing).
+STAT_BACKOFF = Backoff(attempts=3, backoff_s=0.1, transient=is_transient)
 
 
 class Entry(NamedTuple):
@@ -129,16 +140,27 @@ class Store:
 
     def stat(self, rel: str = "") -> Entry | None:
         """The entry at ``rel`` (through symlinks on local disk, as ``os.path.exists`` looks),
-        or ``None`` when nothing is there."""
+        or ``None`` when nothing is there.
+
+        "Absent" is only ever the store's own answer (``ENOENT``, "not found"). Any other
+        error (EIO on NFS or FUSE, a 503 from a bucket) is "could not tell": retried a few
+        times (:data:`STAT_BACKOFF`, errors a retry cannot fix at once), then raised; never
+        ``None``, which would make a committed checkpoint look partial. So :meth:`exists`,
+        :meth:`isdir` and :meth:`is_file` raise too; fsspec's own ``exists()``, which
+        answers ``False`` on any error, is never used."""
         name = posixpath.basename(self.path(rel).rstrip("/"))
-        if self.is_local:
-            found = local.stat_entry(self.path(rel))
-            return Entry(name, cast(Kind, found[0]), found[1]) if found is not None else None
-        try:
-            kind, size = remote.info_entry(self.info(rel))
-        except FileNotFoundError:
-            return None
-        return Entry(name, cast(Kind, kind), size)
+
+        def look(attempt: int) -> Entry | None:
+            if self.is_local:
+                found = local.stat_entry(self.path(rel))
+                return Entry(name, cast(Kind, found[0]), found[1]) if found is not None else None
+            try:
+                kind, size = remote.info_entry(self.info(rel))
+            except FileNotFoundError:
+                return None
+            return Entry(name, cast(Kind, kind), size)
+
+        return retry(look, STAT_BACKOFF, on_retry=functools.partial(_stat_retrying, self, rel))
 
     def info(self, rel: str = "") -> dict[str, Any]:
         """The store's own metadata of ``rel`` (fsspec's ``info``: size, type, ETag, crc32c…),
@@ -346,6 +368,12 @@ class Store:
         with self.open_read(src) as reader, self.open_write(dst) as writer:
             while chunk := reader.read(CHUNK_BYTES):
                 writer.write(chunk)
+
+
+def _stat_retrying(store: Store, rel: str, err: BaseException, attempt: int, delay: float) -> None:
+    log.warning("lightning_preempt: cannot tell whether %s exists (%s); attempt %d of %d, retrying in %.1fs",
+                store.url_of(rel), describe(err, store.storage_options), attempt, STAT_BACKOFF.attempts,
+                delay)  # fmt: skip
 
 
 def _not_regular(store: Store, rel: str, what: str) -> CorruptCheckpointError:

@@ -50,11 +50,14 @@ def test_resume_ends_where_lightnings_own_resume_ends(tmp_path: Path) -> None:
 
 def test_an_explicit_ckpt_path_wins_over_auto_resume(tmp_path: Path) -> None:
     fit(tmp_path, max_steps=20, every=10)
+    first_run = {c.manifest.run_id for c in list_checkpoints(str(tmp_path)) if c.manifest}
     L.seed_everything(0)
     probe = StartProbe()
     cb = PreemptionCallback(str(tmp_path), every_n_train_steps=10)
     make_trainer(25, [cb, probe]).fit(TinyModel(), loader(), ckpt_path=str(tmp_path / checkpoint_name(10)))
     assert probe.start_step == 10
+    # the lease's second look at dirpath is for auto-resume only: it chose nothing here
+    assert cb.engine.run_id not in first_run
 
 
 def test_a_corrupt_newest_checkpoint_is_skipped_in_fit(tmp_path: Path) -> None:

@@ -2,10 +2,12 @@
 
 Writes raise ``OSError`` once ``FaultyFileSystem.fail_after_bytes`` bytes were written
 in total (``None``: never). Used to inject storage failures mid-flush without mocks.
+:class:`FailingStat`: ``EIO`` from ``os.stat`` of chosen local paths (an NFS/FUSE hiccup).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, ClassVar
 
 import fsspec
@@ -50,3 +52,28 @@ class FaultyFileSystem(MemoryFileSystem):
 
 
 fsspec.register_implementation("faulty", FaultyFileSystem, clobber=True)
+
+
+class FailingStat:
+    """``os.stat`` of local paths ending in ``suffix`` fails with ``EIO`` (``times`` calls,
+    ``None``: every call): what NFS or FUSE answers in a hiccup, which nothing else on a
+    test machine produces. Other paths are untouched. Use as a context manager."""
+
+    def __init__(self, suffix: str, times: int | None = None, errno_: int = 5) -> None:
+        self.suffix, self.times, self.errno = suffix, times, errno_
+        self.failed = 0
+        self._real = os.stat
+
+    def _stat(self, path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        ours = isinstance(path, (str, os.PathLike)) and os.fspath(path).endswith(self.suffix)
+        if ours and (self.times is None or self.failed < self.times):
+            self.failed += 1
+            raise OSError(self.errno, f"{os.strerror(self.errno)} (injected)", os.fspath(path))
+        return self._real(path, *args, **kwargs)
+
+    def __enter__(self) -> FailingStat:
+        os.stat = self._stat  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.stat = self._real  # type: ignore[assignment]

@@ -26,6 +26,7 @@ PRIVATE_NAMES = [
     ("torch.serialization", "get_crc32_options"),  # save/dcp_writer.py wraps it
     ("lightning.fabric.utilities.data", "_set_sampler_epoch"),  # lightning/_compat.py
     ("lightning.pytorch.trainer.connectors.callback_connector", "_CallbackConnector"),
+    ("lightning.pytorch.trainer.connectors.checkpoint_connector", "_CheckpointConnector"),  # .resume_start
 ]
 
 
