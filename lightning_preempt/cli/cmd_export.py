@@ -10,8 +10,8 @@ import sys
 import time
 from typing import Any
 
+from lightning_preempt._text import untrusted_text
 from lightning_preempt.cli.options import EXIT_OK, PROG, UsageError, int_arg, parse_storage_options
-from lightning_preempt.cli.output import printable
 from lightning_preempt.cli.plan import format_bytes
 from lightning_preempt.cli.resolve import resolve_checkpoint, storage_call
 
@@ -51,13 +51,13 @@ def run(args: argparse.Namespace) -> int:
         url, lambda: export_checkpoint(store, out, force=args.force, verify=not args.no_verify, trusted=args.trust)
     )
     print(
-        f"exported step {manifest.step} ({printable(store.url)}) -> {printable(out)}: "
+        f"exported step {manifest.step} ({untrusted_text(store.url, None)}) -> {untrusted_text(out, None)}: "
         f"{format_bytes(result.size_bytes)} in {time.perf_counter() - started:.2f}s"
     )
     print(f"plain Lightning loads it: Trainer.fit(model, ckpt_path={out!r}) or Model.load_from_checkpoint({out!r})")
     if result.weights_only_error:
         print(
-            f"note: torch.load(weights_only=True) rejects it ({printable(result.weights_only_error)});\n"
+            f"note: torch.load(weights_only=True) rejects it ({untrusted_text(result.weights_only_error, None)});\n"
             "HINT: pass weights_only=False to load_from_checkpoint / torch.load for this file (trusted source only).",
             file=sys.stderr,
         )

@@ -13,8 +13,8 @@ import time
 import uuid
 from typing import Any
 
+from lightning_preempt._text import untrusted_text
 from lightning_preempt.cli.options import EXIT_OK, UsageError, converter, parse_storage_options
-from lightning_preempt.cli.output import printable
 from lightning_preempt.cli.plan import (
     DEFAULT_COPY_BANDWIDTH,
     DEFAULT_GRACE_S,
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**plan.to_dict(), "sources": sources}, indent=1))
     else:
-        print(printable(render_plan(plan, sources), keep_newlines=True))  # sources name a checkpoint
+        print(untrusted_text(render_plan(plan, sources), None, keep_newlines=True))  # sources name a checkpoint
     return EXIT_OK
 
 

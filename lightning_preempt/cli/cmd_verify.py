@@ -11,8 +11,9 @@ import sys
 import time
 from typing import Any
 
+from lightning_preempt._text import untrusted_text
 from lightning_preempt.cli.options import EXIT_OK, parse_storage_options
-from lightning_preempt.cli.output import ProgressBar, printable
+from lightning_preempt.cli.output import ProgressBar
 from lightning_preempt.cli.plan import format_bytes
 from lightning_preempt.cli.resolve import resolve_checkpoint, storage_call
 from lightning_preempt.errors import UntrustedCheckpointError
@@ -67,7 +68,7 @@ def _report(store: Store, manifest: Manifest, elapsed: float, *, as_json: bool, 
         print(json.dumps({**fields, "bytes": total, "seconds": elapsed}))
         return
     print(
-        f"OK step {manifest.step} ({printable(store.url)}): manifest v{manifest.version}, {len(manifest.files)} "
+        f"OK step {manifest.step} ({untrusted_text(store.url, None)}): manifest v{manifest.version}, {len(manifest.files)} "
         f"files, {format_bytes(total)}, sizes and CRC32C match"
         f"{'' if trusted else ', loads without trust_checkpoints'} ({elapsed:.2f}s)"
     )

@@ -7,6 +7,7 @@ import sys
 import time
 from typing import IO, Any
 
+from lightning_preempt._text import untrusted_text
 from lightning_preempt.cli.options import PROG
 from lightning_preempt.cli.plan import format_bytes
 
@@ -49,43 +50,21 @@ class ProgressBar:
         self.stream.flush()
 
 
-def printable(text: str, *, keep_newlines: bool = False) -> str:
-    r"""``text`` with every non-printable character escaped (``\x1b``, ``\u202e``…).
-
-    Names, manifest strings and error texts come from storage, which others can write
-    (docs/security.md): a directory name holding ``ESC ] 0 ;`` sets the terminal's title,
-    ``ESC [ 2 J`` clears the screen, ``CR`` or a bidi override hides what is printed. What
-    :meth:`str.isprintable` refuses (controls, format characters, separators other than the
-    space) is written as Python writes it in a literal, so it shows and does nothing.
-    ``keep_newlines`` keeps ``\n`` (an error's ``HINT:`` line); a table cell never has one.
-    """
-    if text.isprintable():
-        return text  # the common case, one C-level scan
-    return "".join(c if c.isprintable() or (keep_newlines and c == "\n") else _escape(c) for c in text)
-
-
-def _escape(char: str) -> str:
-    code = ord(char)
-    if code < 0x100:
-        return f"\\x{code:02x}"
-    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
-
-
 def print_error(label: str, err: BaseException) -> None:
     """``lightning-preempt: LABEL: message`` on stderr (the message ends with its HINT),
-    escaped (:func:`printable`): it may quote names and texts read from storage."""
-    print(printable(f"{PROG}: {label}: {err}", keep_newlines=True), file=sys.stderr)
+    escaped (:func:`~lightning_preempt._text.untrusted_text`): it may quote names and texts read from storage."""
+    print(untrusted_text(f"{PROG}: {label}: {err}", None, keep_newlines=True), file=sys.stderr)
 
 
 def print_note(text: str) -> None:
-    """One line on stderr, escaped (:func:`printable`)."""
-    print(printable(text), file=sys.stderr)
+    """One line on stderr, escaped (:func:`~lightning_preempt._text.untrusted_text`)."""
+    print(untrusted_text(text, None), file=sys.stderr)
 
 
 def print_table(rows: list[list[str]], right_aligned: set[int]) -> None:
     """``rows`` (the first is the header) in columns two spaces apart; every cell escaped
-    (:func:`printable`): names and problems come from storage."""
-    rows = [[printable(c) for c in row] for row in rows]
+    (:func:`~lightning_preempt._text.untrusted_text`): names and problems come from storage."""
+    rows = [[untrusted_text(c, None) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         cells = [c.rjust(w) if i in right_aligned else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]

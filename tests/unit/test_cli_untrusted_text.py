@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_preempt.cli.output import printable
+from lightning_preempt._text import untrusted_text
 from lightning_preempt.format import manifest as manifest_module
 from lightning_preempt.format.manifest import MAX_MANIFEST_FILES, FileEntry, Manifest, parse_manifest
 from lightning_preempt.format.names import MANIFEST_NAME
@@ -25,7 +25,7 @@ from lightning_preempt.storage.checksum import Crc32c
 ROOT = Path(__file__).resolve().parents[2]
 #: A name that would retitle the terminal, ring the bell, clear the screen and hide the rest.
 CRAFTED = "ckpt\x1b]0;pwned\x07\x1b[2J\r\u202e"
-ESCAPED = b"ckpt\\x1b]0;pwned\\x07\\x1b[2J\\x0d\\u202e"
+ESCAPED = b"ckpt\\x1b]0;pwned\\x07\\x1b[2J\\r\\u202e"
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[bytes]:
@@ -75,10 +75,11 @@ def test_an_error_naming_a_crafted_path_is_escaped_and_keeps_its_hint(tmp_path: 
 
 
 def test_printable_escapes_only_what_does_not_print() -> None:
-    assert printable("step-0000000001 ok, ünïcode 中文") == "step-0000000001 ok, ünïcode 中文"
-    assert printable("a\x9b2Jb\x7f\u200b") == "a\\x9b2Jb\\x7f\\u200b"  # C1 CSI, DEL, zero-width space
-    assert printable("x\ny\tz") == "x\\x0ay\\x09z"
-    assert printable("x\nHINT: y\x1b", keep_newlines=True) == "x\nHINT: y\\x1b"
+    assert untrusted_text("step-0000000001 ok, ünïcode 中文", None) == "step-0000000001 ok, ünïcode 中文"
+    assert untrusted_text("a\x9b2Jb\x7f\u200b", None) == "a\\x9b2Jb\\x7f\\u200b"  # C1 CSI, DEL, zero-width space
+    assert untrusted_text("x\ny\tz", None) == "x\\ny\\tz"
+    assert untrusted_text("C:\\x1b", None) == "C:\\\\x1b"  # a literal backslash cannot pose as an escape
+    assert untrusted_text("x\nHINT: y\x1b", None, keep_newlines=True) == "x\nHINT: y\\x1b"
 
 
 # ---- a manifest with too many entries ---------------------------------------------------------

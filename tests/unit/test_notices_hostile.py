@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from fake_metadata import AWS_ACTION, AWS_TOKEN, AZURE_EVENTS, FakeMetadata
 
-from lightning_preempt._log import untrusted_text
+from lightning_preempt._text import untrusted_text
 from lightning_preempt.preemption.notices import AWSSpotSource, AzureSource
 from lightning_preempt.preemption.notices.base import MetadataSource
 from lightning_preempt.preemption.sources import MAX_NOTICE_HORIZON_S, Notice

@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 
-from lightning_preempt._log import untrusted_text
+from lightning_preempt._text import untrusted_text
 from lightning_preempt.preemption.notices._http import REQUEST_FAILURES, GarbageResponse, join, request
 from lightning_preempt.preemption.notices.base import (
     MetadataSource,

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from email.utils import parsedate_to_datetime
 
-from lightning_preempt._log import untrusted_text
+from lightning_preempt._text import untrusted_text
 from lightning_preempt.preemption.notices._http import REQUEST_FAILURES, GarbageResponse
 from lightning_preempt.preemption.sources import Notice
 

@@ -24,7 +24,7 @@ import threading
 import time
 from urllib.parse import urlencode
 
-from lightning_preempt._log import untrusted_text
+from lightning_preempt._text import untrusted_text
 from lightning_preempt.preemption.notices._http import GarbageResponse, join, request
 from lightning_preempt.preemption.notices.base import MetadataSource, Watcher
 from lightning_preempt.preemption.sources import Notice
