@@ -308,6 +308,8 @@ class TwoTier:
         try:
             for fut in futures:
                 remaining = None if deadline is None else max(0.0, deadline - time.monotonic() + 0.5)
+                if remaining is not None:  # a far deadline overflows the lock's wait (OverflowError)
+                    remaining = min(remaining, threading.TIMEOUT_MAX)
                 with contextlib.suppress(Exception):  # errors were logged by the job
                     fut.exception(timeout=remaining)
             finished = all(f.done() for f in futures)
