@@ -28,6 +28,7 @@ from lightning_preempt.errors import CheckpointError, NotACheckpointError
 from lightning_preempt.read.load import Fallback
 from lightning_preempt.read.verify import Verify
 from lightning_preempt.save.tiers import TwoTier
+from lightning_preempt.storage.diagnose import describe, is_transient, storage_hint
 from lightning_preempt.storage.retry import Backoff, retry
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,10 @@ class ResumeResolver:
         """List (with retries) and remember whether a committed checkpoint exists."""
         local = self.local_dirpath is not None and bool(complete_local_checkpoints(self.local_dirpath))
 
+        attempts = [0]
+
         def listing(attempt: int) -> bool:
+            attempts[0] = attempt
             return any(c.committed for c in list_checkpoints(self.dirpath, self.storage_options))
 
         def retrying(err: BaseException, attempt: int, delay: float) -> None:
@@ -101,11 +105,13 @@ class ResumeResolver:
             )  # fmt: skip
 
         try:
-            remote = retry(listing, Backoff(self.retries, self.backoff_s, sleep=self.sleep), on_retry=retrying)
+            # Only what a retry can fix: a missing driver, credentials or an unknown host fail at once.
+            policy = Backoff(self.retries, self.backoff_s, transient=is_transient, sleep=self.sleep)
+            remote = retry(listing, policy, on_retry=retrying)
             self.peeked = Peek(local or remote)
         except Exception as err:  # remembered, never taken for "nothing there"
-            outcome = agree.Outcome.failure(_listing_error(self.dirpath, err, self.retries), pdist.rank())
-            self.peeked = Peek(local, outcome)
+            error = _listing_error(self.dirpath, err, attempts[0], self.storage_options)
+            self.peeked = Peek(local, agree.Outcome.failure(error, pdist.rank()))
         return self.peeked
 
     # ---- phase 2: in setup, collective ---------------------------------------------------
@@ -171,12 +177,12 @@ class ResumeResolver:
         return Choice(info.path, info.step, tuple(skipped), run_id)
 
 
-def _listing_error(dirpath: str, err: BaseException, attempts: int) -> ListingError:
-    text = str(err).splitlines()[0] if str(err) else ""
+def _listing_error(dirpath: str, err: BaseException, attempts: int, options: dict[str, Any]) -> ListingError:
+    # What to set comes first: the error's own HINT (ours), else what its kind calls for.
+    cause = err.hint if isinstance(err, CheckpointError) and err.hint else storage_hint(dirpath, err)
     return ListingError(
-        f"cannot list {dirpath} after {attempts} attempt(s): {type(err).__name__}: {text}",
+        f"cannot list {dirpath} after {attempts} attempt(s): {describe(err, options)}",
         path=dirpath,
-        hint="Training did not start, so nothing was lost or deleted. Check that the storage is reachable and "
-        "the credentials work (`lightning-preempt ls DIR`), then restart; or pass "
-        "PreemptionCallback(resume=False) to start fresh on purpose.",
+        hint=f"Training did not start, so nothing was lost or deleted. {cause} Check with `lightning-preempt ls "
+        f"{dirpath}`, then restart (or pass PreemptionCallback(resume=False) to start fresh on purpose).",
     )
