@@ -81,9 +81,10 @@ class Loader:
 
     def not_found(self, url: str) -> NotACheckpointError:
         """The error for a path that holds no checkpoint (also a ``FileNotFoundError`` when
-        nothing exists there, as Lightning's own plugin raises for a missing ``ckpt_path``)."""
+        nothing exists there, worded as Lightning's own plugin words it for a missing
+        ``ckpt_path``: its tests and users' scripts match on that text)."""
         if not Store(url, self.storage_options).exists():
-            return CheckpointNotFoundError("no checkpoint exists at this path", path=url, hint=LOAD_HINT)
+            return CheckpointNotFoundError(f"Checkpoint file not found: {url}", path=url, hint=LOAD_HINT)
         return NotACheckpointError("no committed checkpoint found", path=url, hint=LOAD_HINT)
 
     def load(

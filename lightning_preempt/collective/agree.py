@@ -24,7 +24,7 @@ import dataclasses
 import importlib
 import json
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from lightning_preempt import errors
 from lightning_preempt.collective import groups as pdist
@@ -176,7 +176,7 @@ def decide(
     assert outcome is not None
     if outcome.ok:
         return outcome.value  # type: ignore[no-any-return]
-    raise outcome.to_error(what, foreign=foreign, hint=hint) from local_error
+    _raise(outcome.to_error(what, foreign=foreign, hint=hint), local_error)
 
 
 def _json_ready(body: dict[str, Any]) -> bool:
@@ -207,7 +207,18 @@ def agree(
     first = failed[0]
     if len(failed) > 1:
         first = dataclasses.replace(first, message=f"{first.message} (ranks that failed: {[o.rank for o in failed]})")
-    raise first.to_error(what, foreign=foreign, hint=hint) from local_error
+    _raise(first.to_error(what, foreign=foreign, hint=hint), local_error)
+
+
+def _raise(error: errors.CheckpointError, local_error: BaseException | None) -> NoReturn:
+    """Raise the agreed ``error``; on the rank where it happened, chained to the original.
+
+    When the original is one of ours, ``error`` already repeats its message and HINT: it takes
+    over the original's traceback (where it was raised) and cause instead, so a user reads
+    each message once, not twice."""
+    if isinstance(local_error, errors.CheckpointError):
+        raise error.with_traceback(local_error.__traceback__) from local_error.__cause__
+    raise error from local_error
 
 
 def gather(fn: Callable[[], T], group: pdist.ProcessGroup | None) -> tuple[list[Outcome], BaseException | None]:

@@ -21,6 +21,7 @@ from typing import Any, Literal, TypeVar
 
 from lightning_preempt.preemption.notices import parse_names
 from lightning_preempt.preemption.signals import resolve_signal
+from lightning_preempt.storage.protocols import check_driver
 
 T = TypeVar("T")
 
@@ -131,6 +132,8 @@ class PreemptionConfig:
         if not isinstance(self.dirpath, str) or not self.dirpath.strip():
             raise _fail("dirpath", self.dirpath, "a directory or URL", "e.g. dirpath='checkpoints/' or 'gs://bucket/run'.")
         object.__setattr__(self, "dirpath", self.dirpath.rstrip("/") or self.dirpath)
+        # a missing driver or a mistyped protocol: now, not at fit after the listing retries
+        check_driver(self.dirpath, name="dirpath")
         check_int("every_n_train_steps", self.every_n_train_steps, minimum=1, optional=True,
                   hint="pass None to disable step-based saves.")  # fmt: skip
         check_seconds("every_n_seconds", self.every_n_seconds, optional=True, hint="pass None to disable time-based saves.")
@@ -214,5 +217,8 @@ def check_local_dirpath(value: Any) -> str | None:
         value = os.fspath(value)
     if not isinstance(value, str) or not value:
         raise _fail("local_dirpath", value, "a local directory or None", "e.g. '/local_nvme/ckpt'.")
+    if "://" in value and not value.startswith("file://"):
+        raise _fail("local_dirpath", value, "a local directory", "local_dirpath is node-local disk (e.g. "
+                    "'/local_nvme/ckpt'); the shared storage (gs://, s3://…) is dirpath.")  # fmt: skip
     expanded = os.path.expandvars(os.path.expanduser(value))
     return expanded.rstrip("/") or expanded

@@ -50,6 +50,7 @@ from lightning_preempt.engine.runtime import (
     preflight,
     take_lease,
     warn_about_newer_checkpoints,
+    warn_without_periodic_saves,
 )
 from lightning_preempt.errors import CheckpointError
 from lightning_preempt.format.names import checkpoint_name
@@ -105,6 +106,7 @@ class Engine:
         self._saver: Saver | None = None
         self._save: Callable[[str], None] | None = None
         self._leader = True
+        self._warned_no_interval = False
 
     def __getstate__(self) -> dict[str, Any]:
         # Process groups, the lease thread, the saver and the save function belong to one run.
@@ -210,6 +212,9 @@ class Engine:
             self.last_saved_step = step  # resumed from a path the user gave
             if self._leader:
                 warn_about_newer_checkpoints(self.config, step)
+        if self._leader and not self._warned_no_interval:
+            self._warned_no_interval = True  # once per callback, not once per fit
+            warn_without_periodic_saves(self.config, step)
         self.check(step)  # a signal during start-up or restore: nothing new to save
 
     # ---- 4. step boundaries ----------------------------------------------------------------

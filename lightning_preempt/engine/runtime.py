@@ -1,6 +1,7 @@
 """What one run of the engine holds and releases (its process groups and the lease), and the
 checks it makes once at start-up: the storage probe, the lease, the newest manifest for the
-grace projection, a newer checkpoint than the one the user resumed from."""
+grace projection, a newer checkpoint than the one the user resumed from, periodic saves that
+were never asked for."""
 
 from __future__ import annotations
 
@@ -98,3 +99,20 @@ def warn_about_newer_checkpoints(config: PreemptionConfig, step: int) -> None:
             "HINT: use a fresh dirpath for a run that branches off an older checkpoint.",
             stacklevel=3,  # the front-end hook that started training
         )
+
+
+def warn_without_periodic_saves(config: PreemptionConfig, step: int) -> None:
+    """Warn when neither ``every_n_train_steps`` nor ``every_n_seconds`` is set: only the end of
+    training and a preemption signal save, so a SIGKILL loses everything since ``step``."""
+    if config.every_n_train_steps is not None or config.every_n_seconds is not None:
+        return
+    signals = "/".join(s.name for s in config.signals)
+    end = "the end of training and " if config.save_on_train_end else ""
+    warnings.warn(
+        f"lightning_preempt: no periodic saves (every_n_train_steps=None, every_n_seconds=None): {config.dirpath} "
+        f"gets a checkpoint only at {end}a preemption signal ({signals}, snapshot within grace_period_s="
+        f"{config.grace_period_s:g}); a SIGKILL, a crash or a preemption without grace loses every step since "
+        f"step {step}.\nHINT: set every_n_train_steps=N or every_n_seconds=S (every_n_seconds=1800 loses at most "
+        "30 minutes); `lightning-preempt plan --state-bytes SIZE --mtbf DURATION` suggests an interval.",
+        stacklevel=3,  # the front-end hook that started training
+    )

@@ -34,7 +34,8 @@ from lightning_preempt.errors import CheckpointError, NotACheckpointError
 from lightning_preempt.read.load import Fallback
 from lightning_preempt.read.verify import Verify
 from lightning_preempt.save.tiers import TwoTier
-from lightning_preempt.storage.diagnose import describe, is_transient
+from lightning_preempt.storage.diagnose import describe, is_transient, storage_hint
+from lightning_preempt.storage.reach import StorageUnreachableError
 from lightning_preempt.storage.retry import Backoff, retry
 
 log = logging.getLogger(__name__)
@@ -97,10 +98,9 @@ class ResumeResolver:
     # ---- phase 1: before the process group ---------------------------------------------
     def peek(self) -> Peek:
         """List (with retries) and remember whether a committed checkpoint exists."""
-
         try:
             self.peeked = Peek(self._retrying(self._has_checkpoint))
-        except ListingError as err:  # remembered, never taken for "nothing there"
+        except CheckpointError as err:  # remembered, never taken for "nothing there"
             self.peeked = Peek(False, agree.Outcome.failure(err, pdist.rank()))
         return self.peeked
 
@@ -131,13 +131,22 @@ class ResumeResolver:
         def transient(err: BaseException) -> bool:
             return not isinstance(err, CheckpointError) and is_transient(err)
 
+        # Only what a retry can fix: a missing driver, credentials or an unknown host fail at once.
         policy = Backoff(self.retries, self.backoff_s, transient=transient, sleep=self.sleep)
+        attempts = [0]
+
+        def attempt(n: int) -> T:
+            attempts[0] = n
+            return fn()
+
         try:
-            return retry(lambda attempt: fn(), policy, on_retry=retrying)
+            return retry(attempt, policy, on_retry=retrying)
+        except StorageUnreachableError as err:  # could not look (credentials, DNS): not damage
+            raise _listing_error(self.dirpath, err, attempts[0], self.storage_options) from err
         except CheckpointError:
             raise
         except Exception as err:
-            raise _listing_error(self.dirpath, err, self.retries, self.storage_options) from err
+            raise _listing_error(self.dirpath, err, attempts[0], self.storage_options) from err
 
     # ---- phase 2: in setup, collective ---------------------------------------------------
     def agree_on_peeks(self, group: pdist.ProcessGroup | None) -> bool:
@@ -208,10 +217,11 @@ class ResumeResolver:
 
 
 def _listing_error(dirpath: str, err: BaseException, attempts: int, options: dict[str, Any]) -> ListingError:
+    # What to set comes first: the error's own HINT (ours), else what its kind calls for.
+    cause = err.hint if isinstance(err, CheckpointError) and err.hint else storage_hint(dirpath, err)
     return ListingError(
         f"cannot list {dirpath} after {attempts} attempt(s): {describe(err, options)}",
         path=dirpath,
-        hint="Training did not start, so nothing was lost or deleted. Check that the storage is reachable and "
-        "the credentials work (`lightning-preempt ls DIR`), then restart; or pass "
-        "PreemptionCallback(resume=False) to start fresh on purpose.",
+        hint=f"Training did not start, so nothing was lost or deleted. {cause} Check with `lightning-preempt ls "
+        f"{dirpath}`, then restart (or pass PreemptionCallback(resume=False) to start fresh on purpose).",
     )

@@ -17,6 +17,7 @@ from lightning_preempt.errors import (
     CorruptCheckpointError,
     NotACheckpointError,
 )
+from lightning_preempt.storage import protocols
 
 ErrorKind = Literal[
     "credentials",  # no or bad credentials: nothing works until they are fixed
@@ -25,6 +26,7 @@ ErrorKind = Literal[
     "not_found",  # a file or object is missing (a listing may catch up: worth retrying)
     "missing_driver",  # the fsspec driver for the protocol is not installed
     "bad_protocol",  # not a URL fsspec knows
+    "no_host",  # the endpoint's host name does not resolve (DNS: no such name)
     "network",  # the endpoint cannot be reached (for now)
     "exists",  # another writer's checkpoint is there
     "damaged",  # a checkpoint does not match its manifest, or is none
@@ -33,18 +35,23 @@ ErrorKind = Literal[
 
 #: Kinds a retry cannot fix.
 _PERMANENT: frozenset[str] = frozenset(
-    {"credentials", "permission", "no_bucket", "missing_driver", "bad_protocol", "exists", "damaged"}
+    {"credentials", "permission", "no_bucket", "no_host", "missing_driver", "bad_protocol", "exists", "damaged"}
 )
 
 # Matched against "TypeName: first line of the message", lower case; the first kind that
 # matches wins (a 403 that mentions a timeout is about permissions).
 _WORDS: tuple[tuple[ErrorKind, re.Pattern[str]], ...] = (
     ("credentials", re.compile(
-        r"credential|refresherror|invalidaccesskeyid|signature|unauthori[sz]ed|\b401\b|auth|token"
+        r"credential|refresherror|invalidaccesskeyid|signature|unauthori[sz]ed|\b401\b|auth|token|anonymous caller"
     )),
     ("permission", re.compile(r"denied|forbidden|permissionerror|\b403\b")),
     ("no_bucket", re.compile(r"nosuchbucket")),
-    ("network", re.compile(r"connect|timeout|timed out|dns|resolve|unreachable|network")),
+    # The resolver answered "no such name" (EAI_NONAME), unlike "temporary failure in name
+    # resolution" (EAI_AGAIN, a network blip): a retry asks the same question again.
+    ("no_host", re.compile(
+        r"name or service not known|nodename nor servname|no address associated with hostname|getaddrinfo failed"
+    )),
+    ("network", re.compile(r"connect|timeout|timed out|dns|resolve|name resolution|unreachable|network")),
     ("not_found", re.compile(r"filenotfounderror|no such file|not found")),
 )  # fmt: skip
 
@@ -62,6 +69,10 @@ def classify(err: BaseException) -> ErrorKind:
         return "bad_protocol"
     if isinstance(err, PermissionError):
         return "permission"
+    if type(err).__module__.startswith("google.auth"):
+        # DefaultCredentialsError, RefreshError, and the TransportError of a metadata server
+        # that is not there: every google.auth error means "no usable credentials"
+        return "credentials"
     text = f"{type(err).__name__}: {str(err).split(chr(10), 1)[0]}".lower()
     return next((kind for kind, words in _WORDS if words.search(text)), "unknown")
 
@@ -107,34 +118,41 @@ def describe(err: BaseException, options: dict[str, Any] | None = None) -> str:
     return redact(text, options or {})
 
 
+_GCS = (
+    "Set GOOGLE_APPLICATION_CREDENTIALS to a service-account key file, or run `gcloud auth application-default "
+    "login` (on a Google Cloud VM: give it a service account). A public bucket read without credentials: "
+    "storage_options={'token': 'anon'} (-o token=anon in the CLI)."
+)
+_AZURE = "Set AZURE_STORAGE_CONNECTION_STRING (or AZURE_STORAGE_ACCOUNT_NAME and a key)."
 _CREDENTIAL_HINTS = {
-    "gs": "Set GOOGLE_APPLICATION_CREDENTIALS to a service-account key file, or run "
-    "`gcloud auth application-default login` (public buckets: -o token=anon).",
-    "gcs": "Set GOOGLE_APPLICATION_CREDENTIALS, or run `gcloud auth application-default login`.",
+    "gs": _GCS,
+    "gcs": _GCS,
     "s3": "Set AWS_PROFILE (a profile in ~/.aws/credentials) or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in "
     "the environment; never pass secrets with -o (they show in `ps`). For S3-compatible stores add "
-    "-o endpoint_url=https://...",
-    "az": "Set AZURE_STORAGE_CONNECTION_STRING (or AZURE_STORAGE_ACCOUNT_NAME and a key).",
-    "abfs": "Set AZURE_STORAGE_CONNECTION_STRING (or AZURE_STORAGE_ACCOUNT_NAME and a key).",
+    "endpoint_url to storage_options (-o endpoint_url=https://... in the CLI).",
+    "az": _AZURE,
+    "abfs": _AZURE,
 }
-
-_DRIVERS = {"gs": "gcsfs", "gcs": "gcsfs", "s3": "s3fs", "s3a": "s3fs", "az": "adlfs", "abfs": "adlfs"}
 
 
 def storage_hint(url: str, err: BaseException) -> str:
     """What to set or install when reaching ``url`` failed with ``err``."""
-    protocol = url.split("://", 1)[0].lower() if "://" in url else "file"
+    protocol = protocols.protocol_of(url)
     credentials = _CREDENTIAL_HINTS.get(protocol, "")
     kind = classify(err)
     if kind == "missing_driver":
-        driver = _DRIVERS.get(protocol)
-        return f"Install the fsspec driver for {protocol}://" + (f": pip install {driver}" if driver else ".")
+        return protocols.install_hint(protocol)
     if kind == "bad_protocol":
-        return "Use a local path or an fsspec URL such as gs://bucket/run, s3://bucket/run, memory://x."
+        return protocols.unknown_hint(protocol)
     if protocol == "file":
         return "Check the path and that this user may read it."
     if kind in ("credentials", "permission"):
         return credentials or "Check the credentials of the fsspec driver for this URL."
+    if kind == "no_host":
+        return (
+            "The storage endpoint's host name does not resolve (DNS): check the URL, endpoint_url, the network "
+            "and the proxy (a machine without internet access cannot reach a cloud bucket)."
+        )
     if kind == "network":
         return "The storage endpoint cannot be reached: check the network, proxy and endpoint_url. " + credentials
     return credentials or "Check the URL, the network and the credentials of the fsspec driver for it."

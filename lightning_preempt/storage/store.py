@@ -49,7 +49,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from lightning_preempt.errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
-from lightning_preempt.storage import local, remote
+from lightning_preempt.storage import local, reach, remote
 from lightning_preempt.storage.diagnose import describe, is_transient
 from lightning_preempt.storage.retry import Backoff, retry
 
@@ -92,6 +92,7 @@ class Store:
         self.url = str(url).rstrip("/") or str(url)
         self.storage_options = dict(storage_options or {})
         self.protocol = self.url.split("://", 1)[0].lower() if "://" in self.url else "file"
+        reach.require_reachable(self.protocol, self.storage_options, self.url)  # seconds, not minutes of retries
         fs, root = fsspec.core.url_to_fs(self.url, **self.storage_options)
         self._fs: fsspec.AbstractFileSystem = fs
         self.root: str = root.rstrip("/") if root != "/" else root

@@ -466,6 +466,16 @@ def test_a_failed_remove_is_logged_with_the_path(caplog: pytest.LogCaptureFixtur
 
 
 # ---- 5. nothing at the path is a FileNotFoundError --------------------------------------
+def test_a_missing_ckpt_path_is_worded_as_lightning_words_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Lightning's own tests (test_try_resume_from_non_existing_checkpoint, test_hpc_restore_attempt)
+    # and users' scripts match on TorchCheckpointIO's text: it stays the prefix, our HINT follows.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"^Checkpoint file not found: not existing\nHINT: ") as info:
+        make_trainer(3, []).fit(TinyModel(), loader(4), ckpt_path="not existing")
+    assert isinstance(info.value, CheckpointNotFoundError) and ".ckpt file" in str(info.value)
+    assert list(tmp_path.iterdir()) == []  # nothing written while failing
+
+
 def test_a_missing_ckpt_path_raises_file_not_found_in_fit(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError) as info:
         make_trainer(2, [], root=tmp_path).fit(TinyModel(), loader(4), ckpt_path=str(tmp_path / "missing.ckpt"))

@@ -415,7 +415,7 @@ def test_storage_error_hints() -> None:
     assert "AWS_ACCESS_KEY_ID" in hint
     hint = storage_hint("gs://bucket/run", OSError("Cannot connect to host storage.googleapis.com"))
     assert "cannot be reached" in hint and "GOOGLE_APPLICATION_CREDENTIALS" in hint
-    assert "pip install gcsfs" in storage_hint("gs://b/r", ImportError("Install gcsfs"))
+    assert "pip install 'lightning_preempt[gcs]'" in storage_hint("gs://b/r", ImportError("Install gcsfs"))
 
 
 def test_storage_options_parse() -> None:

@@ -81,3 +81,19 @@ def test_a_bad_plugin_argument_fails_at_construction_with_a_hint(name: str, valu
     with pytest.raises(ValueError, match="HINT: ") as info:
         ShardedAsyncCheckpointIO(**{name: value})
     assert message in str(info.value)
+
+
+# ---- storage URLs (issue 20) ---------------------------------------------------------------
+def test_a_mistyped_protocol_fails_at_construction_naming_the_known_ones() -> None:
+    with pytest.raises(ValueError, match="unknown protocol 'htps'") as info:
+        PreemptionCallback("htps://bucket/run", every_n_train_steps=5)
+    hint = str(info.value).split("HINT: ", 1)[1]
+    assert "Did you mean https://" in hint and "gs, " in hint and "s3, " in hint and "memory, " in hint
+
+
+@pytest.mark.parametrize("make", [lambda v: PreemptionCallback("ckpts", local_dirpath=v),
+                                  lambda v: ShardedAsyncCheckpointIO(local_dirpath=v)])  # fmt: skip
+def test_a_remote_local_dirpath_fails_at_construction(make: Any) -> None:
+    with pytest.raises(ValueError, match="local_dirpath must be a local directory") as info:
+        make("gs://bucket/local")
+    assert "the shared storage (gs://, s3://…) is dirpath" in str(info.value)

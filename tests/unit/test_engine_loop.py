@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -112,3 +113,26 @@ def test_a_failed_save_stops_the_loop_with_the_storage_error(tmp_path: Path) -> 
         assert not dirpath.exists()
     finally:
         engine.close(finish_saves=True)
+
+
+def test_without_an_interval_a_warning_says_what_a_sigkill_loses_once(tmp_path: Path) -> None:
+    def fit(engine: Engine, saver: Saver) -> None:
+        engine.setup(saver, save=lambda path: None, route_saves=saver.enable_collective, leader=True)
+        engine.start(7, loaded_from=None)
+        engine.close(finish_saves=True)
+
+    config = PreemptionConfig(dirpath=str(tmp_path / "ck"), lease=False, grace_period_s=45)
+    engine, saver = Engine(config), Saver({})
+    with pytest.warns(UserWarning, match="no periodic saves") as seen:
+        fit(engine, saver)
+        fit(engine, saver)  # the same callback fitted again: said once
+    texts = [str(w.message) for w in seen if "no periodic saves" in str(w.message)]
+    assert len(texts) == 1
+    assert "since step 7" in texts[0] and "grace_period_s=45" in texts[0] and "SIGTERM" in texts[0]
+    assert "HINT: set every_n_train_steps=N or every_n_seconds=S" in texts[0] and "lightning-preempt plan" in texts[0]
+
+    timed = Engine(PreemptionConfig(dirpath=str(tmp_path / "ck2"), lease=False, every_n_seconds=600.0))
+    with warnings.catch_warnings(record=True) as quiet:
+        warnings.simplefilter("always")
+        fit(timed, Saver({}))
+    assert not [w for w in quiet if "no periodic saves" in str(w.message)]

@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+import socket
+import traceback
+from pathlib import Path
+
+import chaos_fs
+import google.auth.exceptions as google_auth
 import pytest
 
-from lightning_preempt.errors import CheckpointExistsError, CorruptCheckpointError, NotACheckpointError
+from lightning_preempt.collective import agree
+from lightning_preempt.errors import (
+    CheckpointExistsError,
+    CheckpointWriteError,
+    CorruptCheckpointError,
+    NotACheckpointError,
+)
+from lightning_preempt.resume.resolver import ResumeResolver
+from lightning_preempt.save.preflight import check_writable
 from lightning_preempt.storage.diagnose import classify, describe, is_transient, redact, storage_hint
 from lightning_preempt.storage.retry import Backoff, retry
 
@@ -93,6 +107,15 @@ class ClientConnectorError(Exception):
         (CorruptCheckpointError("file fails its CRC32C check"), "damaged"),
         (NotACheckpointError("no committed checkpoint here"), "damaged"),
         (OSError(5, "Input/output error"), "unknown"),
+        # DNS: "no such name" is an answer, "temporary failure" is a blip
+        (socket.gaierror(socket.EAI_NONAME, "Name or service not known"), "no_host"),
+        (ClientConnectorError("Cannot connect to host storage.googleapis.com:443 [Name or service not known]"), "no_host"),
+        (socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution"), "network"),
+        # google.auth's own errors, whatever their text (a missing metadata server included)
+        (google_auth.DefaultCredentialsError("Your default credentials were not found."), "credentials"),
+        (google_auth.TransportError("Failed to retrieve http://metadata.google.internal/computeMetadata"), "credentials"),
+        (google_auth.RefreshError("Compute Engine Metadata server unavailable"), "credentials"),
+        (OSError("Anonymous caller does not have storage.objects.list access to the bucket."), "credentials"),
     ],
 )
 def test_one_classification(error: BaseException, kind: str) -> None:
@@ -115,8 +138,12 @@ def test_hints_follow_the_classification() -> None:
     assert "AWS_ACCESS_KEY_ID" in storage_hint("s3://b/r", NoCredentialsError("Unable to locate credentials"))
     network = storage_hint("gs://b/r", ClientConnectorError("Cannot connect to host storage.googleapis.com"))
     assert "cannot be reached" in network and "GOOGLE_APPLICATION_CREDENTIALS" in network
-    assert "pip install s3fs" in storage_hint("s3://b/r", ImportError("Install s3fs"))
-    assert "fsspec URL" in storage_hint("x://b/r", ValueError("Protocol not known: x"))
+    assert "pip install 'lightning_preempt[s3]'" in storage_hint("s3://b/r", ImportError("Install s3fs"))
+    assert "pip install 'lightning_preempt[gcs]'" in storage_hint("gs://b/r", ImportError("Install gcsfs"))
+    assert "Did you mean https://" in storage_hint("htps://b/r", ValueError("Protocol not known: htps"))
+    assert "s3, s3a" in storage_hint("x://b/r", ValueError("Protocol not known: x"))  # the known ones
+    no_host = storage_hint("gs://b/r", socket.gaierror(socket.EAI_NONAME, "Name or service not known"))
+    assert "does not resolve (DNS)" in no_host
     assert storage_hint("/data/run", PermissionError(13, "denied")) == "Check the path and that this user may read it."
 
 
@@ -126,3 +153,33 @@ def test_describe_is_one_line_without_secrets() -> None:
     assert describe(CorruptCheckpointError("file 'x' is truncated", hint="delete it")) == "file 'x' is truncated"
     assert describe(RuntimeError()) == "RuntimeError"
     assert redact("secret s3cr3t", options) == "secret ***"
+
+
+# ---- who retries: only what a retry can fix (issue 20) ---------------------------------------
+def test_the_resume_listing_is_not_retried_when_no_retry_can_help(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    slept: list[float] = []
+    resolver = ResumeResolver("nosuchproto://x", {}, retries=4, backoff_s=1.0, sleep=slept.append)
+    peeked = resolver.peek()
+    assert slept == [] and peeked.error is not None  # one attempt, no waiting
+    assert "after 1 attempt(s)" in peeked.error.message and "Protocol not known" in peeked.error.message
+    assert peeked.error.hint is not None and "known protocols:" in peeked.error.hint
+    # a listing that may come back is still retried
+    (tmp_path / "ck").mkdir()
+    flaky = ResumeResolver(f"chaos://{tmp_path}/ck", {}, retries=3, backoff_s=0.5, sleep=slept.append)
+    monkeypatch.setenv("LP_CHAOS_DIR", str(tmp_path / "ctl"))
+    chaos_fs.set_fault(tmp_path / "ctl", "list", times=2)  # EIO twice: a retry can help
+    assert flaky.peek().error is None and slept == [0.5, 1.0]
+
+
+def test_an_agreed_error_of_ours_is_told_once_on_the_rank_where_it_happened(tmp_path: Path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(CheckpointWriteError) as info:
+        agree.agree(lambda: check_writable(str(afile)), None, what="probing the storage")
+    text = "".join(traceback.format_exception(info.value))
+    assert text.count("is a file, not a directory") == 1 and text.count("HINT:") == 1, text
+    assert "check_writable" in text  # where it was raised is still in the traceback
+    # a foreign error keeps its own traceback, chained
+    with pytest.raises(agree.RankFailedError) as foreign:
+        agree.agree(lambda: {}["missing"], None, what="looking up")
+    assert isinstance(foreign.value.__cause__, KeyError)
