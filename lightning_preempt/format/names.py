@@ -11,6 +11,7 @@ In a checkpoint directory (any path: ``<dirpath>/step-0000000500/``, ``last.ckpt
     state-rank{rank:05d}.pt      each rank's non-tensor state (the skeleton)
     v-{12 hex}/                  a generation: the files of a checkpoint replaced at its path
     .lightning_preempt           zero-byte marker: the path exists before its commit (object stores)
+    .lightning_preempt.writer    the claim of the one save writing its files directly here (save/layout.py)
     .manifest.json.{hex}.tmp     a local commit's temporary manifest
 
 Under a checkpoint root (``dirpath``)::
@@ -33,6 +34,9 @@ MANIFEST_NAME = "manifest.json"
 DCP_METADATA_NAME = ".metadata"
 #: A zero-byte object that makes a checkpoint path exist on object stores before its commit.
 MARKER_NAME = ".lightning_preempt"
+#: Created create-only by the one save that writes its files directly into a checkpoint
+#: path; a concurrent save to the same path finds it and writes a generation of its own.
+CLAIM_NAME = ".lightning_preempt.writer"
 #: Every name this package gives an entry directly under a checkpoint root starts with it,
 #: except the checkpoints themselves.
 HIDDEN_PREFIX = ".lp-"
@@ -66,7 +70,7 @@ def is_our_file(name: str) -> bool:
     """A file this package writes directly in a checkpoint directory (listed in the
     manifest or not: the manifest itself, the marker, what a killed save leaves)."""
     return (
-        name in (MANIFEST_NAME, MARKER_NAME) or is_checkpoint_file(name) or _LEFTOVER_RE.fullmatch(name) is not None
+        name in (MANIFEST_NAME, MARKER_NAME, CLAIM_NAME) or is_checkpoint_file(name) or _LEFTOVER_RE.fullmatch(name) is not None
     )
 
 

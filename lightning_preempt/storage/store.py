@@ -48,6 +48,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from lightning_preempt.errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from lightning_preempt.storage import local, remote
+from lightning_preempt.storage.owned import Owned, require
 
 #: Bytes per upload request (GCS resumable chunk / S3 part). S3 allows 10,000 parts, so
 #: one file can hold up to ~312 GiB at this size.
@@ -328,13 +329,15 @@ class Store:
         else:
             self._fs.invalidate_cache(self.path(rel))
 
-    def rm_tree(self, rel: str = "") -> None:
+    def rm_tree(self, rel: str = "", *, owned: Owned) -> None:
         """Delete ``rel`` and everything below it (a local symlink: only the link); a missing
-        one is fine. Remote paths with glob characters (``[``, ``*``) are read as patterns by
-        fsspec's recursive delete: our names never have them."""
+        one is fine. ``owned``: the ownership verdict for ``rel`` (storage/owned.py), without
+        which nothing is deleted. Remote paths with glob characters (``[``, ``*``) are read as
+        patterns by fsspec's recursive delete: our names never have them."""
         if self.is_local:
-            local.remove_local(self.path(rel))
+            local.remove_local(self.path(rel), owned=owned)
             return
+        require(owned, self.path(rel))
         with contextlib.suppress(FileNotFoundError):
             self._fs.rm(self.path(rel), recursive=True)
         self._fs.invalidate_cache()

@@ -30,6 +30,7 @@ from lightning_preempt.read.dcp import load_all_tensors
 from lightning_preempt.read.verify import verify_checkpoint
 from lightning_preempt.save import commit
 from lightning_preempt.save.commit import SaveRequest, write_checkpoint
+from lightning_preempt.storage.owned import Owned
 from lightning_preempt.storage.store import Store
 
 
@@ -67,9 +68,9 @@ class CrashingStore(Store):
         self._moment(f"rm_file {rel}")
         super().rm_file(rel)
 
-    def rm_tree(self, rel: str = "") -> None:
+    def rm_tree(self, rel: str = "", *, owned: Owned) -> None:
         self._moment(f"rm_tree {rel}")
-        super().rm_tree(rel)
+        super().rm_tree(rel, owned=owned)
 
 
 def _tensors(step: int) -> dict[str, torch.Tensor]:
@@ -100,7 +101,8 @@ class _Local:
 
     def reset(self) -> None:
         CrashingStore.arm(None)
-        Store(self.url).parent().rm_tree()
+        parent = Store(self.url).parent()
+        parent.rm_tree(owned=Owned(parent.path()))  # the test's own directory
 
     def arm(self, crash_at: int | None) -> None:
         CrashingStore.arm(crash_at)
