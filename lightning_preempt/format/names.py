@@ -12,7 +12,7 @@ In a checkpoint directory (any path: ``<dirpath>/step-0000000500/``, ``last.ckpt
     v-{12 hex}/                  a generation: the files of a checkpoint replaced at its path
     .lightning_preempt           zero-byte marker: the path exists before its commit (object stores)
     .lightning_preempt.writer    the claim of the one save writing its files directly here (save/layout.py)
-    .manifest.json.{hex}.tmp     a local commit's temporary manifest
+    .manifest.json.{hex}.tmp     a local commit's temporary manifest (and ..lightning_preempt.writer.{hex}.tmp)
 
 Under a checkpoint root (``dirpath``)::
 
@@ -48,9 +48,9 @@ STATE_RE = re.compile(r"state-rank(\d{5,6})\.pt")
 GENERATION_RE = re.compile(r"v-[0-9a-f]{12}")
 STEP_DIR_RE = re.compile(r"step-(\d{10,19})(?:-[0-9a-f]{8})?")
 LEASE_RE = re.compile(r"\.lp-lease-(\d{10})\.json")
-#: What a killed save or commit leaves in a checkpoint directory: a temporary manifest, DCP
+#: What a killed save or commit leaves in a checkpoint directory: a temporary manifest or claim, DCP
 #: output of any name (the extension is DCP's own), DCP's own temporary metadata.
-_LEFTOVER_RE = re.compile(r"\.manifest\.json\.[0-9a-f]+\.tmp|[^/]+\.distcp|\.metadata\.tmp")
+_LEFTOVER_RE = re.compile(r"\.(?:manifest\.json|\.lightning_preempt\.writer)\.[0-9a-f]+\.tmp|[^/]+\.distcp|\.metadata\.tmp")
 #: A step number in a name this package did not give (``epoch=0-step=100.ckpt``).
 _FOREIGN_STEP_RE = re.compile(r"(?:^|[-_=])step[=_-]?(\d+)")
 

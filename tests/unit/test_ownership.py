@@ -30,6 +30,8 @@ OURS = {
     state_file(1): b"state 1",
     MARKER_NAME: b"",
     ".manifest.json.0123abcd.tmp": b"a killed commit's manifest",
+    ".lightning_preempt.writer": b"the in-place writer's claim",
+    "..lightning_preempt.writer.0123abcd.tmp": b"a killed claim's temporary file",
     ".metadata.tmp": b"DCP's own temporary metadata",
 }
 

@@ -17,12 +17,10 @@ from ckpts import lightning_like_checkpoint
 from models import TinyModel
 from trainers import make_trainer
 
-from lightning_preempt.catalog.ownership import check_owned
 from lightning_preempt.errors import CheckpointError, CheckpointExistsError
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.save.layout import write_file_atomic
 from lightning_preempt.storage import local
-from lightning_preempt.storage.owned import UncheckedRemoveError
 from lightning_preempt.storage.store import Store
 
 USER_FILES = {"src/train.py": b"print('my training script')\n", "results.csv": b"step,loss\n1,0.5\n"}
@@ -73,7 +71,11 @@ def test_a_sharded_save_refuses_a_users_manifest_and_files(tmp_path: Path) -> No
     """During fit (the async sharded path): a directory holding the user's own
     ``manifest.json`` or other files is neither written into nor overwritten."""
     mine = {"manifest.json": b'{"name": "my web app", "version": "1.0"}\n', "index.html": b"<html/>"}
-    for name, files in (("web", mine), ("project", USER_FILES), ("only-manifest", {"manifest.json": mine["manifest.json"]})):
+    for name, files in (
+        ("web", mine),
+        ("project", USER_FILES),
+        ("only-manifest", {"manifest.json": mine["manifest.json"]}),
+    ):
         users = _user_dir(tmp_path / name, files)
         io = ShardedAsyncCheckpointIO()
         io.save_checkpoint(lightning_like_checkpoint(step=5), str(users))
@@ -103,6 +105,9 @@ def test_memory_store_plain_save_keeps_a_users_directory(memory_url: str) -> Non
 
 
 def test_every_recursive_delete_demands_the_ownership_verdict(tmp_path: Path) -> None:
+    from lightning_preempt.catalog.ownership import check_owned
+    from lightning_preempt.storage.owned import UncheckedRemoveError
+
     users = _user_dir(tmp_path / "project")
     with pytest.raises(UncheckedRemoveError):
         local.remove_local(str(users))
