@@ -34,13 +34,24 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=30)
     parser.add_argument("--delay-ms", type=float, default=20.0, help="the second writer's start offset")
+    parser.add_argument("--replace-trials", type=int, default=10, help="more trials over a committed checkpoint")
     args = parser.parse_args()
-    delays = [0.0 if n % 2 == 0 else args.delay_ms / 1000 for n in range(args.trials)]
+    corrupt = 0
+    for replace, count in ((False, args.trials), (True, args.replace_trials)):
+        if count:
+            corrupt += _table(count, args.delay_ms / 1000, replace=replace)
+    return 1 if corrupt else 0
+
+
+def _table(count: int, delay_s: float, *, replace: bool) -> int:
+    """Run ``count`` trials, print their table; returns the committed-but-corrupt count."""
+    delays = [0.0 if n % 2 == 0 else delay_s for n in range(count)]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="lp-concurrent-") as root:
-        trials = run_trials(root, delays)
+        trials = run_trials(root, delays, replace=replace)
     elapsed = time.perf_counter() - started
-    print(f"{args.trials} trials, two writer processes per trial, {elapsed:.0f} s\n")
+    what = "over a committed checkpoint (both replace it)" if replace else "into a fresh step directory"
+    print(f"\n{count} trials {what}, two writer processes per trial, {elapsed:.0f} s\n")
     print("| second writer starts | trials | corrupt | winners | losers told | replaced | other failures |")
     print("|---|---|---|---|---|---|---|")
     for delay in sorted(set(delays)):
@@ -55,7 +66,7 @@ def main() -> int:
         if t.corrupt or (t.told.count("failed") > t.losers_told):
             print(f"  +{t.delay_s * 1000:.0f} ms: told {t.told}, at the path: {t.committed_step or t.error}; "
                   f"{' / '.join(m.splitlines()[0][-200:] for m in t.messages if m)}")  # fmt: skip
-    return 1 if corrupt else 0
+    return corrupt
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ winner. The loser deletes what it wrote and every one of its ranks raises
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -51,6 +52,7 @@ _STORAGE_HINT = (
 _FAILED: dict[str, Any] = {"foreign": CheckpointWriteError, "hint": _STORAGE_HINT}
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -156,14 +158,17 @@ def _raise_if_lost(
         if not isinstance(err, CheckpointExistsError) and not target.exists(MANIFEST_NAME):
             return False
         if written:  # our files are unreferenced: the committed manifest names the winner's
-            abandon(root, plan, [name for entries in written for name in entries])
+            try:
+                abandon(root, plan, [name for entries in written for name in entries])
+            except Exception as cleanup_err:  # leftovers of ours; the outcome stands
+                log.warning("lightning_preempt: could not delete this save's files at %s: %s", root.url, cleanup_err)
         return True
 
     if not agree.decide(lost, group, what="checking who committed the checkpoint", **_FAILED):
         return
     raise CheckpointExistsError(
-        f"another writer committed {root.url} first; this save (step {step}) was not committed, and its "
-        "own files were removed (the other writer's checkpoint is intact)",
+        f"another writer committed {root.url} first; this save (step {step}) was not committed (the other "
+        "writer's checkpoint is intact)",
         path=root.url,
         hint="Two processes saved to the same path at once. Give each job its own dirpath, or keep the "
         "PreemptionCallback's lease on (lease=True) so only one job writes a dirpath.",

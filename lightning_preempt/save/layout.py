@@ -19,8 +19,10 @@ two jobs) never share a file: the first to create ``P/.lightning_preempt.writer`
 create-only manifest decides which one is committed. The loser deletes only what it wrote
 and is told it lost (:func:`abandon`); the winner's files are never touched.
 
-A crash before 2 leaves the old checkpoint (plus an unreferenced generation the next
-save to ``P`` deletes); a crash after 2 leaves the new one (plus stale files). Readers
+A crash before 2 leaves the old checkpoint (plus an unreferenced generation, which stays
+until the checkpoint is deleted: it cannot be told from a concurrent save's generation
+still being written); a crash after 2 leaves the new one (plus stale files the next
+replacement deletes). Readers
 find a manifest's files with :func:`data_store`; nothing else about reading changes.
 
 A plain Lightning file at ``P`` (``TorchCheckpointIO``, or our saves outside ``fit``) is
@@ -47,7 +49,7 @@ from collections.abc import Iterable
 from typing import Literal
 
 from lightning_preempt.catalog.ownership import check_owned
-from lightning_preempt.errors import CheckpointExistsError
+from lightning_preempt.errors import CheckpointError, CheckpointExistsError
 from lightning_preempt.format.layout import DATA_DIR_KEY, generation_of
 from lightning_preempt.format.manifest import MAX_MANIFEST_BYTES, parse_manifest
 from lightning_preempt.format.names import (
@@ -94,6 +96,7 @@ class WritePlan:
     name: str = ""
     remove_file: bool = False  # object stores: a plain file object at the path, deleted after commit
     replace: bool = False  # the path held a committed checkpoint: the commit replaces its manifest
+    replaced: str | None = None  # the generation holding the replaced checkpoint's files (None: beside it)
 
     def data(self, root: Store) -> Store:
         """Where the files (and, except for generations, the manifest) are written."""
@@ -127,7 +130,7 @@ def plan_write(root: Store) -> WritePlan:
     """
     if root.exists(MANIFEST_NAME):
         check_owned(root, doing="save into")
-        return WritePlan("generation", new_generation(), replace=True)
+        return WritePlan("generation", new_generation(), replace=True, replaced=_live_or_none(root))
     if root.exists() and not root.isdir():
         if not root.is_object_store:
             return WritePlan("beside", sibling_name(_base(root), "new"))
@@ -146,7 +149,12 @@ def _claim(root: Store, *, remove_file: bool) -> WritePlan:
         root.commit_bytes(CLAIM_NAME, uuid.uuid4().hex.encode(), exclusive=True)
     except CheckpointExistsError:
         return WritePlan("generation", new_generation(), remove_file=remove_file)
-    remove_stale(root, live=None)  # an earlier save's partial files (never the claim: it is ours now)
+    if root.exists(MANIFEST_NAME):
+        # Another save committed (and released its claim) since we looked: replace it. Its
+        # commit came before its release, so a claim won after the release sees its manifest.
+        root.rm_file(CLAIM_NAME)
+        return WritePlan("generation", new_generation(), replace=True, replaced=_live_or_none(root))
+    remove_stale(root)  # an earlier save's partial files (never the claim: it is ours now)
     return WritePlan("in_place", remove_file=remove_file)
 
 
@@ -165,11 +173,40 @@ def finish_write(root: Store, plan: WritePlan) -> None:
             root.rm_file(CLAIM_NAME)
         elif plan.mode == "generation" and live_generation(root) == plan.name:
             # (another writer may have replaced this checkpoint since: its files are not stale)
-            remove_stale(root, live=plan.name)
+            remove_replaced(root, plan)
         if not root.is_object_store:
             remove_stale_siblings(root)
     except Exception as err:  # the new checkpoint is committed; leftovers go next time
         log.warning("lightning_preempt: could not delete the replaced checkpoint's files at %s: %s", root.url, err)
+
+
+def remove_replaced(root: Store, plan: WritePlan) -> list[str]:
+    """After a commit into the generation ``plan.name``: delete the files of ours directly in
+    ``root`` (the replaced checkpoint's, a killed or losing in-place save's, the claim) and
+    the generation the replaced manifest named. Never any other generation: it may be a
+    concurrent save's, still being written, that a delete would tear once it commits (a
+    killed save's generation stays, unreferenced, until the checkpoint is deleted)."""
+    removed = []
+    for entry in root.entries():
+        name = entry.name
+        if name in (MANIFEST_NAME, MARKER_NAME, plan.name):
+            continue
+        if entry.kind == "dir" and name == plan.replaced:
+            _delete(root, name, is_dir=True)
+        elif entry.kind == "file" and is_our_file(name):
+            root.rm_file(name)
+        else:
+            continue
+        removed.append(name)
+    return removed
+
+
+def _live_or_none(root: Store) -> str | None:
+    """:func:`live_generation`, or ``None`` for a damaged manifest (its files stay)."""
+    try:
+        return live_generation(root)
+    except (CheckpointError, OSError):
+        return None
 
 
 def live_generation(root: Store) -> str | None:
@@ -190,16 +227,16 @@ def abandon(root: Store, plan: WritePlan, names: Iterable[str]) -> None:
             root.rm_file(name)
 
 
-def remove_stale(root: Store, *, live: str | None) -> list[str]:
-    """Delete this package's entries directly under ``root`` except the manifest, the
-    marker and the ``live`` generation (``None``: the files are being written in place, so
-    the writer's claim stays too). A symlink or anything but a file or directory is never
-    ours; a generation holding anything foreign raises (:func:`check_owned`)."""
+def remove_stale(root: Store) -> list[str]:
+    """The save that won the claim on an uncommitted path: delete this package's entries
+    directly under ``root`` (an earlier, killed save's files and generations) except the
+    marker and the claim. Safe: no other save writes here while the claim is held and no
+    manifest exists. A symlink or anything but a file or directory is never ours; a
+    generation holding anything foreign raises (:func:`check_owned`)."""
     removed = []
-    kept = (MANIFEST_NAME, MARKER_NAME, live) if live is not None else (MANIFEST_NAME, MARKER_NAME, CLAIM_NAME)
     for entry in root.entries():
         name = entry.name
-        if name in kept:
+        if name in (MANIFEST_NAME, MARKER_NAME, CLAIM_NAME):
             continue
         if entry.kind == "dir" and is_generation(name):
             _delete(root, name, is_dir=True)

@@ -127,9 +127,20 @@ def _read_committed(path: str, steps: tuple[int, int]) -> tuple[int | None, str]
     return step, ""
 
 
-def run_trials(root: str, delays: list[float]) -> list[Trial]:
+def _commit_first(path: str, step: int) -> None:
+    """A committed checkpoint at ``path`` before the trial (the writers then replace it)."""
+    from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
+
+    io = ShardedAsyncCheckpointIO()
+    io.save_checkpoint(make_checkpoint(step), path)
+    io.teardown()
+
+
+def run_trials(root: str, delays: list[float], *, replace: bool = False) -> list[Trial]:
     """One trial per delay (seconds the second writer starts after the first), each in a
-    fresh ``root/trial-N/step-0000000100`` directory, with two writer processes."""
+    fresh ``root/trial-N/step-0000000100`` directory, with two writer processes.
+    ``replace``: the directory already holds a committed checkpoint, which both replace
+    (``last.ckpt`` saved by two processes): both may be told "committed"."""
     ctx = mp.get_context("spawn")
     pipes, procs = [], []
     for writer in range(2):
@@ -146,6 +157,8 @@ def run_trials(root: str, delays: list[float]) -> list[Trial]:
         for n, delay in enumerate(delays):
             path = os.path.join(root, f"trial-{n:03d}", "step-0000000100")
             steps = (1000 * n + 1, 1000 * n + 2)
+            if replace:
+                _commit_first(path, 1000 * n)
             start_at = time.time() + 0.3
             for writer, conn in enumerate(pipes):
                 conn.send((path, steps[writer], start_at + (delay if writer else 0.0)))

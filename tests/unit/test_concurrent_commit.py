@@ -26,3 +26,12 @@ def test_two_concurrent_saves_to_one_step_dir_leave_the_winner_intact(tmp_path: 
     for trial_dir in tmp_path.iterdir():
         names = sorted(p.name for p in (trial_dir / "step-0000000100").iterdir())
         assert "manifest.json" in names and ".lightning_preempt.writer" not in names, names
+
+
+def test_two_concurrent_replacements_of_one_checkpoint_never_tear_it(tmp_path: Path) -> None:
+    """Both save over a committed checkpoint at once: each commit replaces the manifest, and
+    neither one's clean-up deletes the other's generation, so what is committed verifies."""
+    trials = run_trials(str(tmp_path), [0.0, 0.02], replace=True)
+    for trial in trials:
+        assert not trial.corrupt, trial
+        assert trial.committed_step is not None and trial.winners >= 1, trial

@@ -11,7 +11,7 @@ Two ways to die, each at every mutating storage operation in turn:
 
 After each crash a fresh process's view (a plain ``Store``) must verify (every file's size and
 CRC32C against the manifest) and hold exactly the old or the new tensors; the next save must
-succeed and leave only the live checkpoint at the path.
+succeed and leave the live checkpoint at the path (and at most the killed save's generation).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from crash_fs import CrashFileSystem, SimulatedCrash
 
 from lightning_preempt.errors import CheckpointError
 from lightning_preempt.format.layout import data_store
+from lightning_preempt.format.names import is_generation
 from lightning_preempt.read.dcp import load_all_tensors
 from lightning_preempt.read.verify import verify_checkpoint
 from lightning_preempt.save import commit
@@ -156,7 +157,12 @@ def test_a_crash_at_every_storage_operation_leaves_the_old_or_the_new_checkpoint
         assert _complete_step(target.url) == 3
         store = Store(target.url)
         live = verify_checkpoint(store).extra.get("data_dir")
-        assert sorted(e.name for e in store.entries()) == sorted(["manifest.json", live]), (crash_at, store.entries())
+        entries = {e.name for e in store.entries()}
+        # Besides the live checkpoint, at most the killed save's unreferenced generation
+        # stays: it cannot be told from a concurrent save's, still being written (issue 20).
+        left = entries - {"manifest.json", live}
+        assert {"manifest.json", live} <= entries and len(left) <= 1, (crash_at, store.entries())
+        assert all(is_generation(name) for name in left), (crash_at, store.entries())
     # Old until the commit, new from then on: exactly one switch, and both were seen.
     assert seen[0] == 1 and seen[-1] == 2, seen
     assert seen == sorted(seen), seen
