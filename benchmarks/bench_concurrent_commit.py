@@ -1,7 +1,7 @@
 """Two plugin-level saves to one step directory at the same moment (issue 20, finding 6).
 
 Two real writer processes, each with its own ``ShardedAsyncCheckpointIO`` and no lease (as
-``ModelCheckpoint`` with the plugin, or ``lease=False``), save ~16 MiB each to the same
+``ModelCheckpoint`` with the plugin, or ``lease=False``), save ~64 MiB each to the same
 fresh ``step-0000000100`` directory per trial: half the trials start both at once, half
 start the second writer 20 ms behind. After each trial the checkpoint at the path is
 CRC32C-verified and compared bit for bit with the writer told "committed"

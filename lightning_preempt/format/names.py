@@ -50,7 +50,8 @@ STEP_DIR_RE = re.compile(r"step-(\d{10,19})(?:-[0-9a-f]{8})?")
 LEASE_RE = re.compile(r"\.lp-lease-(\d{10})\.json")
 #: What a killed save or commit leaves in a checkpoint directory: a temporary manifest or claim, DCP
 #: output of any name (the extension is DCP's own), DCP's own temporary metadata.
-_LEFTOVER_RE = re.compile(r"\.(?:manifest\.json|\.lightning_preempt\.writer)\.[0-9a-f]+\.tmp|[^/]+\.distcp|\.metadata\.tmp")
+_COMMIT_TMP_RE = re.compile(r"\.(?:manifest\.json|\.lightning_preempt\.writer)\.[0-9a-f]+\.tmp")
+_LEFTOVER_RE = re.compile(rf"{_COMMIT_TMP_RE.pattern}|[^/]+\.distcp|\.metadata\.tmp")
 #: A step number in a name this package did not give (``epoch=0-step=100.ckpt``).
 _FOREIGN_STEP_RE = re.compile(r"(?:^|[-_=])step[=_-]?(\d+)")
 
@@ -72,6 +73,12 @@ def is_our_file(name: str) -> bool:
     return (
         name in (MANIFEST_NAME, MARKER_NAME, CLAIM_NAME) or is_checkpoint_file(name) or _LEFTOVER_RE.fullmatch(name) is not None
     )
+
+
+def is_commit_temp(name: str) -> bool:
+    """A local commit's temporary manifest or claim: in flight while its writer commits (it
+    deletes it itself), so a concurrent save's clean-up must leave it."""
+    return _COMMIT_TMP_RE.fullmatch(name) is not None
 
 
 def writer_of(name: str) -> int:

@@ -56,7 +56,7 @@ from lightning_preempt.format.names import (
     CLAIM_NAME,
     MANIFEST_NAME,
     MARKER_NAME,
-    is_generation,
+    is_commit_temp,
     is_our_file,
     is_sibling_of,
     new_generation,
@@ -189,8 +189,8 @@ def remove_replaced(root: Store, plan: WritePlan) -> list[str]:
     removed = []
     for entry in root.entries():
         name = entry.name
-        if name in (MANIFEST_NAME, MARKER_NAME, plan.name):
-            continue
+        if name in (MANIFEST_NAME, MARKER_NAME, plan.name) or is_commit_temp(name):
+            continue  # (a concurrent save's commit in flight: its writer deletes the temporary file)
         if entry.kind == "dir" and name == plan.replaced:
             _delete(root, name, is_dir=True)
         elif entry.kind == "file" and is_our_file(name):
@@ -228,23 +228,18 @@ def abandon(root: Store, plan: WritePlan, names: Iterable[str]) -> None:
 
 
 def remove_stale(root: Store) -> list[str]:
-    """The save that won the claim on an uncommitted path: delete this package's entries
-    directly under ``root`` (an earlier, killed save's files and generations) except the
-    marker and the claim. Safe: no other save writes here while the claim is held and no
-    manifest exists. A symlink or anything but a file or directory is never ours; a
-    generation holding anything foreign raises (:func:`check_owned`)."""
+    """The save that won the claim on an uncommitted path: delete the files of ours directly
+    under ``root`` (a killed save's partial files) except the marker, the claim and commits
+    in flight. Never a generation: a concurrent save that found our claim may have just
+    started writing its own (a killed save's stays, unreferenced, until the path is deleted)."""
     removed = []
     for entry in root.entries():
         name = entry.name
-        if name in (MANIFEST_NAME, MARKER_NAME, CLAIM_NAME):
+        if name in (MANIFEST_NAME, MARKER_NAME, CLAIM_NAME) or is_commit_temp(name):
             continue
-        if entry.kind == "dir" and is_generation(name):
-            _delete(root, name, is_dir=True)
-        elif entry.kind == "file" and is_our_file(name):
+        if entry.kind == "file" and is_our_file(name):  # (a symlink or a directory: never here)
             root.rm_file(name)
-        else:
-            continue
-        removed.append(name)
+            removed.append(name)
     return removed
 
 

@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 #: Each writer's checkpoint: enough bytes that the two writes overlap for a while.
-WIDTH = 512
+WIDTH = 1024
 LAYERS = 8
 
 
@@ -43,19 +43,24 @@ def make_checkpoint(step: int) -> dict[str, Any]:
     }
 
 
-def _worker(conn: Any, writer: int) -> None:
-    """One writer process: for every ``(path, step, start_at)`` received, save at ``start_at``."""
+def _worker(conn: Any, scratch: str) -> None:
+    """One writer process: for every ``(path, step, start_at)`` received, save at ``start_at``.
+
+    One plugin for all trials, warmed up by a save to ``scratch`` (job thread started, staging
+    buffers allocated), so both writers reach their saves within a millisecond or two of
+    ``start_at`` and the two writes overlap."""
     import logging
 
     logging.disable(logging.WARNING)  # the loser's failure is reported through the pipe
     from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 
-    make_checkpoint(0)  # warm up torch before the timed trials
+    io = ShardedAsyncCheckpointIO()
+    io.save_checkpoint(make_checkpoint(0), scratch)
+    io.wait()
     conn.send("ready")
     while (job := conn.recv()) is not None:
         path, step, start_at = job
         checkpoint = make_checkpoint(step)
-        io = ShardedAsyncCheckpointIO()
         time.sleep(max(0.0, start_at - time.time()))
         try:
             io.save_checkpoint(checkpoint, path)
@@ -63,9 +68,8 @@ def _worker(conn: Any, writer: int) -> None:
             conn.send(("committed", ""))
         except Exception as err:
             conn.send(("failed", f"{type(err).__name__}: {err}"))
-        finally:
-            with contextlib.suppress(Exception):
-                io.teardown()
+    with contextlib.suppress(Exception):
+        io.teardown()
 
 
 @dataclasses.dataclass
@@ -145,7 +149,7 @@ def run_trials(root: str, delays: list[float], *, replace: bool = False) -> list
     pipes, procs = [], []
     for writer in range(2):
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_worker, args=(child, writer), daemon=True)
+        proc = ctx.Process(target=_worker, args=(child, os.path.join(root, f"warm-up-{writer}")), daemon=True)
         proc.start()
         pipes.append(parent)
         procs.append(proc)
