@@ -43,6 +43,7 @@ def test_two_concurrent_saves_to_one_step_dir_leave_the_winner_intact(tmp_path: 
         assert "manifest.json" in names and ".lightning_preempt.writer" not in names, names
 
 
+@pytest.mark.slow  # ~15 s of process start-up; the races are also forced one by one below
 def test_two_concurrent_replacements_of_one_checkpoint_never_tear_it(tmp_path: Path) -> None:
     """Both save over a committed checkpoint at once: each commit replaces the manifest, and
     neither one's clean-up deletes the other's generation, so what is committed verifies."""
