@@ -1,18 +1,22 @@
-"""What under a checkpoint root is ours to delete (docs/security.md).
+"""What is ours to delete or to save over (docs/security.md): the one ownership check.
 
 Storage is shared: a user's ``dataset/``, ``notes-step3/``, a Lightning FSDP
-``epoch=0-step=100.ckpt/`` or a file dropped into one of our directories must survive
-retention and clean-up. So this package deletes a directory only when
+``epoch=0-step=100.ckpt/``, a user's ``src/`` passed to ``trainer.save_checkpoint`` or a file
+dropped into one of our directories must survive retention, clean-up and saves. So this
+package deletes, replaces or writes into a directory only when
 
 * its name is one this package gives (``names.is_our_dir_name``: ``step-NNNNNNNNNN``, or
   with the 8-hex suffix the callback adds when a committed ``step-N`` exists), when the
   caller chose it by name (retention); and
 * everything in it is a file this package writes (:func:`foreign_entries` is empty):
-  the manifest, DCP shards (``*.distcp``) and ``.metadata``, per-rank state files, a
-  commit's temporary manifest, the path marker, and generation directories holding only
-  such files. An empty directory is an uncommitted leftover of ours.
+  the manifest (one that declares our format: a user's own ``manifest.json`` is foreign),
+  DCP shards (``*.distcp``) and ``.metadata``, per-rank state files, a commit's temporary
+  manifest, the path marker and writer claim, and generation directories holding only such
+  files. An empty directory is an uncommitted leftover of ours.
 
-Nothing is followed through a symlink; a symlink is never ours.
+:func:`check_owned` is the check; the :class:`~lightning_preempt.storage.owned.Owned`
+verdict it returns is what every recursive delete in storage demands, so no delete of a
+tree can skip it. Nothing is followed through a symlink; a symlink is never ours.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ import logging
 import os
 
 from lightning_preempt.errors import CheckpointExistsError
+from lightning_preempt.format.manifest import MAX_MANIFEST_BYTES, declares_our_format
 from lightning_preempt.format.names import MANIFEST_NAME, is_generation, is_our_file
+from lightning_preempt.storage.owned import Owned
 from lightning_preempt.storage.store import Store
 
 log = logging.getLogger(__name__)
@@ -31,6 +37,11 @@ _HINT = (
     "files out of it (or delete the directory yourself), and keep other data out of the checkpoint dirpath. "
     "See docs/security.md."
 )
+_SAVE_HINT = (
+    "lightning_preempt saves only into a new path, an empty directory or a checkpoint it wrote itself, and "
+    "never deletes files it did not write. Save to another path (e.g. a name ending in .ckpt), or move your "
+    "files out of this directory first. See docs/security.md."
+)
 
 
 def foreign_entries(store: Store) -> list[str]:
@@ -38,36 +49,61 @@ def foreign_entries(store: Store) -> list[str]:
     (``name`` or ``name (kind)``); empty when all of it is ours or it does not exist."""
     if store.is_local and os.path.islink(store.path()):
         return [f"{store.path()} (a symlink)"]
-    foreign = []
+    foreign = _foreign_in(store, "")
     for name, kind in store.children():
-        if kind == "file" and is_our_file(name):
-            continue
         if kind == "dir" and is_generation(name):
-            inner = [
-                f"{name}/{n}" + ("" if k == "file" else f" ({k})")
-                for n, k in store.children(name)
-                if not (k == "file" and is_our_file(n))
-            ]
-            foreign.extend(inner)
-            continue
-        foreign.append(name if kind == "file" else f"{name} ({kind})")
+            foreign.extend(_foreign_in(store, name, nested=False))
     return foreign
+
+
+def _foreign_in(store: Store, rel: str, *, nested: bool = True) -> list[str]:
+    """The foreign entries directly in ``rel`` (generation directories allowed if ``nested``)."""
+    foreign = []
+    for name, kind in store.children(rel):
+        path = f"{rel}/{name}" if rel else name
+        if kind == "file" and is_our_file(name):
+            if name == MANIFEST_NAME and not _is_our_manifest(store, path):
+                foreign.append(f"{path} (not a lightning_preempt manifest)")
+        elif not (nested and kind == "dir" and is_generation(name)):
+            foreign.append(path if kind == "file" else f"{path} ({kind})")
+    return foreign
+
+
+def _is_our_manifest(store: Store, name: str) -> bool:
+    """A ``manifest.json`` is ours only if it declares our format (a user's is not)."""
+    try:
+        return declares_our_format(store.read_regular(name, MAX_MANIFEST_BYTES))
+    except FileNotFoundError:
+        return True  # deleted meanwhile (by us: manifests are removed first)
+    except Exception:  # unreadable, oversized, not a regular file: not provably ours
+        return False
+
+
+def check_owned(store: Store, *, doing: str = "delete") -> Owned:
+    """The one ownership check: the verdict that lets storage delete or replace the
+    directory ``store`` (storage/owned.py), when everything in it is this package's or it
+    is empty or absent. Otherwise :class:`CheckpointExistsError` with a HINT, nothing touched.
+
+    ``doing``: what was refused, for the message (``"delete"``, ``"save into"``, ``"replace"``).
+    """
+    foreign = foreign_entries(store)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise CheckpointExistsError(
+            f"refusing to {doing} {store.url}: it holds things lightning_preempt did not write ({shown})",
+            path=store.url,
+            hint=_HINT if doing == "delete" else _SAVE_HINT,
+        )
+    return Owned(store.path())
 
 
 def remove_if_ours(store: Store, *, why: str) -> None:
     """Delete the checkpoint directory ``store`` (manifest first, so a half-deleted one is
     never committed) and log it at INFO, or raise :class:`CheckpointExistsError` with a
-    HINT when it holds anything this package did not write."""
-    foreign = foreign_entries(store)
-    if foreign:
-        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        raise CheckpointExistsError(
-            f"refusing to delete {store.url}: it holds things lightning_preempt did not write ({shown})",
-            path=store.url,
-            hint=_HINT,
-        )
+    HINT when it holds anything this package did not write (:func:`check_owned`)."""
+    owned = check_owned(store)
     store.rm_file(MANIFEST_NAME)
-    store.rm_tree()
+    store.rm_tree(owned=owned)
     log.info("lightning_preempt: deleted %s (%s)", store.url, why)
 
 

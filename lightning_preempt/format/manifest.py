@@ -180,6 +180,18 @@ def parse_manifest(data: bytes, *, path: str) -> Manifest:
     return manifest
 
 
+def declares_our_format(data: bytes) -> bool:
+    """Whether ``data`` is a JSON object declaring this package's format: a manifest of ours
+    (maybe damaged otherwise), not a user's own ``manifest.json`` (catalog/ownership.py)."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        return False
+    try:
+        body = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    return isinstance(body, dict) and body.get("format") == FORMAT_NAME
+
+
 def _corrupt(message: str, path: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(message, path=path, hint=_DAMAGED_HINT)
 

@@ -11,7 +11,8 @@ In a checkpoint directory (any path: ``<dirpath>/step-0000000500/``, ``last.ckpt
     state-rank{rank:05d}.pt      each rank's non-tensor state (the skeleton)
     v-{12 hex}/                  a generation: the files of a checkpoint replaced at its path
     .lightning_preempt           zero-byte marker: the path exists before its commit (object stores)
-    .manifest.json.{hex}.tmp     a local commit's temporary manifest
+    .lightning_preempt.writer    the claim of the one save writing its files directly here (save/layout.py)
+    .manifest.json.{hex}.tmp     a local commit's temporary manifest (and ..lightning_preempt.writer.{hex}.tmp)
 
 Under a checkpoint root (``dirpath``)::
 
@@ -33,6 +34,9 @@ MANIFEST_NAME = "manifest.json"
 DCP_METADATA_NAME = ".metadata"
 #: A zero-byte object that makes a checkpoint path exist on object stores before its commit.
 MARKER_NAME = ".lightning_preempt"
+#: Created create-only by the one save that writes its files directly into a checkpoint
+#: path; a concurrent save to the same path finds it and writes a generation of its own.
+CLAIM_NAME = ".lightning_preempt.writer"
 #: Every name this package gives an entry directly under a checkpoint root starts with it,
 #: except the checkpoints themselves.
 HIDDEN_PREFIX = ".lp-"
@@ -44,9 +48,10 @@ STATE_RE = re.compile(r"state-rank(\d{5,6})\.pt")
 GENERATION_RE = re.compile(r"v-[0-9a-f]{12}")
 STEP_DIR_RE = re.compile(r"step-(\d{10,19})(?:-[0-9a-f]{8})?")
 LEASE_RE = re.compile(r"\.lp-lease-(\d{10})\.json")
-#: What a killed save or commit leaves in a checkpoint directory: a temporary manifest, DCP
+#: What a killed save or commit leaves in a checkpoint directory: a temporary manifest or claim, DCP
 #: output of any name (the extension is DCP's own), DCP's own temporary metadata.
-_LEFTOVER_RE = re.compile(r"\.manifest\.json\.[0-9a-f]+\.tmp|[^/]+\.distcp|\.metadata\.tmp")
+_COMMIT_TMP_RE = re.compile(r"\.(?:manifest\.json|\.lightning_preempt\.writer)\.[0-9a-f]+\.tmp")
+_LEFTOVER_RE = re.compile(rf"{_COMMIT_TMP_RE.pattern}|[^/]+\.distcp|\.metadata\.tmp")
 #: A step number in a name this package did not give (``epoch=0-step=100.ckpt``).
 _FOREIGN_STEP_RE = re.compile(r"(?:^|[-_=])step[=_-]?(\d+)")
 
@@ -66,8 +71,14 @@ def is_our_file(name: str) -> bool:
     """A file this package writes directly in a checkpoint directory (listed in the
     manifest or not: the manifest itself, the marker, what a killed save leaves)."""
     return (
-        name in (MANIFEST_NAME, MARKER_NAME) or is_checkpoint_file(name) or _LEFTOVER_RE.fullmatch(name) is not None
+        name in (MANIFEST_NAME, MARKER_NAME, CLAIM_NAME) or is_checkpoint_file(name) or _LEFTOVER_RE.fullmatch(name) is not None
     )
+
+
+def is_commit_temp(name: str) -> bool:
+    """A local commit's temporary manifest or claim: in flight while its writer commits (it
+    deletes it itself), so a concurrent save's clean-up must leave it."""
+    return _COMMIT_TMP_RE.fullmatch(name) is not None
 
 
 def writer_of(name: str) -> int:

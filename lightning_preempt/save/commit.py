@@ -14,11 +14,17 @@ Protocol (every rank, in the writer thread, on the writer's own gloo group):
 5. rank 0 writes ``manifest.json`` atomically — commit metadata only after all ranks
    completed writing — and tells the others whether the commit itself succeeded;
 6. rank 0 deletes what the new checkpoint replaced (:func:`lightning_preempt.layout.finish_write`).
+
+Two saves to one path at the same moment each write files no other save writes (layout.py:
+a create-only claim, else a generation of its own); the create-only manifest picks the
+winner. The loser deletes what it wrote and every one of its ranks raises
+:class:`CheckpointExistsError` saying another writer committed the path first.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -29,12 +35,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
-from lightning_preempt.errors import CheckpointWriteError
+from lightning_preempt.errors import CheckpointError, CheckpointExistsError, CheckpointWriteError
 from lightning_preempt.format.dcp_compat import quiet_single_process_warning
 from lightning_preempt.format.manifest import FileEntry, Manifest
 from lightning_preempt.format.names import MANIFEST_NAME, state_file
 from lightning_preempt.save.dcp_writer import ChecksummingWriter
-from lightning_preempt.save.layout import finish_write, plan_write
+from lightning_preempt.save.layout import WritePlan, abandon, finish_write, plan_write
 from lightning_preempt.storage.checksum import Crc32c
 from lightning_preempt.storage.store import Store
 
@@ -46,6 +52,7 @@ _STORAGE_HINT = (
 _FAILED: dict[str, Any] = {"foreign": CheckpointWriteError, "hint": _STORAGE_HINT}
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -100,32 +107,72 @@ def write_checkpoint(
         entries[name] = _write_hashed(store, name, request.skeleton)
         return entries
 
-    written = _on_every_rank(write_files, group, root, "writing checkpoint files")
+    written: list[dict[str, FileEntry]] = []
+    try:
+        written = _on_every_rank(write_files, group, root, "writing checkpoint files")
+        manifest = Manifest(
+            step=request.step,
+            epoch=request.epoch,
+            world_size=world,
+            files={name: entry for rank_entries in written for name, entry in rank_entries.items()},
+            tensor_bytes=sum(t.numel() * t.element_size() for t in request.tensors.values()),
+            stats={**request.stats, "write_s": time.perf_counter() - started},
+            extra={**request.extra, **plan.manifest_extra},
+            run_id=request.run_id,
+        )
+        # Commit metadata only after all ranks completed writing (the gather above). Rank 0
+        # commits; every rank gets its outcome. A CheckpointExistsError (the create-only
+        # commit found another writer's manifest: theirs stands) is raised as such on every rank.
+        target = plan.commit_store(root)
 
-    manifest = Manifest(
-        step=request.step,
-        epoch=request.epoch,
-        world_size=world,
-        files={name: entry for rank_entries in written for name, entry in rank_entries.items()},
-        tensor_bytes=sum(t.numel() * t.element_size() for t in request.tensors.values()),
-        stats={**request.stats, "write_s": time.perf_counter() - started},
-        extra={**request.extra, **plan.manifest_extra},
-        run_id=request.run_id,
-    )
-    # Commit metadata only after all ranks completed writing (the gather above). Rank 0
-    # commits; every rank gets its outcome. A CheckpointExistsError (the create-only commit
-    # found another writer's manifest: theirs stands) is raised as such on every rank.
-    target = plan.commit_store(root)
+        def commit() -> None:
+            target.commit_bytes(MANIFEST_NAME, manifest.to_json(), exclusive=plan.exclusive)
+            if plan.mode == "beside":  # committed beside the path; it is saved once it is *at* it
+                finish_write(root, plan)
 
-    def commit() -> None:
-        target.commit_bytes(MANIFEST_NAME, manifest.to_json(), exclusive=plan.exclusive)
-        if plan.mode == "beside":  # committed beside the path; it is saved once it is *at* it
-            finish_write(root, plan)
-
-    agree.decide(commit, group, what="committing the manifest", **_FAILED)
+        agree.decide(commit, group, what="committing the manifest", **_FAILED)
+    except CheckpointError as err:
+        _raise_if_lost(err, root, plan, written, request.step, group)
+        raise
     if rank == 0 and plan.mode != "beside":
         finish_write(root, plan)  # only deletes what was replaced; logs its own failures
     return manifest
+
+
+def _raise_if_lost(
+    err: CheckpointError,
+    root: Store,
+    plan: WritePlan,
+    written: list[dict[str, FileEntry]],
+    step: int,
+    group: pdist.ProcessGroup | None,
+) -> None:
+    """Every rank (the failure is agreed): when another writer committed this path while we
+    wrote (its manifest beat ours, or its clean-up took our files), delete what this save
+    wrote on rank 0 and raise :class:`CheckpointExistsError` saying so; else return."""
+    if plan.replace:  # we meant to replace the manifest: a failure here is a plain failure
+        return
+    target = plan.commit_store(root)
+
+    def lost() -> bool:
+        if not isinstance(err, CheckpointExistsError) and not target.exists(MANIFEST_NAME):
+            return False
+        if written:  # our files are unreferenced: the committed manifest names the winner's
+            try:
+                abandon(root, plan, [name for entries in written for name in entries])
+            except Exception as cleanup_err:  # leftovers of ours; the outcome stands
+                log.warning("lightning_preempt: could not delete this save's files at %s: %s", root.url, cleanup_err)
+        return True
+
+    if not agree.decide(lost, group, what="checking who committed the checkpoint", **_FAILED):
+        return
+    raise CheckpointExistsError(
+        f"another writer committed {root.url} first; this save (step {step}) was not committed (the other "
+        "writer's checkpoint is intact)",
+        path=root.url,
+        hint="Two processes saved to the same path at once. Give each job its own dirpath, or keep the "
+        "PreemptionCallback's lease on (lease=True) so only one job writes a dirpath.",
+    ) from err
 
 
 def _dcp_failures(err: CheckpointException) -> str:

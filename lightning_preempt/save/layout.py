@@ -13,8 +13,16 @@ that already holds a committed checkpoint adds one level of indirection:
 3. only then are the old checkpoint's files (in ``P`` itself or an older generation)
    deleted.
 
-A crash before 2 leaves the old checkpoint (plus an unreferenced generation the next
-save to ``P`` deletes); a crash after 2 leaves the new one (plus stale files). Readers
+Two saves to one path at the same moment (no lease: ``ModelCheckpoint`` with the plugin,
+two jobs) never share a file: the first to create ``P/.lightning_preempt.writer``
+(create-only) writes into ``P``, any other writes into a generation of its own, and the
+create-only manifest decides which one is committed. The loser deletes only what it wrote
+and is told it lost (:func:`abandon`); the winner's files are never touched.
+
+A crash before 2 leaves the old checkpoint (plus an unreferenced generation, which stays
+until the checkpoint is deleted: it cannot be told from a concurrent save's generation
+still being written); a crash after 2 leaves the new one (plus stale files the next
+replacement deletes). Readers
 find a manifest's files with :func:`data_store`; nothing else about reading changes.
 
 A plain Lightning file at ``P`` (``TorchCheckpointIO``, or our saves outside ``fit``) is
@@ -26,7 +34,9 @@ renames (:func:`swap_in`), so the old one exists until the new one does.
 Every storage access goes through :class:`Store` (and :mod:`lightning_preempt.storage.local`
 for the renames that only local disk can do atomically).
 
-Only names this package writes are ever deleted here (``format/names.py``).
+Only names this package writes are ever deleted here (``format/names.py``), and a
+directory only with the ownership verdict of :func:`~lightning_preempt.catalog.ownership.check_owned`:
+a save into (or over) a directory holding anything else is refused, nothing deleted.
 """
 
 from __future__ import annotations
@@ -34,13 +44,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 import posixpath
+import uuid
+from collections.abc import Iterable
 from typing import Literal
 
-from lightning_preempt.format.layout import DATA_DIR_KEY
+from lightning_preempt.catalog.ownership import check_owned
+from lightning_preempt.errors import CheckpointError, CheckpointExistsError
+from lightning_preempt.format.layout import DATA_DIR_KEY, generation_of
+from lightning_preempt.format.manifest import MAX_MANIFEST_BYTES, parse_manifest
 from lightning_preempt.format.names import (
+    CLAIM_NAME,
     MANIFEST_NAME,
     MARKER_NAME,
-    is_generation,
+    is_commit_temp,
     is_our_file,
     is_sibling_of,
     new_generation,
@@ -79,6 +95,8 @@ class WritePlan:
     mode: Literal["in_place", "generation", "beside"]
     name: str = ""
     remove_file: bool = False  # object stores: a plain file object at the path, deleted after commit
+    replace: bool = False  # the path held a committed checkpoint: the commit replaces its manifest
+    replaced: str | None = None  # the generation holding the replaced checkpoint's files (None: beside it)
 
     def data(self, root: Store) -> Store:
         """Where the files (and, except for generations, the manifest) are written."""
@@ -99,21 +117,45 @@ class WritePlan:
     @property
     def exclusive(self) -> bool:
         """Create-only commit, except when replacing a committed manifest on purpose."""
-        return self.mode != "generation"
+        return not self.replace
 
 
 def plan_write(root: Store) -> WritePlan:
     """Rank 0, before a save writes anything: decide the :class:`WritePlan` and clear this
-    package's uncommitted leftovers at the path (never files it did not write)."""
+    package's uncommitted leftovers at the path (never files it did not write).
+
+    Raises :class:`CheckpointExistsError` (HINT, nothing touched) when the path is a
+    directory holding anything this package did not write (a user's ``src/``, their own
+    ``manifest.json``): a save never writes into, or deletes, someone else's directory.
+    """
     if root.exists(MANIFEST_NAME):
-        return WritePlan("generation", new_generation())
+        check_owned(root, doing="save into")
+        return WritePlan("generation", new_generation(), replace=True, replaced=_live_or_none(root))
     if root.exists() and not root.isdir():
-        if root.is_object_store:  # the file object and our objects under P/ coexist
-            remove_stale(root, live=None)  # partial objects of an earlier save under P/
-            return WritePlan("in_place", remove_file=True)
-        return WritePlan("beside", sibling_name(_base(root), "new"))
-    remove_stale(root, live=None)  # an earlier save's partial files
-    return WritePlan("in_place")
+        if not root.is_object_store:
+            return WritePlan("beside", sibling_name(_base(root), "new"))
+        check_owned(root, doing="save into")  # the file object and our objects under P/ coexist
+        return _claim(root, remove_file=True)
+    check_owned(root, doing="save into")
+    return _claim(root, remove_file=False)
+
+
+def _claim(root: Store, *, remove_file: bool) -> WritePlan:
+    """Nothing is committed at ``root``: write in place if this save is the first to claim
+    it (create-only), else into a generation of its own (another save is writing in place
+    now, or one was killed doing so; the create-only manifest decides between them)."""
+    root.makedirs()
+    try:
+        root.commit_bytes(CLAIM_NAME, uuid.uuid4().hex.encode(), exclusive=True)
+    except CheckpointExistsError:
+        return WritePlan("generation", new_generation(), remove_file=remove_file)
+    if root.exists(MANIFEST_NAME):
+        # Another save committed (and released its claim) since we looked: replace it. Its
+        # commit came before its release, so a claim won after the release sees its manifest.
+        root.rm_file(CLAIM_NAME)
+        return WritePlan("generation", new_generation(), replace=True, replaced=_live_or_none(root))
+    remove_stale(root)  # an earlier save's partial files (never the claim: it is ours now)
+    return WritePlan("in_place", remove_file=remove_file)
 
 
 def finish_write(root: Store, plan: WritePlan) -> None:
@@ -127,30 +169,77 @@ def finish_write(root: Store, plan: WritePlan) -> None:
     try:
         if plan.remove_file:
             root.rm_file()  # P/manifest.json exists now: it wins over the file
-        elif plan.mode == "generation":
-            remove_stale(root, live=plan.name)
+        if plan.mode == "in_place":
+            root.rm_file(CLAIM_NAME)
+        elif plan.mode == "generation" and live_generation(root) == plan.name:
+            # (another writer may have replaced this checkpoint since: its files are not stale)
+            remove_replaced(root, plan)
         if not root.is_object_store:
             remove_stale_siblings(root)
     except Exception as err:  # the new checkpoint is committed; leftovers go next time
         log.warning("lightning_preempt: could not delete the replaced checkpoint's files at %s: %s", root.url, err)
 
 
-def remove_stale(root: Store, *, live: str | None) -> list[str]:
-    """Delete this package's entries directly under ``root`` except the manifest, the
-    marker and the ``live`` generation (``None``: the files are being written in place).
-    A symlink or anything but a file or directory is never ours."""
+def remove_replaced(root: Store, plan: WritePlan) -> list[str]:
+    """After a commit into the generation ``plan.name``: delete the files of ours directly in
+    ``root`` (the replaced checkpoint's, a killed or losing in-place save's, the claim) and
+    the generation the replaced manifest named. Never any other generation: it may be a
+    concurrent save's, still being written, that a delete would tear once it commits (a
+    killed save's generation stays, unreferenced, until the checkpoint is deleted)."""
     removed = []
     for entry in root.entries():
         name = entry.name
-        if name in (MANIFEST_NAME, MARKER_NAME, live):
-            continue
-        if entry.kind == "dir" and is_generation(name):
-            root.rm_tree(name)
+        if name in (MANIFEST_NAME, MARKER_NAME, plan.name) or is_commit_temp(name):
+            continue  # (a concurrent save's commit in flight: its writer deletes the temporary file)
+        if entry.kind == "dir" and name == plan.replaced:
+            _delete(root, name, is_dir=True)
         elif entry.kind == "file" and is_our_file(name):
             root.rm_file(name)
         else:
             continue
         removed.append(name)
+    return removed
+
+
+def _live_or_none(root: Store) -> str | None:
+    """:func:`live_generation`, or ``None`` for a damaged manifest (its files stay)."""
+    try:
+        return live_generation(root)
+    except (CheckpointError, OSError):
+        return None
+
+
+def live_generation(root: Store) -> str | None:
+    """The generation the manifest at ``root`` names (``None``: its files are beside it)."""
+    manifest = parse_manifest(root.read_regular(MANIFEST_NAME, MAX_MANIFEST_BYTES), path=root.url)
+    return generation_of(manifest, path=root.url)
+
+
+def abandon(root: Store, plan: WritePlan, names: Iterable[str]) -> None:
+    """Rank 0, after another writer's manifest won the create-only commit: delete what this
+    save wrote (``names``, its files), never what the committed checkpoint uses."""
+    if plan.mode == "generation":
+        _delete(root, plan.name, is_dir=True)
+    elif plan.mode == "beside":
+        _delete(root.parent(), plan.name, is_dir=True)
+    elif live_generation(root) is not None:  # the winner's files are in its generation
+        for name in names:
+            root.rm_file(name)
+
+
+def remove_stale(root: Store) -> list[str]:
+    """The save that won the claim on an uncommitted path: delete the files of ours directly
+    under ``root`` (a killed save's partial files) except the marker, the claim and commits
+    in flight. Never a generation: a concurrent save that found our claim may have just
+    started writing its own (a killed save's stays, unreferenced, until the path is deleted)."""
+    removed = []
+    for entry in root.entries():
+        name = entry.name
+        if name in (MANIFEST_NAME, MARKER_NAME, CLAIM_NAME) or is_commit_temp(name):
+            continue
+        if entry.kind == "file" and is_our_file(name):  # (a symlink or a directory: never here)
+            root.rm_file(name)
+            removed.append(name)
     return removed
 
 
@@ -188,7 +277,8 @@ def swap_in(root: Store, new_name: str) -> None:
     parent, base = root.parent(), _base(root)
     aside = sibling_name(base, "old")
     if root.is_local:  # two atomic renames
-        local.replace_entry(root.path(), parent.path(new_name), parent.path(aside), first=MANIFEST_NAME)
+        owned = check_owned(root, doing="replace") if _is_real_dir(parent, base) else None
+        local.replace_entry(root.path(), parent.path(new_name), parent.path(aside), first=MANIFEST_NAME, owned=owned)
         return
     had_old = parent.exists(base)
     if had_old:
@@ -213,15 +303,16 @@ def _move(store: Store, src: str, dst: str) -> None:
 
 def _delete(store: Store, name: str, *, is_dir: bool) -> None:
     if is_dir:
+        owned = check_owned(store.child(name))  # before anything goes, the manifest included
         store.rm_file(f"{name}/{MANIFEST_NAME}")  # uncommit first
-        store.rm_tree(name)
+        store.rm_tree(name, owned=owned)
     else:
         store.rm_file(name)
 
 
 def remove_local(path: str) -> None:
-    """Delete a local file, symlink (only the link) or checkpoint directory tree (its
-    manifest first: never half-deleted yet committed)."""
+    """Delete a local file or symlink (only the link); a directory is refused (storage/owned.py):
+    delete a checkpoint directory through :func:`~lightning_preempt.catalog.ownership.remove_if_ours`."""
     local.remove_local(path, first=MANIFEST_NAME)
 
 
@@ -240,6 +331,7 @@ def write_file_atomic(store: Store, data: bytes) -> None:
         else:
             store.commit_bytes("", data, exclusive=False)
     else:  # a checkpoint directory is at the path: write beside it, then swap
+        check_owned(store, doing="replace")  # a user's directory is refused before anything is written
         try:
             with parent.open_write(tmp) as f:  # durable on close; nobody reads this name
                 f.write(data)
@@ -256,8 +348,11 @@ def _is_real_dir(parent: Store, name: str) -> bool:
 
 
 def _replace_on_object_store(store: Store, data: bytes) -> None:
+    committed = store.exists(MANIFEST_NAME)
+    if committed:
+        check_owned(store, doing="replace")  # the objects under P/ are deleted below
     store.commit_bytes("", data, exclusive=False)
-    if store.exists(MANIFEST_NAME):
+    if committed:
         # An object store holds the new file and the old directory side by side: uncommit
         # the directory (loading then takes the file), then delete its objects one by one
         # (a recursive delete of the prefix would take the file with it).

@@ -19,6 +19,8 @@ import uuid
 from collections.abc import Callable
 from typing import IO
 
+from lightning_preempt.storage.owned import Owned, require
+
 #: What :func:`write_atomic` and :func:`write_durable` write: bytes, or a function that
 #: writes them into the open file (``torch.save``).
 Payload = bytes | bytearray | memoryview | Callable[[IO[bytes]], None]
@@ -112,37 +114,51 @@ def _publish(tmp: str, path: str, *, exclusive: bool) -> None:
         os.replace(tmp, path)
 
 
-def remove_local(path: str, *, first: str | None = None) -> None:
+def remove_local(path: str, *, first: str | None = None, owned: Owned | None = None) -> None:
     """Delete a local file, a symlink (only the link) or a directory tree, then fsync the parent.
 
+    A directory is deleted only with ``owned``, the ownership verdict for ``path``
+    (storage/owned.py); without it :class:`UncheckedRemoveError` is raised, nothing deleted.
     ``first``: a name inside a directory deleted before anything else (a commit marker:
     the directory then never looks committed while half deleted).
     """
     if os.path.islink(path) or os.path.isfile(path):
         os.unlink(path)
     elif os.path.isdir(path):
-        if first is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(path, first))
-        shutil.rmtree(path)
+        require(owned, path)
+        _remove_tree(path, first)
     fsync_dir(os.path.dirname(path))
 
 
-def replace_entry(path: str, new: str, aside: str, *, first: str | None = None) -> None:
+def _remove_tree(path: str, first: str | None) -> None:
+    if first is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(path, first))
+    shutil.rmtree(path)
+
+
+def replace_entry(path: str, new: str, aside: str, *, first: str | None = None, owned: Owned | None = None) -> None:
     """Put the entry at ``new`` (same file system) at ``path``, whatever kind of entry each is
     (a plain file replaced by a checkpoint directory, or the other way round).
 
     Two renames: the old entry moves to ``aside``, the new one moves in, the directory is
-    fsynced, then the old one is deleted (:func:`remove_local` with ``first``). At every
-    moment a complete entry exists, at ``path`` or at ``aside``.
+    fsynced, then the old one is deleted (``first`` first, see :func:`remove_local`). At every
+    moment a complete entry exists, at ``path`` or at ``aside``. An old *directory* is
+    replaced only with ``owned``, its ownership verdict; checked before anything moves.
     """
     had_old = os.path.lexists(path)
+    old_is_tree = had_old and not os.path.islink(path) and os.path.isdir(path)
+    if old_is_tree:
+        require(owned, path)
     if had_old:
         os.rename(path, aside)
     os.rename(new, path)
     fsync_dir(os.path.dirname(path))
-    if had_old:
-        remove_local(aside, first=first)
+    if old_is_tree:
+        _remove_tree(aside, first)
+        fsync_dir(os.path.dirname(path))
+    elif had_old:
+        remove_local(aside)
 
 
 def open_regular(path: str) -> IO[bytes]:

@@ -51,6 +51,7 @@ from fsspec.implementations.local import LocalFileSystem
 from lightning_preempt.errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from lightning_preempt.storage import local, reach, remote
 from lightning_preempt.storage.diagnose import describe, is_transient
+from lightning_preempt.storage.owned import Owned, require
 from lightning_preempt.storage.retry import Backoff, retry
 
 log = logging.getLogger(__name__)
@@ -351,13 +352,15 @@ class Store:
         else:
             self._fs.invalidate_cache(self.path(rel))
 
-    def rm_tree(self, rel: str = "") -> None:
+    def rm_tree(self, rel: str = "", *, owned: Owned) -> None:
         """Delete ``rel`` and everything below it (a local symlink: only the link); a missing
-        one is fine. Remote paths with glob characters (``[``, ``*``) are read as patterns by
-        fsspec's recursive delete: our names never have them."""
+        one is fine. ``owned``: the ownership verdict for ``rel`` (storage/owned.py), without
+        which nothing is deleted. Remote paths with glob characters (``[``, ``*``) are read as
+        patterns by fsspec's recursive delete: our names never have them."""
         if self.is_local:
-            local.remove_local(self.path(rel))
+            local.remove_local(self.path(rel), owned=owned)
             return
+        require(owned, self.path(rel))
         with contextlib.suppress(FileNotFoundError):
             self._fs.rm(self.path(rel), recursive=True)
         self._fs.invalidate_cache()

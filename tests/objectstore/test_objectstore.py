@@ -312,3 +312,24 @@ def test_the_path_exists_on_return_and_a_file_is_replaced_by_a_checkpoint(remote
     _, plain_path = fsspec.core.url_to_fs(plain, **remote.storage_options)
     assert fs.isfile(plain) and [p for p in fs.find(plain_path) if p.startswith(plain_path + "/")] == []
     assert_same(io.load_checkpoint(plain), lightning_like_checkpoint(step=3))
+
+
+def test_a_users_prefix_with_its_own_manifest_is_never_saved_over(remote: Remote) -> None:
+    """Issue 20: a prefix holding the user's own ``manifest.json`` and files is neither
+    written into (sharded save) nor deleted (a plain save outside fit deletes the objects
+    under a checkpoint it replaces): both are refused with a HINT, every object kept."""
+    fs = _raw_fs(remote)
+    url = remote.join("site")
+    users = {"manifest.json": b'{"name": "my site"}', "index.html": b"<html/>"}
+    for name, data in users.items():
+        fs.pipe_file(fsspec.core.url_to_fs(f"{url}/{name}", **remote.storage_options)[1], data)
+    io = ShardedAsyncCheckpointIO(storage_options=remote.storage_options)
+    io.save_checkpoint(lightning_like_checkpoint(step=2), url)
+    with pytest.raises(CheckpointWriteError, match="not a lightning_preempt manifest") as info:
+        io.wait()
+    assert "\nHINT:" in str(info.value)
+    io.teardown()
+    with pytest.raises(CheckpointExistsError, match="not a lightning_preempt manifest"):
+        io.save_checkpoint(lightning_like_checkpoint(step=3), url)  # outside fit: one plain object
+    store = Store(url, remote.storage_options)
+    assert {name: store.read_bytes(name) for name in users} == users and not store.is_file()

@@ -11,7 +11,7 @@ Two ways to die, each at every mutating storage operation in turn:
 
 After each crash a fresh process's view (a plain ``Store``) must verify (every file's size and
 CRC32C against the manifest) and hold exactly the old or the new tensors; the next save must
-succeed and leave only the live checkpoint at the path.
+succeed and leave the live checkpoint at the path (and at most the killed save's generation).
 """
 
 from __future__ import annotations
@@ -26,10 +26,12 @@ from crash_fs import CrashFileSystem, SimulatedCrash
 
 from lightning_preempt.errors import CheckpointError
 from lightning_preempt.format.layout import data_store
+from lightning_preempt.format.names import is_generation
 from lightning_preempt.read.dcp import load_all_tensors
 from lightning_preempt.read.verify import verify_checkpoint
 from lightning_preempt.save import commit
 from lightning_preempt.save.commit import SaveRequest, write_checkpoint
+from lightning_preempt.storage.owned import Owned
 from lightning_preempt.storage.store import Store
 
 
@@ -67,9 +69,9 @@ class CrashingStore(Store):
         self._moment(f"rm_file {rel}")
         super().rm_file(rel)
 
-    def rm_tree(self, rel: str = "") -> None:
+    def rm_tree(self, rel: str = "", *, owned: Owned) -> None:
         self._moment(f"rm_tree {rel}")
-        super().rm_tree(rel)
+        super().rm_tree(rel, owned=owned)
 
 
 def _tensors(step: int) -> dict[str, torch.Tensor]:
@@ -100,7 +102,8 @@ class _Local:
 
     def reset(self) -> None:
         CrashingStore.arm(None)
-        Store(self.url).parent().rm_tree()
+        parent = Store(self.url).parent()
+        parent.rm_tree(owned=Owned(parent.path()))  # the test's own directory
 
     def arm(self, crash_at: int | None) -> None:
         CrashingStore.arm(crash_at)
@@ -154,7 +157,12 @@ def test_a_crash_at_every_storage_operation_leaves_the_old_or_the_new_checkpoint
         assert _complete_step(target.url) == 3
         store = Store(target.url)
         live = verify_checkpoint(store).extra.get("data_dir")
-        assert sorted(e.name for e in store.entries()) == sorted(["manifest.json", live]), (crash_at, store.entries())
+        entries = {e.name for e in store.entries()}
+        # Besides the live checkpoint, at most the killed save's unreferenced generation
+        # stays: it cannot be told from a concurrent save's, still being written (issue 20).
+        left = entries - {"manifest.json", live}
+        assert {"manifest.json", live} <= entries and len(left) <= 1, (crash_at, store.entries())
+        assert all(is_generation(name) for name in left), (crash_at, store.entries())
     # Old until the commit, new from then on: exactly one switch, and both were seen.
     assert seen[0] == 1 and seen[-1] == 2, seen
     assert seen == sorted(seen), seen

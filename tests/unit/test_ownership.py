@@ -18,10 +18,11 @@ from lightning_preempt.format.names import (
     new_generation,
     state_file,
 )
+from lightning_preempt.storage.owned import Owned
 from lightning_preempt.storage.store import Store
 
 OURS = {
-    MANIFEST_NAME: b'{"format": "lightning_preempt"}',
+    MANIFEST_NAME: b'{"format": "lightning_preempt.checkpoint"}',
     DCP_METADATA_NAME: b"metadata",
     "__0_0.distcp": b"shard of rank 0",
     "__1_0.distcp": b"shard of rank 1",
@@ -29,6 +30,8 @@ OURS = {
     state_file(1): b"state 1",
     MARKER_NAME: b"",
     ".manifest.json.0123abcd.tmp": b"a killed commit's manifest",
+    ".lightning_preempt.writer": b"the in-place writer's claim",
+    "..lightning_preempt.writer.0123abcd.tmp": b"a killed claim's temporary file",
     ".metadata.tmp": b"DCP's own temporary metadata",
 }
 
@@ -130,6 +133,6 @@ def test_object_like_stores_keep_a_directory_with_foreign_objects(memory_url: st
         remove_if_ours(store, why="test")
     assert store.read_bytes("dataset/part-0") == b"user data"
     assert store.read_bytes(MANIFEST_NAME) == OURS[MANIFEST_NAME]
-    store.rm_tree("dataset")
+    store.rm_tree("dataset", owned=Owned(store.path("dataset")))  # the user deletes their own data
     remove_if_ours(store, why="test")
     assert not store.exists() and store.entries() == []

@@ -11,6 +11,7 @@ import pytest
 
 from lightning_preempt.errors import CheckpointExistsError, CorruptCheckpointError
 from lightning_preempt.storage import local
+from lightning_preempt.storage.owned import Owned
 from lightning_preempt.storage.store import Entry, Store
 
 
@@ -36,7 +37,7 @@ def test_entries_name_kind_and_size_and_what_derives_from_them(store: Store) -> 
     assert store.read_bytes("c.bin") == b"xy"
     store.rm_file("a.bin")
     store.rm_file("a.bin")  # already gone: fine
-    store.rm_tree("sub")
+    store.rm_tree("sub", owned=Owned(store.path("sub")))  # (the ownership check is catalog/ownership.py's)
     assert [e.name for e in store.entries()] == ["c.bin"]
 
 

@@ -380,18 +380,24 @@ def test_removing_a_directory_with_user_files_raises_with_a_hint(tmp_path: Path)
     assert (ckpt / MANIFEST_NAME).exists() and (ckpt / "precious.txt").exists()
 
 
-def test_saving_into_a_directory_with_user_files_keeps_them_and_retention_spares_it(tmp_path: Path) -> None:
+def test_saving_into_a_directory_with_user_files_is_refused_and_retention_spares_it(tmp_path: Path) -> None:
     root = tmp_path / "run"
     target = root / checkpoint_name(7)
     target.mkdir(parents=True)
     (target / "precious.txt").write_text("x")
     (target / "__0_0.distcp").write_bytes(b"stale bytes of ours")
-    _save(root, [7, 8, 9])
-    assert (target / "precious.txt").read_text() == "x"  # only our stale file was cleared, never the dir
-    assert ShardedAsyncCheckpointIO().load_checkpoint(str(target))["global_step"] == 7
+    io = ShardedAsyncCheckpointIO()
+    io.save_checkpoint(lightning_like_checkpoint(step=7), str(target))
+    with pytest.raises(CheckpointError, match=r"precious\.txt") as info:
+        io.wait()  # refused: the directory is not ours to write into (issue 20)
+    assert "\nHINT:" in str(info.value)
+    io.teardown()
+    assert (target / "precious.txt").read_text() == "x"  # nothing of it touched
+    assert (target / "__0_0.distcp").read_bytes() == b"stale bytes of ours" and not (target / MANIFEST_NAME).exists()
+    _save(root, [8, 9])
     removed = apply_retention(str(root), keep_last_n=1)
     assert sorted(Path(p).name for p in removed) == [checkpoint_name(8)]
-    assert (target / "precious.txt").read_text() == "x" and (target / MANIFEST_NAME).exists()
+    assert (target / "precious.txt").read_text() == "x"
 
 
 def test_a_manifest_whose_step_disagrees_with_its_name_is_corrupt(tmp_path: Path) -> None:

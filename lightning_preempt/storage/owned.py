@@ -1,0 +1,40 @@
+"""The verdict every recursive delete needs: proof that the tree was checked as ours.
+
+Storage cannot tell what this package wrote (names and manifests are ``format/`` and
+``catalog/`` knowledge), so it cannot check ownership itself. Instead every recursive
+delete in storage (:meth:`Store.rm_tree <lightning_preempt.storage.store.Store.rm_tree>`,
+:func:`local.remove_local` of a directory, :func:`local.replace_entry` over a directory)
+demands an :class:`Owned` for exactly the path it deletes. The one issuer is
+:func:`lightning_preempt.catalog.ownership.check_owned` (docs/security.md): a directory
+whose every entry is one this package writes, or an empty one. A delete without one, or
+with one for another path, raises before anything is touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import posixpath
+
+
+@dataclasses.dataclass(frozen=True)
+class Owned:
+    """A directory checked as this package's (``path``: the store's native path)."""
+
+    path: str
+
+
+class UncheckedRemoveError(PermissionError):
+    """A recursive delete was asked for without the ownership check of that path (a bug)."""
+
+
+def require(owned: Owned | None, path: str) -> None:
+    """Raise :class:`UncheckedRemoveError` unless ``owned`` vouches for ``path``."""
+    if owned is None or _norm(owned.path) != _norm(path):
+        raise UncheckedRemoveError(
+            f"refusing to delete the directory {path}: its ownership was not checked"
+            + (f" (the check was for {owned.path})" if owned is not None else "")
+        )
+
+
+def _norm(path: str) -> str:
+    return posixpath.normpath(path.replace("\\", "/")) if path else path
