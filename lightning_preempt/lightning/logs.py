@@ -1,11 +1,16 @@
-"""What Lightning logs about our checkpoints: its messages that our auto-resume route makes
-untrue are filtered, and its "Restoring states from …" lines name the real checkpoint
-instead of the resume pointer (docs/design.md, "Auto-resume")."""
+"""What Lightning logs about our checkpoints: its messages that our auto-resume route and
+exact resume make untrue are filtered, and its "Restoring states from …" lines name the real
+checkpoint instead of the resume pointer (docs/design.md, "Auto-resume").
+
+Lightning's "`weights_only` was not set" line is not filtered: the engine's saves pass
+``weights_only=False`` (callback.py), so Lightning has nothing to say. A user's own
+``trainer.save_checkpoint(path)`` still logs it: that is true there."""
 
 from __future__ import annotations
 
 import logging
 import warnings
+from typing import cast
 
 
 def quiet_auto_resume_warnings() -> None:
@@ -16,6 +21,51 @@ def quiet_auto_resume_warnings() -> None:
     are added when a callback is constructed (never at import; re-adding replaces them)."""
     warnings.filterwarnings("ignore", message=r".*ckpt_path=None\)` was called without a model.*")
     warnings.filterwarnings("ignore", message=r".*ckpt_path=\"last\"\) is set, but there is no last checkpoint.*")
+
+
+NOT_RESUMABLE_LOADER = r"You're resuming from a checkpoint that ended before the epoch ended"
+"""Lightning's ``PossibleUserWarning`` (``TrainingEpochLoop.reset``, rank 0) on a mid-epoch
+restart when a training loader has no ``state_dict`` ("… and your dataloader is not
+resumable. This can cause unreliable results …"): untrue once exact resume has put every
+loader at its saved position and order (:attr:`ExactResume.positions_restored`). Matched by
+its start, which Lightning 2.5-2.6 word alike."""
+
+
+class QuietWarning:
+    """One of Lightning's warnings, not shown while installed: an ``"ignore"`` entry for that
+    message (and category) alone at the front of ``warnings.filters``.
+
+    For warnings raised between two of our hooks (install in the first, remove in the
+    second): no ``catch_warnings`` block spans two hooks, and exiting one would also undo
+    filters others added meanwhile. :meth:`remove` takes out our entry only (found by
+    identity; an equal entry someone else added replaced ours and is left alone).
+    """
+
+    def __init__(self, message: str, category: type[Warning] = Warning) -> None:
+        self.message = message
+        self.category = category
+        self._entry: object | None = None
+
+    def install(self) -> None:
+        """From now on until :meth:`remove`, the warning is not shown (in this process)."""
+        self.remove()
+        warnings.filterwarnings("ignore", message=self.message, category=self.category)
+        self._entry = warnings.filters[0]  # filterwarnings inserts at the front
+
+    def remove(self) -> None:
+        entry, self._entry = self._entry, None
+        if entry is None:
+            return
+        # `warnings.filters` is looked up now: catch_warnings (pytest's too) swaps the list.
+        filters = cast(list[object], warnings.filters)  # typeshed says Sequence; it is the list
+        for i, item in enumerate(filters):
+            if item is entry:
+                # No cache to reset: an "ignore" leaves no entry in the warning registries.
+                del filters[i]
+                return
+
+    def __getstate__(self) -> dict[str, object]:
+        return {"message": self.message, "category": self.category, "_entry": None}  # one fit's
 
 
 class PointerNames(logging.Filter):
