@@ -125,7 +125,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
         self.engine = Engine(config, sources)
         self.exact = ExactResume()  # RNG, data position, metric states; `.enabled = False` turns it off
         _compat.allow_with_disabled_checkpointing(PreemptionCallback)  # Trainer(enable_checkpointing=False) works
-        quiet_auto_resume_warnings()
+        _compat.quiet_ckpt_path_choice(PreemptionCallback, quiet_auto_resume_warnings)  # only for our Trainers
         self._reporter = SaveReporter()
         self._pointer: str | None = None
         self._late_pointer: str | None = None  # a target chosen after Lightning asked (the lease)

@@ -1,8 +1,9 @@
 """Lightning's messages that our callback and plugin make untrue are not shown, and only
 then (issue 24, finding 5): "your dataloader is not resumable. This can cause unreliable
-results" on a resume that exact resume put back at its data position, and "`weights_only`
-was not set, defaulting to `False`" on every save of ours. Real ``Trainer`` fits; what is
-shown is read from the warnings and from Lightning's loggers as they reach a user."""
+results" on a resume that exact resume put back at its data position, "`weights_only`
+was not set, defaulting to `False`" on every save of ours, and the "last checkpoint"
+warnings of the auto-resume route. Real ``Trainer`` fits; what is shown is read from the
+warnings and from Lightning's loggers as they reach a user."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from models import TinyModel, data
 from torch.utils.data import DataLoader, Sampler
 from trainers import StartProbe, make_trainer
@@ -29,6 +30,10 @@ LIGHTNING_TEXT = (  # Lightning 2.6's whole warning, to find filters that would 
     "You're resuming from a checkpoint that ended before the epoch ended and your dataloader is not resumable."
 )
 WEIGHTS_ONLY = "`weights_only` was not set"
+AUTO_RESUME = (
+    "(ckpt_path=None)` was called without a model",
+    '(ckpt_path="last") is set, but there is no last checkpoint',
+)
 
 
 @dataclass
@@ -153,3 +158,15 @@ def test_plain_lightning_in_the_same_process_still_shows_both_messages(tmp_path:
     with shown() as out:
         trainer.save_checkpoint(tmp_path / "mine.ckpt")  # the user left weights_only unset: true
     assert out.count(WEIGHTS_ONLY) == 1 and "optimizer_states" in torch.load(tmp_path / "mine.ckpt", weights_only=False)
+
+
+def test_the_auto_resume_route_is_quiet_only_in_trainers_with_our_callback(tmp_path: Path) -> None:
+    _, callback, probe, ours = fit(tmp_path / "ours", 2, shuffled())  # a fresh start: fit() gets no ckpt_path
+    assert probe.start_step == 0 and callback.resumed_from is None
+    assert (tmp_path / "ours" / "step-0000000002" / "manifest.json").is_file()
+    assert [ours.count(text) for text in AUTO_RESUME] == [0, 0]
+    # Lightning's own OnExceptionCheckpoint in the same process: its warnings are its words, shown
+    trainer = make_trainer(2, [OnExceptionCheckpoint(tmp_path / "plain")], plugins=[], num_sanity_val_steps=0)
+    with shown() as plain:
+        trainer.fit(TinyModel(width=8), shuffled())
+    assert trainer.global_step == 2 and [plain.count(text) for text in AUTO_RESUME] == [1, 1]
