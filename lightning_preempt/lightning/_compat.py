@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,43 @@ def allow_with_disabled_checkpointing(callback_type: type) -> None:
 
     configure._lightning_preempt = True  # type: ignore[attr-defined]
     _CallbackConnector._configure_checkpoint_callbacks = configure  # type: ignore[method-assign]
+
+
+# ---- fit()'s checkpoint path (the auto-resume route, docs/design.md) ---------------------
+_QUIET_CHOICE: list[tuple[type, Callable[[], AbstractContextManager[object]]]] = []
+
+
+def quiet_ckpt_path_choice(callback_type: type, quiet: Callable[[], AbstractContextManager[object]]) -> None:
+    """Run Lightning's choice of ``fit``'s checkpoint path inside ``quiet()`` when the Trainer
+    holds a ``callback_type`` (logs.quiet_auto_resume_warnings: its warnings about "last"
+    checkpoints are raised there, before any hook runs). Other Trainers are left alone.
+
+    Private: ``_CheckpointConnector._parse_ckpt_path`` (Lightning 2.5-2.6), called with the
+    Trainer's state already set. Without it the warnings are shown.
+    """
+    if all(t is not callback_type for t, _ in _QUIET_CHOICE):
+        _QUIET_CHOICE.append((callback_type, quiet))
+    try:
+        from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+    except ImportError:  # pragma: no cover - moved in a newer Lightning
+        return
+    original = getattr(_CheckpointConnector, "_parse_ckpt_path", None)
+    if original is None or getattr(original, "_lightning_preempt", False):
+        return
+
+    @functools.wraps(original)
+    def parse(self: Any, *args: Any, **kwargs: Any) -> Any:
+        trainer = self.trainer
+        fitting = getattr(trainer.state, "fn", None) == "fit"  # TrainerFn is a str enum
+        callbacks = list(getattr(trainer, "callbacks", []))
+        for callback_type, quiet in _QUIET_CHOICE:
+            if fitting and any(isinstance(cb, callback_type) for cb in callbacks):
+                with quiet():
+                    return original(self, *args, **kwargs)
+        return original(self, *args, **kwargs)
+
+    parse._lightning_preempt = True  # type: ignore[attr-defined]
+    _CheckpointConnector._parse_ckpt_path = parse  # type: ignore[method-assign]
 
 
 # ---- the training loop's data (exact resume, lightning/exact.py) --------------------------

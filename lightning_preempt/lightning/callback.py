@@ -9,6 +9,7 @@ staging ahead of the first save, exact resume of the Trainer's loops, and the lo
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import tempfile
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+from lightning.fabric.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from typing_extensions import override
 
@@ -24,7 +26,12 @@ from lightning_preempt.engine.engine import Engine
 from lightning_preempt.lightning import _compat
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.lightning.exact import STATE_KEY, ExactResume
-from lightning_preempt.lightning.logs import PointerNames, quiet_auto_resume_warnings
+from lightning_preempt.lightning.logs import (
+    NOT_RESUMABLE_LOADER,
+    PointerNames,
+    QuietWarning,
+    quiet_auto_resume_warnings,
+)
 from lightning_preempt.lightning.prealloc import prepare_staging
 from lightning_preempt.lightning.reporting import SaveReporter, report_resume
 from lightning_preempt.lightning.strategies import ensure_plugin, install_collective_saves
@@ -118,11 +125,14 @@ class PreemptionCallback(OnExceptionCheckpoint):
         self.engine = Engine(config, sources)
         self.exact = ExactResume()  # RNG, data position, metric states; `.enabled = False` turns it off
         _compat.allow_with_disabled_checkpointing(PreemptionCallback)  # Trainer(enable_checkpointing=False) works
-        quiet_auto_resume_warnings()
+        _compat.quiet_ckpt_path_choice(PreemptionCallback, quiet_auto_resume_warnings)  # only for our Trainers
         self._reporter = SaveReporter()
         self._pointer: str | None = None
         self._late_pointer: str | None = None  # a target chosen after Lightning asked (the lease)
         self._names = PointerNames()  # Lightning's log names the checkpoint, not the pointer
+        # Lightning's "dataloader is not resumable", from on_train_start to the first batch
+        # of a resume whose loader positions exact resume restored (ExactResume.positions_restored)
+        self._quiet_loader = QuietWarning(NOT_RESUMABLE_LOADER, PossibleUserWarning)
         self._restored_state: dict[str, Any] | None = None
         self._prepare_after: int | None = None  # the step after which staging is prepared again
 
@@ -149,6 +159,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
         state = self.__dict__.copy()
         state["_pointer"] = state["_late_pointer"] = None  # belongs to one fit
         state["_names"] = PointerNames()
+        state["_quiet_loader"] = QuietWarning(NOT_RESUMABLE_LOADER, PossibleUserWarning)
         return state
 
     # ---- auto-resume: Lightning reads this before any hook (docs/design.md) -------------
@@ -186,8 +197,11 @@ class PreemptionCallback(OnExceptionCheckpoint):
         if stage != "fit":
             return
         io = ensure_plugin(trainer.strategy, self.config.storage_options, self.engine.local_dirpath)
+        # Our checkpoints are resume checkpoints: always the full state. Said explicitly, so
+        # Lightning does not log "`weights_only` was not set, defaulting to `False`" per save.
+        save = functools.partial(trainer.save_checkpoint, weights_only=False)
         target = self.engine.setup(
-            io.saver, save=trainer.save_checkpoint, leader=trainer.is_global_zero, local_rank=trainer.local_rank,
+            io.saver, save=save, leader=trainer.is_global_zero, local_rank=trainer.local_rank,
             route_saves=lambda group: install_collective_saves(trainer.strategy, io, group),
             verify_on_load=io.config.verify_on_load,
         )  # fmt: skip
@@ -237,6 +251,16 @@ class PreemptionCallback(OnExceptionCheckpoint):
         self._drop_pointer()
         self.engine.start(trainer.global_step, loaded_from=io.loaded_from)
         self.exact.on_train_start(trainer, pl_module)  # last: restores RNG just before the first fetch
+        if self.exact.positions_restored:
+            # Lightning warns when its epoch loop restarts (after this hook, before the first
+            # batch) that the loaders cannot resume: we just resumed them. Until the first batch.
+            self._quiet_loader.install()
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._quiet_loader.remove()
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -285,11 +309,13 @@ class PreemptionCallback(OnExceptionCheckpoint):
         # the committed saves are finished and everything is released here.
         self.engine.close(finish_saves=True)
         self._drop_pointer()
+        self._quiet_loader.remove()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.engine.close()
         self._drop_pointer()
+        self._quiet_loader.remove()  # a resume that ended before its first batch
 
     def _drop_pointer(self) -> None:
         self._names.remove()

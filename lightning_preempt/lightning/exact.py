@@ -133,6 +133,10 @@ class ExactResume:
         self._warned_stale = False
         self._pending_results: dict[str, dict[str, Any]] = {}
         self.restored: str | None = None  # "mid-epoch", "epoch-end", "derived" (for tests and logs)
+        # This rank's own mid-epoch state, saved by as many ranks, put every training loader
+        # back at its saved position and order: Lightning's "dataloader is not resumable"
+        # warning is then untrue (callback.py hides it for this resume).
+        self.positions_restored = False
 
     # -- saving --
     def on_save_checkpoint(
@@ -180,6 +184,7 @@ class ExactResume:
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Wrap the training samplers, then restore the saved state (last, just before data is fetched)."""
+        self.positions_restored = False
         if not self.enabled:
             return
         state, self._loaded = self._loaded, None
@@ -201,7 +206,8 @@ class ExactResume:
             return
         exact_state.warn_world_size(state, trainer.world_size)
         saved = state.get("loaders", [])
-        self._loaders.restore_positions(saved, mid_epoch, state["batches_in_epoch"] if mid_epoch else 0)
+        batches = state["batches_in_epoch"] if mid_epoch else 0
+        exact_positions = self._loaders.restore_positions(saved, mid_epoch, batches)
         if mid_epoch:
             exact_state.restore_metrics(pl_module, state)
             self._pending_results = dict(state.get("results", {}))
@@ -215,6 +221,7 @@ class ExactResume:
             restore_rng(state["rng"])
             self._loaders.restore_generators(_compat.train_loaders(trainer), saved)
             self.restored = "mid-epoch"
+            self.positions_restored = exact_positions and state.get("world_size") == trainer.world_size
         elif own:
             # The save ended an epoch: the uninterrupted run made the next epoch's iterators
             # (reloading the loaders first, if due) after this point, from these states.

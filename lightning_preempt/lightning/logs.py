@@ -1,21 +1,86 @@
-"""What Lightning logs about our checkpoints: its messages that our auto-resume route makes
-untrue are filtered, and its "Restoring states from …" lines name the real checkpoint
-instead of the resume pointer (docs/design.md, "Auto-resume")."""
+"""What Lightning logs about our checkpoints: its messages that our auto-resume route and
+exact resume make untrue are filtered, and its "Restoring states from …" lines name the real
+checkpoint instead of the resume pointer (docs/design.md, "Auto-resume").
+
+Lightning's "`weights_only` was not set" line is not filtered: the engine's saves pass
+``weights_only=False`` (callback.py), so Lightning has nothing to say. A user's own
+``trainer.save_checkpoint(path)`` still logs it: that is true there."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
+from collections.abc import Iterator
+from typing import cast
+
+NOT_RESUMABLE_LOADER = r"You're resuming from a checkpoint that ended before the epoch ended"
+"""Lightning's ``PossibleUserWarning`` (``TrainingEpochLoop.reset``, rank 0) on a mid-epoch
+restart when a training loader has no ``state_dict`` ("… and your dataloader is not
+resumable. This can cause unreliable results …"): untrue once exact resume has put every
+loader at its saved position and order (:attr:`ExactResume.positions_restored`). Matched by
+its start (older releases worded the rest differently)."""
 
 
-def quiet_auto_resume_warnings() -> None:
-    """Lightning warns about "last" checkpoints whenever an ``OnExceptionCheckpoint`` is
-    present and ``fit()`` gets no ``ckpt_path``: that is exactly our auto-resume route, so the
-    text misleads. The warnings are raised inside ``fit`` before any hook of ours runs, so no
-    ``catch_warnings`` block can scope them; the filters match those two messages only and
-    are added when a callback is constructed (never at import; re-adding replaces them)."""
-    warnings.filterwarnings("ignore", message=r".*ckpt_path=None\)` was called without a model.*")
-    warnings.filterwarnings("ignore", message=r".*ckpt_path=\"last\"\) is set, but there is no last checkpoint.*")
+class QuietWarning:
+    """One of Lightning's warnings, not shown while installed: an ``"ignore"`` entry for that
+    message (and category) alone at the front of ``warnings.filters``.
+
+    For warnings raised between two of our hooks (install in the first, remove in the
+    second), or inside one Lightning call: no ``catch_warnings`` block spans two hooks, and
+    exiting one would also undo filters others added meanwhile. :meth:`remove` takes out our entry only (found by
+    identity; an equal entry someone else added replaced ours and is left alone).
+    """
+
+    def __init__(self, message: str, category: type[Warning] = Warning) -> None:
+        self.message = message
+        self.category = category
+        self._entry: object | None = None
+
+    def install(self) -> None:
+        """From now on until :meth:`remove`, the warning is not shown (in this process)."""
+        self.remove()
+        warnings.filterwarnings("ignore", message=self.message, category=self.category)
+        self._entry = warnings.filters[0]  # filterwarnings inserts at the front
+
+    def remove(self) -> None:
+        entry, self._entry = self._entry, None
+        if entry is None:
+            return
+        # `warnings.filters` is looked up now: catch_warnings (pytest's too) swaps the list.
+        filters = cast(list[object], warnings.filters)  # typeshed says Sequence; it is the list
+        for i, item in enumerate(filters):
+            if item is entry:
+                # No cache to reset: an "ignore" leaves no entry in the warning registries.
+                del filters[i]
+                return
+
+    def __getstate__(self) -> dict[str, object]:
+        return {"message": self.message, "category": self.category, "_entry": None}  # one fit's
+
+
+AUTO_RESUME_WARNINGS = (
+    r".*ckpt_path=None\)` was called without a model",
+    r".*ckpt_path=\"last\"\) is set, but there is no last checkpoint",
+)
+"""Lightning's warnings about "last" checkpoints, raised while it chooses ``fit``'s checkpoint
+path (``_parse_ckpt_path``) whenever an ``OnExceptionCheckpoint`` is present and ``fit()``
+gets no ``ckpt_path``: that is exactly our auto-resume route, so the text misleads."""
+
+
+@contextlib.contextmanager
+def quiet_auto_resume_warnings() -> Iterator[None]:
+    """:data:`AUTO_RESUME_WARNINGS` not shown inside the block: around Lightning's choice of
+    ``fit``'s checkpoint path for a Trainer holding our callback (``_compat.quiet_ckpt_path_choice``;
+    they are raised before any hook of ours runs). Other Trainers still show them."""
+    quiet = [QuietWarning(message) for message in AUTO_RESUME_WARNINGS]
+    for q in quiet:
+        q.install()
+    try:
+        yield
+    finally:
+        for q in quiet:
+            q.remove()
 
 
 class PointerNames(logging.Filter):

@@ -139,9 +139,14 @@ class ResumableLoaders:
         return entries
 
     # -- restoring --
-    def restore_positions(self, saved: list[dict[str, Any]], mid_epoch: bool, batches_in_epoch: int = 0) -> None:
+    def restore_positions(self, saved: list[dict[str, Any]], mid_epoch: bool, batches_in_epoch: int = 0) -> bool:
         """Mid-epoch: make each wrapped sampler's next epoch replay the saved order and skip
-        ``batches_in_epoch`` batches (warned for loaders whose position is not saved)."""
+        ``batches_in_epoch`` batches (warned for loaders whose position is not saved).
+
+        Returns whether, mid-epoch, every loader goes on at its saved position in its saved
+        order: each is wrapped now and was when saved (its order replays), or saves its own
+        position (``"stateful"``, restored by the loop) now and then. ``False`` otherwise
+        (nothing to restore at an epoch end)."""
         if len(saved) != len(self._samplers):
             if mid_epoch:
                 log.warning(
@@ -149,10 +154,12 @@ class ResumableLoaders:
                     len(self._samplers),
                     len(saved),
                 )
-            return
+            return False
         if not mid_epoch:
-            return
+            return False
+        exact = True
         for (kind, sampler), entry in zip(self._samplers, saved, strict=True):
+            exact = exact and kind in ("sampler", "stateful") and entry.get("kind") == kind
             if kind == "sampler" and sampler is not None:
                 epoch_state = entry.get("epoch_state") if entry.get("kind") == "sampler" else None
                 sampler.resume_at(epoch_state, batches_in_epoch * sampler.batch_size)
@@ -162,6 +169,7 @@ class ResumableLoaders:
                     "saved: this epoch's data starts again from its first batch",
                     batches_in_epoch,
                 )
+        return exact
 
     def set_pre_iter_rng(self, loaders: Sequence[Any], saved: list[dict[str, Any]]) -> None:
         """Set the global torch RNG and the generators to the states the saved epoch's iterators were made from."""

@@ -107,6 +107,7 @@ class Loop:
         self.epoch = epoch
         self.iterator = iter(self.loader)
         self.book.wrap([self.loader])
+        self.exact_positions: bool | None = None  # what restore_positions returned
 
     def start_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -147,7 +148,7 @@ def resume_mid_epoch(make: Callable[[], Any], saved: dict[str, Any], epoch: int,
     loop = Loop(make, saved.get("position"), epoch)
     set_sampler_epoch(loop.loader, epoch)
     entries, loaders = saved["loaders"], [loop.loader]
-    loop.book.restore_positions(entries, True, saved["batches_in_epoch"])
+    loop.exact_positions = loop.book.restore_positions(entries, True, saved["batches_in_epoch"])
     loop.book.set_pre_iter_rng(loaders, entries)
     to_drop = loop.book.remake_iterators(
         loaders,
@@ -183,6 +184,7 @@ def test_a_fresh_loop_trains_exactly_the_rest_of_the_epoch_and_the_next(kind: st
     ref_rng, ref_generators = torch.get_rng_state(), ref.generator_states()
 
     loop = resume_mid_epoch(LOADERS[kind], saved, epoch=1)
+    assert loop.exact_positions, "each kind resumes its position and order (no 'not resumable' warning)"
     got = loop.train()
     loop.start_epoch(2)
     got += loop.train()
@@ -277,14 +279,38 @@ def test_unsupported_loaders_are_warned_once_and_is_current_follows_the_objects(
     assert not book.is_current(first)
 
 
+def test_restore_positions_is_exact_only_when_every_loader_resumes_its_saved_order() -> None:
+    from torch.utils.data import IterableDataset
+
+    class Stream(IterableDataset[int]):
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            yield from range(4)
+
+    def book_of(*loaders: Any) -> ResumableLoaders:
+        book = ResumableLoaders()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the unsupported-loader warning (tested above)
+            book.wrap(list(loaders))
+        return book
+
+    shuffled = DataLoader(data(), batch_size=BATCH, shuffle=True)
+    saved = book_of(shuffled).capture([shuffled], 0)
+    assert book_of(DataLoader(data(), batch_size=BATCH, shuffle=True)).restore_positions(saved, True, 2)
+    assert not book_of(DataLoader(data(), batch_size=BATCH, shuffle=True)).restore_positions(saved, False)
+    # a loader whose position is not saved, or one saved when its order was not recorded
+    mixed = [DataLoader(Stream()), DataLoader(data(), batch_size=BATCH)]
+    assert not book_of(*mixed).restore_positions([{"kind": "unsupported"}, saved[0]], True, 2)
+    assert not book_of(DataLoader(data(), batch_size=BATCH)).restore_positions([{"kind": "unsupported"}], True, 2)
+
+
 def test_restore_positions_warns_when_the_number_of_loaders_changed(caplog: pytest.LogCaptureFixture) -> None:
     book = ResumableLoaders()
     loader = DataLoader(data(), batch_size=BATCH, shuffle=True)
     book.wrap([loader])
     with caplog.at_level(logging.WARNING, logger="lightning_preempt"):
-        book.restore_positions([], mid_epoch=False)
+        assert not book.restore_positions([], mid_epoch=False)
         assert caplog.messages == [], "an epoch-end resume has no position to lose"
-        book.restore_positions([], mid_epoch=True, batches_in_epoch=3)
+        assert not book.restore_positions([], mid_epoch=True, batches_in_epoch=3)
     assert caplog.messages == ["lightning_preempt: 1 training loaders now, 0 when saved: not resuming their positions"]
     sampler = getattr(loader.batch_sampler, "sampler", None)
     assert isinstance(sampler, ResumableSampler) and sampler.replay() == 0, "no position was set"
