@@ -1,0 +1,172 @@
+"""Preemption under a real SLURM (22.05, one node on this machine: tests/support/slurm.py).
+
+Every test submits README's job script, ``examples/slurm/train.sbatch`` (which runs
+``examples/slurm/train.py`` with ``srun``), to the ``low`` partition and lets SLURM interrupt
+it: a ``high`` job preempts it by partition priority (``PreemptMode=REQUEUE``, GraceTime 20 s),
+``scancel --signal=TERM`` / ``--signal=USR1``, or the time limit with the script's
+``--signal=TERM@60``. Each asserts what a user sees: the job ends ``COMPLETED`` with the
+expected ``Restarts``, every run resumed at the step the previous one snapshotted (0 steps
+lost), the snapshot's "exiting with code 143" line is in the log before SLURM's
+"CANCELLED ... DUE TO JOB REQUEUE", srun recorded "Exited with exit code 143" (not killed by a
+signal), and the final weights are bitwise those of an uninterrupted run.
+
+Without SLURM's programs these tests skip with how to install them (the ``slurm_cluster``
+fixture). One preemption runs in every CI; the other scenarios are in the sampled slow set.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.multiproc
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "slurm"
+MAX_STEPS = 60
+EVERY = 20
+WAIT_S = 240.0  # the longest any one phase may take on a loaded 2-core machine (not asserted)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The final weights of the same script run uninterrupted, outside SLURM."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    subprocess.run([sys.executable, str(EXAMPLE / "train.py"), "--dirpath", str(out / "ckpts"),
+                    "--weights", str(out / "final.pt"), "--max-steps", str(MAX_STEPS), "--every", str(EVERY)],
+                   cwd=out, env=env, check=True, timeout=WAIT_S, capture_output=True)  # fmt: skip
+    return torch.load(out / "final.pt")
+
+
+class Job:
+    """A submitted ``train.sbatch`` and its log (every run appends: ``--open-mode=append``)."""
+
+    def __init__(self, cluster, tmp_path: Path, *options: str, step_sleep: float) -> None:  # type: ignore[no-untyped-def]
+        self.cluster = cluster
+        self.log = tmp_path / "job.out"
+        self.weights = tmp_path / "final.pt"
+        env = {
+            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        }
+        self.id = cluster.sbatch("--partition=low", f"--chdir={EXAMPLE}", f"--output={self.log}", *options,
+                                 str(EXAMPLE / "train.sbatch"), "--dirpath", str(tmp_path / "ckpts"),
+                                 "--weights", str(self.weights), "--max-steps", str(MAX_STEPS),
+                                 "--every", str(EVERY), "--step-sleep", str(step_sleep), env=env)  # fmt: skip
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def runs(self) -> list[list[int]]:
+        """Per run of the job: its start step, then every step it printed."""
+        out: list[list[int]] = []
+        for line in self.text().splitlines():
+            if m := re.fullmatch(r"start step (\d+)", line):
+                out.append([int(m[1])])
+            elif (m := re.fullmatch(r"step (\d+)", line)) and out:
+                out[-1].append(int(m[1]))
+        return out
+
+    def wait_step(self, run: int, steps: int) -> None:
+        """Until run number ``run`` (0-based) has trained ``steps`` steps since its start."""
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            runs = self.runs()
+            if len(runs) > run and runs[run][-1] >= runs[run][0] + steps:
+                return
+            state = self.cluster.job(self.id).get("JobState")
+            if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
+                raise AssertionError(f"job {self.id} ended ({state}) before run {run} reached +{steps} steps:\n{self.text()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"run {run} of job {self.id} did not reach +{steps} steps:\n{self.text()}")
+            time.sleep(0.2)
+
+    def final(self) -> dict[str, str]:
+        return self.cluster.wait_job(self.id, lambda f: f.get("JobState") not in ("PENDING", "RUNNING", "COMPLETING",
+                                     "REQUEUED", "REQUEUE_HOLD", "CONFIGURING"), WAIT_S * 2, "its end")  # fmt: skip
+
+    def preempt_by_high_job(self) -> str:
+        """Submit a ``high`` job that needs the node: SLURM preempts this one to run it."""
+        return self.cluster.sbatch("--partition=high", "--output=/dev/null", "--wrap", "sleep 1")
+
+
+def assert_resumed_exactly(job: Job, reference: dict[str, torch.Tensor], *, restarts: int) -> None:
+    """The job's end as SLURM and its log record it; see the module docstring."""
+    fields = job.final()
+    text = job.text()
+    assert fields["JobState"] == "COMPLETED", f"{fields}\n{text}"
+    assert int(fields["Restarts"]) == restarts, f"{fields}\n{text}"
+    runs = job.runs()
+    assert len(runs) == restarts + 1, text
+    for before, after in itertools.pairwise(runs):
+        assert before[-1] - after[0] == 0, f"steps lost: trained {before[-1]}, resumed at {after[0]}\n{text}"
+    assert runs[-1][-1] == MAX_STEPS
+    # Every interrupted run: its snapshot committed and its exit line was written before
+    # SLURM's kill, and srun saw the process exit 143 by itself.
+    segments = re.split(r"(?m)^start step \d+$", text)[1:]
+    for segment in segments[:-1]:
+        exiting = segment.find("exiting with code 143; safe to resume from: step")
+        killed = segment.find("DUE TO JOB REQUEUE")
+        assert 0 <= exiting < killed, f"the exit line must precede SLURM's kill:\n{segment}"
+    assert text.count("task 0: Exited with exit code 143") == restarts, text
+    assert "task 0: Terminated" not in text and "task 0: Killed" not in text, text
+    records = job.cluster.records(job.id)
+    assert records[-1]["JobState"] == "COMPLETED", records
+    assert records[-1]["DerivedExitCode"] == ("143:0" if restarts else "0:0"), records  # the steps' worst exit
+    final = torch.load(job.weights)
+    assert final.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert torch.equal(final[name], tensor), f"{name} differs from the uninterrupted run"
+
+
+def _preempted(slurm_cluster, tmp_path: Path, reference: dict[str, torch.Tensor], times: int) -> None:  # type: ignore[no-untyped-def]
+    job = Job(slurm_cluster, tmp_path, step_sleep=0.1)
+    for run in range(times):
+        job.wait_step(run, 8)
+        job.preempt_by_high_job()
+    assert_resumed_exactly(job, reference, restarts=times)
+
+
+def test_preempted_by_a_high_partition_job_resumes_exactly(slurm_cluster, tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    """CI's SLURM test: partition-priority preemption, once."""
+    _preempted(slurm_cluster, tmp_path, reference, times=1)
+
+
+@pytest.mark.slow
+def test_preempted_twice_in_one_run(slurm_cluster, tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    _preempted(slurm_cluster, tmp_path, reference, times=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["TERM", "USR1"])
+def test_scancel_signal(slurm_cluster, tmp_path: Path, reference, sig: str) -> None:  # type: ignore[no-untyped-def]
+    """``scancel --signal=TERM`` and the SIGUSR1 early warning (what ``--signal=USR1@T`` sends
+    to the job step): the script listens to both (``signals=("SIGUSR1", "SIGTERM")``)."""
+    job = Job(slurm_cluster, tmp_path, step_sleep=0.1)
+    job.wait_step(0, 8)
+    slurm_cluster.run("scancel", f"--signal={sig}", job.id)
+    assert_resumed_exactly(job, reference, restarts=1)
+    assert f"snapshot taken after SIG{sig}: 0 steps lost" in job.text()
+
+
+@pytest.mark.slow
+def test_time_limit_with_the_early_signal_snapshots_and_requeues_before_it(slurm_cluster, tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    """``--time=2`` with the script's ``--signal=TERM@60``: SLURM signals the job step 60-90 s
+    before the limit (its check runs every 30 s); each run snapshots and requeues itself, so
+    no run reaches the limit (no TIMEOUT) until training ends."""
+    job = Job(slurm_cluster, tmp_path, "--time=2", step_sleep=0.6)
+    fields = job.final()
+    restarts = int(fields.get("Restarts", "0"))
+    assert restarts >= 1, job.text()
+    assert_resumed_exactly(job, reference, restarts=restarts)
+    assert "TIMEOUT" not in job.text() and "DUE TO TIME LIMIT" not in job.text()
