@@ -56,6 +56,7 @@ def main() -> None:
     p.add_argument("--every", type=int, default=20, help="periodic save every N steps")
     p.add_argument("--grace", type=float, default=20.0, help="the partition's GraceTime")
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--no-requeue", action="store_true", help="requeue=False (the scheduler decides)")
     args = p.parse_args()
 
     L.seed_everything(0, verbose=False)
@@ -72,7 +73,8 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[Progress(), PreemptionCallback(dirpath=args.dirpath, every_n_train_steps=args.every,
-                                      grace_period_s=args.grace, signals=("SIGUSR1", "SIGTERM"))],
+                                      grace_period_s=args.grace, signals=("SIGUSR1", "SIGTERM"),
+                                      requeue=False if args.no_requeue else None)],
         plugins=[ShardedAsyncCheckpointIO()],
     )
     model = Regressor(args.step_sleep)

@@ -25,7 +25,7 @@ from typing import Literal, NoReturn, Protocol
 
 from lightning_preempt.collective.groups import ProcessGroup
 from lightning_preempt.preemption.deadline import grace_margin
-from lightning_preempt.preemption.requeue import requeue_slurm
+from lightning_preempt.preemption.requeue import AGENT_REQUEUES, requeue_slurm
 from lightning_preempt.preemption.schedule import AgreementSchedule
 from lightning_preempt.preemption.signals import SignalFlag
 from lightning_preempt.preemption.sources import Notice, PreemptionSource
@@ -93,6 +93,7 @@ class PreemptionController:
         self.schedule = AgreementSchedule(config.agree_every_n_steps, config.agree_interval_s, config.overlap_agreement)
         self.timeline: list[tuple[str, float]] = []
         self.notice: Notice | None = None
+        self._warned_requeue_off = False
 
     # ---- sources ----------------------------------------------------------------------
     def bind(self, group: ProcessGroup | None) -> None:
@@ -103,6 +104,16 @@ class PreemptionController:
         """Start (or re-arm) every source; main thread."""
         for source in self.sources:
             source.start()
+        job = os.environ.get("SLURM_JOB_ID")
+        if self.config.requeue is False and job is not None and not self._warned_requeue_off:
+            self._warned_requeue_off = True
+            log.warning(
+                "lightning_preempt: requeue=False under SLURM (job %s): after a preemption this job exits "
+                "with %d before the partition's GraceTime ends, and SLURM records that as FAILED "
+                "(NonZeroExitCode) and does not requeue it, even with PreemptMode=REQUEUE and --requeue "
+                "(measured with SLURM 22.05).\nHINT: leave requeue=None (rank 0 requeues the job after "
+                "its snapshot); under `python -m lightning_preempt.torchrun` the reclaimed node's agent "
+                "requeues its own job.", job, self.config.exit_code)
 
     def stop(self) -> None:
         for source in self.sources:
@@ -239,7 +250,7 @@ class PreemptionController:
         except Exception as err:
             self.mark(f"the drain failed ({err}); exiting anyway")
         job = self._requeue_job() if leader else None
-        then = f"; requeueing SLURM job {job} now (SLURM ends this run at once)" if job is not None else ""
+        then = f"; requeueing SLURM job {job} last (SLURM then ends this run at once)" if job is not None else ""
         self.mark(f"exiting with code {self.config.exit_code}; safe to resume from: {safe_step()}{held}{then}")
         if job is not None:
             # The last act: SLURM's kill follows `scontrol requeue` within milliseconds, so
@@ -251,6 +262,8 @@ class PreemptionController:
     def _requeue_job(self) -> str | None:
         """The SLURM job this rank requeues, if it should (``requeue=None``: under SLURM)."""
         job = os.environ.get("SLURM_JOB_ID")
+        if self.config.requeue is None and os.environ.get(AGENT_REQUEUES) == "1":
+            return None  # lightning_preempt.torchrun's agent requeues the reclaimed node's job
         wanted = self.config.requeue if self.config.requeue is not None else job is not None
         if not wanted:
             return None

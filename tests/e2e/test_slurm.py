@@ -36,22 +36,46 @@ EVERY = 20
 WAIT_S = 240.0  # the longest any one phase may take on a loaded 2-core machine (not asserted)
 
 
+class Reference:
+    """The final weights of the same script run uninterrupted, outside SLURM: started when the
+    fixture is set up, read (waited for) when a test compares, so it runs beside the job."""
+
+    def __init__(self, out: Path) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        self.path = out / "final.pt"
+        self.proc = subprocess.Popen([sys.executable, str(EXAMPLE / "train.py"), "--dirpath", str(out / "ckpts"),
+                                      "--weights", str(self.path), "--max-steps", str(MAX_STEPS), "--every",
+                                      str(EVERY)], cwd=out, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        self._weights: dict[str, torch.Tensor] | None = None
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        if self._weights is None:
+            out, _ = self.proc.communicate(timeout=WAIT_S)
+            assert self.proc.returncode == 0, out
+            self._weights = torch.load(self.path)
+        return self._weights
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    """The final weights of the same script run uninterrupted, outside SLURM."""
-    out = tmp_path_factory.mktemp("uninterrupted")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    subprocess.run([sys.executable, str(EXAMPLE / "train.py"), "--dirpath", str(out / "ckpts"),
-                    "--weights", str(out / "final.pt"), "--max-steps", str(MAX_STEPS), "--every", str(EVERY)],
-                   cwd=out, env=env, check=True, timeout=WAIT_S, capture_output=True)  # fmt: skip
-    return torch.load(out / "final.pt")
+def reference(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    import slurm
+
+    if slurm.missing():
+        pytest.skip(slurm.HOW_TO_GET)  # (the slurm_cluster fixture says the same)
+    ref = Reference(tmp_path_factory.mktemp("uninterrupted"))
+    yield ref
+    if ref.proc.poll() is None:
+        ref.proc.kill()
+        ref.proc.wait()
 
 
 class Job:
     """A submitted ``train.sbatch`` and its log (every run appends: ``--open-mode=append``)."""
 
-    def __init__(self, cluster, tmp_path: Path, *options: str, step_sleep: float) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, cluster, tmp_path: Path, *options: str, step_sleep: float, script: tuple[str, ...] = (),
+                 args: tuple[str, ...] = ()) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
         self.cluster = cluster
         self.log = tmp_path / "job.out"
         self.weights = tmp_path / "final.pt"
@@ -59,10 +83,12 @@ class Job:
             "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
             "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
         }
-        self.id = cluster.sbatch("--partition=low", f"--chdir={EXAMPLE}", f"--output={self.log}", *options,
-                                 str(EXAMPLE / "train.sbatch"), "--dirpath", str(tmp_path / "ckpts"),
-                                 "--weights", str(self.weights), "--max-steps", str(MAX_STEPS),
-                                 "--every", str(EVERY), "--step-sleep", str(step_sleep), env=env)  # fmt: skip
+        train_args = ["--dirpath", str(tmp_path / "ckpts"), "--weights", str(self.weights), "--max-steps",
+                      str(MAX_STEPS), "--every", str(EVERY), "--step-sleep", str(step_sleep), *args]  # fmt: skip
+        # README's job script, or (``script``) a command line of its own run by --wrap
+        what = ["--wrap", " ".join([*script, *train_args])] if script else [str(EXAMPLE / "train.sbatch"), *train_args]
+        self.id = cluster.sbatch("--partition=low", f"--chdir={EXAMPLE}", f"--output={self.log}", "--requeue",
+                                 "--open-mode=append", *options, *what, env=env)  # fmt: skip
 
     def text(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
@@ -100,7 +126,7 @@ class Job:
         return self.cluster.sbatch("--partition=high", "--output=/dev/null", "--wrap", "sleep 1")
 
 
-def assert_resumed_exactly(job: Job, reference: dict[str, torch.Tensor], *, restarts: int) -> None:
+def assert_resumed_exactly(job: Job, reference: Reference, *, restarts: int) -> None:
     """The job's end as SLURM and its log record it; see the module docstring."""
     fields = job.final()
     text = job.text()
@@ -123,13 +149,13 @@ def assert_resumed_exactly(job: Job, reference: dict[str, torch.Tensor], *, rest
     records = job.cluster.records(job.id)
     assert records[-1]["JobState"] == "COMPLETED", records
     assert records[-1]["DerivedExitCode"] == ("143:0" if restarts else "0:0"), records  # the steps' worst exit
-    final = torch.load(job.weights)
-    assert final.keys() == reference.keys()
-    for name, tensor in reference.items():
+    final, expected = torch.load(job.weights), reference.weights()
+    assert final.keys() == expected.keys()
+    for name, tensor in expected.items():
         assert torch.equal(final[name], tensor), f"{name} differs from the uninterrupted run"
 
 
-def _preempted(slurm_cluster, tmp_path: Path, reference: dict[str, torch.Tensor], times: int) -> None:  # type: ignore[no-untyped-def]
+def _preempted(slurm_cluster, tmp_path: Path, reference: Reference, times: int) -> None:  # type: ignore[no-untyped-def]
     job = Job(slurm_cluster, tmp_path, step_sleep=0.1)
     for run in range(times):
         job.wait_step(run, 8)
@@ -170,3 +196,50 @@ def test_time_limit_with_the_early_signal_snapshots_and_requeues_before_it(slurm
     assert restarts >= 1, job.text()
     assert_resumed_exactly(job, reference, restarts=restarts)
     assert "TIMEOUT" not in job.text() and "DUE TO TIME LIMIT" not in job.text()
+
+
+@pytest.mark.slow
+def test_under_the_torchrun_wrapper_the_reclaimed_nodes_agent_requeues(slurm_cluster, tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    """docs/elastic.md's SLURM recipe (one job per node, ``lightning_preempt.torchrun``): the
+    workers do not requeue (their rank 0 may be on another node); the agent that received
+    SLURM's SIGTERM requeues its own job after its workers' snapshot, as its last act."""
+    launch = ("srun", sys.executable, "-m", "lightning_preempt.torchrun", "--standalone", "--nproc-per-node=1",
+              "train.py")  # fmt: skip
+    job = Job(slurm_cluster, tmp_path, step_sleep=0.1, script=launch)
+    job.wait_step(0, 8)
+    job.preempt_by_high_job()
+    assert_resumed_exactly(job, reference, restarts=1)
+    text = job.text()
+    assert "the agent received SIGTERM; exiting with 143; requeueing SLURM job" in text, text
+    assert "requeueing SLURM job" not in text.split("the agent received")[0], "a worker requeued"
+
+
+@pytest.mark.slow
+def test_scancel_ends_the_job_for_good(slurm_cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A plain ``scancel``: SLURM sends SIGTERM and marks the job CANCELLED; the snapshot is
+    taken, but a cancelled job is not requeued (SLURM would requeue it: it did before)."""
+    job = Job(slurm_cluster, tmp_path, step_sleep=0.1)
+    job.wait_step(0, 8)
+    slurm_cluster.run("scancel", job.id)
+    job.final()
+    time.sleep(8)  # a requeue would show by now (the test cluster's hold is 5 s)
+    fields = slurm_cluster.job(job.id)
+    text = job.text()
+    assert fields["JobState"] == "CANCELLED" and fields["Restarts"] == "0", f"{fields}\n{text}"
+    assert f"SLURM job {job.id} is COMPLETING before its time limit (scancel, or SLURM requeues it itself): not requeueing it" in text, text
+    assert len(job.runs()) == 1
+
+
+@pytest.mark.slow
+def test_requeue_false_is_lost_on_preemption_and_says_so(slurm_cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """What ``requeue=False`` costs under SLURM, measured: the job exits 143 inside GraceTime
+    and SLURM records it FAILED without requeueing it, even with PreemptMode=REQUEUE and
+    ``--requeue``. The callback says so (with a HINT) when the job starts."""
+    job = Job(slurm_cluster, tmp_path, step_sleep=0.1, args=("--no-requeue",))
+    job.wait_step(0, 8)
+    job.preempt_by_high_job()
+    fields = job.final()
+    text = job.text()
+    assert fields["JobState"] == "FAILED" and fields["Restarts"] == "0", f"{fields}\n{text}"
+    assert fields["ExitCode"] == "143:0", fields
+    assert "requeue=False under SLURM" in text and "HINT: leave requeue=None" in text, text
