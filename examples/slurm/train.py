@@ -5,6 +5,10 @@ only (``PreemptionCallback`` + ``ShardedAsyncCheckpointIO``). ``train.sbatch`` r
 It prints ``start step N`` when training starts and ``step N`` after each optimizer step, and
 writes the final weights with ``torch.save`` to ``--weights`` when training ends (the SLURM
 tests compare them bitwise with an uninterrupted run).
+
+A signal that comes after ``trainer.fit`` returned (the time limit's early signal while the
+process exits) meets the default SIGTERM action again and kills it: SLURM then records the job
+``FAILED`` although training ended. Leave the last run room before its limit.
 """
 
 from __future__ import annotations

@@ -44,9 +44,10 @@ def _seconds(duration: str) -> int | None:
 def ended_by_slurm(job: str, timeout_s: float) -> str | None:
     """Why SLURM is already ending ``job`` for good, or ``None`` (running, or unknown).
 
-    SLURM 22.05's ``scontrol show job`` shows a cancelled job as ``COMPLETING`` while its
-    processes stop, like one that reached its time limit; the run time tells them apart (a
-    job killed at its limit is requeued: with ``--signal=TERM@60`` it never gets there)."""
+    SLURM 22.05's ``scontrol show job`` (and ``squeue``, even ``-t CANCELLED``) shows a
+    cancelled job as ``COMPLETING`` while its processes stop, like one whose batch shell died
+    or that reached its time limit; only the run time tells the limit apart (a job killed at
+    its limit is requeued: with ``--signal=TERM@60`` it never gets there)."""
     try:
         result = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True,
                                 timeout=timeout_s, check=False)  # fmt: skip
@@ -59,7 +60,8 @@ def ended_by_slurm(job: str, timeout_s: float) -> str | None:
     limit, ran = _seconds(fields.get("TimeLimit", "")), _seconds(fields.get("RunTime", ""))
     if state == "COMPLETING" and limit is not None and ran is not None and ran >= limit:
         return None  # the time limit's kill: requeue, as a preemption
-    return f"{state} before its time limit (scancel, or SLURM requeues it itself)"
+    return (f"{state} before its time limit (scancel; the batch shell's death, e.g. by `--signal=B:...`; "
+            "or SLURM's own requeue)")  # fmt: skip
 
 
 def requeue_slurm(
@@ -79,7 +81,7 @@ def requeue_slurm(
     begun = time.monotonic()
     ended = ended_by_slurm(job, min(2.0, timeout_s / 2))  # within timeout_s, with the requeue
     if ended is not None:
-        return f"SLURM job {job} is {ended}: not requeueing it"
+        return f"SLURM job {job} is {ended}: not requeueing it (`scontrol requeue {job}` brings it back)"
     if flush is not None:
         flush()
     absorb = settle_s > 0 and threading.current_thread() is threading.main_thread()
