@@ -18,6 +18,7 @@ requeued ones included). docs/slurm-testing.md shows the same by hand.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
 import signal
@@ -49,6 +50,13 @@ def _which(name: str) -> str:
     if found is None:
         raise FileNotFoundError(f"{name}: {HOW_TO_GET}")
     return found
+
+
+def _die_with_parent() -> None:
+    """In the daemon, before exec: SIGTERM when the process that started it dies (a test run
+    killed without its teardown leaves no daemons behind). Linux only; elsewhere a no-op."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _free_port() -> int:
@@ -168,7 +176,7 @@ class SlurmCluster:
     def _spawn(self, name: str, argv: list[str]) -> None:
         out = open(self.root / f"{name}.out", "wb")  # noqa: SIM115 (the daemon owns it)
         self.procs[name] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=self.env,
-                                            start_new_session=True)  # fmt: skip
+                                            start_new_session=True, preexec_fn=_die_with_parent)  # fmt: skip
         out.close()
 
     def _until(self, ok: Callable[[], bool], timeout_s: float, what: str) -> None:
