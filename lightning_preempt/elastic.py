@@ -50,6 +50,8 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from lightning_preempt.preemption.requeue import AGENT_REQUEUES, requeue_slurm
+
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
 
@@ -237,6 +239,11 @@ def run(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     _bind_rendezvous_store_to_endpoint()  # its pickled state must not be reachable wider than needed
     args = torchrun.parse_args(list(argv) if argv is not None else None)
+    slurm_job = os.environ.get("SLURM_JOB_ID")
+    if slurm_job is not None:
+        # One SLURM job per node: the workers' rank 0 may be on another node, so this agent
+        # requeues its own job when it is the one reclaimed (below), and the workers do not.
+        os.environ[AGENT_REQUEUES] = "1"
     try:
         torchrun.run(args)
     except (SignalException, ChildFailedError) as exc:
@@ -246,7 +253,14 @@ def run(argv: Sequence[str] | None = None) -> int:
             if isinstance(exc, SignalException)
             else f"a worker failed ({exc.get_first_failure()[1].message or 'no error file'})"  # type: ignore[union-attr]
         )
-        print(f"lightning_preempt.torchrun: {what}; exiting with {code}", file=sys.stderr, flush=True)
+        requeue = isinstance(exc, SignalException) and slurm_job is not None
+        then = f"; requeueing SLURM job {slurm_job} last" if requeue else ""
+        print(f"lightning_preempt.torchrun: {what}; exiting with {code}{then}", file=sys.stderr, flush=True)
+        if requeue:
+            # The workers have exited (their snapshot committed): the last act, as in the
+            # callback's emergency sequence (preemption/requeue.py).
+            done = requeue_slurm(str(slurm_job), 10.0, flush=sys.stderr.flush, settle_s=3.0)
+            print(f"lightning_preempt.torchrun: {done}", file=sys.stderr, flush=True)
         return code
     return 0
 

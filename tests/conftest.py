@@ -128,3 +128,17 @@ def memory_url(request: pytest.FixtureRequest) -> str:
     yield url
     with contextlib.suppress(FileNotFoundError):
         fs.rm(url, recursive=True)
+
+
+@pytest.fixture
+def slurm_cluster(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A private one-node SLURM cluster (tests/support/slurm.py, docs/slurm-testing.md):
+    ``low`` and ``high`` partitions, preemption by partition priority with REQUEUE, GraceTime
+    20 s; skips with how to install SLURM where its programs are absent."""
+    import slurm
+
+    absent = slurm.missing()
+    if absent:
+        pytest.skip(f"{', '.join(absent)} not found. {slurm.HOW_TO_GET}")
+    with slurm.cluster(tmp_path / "slurm") as cluster:
+        yield cluster

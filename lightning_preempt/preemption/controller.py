@@ -13,17 +13,19 @@ the step that is safe, requeues when configured (bounded by the grace period), a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Literal, NoReturn, Protocol
 
 from lightning_preempt.collective.groups import ProcessGroup
 from lightning_preempt.preemption.deadline import grace_margin
-from lightning_preempt.preemption.requeue import requeue_slurm
+from lightning_preempt.preemption.requeue import AGENT_REQUEUES, requeue_slurm
 from lightning_preempt.preemption.schedule import AgreementSchedule
 from lightning_preempt.preemption.signals import SignalFlag
 from lightning_preempt.preemption.sources import Notice, PreemptionSource
@@ -91,6 +93,7 @@ class PreemptionController:
         self.schedule = AgreementSchedule(config.agree_every_n_steps, config.agree_interval_s, config.overlap_agreement)
         self.timeline: list[tuple[str, float]] = []
         self.notice: Notice | None = None
+        self._warned_requeue_off = False
 
     # ---- sources ----------------------------------------------------------------------
     def bind(self, group: ProcessGroup | None) -> None:
@@ -101,6 +104,16 @@ class PreemptionController:
         """Start (or re-arm) every source; main thread."""
         for source in self.sources:
             source.start()
+        job = os.environ.get("SLURM_JOB_ID")
+        if self.config.requeue is False and job is not None and not self._warned_requeue_off:
+            self._warned_requeue_off = True
+            log.warning(
+                "lightning_preempt: requeue=False under SLURM (job %s): after a preemption this job exits "
+                "with %d before the partition's GraceTime ends, and SLURM records that as FAILED "
+                "(NonZeroExitCode) and does not requeue it, even with PreemptMode=REQUEUE and --requeue "
+                "(measured with SLURM 22.05).\nHINT: leave requeue=None (rank 0 requeues the job after "
+                "its snapshot); under `python -m lightning_preempt.torchrun` the reclaimed node's agent "
+                "requeues its own job.", job, self.config.exit_code)
 
     def stop(self) -> None:
         for source in self.sources:
@@ -236,19 +249,41 @@ class PreemptionController:
             held = drain(self.budget())
         except Exception as err:
             self.mark(f"the drain failed ({err}); exiting anyway")
-        if leader:
-            self._requeue()
-        self.mark(f"exiting with code {self.config.exit_code}; safe to resume from: {safe_step()}{held}")
+        job = self._requeue_job() if leader else None
+        then = f"; requeueing SLURM job {job} last (SLURM then ends this run at once)" if job is not None else ""
+        self.mark(f"exiting with code {self.config.exit_code}; safe to resume from: {safe_step()}{held}{then}")
+        if job is not None:
+            # The last act: SLURM's kill follows `scontrol requeue` within milliseconds, so
+            # every line above is out (and flushed) before it (docs: "Exit semantics").
+            self.mark(requeue_slurm(job, max(1.0, min(self.config.requeue_timeout_s, self.budget())),
+                                    flush=flush_logs, settle_s=min(_SETTLE_S, self.budget())))  # fmt: skip
         raise Preempted(self.config.exit_code)
 
-    def _requeue(self) -> None:
+    def _requeue_job(self) -> str | None:
+        """The SLURM job this rank requeues, if it should (``requeue=None``: under SLURM)."""
         job = os.environ.get("SLURM_JOB_ID")
+        if self.config.requeue is None and os.environ.get(AGENT_REQUEUES) == "1":
+            return None  # lightning_preempt.torchrun's agent requeues the reclaimed node's job
         wanted = self.config.requeue if self.config.requeue is not None else job is not None
         if not wanted:
-            return
+            return None
         if job is None:
             log.warning("lightning_preempt: requeue=True but SLURM_JOB_ID is not set; not requeueing")
-            return
-        timeout = max(1.0, min(self.config.requeue_timeout_s, self.budget()))
-        self.mark(requeue_slurm(job, timeout))
+        return job
 
+
+#: After a successful ``scontrol requeue``, wait at most this long for SLURM's SIGTERM, so it
+#: is absorbed here and the process still exits with ``exit_code`` (SIGKILL only follows
+#: after SLURM's ``KillWait``, 30 s by default).
+_SETTLE_S = 3.0
+
+
+def flush_logs() -> None:
+    """Flush every logging handler and the standard streams (before SLURM's kill)."""
+    for logger in (log, logging.getLogger("lightning_preempt"), logging.getLogger()):
+        for handler in logger.handlers:
+            with contextlib.suppress(Exception):
+                handler.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()

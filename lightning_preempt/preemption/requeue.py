@@ -1,23 +1,115 @@
 """Requeueing the job with the scheduler (SLURM's ``scontrol``), bounded in time.
+
+Measured under SLURM 22.05 (tests/e2e/test_slurm.py): ``scontrol requeue`` of the job a
+process runs in makes SLURM end that run at once (SIGCONT, SIGTERM to every task, SIGKILL
+after ``KillWait``). So the requeue is the emergency sequence's last act, after its log lines
+are flushed, and the SIGTERM it brings is absorbed here (a handler that only notes it) for a
+few seconds, so the process still exits with its own code (143) and SLURM records that, not
+"killed by signal 15" in the middle of the teardown (releasing the lease, the saver's threads).
+
+SLURM also requeues a job that already ended, a cancelled one included: a plain ``scancel``
+(SIGTERM to the steps, the job ``CANCELLED``) followed by our requeue brought the cancelled job
+back. So a job SLURM is ending before its time limit is not requeued (:func:`ended_by_slurm`).
+
+Under ``python -m lightning_preempt.torchrun`` (an elastic job: one SLURM job per node) the
+workers' global rank 0 may run on another node than the one reclaimed: there the agent that
+received the signal requeues its own job, and the workers do not (:data:`AGENT_REQUEUES`).
 """
 
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType
+
+#: Set by ``lightning_preempt.torchrun`` under SLURM for its workers: the agent requeues the
+#: job of the node that received the signal, so ``requeue=None`` does not requeue in a worker.
+AGENT_REQUEUES = "LIGHTNING_PREEMPT_AGENT_REQUEUES"
 
 
-def requeue_slurm(job: str, timeout_s: float) -> str:
-    """``scontrol requeue JOB``, bounded; returns what happened (never raises)."""
+def _seconds(duration: str) -> int | None:
+    """SLURM's ``[D-]HH:MM:SS`` / ``MM:SS`` as seconds; ``None`` for ``UNLIMITED`` and the like."""
+    days, _, clock = duration.rpartition("-")
+    try:
+        parts = [int(p) for p in clock.split(":")]
+        return int(days or 0) * 86400 + sum(v * 60**i for i, v in enumerate(reversed(parts)))
+    except ValueError:
+        return None
+
+
+def ended_by_slurm(job: str, timeout_s: float) -> str | None:
+    """Why SLURM is already ending ``job`` for good, or ``None`` (running, or unknown).
+
+    SLURM 22.05's ``scontrol show job`` (and ``squeue``, even ``-t CANCELLED``) shows a
+    cancelled job as ``COMPLETING`` while its processes stop, like one whose batch shell died
+    or that reached its time limit; only the run time tells the limit apart (a job killed at
+    its limit is requeued: with ``--signal=TERM@60`` it never gets there)."""
+    try:
+        result = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True,
+                                timeout=timeout_s, check=False)  # fmt: skip
+    except (subprocess.TimeoutExpired, OSError):
+        return None
+    fields = dict(t.partition("=")[::2] for t in result.stdout.split() if "=" in t)
+    state = fields.get("JobState")
+    if state not in ("COMPLETING", "CANCELLED"):
+        return None
+    limit, ran = _seconds(fields.get("TimeLimit", "")), _seconds(fields.get("RunTime", ""))
+    if state == "COMPLETING" and limit is not None and ran is not None and ran >= limit:
+        return None  # the time limit's kill: requeue, as a preemption
+    return (f"{state} before its time limit (scancel; the batch shell's death, e.g. by `--signal=B:...`; "
+            "or SLURM's own requeue)")  # fmt: skip
+
+
+def requeue_slurm(
+    job: str, timeout_s: float, *, flush: Callable[[], None] | None = None, settle_s: float = 0.0
+) -> str:
+    """``scontrol requeue JOB``, bounded; returns what happened (never raises).
+
+    Args:
+        job: the SLURM job id (``$SLURM_JOB_ID``).
+        timeout_s: the longest ``scontrol`` may take.
+        flush: called right before the requeue (flush the logs: SLURM's kill follows).
+        settle_s: after a successful requeue, wait up to this long for SLURM's SIGTERM, with a
+            handler that only notes it (main thread only; elsewhere nothing is waited for).
+    """
     if shutil.which("scontrol") is None:
         return "requeue requested but `scontrol` is not on PATH; the scheduler decides"
-    try:
-        result = subprocess.run(
-            ["scontrol", "requeue", job], capture_output=True, text=True, timeout=timeout_s, check=False
-        )
-    except subprocess.TimeoutExpired:
-        return f"scontrol requeue {job} did not answer within {timeout_s:.1f}s; exiting without it"
-    except OSError as err:
-        return f"scontrol requeue {job} could not run: {err}"
-    return f"scontrol requeue {job} -> exit {result.returncode} {result.stderr.strip()}".rstrip()
+    begun = time.monotonic()
+    ended = ended_by_slurm(job, min(2.0, timeout_s / 2))  # within timeout_s, with the requeue
+    if ended is not None:
+        return f"SLURM job {job} is {ended}: not requeueing it (`scontrol requeue {job}` brings it back)"
+    if flush is not None:
+        flush()
+    absorb = settle_s > 0 and threading.current_thread() is threading.main_thread()
+    came: list[float] = []
 
+    def note(signum: int, frame: FrameType | None) -> None:
+        came.append(time.monotonic())
+
+    previous = signal.signal(signal.SIGTERM, note) if absorb else None
+    start = time.monotonic()
+    try:
+        try:
+            result = subprocess.run(
+                ["scontrol", "requeue", job], capture_output=True, text=True,
+                timeout=max(0.5, timeout_s - (time.monotonic() - begun)), check=False
+            )
+        except subprocess.TimeoutExpired:
+            return f"scontrol requeue {job} did not answer within {timeout_s:.1f}s; exiting without it"
+        except OSError as err:
+            return f"scontrol requeue {job} could not run: {err}"
+        done = f"scontrol requeue {job} -> exit {result.returncode} {result.stderr.strip()}".rstrip()
+        if result.returncode != 0 or not absorb:
+            return done
+        while not came and time.monotonic() - start < settle_s:
+            time.sleep(0.02)
+        if came:
+            return f"{done}; SLURM's SIGTERM came {came[0] - start:.2f}s later (absorbed: the process exits by itself)"
+        return f"{done}; no SIGTERM from SLURM within {settle_s:.1f}s"
+    finally:
+        if absorb:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
