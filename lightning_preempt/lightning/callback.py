@@ -62,7 +62,9 @@ class PreemptionCallback(OnExceptionCheckpoint):
             and is used to warn when a snapshot is projected not to fit.
         exit_code: process exit code after a preemption (143 = 128 + SIGTERM), whatever the
             snapshot did (the log says which step is safe).
-        requeue: run ``scontrol requeue`` on rank 0 before exiting; ``None``: when under SLURM.
+        requeue: run ``scontrol requeue`` on rank 0 as the last act before exiting; ``None``: when
+            under SLURM (under ``python -m lightning_preempt.torchrun`` the agent of the reclaimed
+            node requeues instead). ``False`` under SLURM: a preempted job is recorded FAILED.
         requeue_timeout_s: the longest ``scontrol`` may take (also bounded by the grace period).
         agree_every_n_steps: how often ranks agree on the signal flag: every N optimizer steps,
             or ``"auto"``: every step while timing the first steps, then about every
