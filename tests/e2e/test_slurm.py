@@ -33,6 +33,10 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "slurm"
 MAX_STEPS = 60
 EVERY = 20
+#: SLURM's job states a job does not leave (squeue(1), "JOB STATE CODES"); not PREEMPTED, which a
+#: job of a REQUEUE partition passes through on its way back to PENDING.
+_END_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+                         "DEADLINE"})  # fmt: skip
 WAIT_S = 240.0  # the longest any one phase may take on a loaded 2-core machine (not asserted)
 
 
@@ -111,15 +115,16 @@ class Job:
             if len(runs) > run and runs[run][-1] >= runs[run][0] + steps:
                 return
             state = self.cluster.job(self.id).get("JobState")
-            if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
+            if state in _END_STATES:
                 raise AssertionError(f"job {self.id} ended ({state}) before run {run} reached +{steps} steps:\n{self.text()}")
             if time.monotonic() > deadline:
                 raise AssertionError(f"run {run} of job {self.id} did not reach +{steps} steps:\n{self.text()}")
             time.sleep(0.2)
 
     def final(self) -> dict[str, str]:
-        return self.cluster.wait_job(self.id, lambda f: f.get("JobState") not in ("PENDING", "RUNNING", "COMPLETING",
-                                     "REQUEUED", "REQUEUE_HOLD", "CONFIGURING"), WAIT_S * 2, "its end")  # fmt: skip
+        # Wait for an end state: transient ones are many (SIGNALING while a preemption's
+        # signal is delivered, REQUEUED, COMPLETING, CONFIGURING…) and a poll can land on any.
+        return self.cluster.wait_job(self.id, lambda f: f.get("JobState") in _END_STATES, WAIT_S * 2, "its end")
 
     def preempt_by_high_job(self) -> str:
         """Submit a ``high`` job that needs the node: SLURM preempts this one to run it."""
