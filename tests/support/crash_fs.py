@@ -44,6 +44,13 @@ class _CrashFile(MemoryFile):
             _moment(f"close {self.path}")
         super().close()
 
+    def __del__(self) -> None:
+        """A file the "dead" process left open is never closed later: io's finalizer would
+        call :meth:`close` whenever the garbage collector runs, counting a moment in another
+        trial's replacement (its crash then came one operation early: the trials' "old until
+        the commit, new from then on" failed about once per full suite) and, unarmed, putting
+        the dead process's partial file into the store."""
+
 
 class CrashFileSystem(MemoryFileSystem):
     protocol = "crashfs"
