@@ -22,9 +22,6 @@ from torch.distributed.tensor import DTensor
 
 log = logging.getLogger(__name__)
 
-#: ``torch._foreach_copy_`` (private but long-standing; absent: one ``copy_`` per tensor).
-_FOREACH_COPY = getattr(torch, "_foreach_copy_", None)
-
 
 class HostStager:
     """Copies ``{key: tensor}`` into host buffers that it owns and reuses.
@@ -112,25 +109,15 @@ class HostStager:
         staged: dict[str, torch.Tensor] = {}
         needs_sync = False
         total = 0
-        # Host-to-host copies go in one batch (one call for thousands of small tensors:
-        # the per-call overhead was most of a small state's blocking time).
-        host_bufs: list[torch.Tensor] = []
-        host_srcs: list[torch.Tensor] = []
         for key, tensor in tensors.items():
             local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
             local = local.detach()
             buf = self._buffer_for(key, local)
-            if local.device.type == "cpu" and _FOREACH_COPY is not None:
-                host_bufs.append(buf)
-                host_srcs.append(local)
-            else:
-                non_blocking = self.pin_memory and local.device.type == "cuda"
-                buf.copy_(local, non_blocking=non_blocking)
-                needs_sync = needs_sync or non_blocking
+            non_blocking = self.pin_memory and local.device.type == "cuda"
+            buf.copy_(local, non_blocking=non_blocking)
+            needs_sync = needs_sync or non_blocking
             total += buf.numel() * buf.element_size()
             staged[key] = _like(tensor, buf)
-        if host_bufs and _FOREACH_COPY is not None:
-            _FOREACH_COPY(host_bufs, host_srcs)
         if needs_sync:
             torch.cuda.synchronize()
         for stale in set(self._buffers) - set(tensors):
