@@ -7,8 +7,8 @@
     ``readinto`` of a reused buffer is shown too). Warm: files in the page cache; cold:
     evicted with ``posix_fadvise(DONTNEED)`` before each load (the VM host may still
     cache them).
-(b) Resume, 2 ranks (gloo, as DDP does it): every rank loads the full checkpoint at the
-    same time; the slower rank counts.
+(b) Resume, N ranks (gloo, as DDP does it; ``--ranks``, default 2 and 4): every rank
+    loads the full checkpoint at the same time; the slowest rank counts.
 (c) First-save stall: blocking time of the first save of a fresh plugin, without and
     with ``prepare_staging`` (buffers allocated and touched in the background before), of
     a steady-state save, and the copy floor; under 2 ranks, each rank's staged bytes.
@@ -16,7 +16,11 @@
 Methods are interleaved round by round after one warm-up round; ratios are medians of
 per-round ratios measured in the same run.
 
+``--tensors 24,400,4000`` repeats (a)-(c) for each count (the same total bytes) and ends
+with the curve: each ratio per tensor count (the cost per tensor, not per byte).
+
     python benchmarks/bench_resume.py            # 1 GiB, ~4 min
+    python benchmarks/bench_resume.py --size-mib 256 --tensors 24,400,4000 --repeats 2  # the curve
     python benchmarks/bench_resume.py --quick    # 128 MiB smoke run
 """
 
@@ -344,8 +348,10 @@ def bench_first_save(args: argparse.Namespace, root: str, ckpt: dict[str, Any]) 
     }
 
 
-# ---- (b) + (c) two ranks -------------------------------------------------------------------
-def _rank_worker(rank: int, init_file: str, root: str, size_mib: int, n_tensors: int, repeats: int, cold: bool) -> None:
+# ---- (b) + (c) N ranks ---------------------------------------------------------------------
+def _rank_worker(
+    rank: int, init_file: str, root: str, size_mib: int, n_tensors: int, repeats: int, cold: bool, world: int
+) -> None:
     import torch.distributed as dist
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
@@ -353,7 +359,7 @@ def _rank_worker(rank: int, init_file: str, root: str, size_mib: int, n_tensors:
     from lightning_preempt.collective.groups import new_gloo_group
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     ckpt = lightning_style_checkpoint(size_mib * MiB, n_tensors)  # same seed on both ranks: replicated
     ours_dir, pt_file = os.path.join(root, "ours2"), os.path.join(root, "last2.ckpt")
     io = ShardedAsyncCheckpointIO()
@@ -402,7 +408,7 @@ def _rank_worker(rank: int, init_file: str, root: str, size_mib: int, n_tensors:
                 if rnd == 0 and out is not None and not same(ckpt, out):
                     raise SystemExit(f"rank {rank}: {m} loaded different tensors")
                 del out
-                slowest = [0.0, 0.0]
+                slowest = [0.0] * world
                 dist.all_gather_object(slowest, dt)
                 if rnd > 0:
                     times[f"{cache} {m}"].append(max(slowest))
@@ -413,18 +419,18 @@ def _rank_worker(rank: int, init_file: str, root: str, size_mib: int, n_tensors:
     dist.destroy_process_group()
 
 
-def bench_two_ranks(args: argparse.Namespace, root: str) -> tuple[str, dict[str, float]]:
+def bench_ranks(args: argparse.Namespace, root: str, world: int) -> tuple[str, dict[str, float]]:
     import torch.multiprocessing as mp
 
-    sub = os.path.join(root, "ranks")
+    sub = os.path.join(root, f"ranks{world}")
     os.makedirs(sub)
     mp.start_processes(
         _rank_worker,
-        args=(os.path.join(sub, "init"), sub, args.size_mib, args.tensors, args.repeats, not args.no_cold),
-        nprocs=2,
+        args=(os.path.join(sub, "init"), sub, args.size_mib, args.tensors, args.repeats, not args.no_cold, world),
+        nprocs=world,
         start_method="spawn",
     )
-    res = [json.loads(Path(sub, f"rank{r}.json").read_text()) for r in range(2)]
+    res = [json.loads(Path(sub, f"rank{r}.json").read_text()) for r in range(world)]
     times = res[0]["times"]
     labels = {
         "floor_read": "FLOOR: read() every file (each rank)",
@@ -441,17 +447,18 @@ def bench_two_ranks(args: argparse.Namespace, root: str) -> tuple[str, dict[str,
         return median([x / y for x, y in zip(times[f"{cache} {a}"], times[f"{cache} {b}"], strict=True)])
 
     caches = sorted({k.split(" ")[0] for k in times}, reverse=True)
-    figures = {f"2 ranks {c} ours_verify/floor_read": ratio(c, "ours_verify", "floor_read") for c in caches}
-    figures |= {f"2 ranks {c} ours_verify/torch_io": ratio(c, "ours_verify", "torch_io") for c in caches}
+    figures = {f"{world} ranks {c} ours_verify/floor_read": ratio(c, "ours_verify", "floor_read") for c in caches}
+    figures |= {f"{world} ranks {c} ours_verify/torch_io": ratio(c, "ours_verify", "torch_io") for c in caches}
     share = max(r["staged"] for r in res) / res[0]["state"]
-    figures["2 ranks staged share"] = share
+    figures[f"{world} ranks staged share"] = share
     text = "\n".join(
         [
-            f"#### (b) resume, 2 ranks (gloo; both load at once, the slower rank counts), {args.repeats} rounds after 1 warm-up",
+            f"#### (b) resume, {world} ranks (gloo; all load at once, the slowest rank counts), "
+            f"{args.repeats} rounds after 1 warm-up",
             "",
             table(["cache", "method", "load (s)", "range"], rows),
             "",
-            "(c) DDP save, 2 ranks: staged bytes per rank "
+            f"(c) DDP save, {world} ranks: staged bytes per rank "
             + ", ".join(
                 f"rank {r['rank']} {r['staged'] / MiB:.0f} MiB ({r['staged'] / r['state']:.2f} of the state), blocked {r['blocking']:.3f} s"
                 for r in res
@@ -464,6 +471,57 @@ def bench_two_ranks(args: argparse.Namespace, root: str) -> tuple[str, dict[str,
 
 
 def run(args: argparse.Namespace) -> str:
+    """One report per tensor count, then the curve (ratios per count) when there are several."""
+    counts = [int(n) for n in str(args.tensors).split(",")]
+    reports, curve = [], {}
+    for n in counts:
+        one = argparse.Namespace(**{**vars(args), "tensors": n})
+        text, figures = run_one(one)
+        reports.append(text)
+        curve[n] = figures
+    if len(counts) > 1:
+        reports.append(curve_table(args, curve))
+    return "\n\n".join(reports)
+
+
+#: The curve's rows: (label, figure key) — the ratios the targets are set on.
+CURVE = [
+    ("warm: ours (verify) / torch.load", "warm ours_verify/torch_load"),
+    ("cold: ours (verify) / torch.load", "cold ours_verify/torch_load"),
+    ("warm: ours (verify) / read floor", "warm ours_verify/floor_read"),
+    ("cold: ours (verify) / read floor", "cold ours_verify/floor_read"),
+    ("warm: ours (verify) / TorchCheckpointIO", "warm ours_verify/torch_io"),
+    ("steady-state save blocking / copy floor", "steady/floor"),
+]
+
+
+def curve_table(args: argparse.Namespace, curve: dict[int, dict[str, float]]) -> str:
+    counts = list(curve)
+    keys = [*CURVE]
+    for world in _worlds(args):
+        keys += [
+            (f"{world} ranks warm: ours (verify) / TorchCheckpointIO", f"{world} ranks warm ours_verify/torch_io"),
+            (f"{world} ranks cold: ours (verify) / TorchCheckpointIO", f"{world} ranks cold ours_verify/torch_io"),
+        ]
+    rows = []
+    for label, key in keys:
+        if any(key in curve[n] for n in counts):
+            rows.append([label, *(f"{curve[n][key]:.2f}" if key in curve[n] else "—" for n in counts)])
+    return "\n".join(
+        [
+            f"### The curve: {args.size_mib} MiB in {', '.join(map(str, counts))} tensors "
+            "(median of per-round ratios; each column is one run of (a)-(c) above)",
+            "",
+            table(["ratio", *(f"{n} tensors" for n in counts)], rows),
+        ]
+    )
+
+
+def _worlds(args: argparse.Namespace) -> list[int]:
+    return [int(w) for w in str(args.ranks).split(",") if w.strip() and int(w) > 1]
+
+
+def run_one(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
     root = args.dir or tempfile.mkdtemp(prefix="lp-bench-resume-", dir="/tmp")
     os.makedirs(root, exist_ok=True)
     started = time.perf_counter()
@@ -488,9 +546,10 @@ def run(args: argparse.Namespace) -> str:
         del ckpt
         gc.collect()
         if "b" in args.parts:
-            text, f = bench_two_ranks(args, root)
-            parts.append(text)
-            figures |= f
+            for world in _worlds(args):
+                text, f = bench_ranks(args, root, world)
+                parts.append(text)
+                figures |= f
     finally:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
@@ -501,13 +560,20 @@ def run(args: argparse.Namespace) -> str:
         ("warm: ours (verify) / torch.load", "warm ours_verify/torch_load", 1.0, False),
         ("cold: ours (verify) / torch.load", "cold ours_verify/torch_load", 1.0, False),
         ("warm: ours (verify) / TorchCheckpointIO", "warm ours_verify/torch_io", 1.0, False),
-        ("2 ranks warm: ours (verify) / read floor", "2 ranks warm ours_verify/floor_read", 1.5, False),
-        ("2 ranks cold: ours (verify) / read floor", "2 ranks cold ours_verify/floor_read", 1.5, False),
-        ("2 ranks warm: ours (verify) / TorchCheckpointIO", "2 ranks warm ours_verify/torch_io", 1.0, False),
         ("first save after prepare_staging / copy floor", "prepared first/floor", 1.2, False),
         ("steady-state save / copy floor", "steady/floor", 1.0, False),
-        ("DDP 2 ranks: largest rank's staged bytes / state", "2 ranks staged share", 0.6, False),
     ]
+    for world in _worlds(args):
+        specs += [
+            (f"{world} ranks warm: ours (verify) / read floor", f"{world} ranks warm ours_verify/floor_read", 1.5, False),
+            (f"{world} ranks cold: ours (verify) / read floor", f"{world} ranks cold ours_verify/floor_read", 1.5, False),
+            (f"{world} ranks warm: ours (verify) / TorchCheckpointIO", f"{world} ranks warm ours_verify/torch_io", 1.2,
+             False),
+            (f"{world} ranks cold: ours (verify) / TorchCheckpointIO", f"{world} ranks cold ours_verify/torch_io", 1.2,
+             False),
+            (f"DDP {world} ranks: largest rank's staged bytes / state", f"{world} ranks staged share", 1.2 / world,
+             False),
+        ]  # fmt: skip
     rows, lines = [], []
     for name, key, target, higher in specs:
         if key in figures:
@@ -536,14 +602,15 @@ def run(args: argparse.Namespace) -> str:
             *lines,
         ]
         + (["", "Other ratios (information):", *info] if info else [])
-    )
+    ), figures
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", default=None, help="where to write (default: a fresh dir under /tmp, removed after)")
     p.add_argument("--size-mib", type=int, default=1024)
-    p.add_argument("--tensors", type=int, default=24)
+    p.add_argument("--tensors", default="24", help="tensor count, or a comma list for the curve (e.g. 24,400,4000)")
+    p.add_argument("--ranks", default="2,4", help="rank counts for (b), comma list (default 2,4; 1 is (a))")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument(
         "--parts", default="abc", help="which parts to run: a (1-process loads), b (2 ranks), c (first save)"
@@ -552,7 +619,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="smoke run: 128 MiB, 16 tensors, 2 rounds")
     args = p.parse_args(argv)
     if args.quick:
-        args.size_mib, args.tensors, args.repeats = 128, 16, 2
+        args.size_mib, args.tensors, args.repeats, args.ranks = 128, "16", 2, "2"
     print(run(args))
     return 0
 

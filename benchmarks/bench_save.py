@@ -8,7 +8,13 @@ sequential write + fsync of the same bytes (the least a durable save can take).
 Methods are interleaved round by round (round 0 is the warm-up and is not reported); the
 ratios are medians of per-round ratios, so they compare numbers taken seconds apart.
 
+``--tensors 24,400,4000`` measures each count (the same total bytes) and ends with the
+curve: each ratio per tensor count (the cost per tensor, not per byte). ``--ranks 2,4``
+adds DDP saves on that many gloo ranks (every rank saves its share, as under
+``PreemptionCallback``), the slowest rank against a write + fsync of its share.
+
     python benchmarks/bench_save.py            # ~1 GiB, ~3 min
+    python benchmarks/bench_save.py --size-mib 256 --tensors 24,400,4000 --ranks 2,4  # the curve
     python benchmarks/bench_save.py --quick    # 128 MiB smoke run
 """
 
@@ -64,7 +70,9 @@ class Bench:
         self.ckpt = checkpoint
         self.tensors = tensors_of(checkpoint)
         self.floor_buffers = [torch.empty_like(t) for t in self.tensors]
-        self.ours = ShardedAsyncCheckpointIO() if thread_count is None else ShardedAsyncCheckpointIO(thread_count=thread_count)
+        self.ours = (
+            ShardedAsyncCheckpointIO() if thread_count is None else ShardedAsyncCheckpointIO(thread_count=thread_count)
+        )
         self.torch_io = FsyncTorchCheckpointIO()
         self.async_io = AsyncCheckpointIO(FsyncTorchCheckpointIO())
         self.dcp_stager: Any = None
@@ -176,6 +184,164 @@ METHODS: dict[str, tuple[str, str]] = {
 
 
 def run(args: argparse.Namespace) -> str:
+    """One report per tensor count (and rank count), then the curve when there are several."""
+    counts = [int(n) for n in str(args.tensors).split(",")]
+    worlds = [int(w) for w in str(args.ranks).split(",") if w.strip() and int(w) > 1]
+    reports, curve = [], {}
+    for n in counts:
+        one = argparse.Namespace(**{**vars(args), "tensors": n})
+        text, figures = run_one(one)
+        for world in worlds:
+            ranks_figures, line = bench_ranks(one, world)
+            figures |= ranks_figures
+            text += "\n\n" + line
+        reports.append(text)
+        curve[n] = figures
+    if len(counts) > 1 or worlds:
+        rows = []
+        labels = (
+            [*CURVE]
+            + [
+                (f"{w} ranks: slowest rank committed / its share's write + fsync", f"{w} ranks committed/floor_write")
+                for w in worlds
+            ]
+            + [
+                (f"{w} ranks: slowest rank blocking / copy of its share", f"{w} ranks blocking/floor_copy")
+                for w in worlds
+            ]
+        )
+        for label, key in labels:
+            if any(key in curve[n] for n in counts):
+                rows.append([label, *(f"{curve[n][key]:.2f}" if key in curve[n] else "—" for n in counts)])
+        reports.append(
+            "\n".join(
+                [
+                    f"### The curve: {args.size_mib} MiB in {', '.join(map(str, counts))} tensors "
+                    "(median of per-round ratios; each column is one run above)",
+                    "",
+                    table(["ratio", *(f"{n} tensors" for n in counts)], rows),
+                ]
+            )
+        )
+    return "\n\n".join(reports)
+
+
+# ---- N ranks: DDP saves, every rank its share --------------------------------------------
+def _rank_worker(rank: int, init_file: str, root: str, size_mib: int, n_tensors: int, repeats: int, world: int) -> None:
+    """One rank: rounds of (a) a collective save of the replicated state (the slowest rank's
+    blocking and committed times count) and (b) the floors for this rank's share: a copy
+    into preallocated buffers and a sequential write + fsync of the bytes it staged."""
+    import json
+
+    import torch.distributed as dist
+
+    from lightning_preempt import ShardedAsyncCheckpointIO
+    from lightning_preempt.collective.groups import new_gloo_group
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    ckpt = lightning_style_checkpoint(size_mib * MiB, n_tensors)  # same seed on every rank: replicated
+    io = ShardedAsyncCheckpointIO()
+    io.enable_collective_saves(new_gloo_group())
+    tensors = tensors_of(ckpt)
+    times: dict[str, list[float]] = {"blocking": [], "committed": [], "floor_copy": [], "floor_write": []}
+    share: list[torch.Tensor] = []
+    for rnd in range(repeats + 1):
+        for t in tensors:
+            t.view(-1)[0] += 1.0
+        ckpt["global_step"] += 1
+        path = os.path.join(root, f"ours-{rnd}")
+        dist.barrier()
+        t0 = time.perf_counter()
+        io.save_checkpoint(ckpt, path)
+        t1 = time.perf_counter()
+        io.wait()
+        t2 = time.perf_counter()
+        if not share:  # this rank's share: as many bytes as it staged, from the front
+            left = io.staging_last_bytes
+            for t in tensors:
+                if left <= 0:
+                    break
+                share.append(t)
+                left -= t.numel() * t.element_size()
+            buffers = [torch.empty_like(t) for t in share]
+        t3 = time.perf_counter()
+        for buf, t in zip(buffers, share, strict=True):
+            buf.copy_(t)
+        t4 = time.perf_counter()
+        fd = os.open(os.path.join(root, f"floor-{rank}-{rnd}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for t in share:
+                view = t.numpy().data.cast("B")
+                while view:
+                    view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fsync_path(root)
+        t5 = time.perf_counter()
+        mine = [t1 - t0, t2 - t0, t4 - t3, t5 - t4]
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, mine)
+        if rnd > 0:
+            for i, key in enumerate(times):
+                times[key].append(max(g[i] for g in gathered))  # the slowest rank's
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        os.remove(os.path.join(root, f"floor-{rank}-{rnd}"))
+    if rank == 0:
+        with open(os.path.join(root, "ranks.json"), "w") as f:
+            json.dump(times, f)
+    io.teardown()
+    dist.destroy_process_group()
+
+
+def bench_ranks(args: argparse.Namespace, world: int) -> tuple[dict[str, float], str]:
+    """Figures of :func:`_rank_worker` on ``world`` ranks, and a line saying them."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    root = tempfile.mkdtemp(prefix=f"lp-bench-save-ranks{world}-", dir=args.dir or "/tmp")
+    try:
+        mp.start_processes(
+            _rank_worker,
+            args=(os.path.join(root, "init"), root, args.size_mib, args.tensors, args.repeats, world),
+            nprocs=world,
+            start_method="spawn",
+        )
+        with open(os.path.join(root, "ranks.json")) as f:
+            times = json.load(f)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    def ratio(a: str, b: str) -> float:
+        return median([x / y for x, y in zip(times[a], times[b], strict=True)])
+
+    figures = {
+        f"{world} ranks committed/floor_write": ratio("committed", "floor_write"),
+        f"{world} ranks blocking/floor_copy": ratio("blocking", "floor_copy"),
+    }
+    line = (
+        f"DDP save, {args.tensors} tensors on {world} gloo ranks (slowest rank, median of {args.repeats}): blocks "
+        f"{median(times['blocking']):.3f} s, committed {median(times['committed']):.3f} s; floors for its share: "
+        f"copy {median(times['floor_copy']):.3f} s, write + fsync {median(times['floor_write']):.3f} s; "
+        f"committed / write + fsync {figures[f'{world} ranks committed/floor_write']:.2f}"
+    )
+    return figures, line
+
+
+#: The curve's rows: (label, figure key).
+CURVE = [
+    ("ours blocking / floor copy", "ours blocking/floor_copy"),
+    ("ours committed / (sequential write + fsync)", "ours committed/floor_write"),
+    ("TorchCheckpointIO committed / (write + fsync)", "torch_sync committed/floor_write"),
+    ("DCP async_save committed / (write + fsync)", "dcp_async committed/floor_write"),
+]
+
+
+def run_one(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
     root = args.dir or tempfile.mkdtemp(prefix="lp-bench-save-", dir="/tmp")
     os.makedirs(root, exist_ok=True)
     ckpt = lightning_style_checkpoint(args.size_mib * MiB, args.tensors)
@@ -261,6 +427,15 @@ def run(args: argparse.Namespace) -> str:
                 ratios.append(va / vb)
         return median(ratios)
 
+    figures: dict[str, float] = {}
+    for a, b, ia, ib, key in [
+        ("ours", "floor_copy", 0, 0, "ours blocking/floor_copy"),
+        ("ours", "floor_write", 1, 1, "ours committed/floor_write"),
+        ("torch_sync", "floor_write", 1, 1, "torch_sync committed/floor_write"),
+        ("dcp_async", "floor_write", 1, 1, "dcp_async committed/floor_write"),
+    ]:
+        if a in methods and b in methods:
+            figures[key] = paired(a, b, ia, ib)
     ratio_rows, verdicts = [], []
     specs = [
         ("ours blocking / floor copy", "ours", "floor_copy", 0, 0, 1.3, False),
@@ -275,14 +450,15 @@ def run(args: argparse.Namespace) -> str:
     if ratio_rows:
         out += ["Ratios (median of per-round ratios, same run):", ""]
         out += [table(["ratio", "value", "target", "verdict"], ratio_rows), "", *verdicts]
-    return "\n".join(out)
+    return "\n".join(out), figures
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", default=None, help="where to write (default: a fresh dir under /tmp, removed after)")
     p.add_argument("--size-mib", type=int, default=1024, help="state size in MiB (default 1024)")
-    p.add_argument("--tensors", type=int, default=24, help="number of tensors (default 24)")
+    p.add_argument("--tensors", default="24", help="number of tensors, or a comma list for the curve (24,400,4000)")
+    p.add_argument("--ranks", default="", help="also DDP saves on these rank counts, comma list (e.g. 2,4)")
     p.add_argument("--repeats", type=int, default=3, help="measured rounds after the warm-up (default 3)")
     p.add_argument("--quick", action="store_true", help="smoke run: 128 MiB, 16 tensors")
     p.add_argument("--methods", default="", help=f"comma-separated subset of {','.join(METHODS)}")
@@ -290,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-v", "--verbose", action="store_true", help="print every round to stderr")
     args = p.parse_args(argv)
     if args.quick:
-        args.size_mib, args.tensors = 128, 16
+        args.size_mib, args.tensors = 128, "16"
     print(run(args))
     return 0
 

@@ -63,7 +63,7 @@ def read_archive(f: IO[bytes], item: TensorItem, crc: Cursor) -> tuple[torch.Ten
     for size in item.chunk_sizes:
         numel *= size
     nbytes = numel * item.dtype.itemsize
-    start = _data_start(head)
+    start = data_start(head)
     if start is None or sys.byteorder != "little":
         return _read_rest_and_load(f, item, head, crc)
     tensor = torch.empty(item.chunk_sizes, dtype=item.dtype)
@@ -83,7 +83,7 @@ def read_archive(f: IO[bytes], item: TensorItem, crc: Cursor) -> tuple[torch.Ten
     return tensor, got
 
 
-def _data_start(head: memoryview) -> int | None:
+def data_start(head: memoryview) -> int | None:
     """Offset of the ``*/data/0`` record's data in an archive whose first bytes are ``head``."""
     raw = bytes(head)
     pos = 0

@@ -1,20 +1,26 @@
 """Reading a file range by range with its CRC32C computed on the way.
 
-A reading thread fills memory chunk by chunk (:func:`read_into`, :data:`CHUNK_BYTES` per
-call); each chunk just read is hashed on a helper thread while the next one is read (both
-``readinto`` and ``crc32c`` release the GIL), so verifying costs no extra pass. Ranges of
-one file read at once are hashed at once too, and their CRCs combined in file order
-(:func:`file_digest`).
+A range is read through :func:`hashing_reader`: a buffered reader over the file whose
+every read from storage (a buffer fill of :data:`READ_BUFFER_BYTES`, or a read straight
+into a large tensor) is hashed as it arrives, on the reading thread. Thousands of small
+tensor records then cost a few large reads and CRC32C updates, not several each (the
+parser above asks for a record's head, data and tail separately). Ranges of one file
+are read and hashed at once by different threads (``readinto`` and ``crc32c`` release
+the GIL), and their CRCs combined in file order (:func:`file_digest`).
 """
 
 from __future__ import annotations
 
+import io
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import IO
+from typing import IO, Any, cast
 
 from lightning_preempt.storage.checksum import Crc32c
 from lightning_preempt.storage.store import CHUNK_BYTES
+
+#: What one read from storage asks for when the parser wants less (small records).
+READ_BUFFER_BYTES = 1 << 20
 
 
 class OrderedCrc:
@@ -104,3 +110,44 @@ def file_digest(crcs: list[OrderedCrc | None]) -> str:
         else:
             whole.extend(got)
     return whole.hexdigest() if whole is not None else Crc32c().hexdigest()
+
+
+class _HashingRaw(io.RawIOBase):
+    """The raw side of :func:`hashing_reader`: every byte read from ``inner`` goes to the
+    CRC (synchronously: the buffer it lands in is reused by the next fill)."""
+
+    def __init__(self, inner: IO[bytes], crc: OrderedCrc | None, offset: int, end: int | None) -> None:
+        super().__init__()
+        self._inner = inner
+        self._crc = crc
+        self.offset = offset
+        self._end = end
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        if self._end is not None:  # never read ahead into the next range (another reader's bytes)
+            view = view[: max(0, self._end - self.offset)]
+        if not view.nbytes:
+            return 0
+        readinto = getattr(self._inner, "readinto", None)
+        if readinto is not None:
+            n = readinto(view) or 0
+        else:  # a file object without readinto: one extra copy of this piece
+            data = self._inner.read(view.nbytes)
+            n = len(data)
+            view[:n] = data
+        if n and self._crc is not None:
+            self._crc.update(self.offset, view[:n])
+        self.offset += n
+        return n
+
+
+def hashing_reader(inner: IO[bytes], crc: OrderedCrc | None, offset: int, end: int | None = None) -> IO[bytes]:
+    """A buffered reader over ``inner`` (positioned at ``offset``) that hands every byte
+    it reads from ``inner`` to ``crc`` (``OrderedCrc(None, offset)``: hashed inline), and
+    reads nothing at or past ``end`` (``None``: to the end of the file). Reads of at
+    least :data:`READ_BUFFER_BYTES` go straight into the caller's memory."""
+    return cast(IO[bytes], io.BufferedReader(_HashingRaw(inner, crc, offset, end), READ_BUFFER_BYTES))

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -139,6 +141,29 @@ def load_full_checkpoint(
     are not. Raises :class:`CorruptCheckpointError` on any mismatch, before returning
     anything: the caller can fall back to an older checkpoint.
     """
+    with gc_paused():
+        return _load_full(store, rank=rank, verify=verify, trusted=trusted, map_location=map_location)
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection while a checkpoint is unpickled and read.
+
+    A state of thousands of tensors unpickles tens of thousands of objects (DCP's
+    ``.metadata``, the skeleton, the tensors): each allocation burst triggers full
+    collections that walk every object alive, measured 0.04 s -> 0.2 s for one
+    ``.metadata`` of 4000 tensors. A load creates no cycles worth collecting meanwhile.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _load_full(store: Store, *, rank: int, verify: bool, trusted: bool, map_location: Any) -> dict[str, Any]:
     manifest = read_manifest(store)
     if not verify:
         check_files(data_store(store, manifest), manifest)

@@ -30,17 +30,17 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.errors import CheckpointError, CheckpointExistsError, CheckpointWriteError
-from lightning_preempt.format.dcp_compat import quiet_single_process_warning
+from lightning_preempt.format.dcp_compat import dcp_save_tensors
 from lightning_preempt.format.manifest import FileEntry, Manifest
 from lightning_preempt.format.names import MANIFEST_NAME, state_file
 from lightning_preempt.save.dcp_writer import ChecksummingWriter
 from lightning_preempt.save.layout import WritePlan, abandon, finish_write, plan_write
+from lightning_preempt.save.planning import CachingSavePlanner, PlanCache
 from lightning_preempt.storage.checksum import Crc32c
 from lightning_preempt.storage.store import Store
 
@@ -76,10 +76,13 @@ def write_checkpoint(
     *,
     group: pdist.ProcessGroup | None = None,
     thread_count: int = 1,
+    plan_cache: PlanCache | None = None,
 ) -> Manifest:
     """Write and commit ``request``; returns the committed manifest (on every rank).
 
     With ``group`` every rank of it must call this for the same checkpoint.
+    ``plan_cache``: DCP plans of the previous save to reuse when the structure is the
+    same (:mod:`lightning_preempt.save.planning`).
     """
     root = Store(request.url, request.storage_options)
     rank, world = pdist.rank(group) if group else 0, pdist.world_size(group) if group else 1
@@ -92,10 +95,14 @@ def write_checkpoint(
     def write_files() -> dict[str, FileEntry]:
         entries: dict[str, FileEntry] = {}
         writer = ChecksummingWriter(store, thread_count=thread_count)
-        if group is None:
-            quiet_single_process_warning()
         try:
-            dcp.save(request.tensors, storage_writer=writer, process_group=group, no_dist=group is None)
+            dcp_save_tensors(
+                request.tensors,
+                storage_writer=writer,
+                planner=CachingSavePlanner(plan_cache) if plan_cache is not None else None,
+                process_group=group,
+                no_dist=group is None,
+            )
         except CheckpointException as err:  # BaseException in DCP: convert, keep the cause
             mine = writer.storage_error
             what = f"{type(mine).__name__}: {mine}" if mine is not None else f"DCP reports {_dcp_failures(err)}"

@@ -14,6 +14,10 @@ bytes reach storage:
   never checks it. Our writer threads skip it (:func:`_skip_zip_crc32`): the CRC32C of
   every file in the manifest covers the same bytes. The records then carry CRC 0;
   ``torch.load`` / ``dcp.load`` read them as usual.
+* tensor records are written by :func:`save.records.write_tensor_record` (one template per
+  dtype and shape instead of a ``torch.save`` call per tensor) through a buffered stream,
+  so thousands of small tensors become a few large sequential writes and CRC32C updates
+  (:meth:`ChecksummingWriter.write_data`); the file format is DCP's, unchanged.
 """
 
 from __future__ import annotations
@@ -25,19 +29,27 @@ import pickle
 import posixpath
 import threading
 from collections.abc import Iterator
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import IO, Any, cast
 
+import torch
 import torch.serialization
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from lightning_preempt.format import dcp_compat as _compat
 from lightning_preempt.format.manifest import FileEntry
 from lightning_preempt.format.names import DCP_METADATA_NAME
+from lightning_preempt.save.records import write_tensor_record
 from lightning_preempt.storage.checksum import Crc32c
 from lightning_preempt.storage.store import Store
 
 _thread_state = threading.local()
+#: Writes smaller than this are gathered into one write (and one CRC32C update). 1 MiB
+#: measured fastest here (8 MiB: 5x slower than unbuffered, the copy leaves the cache).
+WRITE_BUFFER_BYTES = 1 << 20
 
 
 def _install_zip_crc32_switch() -> None:
@@ -127,7 +139,11 @@ class _ChecksummingFileSystem(_compat.FsspecFileSystem):
         name = posixpath.basename(os.fspath(path))
         with self._store.open_write(name) as raw, _skip_zip_crc32():
             stream = _HashingStream(raw, self.storage_errors)
-            yield stream
+            # Small records (thousands of small tensors) reach storage and the CRC as a few
+            # large writes; a write larger than the buffer goes straight through.
+            buffered = io.BufferedWriter(stream, buffer_size=WRITE_BUFFER_BYTES)
+            yield buffered
+            buffered.flush()
         with self._lock:
             self._entries[name] = FileEntry(stream.crc.nbytes, stream.crc.hexdigest())
 
@@ -160,6 +176,48 @@ class ChecksummingWriter(_compat.FsspecWriter):
         errors = self._checksumming_fs.storage_errors
         return errors[0] if errors else None
 
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """DCP's layout (``single_file_per_rank``: one ``{prefix}{i}.distcp`` per writer
+        thread, items split by size) with each tensor written by
+        :func:`write_tensor_record`. Plans DCP's own writer handles specially (byte-IO
+        items, stream transforms) go to it unchanged."""
+        prefix = getattr(plan.storage_data, "prefix", None)
+        items = list(plan.items)
+        special = any(item.type == WriteItemType.BYTE_IO for item in items)
+        if prefix is None or special or tuple(getattr(self.transforms, "extensions", None) or ()):
+            return super().write_data(plan, planner)
+        # DCP logs two debug records per resolve_data call (~40 us a tensor); its
+        # undecorated method resolves the same data.
+        method = getattr(type(planner).resolve_data, "__wrapped__", None)
+        resolve = (lambda item: method(planner, item)) if method is not None else planner.resolve_data
+        buckets = _split_by_size(items, max(1, self.thread_count))
+        names = [f"{prefix}{i}.distcp" for i in range(len(buckets))]
+
+        def write(name: str, bucket: list[WriteItem]) -> list[WriteResult]:
+            results: list[WriteResult] = []
+            with self.fs.create_stream(posixpath.join(self.path, name), "wb") as stream:
+                for item in bucket:
+                    tensor = resolve(item)
+                    assert isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu"
+                    offset = stream.tell()
+                    write_tensor_record(cast(IO[bytes], stream), tensor.detach())
+                    length = stream.tell() - offset
+                    info = _compat.DcpStorageInfo(name, offset, length)
+                    results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
+            return results
+
+        done: Future[list[WriteResult]] = Future()
+        try:
+            if len(buckets) == 1:
+                done.set_result(write(names[0], buckets[0]))
+            else:
+                with ThreadPoolExecutor(len(buckets), thread_name_prefix="lp-write") as pool:
+                    parts = [pool.submit(write, n, b) for n, b in zip(names, buckets, strict=True)]
+                    done.set_result([r for part in parts for r in part.result()])
+        except BaseException as err:  # DCP gathers it from the Future and reports it per rank
+            done.set_exception(err)  # type: ignore[arg-type]  # torch's stub is too narrow
+        return done
+
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         version = _compat.dcp_format_version()
         if version is not None:  # torch >= 2.7 (as its own FileSystemWriter.finish does)
@@ -169,3 +227,26 @@ class ChecksummingWriter(_compat.FsspecWriter):
         with self.fs.create_stream(posixpath.join(self.path, DCP_METADATA_NAME), "wb") as f:
             pickle.dump(metadata, f)
 
+
+def _item_bytes(item: WriteItem) -> int:
+    data = item.tensor_data
+    if data is None:
+        return 0
+    numel = 1
+    for size in data.size:
+        numel *= size
+    return numel * data.properties.dtype.itemsize
+
+
+def _split_by_size(items: list[WriteItem], parts: int) -> list[list[WriteItem]]:
+    """``items`` in ``parts`` buckets of about equal bytes (largest first, each to the
+    lightest bucket), as DCP's writer splits them between its threads."""
+    if parts <= 1 or len(items) <= 1:
+        return [items]
+    buckets: list[list[WriteItem]] = [[] for _ in range(min(parts, len(items)))]
+    sizes = [0] * len(buckets)
+    for item in sorted(items, key=_item_bytes, reverse=True):
+        lightest = sizes.index(min(sizes))
+        buckets[lightest].append(item)
+        sizes[lightest] += _item_bytes(item)
+    return buckets

@@ -45,6 +45,7 @@ from lightning_preempt.format.skeleton import split_checkpoint
 from lightning_preempt.save.commit import SaveRequest, write_checkpoint
 from lightning_preempt.save.jobs import JobQueue
 from lightning_preempt.save.layout import ensure_exists, remove_local, write_file_atomic
+from lightning_preempt.save.planning import PlanCache
 from lightning_preempt.save.staging import HostStager
 from lightning_preempt.save.tiers import TwoTier
 from lightning_preempt.storage.store import Store
@@ -99,6 +100,8 @@ class Saver:
         self.thread_count = thread_count
         self.sharded_keys = sharded_keys
         self.stager = HostStager(pin_memory)
+        #: DCP plans reused while the staged state keeps its structure (save/planning.py)
+        self.plan_cache = PlanCache()
         self.jobs = JobQueue()
         self.history: list[SaveRecord] = []
         #: recorded in every manifest; retention never deletes another run's checkpoints
@@ -230,7 +233,9 @@ class Saver:
         try:
             # write_checkpoint clears an uncommitted leftover at the path (never mixing old
             # and new files) and replaces a committed checkpoint there (save/layout.py).
-            manifest = write_checkpoint(request, group=self.group, thread_count=self.thread_count)
+            manifest = write_checkpoint(
+                request, group=self.group, thread_count=self.thread_count, plan_cache=self.plan_cache
+            )
         except BaseException as err:
             record.error = err
             raise

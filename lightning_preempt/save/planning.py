@@ -1,0 +1,103 @@
+"""DCP save plans made once and reused while the state's structure is unchanged.
+
+DCP plans every save from scratch: one write item per tensor (``TensorProperties``
+asks each tensor whether it is pinned: ~40-80 us), then the coordinator's global plan
+(de-duplication, metadata, validation), ~0.1 ms per tensor in all. Our staged tensors
+are the stager's buffers, reused save after save, so the plans of consecutive saves are
+the same. :class:`CachingSavePlanner` is DCP's ``DefaultSavePlanner`` that reuses them:
+
+* the local plan when every tensor is a plain ``torch.Tensor`` and the same buffer as
+  last time (same key, storage address, dtype, shape, stride, ``requires_grad``): the
+  stager replaces a buffer whose shape changed, so any change of structure misses;
+  ``DTensor`` states are planned every time;
+* the global plan and metadata when the local plans it is given equal the last ones
+  (compared field by field, as gathered from every rank).
+
+DCP (2.6+) has its own ``enable_plan_caching``; it keys its process-wide cache on the
+planner's class name alone, so two savers in one process (a collective one and a
+single-process one) would share it. This cache lives in one :class:`PlanCache` per
+:class:`~lightning_preempt.save.saver.Saver`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan
+
+
+@dataclasses.dataclass
+class PlanCache:
+    """The last plans of one saver (see the module docstring). ``hits`` counts reuses."""
+
+    local_key: Any = None
+    local_plan: SavePlan | None = None
+    all_plans: list[SavePlan] | None = None
+    global_plans: list[SavePlan] | None = None
+    metadata: Metadata | None = None
+    hits: dict[str, int] = dataclasses.field(default_factory=lambda: {"local": 0, "global": 0})
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def __reduce__(self) -> tuple[type[PlanCache], tuple[()]]:
+        # A pickled or copied saver (ddp_spawn workers, deepcopy of a trainer) plans afresh:
+        # the plans name this process's buffers.
+        return (PlanCache, ())
+
+    def clear(self) -> None:
+        with self.lock:
+            self.local_key = self.local_plan = self.all_plans = self.global_plans = self.metadata = None
+
+
+def _structure_key(state_dict: dict[str, Any], is_coordinator: bool) -> Any:
+    """What the local plan depends on, or ``None`` when this state is not cached."""
+    parts: list[Any] = [is_coordinator]
+    for key, value in state_dict.items():
+        if type(value) is not torch.Tensor:  # DTensor, ShardedTensor, bytes: plan afresh
+            return None
+        parts.append(
+            (key, value.untyped_storage().data_ptr(), value.dtype, value.shape, value.stride(), value.requires_grad)
+        )
+    return tuple(parts)
+
+
+class CachingSavePlanner(DefaultSavePlanner):
+    """``DefaultSavePlanner`` reusing the plans in ``cache`` (see the module docstring)."""
+
+    def __init__(self, cache: PlanCache) -> None:
+        super().__init__()
+        self._plan_cache = cache
+
+    def create_local_plan(self) -> SavePlan:
+        cache = self._plan_cache
+        key = _structure_key(self.state_dict, self.is_coordinator)
+        with cache.lock:
+            if key is not None and key == cache.local_key and cache.local_plan is not None:
+                cache.hits["local"] += 1
+                self.plan = cache.local_plan
+                return self.plan
+        plan = super().create_local_plan()
+        with cache.lock:
+            cache.local_key, cache.local_plan = (key, plan) if key is not None else (None, None)
+        return plan
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        cache = self._plan_cache
+        with cache.lock:
+            hit = cache.all_plans is not None and cache.global_plans is not None and cache.metadata is not None
+            if hit and _same_plans(all_plans, cache.all_plans):  # type: ignore[arg-type]
+                cache.hits["global"] += 1
+                self.global_plan, self.metadata = cache.global_plans, cache.metadata  # type: ignore[assignment]
+                return list(self.global_plan), self.metadata
+        global_plans, metadata = super().create_global_plan(all_plans)
+        with cache.lock:
+            cache.all_plans, cache.global_plans, cache.metadata = list(all_plans), list(global_plans), metadata
+        return global_plans, metadata
+
+
+def _same_plans(a: list[SavePlan], b: list[SavePlan]) -> bool:
+    return len(a) == len(b) and all(x is y or x == y for x, y in zip(a, b, strict=True))

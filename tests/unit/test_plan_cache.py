@@ -1,0 +1,63 @@
+"""DCP save plans reused while the state's structure is unchanged, made afresh when it changes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from lightning_preempt.read.load import load_full_checkpoint
+from lightning_preempt.save.saver import Saver
+from lightning_preempt.storage.store import Store
+
+
+def _ckpt(step: int, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(step)
+    state = {key: torch.randn(shape, generator=gen) for key, shape in shapes.items()}
+    return {"state_dict": state, "optimizer_states": [], "global_step": step, "epoch": 0}
+
+
+def _check(url: str, ckpt: dict[str, Any]) -> None:
+    loaded = load_full_checkpoint(Store(url))
+    targets = {f"state_dict/{k}": torch.empty_like(v) for k, v in ckpt["state_dict"].items()}
+    dcp.load(targets, checkpoint_id=url, no_dist=True)
+    for key, tensor in ckpt["state_dict"].items():
+        assert torch.equal(loaded["state_dict"][key], tensor), key
+        assert torch.equal(targets[f"state_dict/{key}"], tensor), key
+    assert loaded["global_step"] == ckpt["global_step"]
+
+
+def test_plans_are_reused_until_the_structure_changes(tmp_path: Path) -> None:
+    saver = Saver({})
+    shapes = {f"w{i}": (4, 3) for i in range(50)}
+    saves = [
+        (1, shapes),
+        (2, shapes),  # same structure: both plans reused
+        (3, {**shapes, "w7": (5, 3)}),  # a shape changed: the stager's new buffer misses
+        (4, {**shapes, "w7": (5, 3), "extra": (2,)}),  # a tensor more: misses
+        (5, {**shapes, "w7": (5, 3), "extra": (2,)}),  # reused again
+    ]
+    hits = []
+    try:
+        for step, step_shapes in saves:
+            ckpt = _ckpt(step, step_shapes)
+            url = str(tmp_path / f"step{step}")
+            saver.save(ckpt, url, {}, wait=True)
+            hits.append(dict(saver.plan_cache.hits))
+            _check(url, ckpt)  # the values and shapes of *this* save, by our loader and by DCP's
+    finally:
+        saver.close()
+    assert [h["local"] for h in hits] == [0, 1, 1, 1, 2]
+    assert [h["global"] for h in hits] == [0, 1, 1, 1, 2]
+
+
+def test_a_copied_saver_starts_without_plans(tmp_path: Path) -> None:
+    import copy
+
+    saver = Saver({})
+    saver.save(_ckpt(1, {"a": (3,)}), str(tmp_path / "a"), {}, wait=True)
+    saver.close()
+    twin = copy.deepcopy(saver)
+    assert twin.plan_cache.local_plan is None and twin.plan_cache.hits == {"local": 0, "global": 0}
