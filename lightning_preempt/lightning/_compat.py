@@ -12,6 +12,7 @@ Checked with Lightning 2.5.0 (the floor) and 2.6.6 by tests/unit/test_exact_comp
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -45,23 +46,34 @@ def allow_with_disabled_checkpointing(callback_type: type) -> None:
     """
     if callback_type not in _ALLOWED:
         _ALLOWED.append(callback_type)
+
+    def wrap(original: Callable[..., None]) -> Callable[..., None]:
+        def configure(self: Any, enable_checkpointing: bool, *args: Any, **kwargs: Any) -> None:
+            checkpoints = self.trainer.checkpoint_callbacks
+            if not enable_checkpointing and checkpoints and all(isinstance(cb, tuple(_ALLOWED)) for cb in checkpoints):
+                enable_checkpointing = True  # with checkpoint callbacks given, Lightning adds none
+            original(self, enable_checkpointing, *args, **kwargs)
+
+        return configure
+
+    _wrap_once("lightning.pytorch.trainer.connectors.callback_connector", "_CallbackConnector",
+               "_configure_checkpoint_callbacks", wrap)  # fmt: skip
+
+
+def _wrap_once(module: str, cls_name: str, method: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace ``module.cls_name.method`` by ``wrap(original)``, once per process (a second call
+    finds the mark); nothing when Lightning moved or renamed it (the caller's docstring says
+    what is lost then)."""
     try:
-        from lightning.pytorch.trainer.connectors.callback_connector import _CallbackConnector
-    except ImportError:  # pragma: no cover - moved in a newer Lightning
+        cls = getattr(importlib.import_module(module), cls_name)
+    except (ImportError, AttributeError):  # pragma: no cover - moved in a newer Lightning
         return
-    original = getattr(_CallbackConnector, "_configure_checkpoint_callbacks", None)
+    original = getattr(cls, method, None)
     if original is None or getattr(original, "_lightning_preempt", False):
         return
-
-    @functools.wraps(original)
-    def configure(self: Any, enable_checkpointing: bool, *args: Any, **kwargs: Any) -> None:
-        checkpoints = self.trainer.checkpoint_callbacks
-        if not enable_checkpointing and checkpoints and all(isinstance(cb, tuple(_ALLOWED)) for cb in checkpoints):
-            enable_checkpointing = True  # with checkpoint callbacks given, Lightning adds none
-        original(self, enable_checkpointing, *args, **kwargs)
-
-    configure._lightning_preempt = True  # type: ignore[attr-defined]
-    _CallbackConnector._configure_checkpoint_callbacks = configure  # type: ignore[method-assign]
+    wrapped = functools.wraps(original)(wrap(original))
+    wrapped._lightning_preempt = True  # type: ignore[attr-defined]
+    setattr(cls, method, wrapped)
 
 
 # ---- fit()'s checkpoint path (the auto-resume route, docs/design.md) ---------------------
@@ -78,27 +90,22 @@ def quiet_ckpt_path_choice(callback_type: type, quiet: Callable[[], AbstractCont
     """
     if all(t is not callback_type for t, _ in _QUIET_CHOICE):
         _QUIET_CHOICE.append((callback_type, quiet))
-    try:
-        from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
-    except ImportError:  # pragma: no cover - moved in a newer Lightning
-        return
-    original = getattr(_CheckpointConnector, "_parse_ckpt_path", None)
-    if original is None or getattr(original, "_lightning_preempt", False):
-        return
 
-    @functools.wraps(original)
-    def parse(self: Any, *args: Any, **kwargs: Any) -> Any:
-        trainer = self.trainer
-        fitting = getattr(trainer.state, "fn", None) == "fit"  # TrainerFn is a str enum
-        callbacks = list(getattr(trainer, "callbacks", []))
-        for callback_type, quiet in _QUIET_CHOICE:
-            if fitting and any(isinstance(cb, callback_type) for cb in callbacks):
-                with quiet():
-                    return original(self, *args, **kwargs)
-        return original(self, *args, **kwargs)
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+        def parse(self: Any, *args: Any, **kwargs: Any) -> Any:
+            trainer = self.trainer
+            fitting = getattr(trainer.state, "fn", None) == "fit"  # TrainerFn is a str enum
+            callbacks = list(getattr(trainer, "callbacks", []))
+            for callback_type, quiet in _QUIET_CHOICE:
+                if fitting and any(isinstance(cb, callback_type) for cb in callbacks):
+                    with quiet():
+                        return original(self, *args, **kwargs)
+            return original(self, *args, **kwargs)
 
-    parse._lightning_preempt = True  # type: ignore[attr-defined]
-    _CheckpointConnector._parse_ckpt_path = parse  # type: ignore[method-assign]
+        return parse
+
+    _wrap_once("lightning.pytorch.trainer.connectors.checkpoint_connector", "_CheckpointConnector",
+               "_parse_ckpt_path", wrap)  # fmt: skip
 
 
 # ---- the training loop's data (exact resume, lightning/exact.py) --------------------------
