@@ -121,6 +121,14 @@ class Job:
                 raise AssertionError(f"run {run} of job {self.id} did not reach +{steps} steps:\n{self.text()}")
             time.sleep(0.2)
 
+    def wait_text(self, text: str) -> None:
+        """Until the job's log holds ``text``."""
+        deadline = time.monotonic() + WAIT_S
+        while text not in self.text():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"job {self.id}'s log never showed {text!r}:\n{self.text()}")
+            time.sleep(0.2)
+
     def final(self) -> dict[str, str]:
         # Wait for an end state: transient ones are many (SIGNALING while a preemption's
         # signal is delivered, REQUEUED, COMPLETING, CONFIGURING…) and a poll can land on any.
@@ -228,7 +236,8 @@ def test_scancel_ends_the_job_for_good(slurm_cluster, tmp_path: Path) -> None:  
     job.wait_step(0, 8)
     slurm_cluster.run("scancel", job.id)
     job.final()
-    time.sleep(8)  # a requeue would show by now (the test cluster's hold is 5 s)
+    # The run logs this in place of its requeue, as its last act: once it is there, no requeue follows.
+    job.wait_text(f"SLURM job {job.id} is COMPLETING before its time limit (scancel;")
     fields = slurm_cluster.job(job.id)
     text = job.text()
     assert fields["JobState"] == "CANCELLED" and fields["Restarts"] == "0", f"{fields}\n{text}"

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from fake_metadata import AWS_ACTION, AWS_REBALANCE, AWS_TOKEN, AZURE_EVENTS, FakeMetadata, refused_url
+from log_records import package_records
 
 from lightning_preempt.preemption.notices import (
     AutoSource,
@@ -46,16 +47,8 @@ def fake() -> Iterator[FakeMetadata]:
 @pytest.fixture
 def records() -> Iterator[list[logging.LogRecord]]:
     """Every record of our package logger at INFO and above, whatever the logging set-up."""
-    got: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.DEBUG)
-    handler.emit = got.append  # type: ignore[method-assign]
-    logger = logging.getLogger("lightning_preempt")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    yield got
-    logger.removeHandler(handler)
-    logger.setLevel(level)
+    with package_records(logging.INFO) as got:
+        yield got
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from fake_metadata import AWS_ACTION, AWS_TOKEN, AZURE_EVENTS, FakeMetadata
+from log_records import package_records
 
 from lightning_preempt._text import untrusted_text
 from lightning_preempt.preemption.notices import AWSSpotSource, AzureSource
@@ -38,16 +39,8 @@ def wait_until(pred: Callable[[], Any], timeout: float = 20.0, what: str = "cond
 @pytest.fixture
 def records() -> Iterator[list[logging.LogRecord]]:
     """Every record of our package logger at DEBUG and above, whatever the logging set-up."""
-    got: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.DEBUG)
-    handler.emit = got.append  # type: ignore[method-assign]
-    logger = logging.getLogger("lightning_preempt")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    yield got
-    logger.removeHandler(handler)
-    logger.setLevel(level)
+    with package_records(logging.DEBUG) as got:
+        yield got
 
 
 @pytest.fixture
