@@ -23,7 +23,7 @@ from lightning_preempt.save.saver import Saver
 from lightning_preempt.storage.store import Store
 
 MIB = 1 << 20
-SUPPORT = Path(__file__).resolve().parent.parent / "support"
+ROOT = Path(__file__).resolve().parent.parent.parent
 
 
 def _mib(n: float, device: str = "cpu") -> torch.Tensor:
@@ -107,9 +107,9 @@ def test_the_plugin_takes_the_budget_options() -> None:
 
 def test_a_state_twice_the_budget_stays_under_it_in_rss_and_resumes_exactly(tmp_path: Path) -> None:
     """The issue's budget test: measured by the stager and by the process's peak RSS."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SUPPORT.parent.parent), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run(
-        [sys.executable, str(SUPPORT / "budget_rss.py"), str(tmp_path), "--state-mib", "32", "--budget-mib", "16"],
+        [sys.executable, str(ROOT / "benchmarks" / "budget_rss.py"), str(tmp_path), "--state-mib", "32", "--budget-mib", "16"],
         capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]

@@ -1,16 +1,17 @@
-"""Peak host memory of one save, measured in a fresh process (the budget test and benchmark).
+"""Peak host memory of saves, measured in a fresh process (tests/unit/test_host_budget.py and
+bench_save.py's host-memory section).
 
-``python budget_rss.py OUT_DIR --state-mib 32 --budget-mib 16 [--tensors 8] [--device cpu]``
-saves a state of ``--state-mib`` MiB (``--tensors`` equal float32 tensors plus an AdamW-like
-optimizer state is not needed: the budget sees only bytes) under ``host_memory_budget`` =
-``--budget-mib`` MiB (0: no budget given, i.e. the default), changes the live state as
-training would once the save returned, waits for the commit, loads the checkpoint back and
-prints one JSON line:
+``python budget_rss.py OUT_DIR --state-mib 32 --budget-mib 16 [--tensors 8] [--repeats 1]``
+saves a state of ``--state-mib`` MiB in ``--tensors`` equal float32 tensors (the budget sees
+only bytes) under ``host_memory_budget`` = ``--budget-mib`` MiB (0: none given, i.e. the
+default), ``--repeats`` times, each time changing the live state as training would once the
+save returned and waiting for the commit; then loads the last checkpoint back and prints one
+JSON line:
 
 * ``peak_growth``: the process's peak RSS (``VmHWM``, reset through ``/proc/self/clear_refs``
   just before the save) minus its RSS then: every byte the save allocated, staging or not;
 * ``stager_peak``: the stager's own accounting (buffers and chunk held at once);
-* ``resident``/``streamed``: the budget's split; ``blocking_s``: the save's blocking time;
+* ``resident``/``streamed``: the budget's split; ``blocking_s``: the saves' blocking times;
 * ``exact``: the loaded tensors and step equal the state at the save, bit for bit.
 
 A warm-up save of one tensor of the same shape comes first (module imports, the writer
@@ -52,6 +53,7 @@ def main() -> None:
     parser.add_argument("--state-mib", type=int, default=32)
     parser.add_argument("--budget-mib", type=int, default=16)
     parser.add_argument("--tensors", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     numel = args.state_mib * MIB // 4 // args.tensors
@@ -67,24 +69,29 @@ def main() -> None:
     del warm
 
     saver = Saver({}, host_memory_budget=budget)
-    url = os.path.join(args.out, "ckpt")
-    expected = {k: v.detach().cpu().clone() for k, v in state.items()}
+    blocking_s = []
+    expected = {k: v.detach().cpu().clone() for k, v in state.items()}  # the state the last save sees,
+    for tensor in expected.values():  # made by the same float ops before the measurement
+        for _ in range(args.repeats - 1):
+            tensor.add_(1.0)
     _reset_peak()
     before = _status("VmRSS")
-    started = time.perf_counter()
-    saver.save({"global_step": 7, "epoch": 1, "state_dict": state}, url, {})
-    blocking_s = time.perf_counter() - started
-    with torch.no_grad():
-        for tensor in state.values():  # training moves on as soon as the save returns
-            tensor.add_(1.0)
-    saver.wait()
+    for step in range(1, args.repeats + 1):
+        url = os.path.join(args.out, f"ckpt{step}")
+        started = time.perf_counter()
+        saver.save({"global_step": step, "epoch": 1, "state_dict": state}, url, {})
+        blocking_s.append(time.perf_counter() - started)
+        with torch.no_grad():
+            for tensor in state.values():  # training moves on as soon as the save returns
+                tensor.add_(1.0)
+        saver.wait()
     peak_growth = _status("VmHWM") - before
     plan = saver.budget.last_split
     assert plan is not None
     stager_peak = saver.stager.peak_bytes
     saver.close()
     loaded = load_full_checkpoint(Store(url))
-    exact = loaded["global_step"] == 7 and all(
+    exact = loaded["global_step"] == args.repeats and all(
         torch.equal(loaded["state_dict"][k], v) for k, v in expected.items()
     )
     print(json.dumps({
