@@ -119,6 +119,12 @@ def resolve(host: int | float | None, pinned: int | float | None, *, held_bytes:
     return Budget(host_bytes, pinned_bytes)
 
 
+def host_cost(nbytes: int, pinned: bool) -> int:
+    """Host bytes a buffer of ``nbytes`` takes: torch's pinned (caching host) allocator rounds
+    every block up to a power of two, and the budget counts what the host gives up."""
+    return 1 << max(nbytes - 1, 0).bit_length() if pinned and nbytes > 0 else nbytes
+
+
 def nbytes(tensor: torch.Tensor) -> int:
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
     return local.numel() * local.element_size()
@@ -146,41 +152,43 @@ def split(tensors: dict[str, torch.Tensor], budget: Budget, *, pin: bool) -> Spl
     """Resident tensors smallest first while they and the chunk fit (see the module docstring)."""
     sizes = {key: nbytes(t) for key, t in tensors.items()}
     total = sum(sizes.values())
+    # what each buffer costs the host (pinned ones are rounded up); conservative: as if pinned
+    costs = {key: host_cost(size, pin) for key, size in sizes.items()}
     limit = budget.host_bytes
-    if limit is None or total <= limit:
+    if limit is None or sum(costs.values()) <= limit:
         keys = list(tensors)
-        return Split(keys, _pinned(keys, sizes, budget, pin), [], 0, total, total)
+        return Split(keys, _pinned(keys, costs, budget, pin), [], 0, total, total)
     on_device = [key for key, t in tensors.items() if _device_type(t) != "cpu"]
     # The chunk holds the largest streamed device tensor; reserved first, as any of the
     # largest ones may end up streamed. A tensor larger than the whole budget still needs it.
-    chunk = max((sizes[k] for k in on_device), default=0)
+    chunk = max((costs[k] for k in on_device), default=0)
     resident: list[str] = []
     used = 0
     for key in sorted(tensors, key=lambda k: sizes[k]):
-        if used + sizes[key] + chunk > limit:
+        if used + costs[key] + chunk > limit:
             break
         resident.append(key)
-        used += sizes[key]
+        used += costs[key]
     chosen = set(resident)
     streamed = [key for key in tensors if key not in chosen]
     chunk = max((sizes[k] for k in streamed if k in on_device), default=0)
     ordered = [key for key in tensors if key in chosen]
-    pinned = _pinned(ordered, sizes, budget, pin)
-    room = None if budget.pinned_bytes is None else budget.pinned_bytes - sum(sizes[k] for k in pinned)
-    chunk_pinned = pin and chunk > 0 and (room is None or chunk <= room)
-    return Split(ordered, pinned, streamed, chunk, total, used, chunk_pinned)
+    pinned = _pinned(ordered, costs, budget, pin)
+    room = None if budget.pinned_bytes is None else budget.pinned_bytes - sum(costs[k] for k in pinned)
+    chunk_pinned = pin and chunk > 0 and (room is None or host_cost(chunk, True) <= room)
+    return Split(ordered, pinned, streamed, chunk, total, sum(sizes[k] for k in ordered), chunk_pinned)
 
 
-def _pinned(keys: list[str], sizes: dict[str, int], budget: Budget, pin: bool) -> set[str]:
+def _pinned(keys: list[str], costs: dict[str, int], budget: Budget, pin: bool) -> set[str]:
     if not pin:
         return set()
     cap = budget.pinned_bytes
     out: set[str] = set()
     used = 0
     for key in keys:
-        if cap is None or used + sizes[key] <= cap:
+        if cap is None or used + costs[key] <= cap:
             out.add(key)
-            used += sizes[key]
+            used += costs[key]
     return out
 
 
@@ -250,14 +258,14 @@ class ChunkBuffer:
         with self._lock:
             if self._buffer is not None:
                 self._buffer = None
-                self._account(-self.nbytes)
+                self._account(-host_cost(self.nbytes, self.pinned))
 
     @contextmanager
     def holding(self, tensor: torch.Tensor) -> Iterator[torch.Tensor]:
         with self._lock:
             if self._buffer is None:
                 self._buffer = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self.pinned)
-                self._account(self.nbytes)
+                self._account(host_cost(self.nbytes, self.pinned))
             size = tensor.numel() * tensor.element_size()
             host = self._buffer[:size].view(tensor.dtype).view(tensor.shape)
             host.copy_(tensor.detach(), non_blocking=self.pinned)

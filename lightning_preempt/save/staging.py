@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from lightning_preempt.save.budget import host_cost
+
 log = logging.getLogger(__name__)
 
 
@@ -111,7 +113,7 @@ class HostStager:
                 self._pinned.add(key)
             buf.zero_()  # touch every page now, not inside the first (emergency) save
             self._buffers[key] = buf
-            self.account(_nbytes(buf))
+            self.account(host_cost(_nbytes(buf), pin))
             added += _nbytes(buf)
         self.allocated_bytes += added
         return added
@@ -121,9 +123,10 @@ class HostStager:
 
     def _drop(self, key: str) -> None:
         buf = self._buffers.pop(key, None)
+        pinned = key in self._pinned
         self._pinned.discard(key)
         if buf is not None:
-            self.account(-_nbytes(buf))
+            self.account(-host_cost(_nbytes(buf), pinned))
 
     def _wait_prepared(self) -> None:
         prep, self._prep = self._prep, None
@@ -170,7 +173,7 @@ class HostStager:
                 self._pinned.add(key)
             self._buffers[key] = buf
             self.allocated_bytes += _nbytes(buf)
-            self.account(_nbytes(buf))
+            self.account(host_cost(_nbytes(buf), pin))
         return buf
 
     def release(self) -> None:
