@@ -317,19 +317,28 @@ class StagingBudget:
             self._chunk = ChunkBuffer(plan.chunk_bytes, plan.chunk_pinned, stager.account)
         return Streamed(plan.streamed, self._chunk)
 
-    def warn_once(self, plan: Split, blocked_s: float) -> None:
-        """One warning per process: how much was streamed, what it cost, what to do."""
+    def warn_once(self, plan: Split, blocked_s: float, staged_s: float) -> None:
+        """One warning per process: how much was streamed, what it cost (``blocked_s``, against
+        ``staged_s`` scaled from the staged part to the whole share), what to do."""
         if self._warned or not plan.streamed:
             return
         self._warned = True
         budget = self.budget.host_bytes if self.budget is not None else None
+        chunk = ""
+        if plan.chunk_bytes:
+            chunk = f" (device tensors through a {plan.chunk_bytes / 2**20:.1f} MiB host chunk"
+            past = plan.resident_bytes + host_cost(plan.chunk_bytes, plan.chunk_pinned) > (budget or 0)
+            chunk += ", which alone exceeds the budget: the largest tensor is larger)" if past else ")"
+        fit_s = staged_s * plan.total_bytes / max(plan.resident_bytes, 1) if plan.resident_bytes else None
+        instead = f"{fit_s:.3f}s" if fit_s is not None else "the copy alone"
         log.warning(
             "lightning_preempt: this rank's share of the checkpoint (%.1f MiB) exceeds host_memory_budget "
-            "(%.1f MiB): %.1f MiB were staged and %.1f MiB written straight from the training state, so the save "
-            "blocked training %.3fs, until those were written (a save that fits returns after the copy). "
+            "(%.1f MiB): %.1f MiB were staged and %.1f MiB written straight from the training state%s, so the "
+            "save blocked training %.3fs instead of about %s, until those were written (a save that fits returns "
+            "after the copy). "
             "The budget keeps staging from running the host out of memory.\nHINT: raise host_memory_budget "
             "(and pinned_memory_budget) if the node has the memory, or save fewer bytes per rank (shard "
             "the state over more ranks).",
             plan.total_bytes / 2**20, (budget or 0) / 2**20, plan.resident_bytes / 2**20, plan.streamed_bytes / 2**20,
-            blocked_s,
+            chunk, blocked_s, instead,
         )  # fmt: skip

@@ -205,7 +205,9 @@ class Saver:
         buffer = io.BytesIO()
         torch.save(skeleton, buffer)  # freezes the non-tensor state now
         plan = self.budget.split(tensors, self.stager)
+        staging_started = time.perf_counter()
         staged = self.stager.stage({key: tensors[key] for key in plan.resident}, pinned=plan.pinned)
+        staged_s = time.perf_counter() - staging_started
         streamed = self.budget.streamed(plan, self.stager)
         if streamed is not None:  # the rest is written from the training state, in the same order
             staged = {key: staged[key] if key in staged else tensors[key].detach() for key in tensors}
@@ -233,7 +235,7 @@ class Saver:
             self._pending.add_done_callback(lambda _: streamed.release())
             streamed.wait()
             record.blocking_s = request.stats["blocking_s"] = time.perf_counter() - started
-            self.budget.warn_once(plan, record.blocking_s)
+            self.budget.warn_once(plan, record.blocking_s, staged_s)
         if wait:
             self._wait_pending()
 
