@@ -79,14 +79,15 @@ def mem_available(meminfo: str = "/proc/meminfo") -> int | None:
 
 
 def local_ranks() -> int:
-    """The processes of this job on this node (torchrun's ``LOCAL_WORLD_SIZE``, SLURM's
-    ``SLURM_NTASKS_PER_NODE``; 1 when neither says)."""
+    """The processes of this job on this node: torchrun's ``LOCAL_WORLD_SIZE``, SLURM's
+    ``SLURM_NTASKS_PER_NODE``; else one per visible GPU (Lightning's own launcher sets
+    neither; one rank per GPU is the usual layout); else 1."""
     for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
         try:
             return max(1, int(os.environ.get(var, "").split("(")[0]))
         except ValueError:
             continue
-    return 1
+    return max(1, torch.cuda.device_count()) if torch.cuda.is_available() else 1
 
 
 @dataclasses.dataclass(frozen=True)
