@@ -109,8 +109,10 @@ def test_the_plugin_takes_the_budget_options() -> None:
     assert (io.saver.budget.host_option, io.saver.budget.pinned_option) == (0.25, 64 * MIB)
 
 
+@pytest.mark.slow  # a fresh process (peak RSS is per process): ~4 s of imports, 14 s on a loaded CI box
 def test_a_state_twice_the_budget_stays_under_it_in_rss_and_resumes_exactly(tmp_path: Path) -> None:
-    """The issue's budget test: measured by the stager and by the process's peak RSS."""
+    """The issue's budget test, measured by the stager and by the process's peak RSS (the
+    stager's own accounting runs in every CI run: the test above)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "budget_rss.py"), str(tmp_path), "--state-mib", "32", "--budget-mib", "16"],
