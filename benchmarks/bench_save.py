@@ -16,6 +16,8 @@ adds DDP saves on that many gloo ranks (every rank saves its share, as under
     python benchmarks/bench_save.py            # ~1 GiB, ~3 min
     python benchmarks/bench_save.py --size-mib 256 --tensors 24,400,4000 --ranks 2,4  # the curve
     python benchmarks/bench_save.py --quick    # 128 MiB smoke run
+    python benchmarks/bench_save.py --host-budget   # peak RSS under host_memory_budget (bench_host_budget.py)
+    python benchmarks/bench_save.py --device cuda --size-mib 4096  # the GPU table (bench_device.py)
 """
 
 from __future__ import annotations
@@ -464,9 +466,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", default="", help=f"comma-separated subset of {','.join(METHODS)}")
     p.add_argument("--ours-threads", type=int, default=None, help="thread_count for ours (default: the plugin's)")
     p.add_argument("-v", "--verbose", action="store_true", help="print every round to stderr")
+    p.add_argument("--device", default=None, help="cuda (or cpu, a dry run): the device table instead (bench_device.py)")
+    p.add_argument("--host-budget", action="store_true", help="the host-memory budget section instead")
     args = p.parse_args(argv)
     if args.quick:
         args.size_mib, args.tensors = 128, "16"
+    if args.device is not None or args.host_budget:
+        from bench_device import run_device
+        from bench_host_budget import run_budget
+
+        sections = [run_device(args)] if args.device is not None else []
+        print("\n\n".join([*sections, *([run_budget(args)] if args.host_budget else [])]))
+        return 0
     print(run(args))
     return 0
 
