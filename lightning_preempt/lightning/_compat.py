@@ -190,3 +190,19 @@ def restore_late(trainer: Any, path: str) -> None:
             hint="Restart the job: it then resumes from that checkpoint.",
         )
     resume_start(path)
+
+
+# ---- Fabric: fabric.save through our plugin on every rank (lightning/fabric_routing.py) ----
+def route_fabric_saves(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Wrap Fabric's base ``Strategy.save_checkpoint`` once per process (public method, so
+    this only names the class's module). Missing: rank 0 writes alone, as Lightning does."""
+    _wrap_once("lightning.fabric.strategies.strategy", "Strategy", "save_checkpoint", wrap)
+
+
+def convert_fabric_state(strategy: Any, state: dict[str, Any], filter: dict[str, Any]) -> dict[str, Any]:
+    """Fabric's own conversion of modules, optimizers and ``_Stateful`` objects in a
+    ``fabric.save`` state into state dicts, with its ``filter`` applied.
+
+    Private: ``Strategy._convert_stateful_objects_in_state`` (Lightning 2.5-2.6).
+    """
+    return strategy._convert_stateful_objects_in_state(state, filter=filter)  # type: ignore[no-any-return]
