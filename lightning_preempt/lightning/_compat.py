@@ -206,3 +206,16 @@ def convert_fabric_state(strategy: Any, state: dict[str, Any], filter: dict[str,
     Private: ``Strategy._convert_stateful_objects_in_state`` (Lightning 2.5-2.6).
     """
     return strategy._convert_stateful_objects_in_state(state, filter=filter)  # type: ignore[no-any-return]
+
+
+def fabric_loader_parts(loader: Any) -> tuple[Any, Any]:
+    """``(the DataLoader, the device its batches go to or None)`` of a loader given to a
+    Fabric loop: Fabric's ``setup_dataloaders`` wrapper, or a plain loader (no device).
+
+    Private: ``_FabricDataLoader._dataloader`` (Lightning 2.5-2.6; ``device`` is public).
+    Missing: the wrapper itself is iterated, and its data position cannot be resumed.
+    """
+    inner = getattr(loader, "_dataloader", None)
+    if inner is None:
+        return loader, None
+    return inner, getattr(loader, "device", None)
