@@ -88,6 +88,11 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
                              trust_checkpoints=config.trust_checkpoints)  # fmt: skip
         _compat.route_fabric_saves(wrap_save)  # fabric.save reaches save_fabric_state on every rank
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A spawned worker (ddp_spawn) unpickles the plugin in a fresh interpreter: route there too.
+        self.__dict__.update(state)
+        _compat.route_fabric_saves(wrap_save)
+
     # ---- CheckpointIO ------------------------------------------------------------------
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
