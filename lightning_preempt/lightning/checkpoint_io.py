@@ -15,9 +15,9 @@ from typing_extensions import override
 from lightning_preempt.catalog.loader import Loader
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.engine.config import CheckpointIOConfig, from_arguments
+from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.lightning import _compat
 from lightning_preempt.lightning.fabric_routing import wrap_save
-from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.save.saver import Saver, SaveRecord
 from lightning_preempt.save.tiers import TwoTier
 

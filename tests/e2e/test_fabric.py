@@ -31,6 +31,7 @@ STEPS = 24  # 2 epochs of 12 batches per rank (fabric_script.py's data)
 def _run(tmp: Path, *extra: str, devices: int = 2, expect: int = 0, status: str = "st") -> list[dict[str, Any]]:
     """One run of fabric_script.py; returns each rank's result (``{}`` when preempted)."""
     st = tmp / status
+    st.mkdir(parents=True, exist_ok=True)
     for f in st.glob("rank*"):
         f.unlink()
     args = ["--dirpath", str(tmp / "ck"), "--status", str(st), "--devices", str(devices), *extra]

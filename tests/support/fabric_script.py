@@ -19,31 +19,13 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from lightning_preempt import ShardedAsyncCheckpointIO
 from lightning_preempt.fabric import Preemption
 
-
-class TinyGPT(torch.nn.Module):
-    def __init__(self, vocab: int = 64, dim: int = 32, context: int = 16) -> None:
-        super().__init__()
-        self.tok = torch.nn.Embedding(vocab, dim)
-        self.pos = torch.nn.Parameter(torch.zeros(context, dim))
-        layer = torch.nn.TransformerEncoderLayer(dim, 2, 2 * dim, dropout=0.1, batch_first=True)
-        self.blocks = torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
-        self.head = torch.nn.Linear(dim, vocab)
-        self.register_buffer("mask", torch.nn.Transformer.generate_square_subsequent_mask(context), persistent=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos[: idx.shape[1]]
-        return self.head(self.blocks(x, mask=self.mask[: idx.shape[1], : idx.shape[1]], is_causal=True))
-
-
-def tokens(n: int = 96, context: int = 16, vocab: int = 64) -> TensorDataset:
-    g = torch.Generator().manual_seed(0)
-    data = torch.randint(0, vocab, (n, context + 1), generator=g)
-    return TensorDataset(data[:, :-1], data[:, 1:])
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+from fabric_train import TinyGPT, synthetic_tokens
 
 
 def digest(model: torch.nn.Module) -> str:
@@ -78,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         model = TinyGPT()
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         model, optimizer = fabric.setup(model, optimizer)
-        loader = fabric.setup_dataloaders(DataLoader(tokens(), batch_size=4, shuffle=True))
+        loader = fabric.setup_dataloaders(DataLoader(synthetic_tokens(), batch_size=4, shuffle=True))
         preempt = Preemption(fabric, dirpath=args.dirpath, every_n_train_steps=args.every, grace_period_s=60,
                              lease_timeout_s=5)  # fmt: skip
         state = {"model": model, "optimizer": optimizer, "step": 0, "loader": loader}
