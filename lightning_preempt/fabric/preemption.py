@@ -22,12 +22,13 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.fabric.strategies import Strategy
+from lightning.fabric.strategies import ModelParallelStrategy, Strategy
 from torch.utils.data import DataLoader
 
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.engine.config import PreemptionConfig, from_arguments
 from lightning_preempt.engine.engine import Engine
+from lightning_preempt.fabric import model_parallel
 from lightning_preempt.fabric.data import LoopData
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.preemption.sources import PreemptionSource
@@ -251,13 +252,21 @@ def _is_loader(value: Any) -> bool:
 
 def _ensure_plugin(strategy: Strategy, storage_options: dict[str, Any], local_dirpath: str | None) -> ShardedAsyncCheckpointIO:
     """The strategy's :class:`ShardedAsyncCheckpointIO`; installed when it has Lightning's
-    default ``CheckpointIO``. Another plugin is refused with a HINT."""
+    default ``CheckpointIO``. Another plugin is refused with a HINT. ``ModelParallelStrategy``
+    takes no plugin: it gets one of its own, routed by fabric/model_parallel.py."""
+    if isinstance(strategy, ModelParallelStrategy):
+        owned = getattr(strategy, "_lightning_preempt_io", None)
+        if owned is None:
+            owned = ShardedAsyncCheckpointIO(storage_options=storage_options, local_dirpath=local_dirpath)
+            model_parallel.install(strategy, owned)
+            strategy._lightning_preempt_io = owned  # type: ignore[attr-defined]
+        return owned  # type: ignore[no-any-return]
     if type(strategy).save_checkpoint is not Strategy.save_checkpoint:
         # FSDP, ModelParallel, DeepSpeed, XLA write with their own code: no manifest, no commit
         raise TypeError(
             f"Preemption does not support Fabric's {type(strategy).__name__}: it saves checkpoints with its own "
             "code, which no manifest commits\nHINT: use strategy='ddp' (or 'ddp_spawn', 'ddp_fork', "
-            "'ddp_notebook', a single device); see docs/fabric.md."
+            "'ddp_notebook', a single device) or ModelParallelStrategy; see docs/fabric.md."
         )
     io = strategy.checkpoint_io
     if isinstance(io, ShardedAsyncCheckpointIO):

@@ -113,3 +113,17 @@ def test_the_last_save_of_a_launched_worker_is_committed(tmp_path: Path, strateg
 
     loaded = ShardedAsyncCheckpointIO().load_checkpoint(str(path))
     assert loaded["model"]["weight"].shape == (512, 512) and loaded["input_shape"].numel() == 3072
+
+
+def test_model_parallel_fsdp2_on_cpu_preempts_resumes_and_ends_bit_identical(tmp_path: Path) -> None:
+    """Fabric's ModelParallelStrategy (fully_shard over 2 gloo ranks) takes no CheckpointIO
+    plugin: Preemption routes its saves and loads (fabric/model_parallel.py). Fabric's
+    FSDPStrategy refuses CPU ("FSDP is only available on GPU")."""
+    mp = ("--strategy", "model_parallel")
+    [expected, _] = _run(tmp_path / "straight", *mp)
+    _run(tmp_path, *mp, "--signal-at", "9", "--signal-rank", "1", expect=143)
+    newest = newest_valid(str(tmp_path / "ck"))
+    assert newest is not None and newest.world_size == 2 and newest.step >= 9
+    for r in _run(tmp_path, *mp):
+        assert r["start_step"] == newest.step and r["restored"] == "mid-epoch"
+        assert r["weights"] == expected["weights"] and r["step"] == STEPS

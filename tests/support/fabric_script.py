@@ -16,9 +16,12 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
+from lightning.fabric.strategies import ModelParallelStrategy
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from lightning_preempt import ShardedAsyncCheckpointIO
@@ -28,9 +31,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from fabric_train import TinyGPT, synthetic_tokens
 
 
+def shard(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model, mesh=mesh["data_parallel"])
+    return model
+
+
 def digest(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for t in model.state_dict().values():
+        t = t.full_tensor() if isinstance(t, DTensor) else t  # collective: every rank digests
         h.update(t.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
@@ -49,8 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     status = Path(args.status)
     status.mkdir(parents=True, exist_ok=True)
-    fabric = L.Fabric(accelerator="cpu", devices=args.devices, strategy=args.strategy,
-                      plugins=[ShardedAsyncCheckpointIO()])  # fmt: skip
+    model_parallel = args.strategy == "model_parallel"
+    if model_parallel:  # FSDP2 (fully_shard) over the data-parallel ranks; takes no CheckpointIO plugin
+        strategy: Any = ModelParallelStrategy(parallelize_fn=shard, data_parallel_size=args.devices,
+                                              tensor_parallel_size=1)  # fmt: skip
+        fabric = L.Fabric(accelerator="cpu", devices=args.devices, strategy=strategy)
+    else:
+        fabric = L.Fabric(accelerator="cpu", devices=args.devices, strategy=args.strategy,
+                          plugins=[ShardedAsyncCheckpointIO()])  # fmt: skip
     fabric.launch()
     rank = fabric.global_rank
     (status / f"rank{rank}.pid").write_text(str(os.getpid()))
@@ -59,7 +76,11 @@ def main(argv: list[str] | None = None) -> int:
         fabric.seed_everything(1234)
         model = TinyGPT()
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        model, optimizer = fabric.setup(model, optimizer)
+        if model_parallel:
+            model = fabric.setup_module(model)
+            optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3))
+        else:
+            model, optimizer = fabric.setup(model, optimizer)
         loader = fabric.setup_dataloaders(DataLoader(synthetic_tokens(), batch_size=4, shuffle=True))
         preempt = Preemption(fabric, dirpath=args.dirpath, every_n_train_steps=args.every, grace_period_s=60,
                              lease_timeout_s=5)  # fmt: skip
