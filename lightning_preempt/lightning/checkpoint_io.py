@@ -16,6 +16,8 @@ from lightning_preempt.catalog.loader import Loader
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.engine.config import CheckpointIOConfig, from_arguments
 from lightning_preempt.format.manifest import Manifest
+from lightning_preempt.lightning import _compat
+from lightning_preempt.lightning.fabric_routing import wrap_save
 from lightning_preempt.save.saver import Saver, SaveRecord
 from lightning_preempt.save.tiers import TwoTier
 
@@ -92,6 +94,12 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
                                       retries=config.drain_retries, backoff_s=config.drain_backoff_s)  # fmt: skip
         self.loader = Loader(config.storage_options, verify_on_load=config.verify_on_load,
                              trust_checkpoints=config.trust_checkpoints)  # fmt: skip
+        _compat.route_fabric_saves(wrap_save)  # fabric.save reaches save_fabric_state on every rank
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A spawned worker (ddp_spawn) unpickles the plugin in a fresh interpreter: route there too.
+        self.__dict__.update(state)
+        _compat.route_fabric_saves(wrap_save)
 
     # ---- CheckpointIO ------------------------------------------------------------------
     @override
@@ -114,6 +122,24 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
             # (outside fit with DTensors, i.e. ModelParallelStrategy after fit: no single file
             # can hold the shards; the directory is written synchronously)
             self.saver.save(checkpoint, url, options, wait=outside_fit)
+
+    def save_fabric_state(
+        self, state: dict[str, Any], path: Any, storage_options: Any, sharded_keys: tuple[str, ...]
+    ) -> None:
+        """``fabric.save``, on every rank (lightning/fabric_routing.py): an asynchronous sharded
+        save of the converted ``state``, whose module and optimizer states (``sharded_keys``)
+        go to the DCP shards. Under more than one process every rank writes its share; the
+        first save makes the writer's gloo group when no :class:`Preemption` gave one
+        (collective: ``fabric.save`` runs on every rank).
+
+        Raises:
+            CheckpointWriteError: the previous save failed (raised once).
+        """
+        if self.saver.group is None and pdist.world_size() > 1:
+            self.saver.enable_collective(pdist.new_gloo_group())
+        elif self.saver.closed:  # after Fabric's teardown: saves stay asynchronous and sharded
+            self.saver.enable_collective(self.saver.group)
+        self.saver.save(state, str(path), self._options(storage_options), sharded_keys=sharded_keys)
 
     @override
     def load_checkpoint(

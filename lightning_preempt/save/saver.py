@@ -186,21 +186,26 @@ class Saver:
         return own_share(tensors, pdist.rank(self.group), len(fingerprints))
 
     # ---- saving ------------------------------------------------------------------------
-    def save(self, checkpoint: dict[str, Any], url: str, options: dict[str, Any], *, wait: bool = False) -> None:
+    def save(
+        self, checkpoint: dict[str, Any], url: str, options: dict[str, Any], *, wait: bool = False,
+        sharded_keys: tuple[str, ...] = (),
+    ) -> None:  # fmt: skip
         """Stage ``checkpoint`` and queue its write and commit to ``url``; returns once the
         tensors are copied and ``url`` exists (``wait``: once it is committed).
+        ``sharded_keys``: top-level keys sharded in this save besides :attr:`sharded_keys`
+        (the keys a framework knows hold modules' and optimizers' states).
 
         Raises:
             CheckpointWriteError: the previous save failed (raised once).
         """
         started = time.perf_counter()
-        record = SaveRecord(url, int(checkpoint.get("global_step", -1)), started)
+        record = SaveRecord(url, checkpoint_step(checkpoint), started)
         self._wait_pending()  # at most one save in flight: the stager's buffers are in use until commit
         record.waited_s = time.perf_counter() - started
         local_url = self.tiers.local_twin(url) if self.tiers is not None else None
         if self.rank == 0:
             self._ensure_exists(url, options, local_url)
-        tensors, skeleton = split_checkpoint(checkpoint, self.sharded_keys)
+        tensors, skeleton = split_checkpoint(checkpoint, self.sharded_keys + sharded_keys)
         tensors = self._my_share(tensors)
         buffer = io.BytesIO()
         torch.save(skeleton, buffer)  # freezes the non-tensor state now
@@ -353,6 +358,16 @@ class Saver:
             self.jobs.close()
             if self.tiers is not None:
                 self.tiers.close()
+
+
+def checkpoint_step(checkpoint: dict[str, Any]) -> int:
+    """The training step a checkpoint records: Lightning's ``global_step``, else a plain
+    ``step`` (a hand-written loop's ``fabric.save(path, {"step": ...})``); -1 when neither."""
+    for key in ("global_step", "step"):
+        value = checkpoint.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return -1
 
 
 def _remove_path(store: Store) -> None:

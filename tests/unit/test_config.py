@@ -102,3 +102,20 @@ def test_a_remote_local_dirpath_fails_at_construction(make: Any) -> None:
     with pytest.raises(ValueError, match="local_dirpath must be a local directory") as info:
         make("gs://bucket/local")
     assert "the shared storage (gs://, s3://…) is dirpath" in str(info.value)
+
+
+def test_the_fabric_front_end_takes_the_callbacks_options_with_the_same_validation() -> None:
+    import inspect
+
+    from lightning_preempt.fabric import Preemption
+
+    def params(fn: Any, skip: set[str]) -> dict[str, Any]:
+        return {n: p.default for n, p in inspect.signature(fn).parameters.items() if n not in skip}
+
+    assert params(Preemption, {"fabric", "step_key"}) == params(PreemptionCallback, set())
+    for name, value, message in BAD_CALLBACK_ARGS:
+        with pytest.raises(ValueError, match="HINT: ") as info:
+            Preemption(None, "ckpts", **{name: value})
+        assert message in str(info.value)
+    with pytest.raises(ValueError, match="step_key must be a non-empty string"):
+        Preemption(None, "ckpts", step_key="")
