@@ -16,6 +16,7 @@ from lightning_preempt.catalog.loader import Loader
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.engine.config import CheckpointIOConfig, from_arguments
 from lightning_preempt.format.manifest import Manifest
+from lightning_preempt.save.overlap import resolve as resolve_overlap
 from lightning_preempt.save.saver import Saver, SaveRecord
 from lightning_preempt.save.tiers import TwoTier
 
@@ -58,6 +59,11 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
             Off by default: checkpoints are untrusted input and only the few types this
             package and Lightning write are loaded (docs/security.md). ``load_checkpoint``'s
             ``weights_only`` overrides it for one load.
+        overlap_staging: a save during ``fit`` returns once the model's buffers and small
+            tensors are copied; parameters and optimizer state are copied while the next
+            step's forward and backward run, and its optimizer step waits for the copy
+            (docs/staging.md). ``None``: off (on CPU the copy competes with the step for
+            the same cores; on CUDA until the GPU check has proven it).
     """
 
     def __init__(
@@ -73,12 +79,14 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         drain_retries: int = 4,
         drain_backoff_s: float = 1.0,
         trust_checkpoints: bool = False,
+        overlap_staging: bool | None = None,
     ) -> None:
         super().__init__()
         self.config = config = from_arguments(CheckpointIOConfig, locals())
         self.storage_options = config.storage_options
         self.saver = Saver(config.storage_options, pin_memory=config.pin_memory, thread_count=config.thread_count,
-                           sharded_keys=config.sharded_keys)  # fmt: skip
+                           sharded_keys=config.sharded_keys,
+                           overlap_staging=resolve_overlap(config.overlap_staging))  # fmt: skip
         if config.local_dirpath is not None:
             self.saver.use_local_tier(config.local_dirpath, max_workers=config.drain_workers,
                                       retries=config.drain_retries, backoff_s=config.drain_backoff_s)  # fmt: skip

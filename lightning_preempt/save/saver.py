@@ -1,7 +1,8 @@
 """The save pipeline of one process: stage, queue, write, commit. Framework-neutral.
 
 :meth:`Saver.save` blocks only while the tensors are copied into reusable host buffers
-(``save/staging.py``); a background job (``save/jobs.py``) writes them through DCP and
+(``save/staging.py``; with overlapped staging only the eager part, the rest is copied
+while the next step computes: ``save/overlap.py``); a background job (``save/jobs.py``) writes them through DCP and
 commits the checkpoint by writing its manifest last (``save/commit.py``). At most one save
 is in flight: the next one first waits for the previous one (its staging buffers are in use
 until the commit). Deletes and other jobs queue behind the saves, so a delete never overtakes
@@ -45,6 +46,7 @@ from lightning_preempt.format.skeleton import split_checkpoint
 from lightning_preempt.save.commit import SaveRequest, write_checkpoint
 from lightning_preempt.save.jobs import JobQueue
 from lightning_preempt.save.layout import ensure_exists, remove_local, write_file_atomic
+from lightning_preempt.save.overlap import InFlightCopy, Overlap
 from lightning_preempt.save.planning import PlanCache
 from lightning_preempt.save.staging import HostStager
 from lightning_preempt.save.tiers import TwoTier
@@ -59,7 +61,7 @@ HISTORY_KEPT = 64
 class SaveRecord:
     """Timings of one save, filled in as it progresses (seconds, bytes)."""
 
-    __slots__ = ("blocking_s", "bytes", "committed_s", "error", "path", "started", "step", "waited_s")
+    __slots__ = ("blocking_s", "bytes", "committed_s", "deferred_bytes", "error", "path", "started", "step", "waited_s")
 
     def __init__(self, path: str, step: int, started: float) -> None:
         self.path = path
@@ -69,6 +71,7 @@ class SaveRecord:
         self.blocking_s = 0.0
         self.committed_s: float | None = None
         self.bytes = 0
+        self.deferred_bytes = 0  # copied after save() returned (overlapped staging)
         self.error: BaseException | None = None
 
     @property
@@ -86,6 +89,8 @@ class Saver:
         pin_memory: pin staging buffers; ``None``: when CUDA is available.
         thread_count: DCP writer threads per rank.
         sharded_keys: top-level checkpoint keys whose tensors go to the DCP shards.
+        overlap_staging: copy the tensors :attr:`overlap` declares stable after ``save``
+            returns, while the next step computes (save/overlap.py, docs/staging.md).
     """
 
     def __init__(
@@ -95,11 +100,13 @@ class Saver:
         pin_memory: bool | None = None,
         thread_count: int = 1,
         sharded_keys: tuple[str, ...] = ("state_dict", "optimizer_states"),
+        overlap_staging: bool = False,
     ) -> None:
         self.storage_options = storage_options
         self.thread_count = thread_count
         self.sharded_keys = sharded_keys
         self.stager = HostStager(pin_memory)
+        self.overlap = Overlap(overlap_staging)
         #: DCP plans reused while the staged state keeps its structure (save/planning.py)
         self.plan_cache = PlanCache()
         self.jobs = JobQueue()
@@ -194,7 +201,14 @@ class Saver:
         tensors = self._my_share(tensors)
         buffer = io.BytesIO()
         torch.save(skeleton, buffer)  # freezes the non-tensor state now
-        staged = self.stager.stage(tensors)
+        deferred = set() if wait else self.overlap.deferrable(tensors, self.stager.pin_memory)
+        copying: InFlightCopy | None = None
+        if deferred:
+            staged, pairs = self.stager.stage_deferred(tensors, deferred)
+            copying = self.overlap.start(pairs)
+            record.deferred_bytes = copying.bytes
+        else:
+            staged = self.stager.stage(tensors)
         record.bytes = self.stager.last_staged_bytes + buffer.tell()
         record.blocking_s = time.perf_counter() - started
         request = SaveRequest(url=url, tensors=staged, skeleton=buffer.getvalue(), step=record.step,
@@ -208,11 +222,11 @@ class Saver:
             def write_to(tier_url: str, tier_options: dict[str, Any]) -> Manifest:
                 tier_request = dataclasses.replace(request, url=tier_url, storage_options=tier_options)
                 record.error = None  # a local failure followed by a remote fallback that works
-                return self._write(tier_request, record)
+                return self._write(tier_request, record, copying)
 
             self._pending = self.submit(lambda: tiers.save(write_to, url, local_url, record.step))
         else:
-            self._pending = self.submit(lambda: self._write(request, record))
+            self._pending = self.submit(lambda: self._write(request, record, copying))
         if wait:
             self._wait_pending()
 
@@ -229,8 +243,10 @@ class Saver:
             # failure and raises it on every rank (save/commit.py's agreement).
             log.warning("lightning_preempt: could not create %s yet (%s); the save reports it", url, err)
 
-    def _write(self, request: SaveRequest, record: SaveRecord) -> Manifest:
+    def _write(self, request: SaveRequest, record: SaveRecord, copying: InFlightCopy | None = None) -> Manifest:
         try:
+            if copying is not None:
+                copying.wait()  # the deferred copies fill the buffers the writer reads
             # write_checkpoint clears an uncommitted leftover at the path (never mixing old
             # and new files) and replaces a committed checkpoint there (save/layout.py).
             manifest = write_checkpoint(
@@ -261,7 +277,13 @@ class Saver:
         write_file_atomic(Store(url, options), buffer.getvalue())
         log.info("lightning_preempt: saved %s synchronously as a plain Lightning checkpoint (outside fit)", url)
 
+    def settle(self) -> None:
+        """Order whatever comes next after the overlapped copy in flight (save/overlap.py):
+        call it before changing parameters or optimizer state outside an optimizer step."""
+        self.overlap.settle()
+
     def _wait_pending(self) -> None:
+        self.overlap.settle()
         pending, self._pending = self._pending, None
         if pending is None:
             return
@@ -327,6 +349,7 @@ class Saver:
             self.wait()
         finally:
             self.closed = True
+            self.overlap.close()
             self.jobs.close()
             if self.tiers is not None:
                 self.tiers.close()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Collection
 from concurrent.futures import Future
 from typing import Any
 
@@ -100,7 +101,9 @@ class HostStager:
         if err is not None:
             log.warning("lightning_preempt: preallocating staging buffers failed (%s); the save allocates them", err)
 
-    def stage(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def stage(self, tensors: dict[str, torch.Tensor], *, keep: Collection[str] = ()) -> dict[str, torch.Tensor]:
+        """Copy ``tensors`` into their buffers (see the class docstring); the buffers of keys
+        neither in ``tensors`` nor in ``keep`` are dropped (the state lost them)."""
         self._wait_prepared()
         if not self._announced:
             kind = "pinned host memory" if self.pin_memory else "plain host memory (no CUDA: pinning unavailable)"
@@ -120,10 +123,26 @@ class HostStager:
             staged[key] = _like(tensor, buf)
         if needs_sync:
             torch.cuda.synchronize()
-        for stale in set(self._buffers) - set(tensors):
+        for stale in set(self._buffers) - set(tensors) - set(keep):
             del self._buffers[stale]
         self.last_staged_bytes = total
         return staged
+
+    def stage_deferred(
+        self, tensors: dict[str, torch.Tensor], deferred: Collection[str]
+    ) -> tuple[dict[str, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """:meth:`stage` for the keys not in ``deferred``; for those only their buffers, and
+        the ``(buffer, source)`` pairs left to copy (save/overlap.py copies them later)."""
+        later = {k: t for k, t in tensors.items() if k in deferred}
+        staged = self.stage({k: t for k, t in tensors.items() if k not in later}, keep=later)
+        pairs = []
+        for key, tensor in later.items():
+            source = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            buf = self._buffer_for(key, source.detach())
+            pairs.append((buf, source.detach()))
+            staged[key] = _like(tensor, buf)
+            self.last_staged_bytes += buf.numel() * buf.element_size()
+        return {k: staged[k] for k in tensors}, pairs
 
     def _buffer_for(self, key: str, local: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(key)
