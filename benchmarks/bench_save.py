@@ -16,6 +16,11 @@ adds DDP saves on that many gloo ranks (every rank saves its share, as under
     python benchmarks/bench_save.py            # ~1 GiB, ~3 min
     python benchmarks/bench_save.py --size-mib 256 --tensors 24,400,4000 --ranks 2,4  # the curve
     python benchmarks/bench_save.py --quick    # 128 MiB smoke run
+
+Then a second section, "step time with a save in the step" (benchmarks/step_time.py):
+overlapped staging against synchronous staging and no save, for a small MLP trained with
+AdamW (``--step-width``/``--step-layers``/``--step-batch``/``--step-repeats``;
+``--no-step-time`` skips it).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import step_time
 from _common import (
     MiB,
     fmt_range,
@@ -464,10 +470,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", default="", help=f"comma-separated subset of {','.join(METHODS)}")
     p.add_argument("--ours-threads", type=int, default=None, help="thread_count for ours (default: the plugin's)")
     p.add_argument("-v", "--verbose", action="store_true", help="print every round to stderr")
+    p.add_argument("--no-step-time", dest="step_time", action="store_false", help="skip the step-time section")
+    step_time.add_arguments(p, prefix="step-")
     args = p.parse_args(argv)
     if args.quick:
         args.size_mib, args.tensors = 128, "16"
+        args.step_width, args.step_repeats = 1024, 3
     print(run(args))
+    if args.step_time:
+        print()
+        print(step_time.from_args(args, prefix="step_")()[0])
     return 0
 
 
