@@ -59,11 +59,12 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
             Off by default: checkpoints are untrusted input and only the few types this
             package and Lightning write are loaded (docs/security.md). ``load_checkpoint``'s
             ``weights_only`` overrides it for one load.
-        overlap_staging: a save during ``fit`` returns once the model's buffers and small
-            tensors are copied; parameters and optimizer state are copied while the next
-            step's forward and backward run, and its optimizer step waits for the copy
-            (docs/staging.md). ``None``: off (on CPU the copy competes with the step for
-            the same cores; on CUDA until the GPU check has proven it).
+        overlap_staging: with :class:`~lightning_preempt.PreemptionCallback` (which declares
+            the parameters and optimizer state), a periodic save returns once the buffers
+            and small tensors are copied; the rest is copied while the next step's forward
+            and backward run, and its optimizer step waits for the copy (docs/staging.md).
+            ``None``: off (on CPU the copy competes with the step for the same cores; on
+            CUDA until the GPU check has proven it).
     """
 
     def __init__(

@@ -131,7 +131,8 @@ class Probe(Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *_: Any) -> None:
         # The first batch end of each step is the one saved (later ones: micro-batches of the next step)
-        self.states.setdefault(trainer.global_step, _state(pl_module, trainer))
+        if trainer.global_step not in self.states:
+            self.states[trainer.global_step] = _state(pl_module, trainer)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
         if self.io.saver.overlap.in_flight:
@@ -151,13 +152,13 @@ class Probe(Callback):
             self.released_in_flight += 1
 
 
-def _fit(root: Path, hold: Hold, optimizer: str, accumulate: int, *, steps: int = 5, manual: bool = False,
+def _fit(root: str, hold: Hold, optimizer: str, accumulate: int, *, steps: int = 5, manual: bool = False,
          signal_at: int | None = None) -> tuple[Probe, ShardedAsyncCheckpointIO, int]:  # fmt: skip
     torch.manual_seed(0)
     io = ShardedAsyncCheckpointIO(overlap_staging=True)
     probe = Probe(io, accumulate, signal_at)
-    cb = PreemptionCallback(str(root), every_n_train_steps=2, keep_last_n=5, signals=("SIGUSR1",), lease=False,
-                            agree_every_n_steps=1, overlap_agreement=False)  # fmt: skip
+    cb = PreemptionCallback(root, every_n_train_steps=2, keep_last_n=5, signals=("SIGUSR1",), lease=False,
+                            probe_storage=False, agree_every_n_steps=1, overlap_agreement=False)  # fmt: skip
     # Lightning moves the checkpoint callback (cb) last: the probe sees each step before it saves
     trainer = make_trainer(steps, [probe, cb], plugins=[io], accumulate_grad_batches=1 if manual else accumulate)
     code = 0
@@ -170,8 +171,8 @@ def _fit(root: Path, hold: Hold, optimizer: str, accumulate: int, *, steps: int 
     return probe, io, code
 
 
-def _assert_committed_equal(root: Path, probe: Probe, steps: list[int]) -> None:
-    committed = sorted((c.step, c.path) for c in list_checkpoints(str(root)) if c.committed)
+def _assert_committed_equal(root: str, probe: Probe, steps: list[int]) -> None:
+    committed = sorted((c.step, c.path) for c in list_checkpoints(root) if c.committed)
     assert [s for s, _ in committed] == steps
     for step, path in committed:
         loaded, expected = _loaded(path), probe.states[step]
@@ -184,27 +185,27 @@ def _assert_committed_equal(root: Path, probe: Probe, steps: list[int]) -> None:
     ("optimizer", "accumulate"),
     [("sgd", 1), ("adamw", 4), pytest.param("adamw", 1, marks=pytest.mark.slow), pytest.param("sgd", 4, marks=pytest.mark.slow)],
 )
-def test_snapshot_is_step_k_while_step_k_plus_1_runs(tmp_path: Path, hold: Hold, optimizer: str, accumulate: int) -> None:
-    probe, io, code = _fit(tmp_path, hold, optimizer, accumulate)
+def test_snapshot_is_step_k_while_step_k_plus_1_runs(memory_url: str, hold: Hold, optimizer: str, accumulate: int) -> None:
+    probe, io, code = _fit(memory_url, hold, optimizer, accumulate)
     assert code == 0 and len(hold.released_by) == 2
     overlapped = [r for r in io.history if r.deferred_bytes]
     assert [r.step for r in overlapped] == [2, 4]  # the final save (5) is staged synchronously
     assert all(r.deferred_bytes >= 2 * 256 * 256 * 4 for r in overlapped)  # parameters and state went late
     # every batch of the step after each save ran (forward and backward) while its copy was held
     assert probe.batches_during_copy == 2 * accumulate and probe.released_in_flight == 2
-    _assert_committed_equal(tmp_path, probe, [2, 4, 5])
+    _assert_committed_equal(memory_url, probe, [2, 4, 5])
 
 
-def test_manual_optimization_waits_in_the_optimizer_hook(tmp_path: Path, hold: Hold) -> None:
-    probe, _, code = _fit(tmp_path, hold, "sgd", 1, manual=True)
+def test_manual_optimization_waits_in_the_optimizer_hook(memory_url: str, hold: Hold) -> None:
+    probe, _, code = _fit(memory_url, hold, "sgd", 1, manual=True)
     assert code == 0 and probe.batches_during_copy == 2 and probe.released_in_flight == 2
-    _assert_committed_equal(tmp_path, probe, [2, 4, 5])
+    _assert_committed_equal(memory_url, probe, [2, 4, 5])
 
 
-def test_emergency_during_an_inflight_copy_commits_the_right_steps(tmp_path: Path, hold: Hold) -> None:
+def test_emergency_during_an_inflight_copy_commits_the_right_steps(memory_url: str, hold: Hold) -> None:
     previous = signal.getsignal(signal.SIGUSR1)
     try:
-        probe, io, code = _fit(tmp_path, hold, "adamw", 1, steps=8, signal_at=5)
+        probe, io, code = _fit(memory_url, hold, "adamw", 1, steps=8, signal_at=5)
     finally:
         # The Trainer's Preempted exit leaves the callback's (inactive) handler behind; a
         # later SIGUSR1 in this process would then take the default action and kill pytest.
@@ -212,7 +213,33 @@ def test_emergency_during_an_inflight_copy_commits_the_right_steps(tmp_path: Pat
     assert code == 143
     assert probe.batches_during_copy == 2  # steps 3 and 5 ran during the copies of 2 and 4
     assert [(r.step, bool(r.deferred_bytes)) for r in io.history] == [(2, True), (4, True), (5, False)]
-    _assert_committed_equal(tmp_path, probe, [2, 4, 5])  # 5: the emergency snapshot, staged synchronously
+    _assert_committed_equal(memory_url, probe, [2, 4, 5])  # 5: the emergency snapshot, staged synchronously
+
+
+def test_a_plain_loop_optimizer_step_waits_for_the_copy(tmp_path: Path, hold: Hold) -> None:
+    """No Trainer, no closure: the optimizer's step pre-hook alone is the gate."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.BatchNorm1d(256), torch.nn.Linear(256, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    saver = Saver({}, overlap_staging=True)
+    saver.overlap.stable = lambda: [*model.parameters(), *(t for s in opt.state.values() for t in s.values())]
+    x, y = torch.randn(8, 64), torch.randn(8, 1)
+
+    def step() -> None:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    step()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    saver.save({"state_dict": model.state_dict(), "optimizer_states": [opt.state_dict()], "global_step": 1},
+               str(tmp_path / "one"), {})  # fmt: skip
+    step()  # forward and backward run during the held copy; the update waits in the hook
+    assert hold.released_by == ["gate"] and not saver.overlap.in_flight
+    saver.close()
+    loaded = load_full_checkpoint(Store(str(tmp_path / "one")))["state_dict"]
+    assert loaded.keys() == expected.keys() and all(torch.equal(loaded[k], v) for k, v in expected.items())
+    assert not torch.equal(model.state_dict()["0.weight"], expected["0.weight"])  # step 2 did change it
 
 
 def test_an_inplace_change_during_the_copy_fails_the_save(tmp_path: Path, hold: Hold) -> None:
