@@ -16,11 +16,13 @@ adds DDP saves on that many gloo ranks (every rank saves its share, as under
     python benchmarks/bench_save.py            # ~1 GiB, ~3 min
     python benchmarks/bench_save.py --size-mib 256 --tensors 24,400,4000 --ranks 2,4  # the curve
     python benchmarks/bench_save.py --quick    # 128 MiB smoke run
+    python benchmarks/bench_save.py --host-budget   # peak RSS under host_memory_budget (bench_host_budget.py)
+    python benchmarks/bench_save.py --device cuda --size-mib 4096  # the GPU table (bench_device.py)
 
-Then a second section, "step time with a save in the step" (benchmarks/step_time.py):
-overlapped staging against synchronous staging and no save, for a small MLP trained with
-AdamW (``--step-width``/``--step-layers``/``--step-batch``/``--step-repeats``;
-``--no-step-time`` skips it).
+On the CPU a second section follows, "step time with a save in the step"
+(benchmarks/step_time.py): overlapped staging against synchronous staging and no save, for
+a small MLP trained with AdamW (``--step-width``/``--step-layers``/``--step-batch``/
+``--step-repeats``; ``--no-step-time`` skips it).
 """
 
 from __future__ import annotations
@@ -470,12 +472,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", default="", help=f"comma-separated subset of {','.join(METHODS)}")
     p.add_argument("--ours-threads", type=int, default=None, help="thread_count for ours (default: the plugin's)")
     p.add_argument("-v", "--verbose", action="store_true", help="print every round to stderr")
+    p.add_argument("--device", default=None, help="cuda (or cpu, a dry run): the device table instead (bench_device.py)")
+    p.add_argument("--host-budget", action="store_true", help="the host-memory budget section instead")
     p.add_argument("--no-step-time", dest="step_time", action="store_false", help="skip the step-time section")
     step_time.add_arguments(p, prefix="step-")
     args = p.parse_args(argv)
     if args.quick:
         args.size_mib, args.tensors = 128, "16"
         args.step_width, args.step_repeats = 1024, 3
+    if args.device is not None or args.host_budget:
+        from bench_device import run_device
+        from bench_host_budget import run_budget
+
+        sections = [run_device(args)] if args.device is not None else []
+        print("\n\n".join([*sections, *([run_budget(args)] if args.host_budget else [])]))
+        return 0
     print(run(args))
     if args.step_time:
         print()

@@ -21,6 +21,7 @@ from typing import Any, Literal, TypeVar
 
 from lightning_preempt.preemption.notices import parse_names
 from lightning_preempt.preemption.signals import resolve_signal
+from lightning_preempt.save.budget import check_budget
 from lightning_preempt.storage.protocols import check_driver
 
 T = TypeVar("T")
@@ -173,6 +174,8 @@ class CheckpointIOConfig:
 
     storage_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     pin_memory: bool | None = None
+    host_memory_budget: int | float | None = None
+    pinned_memory_budget: int | float | None = None
     thread_count: int = 1
     verify_on_load: bool = True
     sharded_keys: tuple[str, ...] = ("state_dict", "optimizer_states")
@@ -191,6 +194,8 @@ class CheckpointIOConfig:
             raise _fail("overlap_staging", self.overlap_staging, "True, False or None",
                         "True copies parameters and optimizer state while the next step computes "
                         "(docs/staging.md); None chooses by device.")  # fmt: skip
+        for name in ("host_memory_budget", "pinned_memory_budget"):
+            check_budget(name, getattr(self, name))
         for name in ("verify_on_load", "trust_checkpoints"):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, getattr(self, name), "True or False", f"e.g. {name}={name == 'verify_on_load'}")

@@ -45,6 +45,11 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
     Args:
         storage_options: fsspec options for every path (credentials, ``endpoint_url``…).
         pin_memory: pin staging buffers; default: when CUDA is available.
+        host_memory_budget: host memory staging may hold, in bytes (int) or as a fraction
+            of the available memory (float); default: half of ``MemAvailable`` divided by
+            the ranks of the node. A rank's share that does not fit is partly written
+            before the save returns (training blocks longer; a warning says by how much).
+        pinned_memory_budget: of that, the bytes that may be pinned; default: all of it.
         thread_count: writer threads per rank (DCP serialisation is CPU-bound).
         verify_on_load: check every file's CRC32C before loading.
         sharded_keys: top-level checkpoint keys whose tensors go to DCP shards.
@@ -72,6 +77,8 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         storage_options: dict[str, Any] | None = None,
         *,
         pin_memory: bool | None = None,
+        host_memory_budget: int | float | None = None,
+        pinned_memory_budget: int | float | None = None,
         thread_count: int = 1,
         verify_on_load: bool = True,
         sharded_keys: tuple[str, ...] = ("state_dict", "optimizer_states"),
@@ -86,7 +93,8 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         self.config = config = from_arguments(CheckpointIOConfig, locals())
         self.storage_options = config.storage_options
         self.saver = Saver(config.storage_options, pin_memory=config.pin_memory, thread_count=config.thread_count,
-                           sharded_keys=config.sharded_keys,
+                           sharded_keys=config.sharded_keys, host_memory_budget=config.host_memory_budget,
+                           pinned_memory_budget=config.pinned_memory_budget,
                            overlap_staging=resolve_overlap(config.overlap_staging))  # fmt: skip
         if config.local_dirpath is not None:
             self.saver.use_local_tier(config.local_dirpath, max_workers=config.drain_workers,

@@ -32,15 +32,18 @@ import contextlib
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from lightning_preempt.errors import CheckpointWriteError
+
+if TYPE_CHECKING:
+    from lightning_preempt.save.staging import HostStager
 
 log = logging.getLogger(__name__)
 
@@ -175,16 +178,26 @@ class Overlap:
         finally:
             self._suspended -= 1
 
-    def deferrable(self, tensors: dict[str, torch.Tensor], pinned: bool) -> set[str]:
+    def stage(self, stager: HostStager, tensors: dict[str, torch.Tensor], pinned: set[str], *,
+              defer: bool = True) -> tuple[dict[str, torch.Tensor], InFlightCopy | None]:  # fmt: skip
+        """``stager.stage(tensors)``, but the deferrable ones (``defer``) only get their
+        buffers and are copied by the returned :class:`InFlightCopy` (``None``: none was)."""
+        keys = self.deferrable(tensors, pinned) if defer else set()
+        if not keys:
+            return stager.stage(tensors, pinned=pinned), None
+        staged, pairs = stager.stage_deferred(tensors, keys, pinned=pinned)
+        return staged, self.start(pairs)
+
+    def deferrable(self, tensors: dict[str, torch.Tensor], pinned: Collection[str]) -> set[str]:
         """The keys of ``tensors`` whose copy may run after ``save`` returns (the module
-        docstring); CUDA tensors only into pinned buffers (a pageable copy blocks anyway)."""
+        docstring); CUDA tensors only into ``pinned`` buffers (a pageable copy blocks anyway)."""
         if not self.active or self.stable is None:
             return set()
         stable = {_storage(t) for t in self.stable() if isinstance(t, torch.Tensor) and t.numel()}
         keys = set()
         for key, tensor in tensors.items():
             t = local(tensor)
-            if t.numel() * t.element_size() < MIN_DEFERRED_BYTES or (t.device.type == "cuda" and not pinned):
+            if t.numel() * t.element_size() < MIN_DEFERRED_BYTES or (t.device.type == "cuda" and key not in pinned):
                 continue
             if t.device.type not in ("cpu", "cuda") or not t.is_contiguous():
                 continue

@@ -1,8 +1,10 @@
 """The save pipeline of one process: stage, queue, write, commit. Framework-neutral.
 
 :meth:`Saver.save` blocks only while the tensors are copied into reusable host buffers
-(``save/staging.py``; with overlapped staging only the eager part, the rest is copied
-while the next step computes: ``save/overlap.py``); a background job (``save/jobs.py``) writes them through DCP and
+(``save/staging.py``), within the host-memory budget (``save/budget.py``: a share
+that does not fit is partly written before the save returns); with overlapped staging only
+the eager part, the rest is copied while the next step computes (``save/overlap.py``); a
+background job (``save/jobs.py``) writes them through DCP and
 commits the checkpoint by writing its manifest last (``save/commit.py``). At most one save
 is in flight: the next one first waits for the previous one (its staging buffers are in use
 until the commit). Deletes and other jobs queue behind the saves, so a delete never overtakes
@@ -43,6 +45,7 @@ from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.format.names import MANIFEST_NAME
 from lightning_preempt.format.shares import own_share, replica_fingerprint
 from lightning_preempt.format.skeleton import split_checkpoint
+from lightning_preempt.save.budget import StagingBudget
 from lightning_preempt.save.commit import SaveRequest, write_checkpoint
 from lightning_preempt.save.jobs import JobQueue
 from lightning_preempt.save.layout import ensure_exists, remove_local, write_file_atomic
@@ -87,6 +90,9 @@ class Saver:
     Args:
         storage_options: fsspec options for every path (merged with per-save options).
         pin_memory: pin staging buffers; ``None``: when CUDA is available.
+        host_memory_budget: staging bytes, or a fraction of the available memory;
+            ``None``: half of ``MemAvailable`` divided by the node's ranks (save/budget.py).
+        pinned_memory_budget: of those, the bytes that may be pinned; ``None``: all.
         thread_count: DCP writer threads per rank.
         sharded_keys: top-level checkpoint keys whose tensors go to the DCP shards.
         overlap_staging: copy the tensors :attr:`overlap` declares stable after ``save``
@@ -98,6 +104,8 @@ class Saver:
         storage_options: dict[str, Any],
         *,
         pin_memory: bool | None = None,
+        host_memory_budget: int | float | None = None,
+        pinned_memory_budget: int | float | None = None,
         thread_count: int = 1,
         sharded_keys: tuple[str, ...] = ("state_dict", "optimizer_states"),
         overlap_staging: bool = False,
@@ -106,6 +114,7 @@ class Saver:
         self.thread_count = thread_count
         self.sharded_keys = sharded_keys
         self.stager = HostStager(pin_memory)
+        self.budget = StagingBudget(host_memory_budget, pinned_memory_budget)
         self.overlap = Overlap(overlap_staging)
         #: DCP plans reused while the staged state keeps its structure (save/planning.py)
         self.plan_cache = PlanCache()
@@ -166,7 +175,9 @@ class Saver:
         tensors, _ = split_checkpoint(checkpoint_like, self.sharded_keys)
         if self._dedupes():
             tensors = own_share(tensors, pdist.rank(self.group), pdist.world_size(self.group))
-        return self.stager.prepare(tensors, background=background)
+        plan = self.budget.split(tensors, self.stager)
+        resident = {key: tensors[key] for key in plan.resident}
+        return self.stager.prepare(resident, background=background, pinned=plan.pinned)
 
     def _my_share(self, tensors: dict[str, Any]) -> dict[str, Any]:
         """This rank's share of the replicated tensors (collective saves under DDP).
@@ -201,19 +212,22 @@ class Saver:
         tensors = self._my_share(tensors)
         buffer = io.BytesIO()
         torch.save(skeleton, buffer)  # freezes the non-tensor state now
-        deferred = set() if wait else self.overlap.deferrable(tensors, self.stager.pin_memory)
-        copying: InFlightCopy | None = None
-        if deferred:
-            staged, pairs = self.stager.stage_deferred(tensors, deferred)
-            copying = self.overlap.start(pairs)
-            record.deferred_bytes = copying.bytes
-        else:
-            staged = self.stager.stage(tensors)
-        record.bytes = self.stager.last_staged_bytes + buffer.tell()
+        plan = self.budget.split(tensors, self.stager)
+        staging_started = time.perf_counter()
+        # (a save that streams blocks until the writer has the streamed part: nothing to overlap)
+        staged, copying = self.overlap.stage(self.stager, {key: tensors[key] for key in plan.resident},
+                                             plan.pinned, defer=not (wait or plan.streamed))  # fmt: skip
+        record.deferred_bytes = copying.bytes if copying is not None else 0
+        staged_s = time.perf_counter() - staging_started
+        streamed = self.budget.streamed(plan, self.stager)
+        if streamed is not None:  # the rest is written from the training state, in the same order
+            staged = {key: staged[key] if key in staged else tensors[key].detach() for key in tensors}
+        record.bytes = plan.total_bytes + buffer.tell()
         record.blocking_s = time.perf_counter() - started
         request = SaveRequest(url=url, tensors=staged, skeleton=buffer.getvalue(), step=record.step,
                               epoch=int(checkpoint.get("epoch", -1)), storage_options=options,
-                              stats={"blocking_s": record.blocking_s}, run_id=self.run_id)  # fmt: skip
+                              stats={"blocking_s": record.blocking_s}, run_id=self.run_id,
+                              streamed=streamed)  # fmt: skip
         self.history.append(record)
         del self.history[:-HISTORY_KEPT]  # a long run saves thousands of times
         if local_url is not None and self.tiers is not None:
@@ -227,6 +241,12 @@ class Saver:
             self._pending = self.submit(lambda: tiers.save(write_to, url, local_url, record.step))
         else:
             self._pending = self.submit(lambda: self._write(request, record, copying))
+        if streamed is not None:
+            # Training may change the streamed tensors once they are written (or the job ended).
+            self._pending.add_done_callback(lambda _: streamed.release())
+            streamed.wait()
+            record.blocking_s = request.stats["blocking_s"] = time.perf_counter() - started
+            self.budget.warn_once(plan, record.blocking_s, staged_s)
         if wait:
             self._wait_pending()
 

@@ -74,6 +74,11 @@ BAD_PLUGIN_ARGS: list[tuple[str, Any, str]] = [
     ("pin_memory", "yes", "pin_memory must be True, False or None"),
     ("overlap_staging", 1, "overlap_staging must be True, False or None"),
     ("verify_on_load", None, "verify_on_load must be True or False"),
+    ("host_memory_budget", 0.0, "host_memory_budget as a fraction must be in (0, 1]"),
+    ("host_memory_budget", 1.5, "host_memory_budget as a fraction must be in (0, 1]"),
+    ("host_memory_budget", 4096, "host_memory_budget must be at least 1048576 bytes"),
+    ("host_memory_budget", "8GB", "host_memory_budget must be bytes (int), a fraction (float) or None"),
+    ("pinned_memory_budget", True, "pinned_memory_budget must be bytes (int), a fraction (float) or None"),
 ]
 
 

@@ -257,3 +257,16 @@ def test_an_inplace_change_during_the_copy_fails_the_save(tmp_path: Path, hold: 
     assert "HINT:" in str(err.value)
     assert not list_checkpoints(str(tmp_path))
     saver.close()
+
+
+def test_a_save_that_streams_over_the_budget_is_not_overlapped(tmp_path: Path) -> None:
+    """Over host_memory_budget the save blocks until the streamed part is written anyway: it
+    stages the rest completely, and the checkpoint is exact."""
+    saver = Saver({}, overlap_staging=True, host_memory_budget=1 << 20)
+    weights = {f"w{i}": torch.randn(256, 512) for i in range(4)}  # 2 MiB, 512 KiB each
+    saver.overlap.stable = lambda: weights.values()
+    saver.save({"state_dict": weights, "global_step": 1}, str(tmp_path / "a"), {})
+    assert not saver.overlap.in_flight and saver.history[-1].deferred_bytes == 0
+    saver.close()
+    loaded = load_full_checkpoint(Store(str(tmp_path / "a")))["state_dict"]
+    assert all(torch.equal(loaded[k], v) for k, v in weights.items())
