@@ -235,9 +235,8 @@ def _gate_hook(ref: weakref.ref[Overlap]) -> Callable[..., Any]:
         overlap = ref()
         if overlap is None or overlap._inflight is None:
             return None
-        closure = kwargs.get("closure")
-        if closure is None and len(args) > 1:
-            closure = args[1]
+        positional = kwargs.get("closure") is None and len(args) > 1
+        closure = args[1] if positional else kwargs.get("closure")
         if closure is None:
             overlap.settle()
             return None
@@ -249,6 +248,8 @@ def _gate_hook(ref: weakref.ref[Overlap]) -> Callable[..., Any]:
             overlap.settle()
             return result
 
-        return (args[:1], {**kwargs, "closure": settled_closure})
+        if positional:  # passed back the way it came: not every optimizer names it "closure"
+            return ((args[0], settled_closure, *args[2:]), kwargs)
+        return (args, {**kwargs, "closure": settled_closure})
 
     return hook

@@ -236,10 +236,25 @@ def test_a_plain_loop_optimizer_step_waits_for_the_copy(tmp_path: Path, hold: Ho
                str(tmp_path / "one"), {})  # fmt: skip
     step()  # forward and backward run during the held copy; the update waits in the hook
     assert hold.released_by == ["gate"] and not saver.overlap.in_flight
+    expected2 = {k: v.clone() for k, v in model.state_dict().items()}
+    saver.save({"state_dict": model.state_dict(), "optimizer_states": [opt.state_dict()], "global_step": 2},
+               str(tmp_path / "two"), {})  # fmt: skip
+    during: list[bool] = []
+
+    def closure() -> torch.Tensor:  # a closure given by position: the wait comes after it
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        during.append(saver.overlap.in_flight)
+        return loss
+
+    opt.step(closure)
+    assert during == [True] and hold.released_by == ["gate", "gate"]
     saver.close()
-    loaded = load_full_checkpoint(Store(str(tmp_path / "one")))["state_dict"]
-    assert loaded.keys() == expected.keys() and all(torch.equal(loaded[k], v) for k, v in expected.items())
-    assert not torch.equal(model.state_dict()["0.weight"], expected["0.weight"])  # step 2 did change it
+    for name, want in (("one", expected), ("two", expected2)):
+        loaded = load_full_checkpoint(Store(str(tmp_path / name)))["state_dict"]
+        assert loaded.keys() == want.keys() and all(torch.equal(loaded[k], v) for k, v in want.items())
+    assert not torch.equal(model.state_dict()["0.weight"], expected2["0.weight"])  # step 3 did change it
 
 
 def test_an_inplace_change_during_the_copy_fails_the_save(tmp_path: Path, hold: Hold) -> None:
