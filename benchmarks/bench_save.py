@@ -18,6 +18,11 @@ adds DDP saves on that many gloo ranks (every rank saves its share, as under
     python benchmarks/bench_save.py --quick    # 128 MiB smoke run
     python benchmarks/bench_save.py --host-budget   # peak RSS under host_memory_budget (bench_host_budget.py)
     python benchmarks/bench_save.py --device cuda --size-mib 4096  # the GPU table (bench_device.py)
+
+On the CPU a second section follows, "step time with a save in the step"
+(benchmarks/step_time.py): overlapped staging against synchronous staging and no save, for
+a small MLP trained with AdamW (``--step-width``/``--step-layers``/``--step-batch``/
+``--step-repeats``; ``--no-step-time`` skips it).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import step_time
 from _common import (
     MiB,
     fmt_range,
@@ -468,9 +474,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-v", "--verbose", action="store_true", help="print every round to stderr")
     p.add_argument("--device", default=None, help="cuda (or cpu, a dry run): the device table instead (bench_device.py)")
     p.add_argument("--host-budget", action="store_true", help="the host-memory budget section instead")
+    p.add_argument("--no-step-time", dest="step_time", action="store_false", help="skip the step-time section")
+    step_time.add_arguments(p, prefix="step-")
     args = p.parse_args(argv)
     if args.quick:
         args.size_mib, args.tensors = 128, "16"
+        args.step_width, args.step_repeats = 1024, 3
     if args.device is not None or args.host_budget:
         from bench_device import run_device
         from bench_host_budget import run_budget
@@ -479,6 +488,9 @@ def main(argv: list[str] | None = None) -> int:
         print("\n\n".join([*sections, *([run_budget(args)] if args.host_budget else [])]))
         return 0
     print(run(args))
+    if args.step_time:
+        print()
+        print(step_time.from_args(args, prefix="step_")()[0])
     return 0
 
 

@@ -18,6 +18,7 @@ from lightning_preempt.engine.config import CheckpointIOConfig, from_arguments
 from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.lightning import _compat
 from lightning_preempt.lightning.fabric_routing import wrap_save
+from lightning_preempt.save.overlap import resolve as resolve_overlap
 from lightning_preempt.save.saver import Saver, SaveRecord
 from lightning_preempt.save.tiers import TwoTier
 
@@ -65,6 +66,12 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
             Off by default: checkpoints are untrusted input and only the few types this
             package and Lightning write are loaded (docs/security.md). ``load_checkpoint``'s
             ``weights_only`` overrides it for one load.
+        overlap_staging: with :class:`~lightning_preempt.PreemptionCallback` (which declares
+            the parameters and optimizer state), a periodic save returns once the buffers
+            and small tensors are copied; the rest is copied while the next step's forward
+            and backward run, and its optimizer step waits for the copy (docs/staging.md).
+            ``None``: off (on CPU the copy competes with the step for the same cores; on
+            CUDA until the GPU check has proven it).
     """
 
     def __init__(
@@ -82,13 +89,15 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         drain_retries: int = 4,
         drain_backoff_s: float = 1.0,
         trust_checkpoints: bool = False,
+        overlap_staging: bool | None = None,
     ) -> None:
         super().__init__()
         self.config = config = from_arguments(CheckpointIOConfig, locals())
         self.storage_options = config.storage_options
         self.saver = Saver(config.storage_options, pin_memory=config.pin_memory, thread_count=config.thread_count,
                            sharded_keys=config.sharded_keys, host_memory_budget=config.host_memory_budget,
-                           pinned_memory_budget=config.pinned_memory_budget)  # fmt: skip
+                           pinned_memory_budget=config.pinned_memory_budget,
+                           overlap_staging=resolve_overlap(config.overlap_staging))  # fmt: skip
         if config.local_dirpath is not None:
             self.saver.use_local_tier(config.local_dirpath, max_workers=config.drain_workers,
                                       retries=config.drain_retries, backoff_s=config.drain_backoff_s)  # fmt: skip

@@ -2,7 +2,9 @@
 
 :meth:`Saver.save` blocks only while the tensors are copied into reusable host buffers
 (``save/staging.py``), within the host-memory budget (``save/budget.py``: a share
-that does not fit is partly written before the save returns); a background job (``save/jobs.py``) writes them through DCP and
+that does not fit is partly written before the save returns); with overlapped staging only
+the eager part, the rest is copied while the next step computes (``save/overlap.py``); a
+background job (``save/jobs.py``) writes them through DCP and
 commits the checkpoint by writing its manifest last (``save/commit.py``). At most one save
 is in flight: the next one first waits for the previous one (its staging buffers are in use
 until the commit). Deletes and other jobs queue behind the saves, so a delete never overtakes
@@ -47,6 +49,7 @@ from lightning_preempt.save.budget import StagingBudget
 from lightning_preempt.save.commit import SaveRequest, write_checkpoint
 from lightning_preempt.save.jobs import JobQueue
 from lightning_preempt.save.layout import ensure_exists, remove_local, write_file_atomic
+from lightning_preempt.save.overlap import InFlightCopy, Overlap
 from lightning_preempt.save.planning import PlanCache
 from lightning_preempt.save.staging import HostStager
 from lightning_preempt.save.tiers import TwoTier
@@ -61,7 +64,7 @@ HISTORY_KEPT = 64
 class SaveRecord:
     """Timings of one save, filled in as it progresses (seconds, bytes)."""
 
-    __slots__ = ("blocking_s", "bytes", "committed_s", "error", "path", "started", "step", "waited_s")
+    __slots__ = ("blocking_s", "bytes", "committed_s", "deferred_bytes", "error", "path", "started", "step", "waited_s")
 
     def __init__(self, path: str, step: int, started: float) -> None:
         self.path = path
@@ -71,6 +74,7 @@ class SaveRecord:
         self.blocking_s = 0.0
         self.committed_s: float | None = None
         self.bytes = 0
+        self.deferred_bytes = 0  # copied after save() returned (overlapped staging)
         self.error: BaseException | None = None
 
     @property
@@ -91,6 +95,8 @@ class Saver:
         pinned_memory_budget: of those, the bytes that may be pinned; ``None``: all.
         thread_count: DCP writer threads per rank.
         sharded_keys: top-level checkpoint keys whose tensors go to the DCP shards.
+        overlap_staging: copy the tensors :attr:`overlap` declares stable after ``save``
+            returns, while the next step computes (save/overlap.py, docs/staging.md).
     """
 
     def __init__(
@@ -102,12 +108,14 @@ class Saver:
         pinned_memory_budget: int | float | None = None,
         thread_count: int = 1,
         sharded_keys: tuple[str, ...] = ("state_dict", "optimizer_states"),
+        overlap_staging: bool = False,
     ) -> None:
         self.storage_options = storage_options
         self.thread_count = thread_count
         self.sharded_keys = sharded_keys
         self.stager = HostStager(pin_memory)
         self.budget = StagingBudget(host_memory_budget, pinned_memory_budget)
+        self.overlap = Overlap(overlap_staging)
         #: DCP plans reused while the staged state keeps its structure (save/planning.py)
         self.plan_cache = PlanCache()
         self.jobs = JobQueue()
@@ -211,7 +219,10 @@ class Saver:
         torch.save(skeleton, buffer)  # freezes the non-tensor state now
         plan = self.budget.split(tensors, self.stager)
         staging_started = time.perf_counter()
-        staged = self.stager.stage({key: tensors[key] for key in plan.resident}, pinned=plan.pinned)
+        # (a save that streams blocks until the writer has the streamed part: nothing to overlap)
+        staged, copying = self.overlap.stage(self.stager, {key: tensors[key] for key in plan.resident},
+                                             plan.pinned, defer=not (wait or plan.streamed))  # fmt: skip
+        record.deferred_bytes = copying.bytes if copying is not None else 0
         staged_s = time.perf_counter() - staging_started
         streamed = self.budget.streamed(plan, self.stager)
         if streamed is not None:  # the rest is written from the training state, in the same order
@@ -230,11 +241,11 @@ class Saver:
             def write_to(tier_url: str, tier_options: dict[str, Any]) -> Manifest:
                 tier_request = dataclasses.replace(request, url=tier_url, storage_options=tier_options)
                 record.error = None  # a local failure followed by a remote fallback that works
-                return self._write(tier_request, record)
+                return self._write(tier_request, record, copying)
 
             self._pending = self.submit(lambda: tiers.save(write_to, url, local_url, record.step))
         else:
-            self._pending = self.submit(lambda: self._write(request, record))
+            self._pending = self.submit(lambda: self._write(request, record, copying))
         if streamed is not None:
             # Training may change the streamed tensors once they are written (or the job ended).
             self._pending.add_done_callback(lambda _: streamed.release())
@@ -257,8 +268,10 @@ class Saver:
             # failure and raises it on every rank (save/commit.py's agreement).
             log.warning("lightning_preempt: could not create %s yet (%s); the save reports it", url, err)
 
-    def _write(self, request: SaveRequest, record: SaveRecord) -> Manifest:
+    def _write(self, request: SaveRequest, record: SaveRecord, copying: InFlightCopy | None = None) -> Manifest:
         try:
+            if copying is not None:
+                copying.wait()  # the deferred copies fill the buffers the writer reads
             # write_checkpoint clears an uncommitted leftover at the path (never mixing old
             # and new files) and replaces a committed checkpoint there (save/layout.py).
             manifest = write_checkpoint(
@@ -289,7 +302,13 @@ class Saver:
         write_file_atomic(Store(url, options), buffer.getvalue())
         log.info("lightning_preempt: saved %s synchronously as a plain Lightning checkpoint (outside fit)", url)
 
+    def settle(self) -> None:
+        """Order whatever comes next after the overlapped copy in flight (save/overlap.py):
+        call it before changing parameters or optimizer state outside an optimizer step."""
+        self.overlap.settle()
+
     def _wait_pending(self) -> None:
+        self.overlap.settle()
         pending, self._pending = self._pending, None
         if pending is None:
             return
@@ -355,6 +374,7 @@ class Saver:
             self.wait()
         finally:
             self.closed = True
+            self.overlap.close()
             self.jobs.close()
             if self.tiers is not None:
                 self.tiers.close()

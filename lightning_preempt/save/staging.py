@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Collection
 from concurrent.futures import Future
 from typing import Any
 
@@ -136,12 +137,13 @@ class HostStager:
         if err is not None:
             log.warning("lightning_preempt: preallocating staging buffers failed (%s); the save allocates them", err)
 
-    def stage(self, tensors: dict[str, torch.Tensor], pinned: set[str] | None = None) -> dict[str, torch.Tensor]:
+    def stage(self, tensors: dict[str, torch.Tensor], pinned: set[str] | None = None, *,
+              keep: Collection[str] = ()) -> dict[str, torch.Tensor]:  # fmt: skip
         """Copy ``tensors`` into buffers (``pinned``: the keys to pin; default all when
-        :attr:`pin_memory`). Buffers of other keys are freed first, so a smaller budget
-        never holds old and new buffers at once."""
+        :attr:`pin_memory`). Buffers of other keys (except ``keep``) are freed first, so a
+        smaller budget never holds old and new buffers at once."""
         self._wait_prepared()
-        for stale in set(self._buffers) - set(tensors):
+        for stale in set(self._buffers) - set(tensors) - set(keep):
             self._drop(stale)
         if not self._announced:
             kind = "pinned host memory" if self.pin_memory else "plain host memory (no CUDA: pinning unavailable)"
@@ -163,6 +165,22 @@ class HostStager:
             torch.cuda.synchronize()
         self.last_staged_bytes = total
         return staged
+
+    def stage_deferred(
+        self, tensors: dict[str, torch.Tensor], deferred: Collection[str], pinned: set[str] | None = None
+    ) -> tuple[dict[str, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """:meth:`stage` for the keys not in ``deferred``; for those only their buffers, and
+        the ``(buffer, source)`` pairs left to copy (save/overlap.py copies them later)."""
+        later = {k: t for k, t in tensors.items() if k in deferred}
+        staged = self.stage({k: t for k, t in tensors.items() if k not in later}, pinned, keep=later)
+        pairs = []
+        for key, tensor in later.items():
+            source = (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach()
+            buf = self._buffer_for(key, source, self._pins(key, pinned))
+            pairs.append((buf, source))
+            staged[key] = _like(tensor, buf)
+            self.last_staged_bytes += _nbytes(buf)
+        return {k: staged[k] for k in tensors}, pairs
 
     def _buffer_for(self, key: str, local: torch.Tensor, pin: bool) -> torch.Tensor:
         buf = self._buffers.get(key)

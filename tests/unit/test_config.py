@@ -72,6 +72,7 @@ BAD_PLUGIN_ARGS: list[tuple[str, Any, str]] = [
     ("drain_retries", -1, "drain_retries must be an int >= 1"),
     ("drain_backoff_s", math.nan, "drain_backoff_s must be a finite number"),
     ("pin_memory", "yes", "pin_memory must be True, False or None"),
+    ("overlap_staging", 1, "overlap_staging must be True, False or None"),
     ("verify_on_load", None, "verify_on_load must be True or False"),
     ("host_memory_budget", 0.0, "host_memory_budget as a fraction must be in (0, 1]"),
     ("host_memory_budget", 1.5, "host_memory_budget as a fraction must be in (0, 1]"),
