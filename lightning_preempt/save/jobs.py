@@ -7,6 +7,9 @@ group from the caller. A job's exception is delivered through its Future.
 The thread, its queue and its lock are runtime state: they are created on the first
 :meth:`JobQueue.submit` and dropped by pickling (``ddp_spawn`` pickles the
 plugin into its workers; ``deepcopy`` of a trainer copies it), so a copy starts idle.
+
+The thread is a daemon with a ``stop()`` method (:meth:`JobQueue.close`): what tools that
+reap daemon threads call, e.g. Lightning's own test suite after every test.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ class JobQueue:
             if self._thread is None or not self._thread.is_alive():
                 # A daemon thread plus an atexit drain: the interpreter waits for pending
                 # commits at exit, yet an idle writer never keeps a process alive.
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread = _Worker(self)
                 self._thread.start()
                 if not self._atexit_registered:
                     atexit.register(self.close)
@@ -99,3 +102,12 @@ class JobQueue:
                 fut.set_result(job())
             except BaseException as err:
                 fut.set_exception(err)
+
+
+class _Worker(threading.Thread):
+    """The queue's thread; ``stop()`` finishes the queued jobs and ends it (a later
+    ``submit`` starts a new one)."""
+
+    def __init__(self, jobs: JobQueue) -> None:
+        super().__init__(target=jobs._run, name=jobs._name, daemon=True)
+        self.stop = jobs.close
