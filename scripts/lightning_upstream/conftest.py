@@ -9,12 +9,13 @@ ModelParallel, XLA, DeepSpeed) stay as they are. ``LP_INJECT=0`` turns the injec
 baseline run).
 """
 
+import contextlib
 import os
 import sys
 from typing import Any
 
-from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric import Fabric
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.strategies.strategy import Strategy as FabricStrategy
 from lightning.pytorch import Trainer
 
@@ -56,10 +57,8 @@ def _fabric_init(self: Fabric, *args: Any, **kwargs: Any) -> None:
     _original_fabric_init(self, *args, **kwargs)
     # Make the plugin now, in this process: ddp_spawn pickles the strategy into workers that
     # never import this conftest (a Trainer's plugin is made in __init__ the same way).
-    try:
+    with contextlib.suppress(NotImplementedError):  # FSDP, ModelParallel refuse every CheckpointIO
         self._strategy.checkpoint_io  # noqa: B018
-    except NotImplementedError:  # FSDP, ModelParallel: Lightning refuses every CheckpointIO
-        pass
 
 
 if INJECT:
