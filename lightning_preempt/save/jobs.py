@@ -7,9 +7,6 @@ group from the caller. A job's exception is delivered through its Future.
 The thread, its queue and its lock are runtime state: they are created on the first
 :meth:`JobQueue.submit` and dropped by pickling (``ddp_spawn`` pickles the
 plugin into its workers; ``deepcopy`` of a trainer copies it), so a copy starts idle.
-
-The thread is a daemon with a ``stop()`` method (:meth:`JobQueue.close`): what tools that
-reap daemon threads call, e.g. Lightning's own test suite after every test.
 """
 
 from __future__ import annotations
@@ -105,8 +102,10 @@ class JobQueue:
 
 
 class _Worker(threading.Thread):
-    """The queue's thread; ``stop()`` finishes the queued jobs and ends it (a later
-    ``submit`` starts a new one)."""
+    """The queue's daemon thread. ``stop()`` (:meth:`JobQueue.close`) finishes the queued jobs
+    and ends it; a later ``submit`` starts a new one. Tools that reap daemon threads call
+    ``stop()``: Lightning's own test suite does after every test, and fails one that leaves a
+    daemon thread without it."""
 
     def __init__(self, jobs: JobQueue) -> None:
         super().__init__(target=jobs._run, name=jobs._name, daemon=True)
