@@ -22,11 +22,11 @@ Result = tuple[float, float | None, dict[str, float]]  # as bench_save.Result
 METHODS: dict[str, tuple[str, str]] = {
     "fabric_ours": (
         "Fabric: fabric.save, ShardedAsyncCheckpointIO",
-        "sharded_keys=('model', 'optimizer'); committed = `.wait()`",
+        "sharded_keys=('model', 'optimizer') named; committed = `.wait()`",
     ),
     "fabric_ours_default_keys": (
         "Fabric: fabric.save, ShardedAsyncCheckpointIO, default sharded_keys",
-        "'model'/'optimizer' are not default sharded keys: tensors go to the skeleton",
+        "ShardedAsyncCheckpointIO() with no keys named (tensors outside sharded keys: skeleton)",
     ),
     "fabric_torch": ("Fabric: fabric.save, default TorchCheckpointIO", "sync torch.save as Fabric does it (no fsync)"),
 }
