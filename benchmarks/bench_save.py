@@ -13,6 +13,9 @@ curve: each ratio per tensor count (the cost per tensor, not per byte). ``--rank
 adds DDP saves on that many gloo ranks (every rank saves its share, as under
 ``PreemptionCallback``), the slowest rank against a write + fsync of its share.
 
+The Fabric rows (benchmarks/_fabric_save.py) time ``fabric.save`` of a Fabric loop's state
+(module, optimizer, step) on the same tensors, with our plugin and with Fabric's default.
+
     python benchmarks/bench_save.py            # ~1 GiB, ~3 min
     python benchmarks/bench_save.py --size-mib 256 --tensors 24,400,4000 --ranks 2,4  # the curve
     python benchmarks/bench_save.py --quick    # 128 MiB smoke run
@@ -53,6 +56,8 @@ from _common import (
     tensors_of,
     verdict,
 )
+from _fabric_save import METHODS as FABRIC_METHODS
+from _fabric_save import FabricSaves
 
 Result = tuple[float, float | None, dict[str, float]]  # blocking_s, committed_s, extras
 
@@ -188,6 +193,7 @@ METHODS: dict[str, tuple[str, str]] = {
     "torch_sync": ("Lightning TorchCheckpointIO", "sync torch.save; + fsync file & dir (added for fairness)"),
     "lightning_async": ("Lightning AsyncCheckpointIO", "wraps TorchCheckpointIO + fsync; clones tensors"),
     "dcp_async": ("DCP async_save, CPU DefaultStager", "blocks = returned + staging done; sync_files=True"),
+    **FABRIC_METHODS,
 }
 
 
@@ -363,7 +369,10 @@ def run_one(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
         "lightning_async": bench.lightning_async,
         "dcp_async": bench.dcp_async,
     }
-    methods = [m for m in runners if not args.methods or m in args.methods.split(",")]
+    methods = [m for m in METHODS if not args.methods or m in args.methods.split(",")]
+    fabric = FabricSaves(ckpt, bench.fresh, args.ours_threads) if any(m in FABRIC_METHODS for m in methods) else None
+    if fabric is not None:
+        runners |= {m: fabric.runner(m) for m in FABRIC_METHODS}
     results: dict[str, list[Result]] = {m: [] for m in methods}
     started = time.perf_counter()
     try:
@@ -380,6 +389,8 @@ def run_one(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
                     shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
     finally:
         bench.close()
+        if fabric is not None:
+            fabric.close()
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
     elapsed = time.perf_counter() - started
@@ -449,6 +460,16 @@ def run_one(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
         ("ours blocking / floor copy", "ours", "floor_copy", 0, 0, 1.3, False),
         ("sync torch.save blocking / ours blocking", "torch_sync", "ours", 0, 0, 5.0, True),
         ("ours committed / (sequential write + fsync)", "ours", "floor_write", 1, 1, 1.5, False),
+        ("fabric.save blocking: default / ours", "fabric_torch", "fabric_ours", 0, 0, 5.0, True),
+        (
+            "fabric.save blocking: default / ours, default keys",
+            "fabric_torch",
+            "fabric_ours_default_keys",
+            0,
+            0,
+            5.0,
+            True,
+        ),
     ]
     for name, a, b, ia, ib, target, higher in specs:
         if a in methods and b in methods:

@@ -69,7 +69,8 @@ def install(strategy: Any, io: ShardedAsyncCheckpointIO) -> None:
         path = self.broadcast(str(path))  # every rank writes its shards into one checkpoint
         converted = {k: (v.state_dict() if _stateful(v) else v) for k, v in state.items()}
         converted.update(_sharded_states(state))
-        io.save_fabric_state(converted, path, storage_options, stateful_keys(state))
+        with io.fabric_state(stateful_keys(state)):
+            io.save_checkpoint(checkpoint=converted, path=path, storage_options=storage_options)
 
     def load(self: Any, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None) -> Any:
         from torch.distributed.checkpoint.state_dict import (

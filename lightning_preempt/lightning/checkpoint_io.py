@@ -4,7 +4,8 @@ decides which saves are asynchronous; the mechanism lives below (docs/design.md)
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -42,6 +43,8 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
     before the first save they do as well. Neither starts a thread. The plugin pickles and
     deep-copies (``ddp_spawn``): threads, buffers and pending saves are not copied.
 
+    ``fabric.save`` with this plugin saves on every rank (lightning/fabric_routing.py).
+
     Every option is validated here (:class:`~lightning_preempt.engine.config.CheckpointIOConfig`).
 
     Args:
@@ -74,6 +77,8 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
             CUDA until the GPU check has proven it).
     """
 
+    _fabric_keys: tuple[str, ...] | None = None  # set by fabric_state while Fabric saves
+
     def __init__(
         self,
         storage_options: dict[str, Any] | None = None,
@@ -103,7 +108,7 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
                                       retries=config.drain_retries, backoff_s=config.drain_backoff_s)  # fmt: skip
         self.loader = Loader(config.storage_options, verify_on_load=config.verify_on_load,
                              trust_checkpoints=config.trust_checkpoints)  # fmt: skip
-        _compat.route_fabric_saves(wrap_save)  # fabric.save reaches save_fabric_state on every rank
+        _compat.route_fabric_saves(wrap_save)  # fabric.save reaches our save_checkpoint on every rank
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # A spawned worker (ddp_spawn) unpickles the plugin in a fresh interpreter: route there too.
@@ -123,6 +128,9 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         Raises:
             CheckpointWriteError: the previous save failed (raised once).
         """
+        if self._fabric_keys is not None:
+            self._save_fabric_state(checkpoint, path, storage_options, self._fabric_keys)
+            return
         url, options = str(path), self._options(storage_options)
         outside_fit = self.saver.closed or not _training_started(checkpoint)
         if outside_fit and not _holds_dtensors(checkpoint):
@@ -132,7 +140,17 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
             # can hold the shards; the directory is written synchronously)
             self.saver.save(checkpoint, url, options, wait=outside_fit)
 
-    def save_fabric_state(
+    @contextlib.contextmanager
+    def fabric_state(self, sharded_keys: tuple[str, ...]) -> Iterator[None]:
+        """Within it, :meth:`save_checkpoint` takes ``fabric.save``'s converted state
+        (lightning/fabric_routing.py), sharding the keys that held a module or an optimizer."""
+        self._fabric_keys = sharded_keys
+        try:
+            yield
+        finally:
+            self._fabric_keys = None
+
+    def _save_fabric_state(
         self, state: dict[str, Any], path: Any, storage_options: Any, sharded_keys: tuple[str, ...]
     ) -> None:
         """``fabric.save``, on every rank (lightning/fabric_routing.py): an asynchronous sharded

@@ -74,7 +74,7 @@ class JobQueue:
             if self._thread is None or not self._thread.is_alive():
                 # A daemon thread plus an exit drain (module docstring): every way out
                 # waits for pending commits, yet an idle writer never keeps a process alive.
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread = _Worker(self)
                 self._thread.start()
                 if self._exit_hook is None or self._exit_hook_pid != os.getpid():
                     self._exit_hook = mp_util.Finalize(None, self._close_at_exit, args=(os.getpid(),),
@@ -121,3 +121,14 @@ class JobQueue:
                 fut.set_result(job())
             except BaseException as err:
                 fut.set_exception(err)
+
+
+class _Worker(threading.Thread):
+    """The queue's daemon thread. ``stop()`` (:meth:`JobQueue.close`) finishes the queued jobs
+    and ends it; a later ``submit`` starts a new one. Tools that reap daemon threads call
+    ``stop()``: Lightning's own test suite does after every test, and fails one that leaves a
+    daemon thread without it."""
+
+    def __init__(self, jobs: JobQueue) -> None:
+        super().__init__(target=jobs._run, name=jobs._name, daemon=True)
+        self.stop = jobs.close
