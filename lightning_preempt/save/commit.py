@@ -98,7 +98,12 @@ def write_checkpoint(
 
     def write_files() -> dict[str, FileEntry]:
         entries: dict[str, FileEntry] = {}
-        writer = ChecksummingWriter(store, thread_count=thread_count, streamed=request.streamed)
+        writer = ChecksummingWriter(
+            store,
+            thread_count=thread_count,
+            streamed=request.streamed,
+            plan_cache=plan_cache,
+        )
         try:
             dcp_save_tensors(
                 request.tensors,

@@ -18,6 +18,8 @@ bytes reach storage:
   dtype and shape instead of a ``torch.save`` call per tensor) through a buffered stream,
   so thousands of small tensors become a few large sequential writes and CRC32C updates
   (:meth:`ChecksummingWriter.write_data`); the file format is DCP's, unchanged.
+* ``.metadata`` is pickled once per DCP plan, only this save's path and id afresh
+  (``save/dcp_metadata.py``);
 * tensors the host-memory budget streams (``save/budget.py``) are written first, from the
   training state (through the budget's host chunk when on a device), and the save is
   released as soon as they are: the files differ only in the order of their records.
@@ -31,7 +33,7 @@ import os
 import pickle
 import posixpath
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any, cast
 
@@ -46,6 +48,8 @@ from lightning_preempt.format import dcp_compat as _compat
 from lightning_preempt.format.manifest import FileEntry
 from lightning_preempt.format.names import DCP_METADATA_NAME
 from lightning_preempt.save.budget import Streamed
+from lightning_preempt.save.planning import PlanCache
+from lightning_preempt.save.record_layout import Entry, RecordLayout, entry, replay_file, results_of
 from lightning_preempt.save.records import write_tensor_record
 from lightning_preempt.storage.checksum import Crc32c
 from lightning_preempt.storage.store import Store
@@ -159,7 +163,14 @@ class ChecksummingWriter(_compat.FsspecWriter):
     on the coordinator).
     """
 
-    def __init__(self, store: Store, *, thread_count: int = 1, streamed: Streamed | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        thread_count: int = 1,
+        streamed: Streamed | None = None,
+        plan_cache: PlanCache | None = None,
+    ) -> None:
         super().__init__(
             store.url,
             single_file_per_rank=True,
@@ -174,6 +185,8 @@ class ChecksummingWriter(_compat.FsspecWriter):
         self.path = store.path()
         self._store = store
         self.streamed = streamed
+        #: plans, ``.metadata`` and file layouts of the previous saves (save/planning.py)
+        self.plan_cache = plan_cache
 
     @property
     def storage_error(self) -> BaseException | None:
@@ -198,18 +211,32 @@ class ChecksummingWriter(_compat.FsspecWriter):
             finally:
                 if streamed is not None:
                     streamed.release()
+        buckets = _split_by_size(items, max(1, self.thread_count))
+        names = [f"{prefix}{i}.distcp" for i in range(len(buckets))]
+        cache = self.plan_cache
+        layout = cache.records if cache is not None else None
+        state_dict = getattr(planner, "state_dict", None)
+        if (
+            streamed is None
+            and layout is not None
+            and getattr(planner, "reused_local_plan", False)
+            and isinstance(state_dict, dict)
+            and layout.fits(items, names)
+        ):
+            return self._replay(layout, state_dict)
         # DCP logs two debug records per resolve_data call (~40 us a tensor); its
         # undecorated method resolves the same data.
         method = getattr(type(planner).resolve_data, "__wrapped__", None)
         resolve = (lambda item: method(planner, item)) if method is not None else planner.resolve_data
-        buckets = _split_by_size(items, max(1, self.thread_count))
-        names = [f"{prefix}{i}.distcp" for i in range(len(buckets))]
         live = streamed.keys if streamed is not None else frozenset()
         # streamed tensors first in every bucket: the save blocks until they are written
         if live:
             buckets = [sorted(b, key=lambda item: item.index.fqn not in live) for b in buckets]
         remaining = [sum(item.index.fqn in live for bucket in buckets for item in bucket)]
         count_lock = threading.Lock()
+        # the layout to replay while this plan holds (planned structures of plain tensors only)
+        record = cache is not None and streamed is None and getattr(planner, "structure_cached", False)
+        files: list[list[Entry]] = [[] for _ in buckets]
 
         def written_live() -> None:
             with count_lock:
@@ -221,13 +248,14 @@ class ChecksummingWriter(_compat.FsspecWriter):
         if streamed is not None and remaining[0] == 0:
             streamed.release()
 
-        def write(name: str, bucket: list[WriteItem]) -> list[WriteResult]:
+        def write(name: str, bucket: list[WriteItem], entries: list[Entry]) -> list[WriteResult]:
             results: list[WriteResult] = []
             with self.fs.create_stream(posixpath.join(self.path, name), "wb") as stream:
                 for item in bucket:
                     tensor = resolve(item)
                     assert isinstance(tensor, torch.Tensor)
                     offset = stream.tell()
+                    parts = None
                     if item.index.fqn in live:
                         assert streamed is not None
                         with streamed.on_host(tensor) as host:
@@ -237,23 +265,36 @@ class ChecksummingWriter(_compat.FsspecWriter):
                         written_live()
                     else:
                         assert tensor.device.type == "cpu"
-                        write_tensor_record(cast(IO[bytes], stream), tensor.detach())
+                        parts = write_tensor_record(cast(IO[bytes], stream), tensor.detach())
                     length = stream.tell() - offset
+                    if record:
+                        entries.append(entry(item, tensor, parts, length))
                     info = _compat.DcpStorageInfo(name, offset, length)
                     results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
             return results
 
-        done: Future[list[WriteResult]] = Future()
-        try:
-            if len(buckets) == 1:
-                done.set_result(write(names[0], buckets[0]))
-            else:
-                with ThreadPoolExecutor(len(buckets), thread_name_prefix="lp-write") as pool:
-                    parts = [pool.submit(write, n, b) for n, b in zip(names, buckets, strict=True)]
-                    done.set_result([r for part in parts for r in part.result()])
-        except BaseException as err:  # DCP gathers it from the Future and reports it per rank
-            done.set_exception(err)  # type: ignore[arg-type]  # torch's stub is too narrow
-        return done
+        def remember(results: list[list[WriteResult]]) -> list[WriteResult]:
+            if record and cache is not None:
+                cache.records = RecordLayout(items, names, files, results)
+            return [r for part in results for r in part]
+
+        if cache is not None:
+            cache.records = None  # (a failed write leaves no layout behind)
+        return _run_files(lambda i: write(names[i], buckets[i], files[i]), len(buckets), remember)
+
+    def _replay(self, layout: RecordLayout, state_dict: dict[str, Any]) -> Future[list[WriteResult]]:
+        """:meth:`write_data` of a plan written before (save/record_layout.py)."""
+
+        def write(i: int) -> list[WriteResult]:
+            name, entries = layout.names[i], layout.files[i]
+            with self.fs.create_stream(posixpath.join(self.path, name), "wb") as stream:
+                changed = replay_file(cast(IO[bytes], stream), entries, state_dict)
+            if changed:  # a torch.save record of another length: its place and those after it moved
+                layout.results[i] = results_of(name, entries, changed)
+                layout.files[i] = [e._replace(length=changed.get(p, e.length)) for p, e in enumerate(entries)]
+            return layout.results[i]
+
+        return _run_files(write, len(layout.names), lambda results: [r for part in results for r in part])
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         version = _compat.dcp_format_version()
@@ -262,7 +303,28 @@ class ChecksummingWriter(_compat.FsspecWriter):
         metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
         metadata.storage_meta = self.storage_meta()
         with self.fs.create_stream(posixpath.join(self.path, DCP_METADATA_NAME), "wb") as f:
-            pickle.dump(metadata, f)
+            if self.plan_cache is None:
+                pickle.dump(metadata, f)
+            else:  # the entries pickled once per plan (save/dcp_metadata.py)
+                f.write(self.plan_cache.metadata_pickles.dumps(metadata, results))
+
+
+def _run_files(
+    write: Callable[[int], list[WriteResult]], count: int, finish: Callable[[list[list[WriteResult]]], list[WriteResult]]
+) -> Future[list[WriteResult]]:
+    """``write(i)`` for every file (a thread each when more than one), ``finish`` of their
+    results, as DCP's Future (which carries an error to DCP, to report per rank)."""
+    done: Future[list[WriteResult]] = Future()
+    try:
+        if count == 1:
+            done.set_result(finish([write(0)]))
+        else:
+            with ThreadPoolExecutor(count, thread_name_prefix="lp-write") as pool:
+                parts = [pool.submit(write, i) for i in range(count)]
+                done.set_result(finish([part.result() for part in parts]))
+    except BaseException as err:
+        done.set_exception(err)  # type: ignore[arg-type]  # torch's stub is too narrow
+    return done
 
 
 def _item_bytes(item: WriteItem) -> int:

@@ -11,7 +11,9 @@ the same. :class:`CachingSavePlanner` is DCP's ``DefaultSavePlanner`` that reuse
   stager replaces a buffer whose shape changed, so any change of structure misses;
   ``DTensor`` states are planned every time;
 * the global plan and metadata when the local plans it is given equal the last ones
-  (compared field by field, as gathered from every rank).
+  (compared field by field, as gathered from every rank);
+* beside them, what the writer derives from a plan: the shard files' layout
+  (save/record_layout.py) and the pickled ``.metadata`` (save/dcp_metadata.py).
 
 DCP (2.6+) has its own ``enable_plan_caching``; it keys its process-wide cache on the
 planner's class name alone, so two savers in one process (a collective one and a
@@ -30,6 +32,9 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
+from lightning_preempt.save.dcp_metadata import MetadataPickles
+from lightning_preempt.save.record_layout import RecordLayout
+
 
 @dataclasses.dataclass
 class PlanCache:
@@ -41,6 +46,10 @@ class PlanCache:
     global_plans: list[SavePlan] | None = None
     metadata: Metadata | None = None
     hits: dict[str, int] = dataclasses.field(default_factory=lambda: {"local": 0, "global": 0})
+    #: the shard files the plan above wrote, to write again (save/record_layout.py)
+    records: RecordLayout | None = dataclasses.field(default=None, repr=False, compare=False)
+    #: ``.metadata`` pickled for the plan above (save/dcp_metadata.py)
+    metadata_pickles: MetadataPickles = dataclasses.field(default_factory=MetadataPickles, repr=False, compare=False)
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
 
     def __reduce__(self) -> tuple[type[PlanCache], tuple[()]]:
@@ -51,6 +60,7 @@ class PlanCache:
     def clear(self) -> None:
         with self.lock:
             self.local_key = self.local_plan = self.all_plans = self.global_plans = self.metadata = None
+            self.records = None
 
 
 def _structure_key(state_dict: dict[str, Any], is_coordinator: bool) -> Any:
@@ -59,9 +69,9 @@ def _structure_key(state_dict: dict[str, Any], is_coordinator: bool) -> Any:
     for key, value in state_dict.items():
         if type(value) is not torch.Tensor:  # DTensor, ShardedTensor, bytes: plan afresh
             return None
-        parts.append(
-            (key, value.untyped_storage().data_ptr(), value.dtype, value.shape, value.stride(), value.requires_grad)
-        )
+        storage = value.untyped_storage()
+        parts.append((key, storage.data_ptr(), storage.nbytes(), value.storage_offset(), value.dtype, value.shape,
+                      value.stride(), value.requires_grad))  # fmt: skip
     return tuple(parts)
 
 
@@ -71,14 +81,20 @@ class CachingSavePlanner(DefaultSavePlanner):
     def __init__(self, cache: PlanCache) -> None:
         super().__init__()
         self._plan_cache = cache
+        #: the state is plain tensors (its plans are cached) / this save reused the local plan:
+        #: the same buffers as the last save (the writer replays that save's files then)
+        self.structure_cached = False
+        self.reused_local_plan = False
 
     def create_local_plan(self) -> SavePlan:
         cache = self._plan_cache
         key = _structure_key(self.state_dict, self.is_coordinator)
+        self.structure_cached = key is not None
         with cache.lock:
             if key is not None and key == cache.local_key and cache.local_plan is not None:
                 cache.hits["local"] += 1
                 self.plan = cache.local_plan
+                self.reused_local_plan = True
                 return self.plan
         plan = super().create_local_plan()
         with cache.lock:
