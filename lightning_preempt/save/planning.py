@@ -67,11 +67,10 @@ def _structure_key(state_dict: dict[str, Any], is_coordinator: bool) -> Any:
     """What the local plan depends on, or ``None`` when this state is not cached."""
     parts: list[Any] = [is_coordinator]
     for key, value in state_dict.items():
-        if type(value) is not torch.Tensor:  # DTensor, ShardedTensor, bytes: plan afresh
+        if type(value) is not torch.Tensor or type(key) is not str:  # DTensor, ShardedTensor, bytes: plan afresh
             return None
-        storage = value.untyped_storage()
-        parts.append((key, storage.data_ptr(), storage.nbytes(), value.storage_offset(), value.dtype, value.shape,
-                      value.stride(), value.requires_grad))  # fmt: skip
+        # (the data's address, not the storage's: a record holds the tensor's own bytes)
+        parts.append((key, value.data_ptr(), value.dtype, value.shape, value.stride(), value.requires_grad))
     return tuple(parts)
 
 
@@ -85,11 +84,29 @@ class CachingSavePlanner(DefaultSavePlanner):
         #: the same buffers as the last save (the writer replays that save's files then)
         self.structure_cached = False
         self.reused_local_plan = False
+        self._key: Any = None
+
+    def set_up_planner(
+        self, state_dict: dict[str, Any], storage_meta: Any = None, is_coordinator: bool = False
+    ) -> None:
+        key = _structure_key(state_dict, is_coordinator)
+        self._key, self.structure_cached = key, key is not None
+        if key is None:
+            super().set_up_planner(state_dict, storage_meta, is_coordinator)
+            return
+        # A flat dict of plain tensors under str keys: DCP's two flattening passes (~5 us a
+        # tensor) would map every key to itself.
+        cache = self._plan_cache
+        with cache.lock:
+            plan = cache.local_plan if key == cache.local_key else None
+        mappings = plan.planner_data if plan is not None else None
+        self.mappings = mappings if isinstance(mappings, dict) else {k: (k,) for k in state_dict}
+        self.state_dict = state_dict
+        self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> SavePlan:
         cache = self._plan_cache
-        key = _structure_key(self.state_dict, self.is_coordinator)
-        self.structure_cached = key is not None
+        key = self._key
         with cache.lock:
             if key is not None and key == cache.local_key and cache.local_plan is not None:
                 cache.hits["local"] += 1

@@ -51,6 +51,7 @@ from lightning_preempt.save.jobs import JobQueue
 from lightning_preempt.save.layout import ensure_exists, remove_local, write_file_atomic
 from lightning_preempt.save.overlap import InFlightCopy, Overlap
 from lightning_preempt.save.planning import PlanCache
+from lightning_preempt.save.skeleton_bytes import skeleton_bytes
 from lightning_preempt.save.staging import HostStager
 from lightning_preempt.save.tiers import TwoTier
 from lightning_preempt.storage.store import Store
@@ -215,8 +216,7 @@ class Saver:
             self._ensure_exists(url, options, local_url)
         tensors, skeleton = split_checkpoint(checkpoint, self.sharded_keys + sharded_keys)
         tensors = self._my_share(tensors)
-        buffer = io.BytesIO()
-        torch.save(skeleton, buffer)  # freezes the non-tensor state now
+        skeleton_data = skeleton_bytes(skeleton)  # torch.save's bytes; freezes the non-tensor state now
         plan = self.budget.split(tensors, self.stager)
         staging_started = time.perf_counter()
         # (a save that streams blocks until the writer has the streamed part: nothing to overlap)
@@ -227,9 +227,9 @@ class Saver:
         streamed = self.budget.streamed(plan, self.stager)
         if streamed is not None:  # the rest is written from the training state, in the same order
             staged = {key: staged[key] if key in staged else tensors[key].detach() for key in tensors}
-        record.bytes = plan.total_bytes + buffer.tell()
+        record.bytes = plan.total_bytes + len(skeleton_data)
         record.blocking_s = time.perf_counter() - started
-        request = SaveRequest(url=url, tensors=staged, skeleton=buffer.getvalue(), step=record.step,
+        request = SaveRequest(url=url, tensors=staged, skeleton=skeleton_data, step=record.step,
                               epoch=int(checkpoint.get("epoch", -1)), storage_options=options,
                               stats={"blocking_s": record.blocking_s}, run_id=self.run_id,
                               streamed=streamed)  # fmt: skip

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.format.metadata_scan import check_metadata_pickle
@@ -75,6 +76,9 @@ def test_a_replayed_save_writes_what_an_item_by_item_save_writes(tmp_path: Path,
         assert metadata.state_dict_metadata == reference.state_dict_metadata
         assert metadata.storage_data == reference.storage_data
         assert metadata.version == reference.version
+        # the planner skips DCP's flattening of a flat dict: the mapping DCP's own would make
+        flat = {f"state_dict/{k}": v for k, v in _state(step)["state_dict"].items()}
+        assert metadata.planner_data == flatten_state_dict(flat)[1]
         manifest = Manifest.from_json((Path(url) / MANIFEST_NAME).read_bytes(), path=url)
         check_metadata_pickle(data, path=url, manifest=manifest)  # the CLI's torch-free check
 
