@@ -14,6 +14,7 @@ for the same tensor; the skeleton, not the key, records where a tensor goes back
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import Any
 
@@ -41,6 +42,11 @@ def split_checkpoint(
 
 
 def _extract(value: Any, prefix: str, out: dict[str, torch.Tensor]) -> Any:
+    """``map_leaves(value, extract, prefix)`` (tensors out, placeholders in), with plain
+    dicts and lists walked inline: a state of thousands of tensors is split while training
+    waits. Other containers (``OrderedDict``, tuples, namedtuples) go to :func:`map_leaves`,
+    which rebuilds them as their exact type; the keys and their order are the same."""
+
     def extract(leaf: Any, key: str) -> Any:
         if not isinstance(leaf, torch.Tensor):
             return leaf
@@ -49,9 +55,32 @@ def _extract(value: Any, prefix: str, out: dict[str, torch.Tensor]) -> Any:
             unique = f"{key}#{n}"
             n += 1
         out[unique] = leaf
-        return TensorRef(unique)
+        return _ref(unique)
 
-    return map_leaves(value, extract, prefix)
+    def walk(node: Any, path: str) -> Any:
+        kind = type(node)
+        if kind is dict:
+            return {k: walk(v, f"{path}/{k}") if type(v) in _INLINE or isinstance(v, _CONTAINERS) else v
+                    for k, v in node.items()}  # fmt: skip
+        if kind is list:
+            return [walk(v, f"{path}/{i}") if type(v) in _INLINE or isinstance(v, _CONTAINERS) else v
+                    for i, v in enumerate(node)]  # fmt: skip
+        if isinstance(node, (dict, list, tuple)):
+            return map_leaves(node, extract, path)
+        return extract(node, path)
+
+    return walk(value, prefix)
+
+
+#: walked by :func:`_extract` itself (a tensor is a leaf it extracts; a Parameter, a subclass)
+_INLINE = frozenset({dict, list, torch.Tensor, torch.nn.Parameter})
+_CONTAINERS = (dict, list, tuple, torch.Tensor)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _ref(key: str) -> TensorRef:
+    # placeholders are immutable: one per key, not a new dataclass every save
+    return TensorRef(key)
 
 
 def merge_checkpoint(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:

@@ -151,10 +151,10 @@ class Split:
 
 def split(tensors: dict[str, torch.Tensor], budget: Budget, *, pin: bool) -> Split:
     """Resident tensors smallest first while they and the chunk fit (see the module docstring)."""
-    sizes = {key: nbytes(t) for key, t in tensors.items()}
+    sizes = {key: t.nbytes if type(t) is torch.Tensor else nbytes(t) for key, t in tensors.items()}
     total = sum(sizes.values())
     # what each buffer costs the host (pinned ones are rounded up); conservative: as if pinned
-    costs = {key: host_cost(size, pin) for key, size in sizes.items()}
+    costs = {key: host_cost(size, True) for key, size in sizes.items()} if pin else sizes
     limit = budget.host_bytes
     if limit is None or sum(costs.values()) <= limit:
         keys = list(tensors)

@@ -25,6 +25,8 @@ from typing import IO, Any
 
 import torch
 
+from lightning_preempt.format import TensorRef
+
 
 class _HoldsStorage(Exception):
     """The object holds a tensor or storage: ``persistent_id`` is needed."""
@@ -32,6 +34,8 @@ class _HoldsStorage(Exception):
 
 class _PlainPickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is TensorRef:  # what its __reduce__ returns, without calling it
+            return (TensorRef, (obj.key,))
         if isinstance(obj, (torch.Tensor, torch.storage.TypedStorage)) or torch.is_storage(obj):
             raise _HoldsStorage
         return NotImplemented

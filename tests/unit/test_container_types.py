@@ -63,3 +63,31 @@ def test_plugin_round_trip_keeps_container_types(tmp_path: Path) -> None:
     plain = ShardedAsyncCheckpointIO()  # allow-listed types only: torch.Size comes back as torch.Size
     loaded = plain.load_checkpoint(str(tmp_path / "ck"), weights_only=False)
     assert type(loaded["input_shape"]) is torch.Size
+
+
+def test_the_inline_split_is_the_generic_walk() -> None:
+    """split_checkpoint walks plain dicts and lists itself (speed, issue 26): the same keys
+    in the same order and the same skeleton as the generic map_leaves walk."""
+    from lightning_preempt.format import TensorRef
+    from lightning_preempt.format.containers import map_leaves
+
+    t = torch.ones(2)
+    state = _state()
+    state["optimizer_states"].append({0: t, "0": t, "nested": [[t, 1, (t, "x")], {"p": torch.nn.Parameter(t)}]})
+    state["state_dict"]["x"] = [t, {"y": t}]
+    tensors, skeleton = split_checkpoint(state)
+    expected: dict[str, torch.Tensor] = {}
+
+    def extract(leaf: Any, key: str) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        n, unique = 1, key
+        while unique in expected:
+            unique, n = f"{key}#{n}", n + 1
+        expected[unique] = leaf
+        return TensorRef(unique)
+
+    generic = {k: map_leaves(v, extract, k) if k in ("state_dict", "optimizer_states") else v for k, v in state.items()}
+    assert list(tensors) == list(expected) and all(tensors[k] is expected[k] for k in expected)
+    assert skeleton == generic
+    assert type(skeleton["state_dict"]) is OrderedDict and skeleton["state_dict"]._metadata == {"": {"version": 2}}
