@@ -131,7 +131,8 @@ def write_checkpoint(
             epoch=request.epoch,
             world_size=world,
             files={name: entry for rank_entries in written for name, entry in rank_entries.items()},
-            tensor_bytes=sum(t.numel() * t.element_size() for t in request.tensors.values()),
+            tensor_bytes=sum(t.nbytes if type(t) is torch.Tensor else t.numel() * t.element_size()
+                             for t in request.tensors.values()),  # fmt: skip
             stats={**request.stats, "write_s": time.perf_counter() - started},
             extra={**request.extra, **plan.manifest_extra},
             run_id=request.run_id,

@@ -40,6 +40,7 @@ class MetadataPickles:
     """Part 1 of the last ``.metadata`` (see the module docstring), keyed on what it holds."""
 
     def __init__(self) -> None:
+        #: (metadata, its entries, its planner data, the result lists, their places) of the last save
         self._key: tuple[Any, ...] | None = None
         self._head = b""
         self.hits = 0
@@ -52,11 +53,19 @@ class MetadataPickles:
         """The bytes of ``.metadata`` for ``metadata`` (its ``storage_data`` already set from
         ``results``)."""
         # The same objects (the PlanCache hands out the same metadata while the plan holds;
-        # held here, so never a new object at an old address) and the same record places.
-        key = (metadata, metadata.state_dict_metadata, metadata.planner_data, _places(results))
+        # held here, so never a new object at an old address) and the same record places:
+        # the same result lists (a replayed layout, save/record_layout.py) or equal places.
         with self._lock:
             last = self._key
-            same = last is not None and all(a is b for a, b in zip(key[:3], last[:3])) and key[3] == last[3]
+        same_lists = last is not None and len(results) == len(last[3]) and all(
+            a is b for a, b in zip(results, last[3], strict=False)
+        )
+        places = last[4] if same_lists and last is not None else _places(results)
+        key = (metadata, metadata.state_dict_metadata, metadata.planner_data, list(results), places)
+        with self._lock:
+            same = last is not None and all(a is b for a, b in zip(key[:3], last[:3], strict=True)) and (
+                places is last[4] or places == last[4]
+            )
             head = self._head if same else None
             if head is not None:
                 self.hits += 1

@@ -200,30 +200,34 @@ class ChecksummingWriter(_compat.FsspecWriter):
         :func:`write_tensor_record`. Plans DCP's own writer handles specially (byte-IO
         items, stream transforms) go to it unchanged."""
         prefix = getattr(plan.storage_data, "prefix", None)
-        items = list(plan.items)
         streamed = self.streamed
         if streamed is not None:
             streamed.check()  # a second attempt of a save whose streamed tensors have changed
-        special = any(item.type == WriteItemType.BYTE_IO for item in items)
-        if prefix is None or special or tuple(getattr(self.transforms, "extensions", None) or ()):
-            try:
-                return super().write_data(plan, planner)  # writes before it returns
-            finally:
-                if streamed is not None:
-                    streamed.release()
-        buckets = _split_by_size(items, max(1, self.thread_count))
-        names = [f"{prefix}{i}.distcp" for i in range(len(buckets))]
+        transformed = bool(tuple(getattr(self.transforms, "extensions", None) or ()))
         cache = self.plan_cache
         layout = cache.records if cache is not None else None
         state_dict = getattr(planner, "state_dict", None)
         if (
             streamed is None
             and layout is not None
+            and prefix is not None
+            and not transformed
             and getattr(planner, "reused_local_plan", False)
             and isinstance(state_dict, dict)
-            and layout.fits(items, names)
-        ):
+            and layout.fits(plan.items, _file_names(prefix, len(plan.items), self.thread_count))
+        ):  # (a recorded layout holds no byte-IO item)
             return self._replay(layout, state_dict)
+        items = list(plan.items)
+        special = any(item.type == WriteItemType.BYTE_IO for item in items)
+        if prefix is None or special or transformed:
+            try:
+                return super().write_data(plan, planner)  # writes before it returns
+            finally:
+                if streamed is not None:
+                    streamed.release()
+        buckets = _split_by_size(items, max(1, self.thread_count))
+        names = _file_names(prefix, len(items), self.thread_count)
+        assert len(names) == len(buckets)
         # DCP logs two debug records per resolve_data call (~40 us a tensor); its
         # undecorated method resolves the same data.
         method = getattr(type(planner).resolve_data, "__wrapped__", None)
@@ -275,7 +279,8 @@ class ChecksummingWriter(_compat.FsspecWriter):
 
         def remember(results: list[list[WriteResult]]) -> list[WriteResult]:
             if record and cache is not None:
-                cache.records = RecordLayout(items, names, files, results)
+                cache.records = RecordLayout(plan.items, names, files, results)
+                return cache.records.flat
             return [r for part in results for r in part]
 
         if cache is not None:
@@ -285,6 +290,8 @@ class ChecksummingWriter(_compat.FsspecWriter):
     def _replay(self, layout: RecordLayout, state_dict: dict[str, Any]) -> Future[list[WriteResult]]:
         """:meth:`write_data` of a plan written before (save/record_layout.py)."""
 
+        moved: list[int] = []
+
         def write(i: int) -> list[WriteResult]:
             name, entries = layout.names[i], layout.files[i]
             with self.fs.create_stream(posixpath.join(self.path, name), "wb") as stream:
@@ -292,9 +299,15 @@ class ChecksummingWriter(_compat.FsspecWriter):
             if changed:  # a torch.save record of another length: its place and those after it moved
                 layout.results[i] = results_of(name, entries, changed)
                 layout.files[i] = [e._replace(length=changed.get(p, e.length)) for p, e in enumerate(entries)]
+                moved.append(i)
             return layout.results[i]
 
-        return _run_files(write, len(layout.names), lambda results: [r for part in results for r in part])
+        def finish(_: list[list[WriteResult]]) -> list[WriteResult]:
+            if moved:
+                layout.flat = [r for part in layout.results for r in part]
+            return layout.flat  # the same list while nothing moved: .metadata's places are known
+
+        return _run_files(write, len(layout.names), finish)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         version = _compat.dcp_format_version()
@@ -325,6 +338,12 @@ def _run_files(
     except BaseException as err:
         done.set_exception(err)  # type: ignore[arg-type]  # torch's stub is too narrow
     return done
+
+
+def _file_names(prefix: str, items: int, thread_count: int) -> list[str]:
+    """The files :func:`_split_by_size` fills: one per thread, at most one per item."""
+    count = 1 if thread_count <= 1 or items <= 1 else min(thread_count, items)
+    return [f"{prefix}{i}.distcp" for i in range(count)]
 
 
 def _item_bytes(item: WriteItem) -> int:

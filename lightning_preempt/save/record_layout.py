@@ -46,6 +46,11 @@ class RecordLayout:
     names: list[str]
     files: list[list[Entry]]
     results: list[list[WriteResult]]
+    #: every file's results in one list (what DCP gets; the same object while nothing moved)
+    flat: list[WriteResult] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.flat = [r for part in self.results for r in part]
 
     def fits(self, items: list[WriteItem], names: list[str]) -> bool:
         return names == self.names and (items is self.items or items == self.items)
