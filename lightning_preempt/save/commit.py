@@ -131,8 +131,7 @@ def write_checkpoint(
             epoch=request.epoch,
             world_size=world,
             files={name: entry for rank_entries in written for name, entry in rank_entries.items()},
-            tensor_bytes=sum(t.nbytes if type(t) is torch.Tensor else t.numel() * t.element_size()
-                             for t in request.tensors.values()),  # fmt: skip
+            tensor_bytes=sum(_nbytes(t) for t in request.tensors.values()),
             stats={**request.stats, "write_s": time.perf_counter() - started},
             extra={**request.extra, **plan.manifest_extra},
             run_id=request.run_id,
@@ -199,6 +198,11 @@ def _dcp_failures(err: CheckpointException) -> str:
         exc = failure[0] if isinstance(failure, tuple) else failure
         parts.append(f"rank {rank} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
     return "; ".join(parts)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    """Bytes of ``tensor`` (a ``DTensor``: of the whole tensor, as its ``numel``)."""
+    return tensor.nbytes if type(tensor) is torch.Tensor else tensor.numel() * tensor.element_size()
 
 
 def _write_hashed(store: Store, name: str, data: bytes) -> FileEntry:
