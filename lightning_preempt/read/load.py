@@ -153,6 +153,8 @@ def gc_paused() -> Iterator[None]:
     ``.metadata``, the skeleton, the tensors): each allocation burst triggers full
     collections that walk every object alive, measured 0.04 s -> 0.2 s for one
     ``.metadata`` of 4000 tensors. A load creates no cycles worth collecting meanwhile.
+    A save pauses it too, only while training waits (save/saver.py: split, skeleton,
+    staging), never while it writes (that may take minutes while training runs).
     """
     was_enabled = gc.isenabled()
     gc.disable()

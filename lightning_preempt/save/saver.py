@@ -45,6 +45,7 @@ from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.format.names import MANIFEST_NAME
 from lightning_preempt.format.shares import own_share, replica_fingerprint
 from lightning_preempt.format.skeleton import split_checkpoint
+from lightning_preempt.read.load import gc_paused
 from lightning_preempt.save.budget import StagingBudget
 from lightning_preempt.save.commit import SaveRequest, write_checkpoint
 from lightning_preempt.save.jobs import JobQueue
@@ -214,14 +215,15 @@ class Saver:
         local_url = self.tiers.local_twin(url) if self.tiers is not None else None
         if self.rank == 0:
             self._ensure_exists(url, options, local_url)
-        tensors, skeleton = split_checkpoint(checkpoint, self.sharded_keys + sharded_keys)
-        tensors = self._my_share(tensors)
-        skeleton_data = skeleton_bytes(skeleton)  # torch.save's bytes; freezes the non-tensor state now
-        plan = self.budget.split(tensors, self.stager)
-        staging_started = time.perf_counter()
-        # (a save that streams blocks until the writer has the streamed part: nothing to overlap)
-        staged, copying = self.overlap.stage(self.stager, {key: tensors[key] for key in plan.resident},
-                                             plan.pinned, defer=not (wait or plan.streamed))  # fmt: skip
+        with gc_paused():  # thousands of tensors: no full collections while training waits
+            tensors, skeleton = split_checkpoint(checkpoint, self.sharded_keys + sharded_keys)
+            tensors = self._my_share(tensors)
+            skeleton_data = skeleton_bytes(skeleton)  # torch.save's bytes; freezes the non-tensor state now
+            plan = self.budget.split(tensors, self.stager)
+            staging_started = time.perf_counter()
+            resident = tensors if len(plan.resident) == len(tensors) else {k: tensors[k] for k in plan.resident}
+            # (a save that streams blocks until the writer has the streamed part: nothing to overlap)
+            staged, copying = self.overlap.stage(self.stager, resident, plan.pinned, defer=not (wait or plan.streamed))
         record.deferred_bytes = copying.bytes if copying is not None else 0
         staged_s = time.perf_counter() - staging_started
         streamed = self.budget.streamed(plan, self.stager)

@@ -101,3 +101,20 @@ def test_a_torch_save_record_of_another_length_moves_the_places_after_it(
         saver.close()
     assert saver.plan_cache.hits["local"] == 1
     _check(str(tmp_path / "b"), _state(2))
+
+
+def test_replayed_saves_to_an_object_store_write_one_buffered_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No file descriptor to gather writes on (memory://): the replay writes through the buffer."""
+    monkeypatch.setattr(records, "TEMPLATE_MAX_BYTES", 4096)
+    saver = Saver({})
+    urls = [f"memory://lp-replay/s{step}" for step in (1, 2, 3)]
+    try:
+        for step, url in zip((1, 2, 3), urls, strict=True):
+            saver.save(_state(step), url, {}, wait=True)
+    finally:
+        saver.close()
+    assert saver.plan_cache.hits["local"] == 2
+    for step, url in zip((1, 2, 3), urls, strict=True):
+        loaded = load_full_checkpoint(Store(url))  # CRC32C verified
+        for key, tensor in _state(step)["state_dict"].items():
+            assert torch.equal(loaded["state_dict"][key], tensor), key
