@@ -64,6 +64,12 @@ def _worker(rank: int, world: int, root: str, scenario: str) -> None:
         io.save_checkpoint({"global_step": 4, "state_dict": {"w": torch.arange(10.0)}}, os.path.join(root, "step-4"))
         out["staged"] = io.staging_last_bytes
         io.wait()
+    elif scenario == "replay":  # the same structure saved 3 times: plans, layouts and .metadata reused
+        for step in (1, 2, 3):
+            io.save_checkpoint(_state(step, rank=rank), os.path.join(root, f"step-{step}"))
+            io.wait()
+        cache = io.saver.plan_cache
+        out.update(hits=cache.hits, replayed=cache.records is not None, pickled=cache.metadata_pickles.hits)
     elif scenario == "rank_dies":
         io.save_checkpoint(_state(1, rank=rank), os.path.join(root, "step-1"))
         io.wait()
@@ -156,3 +162,16 @@ def test_over_budget_shares_stream_on_every_rank_and_the_checkpoint_is_exact(tmp
     expected = _big_state(3)["state_dict"]
     assert loaded["global_step"] == 3 and loaded["state_dict"].keys() == expected.keys()
     assert all(torch.equal(loaded["state_dict"][k], v) for k, v in expected.items())
+
+
+@pytest.mark.slow
+def test_saves_of_one_structure_replay_on_every_rank_and_each_checkpoint_is_its_own(tmp_path: Path) -> None:
+    """Issue 26: both ranks reuse their plans and shard layouts (the second rank's plan
+    arrives unpickled from the coordinator: found equal, not identical), the coordinator its
+    pickled .metadata entries; every checkpoint holds its own step's values."""
+    outcomes = _run(tmp_path, "replay")
+    for o in outcomes:
+        assert o["hits"] == {"local": 2, "global": 2 if o["rank"] == 0 else 0} and o["replayed"], o
+    assert outcomes[0]["pickled"] == 2
+    for step in (1, 2, 3):
+        _assert_complete(str(tmp_path / f"step-{step}"), step)
