@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from lightning_preempt.errors import CheckpointWriteError
+from lightning_preempt.save.staging import copy_all
 
 if TYPE_CHECKING:
     from lightning_preempt.save.staging import HostStager
@@ -74,9 +75,9 @@ def _storage(tensor: torch.Tensor) -> tuple[str, int]:
 
 
 def copy_on_thread(pairs: Pairs) -> None:
-    """The helper thread's copies (a module function: a test holds it to widen the window)."""
-    for buf, src in pairs:
-        buf.copy_(src)
+    """The helper thread's copies (a module function: a test holds it to widen the window),
+    in one call that releases the GIL (training runs meanwhile)."""
+    copy_all([buf for buf, _ in pairs], [src for _, src in pairs])
 
 
 class InFlightCopy:

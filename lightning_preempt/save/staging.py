@@ -165,9 +165,8 @@ class HostStager:
             to[1].append(local)
             total += buf.numel() * buf.element_size()
             staged[key] = buf if local is tensor else _like(tensor, buf)
-        with torch.no_grad():  # (the sources may need grad; the buffers never do)
-            copy_all(*copies)
-            copy_all(*async_copies, non_blocking=True)
+        copy_all(*copies)
+        copy_all(*async_copies, non_blocking=True)
         if async_copies[0]:
             torch.cuda.synchronize()
         self.last_staged_bytes = total
@@ -214,11 +213,12 @@ def copy_all(buffers: list[torch.Tensor], sources: list[torch.Tensor], *, non_bl
     if not buffers:
         return
     foreach = getattr(torch, "_foreach_copy_", None)
-    if foreach is not None:
-        foreach(buffers, sources, non_blocking=non_blocking)
-        return
-    for buf, source in zip(buffers, sources, strict=True):
-        buf.copy_(source, non_blocking=non_blocking)
+    with torch.no_grad():  # (the sources may need grad; the buffers never do)
+        if foreach is not None:
+            foreach(buffers, sources, non_blocking=non_blocking)
+            return
+        for buf, source in zip(buffers, sources, strict=True):
+            buf.copy_(source, non_blocking=non_blocking)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -131,3 +131,32 @@ def test_trainer_state_preallocated_before_the_first_save(tmp_path: Path) -> Non
     # exp_avg + exp_avg_sq per parameter, plus the step counters
     assert probe.seen["after_step_1"] > 3 * params
     assert probe.seen["after_save"] == probe.seen["after_step_1"]  # the save allocated nothing
+
+
+def test_staging_copies_every_kind_of_tensor_in_one_call(monkeypatch: Any) -> None:
+    """One ``_foreach_copy_`` for the whole state (issue 26): parameters that need grad,
+    non-contiguous, 0-dim, bfloat16 and empty tensors land in contiguous buffers, exactly."""
+    from lightning_preempt.save import staging
+
+    calls: list[int] = []
+    real = staging.copy_all
+
+    def counting(buffers: list[torch.Tensor], sources: list[torch.Tensor], **kw: Any) -> None:
+        calls.append(len(buffers))
+        real(buffers, sources, **kw)
+
+    monkeypatch.setattr(staging, "copy_all", counting)
+    src = {
+        "param": torch.nn.Parameter(torch.randn(3, 4)),
+        "transposed": torch.randn(4, 3).t(),
+        "scalar": torch.tensor(5, dtype=torch.int64),
+        "half": torch.randn(2, 2).to(torch.bfloat16),
+        "empty": torch.zeros(0),
+    }
+    stager = staging.HostStager(pin_memory=False)
+    for _ in range(2):  # allocating, then reusing the buffers
+        staged = stager.stage(src)
+        for key, tensor in src.items():
+            assert torch.equal(staged[key], tensor.detach()) and staged[key].is_contiguous(), key
+            assert not staged[key].requires_grad, key
+    assert [c for c in calls if c] == [5, 5]
