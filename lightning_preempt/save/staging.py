@@ -153,17 +153,21 @@ class HostStager:
         copies: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # (buffers, sources)
         async_copies: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # pinned, from a device
         total = 0
-        buffers, pinned_keys = self._buffers, self._pinned
-        for key, tensor in tensors.items():
+        buffers, pinned_keys, pin_any = self._buffers, self._pinned, self.pin_memory
+        bufs, sources = copies
+        for key, tensor in tensors.items():  # (per tensor: thousands of them while training waits)
             local = tensor if type(tensor) is torch.Tensor else _local(tensor)
-            pin = self._pins(key, pinned)
+            pin = pin_any and (pinned is None or key in pinned)
             buf = buffers.get(key)
             if buf is None or buf.shape != local.shape or buf.dtype != local.dtype or (key in pinned_keys) != pin:
                 buf = self._buffer_for(key, local, pin)
-            to = async_copies if key in pinned_keys and local.device.type == "cuda" else copies
-            to[0].append(buf)
-            to[1].append(local)
-            total += buf.numel() * buf.element_size()
+            if pin and local.device.type == "cuda":
+                async_copies[0].append(buf)
+                async_copies[1].append(local)
+            else:
+                bufs.append(buf)
+                sources.append(local)
+            total += buf.nbytes
             staged[key] = buf if local is tensor else _like(tensor, buf)
         copy_all(*copies)
         copy_all(*async_copies, non_blocking=True)
