@@ -7,7 +7,8 @@ DCP's plan is reused (save/planning.py) and every record keeps its place in the 
 files, all of it is the same save after save except ``storage_meta`` (this save's path and
 id) and ``version``.
 
-So the pickle is written in two parts, both plain protocol-2 pickle:
+So the pickle (protocol 4, as ``pickle.dump`` writes it here) holds two parts, in one
+``FRAME`` (a reader of a file object fetches it in one read, not one per opcode):
 
 1. ``Metadata`` without those two fields (``NEWOBJ`` + ``BUILD`` of its state, no ``STOP``):
    cached in :class:`MetadataPickles` and reused while the metadata object and the record
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import pickletools
 import threading
 from typing import Any
 
@@ -32,8 +34,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 #: The fields pickled afresh on every save (they name this save); the rest is cached.
 PER_SAVE_FIELDS = ("storage_meta", "version")
-_PROTOCOL = 2  # no frames: part 1 ends where part 2 begins
-_BUILD, _STOP = pickle.BUILD, pickle.STOP
+_PROTOCOL = 4  # pickle.dump's default here; its frames are taken out and the whole put in one
+_BUILD, _STOP, _FRAME = pickle.BUILD, pickle.STOP, pickle.FRAME
 
 
 class MetadataPickles:
@@ -73,7 +75,10 @@ class MetadataPickles:
             head = _head(metadata)
             with self._lock:
                 self._key, self._head = key, head
-        return head + _tail(metadata)
+        body = head + _tail(metadata)
+        # One frame around it all: unpicklers reading a file object (dcp.load, ours) then
+        # fetch it in one read, not one call per opcode (measured 0.1 s for 4000 entries).
+        return pickle.PROTO + bytes([_PROTOCOL]) + _FRAME + len(body).to_bytes(8, "little") + body
 
 
 def _places(results: list[list[WriteResult]]) -> tuple[Any, ...]:
@@ -89,9 +94,7 @@ def _head(metadata: Metadata) -> bytes:
     state = {k: v for k, v in metadata.__dict__.items() if k not in PER_SAVE_FIELDS}
     bare = Metadata.__new__(Metadata)
     bare.__dict__.update(state)
-    data = pickle.dumps(bare, protocol=_PROTOCOL)
-    assert data[-1:] == _STOP
-    return data[:-1]
+    return _opcodes(pickle.dumps(bare, protocol=_PROTOCOL))
 
 
 def _tail(metadata: Metadata) -> bytes:
@@ -99,6 +102,35 @@ def _tail(metadata: Metadata) -> bytes:
     pickler = pickle.Pickler(buffer, protocol=_PROTOCOL)
     pickler.fast = True  # no memo: nothing here may refer to (or collide with) part 1's memo
     pickler.dump({k: metadata.__dict__[k] for k in PER_SAVE_FIELDS if k in metadata.__dict__})
-    data = buffer.getvalue()
+    return _opcodes(buffer.getvalue()) + _BUILD + _STOP
+
+
+def _opcodes(data: bytes) -> bytes:
+    """A protocol-4 pickle's opcodes without its ``PROTO``, its ``FRAME`` headers and its
+    ``STOP`` (the pickler frames at opcode boundaries; a part it leaves unframed is found by
+    walking the opcodes)."""
     assert data[:2] == pickle.PROTO + bytes([_PROTOCOL]) and data[-1:] == _STOP
-    return data[2:-1] + _BUILD + _STOP
+    parts: list[bytes] = []
+    pos = 2
+    while pos < len(data) and data[pos : pos + 1] == _FRAME:
+        size = int.from_bytes(data[pos + 1 : pos + 9], "little")
+        parts.append(data[pos + 9 : pos + 9 + size])
+        pos += 9 + size
+    if pos < len(data):  # unframed opcodes (e.g. a large string): the slow, exact way
+        rest = data[pos:]
+        if any(op.name == "FRAME" for op, _, _ in pickletools.genops(rest)):
+            return b"".join(p for p in _walk_frames(data))
+        parts.append(rest)
+    return b"".join(parts)[:-1]
+
+
+def _walk_frames(data: bytes) -> list[bytes]:
+    """``data``'s opcodes without ``PROTO``, ``FRAME`` s and ``STOP``, by walking every opcode."""
+    out: list[bytes] = []
+    ops = list(pickletools.genops(data))
+    for i, (op, _, pos) in enumerate(ops):
+        if op.name in ("PROTO", "FRAME", "STOP"):
+            continue
+        end = ops[i + 1][2] if i + 1 < len(ops) else len(data)
+        out.append(data[pos:end])
+    return out
