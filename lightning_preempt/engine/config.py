@@ -125,6 +125,7 @@ class PreemptionConfig:
     probe_storage: bool = True
     notices: tuple[str, ...] = ()
     on_notice: Literal["continue", "exit"] = "continue"
+    global_batch: Literal["per_rank", "keep"] = "per_rank"
 
     def __post_init__(self) -> None:
         if isinstance(self.dirpath, os.PathLike):
@@ -162,6 +163,10 @@ class PreemptionConfig:
         if self.on_notice not in ("continue", "exit"):
             raise _fail("on_notice", self.on_notice, "'continue' or 'exit'", "'continue' snapshots and trains on "
                         "until the signal; 'exit' snapshots and exits for requeue at once.")  # fmt: skip
+        if self.global_batch not in ("per_rank", "keep"):
+            raise _fail("global_batch", self.global_batch, "'per_rank' or 'keep'", "'per_rank' keeps each rank's batch "
+                        "when the world size changes (the global batch follows it); 'keep' scales "
+                        "accumulate_grad_batches to keep the global batch where it divides.")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

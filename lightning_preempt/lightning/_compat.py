@@ -151,6 +151,22 @@ def training_results(trainer: Any) -> Any | None:
     return getattr(trainer.fit_loop.epoch_loop, "_results", None)
 
 
+def refresh_train_batches(trainer: Any) -> None:
+    """Count the training batches per epoch again (Lightning counts them once, at set-up):
+    after a resharded epoch's loaders changed length, and when that epoch is over.
+    ``val_check_batch`` follows a fractional ``val_check_interval`` as Lightning computes it."""
+    from lightning.fabric.utilities.data import sized_len
+
+    combined = getattr(trainer.fit_loop, "_combined_loader", None)
+    length = sized_len(combined) if combined is not None else None
+    if length is None:
+        return
+    trainer.fit_loop.max_batches = length
+    interval = getattr(trainer, "val_check_interval", None)
+    if isinstance(interval, float) and getattr(trainer, "check_val_every_n_epoch", None) is not None:
+        trainer.val_check_batch = max(1, int(length * interval))
+
+
 def set_sampler_epoch(loader: Any, epoch: int) -> None:
     """Lightning's own per-epoch ``set_epoch`` call on a loader's samplers."""
     from lightning.fabric.utilities.data import _set_sampler_epoch

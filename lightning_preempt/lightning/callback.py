@@ -91,6 +91,10 @@ class PreemptionCallback(OnExceptionCheckpoint):
         on_notice: ``"continue"``: on a notice (from ``notices`` or ``sources``), snapshot at
             the next agreed step and train on until the signal (whose snapshot then costs only
             the steps since); ``"exit"``: snapshot and exit with ``exit_code`` at once.
+        global_batch: at a resize (elastic runs, docs/elastic.md): ``"per_rank"`` keeps each
+            rank's batch, so the global batch follows the world size (logged); ``"keep"`` keeps
+            the global batch by scaling ``accumulate_grad_batches`` by saved ranks / ranks now
+            where that is a whole number (logged; otherwise as ``"per_rank"``).
         sources: extra preemption sources (:class:`~lightning_preempt.preemption.sources.PreemptionSource`).
     """
 
@@ -120,12 +124,13 @@ class PreemptionCallback(OnExceptionCheckpoint):
         probe_storage: bool = True,
         notices: str | Sequence[str] | None = None,
         on_notice: Literal["continue", "exit"] = "continue",
+        global_batch: Literal["per_rank", "keep"] = "per_rank",
         sources: Sequence[PreemptionSource] = (),
     ) -> None:
         config = from_arguments(PreemptionConfig, locals())
         super().__init__(dirpath=config.dirpath)
         self.engine = Engine(config, sources)
-        self.exact = ExactResume()  # RNG, data position, metric states; `.enabled = False` turns it off
+        self.exact = ExactResume(global_batch=config.global_batch)  # RNG, data position, metric states; `.enabled = False` turns it off
         _compat.allow_with_disabled_checkpointing(PreemptionCallback)  # Trainer(enable_checkpointing=False) works
         _compat.quiet_ckpt_path_choice(PreemptionCallback, quiet_auto_resume_warnings)  # only for our Trainers
         self._reporter = SaveReporter()
