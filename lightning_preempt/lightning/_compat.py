@@ -152,13 +152,27 @@ def training_results(trainer: Any) -> Any | None:
 
 
 def refresh_train_batches(trainer: Any) -> None:
-    """Count the training batches per epoch again (Lightning counts them once, at set-up):
-    after a resharded epoch's loaders changed length, and when that epoch is over.
-    ``val_check_batch`` follows a fractional ``val_check_interval`` as Lightning computes it."""
+    """Count the training batches per epoch again (Lightning counts them once, at set-up, in
+    ``FitLoop.setup_data``): after a resharded epoch's loaders changed length, and when that
+    epoch is over. The per-loader limits (``limit_train_batches`` of each length), the live
+    iterator's copy of them, ``max_batches`` and, for a fractional ``val_check_interval``,
+    ``val_check_batch``, all as Lightning computes them."""
     from lightning.fabric.utilities.data import sized_len
+    from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
+    from lightning.pytorch.trainer.states import RunningStage
 
     combined = getattr(trainer.fit_loop, "_combined_loader", None)
-    length = sized_len(combined) if combined is not None else None
+    if combined is None or getattr(combined, "limits", None) is None:
+        return
+    lengths = [sized_len(dl) for dl in combined.flattened]
+    limits = [
+        _parse_num_batches(RunningStage.TRAINING, n if n is not None else float("inf"), trainer.limit_train_batches)
+        for n in lengths
+    ]
+    combined.limits = limits
+    if getattr(combined, "_iterator", None) is not None:
+        combined._iterator.limits = limits
+    length = sized_len(combined)
     if length is None:
         return
     trainer.fit_loop.max_batches = length

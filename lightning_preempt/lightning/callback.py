@@ -38,6 +38,7 @@ from lightning_preempt.lightning.strategies import ensure_plugin, install_collec
 from lightning_preempt.preemption.controller import Preempted
 from lightning_preempt.preemption.signals import SignalFlag
 from lightning_preempt.preemption.sources import PreemptionSource
+from lightning_preempt.preemption.workers import shield_workers
 
 __all__ = ["Preempted", "PreemptionCallback"]
 
@@ -257,6 +258,9 @@ class PreemptionCallback(OnExceptionCheckpoint):
         # which a preempted process never reaches (one file in /tmp per preemption).
         self._drop_pointer()
         self.engine.start(trainer.global_step, loaded_from=io.loaded_from)
+        # Loader workers ignore the preemption signals (a group-wide SIGTERM would end them and
+        # fail the trainer before its snapshot): effective in the iterators exact resume remakes.
+        shield_workers(_compat.train_loaders(trainer), self.engine.config.signals)
         self.exact.on_train_start(trainer, pl_module)  # last: restores RNG just before the first fetch
         if self.exact.positions_restored:
             # Lightning warns when its epoch loop restarts (after this hook, before the first
@@ -271,6 +275,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        shield_workers(_compat.train_loaders(trainer), self.engine.config.signals)  # reloaded loaders
         self.exact.on_train_epoch_start(trainer)  # notes the states this epoch's data order is made from
 
     @override

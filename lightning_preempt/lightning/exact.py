@@ -224,8 +224,8 @@ class ExactResume:
             # rank's own pre-iter states, so workers draw as at the epoch start where it can).
             if own:
                 self._loaders.set_pre_iter_rng(loaders, saved)
-            self._loaders.remake_resharded(loaders, resharded, _iterator_maker(trainer))
             _compat.refresh_train_batches(trainer)  # the epoch's length per rank changed
+            self._loaders.remake_resharded(loaders, resharded, _iterator_maker(trainer))
             self._resharded = True
             if own:
                 restore_rng(state["rng"])

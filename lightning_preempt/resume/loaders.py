@@ -282,8 +282,9 @@ class ResumableLoaders:
     ) -> dict[int, int]:
         """Make the loop's iterators again where needed; returns {loader index: batches to drop}.
 
-        Needed for worker loaders we wrapped (their workers asked the original sampler for
-        indices as soon as the loop made them); mid-epoch, for a StatefulDataLoader whose
+        Needed for worker loaders (we wrapped their sampler: their workers asked the original
+        for indices as soon as the loop made them; any kind: workers started before the
+        front-end set their ``worker_init_fn``, e.g. ``preemption/workers.py``); mid-epoch, for a StatefulDataLoader whose
         sampler takes ``set_epoch`` (torchdata made the resumed epoch's indices before the
         loop set the epoch: we set it and hand the loader its own position again); and for a
         StatefulDataLoader that replays its sampler (:func:`replays_sampler`): in a fresh
@@ -296,7 +297,9 @@ class ResumableLoaders:
         """
         pairs = list(zip(loaders, self._samplers, strict=True))
         kinds = self.kinds
-        wrapped_workers = [i for i, dl in enumerate(loaders) if kinds[i] == "sampler" and has_workers(dl)]
+        # Worker loaders of both kinds: their workers were started before the front-end could
+        # set them up (preemption/workers.py), and a wrapped sampler's were fed by the original.
+        wrapped_workers = [i for i, dl in enumerate(loaders) if kinds[i] in ("sampler", "stateful") and has_workers(dl)]
         epoch_samplers = [i for i, dl in enumerate(loaders) if kinds[i] == "stateful" and has_set_epoch(dl)]
         replaying = [i for i, dl in enumerate(loaders) if kinds[i] == "stateful" and replays_sampler(dl)]
         if mid_epoch:

@@ -99,3 +99,27 @@ def test_another_dataset_length_is_not_resharded_and_says_so(caplog: pytest.LogC
     with caplog.at_level("WARNING"):
         assert loaders.reshard([loader], states[0]["loaders"], 0, 2) == set()
     assert "orders epoch 0 otherwise than when saved" in caplog.text
+
+
+def test_global_batch_per_rank_or_kept_where_it_divides(caplog: pytest.LogCaptureFixture) -> None:
+    from lightning_preempt.resume.exact_state import accumulation_at
+
+    saved = {"world_size": 2, "accumulate": 1}
+    with caplog.at_level("WARNING"):
+        assert accumulation_at(saved, 1, 1, "per_rank") == 1
+        assert "the global batch changes by 1/2" in caplog.text
+        assert accumulation_at(saved, 1, 1, "keep") == 2  # 2 ranks x 1 -> 1 rank x 2
+        assert "accumulate_grad_batches 1 -> 2" in caplog.text
+        assert accumulation_at({"world_size": 1, "accumulate": 2}, 2, 1, "keep") == 1  # and back
+        assert accumulation_at({"world_size": 1, "accumulate": 2}, 1, 1, "keep") == 2  # a restart at 1 keeps it
+        caplog.clear()
+        assert accumulation_at({"world_size": 2, "accumulate": 1}, 3, 1, "keep") == 1  # 2/3: does not divide
+        assert "not a whole number of accumulations at 3 ranks" in caplog.text
+
+
+def test_global_batch_option_is_validated() -> None:
+    from lightning_preempt.engine.config import PreemptionConfig
+
+    with pytest.raises(ValueError, match="global_batch must be 'per_rank' or 'keep'") as err:
+        PreemptionConfig(dirpath="x", global_batch="constant")  # type: ignore[arg-type]
+    assert "HINT:" in str(err.value)
