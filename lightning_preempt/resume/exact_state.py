@@ -123,11 +123,11 @@ def accumulation_at(state: dict[str, Any], world_size: int, accumulate: int, glo
     if global_batch == "keep":
         scaled, rest = divmod(saved_acc * saved_world, world_size)
         if rest == 0 and scaled >= 1:
-            if (scaled, world_size) != (accumulate, saved_world):
+            if saved_world != world_size:
                 log.warning(
                     "lightning_preempt: %d ranks now, %d when saved: keeping the global batch (global_batch='keep'): "
                     "accumulate_grad_batches %d -> %d",
-                    world_size, saved_world, accumulate, scaled,
+                    world_size, saved_world, saved_acc, scaled,
                 )  # fmt: skip
             return scaled
         log.warning(

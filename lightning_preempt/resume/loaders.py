@@ -148,7 +148,7 @@ class ResumableLoaders:
                     "epoch_state": sampler.epoch_state if sampler is not None else None,
                     "generators": [g.get_state() for g in loader_generators(dl)],
                     "pre_iter": pre_iter[1] if pre_iter is not None and pre_iter[0] == epoch else None,
-                    "order": _order(dl, epoch, batches_in_epoch),
+                    "order": _order(dl, epoch, batches_in_epoch, pre_iter[1] if pre_iter is not None else None),
                 }
             )
         return entries
@@ -174,7 +174,7 @@ class ResumableLoaders:
                 continue
             if rec["num_replicas"] == sampler.num_replicas and not rec["resharded"]:
                 continue  # the epoch's own split: positions restore as saved (bit-identical)
-            now = order_record(sampler, epoch, 0, False)
+            now = order_record(sampler, epoch, 0, False, None)
             if any(now[k] != rec[k] for k in ORDER_KEYS):
                 log.warning(
                     "lightning_preempt: the training loader %s orders epoch %d otherwise than when saved (%s, then %s): "
@@ -182,13 +182,15 @@ class ResumableLoaders:
                     describe_loader(dl), epoch, {k: now[k] for k in ORDER_KEYS}, {k: rec[k] for k in ORDER_KEYS},
                 )  # fmt: skip
                 continue
-            order = epoch_order(sampler, epoch, entry.get("pre_iter"), loader_generators(dl))
+            drawn_from = rec.get("drawn_from")
+            order = epoch_order(sampler, epoch, drawn_from, loader_generators(dl))
             size = int(batch_sampler.batch_size)
             indices = share(order, rec["consumed"], sampler.num_replicas, sampler.rank, sampler.drop_last)
             original = current.original if isinstance(current, ReshardedSampler) else current
             batch_sampler.sampler = ReshardedSampler(
                 original, batch_sampler, indices, epoch=epoch, lead=batches_in_epoch * size,
                 consumed=rec["consumed"], batches=batches_in_epoch, num_replicas=sampler.num_replicas,
+                drawn_from=drawn_from,
             )  # fmt: skip
             done.add(i)
             log.info(
@@ -358,8 +360,9 @@ class ResumableLoaders:
         )
 
 
-def _order(loader: Any, epoch: int, batches: int) -> dict[str, Any] | None:
-    """``reshard.order_record`` of ``loader`` after ``batches`` per rank (``None``: no distributed sampler)."""
+def _order(loader: Any, epoch: int, batches: int, pre_iter: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``reshard.order_record`` of ``loader`` after ``batches`` per rank (``None``: no distributed
+    sampler); ``pre_iter``: the states this epoch's iterator was made from, noted in this process."""
     batch_sampler = getattr(loader, "batch_sampler", None)
     current = getattr(batch_sampler, "sampler", None)
     sampler = distributed_sampler(current)
@@ -367,8 +370,9 @@ def _order(loader: Any, epoch: int, batches: int) -> dict[str, Any] | None:
         return None
     size = int(batch_sampler.batch_size)  # type: ignore[union-attr]
     if isinstance(current, ReshardedSampler) and current.epoch == epoch:
-        return order_record(sampler, epoch, current.consumed_at(batches, size), True)
-    return order_record(sampler, epoch, batches * size * sampler.num_replicas, False)
+        # The order was drawn in an earlier process: from the states that process saved.
+        return order_record(sampler, epoch, current.consumed_at(batches, size), True, current.drawn_from)
+    return order_record(sampler, epoch, batches * size * sampler.num_replicas, False, pre_iter)
 
 
 def drop_replayed(iterators: Sequence[Iterator[Any]], replay: dict[int, int]) -> None:

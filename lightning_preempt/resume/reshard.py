@@ -59,8 +59,14 @@ def distributed_sampler(sampler: Any) -> DistributedSampler[Any] | None:
     return sampler
 
 
-def order_record(sampler: DistributedSampler[Any], epoch: int, consumed: int, resharded: bool) -> dict[str, Any]:
-    """What a checkpoint keeps of a loader's epoch order and of the world's position in it."""
+def order_record(
+    sampler: DistributedSampler[Any], epoch: int, consumed: int, resharded: bool, drawn_from: dict[str, Any] | None
+) -> dict[str, Any]:
+    """What a checkpoint keeps of a loader's epoch order and of the world's position in it.
+
+    ``drawn_from``: for a ``DistributedSamplerWrapper``, the RNG states (``snapshot_iter_rng``)
+    the wrapped sampler's list of this epoch is drawn from; ``None`` for a plain sampler.
+    """
     return {
         "epoch": epoch,
         "n": len(sampler.dataset),  # type: ignore[arg-type]
@@ -71,6 +77,7 @@ def order_record(sampler: DistributedSampler[Any], epoch: int, consumed: int, re
         "num_replicas": int(sampler.num_replicas),
         "consumed": int(consumed),
         "resharded": resharded,  # this epoch was already split another way than the sampler's own
+        "drawn_from": drawn_from if _wrapped(sampler) is not None else None,
     }
 
 
@@ -120,13 +127,15 @@ class ReshardedSampler(Sampler[int]):
 
     Installed as ``batch_sampler.sampler`` in place of ``original``; the first
     ``set_epoch`` to another epoch puts ``original`` back (and is forwarded to it, as every
-    ``set_epoch`` is). ``lead`` is the samples this rank trained of the epoch before.
+    ``set_epoch`` is). ``lead`` is the samples this rank trained of the epoch before;
+    ``drawn_from`` the states the order was drawn from (saved again with the next record).
     """
 
     def __init__(
         self, original: Any, batch_sampler: Any, indices: list[int], *, epoch: int, lead: int, consumed: int,
-        batches: int, num_replicas: int,
+        batches: int, num_replicas: int, drawn_from: dict[str, Any] | None = None,
     ) -> None:  # fmt: skip
+        self.drawn_from = drawn_from
         self.original = original
         self.batch_sampler = batch_sampler
         self.indices = indices

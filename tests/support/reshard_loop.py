@@ -55,9 +55,16 @@ def stretch(
     loaders.wrap([loader])
     for s in {loader.sampler, loader.batch_sampler.sampler}:
         s.set_epoch(epoch)
-    loaders.note_epoch_start([loader], epoch)
     done = 0
-    if saved is not None and saved["epoch"] == epoch:
+    resuming = saved is not None and saved["epoch"] == epoch
+    if resuming:
+        # As Lightning: the loop made an iterator before the restore (a wrapper drew its list,
+        # moving its generator on), and notes no epoch start for an epoch it goes on with.
+        iter(loader)
+    else:
+        loaders.note_epoch_start([loader], epoch)
+    if resuming:
+        assert saved is not None
         done = saved["batches"]
         resharded = loaders.reshard([loader], saved["loaders"], epoch, done)
         assert resharded == {0}, "a change of world size reshards every distributed loader"
