@@ -168,6 +168,8 @@ class ResumableLoaders:
         done: set[int] = set()
         for i, (dl, entry) in enumerate(zip(loaders, saved, strict=True)):
             rec, batch_sampler = entry.get("order"), getattr(dl, "batch_sampler", None)
+            if batch_sampler is None:
+                continue
             current = getattr(batch_sampler, "sampler", None)
             sampler = distributed_sampler(current)
             if rec is None or sampler is None or rec["epoch"] != epoch:

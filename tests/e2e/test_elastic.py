@@ -301,8 +301,9 @@ def test_elastic_resizes_train_every_sample_of_an_epoch_once(cluster_factory: ty
     worlds = [s["world_size"] for s in starts]
     assert worlds == [2, 2, 1, 2, 2], worlds
     resumes = [s for s in starts if s["start_step"] > 0]
+    assert len(resumes) == 3, starts  # A at 1, then A and B at 2
     for s in resumes:  # both resizes land inside epoch 0
-        assert s["epoch"] == 0 and 0 < s["batch_in_epoch"], resumes
+        assert s["epoch"] == 0 and s["batch_in_epoch"] > 0, resumes
     passes = epoch_passes(c, ("A", "B"), n)
     assert set(passes) == {"dataloader", "dataloader-workers", "stateful", "stateful-workers"}
     for loader, epochs in passes.items():
