@@ -11,6 +11,7 @@ from collections import Counter
 from typing import Any
 
 import pytest
+import torch
 from reshard_loop import KINDS, make_loader, stretch
 
 from lightning_preempt.resume.reshard import ReshardedSampler, share
@@ -123,3 +124,35 @@ def test_global_batch_option_is_validated() -> None:
     with pytest.raises(ValueError, match="global_batch must be 'per_rank' or 'keep'") as err:
         PreemptionConfig(dirpath="x", global_batch="constant")  # type: ignore[arg-type]
     assert "HINT:" in str(err.value)
+
+
+class _SignalsItself(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Each sample load sends SIGTERM to the loading process (a worker), as a group-wide
+    SIGTERM from torchrun's agent or SLURM reaches it."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> int:
+        import os
+        import signal
+
+        os.kill(os.getpid(), signal.SIGTERM)
+        return i
+
+
+def test_loader_workers_outlive_the_preemption_signal() -> None:
+    """Without the shield torch's SIGTERM handler ends the worker and the trainer's next fetch
+    fails ("DataLoader worker ... is killed by signal: Terminated") before any snapshot."""
+    import signal
+
+    from torch.utils.data import DataLoader
+
+    from lightning_preempt.preemption.workers import IgnoreSignals, shield_workers
+
+    calls: list[int] = []
+    loader = DataLoader(_SignalsItself(), batch_size=2, num_workers=1, worker_init_fn=calls.append)
+    assert shield_workers([loader, DataLoader(_SignalsItself())], [signal.SIGTERM]) == 1, "loaders with workers"
+    assert isinstance(loader.worker_init_fn, IgnoreSignals) and loader.worker_init_fn.inner == calls.append
+    assert shield_workers([loader], [signal.SIGTERM]) == 0, "once"
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
