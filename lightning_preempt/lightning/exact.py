@@ -212,9 +212,14 @@ class ExactResume:
             state, trainer.world_size, trainer.accumulate_grad_batches, self.global_batch
         )
         saved = state.get("loaders", [])
-        batches = state["batches_in_epoch"] if mid_epoch else 0
         loaders = _compat.train_loaders(trainer)
-        resharded = self._loaders.reshard(loaders, saved, trainer.current_epoch, batches) if mid_epoch else set()
+        resharded: set[int] = set()
+        if state.get("epoch") == trainer.current_epoch and state["batches_in_epoch"] > 0:
+            # Another split of the saved epoch: mid-epoch even where this rank's batches are
+            # past the epoch's length at this world size (it counts what other worlds trained).
+            resharded = self._loaders.reshard(loaders, saved, trainer.current_epoch, state["batches_in_epoch"])
+            mid_epoch = mid_epoch or bool(resharded)
+        batches = state["batches_in_epoch"] if mid_epoch else 0
         exact_positions = self._loaders.restore_positions(saved, mid_epoch, batches, resharded)
         if mid_epoch:
             exact_state.restore_metrics(pl_module, state)

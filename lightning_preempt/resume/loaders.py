@@ -172,8 +172,8 @@ class ResumableLoaders:
                 continue
             current = getattr(batch_sampler, "sampler", None)
             sampler = distributed_sampler(current)
-            if rec is None or sampler is None or rec["epoch"] != epoch:
-                continue
+            if rec is None or sampler is None or rec["epoch"] != epoch or rec["consumed"] >= rec["n"]:
+                continue  # (an epoch consumed in full: the next one starts, nothing to split)
             if rec["num_replicas"] == sampler.num_replicas and not rec["resharded"]:
                 continue  # the epoch's own split: positions restore as saved (bit-identical)
             now = order_record(sampler, epoch, 0, False, None)

@@ -38,13 +38,13 @@ class Recorder(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
-def _fit(dirpath: Path, world: int, rank: int, max_steps: int, **cb: Any) -> tuple[Recorder, L.Trainer]:
+def _fit(dirpath: Path, world: int, rank: int, max_steps: int, every: int = 3, **cb: Any) -> tuple[Recorder, L.Trainer]:
     data = TensorDataset(torch.arange(N))
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=7)
     model = Recorder()
     # The periodic save at step 3 is the one resumed (a save at the end of training counts the
     # epoch as over: Lightning ends the epoch at max_steps).
-    callback = PreemptionCallback(str(dirpath), every_n_train_steps=3, save_on_train_end=False, **cb)
+    callback = PreemptionCallback(str(dirpath), every_n_train_steps=every, save_on_train_end=False, **cb)
     trainer = make_trainer(max_steps, [callback])
     trainer.fit(model, DataLoader(data, batch_size=BATCH, sampler=sampler))
     return model, trainer
@@ -67,3 +67,17 @@ def test_a_trainer_resumed_at_another_world_size_finishes_the_epoch_once(
     assert [i for idx in epoch1 for i in idx] == list(plain), "the next epoch: the sampler's own order, in full"
     assert trainer.num_training_batches == 12
     assert "epoch 0 was split 2 ways, now 1: 24 of its 48 samples were trained" in caplog.text
+
+
+def test_a_larger_world_goes_on_past_its_own_epoch_length(tmp_path: Path) -> None:
+    """1 -> 2 ranks at batch 9 of 12: each rank's count (9) is past the epoch's length at 2
+    ranks (6), yet the epoch is not over: 12 samples are left, 6 (2 batches) per rank."""
+    import shutil
+
+    first, _ = _fit(tmp_path / "rank0", 1, 0, 9, every=9)
+    shutil.copytree(tmp_path / "rank0", tmp_path / "rank1")
+    before = [i for _, _, idx in first.seen for i in idx]
+    after = [_fit(tmp_path / f"rank{r}", 2, r, 9 + 2 + 6)[0] for r in range(2)]
+    epoch0 = [i for m in after for e, _, idx in m.seen if e == 0 for i in idx]
+    assert Counter(before + epoch0) == Counter(range(N)), "every sample of epoch 0 once"
+    assert all([b for e, b, _ in m.seen if e == 0] == [9, 10] for m in after)
