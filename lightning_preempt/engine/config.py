@@ -21,6 +21,7 @@ from typing import Any, Literal, TypeVar
 
 from lightning_preempt.preemption.notices import parse_names
 from lightning_preempt.preemption.signals import resolve_signal
+from lightning_preempt.save.budget import check_budget
 from lightning_preempt.storage.protocols import check_driver
 
 T = TypeVar("T")
@@ -178,6 +179,8 @@ class CheckpointIOConfig:
 
     storage_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     pin_memory: bool | None = None
+    host_memory_budget: int | float | None = None
+    pinned_memory_budget: int | float | None = None
     thread_count: int = 1
     verify_on_load: bool = True
     sharded_keys: tuple[str, ...] = ("state_dict", "optimizer_states")
@@ -186,11 +189,18 @@ class CheckpointIOConfig:
     drain_retries: int = 4
     drain_backoff_s: float = 1.0
     trust_checkpoints: bool = False
+    overlap_staging: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "storage_options", check_storage_options(self.storage_options, optional=True))
         if self.pin_memory is not None and not isinstance(self.pin_memory, bool):
             raise _fail("pin_memory", self.pin_memory, "True, False or None", "None pins when CUDA is available.")
+        if self.overlap_staging is not None and not isinstance(self.overlap_staging, bool):
+            raise _fail("overlap_staging", self.overlap_staging, "True, False or None",
+                        "True copies parameters and optimizer state while the next step computes "
+                        "(docs/staging.md); None chooses by device.")  # fmt: skip
+        for name in ("host_memory_budget", "pinned_memory_budget"):
+            check_budget(name, getattr(self, name))
         for name in ("verify_on_load", "trust_checkpoints"):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, getattr(self, name), "True or False", f"e.g. {name}={name == 'verify_on_load'}")

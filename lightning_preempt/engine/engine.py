@@ -33,6 +33,7 @@ Call order (and which ranks call):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -274,7 +275,11 @@ class Engine:
         assert self._save is not None, "Engine.setup() first"
         path = self._fresh_path(step)
         self.save_kind = kind  # recorded in the checkpoint by the front-end during this save
-        self._save(path)
+        # Periodic saves may overlap their copy with the next step (save/overlap.py); the
+        # emergency and final ones are waited for at once: staged completely, synchronously.
+        overlap = kind in ("periodic", "notice")
+        with contextlib.nullcontext() if overlap else self.saver.overlap.suspended():
+            self._save(path)
         self.last_saved_step, self._last_saved_path = step, path
         self._last_save_time = time.monotonic()
         saver = self.saver

@@ -220,3 +220,32 @@ def restore_late(trainer: Any, path: str) -> None:
             hint="Restart the job: it then resumes from that checkpoint.",
         )
     resume_start(path)
+
+
+# ---- Fabric: fabric.save through our plugin on every rank (lightning/fabric_routing.py) ----
+def route_fabric_saves(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Wrap Fabric's base ``Strategy.save_checkpoint`` once per process (public method, so
+    this only names the class's module). Missing: rank 0 writes alone, as Lightning does."""
+    _wrap_once("lightning.fabric.strategies.strategy", "Strategy", "save_checkpoint", wrap)
+
+
+def convert_fabric_state(strategy: Any, state: dict[str, Any], filter: dict[str, Any]) -> dict[str, Any]:
+    """Fabric's own conversion of modules, optimizers and ``_Stateful`` objects in a
+    ``fabric.save`` state into state dicts, with its ``filter`` applied.
+
+    Private: ``Strategy._convert_stateful_objects_in_state`` (Lightning 2.5-2.6).
+    """
+    return strategy._convert_stateful_objects_in_state(state, filter=filter)  # type: ignore[no-any-return]
+
+
+def fabric_loader_parts(loader: Any) -> tuple[Any, Any]:
+    """``(the DataLoader, the device its batches go to or None)`` of a loader given to a
+    Fabric loop: Fabric's ``setup_dataloaders`` wrapper, or a plain loader (no device).
+
+    Private: ``_FabricDataLoader._dataloader`` (Lightning 2.5-2.6; ``device`` is public).
+    Missing: the wrapper itself is iterated, and its data position cannot be resumed.
+    """
+    inner = getattr(loader, "_dataloader", None)
+    if inner is None:
+        return loader, None
+    return inner, getattr(loader, "device", None)

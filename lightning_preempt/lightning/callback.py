@@ -32,6 +32,7 @@ from lightning_preempt.lightning.logs import (
     QuietWarning,
     quiet_auto_resume_warnings,
 )
+from lightning_preempt.lightning.overlap import install as install_overlap
 from lightning_preempt.lightning.prealloc import prepare_staging
 from lightning_preempt.lightning.reporting import SaveReporter, report_resume
 from lightning_preempt.lightning.strategies import ensure_plugin, install_collective_saves
@@ -253,6 +254,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
         # Staging buffers allocated and touched in the background now: the first (maybe the
         # emergency) save only copies. Again after the first step: optimizer state appears there.
         self._prepare_after = trainer.global_step if prepare_staging(trainer, io) is not None else None
+        install_overlap(trainer, io)  # parameters and optimizer state may be copied while the next step runs
         report_resume(trainer, self._restored_state)
         # The checkpoint is loaded: the pointer has served. Removed now, not at teardown,
         # which a preempted process never reaches (one file in /tmp per preemption).
