@@ -10,6 +10,7 @@ and the exit codes the scheduler sees.
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -147,6 +148,12 @@ def _two_tier_node_loss(cluster_factory: type[Cluster], tmp_path: Path, *, repli
     c.wait_step("B", 12)
     deadline_ok = c.wait_step("A", 12)
     assert deadline_ok >= 12
+    # The step-10 save must be in the bucket before the bandwidth drops: on a loaded machine
+    # its drain can still be running at step 12 (then it would never arrive, and nothing would).
+    drained = time.monotonic() + 120
+    while 10 not in committed(c.dirpath):
+        assert time.monotonic() < drained, "the step-10 checkpoint never reached the bucket"
+        time.sleep(0.2)
     # 5 kB/s: a rank's ~50 kB share needs ~10 s, longer than the 6 s grace.
     set_rate(slow, 5_000)
     c.preempt("B")
