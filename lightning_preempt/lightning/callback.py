@@ -92,6 +92,12 @@ class PreemptionCallback(OnExceptionCheckpoint):
             the next agreed step and train on until the signal (whose snapshot then costs only
             the steps since); ``"exit"``: snapshot and exit with ``exit_code`` at once.
         sources: extra preemption sources (:class:`~lightning_preempt.preemption.sources.PreemptionSource`).
+        ledger: rank 0 records every start, save, preemption, agreed error and finish in
+            ``dirpath/.lp-ledger/`` (small JSON files, written off the training thread; a failed
+            write only warns) for ``lightning-preempt report``.
+        log_metrics: log each committed save's figures (blocking time, time to commit, bytes)
+            and the run's so far (preemptions, steps lost, goodput) through the Trainer's
+            loggers, on rank 0 at the save steps (no collective, no sync).
     """
 
     def __init__(
@@ -121,6 +127,8 @@ class PreemptionCallback(OnExceptionCheckpoint):
         notices: str | Sequence[str] | None = None,
         on_notice: Literal["continue", "exit"] = "continue",
         sources: Sequence[PreemptionSource] = (),
+        ledger: bool = True,
+        log_metrics: bool = True,
     ) -> None:
         config = from_arguments(PreemptionConfig, locals())
         super().__init__(dirpath=config.dirpath)
@@ -128,7 +136,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
         self.exact = ExactResume()  # RNG, data position, metric states; `.enabled = False` turns it off
         _compat.allow_with_disabled_checkpointing(PreemptionCallback)  # Trainer(enable_checkpointing=False) works
         _compat.quiet_ckpt_path_choice(PreemptionCallback, quiet_auto_resume_warnings)  # only for our Trainers
-        self._reporter = SaveReporter()
+        self._reporter = SaveReporter(lambda: self.engine.ledger.figures())
         self._pointer: str | None = None
         self._late_pointer: str | None = None  # a target chosen after Lightning asked (the lease)
         self._names = PointerNames()  # Lightning's log names the checkpoint, not the pointer
@@ -247,7 +255,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
         # Staging buffers allocated and touched in the background now: the first (maybe the
         # emergency) save only copies. Again after the first step: optimizer state appears there.
         self._prepare_after = trainer.global_step if prepare_staging(trainer, io) is not None else None
-        report_resume(trainer, self._restored_state)
+        report_resume(trainer, self._restored_state, log_metrics=self.config.log_metrics)
         # The checkpoint is loaded: the pointer has served. Removed now, not at teardown,
         # which a preempted process never reaches (one file in /tmp per preemption).
         self._drop_pointer()
@@ -274,7 +282,8 @@ class PreemptionCallback(OnExceptionCheckpoint):
     ) -> None:
         self.exact.on_train_batch_end(trainer)
         io = self._plugin(trainer)
-        self._reporter.report(trainer, io.history)
+        if self.config.log_metrics:
+            self._reporter.report(trainer, io.history)
         if self._prepare_after is not None and trainer.global_step > self._prepare_after:
             self._prepare_after = None
             prepare_staging(trainer, io)
@@ -290,7 +299,8 @@ class PreemptionCallback(OnExceptionCheckpoint):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.engine.finish(trainer.global_step)
-        self._reporter.report(trainer, self._plugin(trainer).history)
+        if self.config.log_metrics:
+            self._reporter.report(trainer, self._plugin(trainer).history)
 
     @override
     def on_save_checkpoint(
