@@ -20,6 +20,7 @@ Definitions (seconds, wall clock):
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 from typing import Any
 
@@ -66,7 +67,7 @@ def segments(records: list[dict[str, Any]], *, running: bool = False) -> list[Se
         began = start["process_start_t"] if start["process_start_t"] is not None else first_step_t
         out.append(Segment(restart, min(began, first_step_t), first_step_t, start["resumed_step"],
                            max(r["t"] for r in recs), max(steps), end, recs))  # fmt: skip
-    for before, seg in zip(out, out[1:]):
+    for before, seg in itertools.pairwise(out):
         if seg.started_t < before.end_t:  # a second fit in one process: it started when the first ended
             seg.started_t = min(before.end_t, seg.first_step_t)
     return out
