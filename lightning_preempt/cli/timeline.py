@@ -46,22 +46,30 @@ def plot_timeline(report: dict[str, Any], path: str, *, title: str = "") -> None
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 6.2), dpi=110, sharex=True,
                                       gridspec_kw={"height_ratios": [1, 2.6]})  # fmt: skip
     segs = report["segments"]
+    span = x(report["end_t"])
     for i, seg in enumerate(segs):
         top.barh(0, x(seg["first_step_t"]) - x(seg["started_t"]), left=x(seg["started_t"]), color=_START, height=0.6)
-        top.barh(0, x(seg["end_t"]) - x(seg["first_step_t"]), left=x(seg["first_step_t"]), color=_TRAIN, height=0.6)
+        width = x(seg["end_t"]) - x(seg["first_step_t"])
+        top.barh(0, width, left=x(seg["first_step_t"]), color=_TRAIN, height=0.6)
+        if width > span * 0.04:
+            top.text(x(seg["first_step_t"]) + width / 2, 0, f"#{i + 1}", ha="center", va="center", fontsize=8, color="white")
         if i + 1 < len(segs):
             nxt = segs[i + 1]["started_t"]
             top.barh(0, x(nxt) - x(seg["end_t"]), left=x(seg["end_t"]), color=_DOWN, alpha=0.35, height=0.6)
+            if x(nxt) - x(seg["end_t"]) > span * 0.06:
+                top.text((x(nxt) + x(seg["end_t"])) / 2, 0, f"down {format_duration(nxt - seg['end_t'])}",
+                         ha="center", va="center", fontsize=8, color=_DOWN)  # fmt: skip
     saves = report["timeline"]["saves"]
     for t, _step, kind, _blocking, committed in saves:
         began = t - (committed or 0.0)
         top.plot([x(began)] * 2, [0.32, 0.5], color=_SAVE if kind != "emergency" else "#9467bd", lw=1.4)
     top.set_yticks([])
-    top.set_ylim(-0.5, 0.75)
-    top.legend(handles=[Patch(color=_START, label="starting (to first step)"), Patch(color=_TRAIN, label="training"),
+    top.set_ylim(-0.45, 1.15)
+    top.legend(handles=[Patch(color=_START, label="starting (process start to first step)"),
+                        Patch(color=_TRAIN, label="training (process #)"),
                         Patch(color=_DOWN, alpha=0.35, label="down (exit to next start)"),
                         Patch(color=_SAVE, label="save"), Patch(color="#9467bd", label="snapshot")],
-               loc="upper center", bbox_to_anchor=(0.5, 1.42), ncol=5, fontsize=8, frameon=False)  # fmt: skip
+               loc="upper left", ncol=5, fontsize=8, frameon=False)  # fmt: skip
     by_restart: dict[int, list[tuple[float, int]]] = {}
     for t, step, restart in report["timeline"]["steps"]:
         by_restart.setdefault(restart, []).append((x(t), step))
@@ -69,6 +77,11 @@ def plot_timeline(report: dict[str, Any], path: str, *, title: str = "") -> None
         points.sort()
         bottom.plot([p[0] for p in points], [p[1] for p in points], color=_TRAIN, lw=2,
                     label="global step (one line per process)" if k == 0 else None)  # fmt: skip
+    for p in report["preemptions"]:  # the steps trained and then trained again, in the colour of their loss
+        if p["steps_lost"] and p["resumed_step"] is not None:
+            redo = sorted(pt for pt in by_restart.get(p["restart"], []) if pt[1] >= p["resumed_step"])
+            bottom.plot([q[0] for q in redo], [q[1] for q in redo], color=_KILL if p["kind"] == "killed" else _SIGNAL,
+                        lw=3.5, label="steps lost (trained again after the restart)")  # fmt: skip
     committed = [(x(t - (c or 0.0)), s) for t, s, _k, _b, c in saves if c is not None]
     if committed:
         bottom.plot(*zip(*committed, strict=True), "o", color=_SAVE, ms=4, label="checkpoint committed", zorder=3)
@@ -79,8 +92,6 @@ def plot_timeline(report: dict[str, Any], path: str, *, title: str = "") -> None
         for ax in (top, bottom):
             ax.axvline(when, color=color, lw=1.2, ls="--" if killed else ":")
         lost = p["steps_lost"] or 0
-        if lost and p["resumed_step"] is not None:
-            bottom.axhspan(p["resumed_step"], p["step"], xmin=0, xmax=1, color=_KILL if killed else _SIGNAL, alpha=0.06)
         label = f"{'SIGKILL?' if killed else untrusted_text(p['source'], 20)}\nstep {p['step']}\n{lost} lost"
         bottom.annotate(label, (when, p["step"]), xytext=(4, 6), textcoords="offset points", fontsize=8, color=color)
     bottom.set_xlabel(f"{unit} since the first start")
@@ -88,6 +99,7 @@ def plot_timeline(report: dict[str, Any], path: str, *, title: str = "") -> None
     bottom.set_xlim(left=0)
     bottom.grid(alpha=0.3)
     bottom.legend(loc="lower right", fontsize=8)
+    bottom.set_ylim(bottom=0)
     goodput = report["goodput"]
     head = (f"goodput {goodput:.0%}" if goodput is not None else "goodput -") + (
         f"  |  {len(report['preemptions'])} preemptions, {report['steps_lost']} steps lost, "
@@ -95,7 +107,7 @@ def plot_timeline(report: dict[str, Any], path: str, *, title: str = "") -> None
     )
     fig.suptitle(head, fontsize=12, fontweight="bold")
     if title:
-        top.set_title(untrusted_text(title, 90), fontsize=9, pad=28)
+        top.set_title(untrusted_text(title, 100), fontsize=9, color="0.3")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
