@@ -12,6 +12,7 @@ import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from lightning_preempt.errors import CheckpointError
 from lightning_preempt.format import ledger as fmt
 from lightning_preempt.format.names import LEDGER_COMPACT_RE, LEDGER_DIR, LEDGER_RECORD_RE, LEDGER_RUN_RE
 from lightning_preempt.storage.store import Store
@@ -85,6 +86,9 @@ def read_run(store: Store, run: str, notes: list[str]) -> RunLedger:
             return name, fmt.decode(store.read_regular(name, limit), max_bytes=limit)
         except fmt.LedgerRecordError as err:
             return name, str(err)
+        except CheckpointError as err:  # oversized, not a regular file: the store's own words, without the path
+            first = str(err).splitlines()[0].split(" (checkpoint: ")[0] if str(err) else type(err).__name__
+            return name, first.removeprefix(f"{name} is ")
         except Exception as err:  # unreadable (gone meanwhile, permissions, oversized)
             return name, f"unreadable: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
 
