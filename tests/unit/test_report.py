@@ -80,7 +80,7 @@ def test_report_text_json_cost_and_plot(tmp_path: Path, capsys: pytest.CaptureFi
     assert main([*args, "--plot", str(png)]) == 0
     text = capsys.readouterr().out
     for expected in ("3 process(es), 2 restart(s), step 60, finished", "goodput", "SIGTERM", "no record (SIGKILL",
-                     "`plan` recommends", "in use 10 steps" if False else "(10 steps)", "on demand at 5"):  # fmt: skip
+                     "`plan` recommends", "(10 steps)", "on demand at 5"):  # fmt: skip
         assert expected in text, text
     assert main([*args, "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
