@@ -19,6 +19,7 @@ of per-round ratios.
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import shutil
 import sys
@@ -76,7 +77,7 @@ def fit_once(root: Path, kwargs: dict[str, Any], args: argparse.Namespace) -> di
                         plugins=[ShardedAsyncCheckpointIO()], logger=CSVLogger(str(root / "logs")),
                         log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
     trainer.fit(Model(), data)
-    steps = [b - a for a, b in zip(starts, starts[1:])]  # steps[i]: step i + 1 and its end hooks
+    steps = [b - a for a, b in itertools.pairwise(starts)]  # steps[i]: step i + 1 and its end hooks
     out: dict[str, list[float]] = {"save": [], "after save": [], "plain": []}
     for i, t in enumerate(steps[args.every :], start=args.every + 1):  # past the first save (warm-up)
         kind = "save" if i % args.every == 0 else "after save" if i % args.every == 1 else "plain"

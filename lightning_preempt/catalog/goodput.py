@@ -13,7 +13,8 @@ Definitions (seconds, wall clock):
 * ``startup``: process start to first step; ``down``: an end to the next process start;
 * ``steps_lost`` of a preemption: the last step seen in the segment minus the step the next
   segment resumed from (0 when the snapshot committed; for a SIGKILL the steps since the
-  last commit); ``lost``: steps lost times the mean step time;
+  last commit, up to the last step the ledger saw: a lower bound); ``lost``: steps lost
+  times the mean step time;
 * ``useful = training - checkpoint blocking - lost``; ``goodput = useful / wall``.
 """
 
@@ -102,6 +103,8 @@ def summarize(records: list[dict[str, Any]], folded_saves: dict[int, dict[str, f
             "committed": record["committed"] if record is not None else None,
             "resumed_step": resumed,
             "steps_lost": lost,
+            # killed: steps trained after the last record (progress, every few seconds) are unseen
+            "steps_lost_at_least": record is None,
             "to_exit_s": record["to_exit_s"] if record is not None else None,
             "received_t": record["received_t"] if record is not None else None,
             "exit_t": seg.end_t,

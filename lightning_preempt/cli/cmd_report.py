@@ -107,9 +107,13 @@ def print_report(r: dict[str, Any], url: str) -> None:
         table = [["#", "PROCESS", "SOURCE", "STEP", "SNAPSHOT", "RESUMED AT", "STEPS LOST", "TO EXIT", "DOWN"]]
         for i, p in enumerate(r["preemptions"], 1):
             snap = "-" if p["committed"] is None else "committed" if p["committed"] else "not committed"
+            lost = _or_dash(p["steps_lost"])
+            lost = f">={lost}" if p["steps_lost_at_least"] and p["steps_lost"] is not None else lost
             table.append([str(i), str(p["restart"]), p["source"], str(p["step"]), snap, _or_dash(p["resumed_step"]),
-                          _or_dash(p["steps_lost"]), _d(p["to_exit_s"]), _d(p["down_s"])])  # fmt: skip
+                          lost, _d(p["to_exit_s"]), _d(p["down_s"])])  # fmt: skip
         print_table(table, right_aligned={0, 1, 3, 5, 6, 7, 8})
+        if any(p["steps_lost_at_least"] for p in r["preemptions"]):
+            print("  >=: killed without a record; steps after the last step the ledger saw are not counted")
     plan = r["plan"]
     if plan is not None:
         steps = f" = {plan['recommended_steps']} steps" if plan["recommended_steps"] else ""

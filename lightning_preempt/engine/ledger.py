@@ -32,8 +32,9 @@ log = logging.getLogger(__name__)
 #: Records of one restart after which its single files are compacted.
 COMPACT_EVERY = 256
 #: A ``progress`` record (the last step seen: what a SIGKILL's steps lost are inferred from)
-#: at most this often. Tests set it to 0 (every step).
-PROGRESS_EVERY_S = 30.0
+#: at most this often: a SIGKILL's steps lost are counted up to the last one (at most this
+#: many seconds of steps go unseen). Tests and the demo set it lower.
+PROGRESS_EVERY_S = 10.0
 _MAX_SEQ = 999_999
 
 

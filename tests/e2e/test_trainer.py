@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import pytest
@@ -161,4 +162,4 @@ def test_saves_and_resumes_are_reported_through_the_loggers(tmp_path: Path) -> N
     rows = [dict(zip(header, line.split(","), strict=True)) for line in second.splitlines()[1:]]
     assert [float(r["preempt/restarts"]) for r in rows if r["checkpoint/bytes"]] == [1.0]  # the save at 12
     off = run(16, log_metrics=False)  # turned off: nothing of ours in the user's logger
-    assert not off.exists() or "checkpoint/" not in off.read_text() and "preempt/" not in off.read_text()
+    assert not off.exists() or ("checkpoint/" not in off.read_text() and "preempt/" not in off.read_text())

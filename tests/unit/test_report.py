@@ -100,8 +100,8 @@ def test_damaged_oversized_foreign_and_hostile_records_are_skipped_or_escaped(
     (run / "r00003-000001-save.json").write_bytes(b" " * (fmt.MAX_RECORD_BYTES + 1))
     (run / "r00003-000002-finish.json").write_text(json.dumps({**_record("finish", 3, 2, 300, step=1), "format": "x"}))
     (run / "r00003-000003-finish.json").write_bytes(fmt.encode(_record("finish", 3, 9, 300, step=1)))  # seq mismatch
-    (run / "r00003-000004-finish.json").write_text('{"format": "lightning_preempt.ledger/1", "kind": "finish", '
-                                                   '"run": "%s", "restart": 3, "seq": 4, "t": NaN, "step": 1}' % RUN)
+    nan = json.dumps(_record("finish", 3, 4, 300, step=1)).replace(str(T0 + 300), "NaN")
+    (run / "r00003-000004-finish.json").write_text(nan)
     (run / "notes.txt").write_text("hello")
     (tmp_path / LEDGER_DIR / "not a run!").mkdir()
     read = read_ledger(str(tmp_path))
