@@ -92,7 +92,8 @@ def plot_timeline(report: dict[str, Any], path: str, *, title: str = "") -> None
         for ax in (top, bottom):
             ax.axvline(when, color=color, lw=1.2, ls="--" if killed else ":")
         lost = p["steps_lost"] or 0
-        label = f"{'SIGKILL?' if killed else untrusted_text(p['source'], 20)}\nstep {p['step']}\n{lost} lost"
+        at_least = ">=" if p["steps_lost_at_least"] and lost else ""
+        label = f"{'SIGKILL?' if killed else untrusted_text(p['source'], 20)}\nstep {p['step']}\n{at_least}{lost} lost"
         bottom.annotate(label, (when, p["step"]), xytext=(4, 6), textcoords="offset points", fontsize=8, color=color)
     bottom.set_xlabel(f"{unit} since the first start")
     bottom.set_ylabel("global step")
