@@ -286,11 +286,11 @@ class Engine:
         assert self._save is not None, "Engine.setup() first"
         path = self._fresh_path(step)
         self.save_kind = kind  # recorded in the checkpoint by the front-end during this save
+        saver, before = self.saver, self.saver.history[-1:]
         self._save(path)
         self.last_saved_step, self._last_saved_path = step, path
         self._last_save_time = time.monotonic()
-        saver = self.saver
-        record_save(self.ledger, saver, path, kind)
+        record_save(self.ledger, saver, before, kind)
         if self._leader and saver.tiers is None:  # two tiers: each drain job applies retention per tier
             # Queued behind the save: runs after it committed (or failed; then the old
             # checkpoints are still the newest committed and are kept).
@@ -379,11 +379,13 @@ class Engine:
             raise
         self.ledger.add("finish", step=step)
 
-    def close(self, *, finish_saves: bool = False) -> None:
+    def close(self, *, finish_saves: bool = False, error: BaseException | None = None) -> None:
         """Every rank: stop the sources, release the lease and the process groups.
         ``finish_saves``: first finish the saver's writes and drains (they use the groups)
-        — after an exception, when no framework teardown did it."""
+        — after an exception (``error``: it, for the ledger), when no framework teardown did it."""
         self.controller.stop()
+        if error is not None and not isinstance(error, Preempted):
+            self.ledger.error(self._last_seen_step or 0, error)
         if finish_saves and self._saver is not None:
             try:
                 self._saver.close()

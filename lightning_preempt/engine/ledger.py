@@ -98,8 +98,13 @@ class Ledger:
         self._put(lambda: self._write(record))
 
     def error(self, step: int, err: BaseException) -> None:
-        """An agreed error that stops training (its first line)."""
-        self.add("error", step=step, error=f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+        """An error that stops training (its first line; once, though the engine and then the
+        front-end's exception hook both report an agreed one)."""
+        text = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[: fmt.MAX_TEXT]
+        with self._lock:
+            last = self.records[-1] if self.records else None
+        if last is None or last["kind"] != "error" or last["error"] != text:
+            self.add("error", step=step, error=text)
 
     def progress(self, step: int) -> None:
         """The last step seen, at most every :data:`PROGRESS_EVERY_S` seconds."""
@@ -256,14 +261,13 @@ def start_fields(resumed_step: int, resumed_from: str | None, world_size: int, c
     }  # fmt: skip
 
 
-def record_save(ledger: Ledger, saver: Any, path: str, kind: str) -> None:
-    """Queue, behind the save to ``path`` on the saver's job thread, its ``save`` record: the
-    figures are final once it committed or failed (``saver``: the engine's ``Saver``)."""
-    if not ledger.enabled:
-        return
-    record = next((r for r in reversed(saver.history) if r.path == path), None)
-    if record is None:
+def record_save(ledger: Ledger, saver: Any, before: list[Any], kind: str) -> None:
+    """Queue, behind the save just made on the saver's job thread, its ``save`` record: the
+    figures are final once it committed or failed (``saver``: the engine's ``Saver``;
+    ``before``: its newest history record before the save, as a list of at most one)."""
+    if not ledger.enabled or saver.history[-1:] == before:
         return  # this rank did not save (a strategy where another rank writes)
+    record = saver.history[-1]
     tier = "local" if saver.tiers is not None else "dirpath"
 
     def add() -> None:

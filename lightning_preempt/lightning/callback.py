@@ -319,7 +319,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
         # Unlike OnExceptionCheckpoint we save nothing here: after an arbitrary error the
         # state may be inconsistent. Lightning calls no `teardown` hook after an exception:
         # the committed saves are finished and everything is released here.
-        self.engine.close(finish_saves=True)
+        self.engine.close(finish_saves=True, error=exception)
         self._drop_pointer()
         self._quiet_loader.remove()
 

@@ -156,3 +156,25 @@ def test_without_an_interval_a_warning_says_what_a_sigkill_loses_once(tmp_path: 
         warnings.simplefilter("always")
         fit(timed, Saver({}))
     assert not [w for w in quiet if "no periodic saves" in str(w.message)]
+
+
+def test_an_agreed_error_ends_the_run_in_the_ledger_once(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    config = PreemptionConfig(dirpath=str(tmp_path / "ck"), every_n_train_steps=1, lease=False)
+    engine, saver = Engine(config), Saver({})
+
+    def save(path: str) -> None:  # the checkpoint's write fails in the background; the ledger's do not
+        saver.save({"state_dict": {"w": torch.ones(2)}, "global_step": 1, "epoch": 0}, str(tmp_path / "file" / "x"), {})
+
+    engine.setup(saver, save=save, route_saves=saver.enable_collective, leader=True)
+    engine.start(0, loaded_from=None)
+    engine.step_end(1)
+    with pytest.raises(CheckpointWriteError) as err:
+        engine.step_end(2)
+    engine.close(finish_saves=True, error=err.value)  # the front-end's exception hook reports it again
+    records = [r for r in next(iter(read_ledger(str(tmp_path / "ck")).runs.values())).records if r["kind"] != "progress"]
+    assert [r["kind"] for r in records] == ["start", "save", "error"]
+    assert records[1]["committed_s"] is None and records[1]["error"]
+    assert records[2]["error"].startswith("CheckpointWriteError: ") and records[2]["step"] == 2
+    summary = summarize(records)
+    assert summary["preemptions"] == [] and not summary["finished"] and summary["segments"][0]["end"] == "error"
