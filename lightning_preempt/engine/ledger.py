@@ -144,7 +144,10 @@ class Ledger:
         return done.wait(max(0.0, timeout_s))
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Write what is queued (at most ``timeout_s``), then stop the thread."""
+        """Write what is queued (at most ``timeout_s``; 1 s once a write failed: the storage is
+        likely still failing, and the end of training must not wait on it), then stop the thread."""
+        if self._failures:
+            timeout_s = min(timeout_s, 1.0)
         if self.enabled and self.flush(timeout_s):
             self._queue.put(None)
             self._thread.join(timeout_s)
