@@ -43,11 +43,11 @@ def process_start_time() -> float | None:
     try:
         with open("/proc/self/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()
-        ticks = int(fields[19])  # field 22 (starttime), counted after the ")" of the command name
-        with open("/proc/stat", "rb") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration, AttributeError):
+        ticks = int(fields[19])  # field 22 (starttime, since boot), counted after the ")" of the command name
+        with open("/proc/uptime", "rb") as f:  # not /proc/stat's btime: whole seconds
+            uptime = float(f.read().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
         return None
 
 
