@@ -60,6 +60,8 @@ def run_ids(store: Store) -> list[str]:
 
 def read_ledger(url: str, storage_options: dict[str, Any] | None = None, *, run: str | None = None) -> LedgerRead:
     """Every run's records under ``url`` (only ``run``'s when given)."""
+    if run is not None and not LEDGER_RUN_RE.fullmatch(run):
+        raise ValueError(f"not a run id: {run!r}")  # a path component: never "..", never "/"
     store = ledger_store(url, storage_options)
     notes: list[str] = []
     runs: dict[str, RunLedger] = {}

@@ -15,6 +15,7 @@ from lightning_preempt.cli.output import print_note, print_table, utc
 from lightning_preempt.cli.plan import format_bytes, format_duration
 from lightning_preempt.cli.report import build_report
 from lightning_preempt.cli.resolve import nothing_here, storage_call
+from lightning_preempt.format.names import LEDGER_RUN_RE
 
 
 def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
@@ -43,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
     """``report URL``: the run's figures as text (or JSON), and the timeline with ``--plot``."""
     if args.on_demand_price is not None and args.gpu_hour_price is None:
         raise UsageError("--on-demand-price needs --gpu-hour-price", hint="e.g. --gpu-hour-price 1.2 --on-demand-price 3.9")
+    if args.run is not None and not LEDGER_RUN_RE.fullmatch(args.run):
+        raise UsageError(f"--run {args.run!r} is not a run id", hint="The report's first line names the run id.")
     options = parse_storage_options(args.storage_options)
     report = storage_call(args.url, lambda: build_report(args.url, options, run=args.run, gpu_hour_price=args.gpu_hour_price,
                                                          on_demand_price=args.on_demand_price))  # fmt: skip

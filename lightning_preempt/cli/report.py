@@ -21,8 +21,8 @@ def build_report(url: str, options: dict[str, Any], *, run: str | None = None, g
     notes = list(read.notes)
     if not read.runs:
         report = from_manifests(url, options)
-        notes.insert(0, "no goodput ledger under this URL (lightning_preempt before 0.2, or ledger=False): "
-                     "figures from the retained checkpoints' manifests only")  # fmt: skip
+        why = f"no ledger of run {run}" if run is not None else "no goodput ledger under this URL (ledger=False?)"
+        notes.insert(0, f"{why}: figures from the retained checkpoints' manifests only")
         report["notes"] = notes
         return report
     chosen = _newest_run(read)

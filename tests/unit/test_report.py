@@ -114,6 +114,8 @@ def test_damaged_oversized_foreign_and_hostile_records_are_skipped_or_escaped(
     out, err = capsys.readouterr()
     assert "\x1b" not in out and "\x07" not in out and "SIG\\x1b]0;owned\\x07\\nTERM" in out
     assert "skipped r00003-000001-save.json" in err
+    assert main(["report", str(tmp_path), "--run", "../../etc"]) == 1  # a run id is a path component
+    assert "is not a run id" in capsys.readouterr().err
 
 
 def test_the_writer_compacts_and_a_ledger_it_cannot_write_only_warns(
