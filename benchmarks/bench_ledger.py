@@ -9,8 +9,9 @@ variants interleaved round by round (same run, same machine state):
 
 A step's time is from one ``on_train_batch_start`` to the next, so it includes every end
 hook of the step: the save (every ``--every`` steps), the ledger's records, the logging of
-the figures (at the step after a save committed). Medians per round; the ratios are medians
-of per-round ratios.
+the figures (at the step after a save committed). Wall time, and the training thread's CPU
+time (``time.thread_time``: what the step itself spent, much less disturbed by other
+processes on a shared machine). Medians per round; the ratios are medians of per-round ratios.
 
     python benchmarks/bench_ledger.py            # ~2 min on 2 CPU cores
     python benchmarks/bench_ledger.py --quick
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 from _common import MiB, machine_notes, median, table, verdict
 
+KINDS = ("save", "after save", "plain", "save cpu", "after save cpu", "plain cpu")
 #: Seconds the training thread spent in the ledger's and the reporter's calls (the direct cost).
 ON_THREAD: dict[str, list[float]] = {"ledger (records queued)": [], "metrics (figures + log_metrics)": []}
 
@@ -65,11 +67,11 @@ def fit_once(root: Path, kwargs: dict[str, Any], args: argparse.Namespace) -> di
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.Adam(self.parameters(), lr=1e-4)
 
-    starts: list[float] = []
+    starts: list[tuple[float, float]] = []
 
     class Clock(Callback):
         def on_train_batch_start(self, *a: Any) -> None:
-            starts.append(time.perf_counter())
+            starts.append((time.perf_counter(), time.thread_time()))
 
     data = torch.utils.data.DataLoader(torch.randn(args.steps * 4, width), batch_size=4)
     callback = PreemptionCallback(str(root / "ck"), every_n_train_steps=args.every, keep_last_n=2, lease=False, **kwargs)
@@ -77,11 +79,12 @@ def fit_once(root: Path, kwargs: dict[str, Any], args: argparse.Namespace) -> di
                         plugins=[ShardedAsyncCheckpointIO()], logger=CSVLogger(str(root / "logs")),
                         log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
     trainer.fit(Model(), data)
-    steps = [b - a for a, b in itertools.pairwise(starts)]  # steps[i]: step i + 1 and its end hooks
-    out: dict[str, list[float]] = {"save": [], "after save": [], "plain": []}
-    for i, t in enumerate(steps[args.every :], start=args.every + 1):  # past the first save (warm-up)
+    steps = [(b[0] - a[0], b[1] - a[1]) for a, b in itertools.pairwise(starts)]  # [i]: step i + 1 + end hooks
+    out: dict[str, list[float]] = {k: [] for k in KINDS}
+    for i, (wall, cpu) in enumerate(steps[args.every :], start=args.every + 1):  # past the first save (warm-up)
         kind = "save" if i % args.every == 0 else "after save" if i % args.every == 1 else "plain"
-        out[kind].append(t)
+        out[kind].append(wall)
+        out[f"{kind} cpu"].append(cpu)
     return out
 
 
@@ -110,7 +113,7 @@ def run(args: argparse.Namespace) -> str:
     _timed(SaveReporter, "report", ON_THREAD["metrics (figures + log_metrics)"])
     logging.getLogger("lightning_preempt").setLevel(logging.WARNING)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    per_round: dict[str, dict[str, list[float]]] = {v: {"save": [], "after save": [], "plain": []} for v in VARIANTS}
+    per_round: dict[str, dict[str, list[float]]] = {v: {k: [] for k in KINDS} for v in VARIANTS}
     started = time.perf_counter()
     for _ in range(args.rounds):
         for name, kwargs in VARIANTS.items():
@@ -122,30 +125,34 @@ def run(args: argparse.Namespace) -> str:
             for kind, values in times.items():
                 per_round[name][kind].append(median(values))
     elapsed = time.perf_counter() - started
-    plain = median([median(per_round[v]["plain"]) for v in VARIANTS])
+    plain = median([median(per_round[v]["plain cpu"]) for v in VARIANTS])
     direct = [[name, str(len(ts)), f"{median(ts) * 1e3:.3f}", f"{sorted(ts)[int(len(ts) * 0.99)] * 1e3:.3f}",
                f"{max(ts) * 1e3:.3f}", f"{median(ts) / plain:.2%}"] for name, ts in ON_THREAD.items() if ts]  # fmt: skip
-    kinds = ("save", "after save", "plain")
-    rows = [[name, *(f"{median(per_round[name][k]) * 1e3:.1f}" for k in kinds)] for name in VARIANTS]
+    rows = [[name, *(f"{median(per_round[name][k]) * 1e3:.1f}" for k in KINDS)] for name in VARIANTS]
 
     def ratio(a: str, b: str, kind: str) -> float:
         return median([x / y for x, y in zip(per_round[a][kind], per_round[b][kind])])
 
+    on, off, floor = VARIANTS
     checks = [
-        verdict("step with a save: metrics on / off", ratio("ledger + metrics", "ledger, no metrics", "save"), 1.05, False),
-        verdict("step after a save (logs the figures): metrics on / off",
-                ratio("ledger + metrics", "ledger, no metrics", "after save"), 1.05, False),
-        verdict("step with a save: ledger on / off", ratio("ledger, no metrics", "neither", "save"), 1.05, False),
-        verdict("plain step: ledger + metrics / neither", ratio("ledger + metrics", "neither", "plain"), 1.05, False),
+        verdict(f"step with a save, {clock}: metrics on / off", ratio(on, off, f"save{sfx}"), 1.05, False)
+        for clock, sfx in (("CPU", " cpu"), ("wall", ""))
+    ] + [
+        verdict(f"step after a save (logs the figures), {clock}: metrics on / off", ratio(on, off, f"after save{sfx}"),
+                1.05, False) for clock, sfx in (("CPU", " cpu"), ("wall", ""))
+    ] + [
+        verdict("step with a save, CPU: ledger on / off", ratio(off, floor, "save cpu"), 1.05, False),
+        verdict("plain step, CPU: ledger + metrics / neither", ratio(on, floor, "plain cpu"), 1.05, False),
     ]  # fmt: skip
     return "\n".join([
         f"### bench_ledger (run took {elapsed:.0f}s)", "", f"Machine: {machine_notes()}", "",
         f"{args.size_mib} MiB of weights + Adam state, a save every {args.every} steps, {args.steps} steps per fit, "
         f"{args.rounds} interleaved rounds; medians of per-round medians (ms per step, end hooks included):", "",
-        table(["variant", "step with a save", "step after it", "other steps"], rows), "",
+        table(["variant", "save (wall)", "after it (wall)", "other (wall)", "save (CPU)", "after it (CPU)",
+               "other (CPU)"], rows), "",
         table(["ratio (median of per-round ratios)", "value", "target", "verdict"], [r for r, _ in checks]), "",
         "Direct cost on the training thread (every call, all variants that make it):", "",
-        table(["calls", "n", "median ms", "p99 ms", "max ms", "median / plain step"], direct), "",
+        table(["calls", "n", "median ms", "p99 ms", "max ms", "median / plain step (CPU)"], direct), "",
         *[line for _, line in checks],
     ])  # fmt: skip
 
