@@ -1,7 +1,7 @@
 """The goodput ledger and ``lightning-preempt report`` without training: the ledger's writer
 thread on real files (compaction, a storage it cannot write), records that are damaged,
-oversized, foreign or hostile (skipped with a note, text escaped), and the report's figures,
-text and plot from a ledger whose times the test chose."""
+oversized, foreign or hostile (skipped with a note, text escaped), and the report's figures
+and text from a ledger whose times the test chose."""
 
 from __future__ import annotations
 
@@ -73,11 +73,10 @@ def test_the_summary_counts_what_the_script_did() -> None:
     assert s["goodput"] == pytest.approx(s["useful_s"] / s["wall_s"])
 
 
-def test_report_text_json_cost_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_report_text_json_and_cost(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _write(tmp_path, _scripted_run())
-    png = tmp_path / "t.png"
     args = ["report", str(tmp_path), "--gpu-hour-price", "2", "--on-demand-price", "5"]
-    assert main([*args, "--plot", str(png)]) == 0
+    assert main(args) == 0
     text = capsys.readouterr().out
     for expected in ("3 process(es), 2 restart(s), step 60, finished", "goodput", "SIGTERM", "no record (SIGKILL",
                      "`plan` recommends", "(10 steps)", "on demand at 5"):  # fmt: skip
@@ -86,10 +85,7 @@ def test_report_text_json_cost_and_plot(tmp_path: Path, capsys: pytest.CaptureFi
     r = json.loads(capsys.readouterr().out)
     assert r["cost"]["gpus"] == 2 and r["cost"]["cost"] == pytest.approx(r["wall_s"] / 3600 * 2 * 2)
     assert r["plan"]["in_use_steps"] == 10 and r["plan"]["mtbf_s"] == pytest.approx(r["wall_s"] / 2)
-    import matplotlib.image
-
-    image = matplotlib.image.imread(str(png))
-    assert image.shape[0] >= 400 and image.shape[1] >= 800 and image.std() > 0.05
+    # the plot (matplotlib) is drawn and opened as an image by tests/e2e/test_demo.py and test_report.py
 
 
 def test_damaged_oversized_foreign_and_hostile_records_are_skipped_or_escaped(
