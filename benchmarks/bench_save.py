@@ -13,9 +13,19 @@ curve: each ratio per tensor count (the cost per tensor, not per byte). ``--rank
 adds DDP saves on that many gloo ranks (every rank saves its share, as under
 ``PreemptionCallback``), the slowest rank against a write + fsync of its share.
 
+The Fabric rows (benchmarks/_fabric_save.py) time ``fabric.save`` of a Fabric loop's state
+(module, optimizer, step) on the same tensors, with our plugin and with Fabric's default.
+
     python benchmarks/bench_save.py            # ~1 GiB, ~3 min
     python benchmarks/bench_save.py --size-mib 256 --tensors 24,400,4000 --ranks 2,4  # the curve
     python benchmarks/bench_save.py --quick    # 128 MiB smoke run
+    python benchmarks/bench_save.py --host-budget   # peak RSS under host_memory_budget (bench_host_budget.py)
+    python benchmarks/bench_save.py --device cuda --size-mib 4096  # the GPU table (bench_device.py)
+
+On the CPU a second section follows, "step time with a save in the step"
+(benchmarks/step_time.py): overlapped staging against synchronous staging and no save, for
+a small MLP trained with AdamW (``--step-width``/``--step-layers``/``--step-batch``/
+``--step-repeats``; ``--no-step-time`` skips it).
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import step_time
 from _common import (
     MiB,
     fmt_range,
@@ -45,6 +56,8 @@ from _common import (
     tensors_of,
     verdict,
 )
+from _fabric_save import METHODS as FABRIC_METHODS
+from _fabric_save import FabricSaves
 
 Result = tuple[float, float | None, dict[str, float]]  # blocking_s, committed_s, extras
 
@@ -180,6 +193,7 @@ METHODS: dict[str, tuple[str, str]] = {
     "torch_sync": ("Lightning TorchCheckpointIO", "sync torch.save; + fsync file & dir (added for fairness)"),
     "lightning_async": ("Lightning AsyncCheckpointIO", "wraps TorchCheckpointIO + fsync; clones tensors"),
     "dcp_async": ("DCP async_save, CPU DefaultStager", "blocks = returned + staging done; sync_files=True"),
+    **FABRIC_METHODS,
 }
 
 
@@ -355,7 +369,10 @@ def run_one(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
         "lightning_async": bench.lightning_async,
         "dcp_async": bench.dcp_async,
     }
-    methods = [m for m in runners if not args.methods or m in args.methods.split(",")]
+    methods = [m for m in METHODS if not args.methods or m in args.methods.split(",")]
+    fabric = FabricSaves(ckpt, bench.fresh, args.ours_threads) if any(m in FABRIC_METHODS for m in methods) else None
+    if fabric is not None:
+        runners |= {m: fabric.runner(m) for m in FABRIC_METHODS}
     results: dict[str, list[Result]] = {m: [] for m in methods}
     started = time.perf_counter()
     try:
@@ -372,6 +389,8 @@ def run_one(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
                     shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
     finally:
         bench.close()
+        if fabric is not None:
+            fabric.close()
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
     elapsed = time.perf_counter() - started
@@ -441,6 +460,16 @@ def run_one(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
         ("ours blocking / floor copy", "ours", "floor_copy", 0, 0, 1.3, False),
         ("sync torch.save blocking / ours blocking", "torch_sync", "ours", 0, 0, 5.0, True),
         ("ours committed / (sequential write + fsync)", "ours", "floor_write", 1, 1, 1.5, False),
+        ("fabric.save blocking: default / ours", "fabric_torch", "fabric_ours", 0, 0, 5.0, True),
+        (
+            "fabric.save blocking: default / ours, default keys",
+            "fabric_torch",
+            "fabric_ours_default_keys",
+            0,
+            0,
+            5.0,
+            True,
+        ),
     ]
     for name, a, b, ia, ib, target, higher in specs:
         if a in methods and b in methods:
@@ -464,10 +493,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", default="", help=f"comma-separated subset of {','.join(METHODS)}")
     p.add_argument("--ours-threads", type=int, default=None, help="thread_count for ours (default: the plugin's)")
     p.add_argument("-v", "--verbose", action="store_true", help="print every round to stderr")
+    p.add_argument("--device", default=None, help="cuda (or cpu, a dry run): the device table instead (bench_device.py)")
+    p.add_argument("--host-budget", action="store_true", help="the host-memory budget section instead")
+    p.add_argument("--no-step-time", dest="step_time", action="store_false", help="skip the step-time section")
+    step_time.add_arguments(p, prefix="step-")
     args = p.parse_args(argv)
     if args.quick:
         args.size_mib, args.tensors = 128, "16"
+        args.step_width, args.step_repeats = 1024, 3
+    if args.device is not None or args.host_budget:
+        from bench_device import run_device
+        from bench_host_budget import run_budget
+
+        sections = [run_device(args)] if args.device is not None else []
+        print("\n\n".join([*sections, *([run_budget(args)] if args.host_budget else [])]))
+        return 0
     print(run(args))
+    if args.step_time:
+        print()
+        print(step_time.from_args(args, prefix="step_")()[0])
     return 0
 
 

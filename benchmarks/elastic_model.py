@@ -2,7 +2,7 @@
 reclaimed with 30 s of grace, 16 preemptions in 72 h (docs/elastic-model.md).
 
 Hardware figures are the seed's (or stated assumptions); the software overheads are the
-ratios we measured on this machine (README "Benchmarks"), applied to the hardware floors:
+ratios we measured on this machine (docs/benchmarks.md), applied to the hardware floors:
 
 * staging blocks 1.02 x a copy into preallocated buffers (bench_save: ours / floor copy);
 * a commit takes 1.33 x a sequential write + fsync of the same bytes (bench_save);

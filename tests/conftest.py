@@ -112,6 +112,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = keep
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # `gpu` tests (tests/gpu/, scripts/gpu_check.sh) run where CUDA is; elsewhere they skip.
+    if item.get_closest_marker("gpu") is not None:
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.skip("needs CUDA (run scripts/gpu_check.sh on a GPU machine)")
+
+
 @pytest.fixture
 def tmp_url(tmp_path: Path) -> str:
     return str(tmp_path / "ckpts")

@@ -1,4 +1,4 @@
-"""A user's training script for SLURM, as README's "SLURM" section shows: the documented API
+"""A user's training script for SLURM, as docs/recipes.md's "SLURM" section shows: the documented API
 only (``PreemptionCallback`` + ``ShardedAsyncCheckpointIO``). ``train.sbatch`` runs it with
 ``srun``; the same command on every (re)start resumes from the newest valid checkpoint.
 

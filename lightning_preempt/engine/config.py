@@ -21,6 +21,7 @@ from typing import Any, Literal, TypeVar
 
 from lightning_preempt.preemption.notices import parse_names
 from lightning_preempt.preemption.signals import resolve_signal
+from lightning_preempt.save.budget import check_budget
 from lightning_preempt.storage.protocols import check_driver
 
 T = TypeVar("T")
@@ -125,6 +126,7 @@ class PreemptionConfig:
     probe_storage: bool = True
     notices: tuple[str, ...] = ()
     on_notice: Literal["continue", "exit"] = "continue"
+    global_batch: Literal["per_rank", "keep"] = "per_rank"
     ledger: bool = True
     log_metrics: bool = True
 
@@ -164,6 +166,10 @@ class PreemptionConfig:
         if self.on_notice not in ("continue", "exit"):
             raise _fail("on_notice", self.on_notice, "'continue' or 'exit'", "'continue' snapshots and trains on "
                         "until the signal; 'exit' snapshots and exits for requeue at once.")  # fmt: skip
+        if self.global_batch not in ("per_rank", "keep"):
+            raise _fail("global_batch", self.global_batch, "'per_rank' or 'keep'", "'per_rank' keeps each rank's batch "
+                        "when the world size changes (the global batch follows it); 'keep' scales "
+                        "accumulate_grad_batches to keep the global batch where it divides.")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -175,6 +181,8 @@ class CheckpointIOConfig:
 
     storage_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     pin_memory: bool | None = None
+    host_memory_budget: int | float | None = None
+    pinned_memory_budget: int | float | None = None
     thread_count: int = 1
     verify_on_load: bool = True
     sharded_keys: tuple[str, ...] = ("state_dict", "optimizer_states")
@@ -183,11 +191,18 @@ class CheckpointIOConfig:
     drain_retries: int = 4
     drain_backoff_s: float = 1.0
     trust_checkpoints: bool = False
+    overlap_staging: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "storage_options", check_storage_options(self.storage_options, optional=True))
         if self.pin_memory is not None and not isinstance(self.pin_memory, bool):
             raise _fail("pin_memory", self.pin_memory, "True, False or None", "None pins when CUDA is available.")
+        if self.overlap_staging is not None and not isinstance(self.overlap_staging, bool):
+            raise _fail("overlap_staging", self.overlap_staging, "True, False or None",
+                        "True copies parameters and optimizer state while the next step computes "
+                        "(docs/staging.md); None chooses by device.")  # fmt: skip
+        for name in ("host_memory_budget", "pinned_memory_budget"):
+            check_budget(name, getattr(self, name))
         for name in ("verify_on_load", "trust_checkpoints"):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, getattr(self, name), "True or False", f"e.g. {name}={name == 'verify_on_load'}")

@@ -33,6 +33,7 @@ Call order (and which ranks call):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -258,12 +259,9 @@ class Engine:
     def _stop(self) -> None:
         """Every rank raises the same error: the lease's, else the failed save's."""
         lease = self._runtime.lease if self._runtime is not None else None
-        try:
+        with self.ledger.records_errors(self._last_seen_step or 0):
             agree.decide(lambda: lease.check() if lease is not None else None, self._group, what="holding the lease")
             self.wait()
-        except CheckpointError as err:
-            self.ledger.error(self._last_seen_step or 0, err)
-            raise
 
     # ---- saving ------------------------------------------------------------------------------
     @property
@@ -287,7 +285,11 @@ class Engine:
         path = self._fresh_path(step)
         self.save_kind = kind  # recorded in the checkpoint by the front-end during this save
         saver, before = self.saver, self.saver.history[-1:]
-        self._save(path)
+        # Periodic saves may overlap their copy with the next step (save/overlap.py); the
+        # emergency and final ones are waited for at once: staged completely, synchronously.
+        overlap = kind in ("periodic", "notice")
+        with contextlib.nullcontext() if overlap else saver.overlap.suspended():
+            self._save(path)
         self.last_saved_step, self._last_saved_path = step, path
         self._last_save_time = time.monotonic()
         record_save(self.ledger, saver, before, kind)
@@ -372,11 +374,8 @@ class Engine:
         self.controller.flush()  # every rank completes its overlapped exchange
         if self.config.save_on_train_end and step != self.last_saved_step and step > 0:
             self.save(step, kind="final")
-        try:
+        with self.ledger.records_errors(step):
             self.wait()
-        except CheckpointError as err:
-            self.ledger.error(step, err)
-            raise
         self.ledger.add("finish", step=step)
 
     def close(self, *, finish_saves: bool = False, error: BaseException | None = None) -> None:

@@ -12,17 +12,19 @@ so a week-long run keeps a bounded ledger.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from lightning_preempt.catalog.goodput import summarize
 from lightning_preempt.catalog.ledger import RunLedger, ledger_store, read_run
+from lightning_preempt.errors import CheckpointError
 from lightning_preempt.format import ledger as fmt
 from lightning_preempt.format.names import ledger_compact_name, ledger_record_name
 from lightning_preempt.storage.store import Store
@@ -105,6 +107,16 @@ class Ledger:
             last = self.records[-1] if self.records else None
         if last is None or last["kind"] != "error" or last["error"] != text:
             self.add("error", step=step, error=text)
+
+    @contextlib.contextmanager
+    def records_errors(self, step: int) -> Iterator[None]:
+        """Record the :class:`~lightning_preempt.errors.CheckpointError` (an agreed one) that
+        leaves the block, then let it go on."""
+        try:
+            yield
+        except CheckpointError as err:
+            self.error(step, err)
+            raise
 
     def progress(self, step: int) -> None:
         """The last step seen, at most every :data:`PROGRESS_EVERY_S` seconds."""

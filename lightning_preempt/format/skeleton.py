@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from lightning_preempt.format import TensorRef
+from lightning_preempt.format.containers import map_leaves
 
 DEFAULT_SHARDED_KEYS: tuple[str, ...] = ("state_dict", "optimizer_states")
 
@@ -40,44 +41,23 @@ def split_checkpoint(
 
 
 def _extract(value: Any, prefix: str, out: dict[str, torch.Tensor]) -> Any:
-    if isinstance(value, torch.Tensor):
-        key = prefix
-        n = 1
-        while key in out:  # e.g. {0: t} next to {"0": t}: keep both, keys stay deterministic
-            key = f"{prefix}#{n}"
+    def extract(leaf: Any, key: str) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        n, unique = 1, key
+        while unique in out:  # e.g. {0: t} next to {"0": t}: keep both, keys stay deterministic
+            unique = f"{key}#{n}"
             n += 1
-        out[key] = value
-        return TensorRef(key)
-    if isinstance(value, dict):
-        return _same_mapping(value, {k: _extract(v, f"{prefix}/{k}", out) for k, v in value.items()})
-    if isinstance(value, list):
-        return [_extract(v, f"{prefix}/{i}", out) for i, v in enumerate(value)]
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_extract(v, f"{prefix}/{i}", out) for i, v in enumerate(value))
-    return value
+        out[unique] = leaf
+        return TensorRef(unique)
+
+    return map_leaves(value, extract, prefix)
 
 
 def merge_checkpoint(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """Inverse of :func:`split_checkpoint`: put every referenced tensor back in place."""
-    if isinstance(skeleton, TensorRef):
-        return tensors[skeleton.key]
-    if isinstance(skeleton, dict):
-        return _same_mapping(skeleton, {k: merge_checkpoint(v, tensors) for k, v in skeleton.items()})
-    if isinstance(skeleton, list):
-        return [merge_checkpoint(v, tensors) for v in skeleton]
-    if isinstance(skeleton, tuple) and not hasattr(skeleton, "_fields"):
-        return tuple(merge_checkpoint(v, tensors) for v in skeleton)
-    return skeleton
-
-
-def _same_mapping(original: dict[Any, Any], items: dict[Any, Any]) -> dict[Any, Any]:
-    """Rebuild ``items`` as the type of ``original`` (keeps ``OrderedDict`` state dicts)."""
-    if type(original) is dict:
-        return items
-    try:
-        return type(original)(items)  # type: ignore[no-any-return]
-    except TypeError:
-        return items
+    """Inverse of :func:`split_checkpoint`: put every referenced tensor back in place, every
+    container rebuilt as the exact type it was (format/containers.py)."""
+    return map_leaves(skeleton, lambda leaf, _: tensors[leaf.key] if isinstance(leaf, TensorRef) else leaf)
 
 
 def tensor_refs(skeleton: Any) -> list[str]:

@@ -33,6 +33,7 @@ import torch
 from lightning_preempt.errors import CheckpointError, CorruptCheckpointError, UntrustedCheckpointError
 from lightning_preempt.format import TensorRef
 from lightning_preempt.format import dcp_compat as _compat
+from lightning_preempt.format.containers import map_leaves
 from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.format.metadata_scan import check_dcp_structure
 from lightning_preempt.format.names import DCP_METADATA_NAME
@@ -240,18 +241,5 @@ def _target_device(map_location: Any) -> torch.device | None:
 
 
 def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        items = {k: _map_tensors(v, fn) for k, v in obj.items()}
-        if type(obj) is dict:
-            return items
-        try:
-            return type(obj)(items)
-        except TypeError:
-            return items
-    if isinstance(obj, list):
-        return [_map_tensors(v, fn) for v in obj]
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_map_tensors(v, fn) for v in obj)
-    return obj
+    """``obj`` with ``fn`` applied to every tensor, containers kept as their exact types."""
+    return map_leaves(obj, lambda leaf, _: fn(leaf) if isinstance(leaf, torch.Tensor) else leaf)

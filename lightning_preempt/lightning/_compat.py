@@ -151,6 +151,36 @@ def training_results(trainer: Any) -> Any | None:
     return getattr(trainer.fit_loop.epoch_loop, "_results", None)
 
 
+def refresh_train_batches(trainer: Any) -> None:
+    """Count the training batches per epoch again (Lightning counts them once, at set-up, in
+    ``FitLoop.setup_data``): after a resharded epoch's loaders changed length, and when that
+    epoch is over. The per-loader limits (``limit_train_batches`` of each length), the live
+    iterator's copy of them, ``max_batches`` and, for a fractional ``val_check_interval``,
+    ``val_check_batch``, all as Lightning computes them."""
+    from lightning.fabric.utilities.data import sized_len
+    from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
+    from lightning.pytorch.trainer.states import RunningStage
+
+    combined = getattr(trainer.fit_loop, "_combined_loader", None)
+    if combined is None or getattr(combined, "limits", None) is None:
+        return
+    lengths = [sized_len(dl) for dl in combined.flattened]
+    limits = [
+        _parse_num_batches(RunningStage.TRAINING, n if n is not None else float("inf"), trainer.limit_train_batches)
+        for n in lengths
+    ]
+    combined.limits = limits
+    if getattr(combined, "_iterator", None) is not None:
+        combined._iterator.limits = limits
+    length = sized_len(combined)
+    if length is None:
+        return
+    trainer.fit_loop.max_batches = length
+    interval = getattr(trainer, "val_check_interval", None)
+    if isinstance(interval, float) and getattr(trainer, "check_val_every_n_epoch", None) is not None:
+        trainer.val_check_batch = max(1, int(length * interval))
+
+
 def set_sampler_epoch(loader: Any, epoch: int) -> None:
     """Lightning's own per-epoch ``set_epoch`` call on a loader's samplers."""
     from lightning.fabric.utilities.data import _set_sampler_epoch
@@ -190,3 +220,32 @@ def restore_late(trainer: Any, path: str) -> None:
             hint="Restart the job: it then resumes from that checkpoint.",
         )
     resume_start(path)
+
+
+# ---- Fabric: fabric.save through our plugin on every rank (lightning/fabric_routing.py) ----
+def route_fabric_saves(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Wrap Fabric's base ``Strategy.save_checkpoint`` once per process (public method, so
+    this only names the class's module). Missing: rank 0 writes alone, as Lightning does."""
+    _wrap_once("lightning.fabric.strategies.strategy", "Strategy", "save_checkpoint", wrap)
+
+
+def convert_fabric_state(strategy: Any, state: dict[str, Any], filter: dict[str, Any]) -> dict[str, Any]:
+    """Fabric's own conversion of modules, optimizers and ``_Stateful`` objects in a
+    ``fabric.save`` state into state dicts, with its ``filter`` applied.
+
+    Private: ``Strategy._convert_stateful_objects_in_state`` (Lightning 2.5-2.6).
+    """
+    return strategy._convert_stateful_objects_in_state(state, filter=filter)  # type: ignore[no-any-return]
+
+
+def fabric_loader_parts(loader: Any) -> tuple[Any, Any]:
+    """``(the DataLoader, the device its batches go to or None)`` of a loader given to a
+    Fabric loop: Fabric's ``setup_dataloaders`` wrapper, or a plain loader (no device).
+
+    Private: ``_FabricDataLoader._dataloader`` (Lightning 2.5-2.6; ``device`` is public).
+    Missing: the wrapper itself is iterated, and its data position cannot be resumed.
+    """
+    inner = getattr(loader, "_dataloader", None)
+    if inner is None:
+        return loader, None
+    return inner, getattr(loader, "device", None)

@@ -32,12 +32,14 @@ from lightning_preempt.lightning.logs import (
     QuietWarning,
     quiet_auto_resume_warnings,
 )
+from lightning_preempt.lightning.overlap import install as install_overlap
 from lightning_preempt.lightning.prealloc import prepare_staging
 from lightning_preempt.lightning.reporting import SaveReporter, report_resume
 from lightning_preempt.lightning.strategies import ensure_plugin, install_collective_saves
 from lightning_preempt.preemption.controller import Preempted
 from lightning_preempt.preemption.signals import SignalFlag
 from lightning_preempt.preemption.sources import PreemptionSource
+from lightning_preempt.preemption.workers import shield_workers
 
 __all__ = ["Preempted", "PreemptionCallback"]
 
@@ -91,6 +93,10 @@ class PreemptionCallback(OnExceptionCheckpoint):
         on_notice: ``"continue"``: on a notice (from ``notices`` or ``sources``), snapshot at
             the next agreed step and train on until the signal (whose snapshot then costs only
             the steps since); ``"exit"``: snapshot and exit with ``exit_code`` at once.
+        global_batch: at a resize (elastic runs, docs/elastic.md): ``"per_rank"`` keeps each
+            rank's batch, so the global batch follows the world size (logged); ``"keep"`` keeps
+            the global batch by scaling ``accumulate_grad_batches`` by saved ranks / ranks now
+            where that is a whole number (logged; otherwise as ``"per_rank"``).
         sources: extra preemption sources (:class:`~lightning_preempt.preemption.sources.PreemptionSource`).
         ledger: rank 0 records every start, save, preemption, agreed error and finish in
             ``dirpath/.lp-ledger/`` (small JSON files, written off the training thread; a failed
@@ -126,6 +132,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
         probe_storage: bool = True,
         notices: str | Sequence[str] | None = None,
         on_notice: Literal["continue", "exit"] = "continue",
+        global_batch: Literal["per_rank", "keep"] = "per_rank",
         sources: Sequence[PreemptionSource] = (),
         ledger: bool = True,
         log_metrics: bool = True,
@@ -133,7 +140,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
         config = from_arguments(PreemptionConfig, locals())
         super().__init__(dirpath=config.dirpath)
         self.engine = Engine(config, sources)
-        self.exact = ExactResume()  # RNG, data position, metric states; `.enabled = False` turns it off
+        self.exact = ExactResume(global_batch=config.global_batch)  # RNG, data position, metric states; `.enabled = False` turns it off
         _compat.allow_with_disabled_checkpointing(PreemptionCallback)  # Trainer(enable_checkpointing=False) works
         _compat.quiet_ckpt_path_choice(PreemptionCallback, quiet_auto_resume_warnings)  # only for our Trainers
         self._reporter = SaveReporter(lambda: self.engine.ledger.figures())
@@ -255,11 +262,15 @@ class PreemptionCallback(OnExceptionCheckpoint):
         # Staging buffers allocated and touched in the background now: the first (maybe the
         # emergency) save only copies. Again after the first step: optimizer state appears there.
         self._prepare_after = trainer.global_step if prepare_staging(trainer, io) is not None else None
+        install_overlap(trainer, io)  # parameters and optimizer state may be copied while the next step runs
         report_resume(trainer, self._restored_state, log_metrics=self.config.log_metrics)
         # The checkpoint is loaded: the pointer has served. Removed now, not at teardown,
         # which a preempted process never reaches (one file in /tmp per preemption).
         self._drop_pointer()
         self.engine.start(trainer.global_step, loaded_from=io.loaded_from)
+        # Loader workers ignore the preemption signals (a group-wide SIGTERM would end them and
+        # fail the trainer before its snapshot): effective in the iterators exact resume remakes.
+        shield_workers(_compat.train_loaders(trainer), self.engine.config.signals)
         self.exact.on_train_start(trainer, pl_module)  # last: restores RNG just before the first fetch
         if self.exact.positions_restored:
             # Lightning warns when its epoch loop restarts (after this hook, before the first
@@ -274,6 +285,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        shield_workers(_compat.train_loaders(trainer), self.engine.config.signals)  # reloaded loaders
         self.exact.on_train_epoch_start(trainer)  # notes the states this epoch's data order is made from
 
     @override

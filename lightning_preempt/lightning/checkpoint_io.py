@@ -4,7 +4,8 @@ decides which saves are asynchronous; the mechanism lives below (docs/design.md)
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -16,6 +17,9 @@ from lightning_preempt.catalog.loader import Loader
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.engine.config import CheckpointIOConfig, from_arguments
 from lightning_preempt.format.manifest import Manifest
+from lightning_preempt.lightning import _compat
+from lightning_preempt.lightning.fabric_routing import wrap_save
+from lightning_preempt.save.overlap import resolve as resolve_overlap
 from lightning_preempt.save.saver import Saver, SaveRecord
 from lightning_preempt.save.tiers import TwoTier
 
@@ -39,11 +43,18 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
     before the first save they do as well. Neither starts a thread. The plugin pickles and
     deep-copies (``ddp_spawn``): threads, buffers and pending saves are not copied.
 
+    ``fabric.save`` with this plugin saves on every rank (lightning/fabric_routing.py).
+
     Every option is validated here (:class:`~lightning_preempt.engine.config.CheckpointIOConfig`).
 
     Args:
         storage_options: fsspec options for every path (credentials, ``endpoint_url``…).
         pin_memory: pin staging buffers; default: when CUDA is available.
+        host_memory_budget: host memory staging may hold, in bytes (int) or as a fraction
+            of the available memory (float); default: half of ``MemAvailable`` divided by
+            the ranks of the node. A rank's share that does not fit is partly written
+            before the save returns (training blocks longer; a warning says by how much).
+        pinned_memory_budget: of that, the bytes that may be pinned; default: all of it.
         thread_count: writer threads per rank (DCP serialisation is CPU-bound).
         verify_on_load: check every file's CRC32C before loading.
         sharded_keys: top-level checkpoint keys whose tensors go to DCP shards.
@@ -58,13 +69,23 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
             Off by default: checkpoints are untrusted input and only the few types this
             package and Lightning write are loaded (docs/security.md). ``load_checkpoint``'s
             ``weights_only`` overrides it for one load.
+        overlap_staging: with :class:`~lightning_preempt.PreemptionCallback` (which declares
+            the parameters and optimizer state), a periodic save returns once the buffers
+            and small tensors are copied; the rest is copied while the next step's forward
+            and backward run, and its optimizer step waits for the copy (docs/staging.md).
+            ``None``: off (on CPU the copy competes with the step for the same cores; on
+            CUDA until the GPU check has proven it).
     """
+
+    _fabric_keys: tuple[str, ...] | None = None  # set by fabric_state while Fabric saves
 
     def __init__(
         self,
         storage_options: dict[str, Any] | None = None,
         *,
         pin_memory: bool | None = None,
+        host_memory_budget: int | float | None = None,
+        pinned_memory_budget: int | float | None = None,
         thread_count: int = 1,
         verify_on_load: bool = True,
         sharded_keys: tuple[str, ...] = ("state_dict", "optimizer_states"),
@@ -73,17 +94,26 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         drain_retries: int = 4,
         drain_backoff_s: float = 1.0,
         trust_checkpoints: bool = False,
+        overlap_staging: bool | None = None,
     ) -> None:
         super().__init__()
         self.config = config = from_arguments(CheckpointIOConfig, locals())
         self.storage_options = config.storage_options
         self.saver = Saver(config.storage_options, pin_memory=config.pin_memory, thread_count=config.thread_count,
-                           sharded_keys=config.sharded_keys)  # fmt: skip
+                           sharded_keys=config.sharded_keys, host_memory_budget=config.host_memory_budget,
+                           pinned_memory_budget=config.pinned_memory_budget,
+                           overlap_staging=resolve_overlap(config.overlap_staging))  # fmt: skip
         if config.local_dirpath is not None:
             self.saver.use_local_tier(config.local_dirpath, max_workers=config.drain_workers,
                                       retries=config.drain_retries, backoff_s=config.drain_backoff_s)  # fmt: skip
         self.loader = Loader(config.storage_options, verify_on_load=config.verify_on_load,
                              trust_checkpoints=config.trust_checkpoints)  # fmt: skip
+        _compat.route_fabric_saves(wrap_save)  # fabric.save reaches our save_checkpoint on every rank
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A spawned worker (ddp_spawn) unpickles the plugin in a fresh interpreter: route there too.
+        self.__dict__.update(state)
+        _compat.route_fabric_saves(wrap_save)
 
     # ---- CheckpointIO ------------------------------------------------------------------
     @override
@@ -98,6 +128,9 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         Raises:
             CheckpointWriteError: the previous save failed (raised once).
         """
+        if self._fabric_keys is not None:
+            self._save_fabric_state(checkpoint, path, storage_options, self._fabric_keys)
+            return
         url, options = str(path), self._options(storage_options)
         outside_fit = self.saver.closed or not _training_started(checkpoint)
         if outside_fit and not _holds_dtensors(checkpoint):
@@ -106,6 +139,34 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
             # (outside fit with DTensors, i.e. ModelParallelStrategy after fit: no single file
             # can hold the shards; the directory is written synchronously)
             self.saver.save(checkpoint, url, options, wait=outside_fit)
+
+    @contextlib.contextmanager
+    def fabric_state(self, sharded_keys: tuple[str, ...]) -> Iterator[None]:
+        """Within it, :meth:`save_checkpoint` takes ``fabric.save``'s converted state
+        (lightning/fabric_routing.py), sharding the keys that held a module or an optimizer."""
+        self._fabric_keys = sharded_keys
+        try:
+            yield
+        finally:
+            self._fabric_keys = None
+
+    def _save_fabric_state(
+        self, state: dict[str, Any], path: Any, storage_options: Any, sharded_keys: tuple[str, ...]
+    ) -> None:
+        """``fabric.save``, on every rank (lightning/fabric_routing.py): an asynchronous sharded
+        save of the converted ``state``, whose module and optimizer states (``sharded_keys``)
+        go to the DCP shards. Under more than one process every rank writes its share; the
+        first save makes the writer's gloo group when no :class:`Preemption` gave one
+        (collective: ``fabric.save`` runs on every rank).
+
+        Raises:
+            CheckpointWriteError: the previous save failed (raised once).
+        """
+        if self.saver.group is None and pdist.world_size() > 1:
+            self.saver.enable_collective(pdist.new_gloo_group())
+        elif self.saver.closed:  # after Fabric's teardown: saves stay asynchronous and sharded
+            self.saver.enable_collective(self.saver.group)
+        self.saver.save(state, str(path), self._options(storage_options), sharded_keys=sharded_keys)
 
     @override
     def load_checkpoint(

@@ -38,6 +38,7 @@ from lightning_preempt.errors import CheckpointError, CheckpointExistsError, Che
 from lightning_preempt.format.dcp_compat import dcp_save_tensors
 from lightning_preempt.format.manifest import FileEntry, Manifest
 from lightning_preempt.format.names import MANIFEST_NAME, state_file
+from lightning_preempt.save.budget import Streamed
 from lightning_preempt.save.dcp_writer import ChecksummingWriter
 from lightning_preempt.save.layout import WritePlan, abandon, finish_write, plan_write
 from lightning_preempt.save.planning import CachingSavePlanner, PlanCache
@@ -69,6 +70,9 @@ class SaveRequest:
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
     #: Written to the manifest when set: retention given a run id spares other runs' checkpoints.
     run_id: str | None = None
+    #: Tensors of ``tensors`` that are the training state's own, not staged copies (over the
+    #: host-memory budget, ``save/budget.py``): written first, then the training resumes.
+    streamed: Streamed | None = None
 
 
 def write_checkpoint(
@@ -94,7 +98,7 @@ def write_checkpoint(
 
     def write_files() -> dict[str, FileEntry]:
         entries: dict[str, FileEntry] = {}
-        writer = ChecksummingWriter(store, thread_count=thread_count)
+        writer = ChecksummingWriter(store, thread_count=thread_count, streamed=request.streamed)
         try:
             dcp_save_tensors(
                 request.tensors,

@@ -18,6 +18,9 @@ bytes reach storage:
   dtype and shape instead of a ``torch.save`` call per tensor) through a buffered stream,
   so thousands of small tensors become a few large sequential writes and CRC32C updates
   (:meth:`ChecksummingWriter.write_data`); the file format is DCP's, unchanged.
+* tensors the host-memory budget streams (``save/budget.py``) are written first, from the
+  training state (through the budget's host chunk when on a device), and the save is
+  released as soon as they are: the files differ only in the order of their records.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from torch.futures import Future
 from lightning_preempt.format import dcp_compat as _compat
 from lightning_preempt.format.manifest import FileEntry
 from lightning_preempt.format.names import DCP_METADATA_NAME
+from lightning_preempt.save.budget import Streamed
 from lightning_preempt.save.records import write_tensor_record
 from lightning_preempt.storage.checksum import Crc32c
 from lightning_preempt.storage.store import Store
@@ -155,7 +159,7 @@ class ChecksummingWriter(_compat.FsspecWriter):
     on the coordinator).
     """
 
-    def __init__(self, store: Store, *, thread_count: int = 1) -> None:
+    def __init__(self, store: Store, *, thread_count: int = 1, streamed: Streamed | None = None) -> None:
         super().__init__(
             store.url,
             single_file_per_rank=True,
@@ -169,6 +173,7 @@ class ChecksummingWriter(_compat.FsspecWriter):
         self.fs = self._checksumming_fs  # type: ignore[assignment]
         self.path = store.path()
         self._store = store
+        self.streamed = streamed
 
     @property
     def storage_error(self) -> BaseException | None:
@@ -183,24 +188,56 @@ class ChecksummingWriter(_compat.FsspecWriter):
         items, stream transforms) go to it unchanged."""
         prefix = getattr(plan.storage_data, "prefix", None)
         items = list(plan.items)
+        streamed = self.streamed
+        if streamed is not None:
+            streamed.check()  # a second attempt of a save whose streamed tensors have changed
         special = any(item.type == WriteItemType.BYTE_IO for item in items)
         if prefix is None or special or tuple(getattr(self.transforms, "extensions", None) or ()):
-            return super().write_data(plan, planner)
+            try:
+                return super().write_data(plan, planner)  # writes before it returns
+            finally:
+                if streamed is not None:
+                    streamed.release()
         # DCP logs two debug records per resolve_data call (~40 us a tensor); its
         # undecorated method resolves the same data.
         method = getattr(type(planner).resolve_data, "__wrapped__", None)
         resolve = (lambda item: method(planner, item)) if method is not None else planner.resolve_data
         buckets = _split_by_size(items, max(1, self.thread_count))
         names = [f"{prefix}{i}.distcp" for i in range(len(buckets))]
+        live = streamed.keys if streamed is not None else frozenset()
+        # streamed tensors first in every bucket: the save blocks until they are written
+        if live:
+            buckets = [sorted(b, key=lambda item: item.index.fqn not in live) for b in buckets]
+        remaining = [sum(item.index.fqn in live for bucket in buckets for item in bucket)]
+        count_lock = threading.Lock()
+
+        def written_live() -> None:
+            with count_lock:
+                remaining[0] -= 1
+                done = remaining[0] == 0
+            if done and streamed is not None:
+                streamed.release()
+
+        if streamed is not None and remaining[0] == 0:
+            streamed.release()
 
         def write(name: str, bucket: list[WriteItem]) -> list[WriteResult]:
             results: list[WriteResult] = []
             with self.fs.create_stream(posixpath.join(self.path, name), "wb") as stream:
                 for item in bucket:
                     tensor = resolve(item)
-                    assert isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu"
+                    assert isinstance(tensor, torch.Tensor)
                     offset = stream.tell()
-                    write_tensor_record(cast(IO[bytes], stream), tensor.detach())
+                    if item.index.fqn in live:
+                        assert streamed is not None
+                        with streamed.on_host(tensor) as host:
+                            # (returns once the bytes left the chunk: written, or copied into
+                            # the stream's buffer)
+                            write_tensor_record(cast(IO[bytes], stream), host)
+                        written_live()
+                    else:
+                        assert tensor.device.type == "cpu"
+                        write_tensor_record(cast(IO[bytes], stream), tensor.detach())
                     length = stream.tell() - offset
                     info = _compat.DcpStorageInfo(name, offset, length)
                     results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))

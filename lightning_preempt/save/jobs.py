@@ -7,20 +7,35 @@ group from the caller. A job's exception is delivered through its Future.
 The thread, its queue and its lock are runtime state: they are created on the first
 :meth:`JobQueue.submit` and dropped by pickling (``ddp_spawn`` pickles the
 plugin into its workers; ``deepcopy`` of a trainer copies it), so a copy starts idle.
+
+Pending jobs are finished on every way a process ends normally. ``atexit`` is not enough:
+a worker started by ``multiprocessing`` with ``fork`` (Lightning's ``ddp_fork`` and
+``ddp_notebook``) leaves through ``os._exit`` once its function returns, and ``atexit``
+never runs there; the daemon thread would die with its save half written. A
+``multiprocessing.util.Finalize`` with an exit priority runs in all of them: in a
+``multiprocessing`` child (fork or spawn) when its target returns or raises
+(``SystemExit`` included), and in the main process from ``multiprocessing``'s own
+``atexit`` hook. Registered once per process (a forked child registers its own: the
+parent's registry is cleared in the child).
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from multiprocessing import util as mp_util
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+#: Runs before multiprocessing's own exit work (joining children) and before finalizers
+#: without a priority; the drain needs the process group, which is still alive then.
+EXIT_PRIORITY = 50
 
 
 class JobQueue:
@@ -35,7 +50,8 @@ class JobQueue:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._last: Future[Any] | None = None
-        self._atexit_registered = False
+        self._exit_hook: mp_util.Finalize | None = None
+        self._exit_hook_pid = 0
 
     def __getstate__(self) -> dict[str, Any]:
         # Threads, locks, queues and futures cannot be pickled, and a copy must not share
@@ -56,13 +72,14 @@ class JobQueue:
         fut: Future[Any] = Future()
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
-                # A daemon thread plus an atexit drain: the interpreter waits for pending
-                # commits at exit, yet an idle writer never keeps a process alive.
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                # A daemon thread plus an exit drain (module docstring): every way out
+                # waits for pending commits, yet an idle writer never keeps a process alive.
+                self._thread = _Worker(self)
                 self._thread.start()
-                if not self._atexit_registered:
-                    atexit.register(self.close)
-                    self._atexit_registered = True
+                if self._exit_hook is None or self._exit_hook_pid != os.getpid():
+                    self._exit_hook = mp_util.Finalize(None, self._close_at_exit, args=(os.getpid(),),
+                                                       exitpriority=EXIT_PRIORITY)  # fmt: skip
+                    self._exit_hook_pid = os.getpid()
             self._queue.put((job, fut))
             self._last = fut
         return fut
@@ -83,9 +100,14 @@ class JobQueue:
                 self._thread.join()
             self._thread = None
             self._last = None
-            if self._atexit_registered:
-                atexit.unregister(self.close)
-                self._atexit_registered = False
+            if self._exit_hook is not None and self._exit_hook_pid == os.getpid():
+                self._exit_hook.cancel()
+            self._exit_hook = None
+
+    def _close_at_exit(self, pid: int) -> None:
+        # A child made by a bare os.fork inherits this hook but not the thread: nothing to wait for.
+        if os.getpid() == pid:
+            self.close()
 
     def _run(self) -> None:
         while True:
@@ -99,3 +121,14 @@ class JobQueue:
                 fut.set_result(job())
             except BaseException as err:
                 fut.set_exception(err)
+
+
+class _Worker(threading.Thread):
+    """The queue's daemon thread. ``stop()`` (:meth:`JobQueue.close`) finishes the queued jobs
+    and ends it; a later ``submit`` starts a new one. Tools that reap daemon threads call
+    ``stop()``: Lightning's own test suite does after every test, and fails one that leaves a
+    daemon thread without it."""
+
+    def __init__(self, jobs: JobQueue) -> None:
+        super().__init__(target=jobs._run, name=jobs._name, daemon=True)
+        self.stop = jobs.close

@@ -1,7 +1,10 @@
 """The save pipeline of one process: stage, queue, write, commit. Framework-neutral.
 
 :meth:`Saver.save` blocks only while the tensors are copied into reusable host buffers
-(``save/staging.py``); a background job (``save/jobs.py``) writes them through DCP and
+(``save/staging.py``), within the host-memory budget (``save/budget.py``: a share
+that does not fit is partly written before the save returns); with overlapped staging only
+the eager part, the rest is copied while the next step computes (``save/overlap.py``); a
+background job (``save/jobs.py``) writes them through DCP and
 commits the checkpoint by writing its manifest last (``save/commit.py``). At most one save
 is in flight: the next one first waits for the previous one (its staging buffers are in use
 until the commit). Deletes and other jobs queue behind the saves, so a delete never overtakes
@@ -42,9 +45,11 @@ from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.format.names import MANIFEST_NAME
 from lightning_preempt.format.shares import own_share, replica_fingerprint
 from lightning_preempt.format.skeleton import split_checkpoint
+from lightning_preempt.save.budget import StagingBudget
 from lightning_preempt.save.commit import SaveRequest, write_checkpoint
 from lightning_preempt.save.jobs import JobQueue
 from lightning_preempt.save.layout import ensure_exists, remove_local, write_file_atomic
+from lightning_preempt.save.overlap import InFlightCopy, Overlap
 from lightning_preempt.save.planning import PlanCache
 from lightning_preempt.save.staging import HostStager
 from lightning_preempt.save.tiers import TwoTier
@@ -59,7 +64,7 @@ HISTORY_KEPT = 64
 class SaveRecord:
     """Timings of one save, filled in as it progresses (seconds, bytes)."""
 
-    __slots__ = ("blocking_s", "bytes", "committed_s", "error", "path", "started", "step", "waited_s")
+    __slots__ = ("blocking_s", "bytes", "committed_s", "deferred_bytes", "error", "path", "started", "step", "waited_s")
 
     def __init__(self, path: str, step: int, started: float) -> None:
         self.path = path
@@ -69,6 +74,7 @@ class SaveRecord:
         self.blocking_s = 0.0
         self.committed_s: float | None = None
         self.bytes = 0
+        self.deferred_bytes = 0  # copied after save() returned (overlapped staging)
         self.error: BaseException | None = None
 
     @property
@@ -84,8 +90,13 @@ class Saver:
     Args:
         storage_options: fsspec options for every path (merged with per-save options).
         pin_memory: pin staging buffers; ``None``: when CUDA is available.
+        host_memory_budget: staging bytes, or a fraction of the available memory;
+            ``None``: half of ``MemAvailable`` divided by the node's ranks (save/budget.py).
+        pinned_memory_budget: of those, the bytes that may be pinned; ``None``: all.
         thread_count: DCP writer threads per rank.
         sharded_keys: top-level checkpoint keys whose tensors go to the DCP shards.
+        overlap_staging: copy the tensors :attr:`overlap` declares stable after ``save``
+            returns, while the next step computes (save/overlap.py, docs/staging.md).
     """
 
     def __init__(
@@ -93,13 +104,18 @@ class Saver:
         storage_options: dict[str, Any],
         *,
         pin_memory: bool | None = None,
+        host_memory_budget: int | float | None = None,
+        pinned_memory_budget: int | float | None = None,
         thread_count: int = 1,
         sharded_keys: tuple[str, ...] = ("state_dict", "optimizer_states"),
+        overlap_staging: bool = False,
     ) -> None:
         self.storage_options = storage_options
         self.thread_count = thread_count
         self.sharded_keys = sharded_keys
         self.stager = HostStager(pin_memory)
+        self.budget = StagingBudget(host_memory_budget, pinned_memory_budget)
+        self.overlap = Overlap(overlap_staging)
         #: DCP plans reused while the staged state keeps its structure (save/planning.py)
         self.plan_cache = PlanCache()
         self.jobs = JobQueue()
@@ -159,7 +175,9 @@ class Saver:
         tensors, _ = split_checkpoint(checkpoint_like, self.sharded_keys)
         if self._dedupes():
             tensors = own_share(tensors, pdist.rank(self.group), pdist.world_size(self.group))
-        return self.stager.prepare(tensors, background=background)
+        plan = self.budget.split(tensors, self.stager)
+        resident = {key: tensors[key] for key in plan.resident}
+        return self.stager.prepare(resident, background=background, pinned=plan.pinned)
 
     def _my_share(self, tensors: dict[str, Any]) -> dict[str, Any]:
         """This rank's share of the replicated tensors (collective saves under DDP).
@@ -176,30 +194,45 @@ class Saver:
         return own_share(tensors, pdist.rank(self.group), len(fingerprints))
 
     # ---- saving ------------------------------------------------------------------------
-    def save(self, checkpoint: dict[str, Any], url: str, options: dict[str, Any], *, wait: bool = False) -> None:
+    def save(
+        self, checkpoint: dict[str, Any], url: str, options: dict[str, Any], *, wait: bool = False,
+        sharded_keys: tuple[str, ...] = (),
+    ) -> None:  # fmt: skip
         """Stage ``checkpoint`` and queue its write and commit to ``url``; returns once the
         tensors are copied and ``url`` exists (``wait``: once it is committed).
+        ``sharded_keys``: top-level keys sharded in this save besides :attr:`sharded_keys`
+        (the keys a framework knows hold modules' and optimizers' states).
 
         Raises:
             CheckpointWriteError: the previous save failed (raised once).
         """
         started = time.perf_counter()
-        record = SaveRecord(url, int(checkpoint.get("global_step", -1)), started)
+        record = SaveRecord(url, checkpoint_step(checkpoint), started)
         self._wait_pending()  # at most one save in flight: the stager's buffers are in use until commit
         record.waited_s = time.perf_counter() - started
         local_url = self.tiers.local_twin(url) if self.tiers is not None else None
         if self.rank == 0:
             self._ensure_exists(url, options, local_url)
-        tensors, skeleton = split_checkpoint(checkpoint, self.sharded_keys)
+        tensors, skeleton = split_checkpoint(checkpoint, self.sharded_keys + sharded_keys)
         tensors = self._my_share(tensors)
         buffer = io.BytesIO()
         torch.save(skeleton, buffer)  # freezes the non-tensor state now
-        staged = self.stager.stage(tensors)
-        record.bytes = self.stager.last_staged_bytes + buffer.tell()
+        plan = self.budget.split(tensors, self.stager)
+        staging_started = time.perf_counter()
+        # (a save that streams blocks until the writer has the streamed part: nothing to overlap)
+        staged, copying = self.overlap.stage(self.stager, {key: tensors[key] for key in plan.resident},
+                                             plan.pinned, defer=not (wait or plan.streamed))  # fmt: skip
+        record.deferred_bytes = copying.bytes if copying is not None else 0
+        staged_s = time.perf_counter() - staging_started
+        streamed = self.budget.streamed(plan, self.stager)
+        if streamed is not None:  # the rest is written from the training state, in the same order
+            staged = {key: staged[key] if key in staged else tensors[key].detach() for key in tensors}
+        record.bytes = plan.total_bytes + buffer.tell()
         record.blocking_s = time.perf_counter() - started
         request = SaveRequest(url=url, tensors=staged, skeleton=buffer.getvalue(), step=record.step,
                               epoch=int(checkpoint.get("epoch", -1)), storage_options=options,
-                              stats={"blocking_s": record.blocking_s}, run_id=self.run_id)  # fmt: skip
+                              stats={"blocking_s": record.blocking_s}, run_id=self.run_id,
+                              streamed=streamed)  # fmt: skip
         self.history.append(record)
         del self.history[:-HISTORY_KEPT]  # a long run saves thousands of times
         if local_url is not None and self.tiers is not None:
@@ -208,11 +241,17 @@ class Saver:
             def write_to(tier_url: str, tier_options: dict[str, Any]) -> Manifest:
                 tier_request = dataclasses.replace(request, url=tier_url, storage_options=tier_options)
                 record.error = None  # a local failure followed by a remote fallback that works
-                return self._write(tier_request, record)
+                return self._write(tier_request, record, copying)
 
             self._pending = self.submit(lambda: tiers.save(write_to, url, local_url, record.step))
         else:
-            self._pending = self.submit(lambda: self._write(request, record))
+            self._pending = self.submit(lambda: self._write(request, record, copying))
+        if streamed is not None:
+            # Training may change the streamed tensors once they are written (or the job ended).
+            self._pending.add_done_callback(lambda _: streamed.release())
+            streamed.wait()
+            record.blocking_s = request.stats["blocking_s"] = time.perf_counter() - started
+            self.budget.warn_once(plan, record.blocking_s, staged_s)
         if wait:
             self._wait_pending()
 
@@ -229,8 +268,10 @@ class Saver:
             # failure and raises it on every rank (save/commit.py's agreement).
             log.warning("lightning_preempt: could not create %s yet (%s); the save reports it", url, err)
 
-    def _write(self, request: SaveRequest, record: SaveRecord) -> Manifest:
+    def _write(self, request: SaveRequest, record: SaveRecord, copying: InFlightCopy | None = None) -> Manifest:
         try:
+            if copying is not None:
+                copying.wait()  # the deferred copies fill the buffers the writer reads
             # write_checkpoint clears an uncommitted leftover at the path (never mixing old
             # and new files) and replaces a committed checkpoint there (save/layout.py).
             manifest = write_checkpoint(
@@ -261,7 +302,13 @@ class Saver:
         write_file_atomic(Store(url, options), buffer.getvalue())
         log.info("lightning_preempt: saved %s synchronously as a plain Lightning checkpoint (outside fit)", url)
 
+    def settle(self) -> None:
+        """Order whatever comes next after the overlapped copy in flight (save/overlap.py):
+        call it before changing parameters or optimizer state outside an optimizer step."""
+        self.overlap.settle()
+
     def _wait_pending(self) -> None:
+        self.overlap.settle()
         pending, self._pending = self._pending, None
         if pending is None:
             return
@@ -327,9 +374,20 @@ class Saver:
             self.wait()
         finally:
             self.closed = True
+            self.overlap.close()
             self.jobs.close()
             if self.tiers is not None:
                 self.tiers.close()
+
+
+def checkpoint_step(checkpoint: dict[str, Any]) -> int:
+    """The training step a checkpoint records: Lightning's ``global_step``, else a plain
+    ``step`` (a hand-written loop's ``fabric.save(path, {"step": ...})``); -1 when neither."""
+    for key in ("global_step", "step"):
+        value = checkpoint.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return -1
 
 
 def _remove_path(store: Store) -> None:

@@ -4,6 +4,9 @@ Buffers are allocated on the first save and reused by every later save of the sa
 shapes, so a steady-state save allocates no staging memory; that is also why at most
 one save may be in flight (the writer reads these buffers until it commits). Buffers
 are pinned when CUDA is present, so device-to-host copies run at full PCIe speed.
+Which tensors get a buffer, and which of those are pinned, is the host-memory budget's
+decision (``save/budget.py``); :attr:`HostStager.peak_bytes` is the most staging memory this
+process held at once (buffers and the budget's chunk), for the budget's tests and benchmark.
 
 :meth:`HostStager.prepare` allocates and touches them ahead of time, on a background
 thread, from the shapes alone: first touch of fresh memory (and pinning a 13 GB shard)
@@ -14,11 +17,14 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Collection
 from concurrent.futures import Future
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
+
+from lightning_preempt.save.budget import host_cost
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +39,12 @@ class HostStager:
     def __init__(self, pin_memory: bool | None = None) -> None:
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._buffers: dict[str, torch.Tensor] = {}
+        self._pinned: set[str] = set()  # keys whose buffer is pinned (is_pinned() costs ~50 us)
         self.allocated_bytes = 0
         self.last_staged_bytes = 0
+        #: host bytes held now / at most (buffers plus what :meth:`account` was told)
+        self.held_bytes = 0
+        self.peak_bytes = 0
         self._announced = False
         self._prep: Future[int] | None = None
 
@@ -43,8 +53,10 @@ class HostStager:
         # copied stager (ddp_spawn workers, deepcopy of a trainer) starts empty instead.
         state = self.__dict__.copy()
         state["_buffers"] = {}
+        state["_pinned"] = set()
         state["allocated_bytes"] = 0
         state["last_staged_bytes"] = 0
+        state["held_bytes"] = state["peak_bytes"] = 0
         state["_prep"] = None
         return state
 
@@ -52,45 +64,70 @@ class HostStager:
     def buffer_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
-    def prepare(self, tensors: dict[str, torch.Tensor], *, background: bool = True) -> Future[int]:
+    def account(self, delta: int) -> None:
+        """Count ``delta`` more (or fewer) bytes of staging memory held (the budget's chunk)."""
+        self.held_bytes += delta
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+
+    def prepare(self, tensors: dict[str, torch.Tensor], *, background: bool = True,
+                pinned: set[str] | None = None) -> Future[int]:  # fmt: skip
         """Allocate and touch the buffers ``stage(tensors)`` will use, so that it only copies.
 
         Only shapes and dtypes are read from ``tensors`` (on the calling thread; no data is
         copied). A buffer that already fits is kept; one whose shape changed is replaced
-        (the state grew, e.g. optimizer state created by the first step). With
+        (the state grew, e.g. optimizer state created by the first step); buffers of keys
+        not in ``tensors`` are freed, as :meth:`stage` would. With
         ``background`` a daemon thread does the work (allocation and the memset release
         the GIL); a ``stage`` meanwhile waits for it rather than allocating the same memory
-        twice. The Future holds the bytes newly allocated.
+        twice. The Future holds the bytes newly allocated. ``pinned``: the keys to pin
+        (default: all when :attr:`pin_memory`).
         """
         specs = {key: _spec(t) for key, t in tensors.items()}
         self._wait_prepared()
         fut: Future[int] = Future()
         if not background:
-            fut.set_result(self._allocate(specs))
+            fut.set_result(self._allocate(specs, pinned))
             return fut
         self._prep = fut
 
         def run() -> None:
             try:
-                fut.set_result(self._allocate(specs))
+                fut.set_result(self._allocate(specs, pinned))
             except BaseException as err:  # e.g. out of (pinned) memory: stage() allocates itself
                 fut.set_exception(err)
 
         threading.Thread(target=run, name="lightning_preempt-prealloc", daemon=True).start()
         return fut
 
-    def _allocate(self, specs: dict[str, tuple[torch.Size, torch.dtype]]) -> int:
+    def _allocate(self, specs: dict[str, tuple[torch.Size, torch.dtype]], pinned: set[str] | None) -> int:
         added = 0
+        for stale in set(self._buffers) - set(specs):  # as stage() would: never old and new at once
+            self._drop(stale)
         for key, (shape, dtype) in specs.items():
             buf = self._buffers.get(key)
-            if buf is not None and buf.shape == shape and buf.dtype == dtype:
+            pin = self._pins(key, pinned)
+            if buf is not None and buf.shape == shape and buf.dtype == dtype and (key in self._pinned) == pin:
                 continue
-            buf = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=self.pin_memory)
+            self._drop(key)
+            buf = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin)
+            if pin:
+                self._pinned.add(key)
             buf.zero_()  # touch every page now, not inside the first (emergency) save
             self._buffers[key] = buf
-            added += buf.numel() * buf.element_size()
+            self.account(host_cost(_nbytes(buf), pin))
+            added += _nbytes(buf)
         self.allocated_bytes += added
         return added
+
+    def _pins(self, key: str, pinned: set[str] | None) -> bool:
+        return self.pin_memory and (pinned is None or key in pinned)
+
+    def _drop(self, key: str) -> None:
+        buf = self._buffers.pop(key, None)
+        pinned = key in self._pinned
+        self._pinned.discard(key)
+        if buf is not None:
+            self.account(-host_cost(_nbytes(buf), pinned))
 
     def _wait_prepared(self) -> None:
         prep, self._prep = self._prep, None
@@ -100,8 +137,14 @@ class HostStager:
         if err is not None:
             log.warning("lightning_preempt: preallocating staging buffers failed (%s); the save allocates them", err)
 
-    def stage(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def stage(self, tensors: dict[str, torch.Tensor], pinned: set[str] | None = None, *,
+              keep: Collection[str] = ()) -> dict[str, torch.Tensor]:  # fmt: skip
+        """Copy ``tensors`` into buffers (``pinned``: the keys to pin; default all when
+        :attr:`pin_memory`). Buffers of other keys (except ``keep``) are freed first, so a
+        smaller budget never holds old and new buffers at once."""
         self._wait_prepared()
+        for stale in set(self._buffers) - set(tensors) - set(keep):
+            self._drop(stale)
         if not self._announced:
             kind = "pinned host memory" if self.pin_memory else "plain host memory (no CUDA: pinning unavailable)"
             log.info("lightning_preempt: staging checkpoints in reusable %s", kind)
@@ -112,31 +155,54 @@ class HostStager:
         for key, tensor in tensors.items():
             local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
             local = local.detach()
-            buf = self._buffer_for(key, local)
-            non_blocking = self.pin_memory and local.device.type == "cuda"
+            buf = self._buffer_for(key, local, self._pins(key, pinned))
+            non_blocking = key in self._pinned and local.device.type == "cuda"
             buf.copy_(local, non_blocking=non_blocking)
             needs_sync = needs_sync or non_blocking
             total += buf.numel() * buf.element_size()
             staged[key] = _like(tensor, buf)
         if needs_sync:
             torch.cuda.synchronize()
-        for stale in set(self._buffers) - set(tensors):
-            del self._buffers[stale]
         self.last_staged_bytes = total
         return staged
 
-    def _buffer_for(self, key: str, local: torch.Tensor) -> torch.Tensor:
+    def stage_deferred(
+        self, tensors: dict[str, torch.Tensor], deferred: Collection[str], pinned: set[str] | None = None
+    ) -> tuple[dict[str, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """:meth:`stage` for the keys not in ``deferred``; for those only their buffers, and
+        the ``(buffer, source)`` pairs left to copy (save/overlap.py copies them later)."""
+        later = {k: t for k, t in tensors.items() if k in deferred}
+        staged = self.stage({k: t for k, t in tensors.items() if k not in later}, pinned, keep=later)
+        pairs = []
+        for key, tensor in later.items():
+            source = (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach()
+            buf = self._buffer_for(key, source, self._pins(key, pinned))
+            pairs.append((buf, source))
+            staged[key] = _like(tensor, buf)
+            self.last_staged_bytes += _nbytes(buf)
+        return {k: staged[k] for k in tensors}, pairs
+
+    def _buffer_for(self, key: str, local: torch.Tensor, pin: bool) -> torch.Tensor:
         buf = self._buffers.get(key)
-        if buf is None or buf.shape != local.shape or buf.dtype != local.dtype:
-            buf = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=self.pin_memory)
+        if buf is None or buf.shape != local.shape or buf.dtype != local.dtype or (key in self._pinned) != pin:
+            self._drop(key)  # before allocating: never the old and the new buffer at once
+            buf = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=pin)
+            if pin:
+                self._pinned.add(key)
             self._buffers[key] = buf
-            self.allocated_bytes += buf.numel() * buf.element_size()
+            self.allocated_bytes += _nbytes(buf)
+            self.account(host_cost(_nbytes(buf), pin))
         return buf
 
     def release(self) -> None:
         """Drop every buffer (the next save allocates again)."""
         self._wait_prepared()
-        self._buffers.clear()
+        for key in list(self._buffers):
+            self._drop(key)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def _spec(tensor: torch.Tensor) -> tuple[torch.Size, torch.dtype]:

@@ -30,14 +30,27 @@ def _state(step: int, extra_on_rank: int | None = None, rank: int = 0) -> dict[s
     return ckpt
 
 
+def _big_state(step: int) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(step)
+    return {"global_step": step, "state_dict": {f"w{i}": torch.randn(1 << 18, generator=gen) for i in range(8)}}
+
+
 def _worker(rank: int, world: int, root: str, scenario: str) -> None:
     from lightning_preempt.collective.groups import new_gloo_group
     from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 
-    io = ShardedAsyncCheckpointIO()
+    io = ShardedAsyncCheckpointIO(host_memory_budget=2 << 20 if scenario == "budget" else None)
     io.enable_collective_saves(new_gloo_group(timeout_s=60))
     out: dict[str, Any] = {"rank": rank}
-    if scenario == "dedupe":
+    if scenario == "budget":  # each rank's 4 MiB share over its 2 MiB budget: half streamed
+        ckpt = _big_state(3)
+        io.save_checkpoint(ckpt, os.path.join(root, "step-3"))
+        for t in ckpt["state_dict"].values():
+            t.mul_(-1.0)  # the next step, as soon as this rank's save returned
+        io.wait()
+        plan = io.saver.budget.last_split
+        out.update(peak=io.saver.stager.peak_bytes, streamed=plan.streamed_bytes, total=plan.total_bytes)
+    elif scenario == "dedupe":
         io.prepare_staging(_state(1), background=True)
         io.save_checkpoint(_state(1, rank=rank), os.path.join(root, "step-1"))
         out["staged"] = io.staging_last_bytes
@@ -129,3 +142,17 @@ def test_a_rank_that_owns_nothing_still_commits_with_the_others(tmp_path: Path) 
     assert sorted(o["staged"] for o in outcomes) == [0, 40]
     loaded = load_full_checkpoint(Store(str(tmp_path / "step-4")), rank=1)
     assert torch.equal(loaded["state_dict"]["w"], torch.arange(10.0)) and loaded["global_step"] == 4
+
+
+@pytest.mark.slow
+def test_over_budget_shares_stream_on_every_rank_and_the_checkpoint_is_exact(tmp_path: Path) -> None:
+    from lightning_preempt.read.load import load_full_checkpoint
+    from lightning_preempt.storage.store import Store
+
+    outcomes = _run(tmp_path, "budget")
+    for o in outcomes:
+        assert o["total"] == 4 << 20 and o["streamed"] > 0 and o["peak"] <= 2 << 20, o
+    loaded = load_full_checkpoint(Store(str(tmp_path / "step-3")))
+    expected = _big_state(3)["state_dict"]
+    assert loaded["global_step"] == 3 and loaded["state_dict"].keys() == expected.keys()
+    assert all(torch.equal(loaded["state_dict"][k], v) for k, v in expected.items())

@@ -167,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-steps", type=int, default=30)
     p.add_argument("--every", type=int, default=None, help="periodic save every N steps")
     p.add_argument("--devices", type=int, default=1)
+    p.add_argument("--accelerator", default="cpu", help="gpu: tests/gpu (dropout draws from the CUDA RNG)")
     p.add_argument("--strategy", default="auto")
     p.add_argument("--n", type=int, default=96, help="dataset size")
     p.add_argument("--batch-size", type=int, default=8)
@@ -202,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         plugins.append(MixedPrecision("16-mixed", "cpu", scaler=scaler))
     trainer = L.Trainer(
         max_steps=args.max_steps,
-        accelerator="cpu",
+        accelerator=args.accelerator,
         devices=args.devices,
         strategy=args.strategy,
         callbacks=[cb],

@@ -72,7 +72,13 @@ BAD_PLUGIN_ARGS: list[tuple[str, Any, str]] = [
     ("drain_retries", -1, "drain_retries must be an int >= 1"),
     ("drain_backoff_s", math.nan, "drain_backoff_s must be a finite number"),
     ("pin_memory", "yes", "pin_memory must be True, False or None"),
+    ("overlap_staging", 1, "overlap_staging must be True, False or None"),
     ("verify_on_load", None, "verify_on_load must be True or False"),
+    ("host_memory_budget", 0.0, "host_memory_budget as a fraction must be in (0, 1]"),
+    ("host_memory_budget", 1.5, "host_memory_budget as a fraction must be in (0, 1]"),
+    ("host_memory_budget", 4096, "host_memory_budget must be at least 1048576 bytes"),
+    ("host_memory_budget", "8GB", "host_memory_budget must be bytes (int), a fraction (float) or None"),
+    ("pinned_memory_budget", True, "pinned_memory_budget must be bytes (int), a fraction (float) or None"),
 ]
 
 
@@ -97,3 +103,20 @@ def test_a_remote_local_dirpath_fails_at_construction(make: Any) -> None:
     with pytest.raises(ValueError, match="local_dirpath must be a local directory") as info:
         make("gs://bucket/local")
     assert "the shared storage (gs://, s3://…) is dirpath" in str(info.value)
+
+
+def test_the_fabric_front_end_takes_the_callbacks_options_with_the_same_validation() -> None:
+    import inspect
+
+    from lightning_preempt.fabric import Preemption
+
+    def params(fn: Any, skip: set[str]) -> dict[str, Any]:
+        return {n: p.default for n, p in inspect.signature(fn).parameters.items() if n not in skip}
+
+    assert params(Preemption, {"fabric", "step_key"}) == params(PreemptionCallback, set())
+    for name, value, message in BAD_CALLBACK_ARGS:
+        with pytest.raises(ValueError, match="HINT: ") as info:
+            Preemption(None, "ckpts", **{name: value})
+        assert message in str(info.value)
+    with pytest.raises(ValueError, match="step_key must be a non-empty string"):
+        Preemption(None, "ckpts", step_key="")

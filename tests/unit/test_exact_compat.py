@@ -30,6 +30,15 @@ PRIVATE_NAMES = [
 ]
 
 
+def test_fabric_internals_used_by_the_fabric_front_end() -> None:
+    from lightning.fabric.strategies.strategy import Strategy
+    from lightning.fabric.wrappers import _FabricDataLoader
+    from torch.utils.data import DataLoader
+
+    assert callable(getattr(Strategy, "_convert_stateful_objects_in_state", None))
+    assert _FabricDataLoader(DataLoader(range(4)))._dataloader is not None
+
+
 @pytest.mark.parametrize(("module", "name"), PRIVATE_NAMES, ids=[f"{m}.{n}" for m, n in PRIVATE_NAMES])
 def test_private_name_exists(module: str, name: str) -> None:
     assert hasattr(importlib.import_module(module), name), f"{module}.{name} is gone in torch {torch.__version__}"

@@ -76,6 +76,22 @@ def test_close_finishes_queued_jobs_and_a_later_submit_starts_again() -> None:
     queue.close()
 
 
+def test_a_thread_reaper_stops_the_writer_after_its_queued_jobs() -> None:
+    # Lightning's test suite calls stop() on every daemon thread a test leaves behind
+    # (tests_fabric/conftest.py); a thread without it fails the test.
+    queue = JobQueue(name="lightning_preempt-test-reaped")
+    release, done = threading.Event(), []
+    queue.submit(lambda: release.wait(WAIT_S))
+    pending = queue.submit(lambda: done.append("written"))
+    (thread,) = [t for t in threading.enumerate() if t.name == "lightning_preempt-test-reaped"]
+    assert thread.daemon
+    release.set()
+    thread.stop()  # type: ignore[attr-defined]
+    assert done == ["written"] and pending.done() and not thread.is_alive() and not queue.running
+    assert queue.submit(lambda: "again").result(timeout=WAIT_S) == "again"
+    queue.close()
+
+
 def test_a_pickled_copy_is_an_idle_queue_of_its_own() -> None:
     queue = JobQueue(name="lightning_preempt-test-queue")
     release = threading.Event()

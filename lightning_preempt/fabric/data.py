@@ -1,0 +1,156 @@
+"""Exact resume for a Fabric loop: where the loop is in its data, and the RNG states.
+
+The framework-neutral pieces are in ``resume/`` (``ResumableLoaders``, ``exact_state``,
+``rng``); this module is their driver for the one loader a :class:`~lightning_preempt.fabric.Preemption`
+iterates, the way ``lightning/exact.py`` drives them for the Trainer's loops. It owns the
+epoch and the batch counter of that loader (the Trainer's loops own theirs), makes the
+epoch's iterator itself (so that ``set_epoch`` gets the real epoch, not the count of a
+fresh wrapper's ``iter`` calls) and moves batches to Fabric's device.
+
+What is saved (per rank, in the rank's own state file): ``exact_state.make_state`` with
+the loader's entry, plus, for a torchdata ``StatefulDataLoader``, its own ``state_dict``.
+A plain ``DataLoader`` resumes through a ``ResumableSampler`` (resume/samplers.py).
+
+Restore order (loaders.py's protocol): mid-epoch, the sampler replays the saved order and
+skips what was trained, the iterator is made from the RNG states of the epoch's start,
+then the states of the save are restored; after a save that ended an epoch, the states of
+the save are restored and the next epoch's iterator is made from them, as the
+uninterrupted run did.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from lightning_preempt.lightning import _compat
+from lightning_preempt.resume import exact_state
+from lightning_preempt.resume.loaders import ResumableLoaders
+from lightning_preempt.resume.rng import restore_rng
+
+log = logging.getLogger(__name__)
+
+REPLAY_SETTING = "Preemption(...).data.loaders.replay_setting"
+
+
+class LoopData:
+    """The epoch, the batch counter and the resume of the loader a loop iterates."""
+
+    def __init__(self) -> None:
+        self.loaders = ResumableLoaders(replay_setting=REPLAY_SETTING)
+        self.epoch = 0
+        self.batches_in_epoch = 0
+        self.restored: str | None = None  # "mid-epoch", "epoch-end", "derived" (tests and logs)
+        self._loader: Any = None
+        self._pending: dict[str, Any] | None = None
+
+    # -- saving --
+    def capture(self, *, rank: int, world_size: int, step: int) -> dict[str, Any]:
+        """This rank's state at a step boundary (nothing is drawn between it and the save)."""
+        dl = self._loader
+        loaders = [dl] if dl is not None else []
+        state = exact_state.make_state(
+            rank=rank, world_size=world_size, epoch=self.epoch, global_step=step,
+            batches_in_epoch=self.batches_in_epoch, loaders=self.loaders.capture(loaders, self.epoch, self.batches_in_epoch) if loaders else [],
+            metrics={}, results={},
+        )  # fmt: skip
+        state["loader_states"] = [dl.state_dict() if self._stateful(dl) else None for dl in loaders]
+        return state
+
+    # -- loading --
+    def load(self, state: dict[str, Any] | None) -> None:
+        """Keep a loaded state until the loop's next :meth:`iterate` (or :meth:`restore_rng_only`)."""
+        self._pending = exact_state.checked(state)
+        if self._pending is not None:
+            self.epoch = int(self._pending["epoch"])
+            self.batches_in_epoch = int(self._pending["batches_in_epoch"])
+
+    def restore_rng_only(self, rank: int, world_size: int) -> None:
+        """A loop that iterates its data itself: restore the RNG states of the save now."""
+        state, self._pending = self._pending, None
+        if state is None:
+            return
+        exact_state.warn_world_size(state, world_size)
+        self._restore_rng(state, rank)
+
+    def iterate(
+        self, loader: Any, *, to_device: Callable[[Any], Any], max_epochs: int, rank: int, world_size: int,
+        boundary: Callable[[], None],
+    ) -> Iterator[Any]:  # fmt: skip
+        """Batches of ``loader`` for epochs ``self.epoch`` … ``max_epochs - 1``, resumed where
+        the loaded state left off; ``boundary()`` after the loop's work on each batch."""
+        dl, device = _compat.fabric_loader_parts(loader)
+        if not self.loaders.is_current([dl]):
+            self.loaders.wrap([dl])
+        self._loader = dl
+        n = _length(dl)
+        state, self._pending = self._pending, None
+        if state is not None:
+            exact_state.warn_world_size(state, world_size)
+            if state["batches_in_epoch"] >= n:  # the save ended its epoch: the next one starts
+                self.epoch, self.batches_in_epoch = int(state["epoch"]) + 1, 0
+        while self.epoch < max_epochs:
+            iterator = self._start_epoch(dl, state, n, rank)
+            state = None
+            for batch in iterator:
+                yield to_device(batch) if device is not None else batch
+                self.batches_in_epoch += 1
+                boundary()
+            self.epoch += 1
+            self.batches_in_epoch = 0
+
+    # -- internals --
+    def _start_epoch(self, dl: Any, state: dict[str, Any] | None, n: float, rank: int) -> Iterator[Any]:
+        epoch = self.epoch
+        mid_epoch = exact_state.is_mid_epoch(state, epoch, n)
+        if state is None:
+            _compat.set_sampler_epoch(dl, epoch)  # a ResumableSampler notes the states its order comes from
+            self.loaders.note_epoch_start([dl], epoch)
+            self.batches_in_epoch = 0
+            return iter(dl)
+        saved = state.get("loaders", [])
+        own = state.get("rank") == rank
+        if mid_epoch:
+            self.loaders.restore_positions(saved, True, self.batches_in_epoch)
+            loader_states = state.get("loader_states") or [None]
+            if self._stateful(dl) and loader_states[0] is not None:
+                dl.load_state_dict(loader_states[0])
+            if own:
+                self.loaders.set_pre_iter_rng([dl], saved)
+            _compat.set_sampler_epoch(dl, epoch)
+            self.loaders.note_pre_iter([dl], epoch)
+            iterator = iter(dl)
+            self._restore_rng(state, rank)
+            self.restored = "mid-epoch" if own else "derived"
+        else:
+            self._restore_rng(state, rank)
+            self.restored = "epoch-end" if own else "derived"
+            _compat.set_sampler_epoch(dl, epoch)
+            self.loaders.note_pre_iter([dl], epoch)
+            self.batches_in_epoch = 0
+            iterator = iter(dl)
+        log.info("lightning_preempt: exact resume (%s) at epoch %d, batch %d of the epoch", self.restored, epoch,
+                 self.batches_in_epoch)  # fmt: skip
+        return iterator
+
+    def _restore_rng(self, state: dict[str, Any], rank: int) -> None:
+        if state.get("rank") == rank:
+            restore_rng(state["rng"])
+            if self._loader is not None:
+                self.loaders.restore_generators([self._loader], state.get("loaders", []))
+        else:
+            exact_state.seed_from_saved_rank(state, rank)
+            self.restored = "derived"
+
+    @staticmethod
+    def _stateful(dl: Any) -> bool:
+        return callable(getattr(dl, "state_dict", None)) and callable(getattr(dl, "load_state_dict", None))
+
+
+def _length(loader: Any) -> float:
+    try:
+        return float(len(loader))
+    except TypeError:
+        return math.inf

@@ -1,0 +1,290 @@
+"""``Preemption``: a hand-written Fabric loop mapped onto the engine (engine/engine.py).
+
+The policy (when and where to save, which checkpoint to resume, the agreement of all ranks
+at step boundaries, the emergency snapshot and the exit for requeue, retention, the lease,
+two tiers, notices) is the engine's, exactly as for ``PreemptionCallback``; the options are
+the same :class:`~lightning_preempt.engine.config.PreemptionConfig`. What is Fabric's stays
+here: the plugin on Fabric's strategy, ``fabric.save``/``fabric.load`` of the loop's
+``state`` dict, and the loop's data position (fabric/data.py).
+
+The map (docs/fabric.md)::
+
+    resume(state)        engine.peek + engine.setup + fabric.load of the target + engine.start
+    iterate(...)/step()  engine.step_end(state[step_key]) after each batch's work
+    finish(state)        engine.finish + engine.close
+    an exception         engine.close(finish_saves=True)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
+
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.fabric.strategies import ModelParallelStrategy, Strategy
+from torch.utils.data import DataLoader
+
+from lightning_preempt.collective import groups as pdist
+from lightning_preempt.engine.config import PreemptionConfig, from_arguments
+from lightning_preempt.engine.engine import Engine
+from lightning_preempt.fabric import model_parallel
+from lightning_preempt.fabric.data import LoopData
+from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
+from lightning_preempt.preemption.sources import PreemptionSource
+from lightning_preempt.resume.exact_state import STATE_KEY
+
+log = logging.getLogger(__name__)
+
+#: Keys the front-end adds to every ``fabric.save`` state besides :data:`STATE_KEY`.
+STEP_KEY, EPOCH_KEY = "global_step", "epoch"
+
+
+class Preemption:
+    """Periodic async checkpoints, a snapshot on preemption, and resume, for a Fabric loop.
+
+    ::
+
+        fabric = L.Fabric(devices=2, strategy="ddp", plugins=[ShardedAsyncCheckpointIO()])
+        fabric.launch()
+        preempt = Preemption(fabric, dirpath="gs://bucket/run", every_n_train_steps=500)
+        state = {"model": model, "optimizer": optimizer, "step": 0}
+        preempt.resume(state)              # the newest valid checkpoint, agreed by every rank
+        for batch in preempt.iterate(loader, state):
+            ...                            # forward, backward, optimizer.step(); state["step"] += 1
+        preempt.finish(state)
+
+    On a signal (or a cloud notice with ``on_notice="exit"``) on any rank, every rank saves
+    the same step, waits for its commit and raises :class:`~lightning_preempt.Preempted`
+    (a ``SystemExit`` with ``exit_code``, 143), requeueing under SLURM first.
+
+    Args:
+        fabric: the launched ``Fabric``; its strategy gets :class:`ShardedAsyncCheckpointIO`
+            when it has Lightning's default ``CheckpointIO``.
+        step_key: the key of ``state`` that counts optimizer steps (the loop increments it).
+
+    Every other argument is :class:`~lightning_preempt.PreemptionCallback`'s, with the same
+    meaning and validation (:class:`~lightning_preempt.engine.config.PreemptionConfig`), except
+    ``global_batch``: validated, but a Fabric loop owns its accumulation, and this front-end
+    does not yet reshard an epoch at another world size (each rank resumes at its own
+    position, as before; the Trainer's does, docs/elastic.md "Data at a resize"), and
+    ``log_metrics``: validated, but nothing is logged for a Fabric loop yet (the goodput ledger
+    is written as for the Trainer; ``self.engine.ledger.figures()`` holds the run's figures).
+    """
+
+    def __init__(
+        self,
+        fabric: Any,
+        dirpath: str,
+        every_n_train_steps: int | None = None,
+        every_n_seconds: float | None = None,
+        keep_last_n: int = 2,
+        *,
+        step_key: str = "step",
+        signals: Sequence[str] = ("SIGTERM",),
+        grace_period_s: float = 30.0,
+        exit_code: int = 143,
+        requeue: bool | None = None,
+        requeue_timeout_s: float = 10.0,
+        agree_every_n_steps: int | Literal["auto"] = "auto",
+        agree_interval_s: float = 0.25,
+        overlap_agreement: bool = True,
+        resume: bool = True,
+        save_on_train_end: bool = True,
+        storage_options: dict[str, Any] | None = None,
+        local_dirpath: str | None = None,
+        list_retries: int = 4,
+        list_backoff_s: float = 1.0,
+        lease: bool = True,
+        lease_timeout_s: float = 60.0,
+        probe_storage: bool = True,
+        notices: str | Sequence[str] | None = None,
+        on_notice: Literal["continue", "exit"] = "continue",
+        global_batch: Literal["per_rank", "keep"] = "per_rank",
+        sources: Sequence[PreemptionSource] = (),
+        ledger: bool = True,
+        log_metrics: bool = True,
+    ) -> None:
+        config = from_arguments(PreemptionConfig, locals())
+        if not isinstance(step_key, str) or not step_key:
+            raise ValueError(f"step_key must be a non-empty string, got {step_key!r}\nHINT: e.g. step_key='step'.")
+        self.fabric = fabric
+        self.step_key = step_key
+        self.engine = Engine(config, sources)
+        self.data = LoopData()
+        self._state: dict[str, Any] | None = None
+        self._io: ShardedAsyncCheckpointIO | None = None
+
+    # ---- views --------------------------------------------------------------------------
+    @property
+    def config(self) -> PreemptionConfig:
+        return self.engine.config
+
+    @property
+    def resumed_from(self) -> str | None:
+        """The checkpoint :meth:`resume` loaded (after any fall-back), if any."""
+        return self.engine.resumed_from
+
+    @property
+    def epoch(self) -> int:
+        """The epoch :meth:`iterate` is in (restored by :meth:`resume`)."""
+        return self.data.epoch
+
+    @property
+    def timeline(self) -> list[tuple[str, float]]:
+        """``(event, time.monotonic())`` of the preemption sequence, in order."""
+        return self.engine.controller.timeline
+
+    # ---- 1.-3. set-up and resume ---------------------------------------------------------
+    def resume(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Every rank, after ``fabric.setup`` and before the first step (collective).
+
+        Sets the engine up (groups, the lease, the storage probe, the agreed resume choice),
+        loads the newest valid checkpoint in ``dirpath`` into ``state`` in place (modules,
+        optimizers, plain values; ``fabric.load``'s contract) and restores the RNG states
+        and the data position. A fresh start loads nothing. Returns what the checkpoint held
+        beyond ``state`` (``fabric.load``'s remainder), ``{}`` when nothing was loaded.
+        """
+        fabric = self.fabric
+        io = self._io = _ensure_plugin(fabric.strategy, self.config.storage_options, self.engine.local_dirpath)
+        self._state = state
+        self.engine.peek()  # remembered; agreed in setup
+        target = self.engine.setup(
+            io.saver, save=self._save, leader=fabric.is_global_zero, local_rank=fabric.local_rank,
+            route_saves=lambda group: io.enable_collective_saves(group if pdist.world_size() > 1 else None),
+            verify_on_load=io.config.verify_on_load,
+        )  # fmt: skip
+        remainder: dict[str, Any] = {}
+        if target is not None:
+            io.alias(target.path, target.path, fallback=target.fallback)  # damage: every rank falls back together
+            part = _saved_part(state)
+            remainder = fabric.load(target.path, part)
+            state.update(part)  # fabric.load put the plain values into the dict it was given
+            self.data.load(remainder.pop(STATE_KEY, None))
+            remainder.pop(STEP_KEY, None)
+            remainder.pop(EPOCH_KEY, None)
+        self.engine.start(self._step(state), loaded_from=io.loaded_from if target is not None else None)
+        return remainder
+
+    # ---- 4. step boundaries ----------------------------------------------------------------
+    def iterate(self, loader: Any, state: dict[str, Any] | None = None, *, max_epochs: int = 1) -> Iterator[Any]:
+        """The batches of ``loader`` (a plain, stateful or Fabric-set-up ``DataLoader``) up to
+        ``max_epochs`` epochs, from where the resumed checkpoint left off; after the loop's
+        work on each batch (when it asks for the next one, and after the last) a step
+        boundary (:meth:`step`). An exception leaving the loop releases the engine."""
+        if state is not None:
+            self._state = state
+        fabric = self.fabric
+        try:
+            yield from self.data.iterate(
+                loader, to_device=fabric.to_device, max_epochs=max_epochs, rank=fabric.global_rank,
+                world_size=fabric.world_size, boundary=self.step,
+            )  # fmt: skip
+        except GeneratorExit:
+            raise  # the loop stopped early (break): nothing went wrong
+        except BaseException:
+            self.close(finish_saves=True)
+            raise
+
+    def step(self, state: dict[str, Any] | None = None) -> None:
+        """Every rank, after each batch's work (optimizer step included): a periodic save,
+        or the emergency sequence (raises :class:`~lightning_preempt.Preempted`), or an
+        agreed stop. Mid gradient accumulation (``state[step_key]`` unchanged) it does nothing."""
+        if state is not None:
+            self._state = state
+        self.engine.step_end(self._step(self._current_state()))
+
+    # ---- 5./6. the end -----------------------------------------------------------------------
+    def finish(self, state: dict[str, Any] | None = None) -> None:
+        """Every rank, when training ends normally: the final save, every commit waited for,
+        then the engine released."""
+        if state is not None:
+            self._state = state
+        self.engine.finish(self._step(self._current_state()))
+        self.close()
+
+    def close(self, *, finish_saves: bool = False) -> None:
+        """Every rank: stop the sources, release the lease and the groups (``finish_saves``:
+        after an exception, finish the pending saves first). Later ``fabric.save`` calls make
+        their own writer group."""
+        self.engine.close(finish_saves=finish_saves)
+        if self._io is not None:
+            self._io.enable_collective_saves(None)
+
+    def __enter__(self) -> Preemption:
+        return self
+
+    def __exit__(self, kind: Any, err: Any, tb: Any) -> None:
+        if err is not None:
+            self.close(finish_saves=True)
+
+    # ---- internals ------------------------------------------------------------------------------
+    def _save(self, path: str) -> None:
+        """The engine's save: ``fabric.save`` of the loop's state (every rank)."""
+        state = self._current_state()
+        fabric = self.fabric
+        step = self._step(state)
+        saved = _saved_part(state)
+        saved[STATE_KEY] = self.data.capture(rank=fabric.global_rank, world_size=fabric.world_size, step=step)
+        saved[STEP_KEY], saved[EPOCH_KEY] = step, self.data.epoch
+        fabric.save(path, saved)
+
+    def _current_state(self) -> dict[str, Any]:
+        if self._state is None:
+            raise RuntimeError(
+                "lightning_preempt: Preemption has no training state yet\n"
+                "HINT: call preempt.resume(state) once before the loop (every rank)."
+            )
+        return self._state
+
+    def _step(self, state: dict[str, Any]) -> int:
+        step = state.get(self.step_key)
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TypeError(
+                f"lightning_preempt: state[{self.step_key!r}] must be the int count of optimizer steps, got {step!r}\n"
+                f"HINT: keep state[{self.step_key!r}] = 0 in the state and add 1 after every optimizer step "
+                "(or pass step_key= the key your loop counts in)."
+            )
+        return step
+
+
+def _saved_part(state: dict[str, Any]) -> dict[str, Any]:
+    """What ``fabric.save`` gets of the loop's state: all but data loaders (their position is
+    saved by fabric/data.py; a loader object is no checkpoint content)."""
+    return {k: v for k, v in state.items() if not _is_loader(v)}
+
+
+def _is_loader(value: Any) -> bool:
+    return isinstance(value, DataLoader) or type(value).__name__ == "_FabricDataLoader"
+
+
+def _ensure_plugin(strategy: Strategy, storage_options: dict[str, Any], local_dirpath: str | None) -> ShardedAsyncCheckpointIO:
+    """The strategy's :class:`ShardedAsyncCheckpointIO`; installed when it has Lightning's
+    default ``CheckpointIO``. Another plugin is refused with a HINT. ``ModelParallelStrategy``
+    takes no plugin: it gets one of its own, routed by fabric/model_parallel.py."""
+    if isinstance(strategy, ModelParallelStrategy):
+        owned = getattr(strategy, "_lightning_preempt_io", None)
+        if owned is None:
+            owned = ShardedAsyncCheckpointIO(storage_options=storage_options, local_dirpath=local_dirpath)
+            model_parallel.install(strategy, owned)
+            strategy._lightning_preempt_io = owned  # type: ignore[attr-defined]
+        return owned  # type: ignore[no-any-return]
+    if type(strategy).save_checkpoint is not Strategy.save_checkpoint:
+        # FSDP, ModelParallel, DeepSpeed, XLA write with their own code: no manifest, no commit
+        raise TypeError(
+            f"Preemption does not support Fabric's {type(strategy).__name__}: it saves checkpoints with its own "
+            "code, which no manifest commits\nHINT: use strategy='ddp' (or 'ddp_spawn', 'ddp_fork', "
+            "'ddp_notebook', a single device) or ModelParallelStrategy; see docs/fabric.md."
+        )
+    io = strategy.checkpoint_io
+    if isinstance(io, ShardedAsyncCheckpointIO):
+        return io
+    if type(io) is TorchCheckpointIO:
+        log.info("lightning_preempt: installing ShardedAsyncCheckpointIO on Fabric's strategy (none was configured)")
+        new_io = ShardedAsyncCheckpointIO(storage_options=storage_options, local_dirpath=local_dirpath)
+        strategy.checkpoint_io = new_io
+        return new_io
+    raise TypeError(
+        f"Preemption needs ShardedAsyncCheckpointIO, but Fabric's strategy uses {type(io).__name__}\n"
+        "HINT: pass plugins=[ShardedAsyncCheckpointIO()] to Fabric (and remove other CheckpointIO plugins)."
+    )

@@ -1,0 +1,65 @@
+"""A checkpoint's containers come back as the exact types saved (issue 21, finding b):
+``torch.Size``, namedtuples, tuple subclasses, ``OrderedDict`` with ``_metadata``,
+``defaultdict`` — in the skeleton split/merge, and through the plugin's save and load."""
+
+from __future__ import annotations
+
+from collections import OrderedDict, defaultdict, namedtuple
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_preempt import ShardedAsyncCheckpointIO
+from lightning_preempt.format.skeleton import merge_checkpoint, split_checkpoint
+from lightning_preempt.format.unpickle import _map_tensors
+
+Pair = namedtuple("Pair", ["weight", "scale"])
+
+
+class Shape(tuple):  # a tuple subclass without _fields, like torch.Size
+    pass
+
+
+def _state() -> dict[str, Any]:
+    weights: OrderedDict[str, torch.Tensor] = OrderedDict(w=torch.arange(6.0).reshape(2, 3))
+    weights._metadata = OrderedDict({"": {"version": 2}})  # type: ignore[attr-defined]
+    counts: defaultdict[str, int] = defaultdict(int, {"a": 3})
+    return {
+        "state_dict": weights,
+        "optimizer_states": [{"pair": Pair(torch.ones(2), 0.5), "shape": torch.Size([4, 5])}],
+        "input_shape": torch.Size([3, 32, 32]),
+        "shape": Shape((1, 2)),
+        "counts": counts,
+        "global_step": 7,
+    }
+
+
+def _check(loaded: dict[str, Any]) -> None:
+    assert type(loaded["input_shape"]) is torch.Size and loaded["input_shape"].numel() == 3072
+    assert type(loaded["shape"]) is Shape and loaded["shape"] == (1, 2)
+    assert type(loaded["counts"]) is defaultdict and loaded["counts"]["missing"] == 0
+    assert type(loaded["state_dict"]) is OrderedDict
+    assert loaded["state_dict"]._metadata == {"": {"version": 2}}
+    assert torch.equal(loaded["state_dict"]["w"], torch.arange(6.0).reshape(2, 3))
+    opt = loaded["optimizer_states"][0]
+    assert type(opt["pair"]) is Pair and torch.equal(opt["pair"].weight, torch.ones(2)) and opt["pair"].scale == 0.5
+    assert type(opt["shape"]) is torch.Size and opt["shape"] == (4, 5)
+
+
+def test_split_merge_and_map_keep_container_types() -> None:
+    tensors, skeleton = split_checkpoint(_state())
+    assert set(tensors) == {"state_dict/w", "optimizer_states/0/pair/0"}  # namedtuple tensors are sharded too
+    _check(merge_checkpoint(skeleton, tensors))
+    _check(_map_tensors(_state(), lambda t: t.clone()))
+
+
+def test_plugin_round_trip_keeps_container_types(tmp_path: Path) -> None:
+    io = ShardedAsyncCheckpointIO(trust_checkpoints=True)  # the namedtuple class is the user's own
+    io.save_checkpoint(_state(), str(tmp_path / "ck"))
+    io.wait()
+    _check(io.load_checkpoint(str(tmp_path / "ck")))
+    io.teardown()
+    plain = ShardedAsyncCheckpointIO()  # allow-listed types only: torch.Size comes back as torch.Size
+    loaded = plain.load_checkpoint(str(tmp_path / "ck"), weights_only=False)
+    assert type(loaded["input_shape"]) is torch.Size
