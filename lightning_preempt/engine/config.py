@@ -127,6 +127,8 @@ class PreemptionConfig:
     notices: tuple[str, ...] = ()
     on_notice: Literal["continue", "exit"] = "continue"
     global_batch: Literal["per_rank", "keep"] = "per_rank"
+    ledger: bool = True
+    log_metrics: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.dirpath, os.PathLike):
@@ -152,7 +154,7 @@ class PreemptionConfig:
             check_int("agree_every_n_steps", self.agree_every_n_steps, minimum=1,
                       hint="'auto' keeps the agreement cost near 1% of a step with bounded latency.")  # fmt: skip
         check_seconds("agree_interval_s", self.agree_interval_s)
-        for name in ("overlap_agreement", "resume", "save_on_train_end", "lease", "probe_storage"):
+        for name in ("overlap_agreement", "resume", "save_on_train_end", "lease", "probe_storage", "ledger", "log_metrics"):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, getattr(self, name), "True or False", f"e.g. {name}=True")
         object.__setattr__(self, "storage_options", check_storage_options(self.storage_options, optional=True))

@@ -67,7 +67,9 @@ class Preemption:
     meaning and validation (:class:`~lightning_preempt.engine.config.PreemptionConfig`), except
     ``global_batch``: validated, but a Fabric loop owns its accumulation, and this front-end
     does not yet reshard an epoch at another world size (each rank resumes at its own
-    position, as before; the Trainer's does, docs/elastic.md "Data at a resize").
+    position, as before; the Trainer's does, docs/elastic.md "Data at a resize"), and
+    ``log_metrics``: validated, but nothing is logged for a Fabric loop yet (the goodput ledger
+    is written as for the Trainer; ``self.engine.ledger.figures()`` holds the run's figures).
     """
 
     def __init__(
@@ -100,6 +102,8 @@ class Preemption:
         on_notice: Literal["continue", "exit"] = "continue",
         global_batch: Literal["per_rank", "keep"] = "per_rank",
         sources: Sequence[PreemptionSource] = (),
+        ledger: bool = True,
+        log_metrics: bool = True,
     ) -> None:
         config = from_arguments(PreemptionConfig, locals())
         if not isinstance(step_key, str) or not step_key:

@@ -98,6 +98,12 @@ class PreemptionCallback(OnExceptionCheckpoint):
             the global batch by scaling ``accumulate_grad_batches`` by saved ranks / ranks now
             where that is a whole number (logged; otherwise as ``"per_rank"``).
         sources: extra preemption sources (:class:`~lightning_preempt.preemption.sources.PreemptionSource`).
+        ledger: rank 0 records every start, save, preemption, agreed error and finish in
+            ``dirpath/.lp-ledger/`` (small JSON files, written off the training thread; a failed
+            write only warns) for ``lightning-preempt report``.
+        log_metrics: log each committed save's figures (blocking time, time to commit, bytes)
+            and the run's so far (preemptions, steps lost, goodput) through the Trainer's
+            loggers, on rank 0 at the save steps (no collective, no sync).
     """
 
     def __init__(
@@ -128,6 +134,8 @@ class PreemptionCallback(OnExceptionCheckpoint):
         on_notice: Literal["continue", "exit"] = "continue",
         global_batch: Literal["per_rank", "keep"] = "per_rank",
         sources: Sequence[PreemptionSource] = (),
+        ledger: bool = True,
+        log_metrics: bool = True,
     ) -> None:
         config = from_arguments(PreemptionConfig, locals())
         super().__init__(dirpath=config.dirpath)
@@ -135,7 +143,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
         self.exact = ExactResume(global_batch=config.global_batch)  # RNG, data position, metric states; `.enabled = False` turns it off
         _compat.allow_with_disabled_checkpointing(PreemptionCallback)  # Trainer(enable_checkpointing=False) works
         _compat.quiet_ckpt_path_choice(PreemptionCallback, quiet_auto_resume_warnings)  # only for our Trainers
-        self._reporter = SaveReporter()
+        self._reporter = SaveReporter(lambda: self.engine.ledger.figures())
         self._pointer: str | None = None
         self._late_pointer: str | None = None  # a target chosen after Lightning asked (the lease)
         self._names = PointerNames()  # Lightning's log names the checkpoint, not the pointer
@@ -255,7 +263,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
         # emergency) save only copies. Again after the first step: optimizer state appears there.
         self._prepare_after = trainer.global_step if prepare_staging(trainer, io) is not None else None
         install_overlap(trainer, io)  # parameters and optimizer state may be copied while the next step runs
-        report_resume(trainer, self._restored_state)
+        report_resume(trainer, self._restored_state, log_metrics=self.config.log_metrics)
         # The checkpoint is loaded: the pointer has served. Removed now, not at teardown,
         # which a preempted process never reaches (one file in /tmp per preemption).
         self._drop_pointer()
@@ -286,7 +294,8 @@ class PreemptionCallback(OnExceptionCheckpoint):
     ) -> None:
         self.exact.on_train_batch_end(trainer)
         io = self._plugin(trainer)
-        self._reporter.report(trainer, io.history)
+        if self.config.log_metrics:
+            self._reporter.report(trainer, io.history)
         if self._prepare_after is not None and trainer.global_step > self._prepare_after:
             self._prepare_after = None
             prepare_staging(trainer, io)
@@ -302,7 +311,8 @@ class PreemptionCallback(OnExceptionCheckpoint):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.engine.finish(trainer.global_step)
-        self._reporter.report(trainer, self._plugin(trainer).history)
+        if self.config.log_metrics:
+            self._reporter.report(trainer, self._plugin(trainer).history)
 
     @override
     def on_save_checkpoint(
@@ -321,7 +331,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
         # Unlike OnExceptionCheckpoint we save nothing here: after an arbitrary error the
         # state may be inconsistent. Lightning calls no `teardown` hook after an exception:
         # the committed saves are finished and everything is released here.
-        self.engine.close(finish_saves=True)
+        self.engine.close(finish_saves=True, error=exception)
         self._drop_pointer()
         self._quiet_loader.remove()
 
