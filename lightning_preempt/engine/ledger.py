@@ -87,6 +87,12 @@ class Ledger:
         """A ledger that records nothing."""
         return cls("", {}, "", enabled=False)
 
+    def __reduce__(self) -> tuple[Callable[[], Ledger], tuple[()]]:
+        # A ledger belongs to one process (its thread, queue and lock): a pickled or deep-copied
+        # one (ddp_spawn, Lightning's callback copies) records nothing; the engine's set-up
+        # makes the process's own.
+        return (Ledger.off, ())
+
     # ---- the training thread's side: queue a record (cheap) ------------------------------------
     def add(self, kind: str, **fields: Any) -> None:
         """Queue a record of ``kind`` (format/ledger.py lists the fields)."""
