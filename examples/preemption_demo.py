@@ -12,7 +12,8 @@ Every restart is the *same command*; ``PreemptionCallback`` finds the newest val
 checkpoint and resumes. At the end it prints a report (steps lost per preemption, time
 blocked per save, time from signal to exit, restart overhead) and checks that the final
 weights equal the reference run's bit for bit. A plot of global step over wall time with
-the preemptions marked goes to ``<out>/progress.png``.
+the preemptions marked goes to ``<out>/progress.png``. Last, ``lightning-preempt report`` reads
+the run's goodput ledger (what preemption cost it) and draws ``<out>/timeline.png``.
 
     python examples/preemption_demo.py                 # ~1-2 min on 2 CPU cores
     python examples/preemption_demo.py --sigkill 1     # one of the preemptions is a SIGKILL
@@ -45,8 +46,12 @@ def child_main(args: argparse.Namespace) -> int:
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
+    import lightning_preempt.engine.ledger
     from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO
 
+    # A short demo: the goodput ledger notes the last step seen at every step (default: every
+    # 10 s), so the report counts a SIGKILL's lost steps exactly, as the demo's own table does.
+    lightning_preempt.engine.ledger.PROGRESS_EVERY_S = 0.0
     torch.set_num_threads(1)
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -474,7 +479,14 @@ def main(argv: list[str] | None = None) -> int:
     same = report(args, plan, run_dir, ref_wall, wall)
     png = plot(out, ref_dir, run_dir, plan, ref_start, start)
     print(f"Plot: {png}")
-    return 0 if same else 1
+    ckpt_dir = out / "preempted-ckpt"
+    timeline = out / "timeline.png"
+    print(f"\n$ lightning-preempt report {ckpt_dir} --plot {timeline}")
+    sys.stdout.flush()
+    from lightning_preempt.cli import main as cli
+
+    reported = cli(["report", str(ckpt_dir), "--plot", str(timeline)])
+    return 0 if same and reported == 0 else 1
 
 
 if __name__ == "__main__":

@@ -62,6 +62,7 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
 report="${OUT:-.}/gpu_check.md"
+mkdir -p "$(dirname "$report")"
 started=$(date +%s)
 {
   echo "## scripts/gpu_check.sh$([ "$dry" = 1 ] && echo ' --dry-run') ($(date -u '+%Y-%m-%d %H:%M UTC'))"

@@ -1,4 +1,5 @@
-"""``lightning-preempt``: inspect, verify and export checkpoints; plan the save interval.
+"""``lightning-preempt``: inspect, verify and export checkpoints; plan the save interval; report
+what preemption cost a run.
 
 Exit codes: 0 success; 1 usage error, nothing found, unreachable storage, an unknown
 format version, or state that would need ``trust_checkpoints``; 2 a checkpoint that fails
@@ -15,12 +16,12 @@ import traceback
 from collections.abc import Sequence
 from typing import NoReturn
 
-from lightning_preempt.cli import cmd_export, cmd_ls, cmd_plan, cmd_verify
+from lightning_preempt.cli import cmd_export, cmd_ls, cmd_plan, cmd_report, cmd_verify
 from lightning_preempt.cli.options import EXIT_ERROR, EXIT_INVALID, EXIT_OK, PROG, storage_parent
 from lightning_preempt.cli.output import print_error
 from lightning_preempt.errors import CheckpointError, CorruptCheckpointError
 
-COMMANDS = (cmd_ls, cmd_verify, cmd_export, cmd_plan)  # in the order --help lists them
+COMMANDS = (cmd_ls, cmd_verify, cmd_export, cmd_plan, cmd_report)  # in the order --help lists them
 _DRIVER_LOGGERS = ("gcsfs", "s3fs", "aiobotocore", "botocore", "fsspec", "adlfs")
 
 
@@ -69,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The argparse parser for every sub-command (each command module adds its own)."""
     parser = _Parser(
         prog=PROG,
-        description="Inspect, verify and export lightning_preempt checkpoints; plan how often to save.",
+        description="Inspect, verify and export lightning_preempt checkpoints; plan how often to save; "
+        "report what preemption cost a run.",
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks and the storage drivers' logs")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -126,6 +126,9 @@ class PreemptionConfig:
     probe_storage: bool = True
     notices: tuple[str, ...] = ()
     on_notice: Literal["continue", "exit"] = "continue"
+    global_batch: Literal["per_rank", "keep"] = "per_rank"
+    ledger: bool = True
+    log_metrics: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.dirpath, os.PathLike):
@@ -151,7 +154,7 @@ class PreemptionConfig:
             check_int("agree_every_n_steps", self.agree_every_n_steps, minimum=1,
                       hint="'auto' keeps the agreement cost near 1% of a step with bounded latency.")  # fmt: skip
         check_seconds("agree_interval_s", self.agree_interval_s)
-        for name in ("overlap_agreement", "resume", "save_on_train_end", "lease", "probe_storage"):
+        for name in ("overlap_agreement", "resume", "save_on_train_end", "lease", "probe_storage", "ledger", "log_metrics"):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, getattr(self, name), "True or False", f"e.g. {name}=True")
         object.__setattr__(self, "storage_options", check_storage_options(self.storage_options, optional=True))
@@ -163,6 +166,10 @@ class PreemptionConfig:
         if self.on_notice not in ("continue", "exit"):
             raise _fail("on_notice", self.on_notice, "'continue' or 'exit'", "'continue' snapshots and trains on "
                         "until the signal; 'exit' snapshots and exits for requeue at once.")  # fmt: skip
+        if self.global_batch not in ("per_rank", "keep"):
+            raise _fail("global_batch", self.global_batch, "'per_rank' or 'keep'", "'per_rank' keeps each rank's batch "
+                        "when the world size changes (the global batch follows it); 'keep' scales "
+                        "accumulate_grad_batches to keep the global batch where it divides.")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

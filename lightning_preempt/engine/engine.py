@@ -43,8 +43,10 @@ from typing import Any
 
 from lightning_preempt.catalog.retention import retain
 from lightning_preempt.collective import agree
+from lightning_preempt.collective import groups as pdist
 from lightning_preempt.engine import tiers as tier_policy
 from lightning_preempt.engine.config import PreemptionConfig
+from lightning_preempt.engine.ledger import Ledger, record_preemption, record_save, start_fields
 from lightning_preempt.engine.runtime import (
     Runtime,
     newest_manifest,
@@ -55,7 +57,7 @@ from lightning_preempt.engine.runtime import (
 )
 from lightning_preempt.errors import CheckpointError
 from lightning_preempt.format.names import checkpoint_name
-from lightning_preempt.preemption.controller import PreemptionController
+from lightning_preempt.preemption.controller import Preempted, PreemptionController
 from lightning_preempt.preemption.deadline import GraceCheck
 from lightning_preempt.preemption.notices import make_sources
 from lightning_preempt.preemption.sources import PreemptionSource
@@ -108,11 +110,13 @@ class Engine:
         self._save: Callable[[str], None] | None = None
         self._leader = True
         self._warned_no_interval = False
+        #: The goodput ledger (written by rank 0 with ``config.ledger``; else one that records nothing).
+        self.ledger = Ledger.off()
 
     def __getstate__(self) -> dict[str, Any]:
         # Process groups, the lease thread, the saver and the save function belong to one run.
         state = self.__dict__.copy()
-        state.update(_runtime=None, _saver=None, _save=None)
+        state.update(_runtime=None, _saver=None, _save=None, ledger=Ledger.off())
         return state
 
     # ---- 1. before the process group ----------------------------------------------------
@@ -177,6 +181,8 @@ class Engine:
             saver.tiers.run_id = self.run_id
             if leader:
                 tier_policy.upload_local_only(saver.tiers, config.dirpath)
+        self.ledger.close()
+        self.ledger = Ledger(config.dirpath, config.storage_options, self.run_id, enabled=leader and config.ledger)
         newest = agree.decide(lambda: newest_manifest(config), group, what="reading the newest manifest")
         self.grace.check_manifest(newest)
         self.controller.signal_flag.clear()
@@ -216,6 +222,7 @@ class Engine:
         if self._leader and not self._warned_no_interval:
             self._warned_no_interval = True  # once per callback, not once per fit
             warn_without_periodic_saves(self.config, step)
+        self.ledger.add("start", **start_fields(step, self.resumed_from, pdist.world_size(self._group), self.config))
         self.check(step)  # a signal during start-up or restore: nothing new to save
 
     # ---- 4. step boundaries ----------------------------------------------------------------
@@ -224,6 +231,7 @@ class Engine:
         if step == self._last_seen_step:
             return  # mid gradient-accumulation: no optimizer step happened, nothing to snapshot
         self._last_seen_step = step
+        self.ledger.progress(step)
         now = time.monotonic()
         every_s = self.config.every_n_seconds
         local_due = every_s is not None and now - self._last_save_time >= every_s
@@ -251,8 +259,9 @@ class Engine:
     def _stop(self) -> None:
         """Every rank raises the same error: the lease's, else the failed save's."""
         lease = self._runtime.lease if self._runtime is not None else None
-        agree.decide(lambda: lease.check() if lease is not None else None, self._group, what="holding the lease")
-        self.wait()
+        with self.ledger.records_errors(self._last_seen_step or 0):
+            agree.decide(lambda: lease.check() if lease is not None else None, self._group, what="holding the lease")
+            self.wait()
 
     # ---- saving ------------------------------------------------------------------------------
     @property
@@ -275,14 +284,15 @@ class Engine:
         assert self._save is not None, "Engine.setup() first"
         path = self._fresh_path(step)
         self.save_kind = kind  # recorded in the checkpoint by the front-end during this save
+        saver, before = self.saver, self.saver.history[-1:]
         # Periodic saves may overlap their copy with the next step (save/overlap.py); the
         # emergency and final ones are waited for at once: staged completely, synchronously.
         overlap = kind in ("periodic", "notice")
-        with contextlib.nullcontext() if overlap else self.saver.overlap.suspended():
+        with contextlib.nullcontext() if overlap else saver.overlap.suspended():
             self._save(path)
         self.last_saved_step, self._last_saved_path = step, path
         self._last_save_time = time.monotonic()
-        saver = self.saver
+        record_save(self.ledger, saver, before, kind)
         if self._leader and saver.tiers is None:  # two tiers: each drain job applies retention per tier
             # Queued behind the save: runs after it committed (or failed; then the old
             # checkpoints are still the newest committed and are kept).
@@ -328,7 +338,11 @@ class Engine:
             return tier_policy.drain_within_grace(self.saver, dirpath=self.config.dirpath, step=step, budget=budget,
                                                   mark=self.controller.mark, saved=saved)  # fmt: skip
 
-        self.controller.emergency(step, snapshot=snapshot, drain=drain, safe_step=self._safe_step, leader=self._leader)
+        try:
+            self.controller.emergency(step, snapshot=snapshot, drain=drain, safe_step=self._safe_step, leader=self._leader)
+        except Preempted:
+            record_preemption(self.ledger, self.controller, self.saver, step=step)
+            raise
 
     def _noticed(self, step: int) -> None:
         """on_notice="continue": log the snapshot a notice asked for and, from the job thread
@@ -360,18 +374,24 @@ class Engine:
         self.controller.flush()  # every rank completes its overlapped exchange
         if self.config.save_on_train_end and step != self.last_saved_step and step > 0:
             self.save(step, kind="final")
-        self.wait()
+        with self.ledger.records_errors(step):
+            self.wait()
+        self.ledger.add("finish", step=step)
 
-    def close(self, *, finish_saves: bool = False) -> None:
+    def close(self, *, finish_saves: bool = False, error: BaseException | None = None) -> None:
         """Every rank: stop the sources, release the lease and the process groups.
         ``finish_saves``: first finish the saver's writes and drains (they use the groups)
-        — after an exception, when no framework teardown did it."""
+        — after an exception (``error``: it, for the ledger), when no framework teardown did it."""
         self.controller.stop()
+        if error is not None and not isinstance(error, Preempted):
+            self.ledger.error(self._last_seen_step or 0, error)
         if finish_saves and self._saver is not None:
             try:
                 self._saver.close()
             except Exception as err:
                 log.error("lightning_preempt: finishing the pending saves failed: %s", err)
+        # bounded: a ledger that cannot be written never holds the exit (nor the grace period)
+        self.ledger.close(min(10.0, self.controller.budget()) if self.controller.origin is not None else 10.0)
         if self._runtime is not None:
             self._runtime.release()
             self._runtime = None

@@ -53,7 +53,7 @@ class LoopData:
         loaders = [dl] if dl is not None else []
         state = exact_state.make_state(
             rank=rank, world_size=world_size, epoch=self.epoch, global_step=step,
-            batches_in_epoch=self.batches_in_epoch, loaders=self.loaders.capture(loaders, self.epoch) if loaders else [],
+            batches_in_epoch=self.batches_in_epoch, loaders=self.loaders.capture(loaders, self.epoch, self.batches_in_epoch) if loaders else [],
             metrics={}, results={},
         )  # fmt: skip
         state["loader_states"] = [dl.state_dict() if self._stateful(dl) else None for dl in loaders]

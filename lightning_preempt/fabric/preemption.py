@@ -64,7 +64,12 @@ class Preemption:
         step_key: the key of ``state`` that counts optimizer steps (the loop increments it).
 
     Every other argument is :class:`~lightning_preempt.PreemptionCallback`'s, with the same
-    meaning and validation (:class:`~lightning_preempt.engine.config.PreemptionConfig`).
+    meaning and validation (:class:`~lightning_preempt.engine.config.PreemptionConfig`), except
+    ``global_batch``: validated, but a Fabric loop owns its accumulation, and this front-end
+    does not yet reshard an epoch at another world size (each rank resumes at its own
+    position, as before; the Trainer's does, docs/elastic.md "Data at a resize"), and
+    ``log_metrics``: validated, but nothing is logged for a Fabric loop yet (the goodput ledger
+    is written as for the Trainer; ``self.engine.ledger.figures()`` holds the run's figures).
     """
 
     def __init__(
@@ -95,7 +100,10 @@ class Preemption:
         probe_storage: bool = True,
         notices: str | Sequence[str] | None = None,
         on_notice: Literal["continue", "exit"] = "continue",
+        global_batch: Literal["per_rank", "keep"] = "per_rank",
         sources: Sequence[PreemptionSource] = (),
+        ledger: bool = True,
+        log_metrics: bool = True,
     ) -> None:
         config = from_arguments(PreemptionConfig, locals())
         if not isinstance(step_key, str) or not step_key:

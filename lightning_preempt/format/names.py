@@ -19,6 +19,7 @@ Under a checkpoint root (``dirpath``)::
     step-{step:010d}[-{8 hex}]   the callback's checkpoints (the suffix: a step reached again)
     .lp-lease-{gen:010d}.json    the lease (save/lease.py)
     .lp-probe-…                  the storage probe's file (save/preflight.py)
+    .lp-ledger/{run id}/         the goodput ledger: one small JSON record per file (format/ledger.py)
 
 Beside a path whose kind changes (a plain file replaced by a checkpoint directory, local
 disk): ``.{name}.lp-new-{12 hex}`` and ``.{name}.lp-old-{12 hex}`` (save/layout.py).
@@ -42,12 +43,19 @@ CLAIM_NAME = ".lightning_preempt.writer"
 HIDDEN_PREFIX = ".lp-"
 LEASE_PREFIX = ".lp-lease-"
 PROBE_PREFIX = ".lp-probe-"
+#: The goodput ledger's directory under a checkpoint root (format/ledger.py).
+LEDGER_DIR = ".lp-ledger"
 
 SHARD_RE = re.compile(r"__(\d{1,6})_\d{1,9}\.distcp")
 STATE_RE = re.compile(r"state-rank(\d{5,6})\.pt")
 GENERATION_RE = re.compile(r"v-[0-9a-f]{12}")
 STEP_DIR_RE = re.compile(r"step-(\d{10,19})(?:-[0-9a-f]{8})?")
 LEASE_RE = re.compile(r"\.lp-lease-(\d{10})\.json")
+#: A ledger run directory: the run id (uuid4 hex, or what an older run wrote).
+LEDGER_RUN_RE = re.compile(r"[0-9A-Za-z_-]{1,64}")
+#: One ledger record (restart, sequence number, kind) or a compacted file (restart, seq range).
+LEDGER_RECORD_RE = re.compile(r"r(\d{5})-(\d{6})-([a-z]{1,12})\.json")
+LEDGER_COMPACT_RE = re.compile(r"r(\d{5})-c(\d{6})-(\d{6})\.json")
 #: What a killed save or commit leaves in a checkpoint directory: a temporary manifest or claim, DCP
 #: output of any name (the extension is DCP's own), DCP's own temporary metadata.
 _COMMIT_TMP_RE = re.compile(r"\.(?:manifest\.json|\.lightning_preempt\.writer)\.[0-9a-f]+\.tmp")
@@ -162,3 +170,14 @@ def sibling_name(base: str, kind: str) -> str:
 def is_sibling_of(name: str, base: str) -> bool:
     """Whether ``name`` is a :func:`sibling_name` of ``base`` (``new`` or ``old``)."""
     return re.fullmatch(re.escape(f".{base}.lp-") + r"(new|old)-[0-9a-f]{12}", name) is not None
+
+
+# ---- the goodput ledger ------------------------------------------------------------------------
+def ledger_record_name(restart: int, seq: int, kind: str) -> str:
+    """``r00003-000017-save.json``: record ``seq`` of restart ``restart`` of a run."""
+    return f"r{restart:05d}-{seq:06d}-{kind}.json"
+
+
+def ledger_compact_name(restart: int, first: int, last: int) -> str:
+    """``r00003-c000000-000255.json``: records ``first``..``last`` of a restart, compacted."""
+    return f"r{restart:05d}-c{first:06d}-{last:06d}.json"

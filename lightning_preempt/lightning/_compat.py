@@ -151,6 +151,36 @@ def training_results(trainer: Any) -> Any | None:
     return getattr(trainer.fit_loop.epoch_loop, "_results", None)
 
 
+def refresh_train_batches(trainer: Any) -> None:
+    """Count the training batches per epoch again (Lightning counts them once, at set-up, in
+    ``FitLoop.setup_data``): after a resharded epoch's loaders changed length, and when that
+    epoch is over. The per-loader limits (``limit_train_batches`` of each length), the live
+    iterator's copy of them, ``max_batches`` and, for a fractional ``val_check_interval``,
+    ``val_check_batch``, all as Lightning computes them."""
+    from lightning.fabric.utilities.data import sized_len
+    from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
+    from lightning.pytorch.trainer.states import RunningStage
+
+    combined = getattr(trainer.fit_loop, "_combined_loader", None)
+    if combined is None or getattr(combined, "limits", None) is None:
+        return
+    lengths = [sized_len(dl) for dl in combined.flattened]
+    limits = [
+        _parse_num_batches(RunningStage.TRAINING, n if n is not None else float("inf"), trainer.limit_train_batches)
+        for n in lengths
+    ]
+    combined.limits = limits
+    if getattr(combined, "_iterator", None) is not None:
+        combined._iterator.limits = limits
+    length = sized_len(combined)
+    if length is None:
+        return
+    trainer.fit_loop.max_batches = length
+    interval = getattr(trainer, "val_check_interval", None)
+    if isinstance(interval, float) and getattr(trainer, "check_val_every_n_epoch", None) is not None:
+        trainer.val_check_batch = max(1, int(length * interval))
+
+
 def set_sampler_epoch(loader: Any, epoch: int) -> None:
     """Lightning's own per-epoch ``set_epoch`` call on a loader's samplers."""
     from lightning.fabric.utilities.data import _set_sampler_epoch

@@ -39,6 +39,7 @@ from lightning_preempt.lightning.strategies import ensure_plugin, install_collec
 from lightning_preempt.preemption.controller import Preempted
 from lightning_preempt.preemption.signals import SignalFlag
 from lightning_preempt.preemption.sources import PreemptionSource
+from lightning_preempt.preemption.workers import shield_workers
 
 __all__ = ["Preempted", "PreemptionCallback"]
 
@@ -92,7 +93,17 @@ class PreemptionCallback(OnExceptionCheckpoint):
         on_notice: ``"continue"``: on a notice (from ``notices`` or ``sources``), snapshot at
             the next agreed step and train on until the signal (whose snapshot then costs only
             the steps since); ``"exit"``: snapshot and exit with ``exit_code`` at once.
+        global_batch: at a resize (elastic runs, docs/elastic.md): ``"per_rank"`` keeps each
+            rank's batch, so the global batch follows the world size (logged); ``"keep"`` keeps
+            the global batch by scaling ``accumulate_grad_batches`` by saved ranks / ranks now
+            where that is a whole number (logged; otherwise as ``"per_rank"``).
         sources: extra preemption sources (:class:`~lightning_preempt.preemption.sources.PreemptionSource`).
+        ledger: rank 0 records every start, save, preemption, agreed error and finish in
+            ``dirpath/.lp-ledger/`` (small JSON files, written off the training thread; a failed
+            write only warns) for ``lightning-preempt report``.
+        log_metrics: log each committed save's figures (blocking time, time to commit, bytes)
+            and the run's so far (preemptions, steps lost, goodput) through the Trainer's
+            loggers, on rank 0 at the save steps (no collective, no sync).
     """
 
     def __init__(
@@ -121,15 +132,18 @@ class PreemptionCallback(OnExceptionCheckpoint):
         probe_storage: bool = True,
         notices: str | Sequence[str] | None = None,
         on_notice: Literal["continue", "exit"] = "continue",
+        global_batch: Literal["per_rank", "keep"] = "per_rank",
         sources: Sequence[PreemptionSource] = (),
+        ledger: bool = True,
+        log_metrics: bool = True,
     ) -> None:
         config = from_arguments(PreemptionConfig, locals())
         super().__init__(dirpath=config.dirpath)
         self.engine = Engine(config, sources)
-        self.exact = ExactResume()  # RNG, data position, metric states; `.enabled = False` turns it off
+        self.exact = ExactResume(global_batch=config.global_batch)  # RNG, data position, metric states; `.enabled = False` turns it off
         _compat.allow_with_disabled_checkpointing(PreemptionCallback)  # Trainer(enable_checkpointing=False) works
         _compat.quiet_ckpt_path_choice(PreemptionCallback, quiet_auto_resume_warnings)  # only for our Trainers
-        self._reporter = SaveReporter()
+        self._reporter = SaveReporter(self._ledger_figures)  # a bound method: the callback pickles (ddp_spawn)
         self._pointer: str | None = None
         self._late_pointer: str | None = None  # a target chosen after Lightning asked (the lease)
         self._names = PointerNames()  # Lightning's log names the checkpoint, not the pointer
@@ -157,6 +171,9 @@ class PreemptionCallback(OnExceptionCheckpoint):
     def resumed_from(self) -> str | None:
         """The checkpoint this ``fit`` resumed from (after any fall-back), if any."""
         return self.engine.resumed_from
+
+    def _ledger_figures(self) -> dict[str, float]:
+        return self.engine.ledger.figures()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -249,11 +266,14 @@ class PreemptionCallback(OnExceptionCheckpoint):
         # emergency) save only copies. Again after the first step: optimizer state appears there.
         self._prepare_after = trainer.global_step if prepare_staging(trainer, io) is not None else None
         install_overlap(trainer, io)  # parameters and optimizer state may be copied while the next step runs
-        report_resume(trainer, self._restored_state)
+        report_resume(trainer, self._restored_state, log_metrics=self.config.log_metrics)
         # The checkpoint is loaded: the pointer has served. Removed now, not at teardown,
         # which a preempted process never reaches (one file in /tmp per preemption).
         self._drop_pointer()
         self.engine.start(trainer.global_step, loaded_from=io.loaded_from)
+        # Loader workers ignore the preemption signals (a group-wide SIGTERM would end them and
+        # fail the trainer before its snapshot): effective in the iterators exact resume remakes.
+        shield_workers(_compat.train_loaders(trainer), self.engine.config.signals)
         self.exact.on_train_start(trainer, pl_module)  # last: restores RNG just before the first fetch
         if self.exact.positions_restored:
             # Lightning warns when its epoch loop restarts (after this hook, before the first
@@ -268,6 +288,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        shield_workers(_compat.train_loaders(trainer), self.engine.config.signals)  # reloaded loaders
         self.exact.on_train_epoch_start(trainer)  # notes the states this epoch's data order is made from
 
     @override
@@ -276,7 +297,8 @@ class PreemptionCallback(OnExceptionCheckpoint):
     ) -> None:
         self.exact.on_train_batch_end(trainer)
         io = self._plugin(trainer)
-        self._reporter.report(trainer, io.history)
+        if self.config.log_metrics:
+            self._reporter.report(trainer, io.history)
         if self._prepare_after is not None and trainer.global_step > self._prepare_after:
             self._prepare_after = None
             prepare_staging(trainer, io)
@@ -292,7 +314,8 @@ class PreemptionCallback(OnExceptionCheckpoint):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.engine.finish(trainer.global_step)
-        self._reporter.report(trainer, self._plugin(trainer).history)
+        if self.config.log_metrics:
+            self._reporter.report(trainer, self._plugin(trainer).history)
 
     @override
     def on_save_checkpoint(
@@ -311,7 +334,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
         # Unlike OnExceptionCheckpoint we save nothing here: after an arbitrary error the
         # state may be inconsistent. Lightning calls no `teardown` hook after an exception:
         # the committed saves are finished and everything is released here.
-        self.engine.close(finish_saves=True)
+        self.engine.close(finish_saves=True, error=exception)
         self._drop_pointer()
         self._quiet_loader.remove()
 

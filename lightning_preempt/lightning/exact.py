@@ -125,9 +125,11 @@ class ExactResume:
     part of the epoch again. Off by default: a warning says when it would matter.
     """
 
-    def __init__(self, enabled: bool = True, replay_worker_draws: bool = False) -> None:
+    def __init__(self, enabled: bool = True, replay_worker_draws: bool = False, global_batch: str = "per_rank") -> None:
         self.enabled = enabled
         self.replay_worker_draws = replay_worker_draws
+        self.global_batch = global_batch  # at a resize: "per_rank" or "keep" (PreemptionCallback's option)
+        self._resharded = False  # this process's first epoch goes on from a split among another number of ranks
         self._loaded: dict[str, Any] | None = None
         self._loaders = ResumableLoaders(replay_setting="PreemptionCallback(...).exact.replay_worker_draws")
         self._warned_stale = False
@@ -170,9 +172,10 @@ class ExactResume:
             epoch=trainer.current_epoch,
             global_step=trainer.global_step,
             batches_in_epoch=batches,
-            loaders=self._loaders.capture(loaders, trainer.current_epoch),
+            loaders=self._loaders.capture(loaders, trainer.current_epoch, batches),
             metrics=metric_states(pl_module),
             results=result_states(trainer),
+            accumulate=trainer.accumulate_grad_batches,
         )
 
     # -- loading --
@@ -205,13 +208,37 @@ class ExactResume:
             self._remake_iterators(trainer)
             return
         exact_state.warn_world_size(state, trainer.world_size)
+        trainer.accumulate_grad_batches = exact_state.accumulation_at(
+            state, trainer.world_size, trainer.accumulate_grad_batches, self.global_batch
+        )
         saved = state.get("loaders", [])
+        loaders = _compat.train_loaders(trainer)
+        resharded: set[int] = set()
+        if state.get("epoch") == trainer.current_epoch and state["batches_in_epoch"] > 0:
+            # Another split of the saved epoch: mid-epoch even where this rank's batches are
+            # past the epoch's length at this world size (it counts what other worlds trained).
+            resharded = self._loaders.reshard(loaders, saved, trainer.current_epoch, state["batches_in_epoch"])
+            mid_epoch = mid_epoch or bool(resharded)
         batches = state["batches_in_epoch"] if mid_epoch else 0
-        exact_positions = self._loaders.restore_positions(saved, mid_epoch, batches)
+        exact_positions = self._loaders.restore_positions(saved, mid_epoch, batches, resharded)
         if mid_epoch:
             exact_state.restore_metrics(pl_module, state)
             self._pending_results = dict(state.get("results", {}))
-        if own and mid_epoch:
+        if resharded:
+            # Another split of the epoch: every loader starts afresh from its share (this
+            # rank's own pre-iter states, so workers draw as at the epoch start where it can).
+            if own:
+                self._loaders.set_pre_iter_rng(loaders, saved)
+            _compat.refresh_train_batches(trainer)  # the epoch's length per rank changed
+            self._loaders.remake_resharded(loaders, resharded, _iterator_maker(trainer))
+            self._resharded = True
+            if own:
+                restore_rng(state["rng"])
+                self._loaders.restore_generators(loaders, saved)
+            else:
+                exact_state.seed_from_saved_rank(state, trainer.global_rank)
+            self.restored = "resharded"
+        elif own and mid_epoch:
             # Remake the iterators from the RNG states this epoch's iterators were made from
             # (the workers get the same base seed), let the workers replay what they loaded
             # (replay_worker_draws), then restore the states of the moment of the save.
@@ -259,6 +286,9 @@ class ExactResume:
         """
         if not self.enabled:
             return
+        if self._resharded:  # the resharded epoch is over: its samplers are back (set_epoch)
+            self._resharded = False
+            _compat.refresh_train_batches(trainer)
         if not self._loaders.is_current(_compat.train_loaders(trainer)):
             # New loaders (reload_dataloaders_every_n_epochs): wrap them before Lightning
             # makes this epoch's iterators; their samplers missed this epoch's set_epoch note.

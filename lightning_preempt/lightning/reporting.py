@@ -4,6 +4,7 @@ resume skipped and lost. Runs on the training thread (loggers are not thread-saf
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -12,12 +13,16 @@ log = logging.getLogger(__name__)
 
 
 class SaveReporter:
-    """Logs each finished save once: blocking time, time to commit, bytes, throughput."""
+    """Logs each finished save once: blocking time, time to commit, bytes, throughput, and
+    the run's figures so far (``figures``: preemptions, steps lost, goodput from the ledger).
+    Rank 0 only, ``logger.log_metrics`` directly: no collective, no sync."""
 
-    def __init__(self) -> None:
+    def __init__(self, figures: Callable[[], dict[str, float]] | None = None) -> None:
         self._last_started = float("-inf")  # the plugin trims its history: remember by time, not index
+        self._figures = figures
 
     def report(self, trainer: pl.Trainer, history: list[Any]) -> None:
+        run: dict[str, float] | None = None
         for record in history:
             if record.started <= self._last_started:
                 continue
@@ -32,11 +37,14 @@ class SaveReporter:
                 "checkpoint/bytes": float(record.bytes),
                 "checkpoint/throughput_MBps": (record.throughput_bps or 0.0) / 1e6,
             }
+            if run is None:
+                run = self._figures() if self._figures is not None else {}
+            metrics.update(run)
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=max(record.step, 0))
 
 
-def report_resume(trainer: pl.Trainer, state: dict[str, Any] | None) -> None:
+def report_resume(trainer: pl.Trainer, state: dict[str, Any] | None, *, log_metrics: bool = True) -> None:
     """After a restore: the step, and whether steps were lost (from the saved callback state)."""
     if state is None or not trainer.is_global_zero:
         return
@@ -46,5 +54,5 @@ def report_resume(trainer: pl.Trainer, state: dict[str, Any] | None) -> None:
     else:
         how = f"a {state.get('kind') or 'periodic'} checkpoint: steps trained after it (if any) are repeated"
     log.info("lightning_preempt: resumed at step %d from %s", step, how)
-    for logger in trainer.loggers:
+    for logger in trainer.loggers if log_metrics else ():
         logger.log_metrics({"preempt/resumed_from_step": float(step)}, step=step)

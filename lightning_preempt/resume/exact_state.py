@@ -5,7 +5,8 @@ in shared shards: every rank has its own RNG states and data position)::
 
     {"version": 1, "rank": int, "world_size": int, "epoch": int, "global_step": int,
      "batches_in_epoch": int, "rng": capture_rng(), "loaders": ResumableLoaders.capture(),
-     "metrics": metric_states(), "results": front-end specific (Lightning: self.log aggregates)}
+     "metrics": metric_states(), "results": front-end specific (Lightning: self.log aggregates),
+     "accumulate": int (gradient accumulation at the save; absent before issue 22)}
 
 Checkpoints written since version 1 restore with these keys; a change of their meaning
 bumps :data:`FORMAT_VERSION` (an older state is then ignored, with a warning).
@@ -39,6 +40,7 @@ def make_state(
     loaders: list[dict[str, Any]],
     metrics: dict[str, dict[str, Any]],
     results: dict[str, dict[str, Any]],
+    accumulate: int = 1,
 ) -> dict[str, Any]:
     """This rank's state, with the RNG states of this moment (call at the save, nothing drawn after)."""
     return {
@@ -52,6 +54,7 @@ def make_state(
         "loaders": loaders,
         "metrics": metrics,
         "results": results,
+        "accumulate": accumulate,
     }
 
 
@@ -76,11 +79,12 @@ def is_mid_epoch(state: dict[str, Any] | None, epoch: int, num_batches: int | fl
 
 
 def warn_world_size(state: dict[str, Any], world_size: int) -> None:
-    """Warn when the state was written by another number of ranks (the resume cannot be exact)."""
+    """Warn when the state was written by another number of ranks (the resume cannot be bit-identical)."""
     if state.get("world_size") != world_size:
         log.warning(
-            "lightning_preempt: the checkpoint was written by %d ranks, this run has %d: the data order and the "
-            "random streams cannot match an uninterrupted run exactly",
+            "lightning_preempt: the checkpoint was written by %d ranks, this run has %d: the rest of the epoch is "
+            "resharded (each sample once, for distributed samplers), but gradients average over another number of "
+            "ranks and the random streams differ: not bit-identical to an uninterrupted run",
             state.get("world_size"),
             world_size,
         )
@@ -105,3 +109,38 @@ def seed_from_saved_rank(state: dict[str, Any], rank: int) -> None:
         seed,
         state.get("rank"),
     )
+
+
+def accumulation_at(state: dict[str, Any], world_size: int, accumulate: int, global_batch: str) -> int:
+    """Gradient accumulation for this run at ``world_size`` (logged when the global batch changes).
+
+    The global batch is per-rank batch x ranks x accumulation. ``global_batch="per_rank"``
+    keeps the per-rank batch and ``accumulate`` (the global batch follows the world size);
+    ``"keep"`` keeps the saved global batch by scaling the saved accumulation by
+    saved ranks / ranks now, where that is a whole number (else as ``"per_rank"``, said so).
+    """
+    saved_world, saved_acc = int(state.get("world_size") or world_size), int(state.get("accumulate") or accumulate)
+    if global_batch == "keep":
+        scaled, rest = divmod(saved_acc * saved_world, world_size)
+        if rest == 0 and scaled >= 1:
+            if saved_world != world_size:
+                log.warning(
+                    "lightning_preempt: %d ranks now, %d when saved: keeping the global batch (global_batch='keep'): "
+                    "accumulate_grad_batches %d -> %d",
+                    world_size, saved_world, saved_acc, scaled,
+                )  # fmt: skip
+            return scaled
+        log.warning(
+            "lightning_preempt: %d ranks now, %d when saved: the saved global batch (%d x %d x per-rank batch) is not "
+            "a whole number of accumulations at %d ranks; keeping accumulate_grad_batches=%d, the global batch "
+            "changes by %d/%d",
+            world_size, saved_world, saved_world, saved_acc, world_size, accumulate,
+            world_size * accumulate, saved_world * saved_acc,
+        )  # fmt: skip
+    elif saved_world != world_size:
+        log.warning(
+            "lightning_preempt: %d ranks now, %d when saved: the per-rank batch stays, so the global batch changes by "
+            "%d/%d (global_batch='keep' scales accumulate_grad_batches instead where it divides)",
+            world_size, saved_world, world_size * accumulate, saved_world * saved_acc,
+        )  # fmt: skip
+    return accumulate

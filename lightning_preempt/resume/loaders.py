@@ -21,6 +21,10 @@ Call order (one process, per rank):
 4. At the restore, after :meth:`~ResumableLoaders.wrap` and before the first batch is fetched,
    with the saved entries: :meth:`~ResumableLoaders.restore_positions`; then
 
+   * mid-epoch in an epoch split among another number of ranks (or already resharded):
+     :meth:`~ResumableLoaders.reshard` before ``restore_positions`` (give it the result), then
+     ``set_pre_iter_rng``, :meth:`~ResumableLoaders.remake_resharded`, ``restore_rng``,
+     ``restore_generators`` (docs/elastic.md, "Data at a resize");
    * mid-epoch: :meth:`~ResumableLoaders.set_pre_iter_rng`,
      :meth:`~ResumableLoaders.remake_iterators` (``mid_epoch=True``), :func:`drop_replayed`,
      ``restore_rng`` (the states of the save), :meth:`~ResumableLoaders.restore_generators`;
@@ -44,6 +48,14 @@ from typing import Any
 
 import torch
 
+from lightning_preempt.resume.reshard import (
+    ORDER_KEYS,
+    ReshardedSampler,
+    distributed_sampler,
+    epoch_order,
+    order_record,
+    share,
+)
 from lightning_preempt.resume.rng import set_generator_states, snapshot_iter_rng
 from lightning_preempt.resume.samplers import (
     ResumableSampler,
@@ -122,9 +134,11 @@ class ResumableLoaders:
                 self._stateful_pre_iter[i] = (epoch, snapshot_iter_rng(loader_generators(dl)))
 
     # -- saving --
-    def capture(self, loaders: Sequence[Any], epoch: int) -> list[dict[str, Any]]:
-        """One saved entry per loader: its kind, its epoch's order, its generators' states and
-        the states its ``epoch`` iterator was made from (``None`` if not noted this epoch)."""
+    def capture(self, loaders: Sequence[Any], epoch: int, batches_in_epoch: int = 0) -> list[dict[str, Any]]:
+        """One saved entry per loader: its kind, its epoch's order, its generators' states,
+        the states its ``epoch`` iterator was made from (``None`` if not noted this epoch) and,
+        for a distributed sampler, what defines the epoch's order and how much of it the
+        whole world consumed in ``batches_in_epoch`` batches per rank (``reshard.order_record``)."""
         entries = []
         for i, (dl, (kind, sampler)) in enumerate(zip(loaders, self._samplers, strict=True)):
             pre_iter = sampler.pre_iter if sampler is not None else self._stateful_pre_iter[i]
@@ -134,12 +148,75 @@ class ResumableLoaders:
                     "epoch_state": sampler.epoch_state if sampler is not None else None,
                     "generators": [g.get_state() for g in loader_generators(dl)],
                     "pre_iter": pre_iter[1] if pre_iter is not None and pre_iter[0] == epoch else None,
+                    "order": _order(dl, epoch, batches_in_epoch, pre_iter[1] if pre_iter is not None else None),
                 }
             )
         return entries
 
+    # -- resharding (another world size, or an epoch already split another way) --
+    def reshard(self, loaders: Sequence[Any], saved: list[dict[str, Any]], epoch: int, batches_in_epoch: int) -> set[int]:
+        """Mid-epoch: give every loader whose saved epoch was split among another number of
+        ranks (or already resharded) this rank's share of the rest of that epoch
+        (:class:`~lightning_preempt.resume.reshard.ReshardedSampler`); returns their indices.
+
+        Call before :meth:`restore_positions` (pass it the result), then
+        :meth:`remake_resharded`. Loaders whose order is defined otherwise now (dataset
+        length, seed, shuffle, ``drop_last``) are warned about and left as they are.
+        """
+        if len(saved) != len(self._samplers):
+            return set()
+        done: set[int] = set()
+        for i, (dl, entry) in enumerate(zip(loaders, saved, strict=True)):
+            rec, batch_sampler = entry.get("order"), getattr(dl, "batch_sampler", None)
+            if batch_sampler is None:
+                continue
+            current = getattr(batch_sampler, "sampler", None)
+            sampler = distributed_sampler(current)
+            if rec is None or sampler is None or rec["epoch"] != epoch or rec["consumed"] >= rec["n"]:
+                continue  # (an epoch consumed in full: the next one starts, nothing to split)
+            if rec["num_replicas"] == sampler.num_replicas and not rec["resharded"]:
+                continue  # the epoch's own split: positions restore as saved (bit-identical)
+            now = order_record(sampler, epoch, 0, False, None)
+            if any(now[k] != rec[k] for k in ORDER_KEYS):
+                log.warning(
+                    "lightning_preempt: the training loader %s orders epoch %d otherwise than when saved (%s, then %s): "
+                    "not resharding it, this epoch's samples are not each seen once",
+                    describe_loader(dl), epoch, {k: now[k] for k in ORDER_KEYS}, {k: rec[k] for k in ORDER_KEYS},
+                )  # fmt: skip
+                continue
+            drawn_from = rec.get("drawn_from")
+            order = epoch_order(sampler, epoch, drawn_from, loader_generators(dl))
+            size = int(batch_sampler.batch_size)
+            indices = share(order, rec["consumed"], sampler.num_replicas, sampler.rank, sampler.drop_last)
+            original = current.original if isinstance(current, ReshardedSampler) else current
+            batch_sampler.sampler = ReshardedSampler(
+                original, batch_sampler, indices, epoch=epoch, lead=batches_in_epoch * size,
+                consumed=rec["consumed"], batches=batches_in_epoch, num_replicas=sampler.num_replicas,
+                drawn_from=drawn_from,
+            )  # fmt: skip
+            done.add(i)
+            log.info(
+                "lightning_preempt: epoch %d was split %d ways, now %d: %d of its %d samples were trained, "
+                "rank %d takes %d of the rest",
+                epoch, rec["num_replicas"], sampler.num_replicas, min(rec["consumed"], len(order)), len(order),
+                sampler.rank, len(indices),
+            )  # fmt: skip
+        return done
+
+    def remake_resharded(self, loaders: Sequence[Any], resharded: set[int], make_iterators: Callable[[], object] | None) -> None:
+        """Make the iterators again after :meth:`reshard`: a resharded StatefulDataLoader starts
+        afresh from its share (the position it loaded counts in the old split); the other
+        stateful loaders keep theirs."""
+        for i, (dl, kind) in enumerate(zip(loaders, self.kinds, strict=True)):
+            if kind == "stateful":
+                dl.load_state_dict({} if i in resharded else dl.state_dict())
+        if make_iterators is not None:
+            make_iterators()
+
     # -- restoring --
-    def restore_positions(self, saved: list[dict[str, Any]], mid_epoch: bool, batches_in_epoch: int = 0) -> bool:
+    def restore_positions(
+        self, saved: list[dict[str, Any]], mid_epoch: bool, batches_in_epoch: int = 0, resharded: set[int] | None = None
+    ) -> bool:
         """Mid-epoch: make each wrapped sampler's next epoch replay the saved order and skip
         ``batches_in_epoch`` batches (warned for loaders whose position is not saved).
 
@@ -158,8 +235,10 @@ class ResumableLoaders:
         if not mid_epoch:
             return False
         exact = True
-        for (kind, sampler), entry in zip(self._samplers, saved, strict=True):
+        for i, ((kind, sampler), entry) in enumerate(zip(self._samplers, saved, strict=True)):
             exact = exact and kind in ("sampler", "stateful") and entry.get("kind") == kind
+            if resharded and i in resharded:
+                continue  # its ReshardedSampler holds the rest of the epoch
             if kind == "sampler" and sampler is not None:
                 epoch_state = entry.get("epoch_state") if entry.get("kind") == "sampler" else None
                 sampler.resume_at(epoch_state, batches_in_epoch * sampler.batch_size)
@@ -207,8 +286,9 @@ class ResumableLoaders:
     ) -> dict[int, int]:
         """Make the loop's iterators again where needed; returns {loader index: batches to drop}.
 
-        Needed for worker loaders we wrapped (their workers asked the original sampler for
-        indices as soon as the loop made them); mid-epoch, for a StatefulDataLoader whose
+        Needed for worker loaders (we wrapped their sampler: their workers asked the original
+        for indices as soon as the loop made them; any kind: workers started before the
+        front-end set their ``worker_init_fn``, e.g. ``preemption/workers.py``); mid-epoch, for a StatefulDataLoader whose
         sampler takes ``set_epoch`` (torchdata made the resumed epoch's indices before the
         loop set the epoch: we set it and hand the loader its own position again); and for a
         StatefulDataLoader that replays its sampler (:func:`replays_sampler`): in a fresh
@@ -221,7 +301,9 @@ class ResumableLoaders:
         """
         pairs = list(zip(loaders, self._samplers, strict=True))
         kinds = self.kinds
-        wrapped_workers = [i for i, dl in enumerate(loaders) if kinds[i] == "sampler" and has_workers(dl)]
+        # Worker loaders of both kinds: their workers were started before the front-end could
+        # set them up (preemption/workers.py), and a wrapped sampler's were fed by the original.
+        wrapped_workers = [i for i, dl in enumerate(loaders) if kinds[i] in ("sampler", "stateful") and has_workers(dl)]
         epoch_samplers = [i for i, dl in enumerate(loaders) if kinds[i] == "stateful" and has_set_epoch(dl)]
         replaying = [i for i, dl in enumerate(loaders) if kinds[i] == "stateful" and replays_sampler(dl)]
         if mid_epoch:
@@ -278,6 +360,21 @@ class ResumableLoaders:
             "generator seeded with the sample index (and the epoch).",
             stacklevel=3,  # the front-end's call of remake_iterators
         )
+
+
+def _order(loader: Any, epoch: int, batches: int, pre_iter: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``reshard.order_record`` of ``loader`` after ``batches`` per rank (``None``: no distributed
+    sampler); ``pre_iter``: the states this epoch's iterator was made from, noted in this process."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    current = getattr(batch_sampler, "sampler", None)
+    sampler = distributed_sampler(current)
+    if sampler is None or getattr(batch_sampler, "batch_size", None) is None:
+        return None
+    size = int(batch_sampler.batch_size)  # type: ignore[union-attr]
+    if isinstance(current, ReshardedSampler) and current.epoch == epoch:
+        # The order was drawn in an earlier process: from the states that process saved.
+        return order_record(sampler, epoch, current.consumed_at(batches, size), True, current.drawn_from)
+    return order_record(sampler, epoch, batches * size * sampler.num_replicas, False, pre_iter)
 
 
 def drop_replayed(iterators: Sequence[Iterator[Any]], replay: dict[int, int]) -> None:

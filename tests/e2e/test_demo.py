@@ -1,4 +1,5 @@
-"""The README's demo (examples/preemption_demo.py) runs and finds the weights identical."""
+"""The README's demo (examples/preemption_demo.py) runs, finds the weights identical and ends with
+`lightning-preempt report` of its preempted run and the timeline PNG."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ pytest.importorskip("matplotlib")
 
 
 @pytest.mark.multiproc
-def test_demo_quick_reports_identical_weights_and_writes_the_plot(tmp_path: Path) -> None:
+def test_demo_quick_reports_identical_weights_and_writes_the_plots(tmp_path: Path) -> None:
     out = tmp_path / "demo_out"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.run(
@@ -35,3 +36,10 @@ def test_demo_quick_reports_identical_weights_and_writes_the_plot(tmp_path: Path
     png = out / "progress.png"
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert png.stat().st_size > 10_000
+    # the demo ends with `lightning-preempt report` of its preempted run: 2 preemptions, its timeline
+    assert "$ lightning-preempt report" in report and "3 process(es), 2 restart(s), step 40, finished" in report
+    assert "goodput" in report and "SIGTERM" in report and "no record (SIGKILL or crash)" in report
+    import matplotlib.image
+
+    image = matplotlib.image.imread(str(out / "timeline.png"))  # opened as an image: its size, not blank
+    assert image.shape[0] >= 400 and image.shape[1] >= 800 and image.std() > 0.05

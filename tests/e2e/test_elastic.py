@@ -10,6 +10,7 @@ and the exit codes the scheduler sees.
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -147,6 +148,12 @@ def _two_tier_node_loss(cluster_factory: type[Cluster], tmp_path: Path, *, repli
     c.wait_step("B", 12)
     deadline_ok = c.wait_step("A", 12)
     assert deadline_ok >= 12
+    # The step-10 save must be in the bucket before the bandwidth drops: on a loaded machine
+    # its drain can still be running at step 12 (then it would never arrive, and nothing would).
+    drained = time.monotonic() + 120
+    while 10 not in committed(c.dirpath):
+        assert time.monotonic() < drained, "the step-10 checkpoint never reached the bucket"
+        time.sleep(0.2)
     # 5 kB/s: a rank's ~50 kB share needs ~10 s, longer than the 6 s grace.
     set_rate(slow, 5_000)
     c.preempt("B")
@@ -253,3 +260,66 @@ def test_unannounced_node_loss_resumes_from_the_last_periodic_checkpoint(cluster
     ckpt = ShardedAsyncCheckpointIO().load_checkpoint(str(c.dirpath / f"step-{after['start_step']:010d}"))
     assert after["weights"] == state_sha(ckpt["state_dict"])  # bitwise: that checkpoint
     assert c.records("A", "exit")[-1]["step"] == 25
+
+
+# ---- data at a resize (issue 22) ------------------------------------------------------------------
+def epoch_passes(c: Cluster, names: tuple[str, ...], n: int) -> dict[str, dict[int, tuple[list[int], list[int], int]]]:
+    """Per loader, per epoch: (indices never trained, indices trained more than once, samples trained)."""
+    import json
+    from collections import Counter
+
+    seen: dict[str, dict[int, Counter[int]]] = {}
+    for name in names:
+        for path in c.status.glob(f"{name}.*.samples.jsonl"):
+            for line in path.read_text().splitlines():
+                rec = json.loads(line)
+                for loader, idx in rec["idx"].items():
+                    seen.setdefault(loader, {}).setdefault(rec["epoch"], Counter()).update(idx)
+    return {
+        loader: {
+            epoch: (sorted(set(range(n)) - set(cnt)), sorted(i for i, k in cnt.items() if k > 1), sum(cnt.values()))
+            for epoch, cnt in epochs.items()
+        }
+        for loader, epochs in seen.items()
+    }
+
+
+@pytest.mark.slow
+def test_elastic_resizes_train_every_sample_of_an_epoch_once(cluster_factory: type[Cluster]) -> None:
+    """A node leaves mid-epoch (2 -> 1) and comes back mid-epoch (1 -> 2): every sample of
+    the epoch is trained once over the three worlds, for the sampler Lightning injects and for
+    StatefulDataLoader(shuffle=True) (Lightning's DistributedSamplerWrapper), each with and
+    without a worker process: four training loaders in one run (elastic_script.LOADERS)."""
+    n = 960  # batches of 8: 60 per rank and epoch at world 2, 120 at world 1
+    args = ("--loaders", str(n), "--max-steps", "100", "--step-sleep", "0.2", "--global-batch", "keep")
+    c = cluster_factory(nnodes="1:2", script_args=args)
+    c.start("A")
+    c.start("B")
+    c.wait_step("B", 5)
+    c.preempt("B")
+    assert c.wait("B") == 143, c.log("B")
+    leave = c.wait_starts("A", 2)[1]
+    c.wait_step("A", leave["start_step"] + 3)
+    c.start("B")  # the node is back
+    assert c.wait("A") == 0, c.log("A")
+    assert c.wait("B") == 0, c.log("B")
+
+    starts = sorted([*c.records("A", "start"), *c.records("B", "start")], key=lambda r: r["time"])
+    worlds = [s["world_size"] for s in starts]
+    assert worlds == [2, 2, 1, 2, 2], worlds
+    resumes = [s for s in starts if s["start_step"] > 0]
+    assert len(resumes) == 3, starts  # A at 1, then A and B at 2
+    for s in resumes:  # both resizes land inside epoch 0
+        assert s["epoch"] == 0 and s["batch_in_epoch"] > 0, resumes
+    passes = epoch_passes(c, ("A", "B"), n)
+    assert set(passes) == {"dataloader", "dataloader-workers", "stateful", "stateful-workers"}
+    for loader, epochs in passes.items():
+        missing, twice, trained = epochs[0]
+        assert not missing and not twice and trained == n, (
+            f"{loader}, epoch 0: {len(missing)} samples missing, {len(twice)} twice, {trained} trained of {n}"
+        )
+        if 1 in epochs:  # the epoch after: the samplers' own split again, nothing twice so far
+            assert not epochs[1][1], (loader, epochs[1][1])
+    # global_batch="keep": 2 ranks x 1 -> 1 rank x 2 accumulated -> 2 ranks x 1
+    a_log = (c.tmp / "A.agent.log").read_text(errors="replace")
+    assert "accumulate_grad_batches 1 -> 2" in a_log and "accumulate_grad_batches 2 -> 1" in a_log

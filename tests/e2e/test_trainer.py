@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import pytest
@@ -136,10 +137,10 @@ def test_lightning_cli_yaml_sets_both_up_and_resumes(tmp_path: Path) -> None:
 def test_saves_and_resumes_are_reported_through_the_loggers(tmp_path: Path) -> None:
     from lightning.pytorch.loggers import CSVLogger
 
-    def run(max_steps: int) -> Path:
+    def run(max_steps: int, **kw: Any) -> Path:
         L.seed_everything(0)
-        logger = CSVLogger(str(tmp_path / "logs"), name="run", version=str(max_steps))
-        cb = PreemptionCallback(str(tmp_path / "ck"), every_n_train_steps=4)
+        logger = CSVLogger(str(tmp_path / "logs"), name="run", version=f"{max_steps}{kw}")
+        cb = PreemptionCallback(str(tmp_path / "ck"), every_n_train_steps=4, **kw)
         make_trainer(max_steps, [cb], logger=logger, log_every_n_steps=1).fit(TinyModel(), loader())
         return Path(logger.log_dir) / "metrics.csv"
 
@@ -152,5 +153,13 @@ def test_saves_and_resumes_are_reported_through_the_loggers(tmp_path: Path) -> N
     saved = [r for r in rows if r["checkpoint/bytes"]]
     assert [int(r["step"]) for r in saved] == [4, 8]
     assert all(float(r["checkpoint/bytes"]) > 0 and float(r["checkpoint/commit_s"]) > 0 for r in saved)
-    second = run(10).read_text()
-    assert "preempt/resumed_from_step" in second.splitlines()[0]
+    # the run's figures from the goodput ledger, on the same rows (rank 0, at the save steps)
+    assert all(float(r["preempt/preemptions"]) == 0 and float(r["preempt/restarts"]) == 0 for r in saved)
+    assert all(float(r["preempt/steps_lost"]) == 0 and 0 < float(r["preempt/goodput"]) <= 1 for r in saved)
+    second = run(12).read_text()
+    header = second.splitlines()[0].split(",")
+    assert "preempt/resumed_from_step" in header
+    rows = [dict(zip(header, line.split(","), strict=True)) for line in second.splitlines()[1:]]
+    assert [float(r["preempt/restarts"]) for r in rows if r["checkpoint/bytes"]] == [1.0]  # the save at 12
+    off = run(16, log_metrics=False)  # turned off: nothing of ours in the user's logger
+    assert not off.exists() or ("checkpoint/" not in off.read_text() and "preempt/" not in off.read_text())

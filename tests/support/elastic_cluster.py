@@ -86,7 +86,8 @@ class Cluster:
 
     def start(self, name: str, *, launcher: str = "wrapper", env: dict[str, str] | None = None,
               extra: tuple[str, ...] = ()) -> None:  # fmt: skip
-        full_env = {**os.environ, "PYTHONPATH": str(SCRIPT.parent), **(env or {})}
+        # The package of this checkout (a worktree's), not the one installed in the venv.
+        full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPT.parent), str(ROOT)]), **(env or {})}
         with open(self.tmp / f"{name}.agent.log", "ab") as log:
             self.agents[name] = subprocess.Popen(
                 self.command(name, launcher, extra), cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT,

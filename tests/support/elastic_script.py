@@ -10,6 +10,10 @@ the pid, so restarts never overwrite each other), into ``--status``:
   at and a SHA-256 of the weights then;
 * ``<node>.<pid>.exit.json``: the exit code, the step and the weights' SHA-256 at exit
   (after a preemption these are the snapshot's step and weights);
+* with ``--loaders``: four training loaders at once (:data:`LOADERS`: the sampler Lightning
+  injects and ``StatefulDataLoader(shuffle=True)``, each with and without a worker process)
+  and ``<node>.<pid>.samples.jsonl``, one line per trained batch: epoch, step, world size and
+  each loader's sample indices; the start records add the epoch and the batch of the epoch.
 
 ``<node>`` is ``--name`` (the simulated node's name, stable across restarts; ranks are not).
 """
@@ -47,6 +51,41 @@ def state_sha(state: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+# name -> (StatefulDataLoader, num_workers); each yields (x, y, index) batches of 8
+LOADERS = {"dataloader": (False, 0), "dataloader-workers": (False, 1), "stateful": (True, 0),
+           "stateful-workers": (True, 1)}  # fmt: skip
+
+
+def indexed_loaders(n: int) -> dict[str, Any]:
+    from torch.utils.data import TensorDataset
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    x = torch.randn(n, 8, generator=torch.Generator().manual_seed(0))
+    data = TensorDataset(x, x.sum(dim=1, keepdim=True).sin(), torch.arange(n))
+    return {
+        name: (StatefulDataLoader if stateful else DataLoader)(data, batch_size=8, shuffle=True, num_workers=workers)
+        for name, (stateful, workers) in LOADERS.items()
+    }
+
+
+class IndexModel(TinyModel):
+    """Trains on the first loader's batch; records every loader's sample indices (see the module docstring)."""
+
+    def __init__(self, samples: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.samples = samples
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        # Written here, not in on_train_batch_end: a preemption exits from the callback's
+        # on_train_batch_end, before the module's runs, but this batch was trained.
+        rec = {"epoch": self.current_epoch, "step": self.global_step, "world": self.trainer.world_size,
+               "idx": {name: b[2].tolist() for name, b in batch.items()}}  # fmt: skip
+        with open(self.samples, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        x, y, _ = batch["dataloader"]
+        return super().training_step((x, y), batch_idx)
+
+
 class Status(Callback):
     """Writes what the elastic tests assert on (see the module docstring)."""
 
@@ -70,6 +109,8 @@ class Status(Callback):
             "world_size": trainer.world_size,
             "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
             "start_step": trainer.global_step,
+            "epoch": trainer.current_epoch,
+            "batch_in_epoch": int(trainer.fit_loop.epoch_loop.batch_progress.current.ready),
             "weights": weights_sha(pl_module),
             "time": time.time(),
         }
@@ -95,12 +136,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grace", type=float, default=30.0)
     p.add_argument("--replica", action="store_true", help="add PeerReplica (two tiers across nodes)")
     p.add_argument("--width", type=int, default=16, help="hidden width: the state is ~40 x width bytes")
+    p.add_argument("--loaders", type=int, default=0, help="N samples: train on LOADERS, record their indices")
+    p.add_argument("--global-batch", default="per_rank")
     args = p.parse_args(argv)
     if os.environ.get("LP_SLOW_DIR"):
         import throttled_fs  # noqa: F401  (registers slow://: a remote behind a bandwidth limit)
 
     L.seed_everything(0, workers=True)
-    model = TinyModel(width=args.width, step_sleep=args.step_sleep)
+    status = Status(args.status, args.name)
+    if args.loaders:
+        model: TinyModel = IndexModel(status.prefix + ".samples.jsonl", width=args.width, step_sleep=args.step_sleep)
+    else:
+        model = TinyModel(width=args.width, step_sleep=args.step_sleep)
     cb = PreemptionCallback(
         args.dirpath,
         every_n_train_steps=args.every,
@@ -109,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         agree_every_n_steps=1,
         local_dirpath=args.local_dirpath,
         lease_timeout_s=20,
+        **({"global_batch": args.global_batch} if args.global_batch != "per_rank" else {}),
     )
-    status = Status(args.status, args.name)
     callbacks: list[Callback] = [cb, status]
     if args.replica:
         from lightning_preempt.lightning.peer_replica import PeerReplica
@@ -130,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         deterministic=True,
         **trainer_kwargs(),
     )
-    loader = DataLoader(data(256), batch_size=8, shuffle=False)
+    loader: Any = indexed_loaders(args.loaders) if args.loaders else DataLoader(data(256), batch_size=8, shuffle=False)
     try:
         trainer.fit(model, loader)
     except SystemExit as exc:

@@ -28,18 +28,28 @@ class SelfSignal(Callback):
     """SIGTERM this process at a named moment: ``step:N``, ``validation``, ``sanity``,
     ``restore``, ``periodic-save`` (while the first periodic save is in flight) or
     ``double:N`` (at step N and again while the emergency snapshot is being written);
-    ``kill:N`` sends SIGKILL at step N instead (an unannounced loss)."""
+    ``kill:N`` sends SIGKILL at step N instead (an unannounced loss); ``ledger-kill:N`` too
+    (before step N+1), once the goodput ledger has written what it was given (step N)."""
 
-    def __init__(self, spec: str, rank: int | None) -> None:
+    def __init__(self, spec: str, rank: int | None, preemption: PreemptionCallback | None = None) -> None:
         self.phase, _, arg = spec.partition(":")
         self.arg = int(arg) if arg else 0
         self.rank = rank
         self.fired = 0
+        self.preemption = preemption
 
     def _fire(self, trainer: L.Trainer) -> None:
         if self.rank is None or trainer.global_rank == self.rank:
             self.fired += 1
-            os.kill(os.getpid(), signal.SIGKILL if self.phase == "kill" else signal.SIGTERM)
+            if self.phase == "ledger-kill" and self.preemption is not None:
+                assert self.preemption.engine.ledger.flush(30.0), "the ledger did not write within 30 s"
+            os.kill(os.getpid(), signal.SIGKILL if self.phase.endswith("kill") else signal.SIGTERM)
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        # After every callback's on_train_batch_end of step N (Lightning runs checkpoint
+        # callbacks last): the ledger was given step N.
+        if self.phase == "ledger-kill" and trainer.global_step == self.arg and not self.fired:
+            self._fire(trainer)
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if self.phase in ("step", "double", "kill") and trainer.global_step == self.arg and not self.fired:
@@ -86,7 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--local-dirpath", default=None, help="two-tier mode: node-local tier")
     p.add_argument("--storage-options", default="{}", help="JSON fsspec options for --dirpath")
     p.add_argument("--cb-kwargs", default="{}", help="JSON: more PreemptionCallback options")
+    p.add_argument("--ledger-progress-s", type=float, default=None, help="the ledger's last step seen, this often")
     args = p.parse_args(argv)
+    if args.ledger_progress_s is not None:
+        import lightning_preempt.engine.ledger as ledger
+
+        ledger.PROGRESS_EVERY_S = args.ledger_progress_s
     if os.environ.get("LP_CHAOS_DIR"):
         import chaos_fs  # noqa: F401  (registers chaos://, the fault-injecting filesystem)
 
@@ -109,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     callbacks: list[Callback] = [cb]
     if args.signal_at:
-        callbacks.append(SelfSignal(args.signal_at, args.signal_rank))
+        callbacks.append(SelfSignal(args.signal_at, args.signal_rank, cb))
     trainer = L.Trainer(
         max_steps=args.max_steps,
         accelerator="cpu",

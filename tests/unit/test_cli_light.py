@@ -1,4 +1,4 @@
-"""``lightning-preempt ls``, ``verify`` and ``plan`` import neither torch nor Lightning.
+"""``lightning-preempt ls``, ``verify``, ``plan`` and ``report`` import neither torch nor Lightning.
 
 Each runs in a fresh interpreter, which then reports what it imported. ``verify`` still
 checks that the state loads without ``trust_checkpoints`` (format/state_replay.py replays the
@@ -94,7 +94,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def test_ls_verify_and_plan_import_neither_torch_nor_lightning(root: Path) -> None:
+def test_ls_verify_plan_and_report_import_neither_torch_nor_lightning(root: Path) -> None:
     results = run_fresh(
         ["ls", str(root)],
         ["ls", str(root), "--json", "--verify"],
@@ -102,17 +102,21 @@ def test_ls_verify_and_plan_import_neither_torch_nor_lightning(root: Path) -> No
         ["verify", str(root / checkpoint_name(1)), "--json"],
         ["plan", "--from", str(root), "--mtbf", "2h", "--write-bandwidth", "1GB/s", "--json"],
         ["plan", "--state-bytes", "1.5GB", "--write-bandwidth", "2GB/s", "--mtbf", "4.5h"],
+        ["report", str(root), "--json"],
     )
     for result in results:
         assert result["code"] == 0, result
         assert result["heavy"] == [], result  # what the command imported
-    ls, ls_json, verify, verify_json, plan_from, plan = results
+    ls, ls_json, verify, verify_json, plan_from, plan, report = results
     assert [line.split()[0] for line in ls["out"].splitlines()[1:]] == ["3", "2", "1"]
     assert all(row["verified"] for row in json.loads(ls_json["out"]))  # sizes and CRC32C: the payload's were fixed
     assert verify["out"].startswith("OK step 2 ") and "loads without trust_checkpoints" in verify["out"]
     assert json.loads(verify_json["out"])["ok"] is True
     assert json.loads(plan_from["out"])["sources"]["state_bytes"].startswith("size of step 3")
     assert "recommended" in plan["out"]
+    # no ledger (the plugin alone wrote these): the report falls back to the manifests, and says so
+    assert json.loads(report["out"])["source"] == "manifests" and json.loads(report["out"])["steps"] == [1, 2, 3]
+    assert "no goodput ledger" in report["err"]
 
 
 def test_verify_refuses_a_payload_without_torch(root: Path) -> None:

@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_preempt.catalog.goodput import summarize
+from lightning_preempt.catalog.ledger import read_ledger
 from lightning_preempt.catalog.listing import list_checkpoints
 from lightning_preempt.catalog.loader import Loader
 from lightning_preempt.engine.config import PreemptionConfig
@@ -78,7 +80,8 @@ def _run(dirpath: Path, *, signal_at: int | None = None) -> tuple[int, dict[str,
     return code, {k: v.clone() for k, v in model.state_dict().items()}, trained
 
 
-def test_a_hand_written_loop_is_preempted_and_resumes_bit_identical(tmp_path: Path) -> None:
+def test_a_hand_written_loop_is_preempted_and_resumes_bit_identical(tmp_path: Path, monkeypatch: Any) -> None:
+    monkeypatch.setattr("lightning_preempt.engine.ledger.PROGRESS_EVERY_S", 0.0)  # the last step seen, every step
     previous = signal.getsignal(signal.SIGUSR1)
     code, _, trained = _run(tmp_path / "preempted", signal_at=7)
     assert code == 143 and trained == list(range(1, 8))  # the signal's step was snapshotted, then exit
@@ -92,6 +95,23 @@ def test_a_hand_written_loop_is_preempted_and_resumes_bit_identical(tmp_path: Pa
         assert torch.equal(resumed[key], value), key
     committed = [c.step for c in list_checkpoints(str(tmp_path / "preempted")) if c.committed]
     assert committed == [12, 10]  # the final save; retention keeps the newest 2
+    # the ledger (written by the engine, off the loop's thread) holds both processes of the run
+    read = read_ledger(str(tmp_path / "preempted"))
+    assert read.notes == [] and len(read.runs) == 1
+    records = next(iter(read.runs.values())).records
+    kinds = [(r["restart"], r["kind"], r.get("step", r.get("resumed_step"))) for r in records if r["kind"] != "progress"]
+    assert kinds == [(0, "start", 0), (0, "save", 5), (0, "save", 7), (0, "preemption", 7),
+                     (1, "start", 7), (1, "save", 10), (1, "save", 12), (1, "finish", 12)]  # fmt: skip
+    saves = [r for r in records if r["kind"] == "save"]
+    assert [r["save_kind"] for r in saves] == ["periodic", "emergency", "periodic", "final"]
+    assert all(r["committed_s"] >= r["blocking_s"] > 0 and r["bytes"] > 0 and r["tier"] == "dirpath" for r in saves)
+    preemption = next(r for r in records if r["kind"] == "preemption")
+    assert preemption["source"] == "SIGUSR1" and preemption["committed"] and preemption["steps_lost"] == 0
+    assert 0 < preemption["to_exit_s"] < 60
+    summary = summarize(records)
+    assert summary["restarts"] == 1 and summary["finished"] and summary["last_step"] == 12
+    assert [p["steps_lost"] for p in summary["preemptions"]] == [0] and summary["steps_trained"] == 12
+    assert 0 < summary["goodput"] <= 1
 
 
 def test_a_failed_save_stops_the_loop_with_the_storage_error(tmp_path: Path) -> None:
@@ -136,3 +156,25 @@ def test_without_an_interval_a_warning_says_what_a_sigkill_loses_once(tmp_path: 
         warnings.simplefilter("always")
         fit(timed, Saver({}))
     assert not [w for w in quiet if "no periodic saves" in str(w.message)]
+
+
+def test_an_agreed_error_ends_the_run_in_the_ledger_once(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    config = PreemptionConfig(dirpath=str(tmp_path / "ck"), every_n_train_steps=1, lease=False)
+    engine, saver = Engine(config), Saver({})
+
+    def save(path: str) -> None:  # the checkpoint's write fails in the background; the ledger's do not
+        saver.save({"state_dict": {"w": torch.ones(2)}, "global_step": 1, "epoch": 0}, str(tmp_path / "file" / "x"), {})
+
+    engine.setup(saver, save=save, route_saves=saver.enable_collective, leader=True)
+    engine.start(0, loaded_from=None)
+    engine.step_end(1)
+    with pytest.raises(CheckpointWriteError) as err:
+        engine.step_end(2)
+    engine.close(finish_saves=True, error=err.value)  # the front-end's exception hook reports it again
+    records = [r for r in next(iter(read_ledger(str(tmp_path / "ck")).runs.values())).records if r["kind"] != "progress"]
+    assert [r["kind"] for r in records] == ["start", "save", "error"]
+    assert records[1]["committed_s"] is None and records[1]["error"]
+    assert records[2]["error"].startswith("CheckpointWriteError: ") and records[2]["step"] == 2
+    summary = summarize(records)
+    assert summary["preemptions"] == [] and not summary["finished"] and summary["segments"][0]["end"] == "error"

@@ -196,13 +196,17 @@ def test_a_fresh_loop_trains_exactly_the_rest_of_the_epoch_and_the_next(kind: st
 
 
 def test_capture_is_one_entry_per_loader_with_the_saved_keys() -> None:
-    """The entry format of FORMAT_VERSION 1: old checkpoints hold exactly these keys."""
+    """The entry format of FORMAT_VERSION 1: old checkpoints hold these keys but "order"
+    (added by issue 22, read with .get: an entry without it restores as before)."""
     torch.manual_seed(0)
     loop = Loop(LOADERS["random-generator"])
     loop.start_epoch(0)
     loop.train(2)
     (entry,) = loop.book.capture([loop.loader], 0)
-    assert set(entry) == {"kind", "epoch_state", "generators", "pre_iter"}
+    assert set(entry) == {"kind", "epoch_state", "generators", "pre_iter", "order"}
+    assert entry["order"] is None, "only a distributed sampler's order is recorded"
+    old = {k: v for k, v in entry.items() if k != "order"}
+    assert loop.book.reshard([loop.loader], [old], 0, 2) == set()
     assert entry["kind"] == "sampler" and loop.book.kinds == ["sampler"]
     assert entry["epoch_state"][0] == "generator", "a RandomSampler with a generator records the generator's state"
     (g,) = loader_generators(loop.loader)
@@ -375,6 +379,7 @@ def test_make_state_has_the_format_1_keys() -> None:
         "loaders",
         "metrics",
         "results",
+        "accumulate",  # issue 22 (read with .get: older states lack it)
     ]
     assert state["version"] == 1 and torch.equal(state["rng"]["torch"], torch.get_rng_state())
     assert exact_state.checked(state) is state

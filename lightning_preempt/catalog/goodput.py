@@ -1,0 +1,167 @@
+"""What a run's ledger says it cost: restarts, time training and down, steps lost, goodput.
+
+Pure computation over checked records (catalog/ledger.py reads them); no I/O, no torch.
+The engine uses it for the figures it logs while training, ``lightning-preempt report``
+for the whole run.
+
+Definitions (seconds, wall clock):
+
+* a *segment* is one process of the run (one restart): from the process's start to its end
+  (its preemption or finish record; for a process killed without warning, its last record);
+* ``wall``: from the first process's start to the last segment's end;
+* ``training``: the sum over segments of end minus the first step's start;
+* ``startup``: process start to first step; ``down``: an end to the next process start;
+* ``steps_lost`` of a preemption: the last step seen in the segment minus the step the next
+  segment resumed from (0 when the snapshot committed; for a SIGKILL the steps since the
+  last commit, up to the last step the ledger saw: a lower bound); ``lost``: steps lost
+  times the mean step time;
+* ``useful = training - checkpoint blocking - lost``; ``goodput = useful / wall``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import statistics
+from typing import Any
+
+
+@dataclasses.dataclass
+class Segment:
+    """One process of the run."""
+
+    restart: int
+    started_t: float  # the process's start (or its first record's time when unknown)
+    first_step_t: float
+    resumed_step: int
+    end_t: float
+    last_step: int
+    end: str  # "preempted", "finished", "error", "killed" (no record: SIGKILL, crash) or "running"
+    records: list[dict[str, Any]]
+
+    @property
+    def training_s(self) -> float:
+        return max(0.0, self.end_t - self.first_step_t)
+
+    @property
+    def steps(self) -> int:
+        return max(0, self.last_step - self.resumed_step)
+
+
+def segments(records: list[dict[str, Any]], *, running: bool = False) -> list[Segment]:
+    """The run's segments, in order (``running``: the last one has not ended yet)."""
+    by_restart: dict[int, list[dict[str, Any]]] = {}
+    for record in records:
+        by_restart.setdefault(record["restart"], []).append(record)
+    out: list[Segment] = []
+    for restart in sorted(by_restart):
+        recs = sorted(by_restart[restart], key=lambda r: r["seq"])
+        start = next((r for r in recs if r["kind"] == "start"), None)
+        if start is None:
+            continue  # its start record was lost: nothing to place it by
+        steps = [r["step"] for r in recs if "step" in r] + [start["resumed_step"]]
+        ending = next((r for r in reversed(recs) if r["kind"] in ("preemption", "finish", "error")), None)
+        end = {"preemption": "preempted", "finish": "finished", "error": "error"}.get(
+            ending["kind"] if ending else "", "running" if running and restart == max(by_restart) else "killed"
+        )
+        first_step_t = start["t"]
+        began = start["process_start_t"] if start["process_start_t"] is not None else first_step_t
+        out.append(Segment(restart, min(began, first_step_t), first_step_t, start["resumed_step"],
+                           max(r["t"] for r in recs), max(steps), end, recs))  # fmt: skip
+    for before, seg in itertools.pairwise(out):
+        if seg.started_t < before.end_t:  # a second fit in one process: it started when the first ended
+            seg.started_t = min(before.end_t, seg.first_step_t)
+    return out
+
+
+def summarize(records: list[dict[str, Any]], folded_saves: dict[int, dict[str, float]] | None = None, *,
+              running: bool = False) -> dict[str, Any]:  # fmt: skip
+    """The figures of a run (see the module docstring); JSON-ready."""
+    segs = segments(records, running=running)
+    folded = list((folded_saves or {}).values())
+    saves = [r for s in segs for r in s.records if r["kind"] == "save"]
+    blocking = sum(r["blocking_s"] for r in saves) + sum(f["blocking_s"] for f in folded)
+    n_saves = len(saves) + int(sum(f["count"] for f in folded))
+    training = sum(s.training_s for s in segs)
+    trained = sum(s.steps for s in segs)
+    step_s = training / trained if trained else None
+    preemptions = []
+    for seg, after in zip(segs, [*segs[1:], None]):
+        if seg.end in ("running", "finished"):
+            continue
+        record = next((r for r in seg.records if r["kind"] == "preemption"), None)
+        if record is None and seg.end == "error":
+            continue  # an agreed error, not a preemption
+        resumed = after.resumed_step if after is not None else None
+        lost = max(0, seg.last_step - resumed) if resumed is not None else (record or {}).get("steps_lost")
+        preemptions.append({
+            "restart": seg.restart,
+            "kind": "signal" if record is not None and record["source"].startswith("SIG") else
+                    "notice" if record is not None else "killed",
+            "source": record["source"] if record is not None else "no record (SIGKILL or crash)",
+            "step": record["step"] if record is not None else seg.last_step,
+            "committed": record["committed"] if record is not None else None,
+            "resumed_step": resumed,
+            "steps_lost": lost,
+            # killed: steps trained after the last record (progress, every few seconds) are unseen
+            "steps_lost_at_least": record is None,
+            "to_exit_s": record["to_exit_s"] if record is not None else None,
+            "received_t": record["received_t"] if record is not None else None,
+            "exit_t": seg.end_t,
+            "down_s": max(0.0, after.started_t - seg.end_t) if after is not None else None,
+        })  # fmt: skip
+    steps_lost = sum(int(p["steps_lost"] or 0) for p in preemptions)
+    lost_s = steps_lost * step_s if step_s is not None else 0.0
+    wall = max(0.0, segs[-1].end_t - segs[0].started_t) if segs else 0.0
+    useful = max(0.0, training - blocking - lost_s)
+    start_records = [next(r for r in s.records if r["kind"] == "start") for s in segs]
+    return {
+        "run": records[0]["run"] if records else None,
+        "restarts": max(0, len(segs) - 1),
+        "processes": len(segs),
+        "finished": bool(segs) and segs[-1].end == "finished",
+        "first_t": segs[0].started_t if segs else None,
+        "end_t": segs[-1].end_t if segs else None,
+        "wall_s": wall,
+        "training_s": training,
+        "down_s": sum(float(p["down_s"] or 0.0) for p in preemptions),
+        "startup_s": sum(s.first_step_t - s.started_t for s in segs),
+        "steps_trained": trained,
+        "last_step": segs[-1].last_step if segs else 0,
+        "step_time_s": step_s,
+        "saves": n_saves,
+        "checkpoint_blocking_s": blocking,
+        "checkpoint_overhead": blocking / training if training > 0 else None,
+        "preemptions": preemptions,
+        "steps_lost": steps_lost,
+        "lost_s": lost_s,
+        "useful_s": useful,
+        "goodput": useful / wall if wall > 0 else None,
+        "world_size": max((r["world_size"] for r in start_records), default=1),
+        "every_n_train_steps": start_records[-1]["every_n_train_steps"] if start_records else None,
+        "every_n_seconds": start_records[-1]["every_n_seconds"] if start_records else None,
+        "grace_period_s": start_records[-1]["grace_period_s"] if start_records else None,
+        "save_cost": save_cost(saves),
+        "segments": [_segment_dict(s) for s in segs],
+    }
+
+
+def _segment_dict(s: Segment) -> dict[str, Any]:
+    return {"restart": s.restart, "started_t": s.started_t, "first_step_t": s.first_step_t, "end_t": s.end_t,
+            "end": s.end, "resumed_step": s.resumed_step, "last_step": s.last_step}  # fmt: skip
+
+
+def save_cost(saves: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Medians of the periodic saves that committed: blocking seconds, seconds to commit,
+    bytes, and the write bandwidth behind the blocking copy (what ``plan`` takes)."""
+    done = [r for r in saves if r["committed_s"] is not None] or []
+    periodic = [r for r in done if r["save_kind"] == "periodic"] or done
+    if not periodic:
+        return None
+    flush = [r["bytes"] / (r["committed_s"] - r["blocking_s"]) for r in periodic if r["committed_s"] > r["blocking_s"]]
+    return {
+        "blocking_s": statistics.median(r["blocking_s"] for r in periodic),
+        "committed_s": statistics.median(r["committed_s"] for r in periodic),
+        "bytes": statistics.median(r["bytes"] for r in periodic),
+        "write_bandwidth": statistics.median(flush) if flush else 0.0,
+    }

@@ -1,0 +1,114 @@
+"""``report --plot``: a run's timeline as a PNG (matplotlib, the ``[plot]`` extra).
+
+Top: one band per process of the run, starting up (grey), training (green) and down
+between an exit and the next start (red); saves as ticks; each preemption a line.
+Bottom: the global step over time, one line per process, with the steps a preemption
+lost (trained, then trained again) shaded. Times are from the first process's start.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_preempt._text import untrusted_text
+from lightning_preempt.cli.options import UsageError
+from lightning_preempt.cli.plan import format_duration
+
+_TRAIN, _START, _DOWN, _SAVE, _SIGNAL, _KILL = "#2ca02c", "#b0b0b0", "#d62728", "#1f77b4", "#d62728", "#000000"
+
+
+def _unit(span_s: float) -> tuple[float, str]:
+    if span_s >= 2 * 86400:
+        return 86400.0, "days"
+    if span_s >= 2 * 3600:
+        return 3600.0, "hours"
+    if span_s >= 120:
+        return 60.0, "minutes"
+    return 1.0, "seconds"
+
+
+def plot_timeline(report: dict[str, Any], path: str, *, title: str = "") -> None:
+    """Draw ``report`` (cli/report.py's, from a ledger) into the PNG file ``path``."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+    except ImportError:
+        raise UsageError("--plot needs matplotlib", hint="pip install 'lightning_preempt[plot]'") from None
+    t0 = report["first_t"]
+    scale, unit = _unit(max(report["wall_s"], 1e-6))
+
+    def x(t: float) -> float:
+        return (t - t0) / scale
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 6.2), dpi=110, sharex=True,
+                                      gridspec_kw={"height_ratios": [1, 2.6]})  # fmt: skip
+    segs = report["segments"]
+    span = x(report["end_t"])
+    for i, seg in enumerate(segs):
+        top.barh(0, x(seg["first_step_t"]) - x(seg["started_t"]), left=x(seg["started_t"]), color=_START, height=0.6)
+        width = x(seg["end_t"]) - x(seg["first_step_t"])
+        top.barh(0, width, left=x(seg["first_step_t"]), color=_TRAIN, height=0.6)
+        if width > span * 0.04:
+            top.text(x(seg["first_step_t"]) + width / 2, 0, f"#{i + 1}", ha="center", va="center", fontsize=8, color="white")
+        if i + 1 < len(segs):
+            nxt = segs[i + 1]["started_t"]
+            top.barh(0, x(nxt) - x(seg["end_t"]), left=x(seg["end_t"]), color=_DOWN, alpha=0.35, height=0.6)
+            if x(nxt) - x(seg["end_t"]) > span * 0.06:
+                top.text((x(nxt) + x(seg["end_t"])) / 2, 0, f"down {format_duration(nxt - seg['end_t'])}",
+                         ha="center", va="center", fontsize=8, color=_DOWN)  # fmt: skip
+    saves = report["timeline"]["saves"]
+    for t, _step, kind, _blocking, committed in saves:
+        began = t - (committed or 0.0)
+        top.plot([x(began)] * 2, [0.32, 0.5], color=_SAVE if kind != "emergency" else "#9467bd", lw=1.4)
+    top.set_yticks([])
+    top.set_ylim(-0.45, 1.15)
+    top.legend(handles=[Patch(color=_START, label="starting (process start to first step)"),
+                        Patch(color=_TRAIN, label="training (process #)"),
+                        Patch(color=_DOWN, alpha=0.35, label="down (exit to next start)"),
+                        Patch(color=_SAVE, label="save"), Patch(color="#9467bd", label="snapshot")],
+               loc="upper left", ncol=5, fontsize=8, frameon=False)  # fmt: skip
+    by_restart: dict[int, list[tuple[float, int]]] = {}
+    for t, step, restart in report["timeline"]["steps"]:
+        by_restart.setdefault(restart, []).append((x(t), step))
+    for k, points in enumerate(by_restart.values()):
+        points.sort()
+        bottom.plot([p[0] for p in points], [p[1] for p in points], color=_TRAIN, lw=2,
+                    label="global step (one line per process)" if k == 0 else None)  # fmt: skip
+    for p in report["preemptions"]:  # the steps trained and then trained again, in the colour of their loss
+        if p["steps_lost"] and p["resumed_step"] is not None:
+            redo = sorted(pt for pt in by_restart.get(p["restart"], []) if pt[1] >= p["resumed_step"])
+            bottom.plot([q[0] for q in redo], [q[1] for q in redo], color=_KILL if p["kind"] == "killed" else _SIGNAL,
+                        lw=3.5, label="steps lost (trained again after the restart)")  # fmt: skip
+    committed = [(x(t - (c or 0.0)), s) for t, s, _k, _b, c in saves if c is not None]
+    if committed:
+        bottom.plot(*zip(*committed, strict=True), "o", color=_SAVE, ms=4, label="checkpoint committed", zorder=3)
+    for p in report["preemptions"]:
+        killed = p["kind"] == "killed"
+        color = _KILL if killed else _SIGNAL
+        when = x(p["received_t"]) if p["received_t"] is not None else x(p["exit_t"])
+        for ax in (top, bottom):
+            ax.axvline(when, color=color, lw=1.2, ls="--" if killed else ":")
+        lost = p["steps_lost"] or 0
+        at_least = ">=" if p["steps_lost_at_least"] and lost else ""
+        label = f"{'SIGKILL?' if killed else untrusted_text(p['source'], 20)}\nstep {p['step']}\n{at_least}{lost} lost"
+        bottom.annotate(label, (when, p["step"]), xytext=(4, 6), textcoords="offset points", fontsize=8, color=color)
+    bottom.set_xlabel(f"{unit} since the first start")
+    bottom.set_ylabel("global step")
+    bottom.set_xlim(left=0)
+    bottom.grid(alpha=0.3)
+    bottom.legend(loc="lower right", fontsize=8)
+    bottom.set_ylim(bottom=0)
+    goodput = report["goodput"]
+    head = (f"goodput {goodput:.0%}" if goodput is not None else "goodput -") + (
+        f"  |  {len(report['preemptions'])} preemptions, {report['steps_lost']} steps lost, "
+        f"down {format_duration(report['down_s'])}, wall {format_duration(report['wall_s'])}"
+    )
+    fig.suptitle(head, fontsize=12, fontweight="bold")
+    if title:
+        top.set_title(untrusted_text(title, 100), fontsize=9, color="0.3")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

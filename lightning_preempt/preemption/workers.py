@@ -1,0 +1,46 @@
+"""Data loader worker processes that outlive the preemption signal their trainer handles.
+
+A scheduler signals a whole process group, or every process of a job step: torchrun's agent
+forwards SIGTERM with ``killpg`` to each worker's group, SLURM signals every process of the
+step. A ``DataLoader`` worker is in that group, and torch's own SIGTERM handler in workers
+ends the worker at once unless the parent sent it; the trainer then fails at its next fetch
+("DataLoader worker ... is killed by signal: Terminated") instead of taking the snapshot the
+signal asked for. Only the trainer acts on the signal: in its workers the preemption
+signals are ignored (:class:`IgnoreSignals`, chained before the user's ``worker_init_fn``).
+The workers still end with their loader: the loader shuts them down (Lightning does at
+teardown, also after a preemption), and a worker whose trainer is gone exits by itself.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+class IgnoreSignals:
+    """A ``worker_init_fn``: ignore ``signals`` in this worker, then run ``inner`` (picklable:
+    loaders whose workers are spawned pickle it)."""
+
+    def __init__(self, signals: Sequence[signal.Signals], inner: Callable[[int], Any] | None) -> None:
+        self.signals = tuple(signals)
+        self.inner = inner
+
+    def __call__(self, worker_id: int) -> None:
+        for sig in self.signals:
+            signal.signal(sig, signal.SIG_IGN)
+        if self.inner is not None:
+            self.inner(worker_id)
+
+
+def shield_workers(loaders: Sequence[Any], signals: Sequence[signal.Signals]) -> int:
+    """Make the preemption ``signals`` ignored in the workers of every loader with workers,
+    from its next iterator on; returns how many loaders were changed (once per loader)."""
+    changed = 0
+    for loader in loaders:
+        current = getattr(loader, "worker_init_fn", None)
+        if int(getattr(loader, "num_workers", 0) or 0) == 0 or isinstance(current, IgnoreSignals):
+            continue
+        loader.worker_init_fn = IgnoreSignals(signals, current)
+        changed += 1
+    return changed
