@@ -19,8 +19,9 @@ from lightning_preempt.engine.config import CheckpointIOConfig, from_arguments
 from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.lightning import _compat
 from lightning_preempt.lightning.fabric_routing import wrap_save
+from lightning_preempt.save.history import SaveRecord
 from lightning_preempt.save.overlap import resolve as resolve_overlap
-from lightning_preempt.save.saver import Saver, SaveRecord
+from lightning_preempt.save.saver import Saver
 from lightning_preempt.save.tiers import TwoTier
 
 

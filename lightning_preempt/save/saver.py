@@ -48,6 +48,7 @@ from lightning_preempt.format.skeleton import split_checkpoint
 from lightning_preempt.read.load import gc_paused
 from lightning_preempt.save.budget import StagingBudget
 from lightning_preempt.save.commit import SaveRequest, write_checkpoint
+from lightning_preempt.save.history import HISTORY_KEPT, SaveRecord
 from lightning_preempt.save.jobs import JobQueue
 from lightning_preempt.save.layout import ensure_exists, remove_local, write_file_atomic
 from lightning_preempt.save.overlap import InFlightCopy, Overlap
@@ -58,33 +59,6 @@ from lightning_preempt.save.tiers import TwoTier
 from lightning_preempt.storage.store import Store
 
 log = logging.getLogger(__name__)
-
-#: Save records kept in :attr:`Saver.history` (the newest ones).
-HISTORY_KEPT = 64
-
-
-class SaveRecord:
-    """Timings of one save, filled in as it progresses (seconds, bytes)."""
-
-    __slots__ = ("blocking_s", "bytes", "committed_s", "deferred_bytes", "error", "path", "started", "step", "waited_s")
-
-    def __init__(self, path: str, step: int, started: float) -> None:
-        self.path = path
-        self.step = step
-        self.started = started
-        self.waited_s = 0.0
-        self.blocking_s = 0.0
-        self.committed_s: float | None = None
-        self.bytes = 0
-        self.deferred_bytes = 0  # copied after save() returned (overlapped staging)
-        self.error: BaseException | None = None
-
-    @property
-    def throughput_bps(self) -> float | None:
-        if not self.committed_s:
-            return None
-        return self.bytes / max(self.committed_s - self.blocking_s, 1e-9)
-
 
 class Saver:
     """Sharded, staged, asynchronous, committed saves (see the module docstring).
