@@ -21,7 +21,6 @@ import logging
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.strategies import ModelParallelStrategy, Strategy
 from torch.utils.data import DataLoader
 
@@ -31,6 +30,7 @@ from lightning_preempt.engine.engine import Engine
 from lightning_preempt.fabric import model_parallel
 from lightning_preempt.fabric.data import LoopData
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
+from lightning_preempt.lightning.strategies import ensure_plugin
 from lightning_preempt.preemption.sources import PreemptionSource
 from lightning_preempt.resume.exact_state import STATE_KEY
 
@@ -276,15 +276,4 @@ def _ensure_plugin(strategy: Strategy, storage_options: dict[str, Any], local_di
             "code, which no manifest commits\nHINT: use strategy='ddp' (or 'ddp_spawn', 'ddp_fork', "
             "'ddp_notebook', a single device) or ModelParallelStrategy; see docs/fabric.md."
         )
-    io = strategy.checkpoint_io
-    if isinstance(io, ShardedAsyncCheckpointIO):
-        return io
-    if type(io) is TorchCheckpointIO:
-        log.info("lightning_preempt: installing ShardedAsyncCheckpointIO on Fabric's strategy (none was configured)")
-        new_io = ShardedAsyncCheckpointIO(storage_options=storage_options, local_dirpath=local_dirpath)
-        strategy.checkpoint_io = new_io
-        return new_io
-    raise TypeError(
-        f"Preemption needs ShardedAsyncCheckpointIO, but Fabric's strategy uses {type(io).__name__}\n"
-        "HINT: pass plugins=[ShardedAsyncCheckpointIO()] to Fabric (and remove other CheckpointIO plugins)."
-    )
+    return ensure_plugin(strategy, storage_options, local_dirpath, user="Preemption", host="Fabric")

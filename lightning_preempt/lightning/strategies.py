@@ -34,21 +34,23 @@ log = logging.getLogger(__name__)
 
 
 def ensure_plugin(
-    strategy: Strategy, storage_options: dict[str, Any], local_dirpath: str | None
-) -> ShardedAsyncCheckpointIO:
+    strategy: Any, storage_options: dict[str, Any], local_dirpath: str | None,
+    *, user: str = "PreemptionCallback", host: str = "the Trainer",
+) -> ShardedAsyncCheckpointIO:  # fmt: skip
     """The strategy's :class:`ShardedAsyncCheckpointIO`; installed (with these options) when
-    the Trainer has Lightning's default plugin. Another plugin is refused with a HINT."""
+    it has Lightning's default plugin (a Trainer's or a Fabric's strategy: ``user`` and
+    ``host`` name them in the messages). Another plugin is refused with a HINT."""
     io = strategy.checkpoint_io
     if isinstance(io, ShardedAsyncCheckpointIO):
         return io
     if type(io) is TorchCheckpointIO:
-        log.info("lightning_preempt: installing ShardedAsyncCheckpointIO (none was configured)")
+        log.info("lightning_preempt: installing ShardedAsyncCheckpointIO on %s's strategy (none was configured)", host)
         new_io = ShardedAsyncCheckpointIO(storage_options=storage_options, local_dirpath=local_dirpath)
         strategy.checkpoint_io = new_io
         return new_io
     raise TypeError(
-        f"PreemptionCallback needs ShardedAsyncCheckpointIO, but the Trainer uses {type(io).__name__}\n"
-        "HINT: pass plugins=[ShardedAsyncCheckpointIO()] to the Trainer (and remove other CheckpointIO plugins)."
+        f"{user} needs ShardedAsyncCheckpointIO, but {host} uses {type(io).__name__}\n"
+        f"HINT: pass plugins=[ShardedAsyncCheckpointIO()] to {host} (and remove other CheckpointIO plugins)."
     )
 
 

@@ -4,7 +4,6 @@ without CUDA (tests/conftest.py); scripts/gpu_check.sh runs them on a GPU machin
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import subprocess
@@ -66,7 +65,6 @@ def test_staging_on_a_side_stream_sees_that_streams_work(tmp_path: Path) -> None
     assert all(torch.equal(got[k], v) for k, v in expected.items())
 
 
-@pytest.mark.skipif("overlap_staging" not in inspect.signature(Saver).parameters, reason="no overlapped staging yet")
 def test_the_overlapped_copy_is_step_k_while_step_k_plus_1_runs_and_resumes_bit_identical(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512)).cuda()
