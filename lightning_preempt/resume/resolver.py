@@ -98,11 +98,14 @@ class ResumeResolver:
     # ---- phase 1: before the process group ---------------------------------------------
     def peek(self) -> Peek:
         """List (with retries) and remember whether a committed checkpoint exists."""
-        try:
-            self.peeked = Peek(self._retrying(self._has_checkpoint))
-        except CheckpointError as err:  # remembered, never taken for "nothing there"
-            self.peeked = Peek(False, agree.Outcome.failure(err, pdist.rank()))
+        self.peeked = self._look()
         return self.peeked
+
+    def _look(self) -> Peek:
+        try:
+            return Peek(self._retrying(self._has_checkpoint))
+        except CheckpointError as err:  # remembered, never taken for "nothing there"
+            return Peek(False, agree.Outcome.failure(err, pdist.rank()))
 
     def look_again(self, group: pdist.ProcessGroup | None, *, asked: bool) -> bool:
         """Every rank, collective, once this job holds the lease: does ``dirpath`` hold a
@@ -151,13 +154,14 @@ class ResumeResolver:
     # ---- phase 2: in setup, collective ---------------------------------------------------
     def agree_on_peeks(self, group: pdist.ProcessGroup | None) -> bool:
         """Every rank: ``True`` when all ranks saw a checkpoint; the same error everywhere
-        when a rank could not list, or when ranks saw different things."""
-        mine = self.peeked or Peek(False)
-        peeks: list[Peek] = pdist.all_gather_objects(mine, group)
-        for rank, peeked in enumerate(peeks):
-            if peeked.error is not None:  # made before the group existed: its rank is the index
-                raise dataclasses.replace(peeked.error, rank=rank).to_error(what="listing dirpath")
-        wants = [p.has_checkpoint for p in peeks]
+        when a rank could not list, or when ranks still see different things on a second
+        look together."""
+        wants = self._gather(self.peeked or Peek(False), group)
+        if any(wants) and not all(wants):
+            # Each rank peeked on its own, before the group existed: a checkpoint committed in
+            # between (the job whose lease this one waits for, finishing) reads as a split.
+            # Look again, all ranks now; only a split that stays means storage not shared.
+            wants = self._gather(self._look(), group)
         if any(wants) and not all(wants):
             raise NotACheckpointError(
                 f"ranks disagree on whether {self.dirpath} holds a checkpoint (per rank: {wants})",
@@ -165,6 +169,14 @@ class ResumeResolver:
                 hint="dirpath must be storage that every rank sees (a shared filesystem or an object store).",
             )
         return all(wants)
+
+    @staticmethod
+    def _gather(mine: Peek, group: pdist.ProcessGroup | None) -> list[bool]:
+        peeks: list[Peek] = pdist.all_gather_objects(mine, group)
+        for rank, peeked in enumerate(peeks):
+            if peeked.error is not None:  # made before the group existed: its rank is the index
+                raise dataclasses.replace(peeked.error, rank=rank).to_error(what="listing dirpath")
+        return [p.has_checkpoint for p in peeks]
 
     def choose(self, group: pdist.ProcessGroup | None, *, tiers: TwoTier | None, verify: Verify) -> Choice:
         """Rank 0 picks the newest valid checkpoint; every rank returns it or raises the same error.
