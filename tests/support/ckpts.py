@@ -66,3 +66,20 @@ def flip_byte(path: str | Path, mask: int = 0xFF) -> None:
     data = bytearray(Path(path).read_bytes())
     data[len(data) // 2] ^= mask
     Path(path).write_bytes(bytes(data))
+
+
+def assert_loads_both_ways(url: str, ckpt: dict[str, Any]) -> None:
+    """The checkpoint at ``url`` holds ``ckpt``'s state dict and step, read by our loader
+    (CRC32C verified) and by DCP's own ``dcp.load`` alike."""
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_preempt.read.load import load_full_checkpoint
+    from lightning_preempt.storage.store import Store
+
+    loaded = load_full_checkpoint(Store(url))
+    targets = {f"state_dict/{k}": torch.empty_like(v) for k, v in ckpt["state_dict"].items()}
+    dcp.load(targets, checkpoint_id=url, no_dist=True)
+    for key, tensor in ckpt["state_dict"].items():
+        assert torch.equal(loaded["state_dict"][key], tensor), key
+        assert torch.equal(targets[f"state_dict/{key}"], tensor), key
+    assert loaded["global_step"] == ckpt["global_step"]

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
+from ckpts import assert_loads_both_ways
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from lightning_preempt.format.manifest import Manifest
@@ -36,15 +36,6 @@ def _files(url: str) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in root.iterdir() if p.name.endswith(".distcp")}
 
 
-def _check(url: str, ckpt: dict[str, Any]) -> None:
-    loaded = load_full_checkpoint(Store(url))  # CRC32C verified
-    targets = {f"state_dict/{k}": torch.empty_like(v) for k, v in ckpt["state_dict"].items()}
-    dcp.load(targets, checkpoint_id=url, no_dist=True)
-    for key, tensor in ckpt["state_dict"].items():
-        assert torch.equal(loaded["state_dict"][key], tensor), key
-        assert torch.equal(targets[f"state_dict/{key}"], tensor), key
-    assert loaded["global_step"] == ckpt["global_step"]
-
 
 def test_a_replayed_save_writes_what_an_item_by_item_save_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(records, "TEMPLATE_MAX_BYTES", 4096)
@@ -68,7 +59,7 @@ def test_a_replayed_save_writes_what_an_item_by_item_save_writes(tmp_path: Path,
 
     for step in (1, 2, 3):
         url = str(tmp_path / f"s{step}")
-        _check(url, _state(step))
+        assert_loads_both_ways(url, _state(step))
         data = (Path(url) / DCP_METADATA_NAME).read_bytes()
         metadata = pickle.loads(data)
         assert metadata.storage_meta.checkpoint_id == url  # this save's own path, not the last one's
@@ -100,7 +91,7 @@ def test_a_torch_save_record_of_another_length_moves_the_places_after_it(
     finally:
         saver.close()
     assert saver.plan_cache.hits["local"] == 1
-    _check(str(tmp_path / "b"), _state(2))
+    assert_loads_both_ways(str(tmp_path / "b"), _state(2))
 
 
 def test_replayed_saves_to_an_object_store_write_one_buffered_stream(monkeypatch: pytest.MonkeyPatch) -> None:
