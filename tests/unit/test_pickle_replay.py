@@ -348,3 +348,77 @@ def test_python2_renames_are_torchs() -> None:
 
     assert allowlists._IMPORT_MAPPING == _utils.IMPORT_MAPPING
     assert allowlists._NAME_MAPPING == _utils.NAME_MAPPING
+
+
+# ---- the fast path (format/fast_unpickle.py) ------------------------------------------------
+def _weights_only(data: bytes) -> Any:
+    with torch.serialization.safe_globals(torch_path.skeleton_safe_globals()):
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a.view(torch.uint8), b.view(torch.uint8)))
+    if isinstance(a, np.ndarray):
+        return a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def test_fast_path_takes_what_a_fit_writes_and_gives_what_weights_only_gives(written: Path, fitted: Path) -> None:
+    from lightning_preempt.format.fast_unpickle import fast_load_state
+
+    for ckpt in (written / checkpoint_name(1), fitted):
+        data = (ckpt / STATE).read_bytes()
+        fast = fast_load_state(data, "cpu")  # no OffFastPath: the common case is fast
+        assert _equal(fast, _weights_only(data)), ckpt
+    fit_state = (fitted / STATE).read_bytes()
+    assert b"numpy" in fit_state  # the exact-resume RNG state: NumPy's wrapped globals were used
+
+
+@pytest.mark.parametrize("case", STATE_CASES, ids=list(STATE_CASES))
+def test_fast_path_never_accepts_what_weights_only_refuses(case: str) -> None:
+    """The fast path loads a subset of what the weights-only path loads, the same objects;
+    for everything else it steps aside (OffFastPath) and load_state_bytes asks torch."""
+    from lightning_preempt.format.fast_unpickle import OffFastPath, fast_load_state
+
+    data = STATE_CASES[case]()
+    try:
+        expected = _weights_only(data)
+    except Exception:
+        with pytest.raises(OffFastPath):
+            fast_load_state(data, "cpu")
+        return
+    try:
+        got = fast_load_state(data, "cpu")
+    except OffFastPath:
+        got = torch_path.load_state_bytes(data, path="ckpt")  # what the loader then does
+    assert _equal(got, expected), case
+
+
+def test_fast_path_steps_aside_for_the_allowed_oddities(written: Path) -> None:
+    """NumPy scalars, sets, Parameters… are allowed but not on the fast path: the loader
+    still returns exactly what weights_only returns."""
+    from lightning_preempt.format.fast_unpickle import OffFastPath, fast_load_state
+
+    data = (written / checkpoint_name(2) / STATE).read_bytes()
+    with pytest.raises(OffFastPath):
+        fast_load_state(data, "cpu")
+    assert _equal(torch_path.load_state_bytes(data, path="ckpt"), _weights_only(data))
+
+
+def test_fast_path_wraps_numpy_so_only_allowed_types_are_built() -> None:
+    from lightning_preempt.format.fast_unpickle import OffFastPath, fast_globals
+
+    g = fast_globals(True)
+    make_dtype = next(v for (m, n), v in g.items() if n == "dtype" and m == "numpy")
+    assert make_dtype("u4") == np.dtype("u4")
+    for refused in ("U5", "O", "M8[D]"):
+        with pytest.raises(OffFastPath):
+            make_dtype(refused)
+    assert not any(n == "scalar" for _, n in g)
