@@ -83,19 +83,69 @@ def read_archive(f: IO[bytes], item: TensorItem, crc: Cursor) -> tuple[torch.Ten
     return tensor, got
 
 
+def archive_in_memory(archive: memoryview, item: TensorItem, layouts: dict[tuple[int, int], int]) -> torch.Tensor:
+    """The tensor of one archive already read into memory (``archive``: exactly its
+    ``item.length`` bytes), copied into a new tensor of its own. Small archives are read
+    many at once (read/tensors.py): one read and one copy each beat three reads each.
+    ``layouts`` (the caller's, for one file) remembers where the data record's header sat
+    in an archive of the same size and data size: it is checked there first, and the
+    headers are walked only when it is not. Raises :class:`Unparsable` when torch cannot
+    read a record laid out otherwise."""
+    nbytes = item.dtype.itemsize
+    for size in item.chunk_sizes:
+        nbytes *= size
+    shape = (archive.nbytes, nbytes)
+    header = layouts.get(shape)
+    start = _data_after(archive, header) if header is not None else None
+    if start is None:
+        header = _data_header(archive[:_HEAD_BYTES])
+        start = _data_after(archive, header) if header is not None else None
+        if header is not None and start is not None:
+            layouts[shape] = header
+    end = start + nbytes if start is not None else -1
+    if (
+        start is None
+        or sys.byteorder != "little"
+        or end > archive.nbytes
+        or not _descriptor_says(bytes(archive[end : end + 24]), nbytes)
+    ):
+        return _load_archive(bytes(archive), item)
+    tensor = torch.empty(item.chunk_sizes, dtype=item.dtype)
+    if nbytes:
+        _bytes_of(tensor.view(-1).view(torch.uint8))[:] = archive[start:end]
+    return tensor
+
+
 def data_start(head: memoryview) -> int | None:
     """Offset of the ``*/data/0`` record's data in an archive whose first bytes are ``head``."""
+    header = _data_header(head)
+    return _data_after(head, header) if header is not None else None
+
+
+def _data_header(head: memoryview) -> int | None:
+    """Offset of the first local header named ``*/data/0`` in ``head``."""
     raw = bytes(head)
     pos = 0
     while (pos := raw.find(_LOCAL_HEADER, pos)) >= 0 and pos + 30 <= len(raw):
-        method = int.from_bytes(raw[pos + 8 : pos + 10], "little")
         name_len = int.from_bytes(raw[pos + 26 : pos + 28], "little")
         extra_len = int.from_bytes(raw[pos + 28 : pos + 30], "little")
-        name = raw[pos + 30 : pos + 30 + name_len]
-        if name.endswith(b"/data/0"):
-            return pos + 30 + name_len + extra_len if method == 0 else None
+        if raw[pos + 30 : pos + 30 + name_len].endswith(b"/data/0"):
+            return pos
         pos += 30 + name_len + extra_len  # skip this header (its data follows; headers are searched for)
     return None
+
+
+def _data_after(archive: memoryview, pos: int) -> int | None:
+    """Where the data of the stored ``*/data/0`` record whose local header is at ``pos``
+    starts, or ``None`` when no such header is there (or its data is compressed)."""
+    fixed = archive[pos : pos + 30]
+    if fixed.nbytes < 30 or fixed[:4] != _LOCAL_HEADER or fixed[8:10] != b"\x00\x00":  # method 0: stored
+        return None
+    name_len = fixed[26] | fixed[27] << 8
+    extra_len = fixed[28] | fixed[29] << 8
+    if name_len < 7 or archive[pos + 30 + name_len - 7 : pos + 30 + name_len] != b"/data/0":
+        return None
+    return pos + 30 + name_len + extra_len
 
 
 def _descriptor_says(after: bytes, nbytes: int) -> bool:
