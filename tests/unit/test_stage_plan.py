@@ -1,0 +1,66 @@
+"""HostStager.stage reuses its last routing while the tensors keep their keys, types,
+shapes, dtypes and devices (save/staging.py), and notices every change."""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_preempt.save.staging import HostStager
+
+
+def _state(n: int = 50, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"p{i}": torch.randn(3, i + 1, generator=g) for i in range(n)}
+
+
+def _check(staged: dict[str, torch.Tensor], source: dict[str, torch.Tensor]) -> None:
+    assert list(staged) == list(source)
+    for key, tensor in source.items():
+        assert staged[key].shape == tensor.shape and staged[key].dtype == tensor.dtype
+        assert torch.equal(staged[key], tensor), key
+        assert staged[key].data_ptr() != tensor.data_ptr()  # a copy, not the training tensor
+
+
+def test_second_stage_reuses_the_buffers_and_copies_new_values() -> None:
+    stager = HostStager(pin_memory=False)
+    state = _state()
+    first = stager.stage(state)
+    _check(first, state)
+    assert stager._plan is not None
+    for t in state.values():
+        t.add_(1.0)  # training changed the values in place
+    second = stager.stage(state)
+    _check(second, state)
+    assert all(second[k] is first[k] for k in state)  # the same buffers
+    assert stager.last_staged_bytes == sum(t.nbytes for t in state.values())
+
+
+def test_every_structural_change_is_noticed() -> None:
+    stager = HostStager(pin_memory=False)
+    state = _state()
+    stager.stage(state)
+    changed = {
+        "shape": {**state, "p3": torch.ones(5, 5)},
+        "dtype": {**state, "p3": state["p3"].double()},
+        "new key": {**state, "extra": torch.full((2,), 7.0)},
+        "key gone": {k: v for k, v in state.items() if k != "p0"},
+        "order": dict(reversed(list(state.items()))),
+    }
+    for what, new in changed.items():
+        staged = stager.stage(new)
+        _check(staged, new)
+        if what == "key gone":
+            assert "p0" not in stager._buffers, what  # its buffer freed, as without the plan
+        again = stager.stage(new)  # and the plan for the new structure is reused
+        _check(again, new)
+        assert all(again[k] is staged[k] for k in new), what
+
+
+def test_keep_and_pinned_arguments_are_part_of_the_plan() -> None:
+    stager = HostStager(pin_memory=False)
+    state = _state(5)
+    stager.stage(state, keep=("x",))
+    first = stager._plan
+    stager.stage(state)
+    assert stager._plan is not first  # a different keep: routed again
+    _check(stager.stage(state, pinned=set()), state)
