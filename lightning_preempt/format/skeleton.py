@@ -60,8 +60,20 @@ def _extract(value: Any, prefix: str, out: dict[str, torch.Tensor]) -> Any:
     def walk(node: Any, path: str) -> Any:
         kind = type(node)
         if kind is dict:
-            return {k: walk(v, f"{path}/{k}") if type(v) in _INLINE or isinstance(v, _CONTAINERS) else v
-                    for k, v in node.items()}  # fmt: skip
+            walked = {}
+            for k, v in node.items():  # (a state_dict: thousands of tensors, one level)
+                if type(v) in _LEAF_TENSORS:  # extract() inlined: one call less per tensor
+                    key = f"{path}/{k}"
+                    if key in out:
+                        walked[k] = extract(v, key)
+                    else:
+                        out[key] = v
+                        walked[k] = _ref(key)
+                elif type(v) in _INLINE or isinstance(v, _CONTAINERS):
+                    walked[k] = walk(v, f"{path}/{k}")
+                else:
+                    walked[k] = v
+            return walked
         if kind is list:
             return [walk(v, f"{path}/{i}") if type(v) in _INLINE or isinstance(v, _CONTAINERS) else v
                     for i, v in enumerate(node)]  # fmt: skip
@@ -75,6 +87,7 @@ def _extract(value: Any, prefix: str, out: dict[str, torch.Tensor]) -> Any:
 #: walked by :func:`_extract` itself (a tensor is a leaf it extracts; a Parameter, a subclass)
 _INLINE = frozenset({dict, list, torch.Tensor, torch.nn.Parameter})
 _CONTAINERS = (dict, list, tuple, torch.Tensor)
+_LEAF_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
 @functools.lru_cache(maxsize=1 << 16)
