@@ -11,19 +11,18 @@ zip data descriptor after them confirms the record's size. An archive laid out o
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import sys
-from typing import IO, Any, cast
+from typing import IO, Any, NamedTuple, cast
 
 import torch
 
 from lightning_preempt.read.crc_reader import Cursor, read_into
 
 
-@dataclasses.dataclass(frozen=True)
-class TensorItem:
-    """One tensor chunk's archive in a shard file (from DCP's ``.metadata``)."""
+class TensorItem(NamedTuple):
+    """One tensor chunk's archive in a shard file (from DCP's ``.metadata``). (A named
+    tuple: thousands are made per load, ~4x faster than a frozen dataclass.)"""
 
     fqn: str
     file: str

@@ -63,31 +63,36 @@ def tensor_items(metadata: Any) -> list[TensorItem] | None:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     items: list[TensorItem] = []
-    for index, info in metadata.storage_data.items():
-        md = metadata.state_dict_metadata.get(index.fqn)
+    entries = metadata.state_dict_metadata
+    whole: dict[int, tuple[tuple[int, ...], tuple[int, ...]] | None] = {}  # id(md) -> (zeros, size) if one chunk
+    append = items.append
+    for index, info in metadata.storage_data.items():  # (thousands: kept lean)
+        md = entries.get(index.fqn)
         if not isinstance(md, TensorStorageMetadata) or getattr(info, "transform_descriptors", None):
             return None
-        if index.offset is None:
-            chunk_offsets: tuple[int, ...] = (0,) * len(md.size)
-            chunk_sizes: tuple[int, ...] = tuple(md.size)
+        key = id(md)
+        if key not in whole:
+            size = tuple(md.size)
+            chunks = md.chunks
+            one = len(chunks) == 1 and not any(chunks[0].offsets) and tuple(chunks[0].sizes) == size
+            whole[key] = ((0,) * len(size), size) if one else None
+        full = whole[key]
+        if full is not None and (index.offset is None or not any(index.offset)):
+            chunk_offsets, chunk_sizes = full  # the common case: a tensor saved whole
+            full_size = chunk_sizes
+        elif index.offset is None:
+            full_size = tuple(md.size)
+            chunk_offsets, chunk_sizes = (0,) * len(full_size), full_size
         else:
+            full_size = tuple(md.size)
             chunk_offsets = tuple(index.offset)
             chunk = next((c for c in md.chunks if tuple(c.offsets) == chunk_offsets), None)
             if chunk is None:
                 return None
             chunk_sizes = tuple(chunk.sizes)
-        items.append(
-            TensorItem(
-                fqn=index.fqn,
-                file=info.relative_path,
-                offset=int(info.offset),
-                length=int(info.length),
-                dtype=md.properties.dtype,
-                chunk_offsets=chunk_offsets,
-                chunk_sizes=chunk_sizes,
-                full_size=tuple(md.size),
-            )
-        )
+        item = TensorItem(index.fqn, info.relative_path, int(info.offset), int(info.length), md.properties.dtype,
+                          chunk_offsets, chunk_sizes, full_size)  # fmt: skip
+        append(item)
     return items
 
 
