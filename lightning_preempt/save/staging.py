@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import threading
 from collections.abc import Collection
 from concurrent.futures import Future
@@ -150,18 +151,18 @@ class HostStager:
         smaller budget never holds old and new buffers at once."""
         self._wait_prepared()
         values = list(tensors.values())
-        signature = [(type(t), t.shape, t.dtype, t.device) for t in values]
+        signature = _signature(values, self.pin_memory)
         plan = self._plan
         if plan is not None and plan.fits(tensors, signature, pinned, keep):
             # The same tensors as last time (keys, types, shapes, dtypes, devices), the same
-            # buffers: only the copies. Thousands of tensors then cost ~2 ms, not ~6 ms of
-            # per-tensor checks while training waits (issue 26).
-            copy_all(plan.buffers, [values[i] for i in plan.sync])
+            # buffers: only the copies. Thousands of tensors then cost well under 1 ms of
+            # checks (C-level passes), not ~6 ms per-tensor Python, while training waits.
+            copy_all(plan.buffers, values if plan.all_sync else [values[i] for i in plan.sync])
             copy_all(plan.async_buffers, [values[i] for i in plan.async_], non_blocking=True)
             if plan.async_:
                 torch.cuda.synchronize()
             self.last_staged_bytes = plan.total
-            return dict(zip(tensors, plan.staged, strict=True))
+            return dict(plan.staged)
         for stale in set(self._buffers) - set(tensors) - set(keep):
             self._drop(stale)
         if not self._announced:
@@ -194,18 +195,20 @@ class HostStager:
         if async_copies[0]:
             torch.cuda.synchronize()
         self.last_staged_bytes = total
-        if all(kind is torch.Tensor for kind, *_ in signature):  # (DTensors: their shards are looked up each time)
-            routed = [i for i, (_, _, _, device) in enumerate(signature)
-                      if pin_any and (pinned is None or keys[i] in pinned) and device.type == "cuda"]  # fmt: skip
+        if all(kind is torch.Tensor for kind in signature[0]):  # (DTensors: their shards are looked up each time)
+            routed = [i for i, (key, tensor) in enumerate(tensors.items())
+                      if pin_any and (pinned is None or key in pinned) and tensor.device.type == "cuda"]  # fmt: skip
             plan_async = set(routed)
+            sync = [i for i in range(len(keys)) if i not in plan_async]
             self._plan = _StagePlan(
                 keys=keys,
                 signature=signature,
                 pinned=None if pinned is None else frozenset(pinned),
                 keep=frozenset(keep),
-                staged=[staged[k] for k in keys],
+                staged={k: staged[k] for k in keys},
                 buffers=copies[0],
-                sync=[i for i in range(len(keys)) if i not in plan_async],
+                sync=sync,
+                all_sync=len(sync) == len(keys),
                 async_buffers=async_copies[0],
                 async_=routed,
                 total=total,
@@ -248,22 +251,38 @@ class HostStager:
             self._drop(key)
 
 
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
+_DEVICE = operator.attrgetter("device")
+
+
+def _signature(values: list[torch.Tensor], with_devices: bool) -> tuple[list[Any], ...]:
+    """What must not change for :class:`_StagePlan` to be reused: each tensor's type, shape
+    and dtype (a copy would broadcast or convert silently) and, where pinning routes CUDA
+    tensors apart, its device. C-level passes: ~0.2 ms each for 4000 tensors."""
+    types = list(map(type, values))
+    shapes = list(map(_SHAPE, values))
+    dtypes = list(map(_DTYPE, values))
+    return (types, shapes, dtypes, list(map(_DEVICE, values))) if with_devices else (types, shapes, dtypes)
+
+
 @dataclasses.dataclass(frozen=True)
 class _StagePlan:
     """How the last :meth:`HostStager.stage` routed each tensor (plain tensors only)."""
 
     keys: list[str]
-    signature: list[tuple[type, torch.Size, torch.dtype, torch.device]]
+    signature: tuple[list[Any], ...]
     pinned: frozenset[str] | None
     keep: frozenset[str]
-    staged: list[torch.Tensor]  # what stage() returned, in key order (the buffers)
+    staged: dict[str, torch.Tensor]  # what stage() returned (the buffers), copied per call
     buffers: list[torch.Tensor]  # copied into synchronously, sources at ``sync``
     sync: list[int]
+    all_sync: bool
     async_buffers: list[torch.Tensor]  # pinned, from a device, sources at ``async_``
     async_: list[int]
     total: int
 
-    def fits(self, tensors: dict[str, torch.Tensor], signature: list[Any], pinned: set[str] | None,
+    def fits(self, tensors: dict[str, torch.Tensor], signature: tuple[list[Any], ...], pinned: set[str] | None,
              keep: Collection[str]) -> bool:  # fmt: skip
         return (
             signature == self.signature
