@@ -108,7 +108,7 @@ def write_checkpoint(
             dcp_save_tensors(
                 request.tensors,
                 storage_writer=writer,
-                planner=CachingSavePlanner(plan_cache) if plan_cache is not None else None,
+                planner=CachingSavePlanner(plan_cache, collective=group is not None) if plan_cache is not None else None,
                 process_group=group,
                 no_dist=group is None,
             )

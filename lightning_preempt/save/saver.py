@@ -255,6 +255,9 @@ class Saver:
             )
         except BaseException as err:
             record.error = err
+            # Every rank meets a failed save (commit.py's agreement): every rank plans the
+            # next one afresh, so no rank reuses a plan the coordinator lacks (save/planning.py).
+            self.plan_cache.clear()
             raise
         record.committed_s = time.perf_counter() - record.started
         if self.rank != 0:

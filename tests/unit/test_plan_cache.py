@@ -49,4 +49,4 @@ def test_a_copied_saver_starts_without_plans(tmp_path: Path) -> None:
     saver.save(_ckpt(1, {"a": (3,)}), str(tmp_path / "a"), {}, wait=True)
     saver.close()
     twin = copy.deepcopy(saver)
-    assert twin.plan_cache.local_plan is None and twin.plan_cache.hits == {"local": 0, "global": 0}
+    assert twin.plan_cache.local_plan is None and twin.plan_cache.hits == {"local": 0, "global": 0, "unsent": 0}
