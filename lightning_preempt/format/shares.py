@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -60,3 +61,43 @@ def own_share(tensors: dict[str, torch.Tensor], rank: int, world_size: int) -> d
     owners = replica_owners(tensors, world_size)
     return {k: t for k, t in tensors.items() if owners.get(k, rank) == rank}
 
+
+
+class ShareMemo:
+    """:func:`replica_fingerprint` and :func:`own_share`'s choice, remembered while the
+    tensors keep their keys (in order), types, shapes and dtypes: what both depend on.
+    A state of thousands of tensors is fingerprinted and shared out in ~15 ms of Python
+    per save; checking that nothing changed takes C-level passes (~1 ms)."""
+
+    def __init__(self) -> None:
+        self._signature: tuple[list[Any], ...] | None = None
+        self._fingerprint = ""
+        self._mine: dict[tuple[int, int], list[str]] = {}
+
+    def _same(self, tensors: dict[str, torch.Tensor]) -> bool:
+        values = list(tensors.values())
+        signature = (list(tensors), list(map(type, values)), list(map(_SHAPE, values)), list(map(_DTYPE, values)))
+        if signature == self._signature:
+            return True
+        self._signature, self._fingerprint, self._mine = signature, "", {}
+        return False
+
+    def fingerprint(self, tensors: dict[str, torch.Tensor]) -> str:
+        """:func:`replica_fingerprint` of ``tensors``."""
+        if not self._same(tensors) or not self._fingerprint:
+            self._fingerprint = replica_fingerprint(tensors)
+        return self._fingerprint
+
+    def share(self, tensors: dict[str, torch.Tensor], rank: int, world_size: int) -> dict[str, torch.Tensor]:
+        """:func:`own_share` of ``tensors``."""
+        if world_size <= 1:
+            return tensors
+        keys = self._mine.get((rank, world_size)) if self._same(tensors) else None
+        if keys is None:
+            keys = list(own_share(tensors, rank, world_size))
+            self._mine[(rank, world_size)] = keys
+        return {key: tensors[key] for key in keys}
+
+
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")

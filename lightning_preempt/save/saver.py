@@ -43,7 +43,7 @@ from lightning_preempt.collective import groups as pdist
 from lightning_preempt.errors import CheckpointWriteError
 from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.format.names import MANIFEST_NAME
-from lightning_preempt.format.shares import own_share, replica_fingerprint
+from lightning_preempt.format.shares import ShareMemo, own_share
 from lightning_preempt.format.skeleton import split_checkpoint
 from lightning_preempt.read.load import gc_paused
 from lightning_preempt.save.budget import StagingBudget
@@ -94,6 +94,7 @@ class Saver:
         self.overlap = Overlap(overlap_staging)
         #: DCP plans reused while the staged state keeps its structure (save/planning.py)
         self.plan_cache = PlanCache()
+        self._shares = ShareMemo()  # who stages which replicated tensor, while the structure holds
         self.jobs = JobQueue()
         self.history: list[SaveRecord] = []
         #: recorded in every manifest; retention never deletes another run's checkpoints
@@ -109,7 +110,7 @@ class Saver:
         """Configuration only: a copy (``ddp_spawn``, ``deepcopy``) has no pending save, group,
         history or drain thread (the job queue and the stager drop theirs themselves)."""
         state = self.__dict__.copy()
-        state.update(_pending=None, group=None, rank=0, history=[], tiers=None)
+        state.update(_pending=None, group=None, rank=0, history=[], tiers=None, _shares=ShareMemo())
         tiers = self.tiers
         state["_tier_config"] = (tiers.remote_root, tiers.keep_last_n) if tiers is not None else None
         return state
@@ -163,11 +164,11 @@ class Saver:
         if its owner lacked it, so any difference means every rank stages all."""
         if not self._dedupes():
             return tensors
-        fingerprints = pdist.all_gather_objects(replica_fingerprint(tensors), self.group)
+        fingerprints = pdist.all_gather_objects(self._shares.fingerprint(tensors), self.group)
         if len(set(fingerprints)) != 1:
             log.warning("lightning_preempt: ranks hold different tensors; every rank stages all of them")
             return tensors
-        return own_share(tensors, pdist.rank(self.group), len(fingerprints))
+        return self._shares.share(tensors, pdist.rank(self.group), len(fingerprints))
 
     # ---- saving ------------------------------------------------------------------------
     def save(

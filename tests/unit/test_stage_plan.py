@@ -64,3 +64,18 @@ def test_keep_and_pinned_arguments_are_part_of_the_plan() -> None:
     stager.stage(state)
     assert stager._plan is not first  # a different keep: routed again
     _check(stager.stage(state, pinned=set()), state)
+
+
+def test_share_memo_recomputes_on_every_change_and_agrees_with_own_share() -> None:
+    from lightning_preempt.format.shares import ShareMemo, own_share, replica_fingerprint
+
+    memo = ShareMemo()
+    state = _state(40)
+    for world in (2, 3):
+        for rank in range(world):
+            assert list(memo.share(state, rank, world)) == list(own_share(state, rank, world))
+    assert memo.fingerprint(state) == replica_fingerprint(state)
+    for new in ({**state, "p3": torch.ones(9, 9)}, {**state, "p3": state["p3"].half()}, {**state, "x": torch.ones(1)}):
+        assert memo.fingerprint(new) == replica_fingerprint(new) != replica_fingerprint(state)
+        for rank in range(2):
+            assert list(memo.share(new, rank, 2)) == list(own_share(new, rank, 2))
