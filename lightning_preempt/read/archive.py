@@ -46,7 +46,9 @@ _LOCAL_HEADER = b"PK\x03\x04"
 _DESCRIPTOR = b"PK\x07\x08"
 
 
-def read_archive(f: IO[bytes], item: TensorItem, crc: Cursor) -> tuple[torch.Tensor | None, int]:
+def read_archive(
+    f: IO[bytes], item: TensorItem, crc: Cursor, out: torch.Tensor | None = None
+) -> tuple[torch.Tensor | None, int]:
     """Read one ``torch.save`` archive of ``item.length`` bytes from ``f``: its head into
     scratch, the tensor data straight into a new tensor of exactly the chunk's size (its
     own storage: nothing else is kept alive by it, and it saves and pickles like any
@@ -65,7 +67,7 @@ def read_archive(f: IO[bytes], item: TensorItem, crc: Cursor) -> tuple[torch.Ten
     start = data_start(head)
     if start is None or sys.byteorder != "little":
         return _read_rest_and_load(f, item, head, crc)
-    tensor = torch.empty(item.chunk_sizes, dtype=item.dtype)
+    tensor = out if out is not None else torch.empty(item.chunk_sizes, dtype=item.dtype)
     data = _bytes_of(tensor.view(-1).view(torch.uint8)) if nbytes else memoryview(bytearray())
     in_head = max(0, min(head.nbytes, start + nbytes) - start)
     data[:in_head] = head[start : start + in_head]
@@ -82,7 +84,9 @@ def read_archive(f: IO[bytes], item: TensorItem, crc: Cursor) -> tuple[torch.Ten
     return tensor, got
 
 
-def archive_in_memory(archive: memoryview, item: TensorItem, layouts: dict[tuple[int, int], int]) -> torch.Tensor:
+def archive_in_memory(
+    archive: memoryview, item: TensorItem, layouts: dict[tuple[int, int], int], out: torch.Tensor | None = None
+) -> torch.Tensor:
     """The tensor of one archive already read into memory (``archive``: exactly its
     ``item.length`` bytes), copied into a new tensor of its own. Small archives are read
     many at once (read/tensors.py): one read and one copy each beat three reads each.
@@ -109,7 +113,7 @@ def archive_in_memory(archive: memoryview, item: TensorItem, layouts: dict[tuple
         or not _descriptor_says(bytes(archive[end : end + 24]), nbytes)
     ):
         return _load_archive(bytes(archive), item)
-    tensor = torch.empty(item.chunk_sizes, dtype=item.dtype)
+    tensor = out if out is not None else torch.empty(item.chunk_sizes, dtype=item.dtype)
     if nbytes:
         _bytes_of(tensor.view(-1).view(torch.uint8))[:] = archive[start:end]
     return tensor
