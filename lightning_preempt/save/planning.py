@@ -108,6 +108,8 @@ class CachingSavePlanner(DefaultSavePlanner):
         self, state_dict: dict[str, Any], storage_meta: Any = None, is_coordinator: bool = False
     ) -> None:
         key = _structure_key(state_dict, is_coordinator)
+        if key is not None:  # a plan made alone is never offered to a group as unsent, nor back
+            key = (self._unsent, key)
         self._key, self.structure_cached = key, key is not None
         if key is None:
             super().set_up_planner(state_dict, storage_meta, is_coordinator)

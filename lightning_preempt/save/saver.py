@@ -136,6 +136,9 @@ class Saver:
     def enable_collective(self, group: pdist.ProcessGroup | None) -> None:
         """Every rank calls :meth:`save` from now on; the job thread syncs on ``group`` (a
         gloo group reserved for it). Also re-opens a closed saver (a new ``fit``)."""
+        if group is not self.group:  # plans and shares name the old group's ranks
+            self.plan_cache.clear()
+            self._shares = ShareMemo()
         self.group = group
         # Kept: after the run the group is destroyed, yet saves outside it still ask who writes.
         self.rank = pdist.rank(group) if group is not None else 0

@@ -30,6 +30,10 @@ def _state(step: int, extra_on_rank: int | None = None, rank: int = 0) -> dict[s
     return ckpt
 
 
+def _one_tensor(step: int) -> dict[str, Any]:
+    return {"global_step": step, "state_dict": {"w": torch.arange(10.0) + step}}
+
+
 def _big_state(step: int) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(step)
     return {"global_step": step, "state_dict": {f"w{i}": torch.randn(1 << 18, generator=gen) for i in range(8)}}
@@ -40,8 +44,11 @@ def _worker(rank: int, world: int, root: str, scenario: str) -> None:
     from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 
     io = ShardedAsyncCheckpointIO(host_memory_budget=2 << 20 if scenario == "budget" else None)
-    io.enable_collective_saves(new_gloo_group(timeout_s=60))
     out: dict[str, Any] = {"rank": rank}
+    if scenario == "alone_then_group":  # a save before the job's group exists, of the same state
+        io.save_checkpoint(_one_tensor(1), os.path.join(root, f"alone-rank{rank}"))
+        io.wait()
+    io.enable_collective_saves(new_gloo_group(timeout_s=60))
     if scenario == "budget":  # each rank's 4 MiB share over its 2 MiB budget: half streamed
         ckpt = _big_state(3)
         io.save_checkpoint(ckpt, os.path.join(root, "step-3"))
@@ -89,6 +96,11 @@ def _worker(rank: int, world: int, root: str, scenario: str) -> None:
             out["out_of_step"] = f"{type(err).__name__}: {err}"
         io.save_checkpoint(_state(7, rank=rank), os.path.join(root, "step-7"))
         io.wait()
+    elif scenario == "alone_then_group":  # the plans made alone are not offered to the group
+        for step in (2, 3):  # rank 0 owns the one tensor: its share is what it saved alone
+            io.save_checkpoint(_one_tensor(step), os.path.join(root, f"step-{step}"))
+            io.wait()
+        out["hits"] = dict(io.saver.plan_cache.hits)
     elif scenario == "rank_dies":
         io.save_checkpoint(_state(1, rank=rank), os.path.join(root, "step-1"))
         io.wait()
@@ -209,3 +221,16 @@ def test_saves_of_one_structure_replay_on_every_rank_and_each_checkpoint_is_its_
     loaded = load_full_checkpoint(Store(str(tmp_path / "step-5")))
     assert torch.equal(loaded["state_dict"]["new.bias"], torch.full((7,), 5.0))
     assert not (tmp_path / "step-6" / "manifest.json").exists()  # the failed save committed nothing
+
+
+def test_a_saver_used_alone_then_in_a_group_plans_afresh_for_the_group(tmp_path: Path) -> None:
+    """A plan made alone (no group) never travels as unsent to a group: the first group save
+    plans afresh on every rank and commits, the second reuses it unsent."""
+    from lightning_preempt.read.load import load_full_checkpoint
+    from lightning_preempt.storage.store import Store
+
+    outcomes = _run(tmp_path, "alone_then_group")
+    assert outcomes[0]["hits"] == {"local": 1, "global": 0, "unsent": 1}, outcomes  # save 3 only
+    for name, step in [("step-2", 2), ("step-3", 3), ("alone-rank0", 1), ("alone-rank1", 1)]:
+        loaded = load_full_checkpoint(Store(str(tmp_path / name)))
+        assert loaded["global_step"] == step and torch.equal(loaded["state_dict"]["w"], torch.arange(10.0) + step)
