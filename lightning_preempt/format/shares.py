@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -67,35 +68,33 @@ class ShareMemo:
     """:func:`replica_fingerprint` and :func:`own_share`'s choice, remembered while the
     tensors keep their keys (in order), types, shapes and dtypes: what both depend on.
     A state of thousands of tensors is fingerprinted and shared out in ~15 ms of Python
-    per save; checking that nothing changed takes C-level passes (~1 ms)."""
+    per save; checking that nothing changed takes C-level passes (~1 ms), once a save."""
 
     def __init__(self) -> None:
         self._signature: tuple[list[Any], ...] | None = None
         self._fingerprint = ""
         self._mine: dict[tuple[int, int], list[str]] = {}
 
-    def _same(self, tensors: dict[str, torch.Tensor]) -> bool:
+    def share(
+        self, tensors: dict[str, torch.Tensor], rank: int, gather: Callable[[str], list[str]]
+    ) -> dict[str, torch.Tensor] | None:
+        """:func:`own_share` of ``tensors`` for ``rank``, after ``gather`` (every rank's
+        fingerprint, this one's given) found every rank holding the same tensors; ``None``
+        when they do not."""
         values = list(tensors.values())
         signature = (list(tensors), list(map(type, values)), list(map(_SHAPE, values)), list(map(_DTYPE, values)))
-        if signature == self._signature:
-            return True
-        self._signature, self._fingerprint, self._mine = signature, "", {}
-        return False
-
-    def fingerprint(self, tensors: dict[str, torch.Tensor]) -> str:
-        """:func:`replica_fingerprint` of ``tensors``."""
-        if not self._same(tensors) or not self._fingerprint:
+        if signature != self._signature:
+            self._signature, self._mine = signature, {}
             self._fingerprint = replica_fingerprint(tensors)
-        return self._fingerprint
-
-    def share(self, tensors: dict[str, torch.Tensor], rank: int, world_size: int) -> dict[str, torch.Tensor]:
-        """:func:`own_share` of ``tensors``."""
+        fingerprints = gather(self._fingerprint)
+        if len(set(fingerprints)) != 1:
+            return None
+        world_size = len(fingerprints)
         if world_size <= 1:
             return tensors
-        keys = self._mine.get((rank, world_size)) if self._same(tensors) else None
+        keys = self._mine.get((rank, world_size))
         if keys is None:
-            keys = list(own_share(tensors, rank, world_size))
-            self._mine[(rank, world_size)] = keys
+            keys = self._mine[(rank, world_size)] = list(own_share(tensors, rank, world_size))
         return {key: tensors[key] for key in keys}
 
 

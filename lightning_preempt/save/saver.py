@@ -167,11 +167,12 @@ class Saver:
         if its owner lacked it, so any difference means every rank stages all."""
         if not self._dedupes():
             return tensors
-        fingerprints = pdist.all_gather_objects(self._shares.fingerprint(tensors), self.group)
-        if len(set(fingerprints)) != 1:
+        group = self.group
+        mine = self._shares.share(tensors, pdist.rank(group), lambda mark: pdist.all_gather_objects(mark, group))
+        if mine is None:
             log.warning("lightning_preempt: ranks hold different tensors; every rank stages all of them")
             return tensors
-        return self._shares.share(tensors, pdist.rank(self.group), len(fingerprints))
+        return mine
 
     # ---- saving ------------------------------------------------------------------------
     def save(

@@ -3,6 +3,8 @@ shapes, dtypes and devices (save/staging.py), and notices every change."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from lightning_preempt.save.staging import HostStager
@@ -71,11 +73,24 @@ def test_share_memo_recomputes_on_every_change_and_agrees_with_own_share() -> No
 
     memo = ShareMemo()
     state = _state(40)
+    sent: list[str] = []
+
+    def gather_of(world: int) -> Callable[[str], list[str]]:
+        def gather(mark: str) -> list[str]:
+            sent.append(mark)
+            return [mark] * world
+
+        return gather
+
     for world in (2, 3):
         for rank in range(world):
-            assert list(memo.share(state, rank, world)) == list(own_share(state, rank, world))
-    assert memo.fingerprint(state) == replica_fingerprint(state)
+            got = memo.share(state, rank, gather_of(world))
+            assert got is not None and list(got) == list(own_share(state, rank, world))
+    assert set(sent) == {replica_fingerprint(state)}
     for new in ({**state, "p3": torch.ones(9, 9)}, {**state, "p3": state["p3"].half()}, {**state, "x": torch.ones(1)}):
-        assert memo.fingerprint(new) == replica_fingerprint(new) != replica_fingerprint(state)
         for rank in range(2):
-            assert list(memo.share(new, rank, 2)) == list(own_share(new, rank, 2))
+            got = memo.share(new, rank, gather_of(2))
+            assert got is not None and list(got) == list(own_share(new, rank, 2))
+        assert sent[-1] == replica_fingerprint(new) != replica_fingerprint(state)
+    # another rank holds something else: no share (every rank stages all)
+    assert memo.share(state, 0, lambda mark: [mark, "other"]) is None
