@@ -157,7 +157,7 @@ class HostStager:
             # The same tensors as last time (keys, types, shapes, dtypes, devices), the same
             # buffers: only the copies. Thousands of tensors then cost well under 1 ms of
             # checks (C-level passes), not ~6 ms per-tensor Python, while training waits.
-            copy_all(plan.buffers, values if plan.all_sync else [values[i] for i in plan.sync])
+            copy_all(plan.buffers, values if not plan.async_ else [values[i] for i in plan.sync])
             copy_all(plan.async_buffers, [values[i] for i in plan.async_], non_blocking=True)
             if plan.async_:
                 torch.cuda.synchronize()
@@ -208,7 +208,6 @@ class HostStager:
                 staged={k: staged[k] for k in keys},
                 buffers=copies[0],
                 sync=sync,
-                all_sync=len(sync) == len(keys),
                 async_buffers=async_copies[0],
                 async_=routed,
                 total=total,
@@ -277,7 +276,6 @@ class _StagePlan:
     staged: dict[str, torch.Tensor]  # what stage() returned (the buffers), copied per call
     buffers: list[torch.Tensor]  # copied into synchronously, sources at ``sync``
     sync: list[int]
-    all_sync: bool
     async_buffers: list[torch.Tensor]  # pinned, from a device, sources at ``async_``
     async_: list[int]
     total: int
