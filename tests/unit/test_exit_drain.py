@@ -5,19 +5,27 @@ finding a). ``multiprocessing`` workers started with ``fork`` (Lightning's ``ddp
 from __future__ import annotations
 
 import multiprocessing
-import time
+import multiprocessing.util as mp_util
+import os
+import threading
 from pathlib import Path
 
 import pytest
 from ckpts import lightning_like_checkpoint
 
 from lightning_preempt import ShardedAsyncCheckpointIO, list_checkpoints
+from lightning_preempt.save.jobs import EXIT_PRIORITY
 
 
 def _worker(path: str, how: str) -> None:
     io = ShardedAsyncCheckpointIO()
-    io.submit(lambda: time.sleep(0.5))  # the save is still queued when the worker's function returns
+    # The job queue is held shut until the process exits (the gate opens in a finalizer that
+    # runs just before the package's drain): the save is certainly pending when this returns.
+    gate = threading.Event()
+    io.submit(gate.wait)
+    mp_util.Finalize(None, gate.set, exitpriority=EXIT_PRIORITY + 1)
     io.save_checkpoint(lightning_like_checkpoint(step=9), path)
+    assert not os.path.exists(os.path.join(path, "manifest.json"))  # not committed yet
     if how == "system_exit":
         raise SystemExit(3)
 
