@@ -19,7 +19,6 @@ docs/security.md.
 
 from __future__ import annotations
 
-import functools
 import io
 import pickle
 import types
@@ -51,7 +50,6 @@ def numpy_globals() -> list[Any]:
     return [reconstruct, scalar, np.ndarray, np.dtype, *sorted(dtype_types, key=lambda t: t.__name__)]
 
 
-@functools.lru_cache(maxsize=2)
 def fast_globals(with_numpy: bool) -> dict[tuple[str, str], Any]:
     """``(module, name) -> object`` the fast path resolves (a subset of the weights-only
     allow-list plus :class:`TensorRef`; NumPy's names only with ``with_numpy``)."""
