@@ -42,6 +42,6 @@ def test_fault_injection_sample(tmp_path: Path) -> None:
         assert t["exit_code"] == (143 if t["kind"] == "sigterm" else -9), t
         if t["kind"] == "sigterm":
             assert t["lost"] == 0, t
-        else:
-            assert t["lost"] <= EVERY, t
+        else:  # the bound the sigkill_lost verdict uses: a kill during a flush loses that save too
+            assert t["lost"] <= (2 * EVERY if t["hit"] == "flush" else EVERY), t
     assert done.returncode == 0, log
