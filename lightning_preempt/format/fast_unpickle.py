@@ -11,10 +11,16 @@ small, fixed set, every member of which the weights-only path also allows
 (``torch._utils._rebuild_tensor_v2``, storages, dtypes, sizes, devices), the ``bytes``
 codec, and NumPy arrays/scalars when the pickle names NumPy. Anything else (sparse,
 quantized or subclassed tensors, parameters, a global off the list) raises
-:class:`OffFastPath` at its first mention, before anything it names is called, and the
-caller loads the bytes again through ``weights_only`` (format/unpickle.py), which decides
-and words the error. So this path accepts a subset of what that one accepts, never more;
-docs/security.md.
+:class:`OffFastPath`, and the caller loads the bytes again through ``weights_only``
+(format/unpickle.py), which decides and words the error. So this path accepts a subset
+of what that one accepts, never more; docs/security.md.
+
+``find_class`` alone is not enough: C pickle's ``BUILD`` sets state on whatever is on its
+stack (an allowed function or class too, for the whole process) and its memo grows to the
+largest index a file names. So before C pickle runs, the pickle's opcodes are walked
+(:func:`~lightning_preempt.format.fast_guard.check_fast_pickle`, nothing built): only the
+weights-only opcodes, only these exact globals, ``BUILD`` only on what the weights-only
+loader builds too, bounded memo indices (issue 32).
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ from typing import Any
 import torch
 
 from lightning_preempt.format import TensorRef
+from lightning_preempt.format.allowlists import TORCH_WEIGHTS_ONLY_GLOBALS
+from lightning_preempt.format.fast_guard import FastRefused, check_fast_pickle
+from lightning_preempt.format.state_replay import archived_pickle
 
 
 class OffFastPath(Exception):
@@ -59,9 +68,6 @@ def fast_globals(with_numpy: bool) -> dict[tuple[str, str], Any]:
         ("torch", "Size"): torch.Size,
         ("torch", "device"): torch.device,
         ("_codecs", "encode"): __import__("_codecs").encode,  # how protocol 2 pickles bytes
-        ("builtins", "set"): set,
-        ("builtins", "complex"): complex,
-        ("builtins", "bytearray"): bytearray,
         (TensorRef.__module__, TensorRef.__qualname__): TensorRef,
     }
     for value in vars(torch).values():
@@ -86,16 +92,18 @@ def _numpy_fast_globals() -> dict[tuple[str, str], Any]:
     reconstruct = next(g for g in names.values() if getattr(g, "__name__", "") == "_reconstruct")
     scalar = next(g for g in names.values() if getattr(g, "__name__", "") == "scalar")
 
-    def dtype(*args: Any) -> Any:
-        made = np.dtype(*args)
+    def dtype(obj: Any, align: bool = False, copy: bool = False) -> Any:
+        # Always a copy: np.dtype("f8", False, False) is NumPy's shared float64 descriptor,
+        # and the BUILD that follows sets its state (a pickle of a dtype asks for a copy).
+        made = np.dtype(obj, align, True)
         if type(made) not in dtype_types:
             raise OffFastPath(f"numpy dtype {type(made).__name__}")
         return made
 
-    def _reconstruct(cls: Any, *args: Any) -> Any:
-        if cls is not np.ndarray:
-            raise OffFastPath("numpy _reconstruct of a class other than ndarray")
-        made = reconstruct(cls, *args)
+    def _reconstruct(cls: Any, shape: Any, typecode: Any) -> Any:
+        if cls is not np.ndarray or shape != (0,):  # what ndarray.__reduce__ writes; BUILD sets the shape
+            raise OffFastPath("numpy _reconstruct of a class other than ndarray, or of a shape other than (0,)")
+        made = reconstruct(cls, shape, typecode)
         if type(made) is not np.ndarray:
             raise OffFastPath("numpy _reconstruct made something other than an ndarray")
         return made
@@ -122,12 +130,26 @@ class _Unpickler(pickle.Unpickler):
 
 
 def _module(with_numpy: bool) -> types.SimpleNamespace:
-    unpickler = type("_Unpickler", (_Unpickler,), {"allowed": fast_globals(with_numpy)})
+    allowed = fast_globals(with_numpy)
+    unpickler = type("_Unpickler", (_Unpickler,), {"allowed": allowed})
 
     def load(*_: Any, **__: Any) -> Any:  # torch's legacy (non-zip) format: not ours
         raise OffFastPath("not a torch.save zip file")
 
-    return types.SimpleNamespace(Unpickler=unpickler, load=load, __name__=__name__)
+    # What the opcode check lets a GLOBAL name: these globals, and the legacy storage
+    # types of torch.save's persistent ids (torch's find_class resolves those before ours).
+    names = {f"{m}.{n}": g for (m, n), g in allowed.items()}
+    storages = {n for n in TORCH_WEIGHTS_ONLY_GLOBALS if n.startswith("torch.") and n.count(".") == 1 and n.endswith("Storage")}  # fmt: skip
+    array = "numpy.ndarray"  # only an argument of _reconstruct, never called (np.ndarray(shape) allocates)
+    callables = {n for n, g in names.items() if callable(g) and n != array and not isinstance(g, torch.dtype)}
+    buildable = {n for n, g in names.items() if g in (TensorRef, OrderedDict) or (n.startswith("numpy.") and n != array)}
+    guard = {
+        "globals_allowed": frozenset(names) | storages,
+        "callables": frozenset(callables),
+        "buildable": frozenset(buildable),
+        "dict_like": frozenset({"collections.OrderedDict"}),
+    }
+    return types.SimpleNamespace(Unpickler=unpickler, load=load, __name__=__name__, guard=guard)
 
 
 _MODULES = {False: _module(False), True: _module(True)}
@@ -149,12 +171,19 @@ def fast_load_state(data: bytes, map_location: Any) -> Any:
     """Unpickle a per-rank state file through the fast path, or raise :class:`OffFastPath`."""
     if not _first_record_is_protocol_2_pickle(data):
         raise OffFastPath("not a torch.save zip file starting with a protocol-2 data.pkl")
+    module = _MODULES[b"numpy" in data]
+    try:
+        check_fast_pickle(archived_pickle(data), **module.guard)  # before C pickle runs a single opcode
+    except FastRefused as err:
+        raise OffFastPath(str(err)) from None
+    except Exception as err:  # not an archive both zip readers read alike
+        raise OffFastPath(f"{type(err).__name__}") from err
     try:
         return torch.load(
             io.BytesIO(data),
             map_location=map_location,
-            weights_only=False,  # the restriction is _Unpickler.find_class
-            pickle_module=_MODULES[b"numpy" in data],
+            weights_only=False,  # the restriction: the opcode check above and _Unpickler.find_class
+            pickle_module=module,
         )
     except OffFastPath:
         raise

@@ -88,6 +88,19 @@ def check_state_pickle(data: bytes, *, path: str) -> None:
         raise _corrupt_state(f"{type(err).__name__}: {str(err)[:200]}", path) from None
 
 
+def archived_pickle(data: bytes) -> bytes:
+    """The ``data.pkl`` bytes torch's reader would unpickle from the ``torch.save`` archive
+    ``data``, for the fast path's opcode check (format/fast_guard.py). Raises (any error)
+    when the archive is not one both readers are sure to read alike: a name listed twice
+    (zipfile takes the last, torch's reader may take another) counts as such."""
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        names = archive.namelist()
+        if len(set(names)) != len(names):
+            raise ValueError("a record name appears twice")
+        _, info = _archive_pickle(archive, "")
+        return _record_bytes(archive, info, data)
+
+
 def _archive_pickle(archive: zipfile.ZipFile, path: str) -> tuple[str, zipfile.ZipInfo]:
     """The archive's directory name and its ``data.pkl``, checked as torch's reader checks them."""
     names = archive.namelist()

@@ -85,7 +85,9 @@ def load_state_bytes(data: bytes, *, path: str, trusted: bool = False, map_locat
             return torch.load(io.BytesIO(data), map_location=location, weights_only=True)
     except pickle.UnpicklingError as err:
         raise _untrusted(err, _unsupported_global(err), path) from None
-    except (RuntimeError, ValueError, EOFError, KeyError, OSError) as err:
+    except (RuntimeError, ValueError, TypeError, IndexError, EOFError, KeyError, OSError) as err:
+        # (TypeError, IndexError: a hand-made pickle that BUILDs a tensor with a bad state,
+        # or pops more than it pushed, inside torch's weights-only unpickler)
         raise CorruptCheckpointError(
             f"the per-rank state is not a readable torch.save file ({type(err).__name__}: "
             f"{str(err).splitlines()[0] if str(err) else ''})",

@@ -1,0 +1,163 @@
+"""A planted state file cannot change the process through the fast unpickler (issue 32).
+
+Each crafted file is loaded the way resume loads it (``load_state_bytes``): the fast path
+must refuse it before C pickle runs, the process-wide objects it aimed at must be
+unchanged, and a clean file loaded right after must give exactly its values.
+"""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+import zipfile
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_preempt.errors import UntrustedCheckpointError
+from lightning_preempt.format import TensorRef
+from lightning_preempt.format.fast_unpickle import OffFastPath, fast_load_state
+from lightning_preempt.format.unpickle import load_state_bytes
+
+
+def _saved(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _with_pickle(pkl: bytes, base: bytes | None = None) -> bytes:
+    """A real ``torch.save`` archive whose ``data.pkl`` is ``pkl`` (an attacker writes the whole file)."""
+    out = io.BytesIO()
+    source = base if base is not None else _saved({"x": 1})
+    with zipfile.ZipFile(io.BytesIO(source)) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            dst.writestr(info, pkl if info.filename.endswith("/data.pkl") else src.read(info))
+    return out.getvalue()
+
+
+def _edited(obj: Any, old: bytes, new: bytes) -> bytes:
+    data = _saved(obj)
+    with zipfile.ZipFile(io.BytesIO(data)) as src:
+        pkl = src.read(next(n for n in src.namelist() if n.endswith("/data.pkl")))
+    assert pkl.count(old) == 1
+    return _with_pickle(pkl.replace(old, new), data)
+
+
+def _u(text: str) -> bytes:  # BINUNICODE
+    raw = text.encode()
+    return b"X" + len(raw).to_bytes(4, "little") + raw
+
+
+def _g(module: str, name: str) -> bytes:  # GLOBAL
+    return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
+
+
+P2, DICT, SETITEM, BUILD, STOP, NONE, TRUE = b"\x80\x02", b"}", b"s", b"b", b".", b"N", b"\x88"
+
+def _build_on_global(module: str, name: str, attr_and_value: bytes) -> bytes:
+    """``{"f": <the global, after BUILD sets (None, {attr: value})>}``: a valid stack to STOP."""
+    return P2 + DICT + _u("f") + _g(module, name) + NONE + DICT + attr_and_value + SETITEM + b"\x86" + BUILD + SETITEM + STOP
+
+
+NEG_DEFAULTS = _u("__defaults__") + DICT + _u("neg") + TRUE + SETITEM + b"\x85"  # ({"neg": True},)
+ATTACKS: dict[str, bytes] = {
+    # every later tensor load would come back negated
+    "BUILD on _rebuild_tensor_v2 (__defaults__)": _with_pickle(_build_on_global("torch._utils", "_rebuild_tensor_v2", NEG_DEFAULTS)),
+    "BUILD on the TensorRef class": _with_pickle(_build_on_global("lightning_preempt.format", "TensorRef", _u("poisoned") + TRUE)),
+    "BUILD on torch.Size": _with_pickle(_build_on_global("torch", "Size", _u("poisoned") + TRUE)),
+    "BUILD on a tensor": _edited({"t": torch.ones(2)}, b"Rq\rs.", b"Rq\r" + NONE + DICT + _u("poisoned") + TRUE + SETITEM + b"\x86" + BUILD + b"s."),
+    "memo index 1e8": _with_pickle(P2 + DICT + _u("a") + b"K\x01" + b"r" + (10**8).to_bytes(4, "little") + SETITEM + STOP),
+    "memo index 2^32-1": _with_pickle(P2 + DICT + _u("a") + b"K\x01" + b"r\xff\xff\xff\xff" + SETITEM + STOP),
+    "os.FloatStorage": _edited({"t": torch.ones(2)}, b"ctorch\nFloatStorage\n", b"cos\nFloatStorage\n"),
+    "INST": _with_pickle(P2 + DICT + _u("a") + b"(" + b"icollections\nOrderedDict\n" + SETITEM + STOP),
+    "OBJ": _with_pickle(P2 + DICT + _u("a") + b"(" + _g("collections", "OrderedDict") + b"o" + SETITEM + STOP),
+    "NEWOBJ_EX": _with_pickle(P2 + DICT + _u("a") + _g("collections", "OrderedDict") + b")}\x92" + SETITEM + STOP),
+    "EXT1": _with_pickle(P2 + DICT + _u("a") + b"\x82\x01" + SETITEM + STOP),
+    "SETITEM on the TensorRef class": _with_pickle(P2 + _g("lightning_preempt.format", "TensorRef") + _u("k") + TRUE + SETITEM + STOP),
+    "REDUCE of numpy.ndarray (allocates its shape)": _with_pickle(P2 + DICT + _u("a") + _g("numpy", "ndarray") + b"J\x00\x00\x00\x40\x85R" + SETITEM + STOP),
+}  # fmt: skip
+
+
+def _process_wide() -> dict[str, Any]:
+    """What the attacks aim at, as it stands in this process."""
+    return {
+        "defaults": torch._utils._rebuild_tensor_v2.__defaults__,
+        "tensorref": dict(vars(TensorRef)),
+        "size": dict(vars(torch.Size)),
+        "f8": (np.dtype("f8").str, np.dtype("f8").byteorder, np.dtype("f8").isbuiltin),
+    }
+
+
+def _clean() -> tuple[bytes, dict[str, Any]]:
+    values = {"t": torch.arange(6.0).reshape(2, 3), "ref": TensorRef("state_dict.w"), "step": 7,
+              "rng": np.random.RandomState(5).get_state()}  # fmt: skip
+    return _saved(values), values
+
+
+def _check_clean_load() -> None:
+    data, values = _clean()
+    got = fast_load_state(data, "cpu")  # the clean file still takes the fast path
+    assert list(got) == list(values)
+    assert torch.equal(got["t"], values["t"]) and not got["t"].is_neg()
+    assert got["ref"] == values["ref"] and type(got["ref"]) is TensorRef
+    assert got["step"] == 7
+    assert got["rng"][0] == values["rng"][0] and np.array_equal(got["rng"][1], values["rng"][1])
+    assert got["rng"][1].dtype == values["rng"][1].dtype
+
+
+@pytest.mark.parametrize("case", ATTACKS, ids=list(ATTACKS))
+def test_planted_state_is_refused_before_c_pickle_runs(case: str) -> None:
+    data = ATTACKS[case]
+    before = _process_wide()
+    with pytest.raises(OffFastPath):
+        fast_load_state(data, "cpu")
+    assert _process_wide() == before, "the fast path changed a process-wide object"
+    try:  # what resume does: the weights-only loader decides
+        load_state_bytes(data, path="ckpt")
+    except UntrustedCheckpointError:
+        pass
+    except Exception as err:  # the weights-only verdict on a broken file: any CheckpointError
+        assert type(err).__name__.endswith("CheckpointError"), err
+    assert _process_wide() == before
+    _check_clean_load()
+
+
+def test_refused_globals_are_refused_by_the_loader_too() -> None:
+    for case in ("BUILD on _rebuild_tensor_v2 (__defaults__)", "BUILD on the TensorRef class", "os.FloatStorage"):
+        with pytest.raises(UntrustedCheckpointError):
+            load_state_bytes(ATTACKS[case], path="ckpt")
+    _check_clean_load()
+
+
+def test_a_huge_memo_index_costs_no_memory() -> None:
+    """The 100-byte file with memo index 1e8 took 1.8 GB through C pickle; now the fast
+    path refuses it and the weights-only loader (a dict memo) reads it in a few MB."""
+    code = (
+        "import resource, sys; from lightning_preempt.format.unpickle import load_state_bytes; "
+        "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
+        "got = load_state_bytes(open(sys.argv[1], 'rb').read(), path='ckpt'); "
+        "print(got, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) // 1024)"
+    )
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".pt") as f:
+        f.write(ATTACKS["memo index 1e8"])
+        f.flush()
+        out = subprocess.run([sys.executable, "-c", code, f.name], capture_output=True, text=True, timeout=120, check=True)
+    value, grown_mib = out.stdout.split("}")
+    assert value + "}" == "{'a': 1}"
+    assert int(grown_mib) < 200, f"loading grew the process by {grown_mib} MiB"
+
+
+def test_numpy_dtype_is_built_on_a_copy() -> None:
+    """np.dtype('f8', False, False) is NumPy's shared descriptor: the fast path makes a copy
+    before BUILD sets its state, so a planted state cannot reach the shared one."""
+    data = _edited({"rng": np.random.RandomState(3).get_state()}, b"\x89\x88\x87", b"\x89\x89\x87")
+    before = _process_wide()
+    got = fast_load_state(data, "cpu")
+    assert got["rng"][1].dtype == np.dtype("uint32")
+    assert _process_wide() == before
