@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Literal, NoReturn, Protocol
 
 from lightning_preempt.collective.groups import ProcessGroup
+from lightning_preempt.preemption import quick_exit
 from lightning_preempt.preemption.deadline import grace_margin
 from lightning_preempt.preemption.requeue import AGENT_REQUEUES, requeue_slurm
 from lightning_preempt.preemption.schedule import AgreementSchedule
@@ -257,7 +258,9 @@ class PreemptionController:
             # every line above is out (and flushed) before it (docs: "Exit semantics").
             self.mark(requeue_slurm(job, max(1.0, min(self.config.requeue_timeout_s, self.budget())),
                                     flush=flush_logs, settle_s=min(_SETTLE_S, self.budget())))  # fmt: skip
-        raise Preempted(self.config.exit_code)
+        # The framework's and the user's exception handling still run; the interpreter's own
+        # teardown (1-5 s) does not when this ends the program (preemption/quick_exit.py).
+        raise quick_exit.armed(Preempted(self.config.exit_code), self.config.exit_code, flush_logs)
 
     def _requeue_job(self) -> str | None:
         """The SLURM job this rank requeues, if it should (``requeue=None``: under SLURM)."""

@@ -1,0 +1,91 @@
+"""After a preemption, leave at once: the interpreter's own teardown is grace the next job lacks.
+
+Once the emergency snapshot is committed, :class:`~lightning_preempt.Preempted` unwinds the
+stack: the framework runs what the user registered (Lightning: every callback's and the
+module's ``on_exception``, ``strategy.on_exception``, each logger's ``finalize("failed")``,
+the strategy's teardown), the user's own ``finally`` and ``except`` blocks run, non-daemon
+threads are joined and the ``atexit`` handlers run. All of that stays. Then CPython
+finalizes the interpreter: it collects every module (torch, Lightning: hundreds of
+thousands of objects), which took 1-5 s and holds nothing anyone registered (issue 32,
+measured with gdb: ``Py_FinalizeEx`` -> ``interpreter_clear`` -> ``gc_collect_main``).
+
+:func:`armed` (called as ``Preempted`` is raised) makes that last part an ``os._exit``, but
+only when the ``Preempted`` really ends the program: it watches the program's outermost
+frame (``sys.settrace``; frames called later are not traced) and arms the exit when that
+frame is left by this exception (through its ``finally`` blocks or an ``except`` that
+re-raises it, not by a return or another exception). Then an ``atexit`` handler,
+registered when armed (so it runs first, ``atexit`` being last-in first-out), runs every
+other ``atexit`` handler itself, flushes the logging handlers and the standard streams,
+and calls ``os._exit(exit_code)``: the exit code the interpreter would have used.
+
+It stands aside (the ordinary, slower exit) when the program catches the ``Preempted`` and
+goes on (a test, a sweep; once the exception is freed nothing is traced any more), when a
+tracer is already installed (a debugger, coverage), and off the main thread.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dis
+import os
+import sys
+import threading
+import weakref
+from collections.abc import Callable
+from types import FrameType
+from typing import Any, TypeVar
+
+_E = TypeVar("_E", bound=BaseException)
+_state: dict[str, Any] = {"code": None, "flush": None, "stop": None}
+_RETURNS = frozenset({"RETURN_VALUE", "RETURN_CONST"})
+
+
+def armed(exception: _E, code: int, flush: Callable[[], None]) -> _E:
+    """``exception`` (for the caller to raise), with the quick exit armed: if it leaves the
+    program's outermost frame unhandled, the process exits with ``code`` right after the
+    ``atexit`` handlers (``flush`` flushes the logs first)."""
+    if threading.current_thread() is not threading.main_thread() or sys.gettrace() is not None:
+        return exception
+    outer = sys._getframe()
+    while outer.f_back is not None:
+        outer = outer.f_back
+    alive = weakref.ref(exception)  # no strong reference: a caught and dropped one is freed
+
+    def stop() -> None:
+        if sys.gettrace() is untraced:
+            sys.settrace(None)
+        outer.f_trace = None
+        _state["stop"] = None
+
+    def untraced(frame: FrameType, event: str, arg: Any) -> None:
+        if alive() is None:  # caught and dropped: the program goes on, untraced
+            stop()
+        return None  # frames called from now on are not traced
+
+    def watch(frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "exception":  # raised into this frame (a bare re-raise makes no event)
+            _state["code"] = code if arg[1] is alive() else None
+        elif event == "return":
+            stop()
+            # Left by an exception (a call, a raise, a finally's re-raise), not a return: the
+            # last exception raised into it is still the one on its way out.
+            by_exception = dis.opname[frame.f_code.co_code[frame.f_lasti]] not in _RETURNS
+            if _state["code"] is not None and by_exception:
+                atexit.register(_exit_now)
+        return watch
+
+    outer.f_trace = watch
+    outer.f_trace_lines = False
+    _state.update(code=None, flush=flush, stop=stop)
+    sys.settrace(untraced)
+    return exception
+
+
+def _exit_now() -> None:
+    code = _state["code"]
+    if code is None:
+        return
+    atexit.unregister(_exit_now)
+    atexit._run_exitfuncs()  # every handler registered before this one, as the exit would run them
+    _state["flush"]()
+    os._exit(code)
