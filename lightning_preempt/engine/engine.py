@@ -383,6 +383,8 @@ class Engine:
         ``finish_saves``: first finish the saver's writes and drains (they use the groups)
         — after an exception (``error``: it, for the ledger), when no framework teardown did it."""
         self.controller.stop()
+        if error is None:  # a SIGTERM after training ends the process with exit_code, no traceback
+            self.controller.after_training(leader=self._leader, safe_step=self._safe_step)
         if error is not None and not isinstance(error, Preempted):
             self.ledger.error(self._last_seen_step or 0, error)
         if finish_saves and self._saver is not None:

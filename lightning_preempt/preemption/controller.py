@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Literal, NoReturn, Protocol
 
 from lightning_preempt.collective.groups import ProcessGroup
-from lightning_preempt.preemption import quick_exit
+from lightning_preempt.preemption import late_signals, quick_exit
 from lightning_preempt.preemption.deadline import grace_margin
 from lightning_preempt.preemption.requeue import AGENT_REQUEUES, requeue_slurm
 from lightning_preempt.preemption.schedule import AgreementSchedule
@@ -95,6 +95,7 @@ class PreemptionController:
         self.timeline: list[tuple[str, float]] = []
         self.notice: Notice | None = None
         self._warned_requeue_off = False
+        self.preempted = False  # the emergency sequence ran (the exit is under way)
 
     # ---- sources ----------------------------------------------------------------------
     def bind(self, group: ProcessGroup | None) -> None:
@@ -103,6 +104,7 @@ class PreemptionController:
 
     def start(self) -> None:
         """Start (or re-arm) every source; main thread."""
+        late_signals.hand_back()  # training (again, any trainer's): the signals are a preemption's again
         for source in self.sources:
             source.start()
         job = os.environ.get("SLURM_JOB_ID")
@@ -122,6 +124,30 @@ class PreemptionController:
                 source.stop()
             except Exception as err:  # one broken source must not keep the others running
                 log.warning("lightning_preempt: stopping preemption source %s failed: %s", source.name, err)
+
+    def after_training(self, *, leader: bool, safe_step: Callable[[], str]) -> None:
+        """Training ended normally (after :meth:`stop`): from now on, a configured signal
+        whose handler is the default action exits the process with ``exit_code`` (and
+        requeues, as a preemption does) instead of killing it (preemption/late_signals.py).
+        Nothing is saved: what training committed is what a restart resumes."""
+
+        def exit_now(signum: signal.Signals) -> None:
+            self._exit_after_training(signum, leader=leader, safe_step=safe_step)
+
+        if not self.preempted:  # (else the exit with exit_code is under way)
+            late_signals.take_over(self.config.signals, exit_now)
+
+    def _exit_after_training(self, signum: signal.Signals, *, leader: bool, safe_step: Callable[[], str]) -> NoReturn:
+        code = self.config.exit_code
+        job = self._requeue_job() if leader else None
+        then = f"; requeueing SLURM job {job} last" if job is not None else ""
+        log.warning("lightning_preempt: [preemption] %s after training ended; exiting with code %d; safe to resume "
+                    "from: %s%s", signum.name, code, safe_step(), then)  # fmt: skip
+        if job is not None:
+            log.warning("lightning_preempt: [preemption] %s", requeue_slurm(
+                job, self.config.requeue_timeout_s, flush=flush_logs, settle_s=_SETTLE_S))  # fmt: skip
+        flush_logs()
+        raise quick_exit.armed(Preempted(code), code, flush_logs)
 
     def local_notice(self) -> Notice | None:
         """The earliest notice any local source has seen (cheap: reads fields); an advisory
@@ -236,6 +262,7 @@ class PreemptionController:
             safe_step: describes the newest committed step (for the exit log).
             leader: this rank requeues the job (global rank 0).
         """
+        self.preempted = True
         self.mark(f"ranks agreed to preempt at step {step}")
         self.flush()
         try:
