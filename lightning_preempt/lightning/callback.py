@@ -182,6 +182,12 @@ class PreemptionCallback(OnExceptionCheckpoint):
         state["_quiet_loader"] = QuietWarning(NOT_RESUMABLE_LOADER, PossibleUserWarning)
         return state
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        # A ddp_spawn worker (a fresh process) unpickles the callback, and Lightning chooses
+        # fit's checkpoint path there: the wrapper that quiets its "last" warnings goes too.
+        _compat.quiet_ckpt_path_choice(PreemptionCallback, quiet_auto_resume_warnings)
+
     # ---- auto-resume: Lightning reads this before any hook (docs/design.md) -------------
     @property
     @override

@@ -170,3 +170,16 @@ def test_the_auto_resume_route_is_quiet_only_in_trainers_with_our_callback(tmp_p
     with shown() as plain:
         trainer.fit(TinyModel(width=8), shuffled())
     assert trainer.global_step == 2 and [plain.count(text) for text in AUTO_RESUME] == [1, 1]
+
+
+@pytest.mark.slow  # two spawned workers: ~15 s on 2 cores
+def test_ddp_spawn_workers_do_not_show_the_last_checkpoint_warnings(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """ddp_spawn unpickles the callback in fresh worker processes, where Lightning chooses
+    ``fit``'s checkpoint path (rank 0 warns there): the filter is installed there too."""
+    callback = PreemptionCallback(str(tmp_path / "ck"), every_n_train_steps=2, lease=False)
+    trainer = make_trainer(4, [callback], strategy="ddp_spawn", devices=2, num_sanity_val_steps=0, root=tmp_path)
+    trainer.fit(TinyModel(width=8), DataLoader(data(64), batch_size=8))
+    out, err = capfd.readouterr()
+    assert sorted(p.name for p in (tmp_path / "ck").glob("step-*")) == ["step-0000000002", "step-0000000004"]
+    for text in AUTO_RESUME:
+        assert text not in out + err, (out + err)[-3000:]
