@@ -168,37 +168,114 @@ def bound_tcp_store(host: str, port: int, *, bind_host: str | None = None, **kwa
         raise
 
 
-def _bind_rendezvous_store_to_endpoint() -> None:
-    """Make the agent that hosts the c10d rendezvous store bind the endpoint's address.
+_TCPSTORE_POSITIONAL = ("world_size", "is_master", "timeout", "wait_for_workers", "multi_tenant")
 
-    torch builds that store in ``c10d_rendezvous_backend._create_tcp_store`` with the
-    module's ``TCPStore``; there is no option for the bind address, so the module's name is
-    pointed at a factory that hosts through :func:`bound_tcp_store` (clients are unchanged).
-    A torch whose module no longer has that name keeps its own behaviour, with a note.
+
+def _bind_rendezvous_store_to_endpoint() -> None:
+    """Make the agent that hosts a rendezvous store bind the address its clients use.
+
+    torch builds the c10d backend's store in ``c10d_rendezvous_backend._create_tcp_store``
+    and the static backend's (which is also the workers' store) in
+    ``StaticTCPRendezvous.next_rendezvous``, each with its module's ``TCPStore``; there is
+    no option for the bind address, so the modules' name is pointed at a factory that hosts
+    through :func:`bound_tcp_store` (clients are unchanged). A torch whose module no longer
+    has that name keeps its own behaviour, with a note.
     """
     from torch.distributed import TCPStore
-    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as backend
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, static_tcp_rendezvous
 
-    current = getattr(backend, "TCPStore", None)
-    if getattr(current, "lightning_preempt_bound", False):
-        return
-    if current is not TCPStore:
-        print("lightning_preempt.torchrun: this torch builds its rendezvous store differently; it may listen on "
-              "every interface", file=sys.stderr, flush=True)  # fmt: skip
-        return
-
-    def tcp_store(host_name: str, port: int, *args: Any, is_master: bool = False, **kwargs: Any) -> TCPStore:
-        if is_master and not args:
+    def tcp_store(host_name: str, port: int, *args: Any, **kwargs: Any) -> TCPStore:
+        named = dict(zip(_TCPSTORE_POSITIONAL, args, strict=False)) | kwargs
+        if named.get("is_master") and len(args) <= len(_TCPSTORE_POSITIONAL) and "master_listen_fd" not in named:
+            named.pop("is_master")
             try:
-                return bound_tcp_store(host_name, port, bind_host=os.environ.get(ENV_BIND_HOST) or None, **kwargs)
+                return bound_tcp_store(host_name, port, bind_host=os.environ.get(ENV_BIND_HOST) or None, **named)
             except OSError as err:
                 # torch's own store says RuntimeError when the port is taken, and torch falls back
                 # to a client on exactly that (another agent of this host hosts it): keep the contract.
                 raise RuntimeError(f"cannot host the rendezvous store on {host_name}:{port}: {err}") from err
-        return TCPStore(host_name, port, *args, is_master=is_master, **kwargs)  # type: ignore[misc]
+        return TCPStore(host_name, port, *args, **kwargs)  # type: ignore[misc]
 
     tcp_store.lightning_preempt_bound = True  # type: ignore[attr-defined]
-    backend.TCPStore = tcp_store  # type: ignore[misc,assignment]
+    for backend in (c10d_rendezvous_backend, static_tcp_rendezvous):
+        current = getattr(backend, "TCPStore", None)
+        if getattr(current, "lightning_preempt_bound", False):
+            continue
+        if current is not TCPStore:
+            print(f"lightning_preempt.torchrun: this torch builds the stores of {backend.__name__} differently; they "
+                  "may listen on every interface", file=sys.stderr, flush=True)  # fmt: skip
+            continue
+        backend.TCPStore = tcp_store  # type: ignore[attr-defined]
+
+
+def _host_worker_store_in_agent() -> None:
+    """The c10d backend's workers' store (``MASTER_ADDR:MASTER_PORT``): hosted by the agent
+    of rendezvous rank 0, bound to ``MASTER_ADDR``'s address, instead of by worker rank 0.
+
+    :func:`run` turns torch's own sharing of the rendezvous store with the workers off
+    (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: it hangs a resize, module docstring); then
+    worker rank 0 creates the store inside ``init_process_group`` and it listens on every
+    interface, out of our reach. torch also has the other way: an agent store, which the
+    workers join as clients (``TORCHELASTIC_USE_AGENT_STORE=True``, set by the agent from its
+    rendezvous handler's ``use_agent_store``). So after each rendezvous round, the agent of
+    rank 0 hosts a fresh store on the round's ``MASTER_PORT`` through :func:`bound_tcp_store`
+    (the previous round's, whose workers are gone, is closed), and its handler says
+    ``use_agent_store``. Should the port be taken meanwhile, that round's workers host it as
+    before (noted on stderr).
+    """
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    original = DynamicRendezvousHandler.next_rendezvous
+    if getattr(original, "lightning_preempt_bound", False):
+        return
+    agent_store = DynamicRendezvousHandler.use_agent_store
+
+    def next_rendezvous(self: Any) -> Any:
+        self._lp_worker_store = None  # the previous round's workers are gone: close their store
+        info = original(self)
+        where = info.bootstrap_store_info
+        if info.rank == 0 and where is not None:
+            try:
+                self._lp_worker_store = bound_tcp_store(where.master_addr, where.master_port, multi_tenant=True,
+                                                        bind_host=os.environ.get(ENV_BIND_HOST) or None)  # fmt: skip
+            except (OSError, RuntimeError) as err:
+                print(f"lightning_preempt.torchrun: cannot host the workers' store on {where.master_addr}:"
+                      f"{where.master_port} ({err}); worker rank 0 hosts it (on every interface)",
+                      file=sys.stderr, flush=True)  # fmt: skip
+        return info
+
+    def use_agent_store(self: Any) -> bool:
+        return getattr(self, "_lp_worker_store", None) is not None or bool(agent_store.fget(self))  # type: ignore[attr-defined]
+
+    next_rendezvous.lightning_preempt_bound = True  # type: ignore[attr-defined]
+    DynamicRendezvousHandler.next_rendezvous = next_rendezvous  # type: ignore[method-assign]
+    DynamicRendezvousHandler.use_agent_store = property(use_agent_store)  # type: ignore[assignment,method-assign]
+
+
+def _local_addr_default(args: argparse.Namespace) -> str | None:
+    """The address this agent names itself by (``MASTER_ADDR`` when it is rank 0) when
+    ``--local-addr`` is not given, for the c10d backend: the local address toward the
+    rendezvous endpoint (loopback for a loopback or local endpoint), so the workers' store
+    binds where its clients connect. torch's own default, the FQDN, may resolve to anything
+    (Debian: ``127.0.1.1``). ``None``: leave torch's default."""
+    endpoint = args.rdzv_endpoint or ""
+    local_only = args.standalone or (args.rdzv_backend == "static" and not endpoint and args.master_port is None
+                                     and str(args.nnodes).split(":")[-1] == "1")  # fmt: skip
+    if args.local_addr or not (local_only or (args.rdzv_backend == "c10d" and endpoint)):
+        return None
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    try:
+        host = "localhost" if local_only else parse_rendezvous_endpoint(endpoint, default_port=29400)[0].strip("[]")
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+        addr = str(sockaddr[0])
+        if ipaddress.ip_address(addr.split("%")[0]).is_loopback:
+            return addr
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((addr, 9))  # routing only: a UDP connect sends nothing
+            return str(probe.getsockname()[0])
+    except (OSError, ValueError):
+        return None
 
 
 # ---- the launcher --------------------------------------------------------------------------
@@ -238,7 +315,9 @@ def run(argv: Sequence[str] | None = None) -> int:
     # Without this a node joining a running job deadlocks the re-rendezvous (module docstring).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     _bind_rendezvous_store_to_endpoint()  # its pickled state must not be reachable wider than needed
+    _host_worker_store_in_agent()  # nor the workers' store (MASTER_PORT)
     args = torchrun.parse_args(list(argv) if argv is not None else None)
+    args.local_addr = args.local_addr or _local_addr_default(args)
     slurm_job = os.environ.get("SLURM_JOB_ID")
     if slurm_job is not None:
         # One SLURM job per node: the workers' rank 0 may be on another node, so this agent

@@ -41,6 +41,35 @@ def listeners(port: int) -> set[str]:
     return found
 
 
+def listening_sockets(session: int) -> set[tuple[str, int]]:
+    """``(address, port)`` of every TCP socket listening in the processes of ``session``
+    (what ``ss -ltnp`` shows for their pids): sockets found by inode in ``/proc/PID/fd``."""
+    inodes: set[str] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError):
+            if int((proc / "stat").read_text().rsplit(")", 1)[1].split()[3]) != session:
+                continue
+            for fd in (proc / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith("socket:["):
+                        inodes.add(target[8:-1])
+    found: set[tuple[str, int]] = set()
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        with contextlib.suppress(FileNotFoundError), open(table) as f:
+            for line in f.read().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] != "0A" or fields[9] not in inodes:
+                    continue
+                addr, hexport = fields[1].split(":")
+                raw = bytes.fromhex(addr)
+                packed = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+                found.add((socket.inet_ntop(family, packed), int(hexport, 16)))
+    return found
+
+
 def other_address() -> str | None:
     """A non-loopback IPv4 address of this machine, if it has one (no packet is sent)."""
     with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -144,8 +173,17 @@ def test_an_agent_hosting_a_loopback_rendezvous_listens_on_loopback_only(tmp_pat
         if other is not None:
             assert reachable(other, rdzv_port) == (widen is not None)
         master_port = int((tmp_path / "master_port").read_text())
-        # Out of our reach (torch's process-group set-up in the worker), measured for docs/elastic.md:
-        print(f"workers' store on MASTER_PORT {master_port} listens on {sorted(listeners(master_port))}")
+        # The workers' store (MASTER_PORT): hosted by the agent, bound like the rendezvous store
+        # (was {"::"}: created by worker rank 0 inside init_process_group, every interface).
+        assert listeners(master_port) == {widen or "127.0.0.1"}, (tmp_path / "agent.log").read_text()[-4000:]
+        if other is not None:
+            assert reachable(other, master_port) == (widen is not None)
+        # Every listening socket of the run's processes (agent and worker): none on a wildcard
+        # address unless widened (gloo's own listener included).
+        sockets = listening_sockets(agent.pid)
+        assert {rdzv_port, master_port} <= {port for _, port in sockets}, sockets
+        wildcard = {(a, p) for a, p in sockets if a in ("0.0.0.0", "::")}
+        assert wildcard == ({(widen, rdzv_port), (widen, master_port)} if widen else set()), sockets
         (tmp_path / "go").touch()
         assert agent.wait(timeout=120) == 0, (tmp_path / "agent.log").read_text()[-4000:]
     finally:
