@@ -24,9 +24,10 @@ preemptible cluster, and what this module provides:
   bind the address clients use, nothing wider: ``elastic store`` binds ``--host``
   (default ``127.0.0.1``; ``0.0.0.0`` widens it), and :func:`run` makes the agent that hosts
   the rendezvous store bind the ``--rdzv-endpoint`` address (loopback for a loopback
-  endpoint; ``LP_RDZV_BIND_HOST`` widens it). The workers' own store (``MASTER_PORT``,
-  created by worker rank 0 inside torch's process-group set-up) is out of our reach and
-  still listens on all interfaces (docs/elastic.md, "Who can reach the stores").
+  endpoint; ``LP_RDZV_BIND_HOST`` widens it). The workers' own store (``MASTER_PORT``),
+  which worker rank 0 would create inside torch's process-group set-up on every interface,
+  is hosted by the rank-0 agent instead, bound the same way (:func:`_host_worker_store_in_agent`;
+  docs/elastic.md, "Who can reach the stores").
 * **A node that joins a running job hangs the resize** (torch 2.13, c10d rendezvous with the
   TCP store shared with the workers, the default): an agent that was rank 0 before keeps
   its bootstrap store info and does not publish ``MASTER_ADDR`` for the new round, while

@@ -190,3 +190,35 @@ def test_an_agent_hosting_a_loopback_rendezvous_listens_on_loopback_only(tmp_pat
         if agent.poll() is None:
             agent.kill()
             agent.wait()
+
+
+def test_the_static_backend_store_listens_on_the_master_address_only(tmp_path: Path) -> None:
+    """``--rdzv-backend=static``: rank 0's agent hosts one store, for the rendezvous and the
+    workers alike, on ``--master-port``: bound to ``--master-addr`` (was every interface)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        master_port = s.getsockname()[1]
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    cmd = [sys.executable, "-m", "lightning_preempt.torchrun", "--nnodes=1", "--nproc-per-node=1",
+           "--max-restarts=0", "--monitor-interval=0.1", "--rdzv-backend=static", "--node-rank=0",
+           "--master-addr=127.0.0.1", f"--master-port={master_port}", str(script), str(tmp_path)]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "LP_RDZV_BIND_HOST"}
+    with open(tmp_path / "agent.log", "wb") as log:
+        agent = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "master_port").exists():
+            assert agent.poll() is None, (tmp_path / "agent.log").read_text()[-4000:]
+            assert time.monotonic() < deadline, "the worker did not start"
+            time.sleep(0.05)
+        assert int((tmp_path / "master_port").read_text()) == master_port
+        assert listeners(master_port) == {"127.0.0.1"}, (tmp_path / "agent.log").read_text()[-4000:]
+        sockets = listening_sockets(agent.pid)
+        assert not {(a, p) for a, p in sockets if a in ("0.0.0.0", "::")}, sockets
+        (tmp_path / "go").touch()
+        assert agent.wait(timeout=120) == 0, (tmp_path / "agent.log").read_text()[-4000:]
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
