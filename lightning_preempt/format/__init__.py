@@ -2,7 +2,7 @@
 Lightning's dict into DCP tensors and a per-rank skeleton, and unpickling it safely.
 
 Nothing here writes. Modules that need no torch (names, manifest, layout, pickle_scan,
-allowlists, state_replay, metadata_scan)
+allowlists, state_replay, metadata_scan, fast_guard)
 import none, so the operator CLI can read checkpoints without it.
 
 :class:`TensorRef` is defined in this package's ``__init__`` on purpose: every
