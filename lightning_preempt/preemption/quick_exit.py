@@ -36,7 +36,7 @@ from types import FrameType
 from typing import Any, TypeVar
 
 _E = TypeVar("_E", bound=BaseException)
-_state: dict[str, Any] = {"code": None, "flush": None, "stop": None}
+_state: dict[str, Any] = {"code": None, "flush": None}  # the armed exit code, the log flush
 _RETURNS = frozenset({"RETURN_VALUE", "RETURN_CONST"})
 
 
@@ -55,7 +55,6 @@ def armed(exception: _E, code: int, flush: Callable[[], None]) -> _E:
         if sys.gettrace() is untraced:
             sys.settrace(None)
         outer.f_trace = None
-        _state["stop"] = None
 
     def untraced(frame: FrameType, event: str, arg: Any) -> None:
         if alive() is None:  # caught and dropped: the program goes on, untraced
@@ -76,7 +75,7 @@ def armed(exception: _E, code: int, flush: Callable[[], None]) -> _E:
 
     outer.f_trace = watch
     outer.f_trace_lines = False
-    _state.update(code=None, flush=flush, stop=stop)
+    _state.update(code=None, flush=flush)
     sys.settrace(untraced)
     return exception
 
