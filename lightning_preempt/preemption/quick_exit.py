@@ -46,10 +46,13 @@ def armed(exception: _E, code: int, flush: Callable[[], None]) -> _E:
     ``atexit`` handlers (``flush`` flushes the logs first)."""
     if threading.current_thread() is not threading.main_thread() or sys.gettrace() is not None:
         return exception
+    try:
+        alive = weakref.ref(exception)  # no strong reference: a caught and dropped one is freed
+    except TypeError:  # a built-in exception class (Preempted, a subclass, has weak references)
+        return exception
     outer = sys._getframe()
     while outer.f_back is not None:
         outer = outer.f_back
-    alive = weakref.ref(exception)  # no strong reference: a caught and dropped one is freed
 
     def stop() -> None:
         if sys.gettrace() is untraced:
