@@ -1,0 +1,53 @@
+"""Signals after training (preemption/late_signals.py): taken over only where the default
+action stands, the first one acted on, later ones absorbed, handed back before training."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from types import FrameType
+
+from lightning_preempt.preemption import late_signals
+
+SIG = signal.SIGUSR2
+
+
+def _deliver() -> None:
+    os.kill(os.getpid(), SIG)
+    time.sleep(0.01)  # Python runs the handler at the next bytecode boundary
+
+
+def test_the_first_signal_is_acted_on_later_ones_absorbed_then_handed_back() -> None:
+    seen: list[signal.Signals] = []
+    previous = signal.signal(SIG, signal.SIG_DFL)
+    try:
+        late_signals.take_over([SIG], seen.append)
+        assert signal.getsignal(SIG) == late_signals.LATE._handle
+        _deliver()
+        _deliver()  # SLURM signals again after a requeue: the exit is under way
+        assert seen == [SIG] and late_signals.LATE.later == 1
+        late_signals.hand_back()  # training starts again
+        assert signal.getsignal(SIG) == signal.SIG_DFL
+    finally:
+        late_signals.hand_back()
+        signal.signal(SIG, previous)
+
+
+def test_a_handler_of_the_users_is_left_alone() -> None:
+    got: list[int] = []
+
+    def users(signum: int, frame: FrameType | None) -> None:
+        got.append(signum)
+
+    previous = signal.signal(SIG, users)
+    try:
+        late_signals.take_over([SIG], lambda s: (_ for _ in ()).throw(AssertionError("took over")))
+        assert signal.getsignal(SIG) is users
+        _deliver()
+        assert got == [SIG]
+        late_signals.hand_back()
+        assert signal.getsignal(SIG) is users
+    finally:
+        late_signals.hand_back()
+        signal.signal(SIG, previous)
