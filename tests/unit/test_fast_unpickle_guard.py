@@ -39,6 +39,20 @@ def _with_pickle(pkl: bytes, base: bytes | None = None) -> bytes:
     return out.getvalue()
 
 
+def _twice(first: bytes, second: bytes) -> bytes:
+    """An archive listing ``data.pkl`` twice: zipfile reads the last, torch's reader may read another."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(_saved({"x": 1}))) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            if info.filename.endswith("/data.pkl"):
+                dst.writestr(info, first)
+                with pytest.warns(UserWarning, match="Duplicate name"):
+                    dst.writestr(info, second)
+            else:
+                dst.writestr(info, src.read(info))
+    return out.getvalue()
+
+
 def _edited(obj: Any, old: bytes, new: bytes) -> bytes:
     data = _saved(obj)
     with zipfile.ZipFile(io.BytesIO(data)) as src:
@@ -79,6 +93,9 @@ ATTACKS: dict[str, bytes] = {
     "EXT1": _with_pickle(P2 + DICT + _u("a") + b"\x82\x01" + SETITEM + STOP),
     "SETITEM on the TensorRef class": _with_pickle(P2 + _g("lightning_preempt.format", "TensorRef") + _u("k") + TRUE + SETITEM + STOP),
     "REDUCE of numpy.ndarray (allocates its shape)": _with_pickle(P2 + DICT + _u("a") + _g("numpy", "ndarray") + b"J\x00\x00\x00\x40\x85R" + SETITEM + STOP),
+    "data.pkl twice (the checked one clean)": _twice(
+        _build_on_global("torch._utils", "_rebuild_tensor_v2", NEG_DEFAULTS), P2 + DICT + _u("x") + b"K\x01" + SETITEM + STOP
+    ),
 }  # fmt: skip
 
 
