@@ -57,9 +57,7 @@ def _links(markdown: str) -> list[re.Match[str]]:
     """The relative links outside code (pure ``#anchor`` links need nothing)."""
     code = [m.span() for m in _FENCED.finditer(markdown)]
     return [
-        m
-        for m in _LINK.finditer(markdown)
-        if _is_relative(m.group(2)) and not any(a <= m.start() < b for a, b in code)
+        m for m in _LINK.finditer(markdown) if _is_relative(m.group(2)) and not any(a <= m.start() < b for a, b in code)
     ]
 
 

@@ -56,7 +56,9 @@ def test_the_site_builds_strictly_with_every_page_and_the_api(site: Path) -> Non
     # generated from the docstrings: the callback's Args section became a parameter table
     assert 'id="lightning_preempt.PreemptionCallback"' in api
     assert "every_n_train_steps" in api and "save every N optimizer steps." in api
-    assert 'id="lightning_preempt.ShardedAsyncCheckpointIO"' in api and 'id="lightning_preempt.fabric.Preemption"' in api
+    assert (
+        'id="lightning_preempt.ShardedAsyncCheckpointIO"' in api and 'id="lightning_preempt.fabric.Preemption"' in api
+    )
 
 
 def test_a_broken_link_fails_the_strict_build(tmp_path: Path) -> None:
@@ -86,7 +88,7 @@ def served(site: Path) -> Iterator[str]:
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (the base's name)
+    def log_message(self, format: str, *args: object) -> None:
         pass
 
 
