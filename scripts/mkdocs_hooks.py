@@ -103,3 +103,18 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
         last = match.end()
     out.append(markdown[last:])
     return "".join(out)
+
+
+# Sphinx roles in the docstrings (``:class:`~a.b.C` ``) arrive on the API page as
+# ``:class:<code>~a.b.C</code>``: shown as the code alone, ``~`` keeping the last name as Sphinx does.
+_ROLE = re.compile(r":(?:class|func|meth|attr|mod|exc|data|obj):<code>(~?)([^<]*)</code>")
+
+
+def _role(match: re.Match[str]) -> str:
+    name = match.group(2).rsplit(".", 1)[-1] if match.group(1) else match.group(2)
+    return f"<code>{name}</code>"
+
+
+def on_page_content(html: str, page: Any, config: Any, files: Files) -> str:
+    """The API page's Sphinx roles as plain code."""
+    return _ROLE.sub(_role, html)

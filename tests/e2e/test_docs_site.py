@@ -56,6 +56,7 @@ def test_the_site_builds_strictly_with_every_page_and_the_api(site: Path) -> Non
     # generated from the docstrings: the callback's Args section became a parameter table
     assert 'id="lightning_preempt.PreemptionCallback"' in api
     assert "every_n_train_steps" in api and "save every N optimizer steps." in api
+    assert not re.search(r":(class|meth|func):<code>", api), "Sphinx roles shown as code (scripts/mkdocs_hooks.py)"
     assert (
         'id="lightning_preempt.ShardedAsyncCheckpointIO"' in api and 'id="lightning_preempt.fabric.Preemption"' in api
     )
