@@ -8,6 +8,9 @@
 # LP_WHEEL_DIR keeps the venv and dist/ there (default: a temporary folder, removed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Nothing of the checkout on the path: with it there pip could take the checkout's egg-info for
+# an installed lightning_preempt and skip the wheel.
+unset PYTHONPATH
 repo=$PWD
 work=${LP_WHEEL_DIR:-$(mktemp -d)}
 [ -n "${LP_WHEEL_DIR:-}" ] || trap 'rm -rf "$work"' EXIT
@@ -20,8 +23,12 @@ rm -rf "$work/src" "$work/dist"
 mkdir -p "$work/src"
 git ls-files -z -co --exclude-standard | (cd "$repo" && xargs -0 cp --parents -t "$work/src" 2>/dev/null || true)
 [ -f "$work/src/pyproject.toml" ] || { echo "could not copy the checkout into $work/src" >&2; exit 1; }
+# pip runs outside the checkout too: `python -m pip` puts the working directory on sys.path, and
+# an editable install's lightning_preempt.egg-info there would read as installed already.
+cd "$work"
 [ -x "$work/build-venv/bin/python" ] || "$py" -m venv "$work/build-venv"
-"$work/build-venv/bin/python" -m pip install -q --disable-pip-version-check "build>=1.2" 2>&1 | grep -v "^WARNING: Location" || true
+"$work/build-venv/bin/python" -m pip install -q --disable-pip-version-check "build>=1.2" >"$work/pip-build.log" 2>&1 \
+  || { cat "$work/pip-build.log"; exit 1; }
 "$work/build-venv/bin/python" -m build -o "$work/dist" "$work/src" >"$work/build.log" 2>&1 || { cat "$work/build.log"; exit 1; }
 sdist=$(ls "$work"/dist/lightning_preempt-*.tar.gz)
 wheel=$(ls "$work"/dist/lightning_preempt-*-py3-none-any.whl)
@@ -29,16 +36,16 @@ echo "built $(basename "$sdist") and $(basename "$wheel") in $((SECONDS - t0)) s
 # A clean venv: only what the wheel's metadata asks for.
 rm -rf "$work/venv"
 "$py" -m venv "$work/venv"
-"$work/venv/bin/python" -m pip install -q --disable-pip-version-check torch==2.13.0 "$wheel[gcs,cli]" 2>&1 \
-  | grep -v "^WARNING: Location" || true
+"$work/venv/bin/python" -m pip install -q --disable-pip-version-check torch==2.13.0 "$wheel[gcs,cli]" >"$work/pip.log" 2>&1 \
+  || { cat "$work/pip.log"; exit 1; }
 echo "installed the wheel into a clean venv at $((SECONDS - t0)) s"
 run=$work/run
 rm -rf "$run"
 mkdir -p "$run"
 cp "$repo/examples/train_cli.py" "$repo/examples/config.yaml" "$run/"
 cd "$run"
-# Nothing of the checkout may be importable from here: unset PYTHONPATH, run outside it.
-env -u PYTHONPATH "$work/venv/bin/python" - "$repo" <<'EOF'
+# Outside the checkout, so nothing of it is importable (PYTHONPATH is unset above).
+"$work/venv/bin/python" - "$repo" <<'EOF'
 import importlib
 import importlib.metadata
 import pkgutil
@@ -66,7 +73,6 @@ missing = sorted(ours - set(names) - {"lightning_preempt"})
 assert not missing, f"modules left out of the wheel: {missing}"
 print(f"lightning_preempt {version} from {where.parent}: {len(names)} modules import")
 EOF
-export PYTHONPATH=
 sed -i "s#dirpath: checkpoints/cli-demo#dirpath: $run/ck#" config.yaml
 "$work/venv/bin/python" train_cli.py fit --config config.yaml --trainer.max_steps 40 >first.log 2>&1 \
   || { cat first.log; exit 1; }
