@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from lightning_preempt.preemption.controller import Preempted
     from lightning_preempt.read.verify import verify_checkpoint
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # the one place: pyproject.toml reads it, CHANGELOG.md names it (tests/unit/test_release.py)
 
 _WHERE = {
     "Preempted": "preemption.controller",

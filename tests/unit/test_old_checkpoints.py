@@ -1,4 +1,4 @@
-"""Checkpoints written by lightning_preempt 0.2 (tests/data/v0_2, see its README) still
+"""Checkpoints written before the 0.2.0 release (tests/data/v0_2, see its README) still
 verify, load and resume: the restructure moved every module, but a checkpoint names one
 of our classes in its pickles (``lightning_preempt.format.TensorRef``) and its layout is
 read by code that moved."""
