@@ -5,9 +5,10 @@ the policy (docs/failure-detection.md). After a verdict, on the heartbeat thread
 training thread is likely blocked in a collective that will not return for 10-30 minutes:
 
 1. log the loss (which ranks, how long silent, the newest step every survivor holds);
-2. the lowest surviving rank of a side with a quorum records a ``failure`` in the run's
-   ledger: one create-only file per restart, so of the two sides of a partition at most one
-   records (the other is told and records nothing); bounded to :data:`RECORD_BUDGET_S`;
+2. the lowest surviving rank of a side holding at least half the world records a ``failure``
+   in the run's ledger: one create-only file per restart, so of the two sides of a partition
+   at most one records (the other is told and records nothing; a side with fewer than half
+   does not try); bounded to :data:`RECORD_BUDGET_S`;
 3. flush the logs and end the process with ``os._exit(exit_code)`` (75 by default, distinct
    from a preemption's 143): the launcher (``torchrun --max-restarts``) or the scheduler
    restarts the group, which resumes from the newest valid checkpoint, at the same world
@@ -117,7 +118,8 @@ class FailureDetector:
             "" if verdict.quorum else " (no quorum: this side records nothing)",
             verdict.agreed_step if verdict.agreed_step is not None else "none", self.exit_code, self.exit_code,
         )  # fmt: skip
-        if verdict.quorum and verdict.rank == verdict.writer:
+        # A tie (half the world on each side) tries too: the create-only record lets one side win.
+        if 2 * len(verdict.survivors) >= verdict.world and verdict.rank == verdict.writer:
             done = threading.Event()
 
             def write() -> None:
