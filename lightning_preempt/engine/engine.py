@@ -256,7 +256,10 @@ class Engine:
         if self._leader and not self._warned_no_interval:
             self._warned_no_interval = True  # once per callback, not once per fit
             warn_without_periodic_saves(self.config, step)
-        self.ledger.add("start", **start_fields(step, self.resumed_from, pdist.world_size(self._group), self.config))
+        self.ledger.add(
+            "start",
+            **start_fields(step, self.resumed_from, pdist.world_size(self._group), self.config, self.local_dirpath),
+        )
         self.check(step)  # a signal during start-up or restore: nothing new to save
 
     # ---- 4. step boundaries ----------------------------------------------------------------
