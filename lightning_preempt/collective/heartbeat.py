@@ -153,6 +153,11 @@ class Heartbeat:
         return self.verdict
 
     @property
+    def watching(self) -> bool:
+        """Some peer is still watched (not every other rank left cleanly)."""
+        return any(r not in self._gone for r in self._peers)
+
+    @property
     def suspecting(self) -> bool:
         """A loss was seen and the verdict is being agreed."""
         return self._detected is not None

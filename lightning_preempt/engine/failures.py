@@ -99,8 +99,8 @@ class FailureDetector:
         """The training thread failed with ``error``: when it looks like a lost peer (a
         collective's error), wait for the heartbeats' verdict, which ends the process."""
         hb = self.heartbeat
-        if hb is None or not _collective_error(error):
-            return
+        if hb is None or not _collective_error(error) or not hb.watching:
+            return  # not a collective's error, or every peer left cleanly: nobody can be lost
         log.warning("lightning_preempt: %s: waiting up to %.0f s for the heartbeats to tell whether a rank was lost",
                     type(error).__name__, self.timeout_s + self.settle_s)  # fmt: skip
         hb.wait_verdict(self.timeout_s + self.settle_s + RECORD_BUDGET_S + 1.0)
