@@ -6,8 +6,8 @@ torchrun agent each (tests/support/netns_job.py), the fault-injection job
 ``--every`` steps, failure detection on by default at 2 ranks). One chain of launches, as a
 scheduler restarts a job: each launch is the victim of one trial and the restart that
 measures the previous one. A trial waits for a random moment — during steps (1..2*every
-past the resume point) or while a periodic save flushes (a new ``step-N`` without its
-manifest) — and SIGKILLs every process of a random node (0 also hosts the rendezvous and
+past the resume point) or just after a periodic save began (0-30 ms after its step; "flush
+seen" when its directory had no manifest yet at the kill) — and SIGKILLs every process of a random node (0 also hosts the rendezvous and
 rank 0). Per trial:
 
 * **detect -> exit**: from the kill until the survivor's worker is gone (target <= 10 s);
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_notes, table  # noqa: E402
 from fault_injection import RESUME_RE, newest_ok, scan  # noqa: E402
 from netns import Hosts, missing  # noqa: E402
-from netns_job import NodeJob, wait_flush  # noqa: E402
+from netns_job import NodeJob  # noqa: E402
 
 
 def job_args(cfg: argparse.Namespace) -> list[str]:
@@ -53,14 +53,19 @@ def resumed_step(job: NodeJob) -> int | None:
     return int(found[-1][1]) if found else None
 
 
+def in_flight(job: NodeJob) -> bool:
+    """A ``step-N`` directory without its manifest: a save is flushing."""
+    return any(d.name.lstrip(".").startswith("step-") and not (d / "manifest.json").exists() for d in job.dirpath.iterdir())
+
+
 def one_trial(cfg: argparse.Namespace, hosts: Hosts, job: NodeJob, rng: random.Random) -> dict[str, object]:
     start = max(0, resumed_step(job) or 0)
-    moment = rng.choice(["steps", "flush"])
-    if moment == "flush":
-        job.wait_step(start + 1)
-        if not wait_flush(job, timeout=60):
-            moment = "steps (no flush seen)"
-        time.sleep(rng.uniform(0, 0.05))
+    moment = rng.choice(["steps", "save"])
+    if moment == "save":  # just after a periodic save began: its flush runs behind the next steps
+        job.wait_step((start // cfg.every + 1 + rng.randint(0, 1)) * cfg.every)
+        time.sleep(rng.uniform(0, 0.03))
+        if in_flight(job):
+            moment = "save (flush seen)"
     else:
         job.wait_step(min(cfg.max_steps - 2, start + rng.randint(1, 2 * cfg.every)))
         time.sleep(rng.uniform(0, cfg.step_sleep))

@@ -125,22 +125,3 @@ class NodeJob:
         lines = path.read_text(errors="replace").splitlines() if path.exists() else []
         return "\n".join(ln for ln in lines[-80:] if "warn" not in ln.lower())
 
-
-def wait_flush(job: NodeJob, timeout: float = 60) -> bool:
-    """Wait until a periodic save is in flight: a ``step-N`` directory without its manifest
-    appears that was not there before (whether one was seen within ``timeout``)."""
-
-    def partial() -> set[str]:
-        if not job.dirpath.is_dir():
-            return set()
-        return {
-            d.name for d in job.dirpath.iterdir() if d.name.startswith("step-") and not (d / "manifest.json").exists()
-        }
-
-    old = partial()
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if partial() - old:
-            return True
-        time.sleep(0.005)
-    return False
