@@ -108,10 +108,12 @@ def test_node_loss_then_restart_is_bit_identical(hosts: Hosts, tmp_path: Path, l
     result = again.result(0)
     assert result is not None and result["start_step"] == newest and result["step"] == 30, result
     assert result["weights"] == reference
-    summary = report(job.dirpath)
-    [loss] = [p for p in summary["preemptions"] if p["kind"] == "node lost"]  # type: ignore[union-attr]
-    assert loss["resumed_step"] == newest and loss["steps_lost"] == loss["step"] - newest
-    assert loss["resumed_tier"] == "dirpath"
+    [loss] = report(job.dirpath)["preemptions"]  # type: ignore[misc]
+    assert loss["resumed_step"] == newest and loss["resumed_tier"] == "dirpath"
+    if lost == 1:  # node 0's worker found the loss and recorded it
+        assert loss["kind"] == "node lost" and loss["steps_lost"] == loss["step"] - newest
+    # lost == 0: node 0 hosted the rendezvous store, so node 1's agent tears its worker down at
+    # once (before the heartbeats' verdict; docs/failure-detection.md): "killed" or a record
 
 
 @pytest.mark.slow
