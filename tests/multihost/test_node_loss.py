@@ -71,12 +71,12 @@ def test_node_sigkill_survivor_exits_agreed_and_records(hosts: Hosts, tmp_path: 
     assert committed(job.dirpath) == before  # nothing committed after the loss
 
 
-def _reference(tmp: Path, hosts: Hosts) -> str:
+def _reference(tmp: Path, hosts: Hosts) -> object:
     ref = NodeJob(hosts, tmp / "reference", [0, 1], ARGS)
     assert ref.wait(300) == {0: 0, 1: 0}, ref.log(0)
     result = ref.result(0)
     assert result is not None and result["step"] == 30
-    return str(result["weights"])
+    return result["weights"]
 
 
 @pytest.mark.slow
