@@ -93,8 +93,13 @@ def scan(ck: Path) -> list[Ckpt]:
         try:
             body = json.loads(manifest.read_bytes())
             step = int(body["step"])
+            # a checkpoint replaced at its path keeps its files in the generation its manifest names
+            data_dir = (body.get("extra") or {}).get("data_dir")
+            if data_dir is not None and not re.fullmatch(r"v-[0-9a-f]{12}", str(data_dir)):
+                raise ValueError(f"invalid data_dir {data_dir!r}")
+            files = d / data_dir if data_dir else d
             for fname, entry in body["files"].items():
-                data = (d / fname).read_bytes()
+                data = (files / fname).read_bytes()
                 if len(data) != int(entry["size"]):
                     raise ValueError(f"{fname}: size {len(data)} != {entry['size']}")
                 if f"{crc32c.crc32c(data):08x}" != entry["crc32c"]:

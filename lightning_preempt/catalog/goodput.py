@@ -36,7 +36,9 @@ class Segment:
     resumed_step: int
     end_t: float
     last_step: int
-    end: str  # "preempted", "finished", "error", "killed" (no record: SIGKILL, crash) or "running"
+    #: "preempted", "finished", "error", "lost" (a failure record: the heartbeats caught it),
+    #: "killed" (no record: SIGKILL, crash) or "running"
+    end: str
     records: list[dict[str, Any]]
 
     @property
@@ -60,8 +62,8 @@ def segments(records: list[dict[str, Any]], *, running: bool = False) -> list[Se
         if start is None:
             continue  # its start record was lost: nothing to place it by
         steps = [r["step"] for r in recs if "step" in r] + [start["resumed_step"]]
-        ending = next((r for r in reversed(recs) if r["kind"] in ("preemption", "finish", "error")), None)
-        end = {"preemption": "preempted", "finish": "finished", "error": "error"}.get(
+        ending = next((r for r in reversed(recs) if r["kind"] in ("failure", "preemption", "finish", "error")), None)
+        end = {"preemption": "preempted", "finish": "finished", "error": "error", "failure": "lost"}.get(
             ending["kind"] if ending else "", "running" if running and restart == max(by_restart) else "killed"
         )
         first_step_t = start["t"]
@@ -90,25 +92,35 @@ def summarize(records: list[dict[str, Any]], folded_saves: dict[int, dict[str, f
         if seg.end in ("running", "finished"):
             continue
         record = next((r for r in seg.records if r["kind"] == "preemption"), None)
-        if record is None and seg.end == "error":
+        failure = next((r for r in seg.records if r["kind"] == "failure"), None)
+        if record is None and failure is None and seg.end == "error":
             continue  # an agreed error, not a preemption
         resumed = after.resumed_step if after is not None else None
         lost = max(0, seg.last_step - resumed) if resumed is not None else (record or {}).get("steps_lost")
+        if failure is not None and record is None:
+            kind, source = "node lost", f"rank(s) {failure['lost']} silent {failure['silent_s']:.1f}s (heartbeats)"
+        elif record is not None:
+            kind, source = ("signal" if record["source"].startswith("SIG") else "notice"), record["source"]
+        else:
+            kind, source = "killed", "no record (SIGKILL or crash)"
         preemptions.append({
             "restart": seg.restart,
-            "kind": "signal" if record is not None and record["source"].startswith("SIG") else
-                    "notice" if record is not None else "killed",
-            "source": record["source"] if record is not None else "no record (SIGKILL or crash)",
+            "kind": kind,
+            "source": source,
             "step": record["step"] if record is not None else seg.last_step,
             "committed": record["committed"] if record is not None else None,
             "resumed_step": resumed,
             "steps_lost": lost,
-            # killed: steps trained after the last record (progress, every few seconds) are unseen
-            "steps_lost_at_least": record is None,
-            "to_exit_s": record["to_exit_s"] if record is not None else None,
+            # killed: steps trained after the last record (progress, every few seconds) are unseen;
+            # a failure record carries the survivors' last step
+            "steps_lost_at_least": record is None and failure is None,
+            # a failure: loss to verdict (the lost ranks' silence when the survivors decided)
+            "to_exit_s": record["to_exit_s"] if record is not None else failure["silent_s"] if failure else None,
             "received_t": record["received_t"] if record is not None else None,
             "exit_t": seg.end_t,
             "down_s": max(0.0, after.started_t - seg.end_t) if after is not None else None,
+            "agreed_step": failure["agreed_step"] if failure is not None else None,
+            "resumed_tier": _start(after).get("resumed_tier") if after is not None else None,
         })  # fmt: skip
     steps_lost = sum(int(p["steps_lost"] or 0) for p in preemptions)
     lost_s = steps_lost * step_s if step_s is not None else 0.0
@@ -144,6 +156,10 @@ def summarize(records: list[dict[str, Any]], folded_saves: dict[int, dict[str, f
         "save_cost": save_cost(saves),
         "segments": [_segment_dict(s) for s in segs],
     }
+
+
+def _start(seg: Segment) -> dict[str, Any]:
+    return next((r for r in seg.records if r["kind"] == "start"), {})
 
 
 def _segment_dict(s: Segment) -> dict[str, Any]:

@@ -43,7 +43,9 @@ def _price(text: str) -> float:
 def run(args: argparse.Namespace) -> int:
     """``report URL``: the run's figures as text (or JSON), and the timeline with ``--plot``."""
     if args.on_demand_price is not None and args.gpu_hour_price is None:
-        raise UsageError("--on-demand-price needs --gpu-hour-price", hint="e.g. --gpu-hour-price 1.2 --on-demand-price 3.9")
+        raise UsageError(
+            "--on-demand-price needs --gpu-hour-price", hint="e.g. --gpu-hour-price 1.2 --on-demand-price 3.9"
+        )
     if args.run is not None and not LEDGER_RUN_RE.fullmatch(args.run):
         raise UsageError(f"--run {args.run!r} is not a run id", hint="The report's first line names the run id.")
     options = parse_storage_options(args.storage_options)
@@ -53,7 +55,9 @@ def run(args: argparse.Namespace) -> int:
         raise nothing_here(args.url, options)
     if args.plot:
         if report["source"] != "ledger":
-            raise UsageError("--plot needs the goodput ledger", hint="Runs with PreemptionCallback(ledger=True) write one.")
+            raise UsageError(
+                "--plot needs the goodput ledger", hint="Runs with PreemptionCallback(ledger=True) write one."
+            )
         from lightning_preempt.cli.timeline import plot_timeline  # matplotlib: only here
 
         plot_timeline(report, args.plot, title=f"{args.url}")
@@ -112,7 +116,10 @@ def print_report(r: dict[str, Any], url: str) -> None:
             snap = "-" if p["committed"] is None else "committed" if p["committed"] else "not committed"
             lost = _or_dash(p["steps_lost"])
             lost = f">={lost}" if p["steps_lost_at_least"] and p["steps_lost"] is not None else lost
-            table.append([str(i), str(p["restart"]), p["source"], str(p["step"]), snap, _or_dash(p["resumed_step"]),
+            resumed = _or_dash(p["resumed_step"])
+            tier = p.get("resumed_tier")
+            resumed = f"{resumed} ({str(tier)[:12]})" if tier and p["resumed_step"] is not None else resumed
+            table.append([str(i), str(p["restart"]), p["source"], str(p["step"]), snap, resumed,
                           lost, _d(p["to_exit_s"]), _d(p["down_s"])])  # fmt: skip
         print_table(table, right_aligned={0, 1, 3, 5, 6, 7, 8})
         if any(p["steps_lost_at_least"] for p in r["preemptions"]):

@@ -15,6 +15,8 @@ from lightning_preempt.cli.options import UsageError
 from lightning_preempt.cli.plan import format_duration
 
 _TRAIN, _START, _DOWN, _SAVE, _SIGNAL, _KILL = "#2ca02c", "#b0b0b0", "#d62728", "#1f77b4", "#d62728", "#000000"
+#: Preemption kinds without a signal: a SIGKILL that left no record, a node loss the heartbeats caught.
+_UNANNOUNCED = ("killed", "node lost")
 
 
 def _unit(span_s: float) -> tuple[float, str]:
@@ -80,20 +82,21 @@ def plot_timeline(report: dict[str, Any], path: str, *, title: str = "") -> None
     for p in report["preemptions"]:  # the steps trained and then trained again, in the colour of their loss
         if p["steps_lost"] and p["resumed_step"] is not None:
             redo = sorted(pt for pt in by_restart.get(p["restart"], []) if pt[1] >= p["resumed_step"])
-            bottom.plot([q[0] for q in redo], [q[1] for q in redo], color=_KILL if p["kind"] == "killed" else _SIGNAL,
+            bottom.plot([q[0] for q in redo], [q[1] for q in redo], color=_KILL if p["kind"] in _UNANNOUNCED else _SIGNAL,
                         lw=3.5, label="steps lost (trained again after the restart)")  # fmt: skip
     committed = [(x(t - (c or 0.0)), s) for t, s, _k, _b, c in saves if c is not None]
     if committed:
         bottom.plot(*zip(*committed, strict=True), "o", color=_SAVE, ms=4, label="checkpoint committed", zorder=3)
     for p in report["preemptions"]:
-        killed = p["kind"] == "killed"
+        killed = p["kind"] in _UNANNOUNCED
         color = _KILL if killed else _SIGNAL
         when = x(p["received_t"]) if p["received_t"] is not None else x(p["exit_t"])
         for ax in (top, bottom):
             ax.axvline(when, color=color, lw=1.2, ls="--" if killed else ":")
         lost = p["steps_lost"] or 0
         at_least = ">=" if p["steps_lost_at_least"] and lost else ""
-        label = f"{'SIGKILL?' if killed else untrusted_text(p['source'], 20)}\nstep {p['step']}\n{at_least}{lost} lost"
+        what = "SIGKILL?" if p["kind"] == "killed" else untrusted_text(p["source"], 20)
+        label = f"{what}\nstep {p['step']}\n{at_least}{lost} lost"
         bottom.annotate(label, (when, p["step"]), xytext=(4, 6), textcoords="offset points", fontsize=8, color=color)
     bottom.set_xlabel(f"{unit} since the first start")
     bottom.set_ylabel("global step")

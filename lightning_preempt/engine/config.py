@@ -129,6 +129,9 @@ class PreemptionConfig:
     global_batch: Literal["per_rank", "keep"] = "per_rank"
     ledger: bool = True
     log_metrics: bool = True
+    detect_failures: bool | None = None
+    heartbeat_timeout_s: float = 4.0
+    failure_exit_code: int = 75
 
     def __post_init__(self) -> None:
         if isinstance(self.dirpath, os.PathLike):
@@ -162,6 +165,13 @@ class PreemptionConfig:
         check_int("list_retries", self.list_retries, minimum=1)
         check_seconds("list_backoff_s", self.list_backoff_s, positive=False)
         check_seconds("lease_timeout_s", self.lease_timeout_s)
+        if self.detect_failures is not None and not isinstance(self.detect_failures, bool):
+            raise _fail("detect_failures", self.detect_failures, "True, False or None",
+                        "None turns the heartbeats on whenever the job has more than one rank.")  # fmt: skip
+        check_seconds("heartbeat_timeout_s", self.heartbeat_timeout_s,
+                      hint="a rank silent this long is lost, e.g. 4 (survivors exit ~2 s after it).")  # fmt: skip
+        check_int("failure_exit_code", self.failure_exit_code, minimum=1, maximum=255,
+                  hint="a code the launcher restarts on and that differs from exit_code, e.g. 75.")  # fmt: skip
         object.__setattr__(self, "notices", tuple(parse_names(self.notices)))  # type: ignore[arg-type]
         if self.on_notice not in ("continue", "exit"):
             raise _fail("on_notice", self.on_notice, "'continue' or 'exit'", "'continue' snapshots and trains on "

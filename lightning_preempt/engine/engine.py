@@ -46,6 +46,7 @@ from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.engine import tiers as tier_policy
 from lightning_preempt.engine.config import PreemptionConfig
+from lightning_preempt.engine.failures import FailureDetector, write_failure_record
 from lightning_preempt.engine.ledger import Ledger, record_preemption, record_save, start_fields
 from lightning_preempt.engine.runtime import (
     Runtime,
@@ -112,11 +113,15 @@ class Engine:
         self._warned_no_interval = False
         #: The goodput ledger (written by rank 0 with ``config.ledger``; else one that records nothing).
         self.ledger = Ledger.off()
+        #: The heartbeats that catch a rank lost without a signal (engine/failures.py), once set up.
+        self.detector: FailureDetector | None = None
+        #: Steps this rank holds besides its committed saves (a tier 0 adds its copies here).
+        self.held_steps: list[Callable[[], list[int]]] = []
 
     def __getstate__(self) -> dict[str, Any]:
         # Process groups, the lease thread, the saver and the save function belong to one run.
         state = self.__dict__.copy()
-        state.update(_runtime=None, _saver=None, _save=None, ledger=Ledger.off())
+        state.update(_runtime=None, _saver=None, _save=None, ledger=Ledger.off(), detector=None)
         return state
 
     # ---- 1. before the process group ----------------------------------------------------
@@ -190,7 +195,36 @@ class Engine:
             self._notice_sources = make_sources(config.notices, local_rank=local_rank)
             self.controller.sources.extend(self._notice_sources)
         self.controller.start()
+        self._start_detector(group)
         return target
+
+    def _start_detector(self, group: Any) -> None:
+        """The heartbeats (collective): on with ``detect_failures``, or by default when the
+        job has more than one rank."""
+        config = self.config
+        wanted = config.detect_failures if config.detect_failures is not None else pdist.world_size(group) > 1
+        if not wanted or group is None or self.detector is not None:
+            return
+        run_id, ledger = self.run_id or "", self.ledger
+
+        def record(verdict: Any) -> None:
+            if config.ledger:
+                write_failure_record(config.dirpath, config.storage_options, run_id, verdict,
+                                     step=self._last_seen_step or 0, restart=ledger.restart if ledger.enabled else None)  # fmt: skip
+
+        self.detector = FailureDetector(timeout_s=config.heartbeat_timeout_s, exit_code=config.failure_exit_code,
+                                        held=self._held, record=record)  # fmt: skip
+        self.detector.start(group)
+
+    def _held(self) -> list[int]:
+        """The steps this rank can resume from: its committed saves, the step it resumed from,
+        and what the other sources (``held_steps``) report. Called on the heartbeat thread."""
+        steps = {r.step for r in list(self.saver.history) if r.committed_s is not None and r.error is None}
+        if self.resumed_from is not None and self.last_saved_step is not None:
+            steps.add(self.last_saved_step)
+        for source in list(self.held_steps):
+            steps.update(source())
+        return sorted(steps)
 
     def _choose(self, saver: Saver, group: Any, verify_on_load: bool) -> ResumeTarget:
         """Rank 0 picks the newest valid checkpoint, every rank gets it. Manifests and sizes
@@ -222,7 +256,10 @@ class Engine:
         if self._leader and not self._warned_no_interval:
             self._warned_no_interval = True  # once per callback, not once per fit
             warn_without_periodic_saves(self.config, step)
-        self.ledger.add("start", **start_fields(step, self.resumed_from, pdist.world_size(self._group), self.config))
+        self.ledger.add(
+            "start",
+            **start_fields(step, self.resumed_from, pdist.world_size(self._group), self.config, self.local_dirpath),
+        )
         self.check(step)  # a signal during start-up or restore: nothing new to save
 
     # ---- 4. step boundaries ----------------------------------------------------------------
@@ -339,7 +376,9 @@ class Engine:
                                                   mark=self.controller.mark, saved=saved)  # fmt: skip
 
         try:
-            self.controller.emergency(step, snapshot=snapshot, drain=drain, safe_step=self._safe_step, leader=self._leader)
+            self.controller.emergency(
+                step, snapshot=snapshot, drain=drain, safe_step=self._safe_step, leader=self._leader
+            )
         except Preempted:
             record_preemption(self.ledger, self.controller, self.saver, step=step)
             raise
@@ -383,6 +422,11 @@ class Engine:
         ``finish_saves``: first finish the saver's writes and drains (they use the groups)
         — after an exception (``error``: it, for the ledger), when no framework teardown did it."""
         self.controller.stop()
+        if error is not None and self.detector is not None:
+            self.detector.after_error(error)  # a lost peer: the verdict ends the process from here
+        if self.detector is not None:
+            self.detector.stop()
+            self.detector = None
         if error is None:  # a SIGTERM after training ends the process with exit_code, no traceback
             self.controller.after_training(leader=self._leader, safe_step=self._safe_step)
         if error is not None and not isinstance(error, Preempted):

@@ -270,8 +270,16 @@ class Ledger:
             log.debug("lightning_preempt: ledger: %s failed again: %s", what, first)
 
 
-def start_fields(resumed_step: int, resumed_from: str | None, world_size: int, config: Any) -> dict[str, Any]:
-    """The fields of a ``start`` record (``config``: the engine's ``PreemptionConfig``)."""
+def start_fields(resumed_step: int, resumed_from: str | None, world_size: int, config: Any,
+                 local_dirpath: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """The fields of a ``start`` record (``config``: the engine's ``PreemptionConfig``;
+    ``local_dirpath``: the node-local tier, to tell which tier the resume came from)."""
+    if resumed_from is None:
+        tier = None
+    elif local_dirpath and resumed_from.startswith(local_dirpath.rstrip("/") + "/"):
+        tier = "local"
+    else:
+        tier = "dirpath"
     started = process_start_time()
     now = time.time()
     return {
@@ -279,6 +287,7 @@ def start_fields(resumed_step: int, resumed_from: str | None, world_size: int, c
         "startup_s": max(0.0, now - started) if started is not None else None, "world_size": max(1, world_size),
         "every_n_train_steps": config.every_n_train_steps, "every_n_seconds": config.every_n_seconds,
         "grace_period_s": config.grace_period_s, "host": socket.gethostname(), "pid": os.getpid(),
+        "resumed_tier": tier,
     }  # fmt: skip
 
 

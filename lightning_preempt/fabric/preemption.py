@@ -104,6 +104,9 @@ class Preemption:
         sources: Sequence[PreemptionSource] = (),
         ledger: bool = True,
         log_metrics: bool = True,
+        detect_failures: bool | None = None,
+        heartbeat_timeout_s: float = 4.0,
+        failure_exit_code: int = 75,
     ) -> None:
         config = from_arguments(PreemptionConfig, locals())
         if not isinstance(step_key, str) or not step_key:

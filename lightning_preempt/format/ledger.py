@@ -20,7 +20,16 @@ Kinds and their fields (besides ``format``, ``kind``, ``run``, ``restart``, ``se
 * ``preemption``: ``source`` (``SIGTERM``, ``gce``…), ``received_t``, ``step`` (agreed),
   ``snapshot_step`` (the newest committed step at exit), ``committed``, ``to_exit_s``, ``steps_lost``;
 * ``error``: ``step``, ``error`` (the agreed error's first line);
-* ``finish``: ``step``.
+* ``finish``: ``step``;
+* ``failure``: an unannounced loss the heartbeats detected (docs/failure-detection.md), written by
+  the lowest surviving rank just before every survivor exits: ``lost`` (the silent ranks, e.g.
+  ``"1,3"``), ``survivors``, ``world_size``, ``step`` (the last step the writer saw),
+  ``agreed_step`` (the newest step every survivor holds), ``silent_s`` (how long the lost
+  ranks were silent at the verdict), ``quorum``, ``agreed``, ``writer_rank``. Its ``seq`` is
+  :data:`FAILURE_SEQ` (one per restart, create-only: the fence against two sides of a partition).
+
+Optional fields (absent in records of older versions): ``start.resumed_tier`` (``dirpath``,
+``local``, ``memory``, or ``None``: fresh).
 
 Everything read back is untrusted (docs/security.md): JSON only, sizes bounded, every field
 type-checked; a record that fails is skipped by the reader with a note.
@@ -64,7 +73,16 @@ FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     },
     "error": {"step": _INT, "error": _STR},
     "finish": {"step": _INT},
+    "failure": {
+        "lost": _STR, "survivors": _INT, "world_size": _INT, "step": _INT, "agreed_step": _INT + _NONE,
+        "silent_s": _NUM, "quorum": (bool,), "agreed": (bool,), "writer_rank": _INT,
+    },
 }  # fmt: skip
+#: Fields a record may lack (written by newer versions only); checked when present.
+OPTIONAL: dict[str, dict[str, tuple[type, ...]]] = {"start": {"resumed_tier": _STR + _NONE}}
+#: The sequence number of a ``failure`` record: one per restart (create-only), after any the
+#: leader's writer numbers (it stops at 999_999 records, compacting every 256).
+FAILURE_SEQ = 999_000
 #: Totals a compacted file keeps of the save records it dropped.
 SAVE_TOTALS = ("count", "blocking_s", "committed_s", "bytes", "failed")
 
@@ -124,6 +142,9 @@ def check(record: Any) -> None:
         raise LedgerRecordError("unknown kind")
     for name, types in {**_COMMON, **spec}.items():
         _check_value(name, record.get(name, _MISSING), types)
+    for name, types in OPTIONAL.get(str(kind), {}).items():
+        if name in record:
+            _check_value(name, record[name], types)
 
 
 def check_compact(record: dict[str, Any]) -> None:

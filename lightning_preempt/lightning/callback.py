@@ -104,6 +104,14 @@ class PreemptionCallback(OnExceptionCheckpoint):
         log_metrics: log each committed save's figures (blocking time, time to commit, bytes)
             and the run's so far (preemptions, steps lost, goodput) through the Trainer's
             loggers, on rank 0 at the save steps (no collective, no sync).
+        detect_failures: heartbeats between the ranks on a side channel (UDP, docs/failure-detection.md):
+            a rank or node lost without a signal is noticed within ``heartbeat_timeout_s``, the
+            survivors agree, record it in the ledger and exit with ``failure_exit_code`` so the
+            launcher restarts the job. ``None``: on whenever the job has more than one rank.
+        heartbeat_timeout_s: a rank not heard from for this long is lost (survivors exit about
+            2 s later).
+        failure_exit_code: the exit code of every survivor after a loss (distinct from
+            ``exit_code``; ``torchrun --max-restarts`` restarts on any non-zero code).
     """
 
     def __init__(
@@ -136,6 +144,9 @@ class PreemptionCallback(OnExceptionCheckpoint):
         sources: Sequence[PreemptionSource] = (),
         ledger: bool = True,
         log_metrics: bool = True,
+        detect_failures: bool | None = None,
+        heartbeat_timeout_s: float = 4.0,
+        failure_exit_code: int = 75,
     ) -> None:
         config = from_arguments(PreemptionConfig, locals())
         super().__init__(dirpath=config.dirpath)

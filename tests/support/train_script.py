@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-steps", type=int, default=40)
     p.add_argument("--every", type=int, default=None)
     p.add_argument("--devices", type=int, default=1)
+    p.add_argument("--num-nodes", type=int, default=1)
     p.add_argument("--strategy", default="auto")
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--val-every", type=int, default=0)
@@ -129,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         max_steps=args.max_steps,
         accelerator="cpu",
         devices=args.devices,
+        num_nodes=args.num_nodes,
         strategy=strategy,
         callbacks=callbacks,
         plugins=[ShardedAsyncCheckpointIO(storage_options=json.loads(args.storage_options))],

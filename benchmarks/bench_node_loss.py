@@ -1,0 +1,152 @@
+"""Whole-node loss without a signal: SIGKILL every process of one host at a random moment.
+
+Two hosts in Linux network namespaces (tests/support/netns.py; root and iproute2), one
+torchrun agent each (tests/support/netns_job.py), the fault-injection job
+(``tests/support/train_script.py``: TinyModel, ``PreemptionCallback`` saving every
+``--every`` steps, failure detection on by default at 2 ranks). One chain of launches, as a
+scheduler restarts a job: each launch is the victim of one trial and the restart that
+measures the previous one. A trial waits for a random moment — during steps (1..2*every
+past the resume point) or just after a periodic save began (0-30 ms after its step; "flush
+seen" when its directory had no manifest yet at the kill) — and SIGKILLs every process of a random node (0 also hosts the rendezvous and
+rank 0). Per trial:
+
+* **detect -> exit**: from the kill until the survivor's worker is gone (target <= 10 s);
+* **steps lost**: max step seen at the kill - the step the restart resumed from;
+* **resumed newest**: the restart's choice (its "resuming from" line) is the newest
+  checkpoint that verifies independently (benchmarks/fault_injection.py's ``scan``: manifest,
+  every file's size and CRC32C), never a partial directory;
+* the survivor's exit code (75) and its failure record in the ledger.
+
+The chain's last launch trains to the end; its final weights are compared with a run that
+was never interrupted (same world size: bit-identical expected).
+
+    python benchmarks/bench_node_loss.py                 # 3 trials, ~3 min here
+    python benchmarks/bench_node_loss.py --trials 20 --md docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests" / "support"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import machine_notes, table  # noqa: E402
+from fault_injection import RESUME_RE, newest_ok, scan  # noqa: E402
+from netns import Hosts, missing  # noqa: E402
+from netns_job import NodeJob  # noqa: E402
+
+
+def job_args(cfg: argparse.Namespace) -> list[str]:
+    return ["--max-steps", str(cfg.max_steps), "--every", str(cfg.every), "--step-sleep", str(cfg.step_sleep),
+            "--width", str(cfg.width), "--ledger-progress-s", "0.5"]  # fmt: skip
+
+
+def resumed_step(job: NodeJob) -> int | None:
+    found = RESUME_RE.findall(job.log(job.nodes[0]) + "\n" + "\n".join(job.log(n) for n in job.nodes[1:]))
+    return int(found[-1][1]) if found else None
+
+
+def in_flight(job: NodeJob) -> bool:
+    """A ``step-N`` directory without its manifest: a save is flushing."""
+    return any(d.name.lstrip(".").startswith("step-") and not (d / "manifest.json").exists() for d in job.dirpath.iterdir())
+
+
+def one_trial(cfg: argparse.Namespace, hosts: Hosts, job: NodeJob, rng: random.Random) -> dict[str, object]:
+    start = max(0, resumed_step(job) or 0)
+    moment = rng.choice(["steps", "save"])
+    if moment == "save":  # just after a periodic save began: its flush runs behind the next steps
+        job.wait_step((start // cfg.every + 1 + rng.randint(0, 1)) * cfg.every)
+        time.sleep(rng.uniform(0, 0.03))
+        if in_flight(job):
+            moment = "save (flush seen)"
+    else:
+        job.wait_step(min(cfg.max_steps - 2, start + rng.randint(1, 2 * cfg.every)))
+        time.sleep(rng.uniform(0, cfg.step_sleep))
+    victim = rng.choice([0, 1])
+    seen = max(job.step(r) for r in (0, 1))
+    hosts.kill_node(victim)
+    survivor = 1 - victim
+    gone = job.wait_gone([survivor], timeout=60)
+    codes = job.wait(60)
+    ok = newest_ok(scan(job.dirpath))
+    failures = list(job.dirpath.glob(".lp-ledger/*/*-failure.json"))
+    return {"moment": moment, "victim": victim, "seen": seen, "exit_s": gone, "survivor_code": codes.get(survivor),
+            "newest": ok.step if ok is not None else None, "failure_records": len(failures)}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--every", type=int, default=5)
+    p.add_argument("--max-steps", type=int, default=0, help="default: enough for every trial")
+    p.add_argument("--step-sleep", type=float, default=0.1)
+    p.add_argument("--width", type=int, default=32768, help="TinyModel width (32768: ~1.5 MB of state)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--md", default="", help="append the table and the command to this markdown file")
+    p.add_argument("--json", default="")
+    cfg = p.parse_args(argv)
+    cfg.max_steps = cfg.max_steps or (cfg.trials + 1) * 2 * cfg.every + 5
+    why = missing()
+    if why is not None:
+        print(f"bench_node_loss: skipped: {why}")
+        return 0
+    rng = random.Random(cfg.seed)
+    t0 = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="lp-node-loss-"))
+    trials: list[dict[str, object]] = []
+    with Hosts(2) as hosts:
+        ref = NodeJob(hosts, work / "reference", [0, 1], job_args(cfg))
+        assert ref.wait(600) == {0: 0, 1: 0}, ref.log(0)
+        reference = (ref.result(0) or {}).get("weights")
+        job = NodeJob(hosts, work / "run", [0, 1], job_args(cfg))
+        for i in range(cfg.trials):
+            trial = one_trial(cfg, hosts, job, rng)
+            job = NodeJob(hosts, work / "run", [0, 1], job_args(cfg))  # the scheduler restarts both nodes
+            deadline = time.monotonic() + 300
+            while (got := resumed_step(job)) is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            trial["resumed"] = got
+            trial["lost"] = max(0, int(trial["seen"]) - got) if got is not None else None  # type: ignore[call-overload]
+            trial["resumed_newest"] = got is not None and got == trial["newest"]
+            trials.append(trial)
+            print(f"trial {i + 1}: {json.dumps(trial)}", flush=True)
+        codes = job.wait(600)
+        final = job.result(0) or {}
+    identical = codes == {0: 0, 1: 0} and final.get("weights") == reference and final.get("step") == cfg.max_steps
+    rows = [[str(i + 1), str(t["moment"]), f"node {t['victim']}", str(t["seen"]), str(t["resumed"]), str(t["lost"]),
+             "yes" if t["resumed_newest"] else "NO", f"{t['exit_s']:.2f}" if t["exit_s"] is not None else "hung",
+             str(t["survivor_code"]), str(t["failure_records"])] for i, t in enumerate(trials)]  # fmt: skip
+    header = ["trial", "hit during", "killed", "step seen", "resumed at", "steps lost", "resumed newest",
+              "kill -> survivor gone s", "survivor exit", "failure records"]  # fmt: skip
+    lost = [int(t["lost"]) for t in trials if t["lost"] is not None]  # type: ignore[call-overload]
+    exits = [float(t["exit_s"]) for t in trials if t["exit_s"] is not None]  # type: ignore[arg-type]
+    summary = [
+        f"steps lost: max {max(lost, default=-1)} (target <= every_n = {cfg.every}; a kill during a flush can "
+        f"lose that save too: <= {2 * cfg.every})",
+        f"partial or mixed states resumed: {sum(not t['resumed_newest'] for t in trials)} of {len(trials)}",
+        f"final weights bit-identical to the uninterrupted run (same world size): {'yes' if identical else 'NO'}",
+        f"kill -> survivor gone: max {max(exits, default=float('nan')):.2f} s, "
+        f"{sum(e <= 10 for e in exits)}/{len(trials)} within 10 s",
+    ]
+    command = "python benchmarks/bench_node_loss.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = (f"Command: `{command.strip()}`  \nRun: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+            f"{machine_notes()}; {time.monotonic() - t0:.0f} s\n\n{table(header, rows)}\n\n"
+            + "\n".join(f"- {s}" for s in summary) + "\n")  # fmt: skip
+    print(text)
+    if cfg.md:
+        with open(cfg.md, "a") as f:
+            f.write(f"\n### Node loss without a signal (bench_node_loss.py)\n\n{text}")
+    if cfg.json:
+        Path(cfg.json).write_text(json.dumps({"trials": trials, "identical": identical}, indent=1))
+    return 0 if identical and all(t["resumed_newest"] for t in trials) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,262 @@
+"""Heartbeats between the ranks of one job on a side channel: who is still there, in seconds.
+
+A rank or a whole node that disappears without a signal (SIGKILL, power, a NIC gone) leaves
+the others waiting in their next collective until its timeout (10-30 min with NCCL; gloo
+only notices a dead peer when the kernel answered with a reset). Each rank here runs a
+thread that sends a small UDP datagram to every other rank every ``interval_s`` and listens
+for theirs: a peer not heard from for ``timeout_s`` is *lost*. UDP because a heartbeat must
+never block (a TCP send to a host that vanished blocks until the kernel gives up) and needs
+no connection to re-establish after a partition heals.
+
+Agreement without the lost rank: a rank that saw a loss keeps exchanging heartbeats that now
+carry its view — the ranks it still hears and the steps it holds — for a short settle window,
+until every rank it hears reports the same view (or ``settle_s`` ends). Its :class:`Verdict`
+then names the survivors, the lost ranks, the newest step every survivor holds (the largest
+step in the intersection of what each survivor reported) and whether the survivors have a
+quorum: more than half of the world, or exactly half including rank 0. The two sides of a
+partition each see the other as lost; at most one of them has a quorum (the fence for what
+is recorded is the create-only record the engine writes, docs/failure-detection.md).
+
+A rank that leaves cleanly (training ended, a preemption exit) sends ``bye`` first, so the
+others stop watching it instead of taking it for lost.
+
+Datagrams are JSON, at most :data:`MAX_DATAGRAM` bytes, authenticated with HMAC-SHA256 under a
+per-run key the ranks share through the agreement group: a packet from another job, an old
+incarnation or anyone else on the network is dropped. No torch here: the mechanism is
+tested between plain processes; ``engine/failures.py`` wires it to a run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import hmac
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+#: The largest datagram read (a heartbeat of 1024 ranks' views stays well under it).
+MAX_DATAGRAM = 16 << 10
+#: Steps a rank reports as held, at most (the newest ones).
+MAX_HELD = 8
+_MAC = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """What a rank concluded after a loss (the same on every survivor when ``agreed``)."""
+
+    rank: int  # the rank that reached it
+    world: int
+    survivors: tuple[int, ...]
+    lost: tuple[int, ...]
+    agreed_step: int | None  # the newest step every survivor holds (None: no common step)
+    quorum: bool  # the survivors are more than half the world (or half with rank 0)
+    agreed: bool  # every survivor reported the same survivors before the settle window ended
+    silent_s: float  # how long the lost ranks had been silent when the verdict was reached
+    detected_t: float  # time.monotonic() when the loss was first seen
+    decided_t: float  # time.monotonic() of the verdict
+
+    @property
+    def writer(self) -> int:
+        """The survivor that records the verdict: the lowest surviving rank."""
+        return min(self.survivors)
+
+
+def has_quorum(survivors: Sequence[int], world: int) -> bool:
+    """More than half of ``world``, or exactly half including rank 0 (a tie goes to rank 0's side)."""
+    n = len(set(survivors))
+    return 2 * n > world or (2 * n == world and 0 in survivors)
+
+
+def agreed_step(held: Mapping[int, Sequence[int]], survivors: Sequence[int]) -> int | None:
+    """The newest step every survivor holds: the largest in the intersection of their lists."""
+    sets = [set(held.get(r, ())) for r in survivors]
+    common = set.intersection(*sets) if sets else set()
+    return max(common) if common else None
+
+
+class Heartbeat:
+    """One rank's heartbeat thread (see the module docstring).
+
+    Args:
+        rank, world: this rank and the world size.
+        key: the run's shared HMAC key (the same bytes on every rank).
+        held: returns the steps this rank holds (newest committed ones; called on the thread).
+        on_verdict: called once, on the heartbeat thread, with the :class:`Verdict` after a loss.
+        interval_s: time between two heartbeats to every peer.
+        timeout_s: a peer silent this long is lost.
+        settle_s: at most this long after the loss the survivors exchange views before deciding.
+        host: the address to bind (the interface the other ranks reach this one on).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        *,
+        key: bytes,
+        held: Callable[[], Sequence[int]],
+        on_verdict: Callable[[Verdict], None],
+        interval_s: float = 0.5,
+        timeout_s: float = 4.0,
+        settle_s: float = 2.0,
+        host: str = "0.0.0.0",
+    ) -> None:
+        self.rank, self.world, self._key = rank, world, key
+        self._held, self._on_verdict = held, on_verdict
+        self.interval_s, self.timeout_s, self.settle_s = interval_s, timeout_s, settle_s
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self._sock.bind((host, 0))
+        self._sock.settimeout(min(0.1, interval_s / 2))
+        self.address: tuple[str, int] = self._sock.getsockname()
+        self._peers: dict[int, tuple[str, int]] = {}
+        self._last: dict[int, float] = {}  # rank -> monotonic time last heard
+        self._views: dict[int, tuple[int, ...]] = {}  # rank -> the survivors it reported (after a loss)
+        self._held_by: dict[int, tuple[int, ...]] = {}
+        self._gone: set[int] = set()  # ranks that said bye
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lightning_preempt-heartbeat", daemon=True)
+        self._detected: float | None = None
+        self.verdict: Verdict | None = None
+        self._decided = threading.Event()
+        self._seq = 0
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self, peers: dict[int, tuple[str, int]]) -> None:
+        """Start heartbeating to ``peers`` (rank -> address, this rank's own entry ignored)."""
+        self._peers = {int(r): (str(a[0]), int(a[1])) for r, a in peers.items() if int(r) != self.rank}
+        now = time.monotonic()
+        self._last = dict.fromkeys(self._peers, now)  # a peer never heard is lost after timeout_s
+        self._thread.start()
+
+    def stop(self, *, bye: bool = True) -> None:
+        """Stop the thread; with ``bye`` tell the peers this rank leaves cleanly (not lost)."""
+        if bye and self._peers and self.verdict is None:
+            for _ in range(3):  # datagrams may be dropped: three tries cost nothing
+                self._send({"bye": True})
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(2.0)
+        self._sock.close()
+
+    def wait_verdict(self, timeout_s: float) -> Verdict | None:
+        """The verdict, once reached (``None`` after ``timeout_s`` without a loss)."""
+        self._decided.wait(max(0.0, timeout_s))
+        return self.verdict
+
+    @property
+    def watching(self) -> bool:
+        """Some peer is still watched (not every other rank left cleanly)."""
+        return any(r not in self._gone for r in self._peers)
+
+    @property
+    def suspecting(self) -> bool:
+        """A loss was seen and the verdict is being agreed."""
+        return self._detected is not None
+
+    # ---- the wire ----------------------------------------------------------------------------
+    def _send(self, extra: dict[str, Any]) -> None:
+        self._seq += 1
+        body = json.dumps({"r": self.rank, "n": self._seq, **extra}, separators=(",", ":")).encode()
+        packet = hmac.new(self._key, body, hashlib.sha256).digest() + body
+        for r, addr in self._peers.items():
+            if r in self._gone:
+                continue
+            with contextlib.suppress(OSError):  # no route (a link down): the peer simply stays silent
+                self._sock.sendto(packet, addr)
+
+    def _receive(self) -> None:
+        try:
+            packet, _ = self._sock.recvfrom(MAX_DATAGRAM + _MAC)
+        except (TimeoutError, OSError):
+            return
+        mac, body = packet[:_MAC], packet[_MAC:]
+        if len(packet) > MAX_DATAGRAM or not hmac.compare_digest(
+            mac, hmac.new(self._key, body, hashlib.sha256).digest()
+        ):
+            return  # not from this run
+        try:
+            msg = json.loads(body)
+            r = int(msg["r"])
+        except (ValueError, KeyError, TypeError):
+            return
+        if r not in self._peers:
+            return
+        if msg.get("bye"):
+            self._gone.add(r)
+            return
+        self._last[r] = time.monotonic()
+        held = msg.get("h")
+        if isinstance(held, list):
+            self._held_by[r] = tuple(int(s) for s in held[:MAX_HELD] if isinstance(s, int))
+        view = msg.get("v")
+        if isinstance(view, list) and self.verdict is None:
+            self._views[r] = tuple(sorted(int(x) for x in view if isinstance(x, int)))
+            if self._detected is None:
+                self._detected = time.monotonic()  # another rank saw a loss: settle with it
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def _survivors(self, now: float) -> tuple[int, ...]:
+        heard = [r for r, t in self._last.items() if r not in self._gone and now - t < self.timeout_s]
+        return tuple(sorted({self.rank, *heard}))
+
+    def _run(self) -> None:
+        next_send = 0.0
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if now >= next_send:
+                next_send = now + self.interval_s
+                try:
+                    held = [int(s) for s in list(self._held())[-MAX_HELD:]]
+                except Exception as err:  # the callback must never stop the heartbeat
+                    log.debug("lightning_preempt: heartbeat: held steps unavailable: %s", err)
+                    held = []
+                self._held_by[self.rank] = tuple(held)
+                extra: dict[str, Any] = {"h": held}
+                if self._detected is not None:
+                    extra["v"] = list(self._survivors(now))
+                    next_send = now + min(self.interval_s, 0.1)  # settle fast
+                self._send(extra)
+            self._receive()
+            now = time.monotonic()
+            survivors = self._survivors(now)
+            watched = [r for r in self._peers if r not in self._gone]
+            lost_now = [r for r in watched if r not in survivors]
+            if self._detected is None and lost_now:
+                self._detected = now
+            if self._detected is not None and self._maybe_decide(now, survivors):
+                return
+
+    def _maybe_decide(self, now: float, survivors: tuple[int, ...]) -> bool:
+        assert self._detected is not None
+        lost = tuple(r for r in sorted(self._peers) if r not in survivors and r not in self._gone)
+        if not lost and now - self._detected < self.timeout_s:
+            return False  # another rank's loss that this one does not see (yet)
+        same = all(self._views.get(r) == survivors for r in survivors if r != self.rank)
+        if not (same and lost) and now - self._detected < self.settle_s + (0 if lost else self.timeout_s):
+            return False
+        if not lost:  # the loss another rank saw healed (or never was): forget it
+            self._detected, self._views = None, {}
+            return False
+        silent = min(now - self._last.get(r, now) for r in lost)
+        self.verdict = Verdict(
+            rank=self.rank, world=self.world, survivors=survivors, lost=lost,
+            agreed_step=agreed_step(self._held_by, survivors), quorum=has_quorum(survivors, self.world),
+            agreed=same, silent_s=silent, detected_t=self._detected, decided_t=now,
+        )  # fmt: skip
+        for _ in range(2):  # tell the others the final view before acting on it
+            self._send({"h": list(self._held_by.get(self.rank, ())), "v": list(survivors)})
+        self._decided.set()
+        try:
+            self._on_verdict(self.verdict)
+        except Exception as err:
+            log.error("lightning_preempt: acting on the heartbeat verdict failed: %s", err)
+        return True

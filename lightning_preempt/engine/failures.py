@@ -1,0 +1,182 @@
+"""Unannounced failures: what every surviving rank does when a peer goes silent.
+
+The mechanism is ``collective/heartbeat.py`` (UDP heartbeats, the survivors' verdict); this is
+the policy (docs/failure-detection.md). After a verdict, on the heartbeat thread — the
+training thread is likely blocked in a collective that will not return for 10-30 minutes:
+
+1. log the loss (which ranks, how long silent, the newest step every survivor holds);
+2. the lowest surviving rank of a side holding at least half the world records a ``failure``
+   in the run's ledger: one create-only file per restart, so of the two sides of a partition
+   at most one records (the other is told and records nothing; a side with fewer than half
+   does not try); bounded to :data:`RECORD_BUDGET_S`;
+3. flush the logs and end the process with ``os._exit(exit_code)`` (75 by default, distinct
+   from a preemption's 143): the launcher (``torchrun --max-restarts``) or the scheduler
+   restarts the group, which resumes from the newest valid checkpoint, at the same world
+   size or without the lost node (docs/elastic.md).
+
+Nothing is committed after a loss: a commit needs every rank's files and agreement, which
+the lost rank can no longer give, and the exit ends any save in flight before its manifest
+(an uncommitted directory is never resumed from).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from lightning_preempt.catalog.ledger import ledger_store
+from lightning_preempt.collective import groups as pdist
+from lightning_preempt.collective.heartbeat import Heartbeat, Verdict
+from lightning_preempt.errors import CheckpointError, CheckpointExistsError
+from lightning_preempt.format import ledger as fmt
+from lightning_preempt.format.names import LEDGER_COMPACT_RE, LEDGER_RECORD_RE, ledger_record_name
+
+log = logging.getLogger(__name__)
+
+#: The longest the failure record may take to write before the process exits anyway.
+RECORD_BUDGET_S = 2.0
+#: Heartbeats per timeout (the interval is ``timeout_s / HEARTBEATS_PER_TIMEOUT``).
+HEARTBEATS_PER_TIMEOUT = 8
+
+
+def reachable_address() -> str:
+    """The local address the other ranks reach this one on: the source address of the route
+    to the rendezvous host (``MASTER_ADDR``), so the heartbeat never listens on every
+    interface; ``127.0.0.1`` for a job on one host."""
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = int(os.environ.get("MASTER_PORT", "29500") or 29500)
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((socket.gethostbyname(master), port))  # no packet is sent: a route lookup
+            return str(probe.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
+class FailureDetector:
+    """One rank's detector: started in the engine's set-up (collective), stopped at close.
+
+    Args:
+        timeout_s: a rank silent this long is lost.
+        exit_code: the code every survivor exits with.
+        held: the steps this rank holds (newest committed ones).
+        record: writes the failure record (``record(verdict)``), called on the writer only.
+        exit: ends the process (``os._exit``; tests pass their own).
+    """
+
+    def __init__(self, *, timeout_s: float, exit_code: int, held: Callable[[], Sequence[int]],
+                 record: Callable[[Verdict], None], exit: Callable[[int], None] = os._exit) -> None:  # fmt: skip
+        self.timeout_s, self.exit_code = timeout_s, exit_code
+        self._held, self._record, self._exit = held, record, exit
+        self.heartbeat: Heartbeat | None = None
+        self.settle_s = min(2.0, timeout_s / 2)
+
+    def start(self, group: Any) -> None:
+        """Collective over ``group`` (every rank): share a key and the addresses, start beating."""
+        rank, world = pdist.rank(group), pdist.world_size(group)
+        key = pdist.broadcast_bytes(os.urandom(32) if rank == 0 else None, group, max_bytes=64)
+        hb = Heartbeat(rank, world, key=key, held=self._held, on_verdict=self._act,
+                       interval_s=self.timeout_s / HEARTBEATS_PER_TIMEOUT, timeout_s=self.timeout_s,
+                       settle_s=self.settle_s, host=reachable_address())  # fmt: skip
+        addresses = pdist.all_gather_json(list(hb.address), group, max_bytes=256)
+        hb.start({r: (str(a[0]), int(a[1])) for r, a in enumerate(addresses)})
+        self.heartbeat = hb
+
+    def stop(self) -> None:
+        """Leave cleanly: the peers stop watching this rank (no verdict)."""
+        if self.heartbeat is not None:
+            self.heartbeat.stop(bye=True)
+            self.heartbeat = None
+
+    def after_error(self, error: BaseException) -> None:
+        """The training thread failed with ``error``: when it looks like a lost peer (a
+        collective's error), wait for the heartbeats' verdict, which ends the process."""
+        hb = self.heartbeat
+        if hb is None or not _collective_error(error) or not hb.watching:
+            return  # not a collective's error, or every peer left cleanly: nobody can be lost
+        log.warning("lightning_preempt: %s: waiting up to %.0f s for the heartbeats to tell whether a rank was lost",
+                    type(error).__name__, self.timeout_s + self.settle_s)  # fmt: skip
+        hb.wait_verdict(self.timeout_s + self.settle_s + RECORD_BUDGET_S + 1.0)
+
+    # ---- on the heartbeat thread -------------------------------------------------------------
+    def _act(self, verdict: Verdict) -> None:
+        lost = ",".join(map(str, verdict.lost))
+        log.error(
+            "lightning_preempt: rank(s) %s silent for %.1f s: lost without a signal (SIGKILL, power, network). "
+            "%d of %d ranks remain%s; the newest step every survivor holds: %s. Exiting with code %d so the "
+            "launcher or scheduler restarts the job from the newest valid checkpoint.\n"
+            "HINT: run under `torchrun --max-restarts N` (or a scheduler that requeues on exit code %d); "
+            "docs/failure-detection.md.",
+            lost, verdict.silent_s, len(verdict.survivors), verdict.world,
+            "" if verdict.quorum else " (no quorum: this side records nothing)",
+            verdict.agreed_step if verdict.agreed_step is not None else "none", self.exit_code, self.exit_code,
+        )  # fmt: skip
+        # A tie (half the world on each side) tries too: the create-only record lets one side win.
+        if 2 * len(verdict.survivors) >= verdict.world and verdict.rank == verdict.writer:
+            done = threading.Event()
+
+            def write() -> None:
+                try:
+                    self._record(verdict)
+                finally:
+                    done.set()
+
+            threading.Thread(target=write, name="lightning_preempt-failure-record", daemon=True).start()
+            if not done.wait(RECORD_BUDGET_S):
+                log.error("lightning_preempt: the failure record did not complete within %.0f s", RECORD_BUDGET_S)
+        for handler in logging.getLogger().handlers + log.handlers:
+            with contextlib.suppress(Exception):  # a closed stream: the exit matters more
+                handler.flush()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        self._exit(self.exit_code)
+
+
+def _collective_error(error: BaseException) -> bool:
+    if isinstance(error, (CheckpointError, SystemExit, KeyboardInterrupt)):
+        return False
+    text = f"{type(error).__name__} {error}".lower()
+    return any(w in text for w in ("dist", "gloo", "nccl", "connection", "peer", "timeout", "timed out", "socket"))
+
+
+def ledger_restart(store: Any, known: int | None) -> int:
+    """The restart number of this process in the run's ledger: the leader's own when it knows
+    it, else the highest restart with a record (the leader wrote this process's start record)."""
+    if known is not None:
+        return known
+    best = 0
+    for entry in store.entries():
+        match = LEDGER_RECORD_RE.fullmatch(entry.name) or LEDGER_COMPACT_RE.fullmatch(entry.name)
+        if match is not None:
+            best = max(best, int(match[1]))
+    return best
+
+
+def write_failure_record(dirpath: str, storage_options: dict[str, Any], run_id: str, verdict: Verdict, *,
+                         step: int, restart: int | None) -> bool:  # fmt: skip
+    """The ``failure`` record of ``verdict`` (create-only, ``seq`` :data:`~lightning_preempt.format.ledger.FAILURE_SEQ`):
+    whether this rank wrote it (``False``: the other side of a partition did first)."""
+    store = ledger_store(dirpath, storage_options).child(run_id)
+    number = ledger_restart(store, restart)
+    record = fmt.make(
+        "failure", run=run_id, restart=number, seq=fmt.FAILURE_SEQ, t=time.time(),
+        lost=",".join(map(str, verdict.lost)), survivors=len(verdict.survivors), world_size=verdict.world,
+        step=max(0, step), agreed_step=verdict.agreed_step, silent_s=max(0.0, verdict.silent_s),
+        quorum=verdict.quorum, agreed=verdict.agreed, writer_rank=verdict.rank,
+    )  # fmt: skip
+    try:
+        store.commit_bytes(ledger_record_name(number, fmt.FAILURE_SEQ, "failure"), fmt.encode(record))
+    except CheckpointExistsError:
+        log.error("lightning_preempt: another group of survivors recorded this failure first (a partition); "
+                  "this one records nothing")  # fmt: skip
+        return False
+    log.info("lightning_preempt: recorded the loss of rank(s) %s in the ledger (restart %d)", record["lost"], number)
+    return True
