@@ -43,13 +43,14 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import MiB, fmt_range, machine_notes, median, table
 
-METHODS = ("none", "torch_io", "async_io", "dcp_async", "ours")
+METHODS = ("none", "torch_io", "async_io", "dcp_async", "ours", "ours_overlap")
 LABELS = {
     "none": "(a) no checkpointing",
     "torch_io": "(b) ModelCheckpoint + TorchCheckpointIO",
     "async_io": "(c) ModelCheckpoint + AsyncCheckpointIO",
     "dcp_async": "(d) DCP async_save, hand-written callback",
     "ours": "(e) ours: PreemptionCallback + ShardedAsyncCheckpointIO",
+    "ours_overlap": "(e') ours, overlap_staging=True",
 }
 N_LAYERS = 6  # Linear layers with bias: 12 parameters, 24 tensors with SGD's momentum
 
@@ -150,8 +151,16 @@ def dcp_callback(dirpath: str, every: int, group: Any) -> Any:
     return DcpAsyncSave()
 
 
-def one_fit(method: str, every: int, args: argparse.Namespace, n_tensors: int, root: str, group: Any) -> float:
-    """Steps per second of one fit's timed window."""
+def window(every: int, args: argparse.Namespace) -> int:
+    """Timed steps of a fit saving every ``every`` steps: ``--steps``, and at least ``--saves`` saves."""
+    return max(args.steps, args.saves * every) if every else args.steps
+
+
+def one_fit(
+    method: str, every: int, args: argparse.Namespace, n_tensors: int, root: str, group: Any
+) -> tuple[float, list[float]]:
+    """Steps per second of one fit's timed window, and (ours) each timed save's blocking
+    time without its wait for the previous save (``Saver.history``)."""
     import warnings
 
     import lightning as L
@@ -160,9 +169,10 @@ def one_fit(method: str, every: int, args: argparse.Namespace, n_tensors: int, r
 
     from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO
 
-    warm_until = every + 1 if method != "none" else 2  # the first save is done before the window
+    warm_until = every + 1 if method != "none" else 3  # the first save is done before the window
+    steps = window(every, args)
     dirpath = os.path.join(root, f"{method}-{every}-{n_tensors}-{time.monotonic_ns()}")
-    probe = clock(warm_until, args.steps)
+    probe = clock(warm_until, steps)
     callbacks: list[Any] = [probe]
     plugins: list[Any] = []
     if method in ("torch_io", "async_io"):
@@ -171,11 +181,11 @@ def one_fit(method: str, every: int, args: argparse.Namespace, n_tensors: int, r
             plugins.append(AsyncCheckpointIO())
     elif method == "dcp_async":
         callbacks.append(dcp_callback(dirpath, every, group))
-    elif method == "ours":
+    elif method in ("ours", "ours_overlap"):
         callbacks.append(PreemptionCallback(dirpath, every_n_train_steps=every, keep_last_n=2))
-        plugins.append(ShardedAsyncCheckpointIO())
+        plugins.append(ShardedAsyncCheckpointIO(overlap_staging=method == "ours_overlap"))
     trainer = L.Trainer(
-        max_steps=warm_until + args.steps + 1,
+        max_steps=warm_until + steps + 1,
         accelerator="gpu" if args.device == "cuda" else "cpu",
         devices=args.world,
         strategy="ddp" if args.world > 1 else "auto",
@@ -191,7 +201,12 @@ def one_fit(method: str, every: int, args: argparse.Namespace, n_tensors: int, r
         trainer.fit(build(args.width, n_tensors), Batches(args.width, args.batch, args.device))
     if trainer.is_global_zero:
         shutil.rmtree(dirpath, ignore_errors=True)
-    return args.steps / (probe.t1 - probe.t0)
+    blocked: list[float] = []
+    if plugins and isinstance(plugins[0], ShardedAsyncCheckpointIO):
+        blocked = [
+            r.blocking_s - r.waited_s for r in plugins[0].saver.history if warm_until < r.step <= warm_until + steps
+        ]
+    return steps / (probe.t1 - probe.t0), blocked
 
 
 def rows_of(args: argparse.Namespace) -> list[tuple[str, int, int]]:
@@ -199,8 +214,36 @@ def rows_of(args: argparse.Namespace) -> list[tuple[str, int, int]]:
     out: list[tuple[str, int, int]] = []
     for n in args.tensors:
         out.append(("none", 0, n))
-        out += [(m, every, n) for every in args.every for m in METHODS[1:]]
+        out += [(m, every, n) for every in args.every for m in args.methods[1:]]
     return out
+
+
+def copy_floor(width: int, n_tensors: int, device: str, repeats: int = 7) -> float:
+    """Seconds to copy the fit's state (parameters and SGD momentum, as many tensors) into
+    preallocated, touched buffers with one ``_foreach_copy_``: the blocking floor of a save.
+    Caches are flushed before each copy (64 MiB written): in a fit the step and the writer
+    evict the state between two saves, and a state of a few MiB copied in a hot loop would
+    stay in the cache and set a floor no save can meet. On CUDA: device to pinned host
+    buffers, synchronized (what the stager does there)."""
+    import torch
+
+    cuda = device == "cuda"
+    model = build(width, n_tensors).to(device)
+    sources = [p.detach() for p in model.parameters()] * 2  # + one momentum buffer each
+    buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) for t in sources]
+    torch._foreach_copy_(buffers, sources, non_blocking=cuda)  # touched
+    scratch = torch.empty(16 << 20, dtype=torch.float32)
+    times = []
+    for i in range(repeats):
+        scratch.fill_(float(i))
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        torch._foreach_copy_(buffers, sources, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return median(times)
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -210,8 +253,8 @@ def worker(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    logging.getLogger("lightning").setLevel(logging.ERROR)
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     logging.getLogger("lightning_preempt").setLevel(logging.WARNING)
     group = None
     if args.world > 1:
@@ -220,14 +263,27 @@ def worker(args: argparse.Namespace) -> int:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group(backend)  # Lightning's DDP finds it initialised and uses it
         group = dist.new_group(backend="gloo")  # DCP's background collectives stay off DDP's group
+    rank = int(os.environ.get("RANK", "0"))
     root = os.path.join(args.root, f"world{args.world}")
-    results: dict[str, list[float]] = {}
+    results: dict[str, Any] = {"rates": {}, "blocked": {}, "floor": {}}
     rows = rows_of(args)
+    started = time.perf_counter()
+    for n in args.tensors:  # a process's first fit pays one-time costs (lazy imports, first touches)
+        one_fit("none", 0, argparse.Namespace(**{**vars(args), "steps": 3}), n, root, group)
     for rnd in range(args.rounds):
         for method, every, n in rows if rnd % 2 == 0 else list(reversed(rows)):
-            rate = one_fit(method, every, args, n, root, group)
-            results.setdefault(f"{method}|{every}|{n}", []).append(rate)
-    if int(os.environ.get("RANK", "0")) == 0:
+            t0 = time.perf_counter()
+            rate, blocked = one_fit(method, every, args, n, root, group)
+            key = f"{method}|{every}|{n}"
+            results["rates"].setdefault(key, []).append(rate)
+            results["blocked"].setdefault(key, []).append(blocked)
+            if rank == 0:
+                print(f"bench_fit_overhead: {args.world} rank(s) round {rnd + 1}/{args.rounds} {key}: "
+                      f"{rate:.1f} steps/s, fit {time.perf_counter() - t0:.1f}s, "
+                      f"total {time.perf_counter() - started:.0f}s", file=sys.stderr, flush=True)  # fmt: skip
+        for n in args.tensors:  # once a round, between the fits (same process, same memory state)
+            results["floor"].setdefault(str(n), []).append(copy_floor(args.width, n, args.device))
+    if rank == 0:
         with open(args.out, "w") as f:
             json.dump(results, f)
     return 0
@@ -240,7 +296,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_world(world: int, args: argparse.Namespace, root: str) -> dict[str, list[float]]:
+def run_world(world: int, args: argparse.Namespace, root: str) -> dict[str, Any]:
     """Start ``world`` ranks (Lightning's environment variables: it launches none itself)."""
     out = os.path.join(root, f"results-{world}.json")
     port = free_port()
@@ -253,7 +309,8 @@ def run_world(world: int, args: argparse.Namespace, root: str) -> dict[str, list
                 env.pop(name)
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--world", str(world), "--out", out,
                "--root", root, *worker_argv(args)]  # fmt: skip
-        procs.append(subprocess.Popen(cmd, env=env))
+        # Lightning's banner lines ("GPU available", tips) go to the workers' stdout: dropped
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL))
     codes = [p.wait() for p in procs]
     if any(codes):
         raise SystemExit(f"bench_fit_overhead: a {world}-rank worker failed (exit codes {codes})")
@@ -263,38 +320,61 @@ def run_world(world: int, args: argparse.Namespace, root: str) -> dict[str, list
 
 def worker_argv(args: argparse.Namespace) -> list[str]:
     return ["--width", str(args.width), "--batch", str(args.batch), "--steps", str(args.steps),
-            "--rounds", str(args.rounds), "--every", ",".join(map(str, args.every)),
-            "--tensors", ",".join(map(str, args.tensors)), "--device", args.device]  # fmt: skip
+            "--saves", str(args.saves), "--rounds", str(args.rounds), "--every", ",".join(map(str, args.every)),
+            "--tensors", ",".join(map(str, args.tensors)), "--device", args.device,
+            "--methods", ",".join(args.methods)]  # fmt: skip
 
 
-def report(results: dict[int, dict[str, list[float]]], args: argparse.Namespace, took: float, load: str) -> str:
-    rows, verdicts = [], []
+def report(results: dict[int, dict[str, Any]], args: argparse.Namespace, took: float, load: tuple[str, str]) -> str:
+    rows, verdicts, blocking_rows, overlap_lines = [], [], [], []
+    others = [m for m in args.methods if m in ("torch_io", "async_io", "dcp_async")]
+    ours = [m for m in args.methods if m.startswith("ours")]
     for world, res in results.items():
+        rates = res["rates"]
         for n in args.tensors:
-            base = res[f"none|0|{n}"]
+            base = rates[f"none|0|{n}"]
             rows.append([str(world), str(n), "—", LABELS["none"], f"{median(base):.1f}", fmt_range(base), "—"])
+            floor = median(res["floor"][str(n)])
             for every in args.every:
                 over: dict[str, float] = {}
-                for m in METHODS[1:]:
-                    rates = res[f"{m}|{every}|{n}"]
-                    over[m] = 100 * median([b / r - 1 for b, r in zip(base, rates, strict=True)])
-                    rows.append([str(world), str(n), str(every), LABELS[m], f"{median(rates):.1f}",
-                                 fmt_range(rates), f"{over[m]:+.1f}%"])  # fmt: skip
+                for m in args.methods[1:]:
+                    got = rates[f"{m}|{every}|{n}"]
+                    over[m] = 100 * median([b / r - 1 for b, r in zip(base, got, strict=True)])
+                    rows.append([str(world), str(n), str(every), LABELS[m], f"{median(got):.1f}",
+                                 fmt_range(got), f"{over[m]:+.1f}%"])  # fmt: skip
+                for m in ours:
+                    fits = res["blocked"][f"{m}|{every}|{n}"]
+                    per_fit = [median(b) for b in fits if b]
+                    if not per_fit:
+                        continue
+                    ratios = [b / floor for b in per_fit]
+                    met = sum(r <= 1.2 for r in ratios)
+                    blocking_rows.append([str(world), str(n), str(every), LABELS[m],
+                                          f"{1e3 * median(per_fit):.2f}", f"{1e3 * floor:.2f}",
+                                          f"{median(ratios):.2f}", f"{met} of {len(ratios)}"])  # fmt: skip
+                if "ours_overlap" in over and "ours" in over:  # decides save/overlap.py's AUTO_ON_CUDA
+                    better = over["ours_overlap"] < over["ours"]
+                    overlap_lines.append(f"- {world} rank(s), {n} tensors, every {every}: overlap_staging=True "
+                                         f"{over['ours_overlap']:+.1f}% vs off {over['ours']:+.1f}%: "
+                                         f"{'on is better' if better else 'off is better or equal'}")  # fmt: skip
                 target = {1: 10.0, 10: 2.0}.get(every)
-                ahead = all(over["ours"] < over[m] for m in METHODS[1:4])
-                line = f"- {world} rank(s), {n} tensors, every {every}: ours {over['ours']:+.1f}%"
-                if target is not None:
-                    line += f" (target <= {target:g}%: {'met' if over['ours'] <= target else 'MISSED'})"
-                best_other = min(METHODS[1:4], key=lambda m: over[m])
-                line += f"; ahead of (b)-(d): {'yes' if ahead else 'NO'} (best other {over[best_other]:+.1f}%)"
-                verdicts.append(line)
+                for m in ours:
+                    line = f"- {world} rank(s), {n} tensors, every {every}: {m} {over[m]:+.1f}%"
+                    if target is not None:
+                        line += f" (target <= {target:g}%: {'met' if over[m] <= target else 'MISSED'})"
+                    if others:
+                        best = min(others, key=lambda o: over[o])
+                        ahead = all(over[m] < over[o] for o in others)
+                        line += f"; ahead of (b)-(d): {'yes' if ahead else 'NO'} (best other {over[best]:+.1f}%)"
+                    verdicts.append(line)
     state_mib = 2 * N_LAYERS * (args.width * args.width + args.width) * 4 / MiB
     return "\n".join([
         f"### Whole-fit overhead: {N_LAYERS} Linear {args.width}x{args.width} + SGD momentum "
-        f"(~{state_mib:.1f} MiB of state), batch {args.batch}, {args.steps} timed steps a fit, "
-        f"{args.rounds} round(s), device {args.device}",
+        f"(~{state_mib:.1f} MiB of state), batch {args.batch}, device {args.device}",
         "",
-        f"Machine: {machine_notes()}; uptime before: {load}; run took {took:.0f}s",
+        f"{args.rounds} round(s); timed window a fit: max({args.steps} steps, {args.saves} saves). "
+        f"Machine: {machine_notes()}; run took {took:.0f}s",
+        f"`uptime` before: {load[0]}; after: {load[1]}",
         "",
         table(["ranks", "tensors", "save every", "method", "steps/s (median)", "range", "overhead"], rows),
         "",
@@ -302,6 +382,17 @@ def report(results: dict[int, dict[str, list[float]]], args: argparse.Namespace,
         "<= 2% every 10 steps, <= 10% every step, ahead of (b)-(d) in every row.",
         "",
         *verdicts,
+        *(["", f"The overlap switch (`AUTO_ON_CUDA` in save/overlap.py; device {args.device}):", *overlap_lines]
+          if overlap_lines else []),
+        "",
+        "Time a save of ours blocks training inside these fits (`Saver.history`: split, skeleton, "
+        "staging copy; without the wait for the previous save), per fit the median over its timed "
+        "saves, against the copy floor (the same tensors, one `_foreach_copy_` into touched buffers, "
+        "caches flushed before each copy, measured in the same process between the fits; under DDP "
+        "a rank stages about 1/N of it):",
+        "",
+        table(["ranks", "tensors", "save every", "method", "blocks (ms)", "copy floor (ms)",
+               "blocks / floor", "fits <= 1.2x"], blocking_rows),
     ])  # fmt: skip
 
 
@@ -312,14 +403,18 @@ def ints(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes, 1 round, 1 rank: the code paths")
+    p.add_argument("--dry-run", action="store_true", help="--quick with every method (the overlap rows too)")
     p.add_argument("--width", type=int, default=384, help="Linear width (default 384: ~7 MiB of state)")
     p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--steps", type=int, default=200, help="timed steps a fit (default 200)")
+    p.add_argument("--steps", type=int, default=40, help="timed steps a fit, at least (default 40)")
+    p.add_argument("--saves", type=int, default=3, help="timed saves a fit, at least (default 3)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--every", type=ints, default=[1, 10, 100], help="save intervals (default 1,10,100)")
     p.add_argument("--tensors", type=ints, default=[24, 4000], help="tensor counts (default 24,4000)")
     p.add_argument("--ranks", type=ints, default=[1, 2], help="world sizes (default 1,2)")
     p.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda when available)")
+    p.add_argument("--methods", type=lambda t: t.split(","), default=None,
+                   help=f"rows (default: all of {','.join(METHODS)}; ours_overlap only on CUDA)")  # fmt: skip
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -329,14 +424,21 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.methods is None:
+        # On CUDA ours runs twice, overlap_staging off and on: the row pair that decides
+        # save/overlap.py's AUTO_ON_CUDA (docs/staging.md). On CPU overlap is known to cost.
+        args.methods = [m for m in METHODS if m != "ours_overlap" or args.device == "cuda" or args.dry_run]
+    unknown = [m for m in args.methods if m not in METHODS]
+    if unknown or args.methods[0] != "none":
+        p.error(f"--methods: start with none, choose from {','.join(METHODS)} (got {','.join(args.methods)})")
     if args.worker:
         return worker(args)
-    if args.quick:
-        args.width, args.steps, args.rounds, args.every = 32, 4, 1, [1, 2]
-        args.tensors, args.ranks = [24, 100], [1] if argv is None or "--ranks" not in argv else args.ranks
-    for every in args.every:
-        if args.steps < 2 * every:
-            args.steps = 2 * every  # at least two saves in every timed window
+    given = argv if argv is not None else sys.argv[1:]
+    if args.quick or args.dry_run:
+        args.width, args.steps, args.saves, args.rounds = 32, 4, 2, 1
+        args.every, args.tensors = [1, 2], [24, 100]
+        if "--ranks" not in given:
+            args.ranks = [1]
     if args.device == "cuda":
         import torch
 
@@ -348,7 +450,8 @@ def main(argv: list[str] | None = None) -> int:
         results = {world: run_world(world, args, root) for world in args.ranks}
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(report(results, args, time.perf_counter() - started, load))
+    after = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    print(report(results, args, time.perf_counter() - started, (load, after)))
     return 0
 
 
