@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# The GPU check (issue 25), one command on a machine with one CUDA GPU, under 8 minutes:
+# The GPU check (issues 25, 33), one command on a machine with one CUDA GPU, under 12 minutes
+# (each step has its own timeout: 4 + 7 + 5 minutes at the very most):
 #   1. the tests marked `gpu` (tests/gpu/: pinned staging, staging on a CUDA stream, the
 #      overlapped copy, CUDA RNG in exact resume, the host budget with pinned memory);
 #   2. benchmarks/bench_save.py --device cuda: the table of the pinned D2H floor, our blocking
-#      time and staging GB/s, DCP async_save with DefaultStager, step time with a save.
+#      time and staging GB/s, DCP async_save with DefaultStager, step time with a save;
+#   3. benchmarks/bench_fit_overhead.py --device cuda (issue 33): the whole-fit overhead table
+#      of docs/benchmarks.md on the GPU, with ours twice, overlap_staging off and on: the row
+#      pairs that decide AUTO_ON_CUDA in lightning_preempt/save/overlap.py (docs/staging.md).
 # The report is printed and written to $OUT/gpu_check.md (or ./gpu_check.md).
 #
 #   scripts/gpu_check.sh            # on the GPU machine
@@ -54,9 +58,9 @@ if [ "$dry" = 0 ]; then
     echo "to try the script without a GPU: scripts/gpu_check.sh --dry-run" >&2
     exit 2
   fi
-  device=cuda size="${LP_GPU_SIZE_MIB:-4096}" tensors=24 repeats=3
+  device=cuda size="${LP_GPU_SIZE_MIB:-4096}" tensors=24 repeats=3 fit_args="--ranks 1 --rounds 2"
 else
-  device=cpu size=16 tensors=8 repeats=1
+  device=cpu size=16 tensors=8 repeats=1 fit_args="--dry-run"
 fi
 
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -79,8 +83,12 @@ echo | tee -a "$report"
 timeout 420 "$py" benchmarks/bench_save.py --device "$device" --size-mib "$size" --tensors "$tensors" \
   --repeats "$repeats" 2>/dev/null | tee -a "$report"
 bench_rc=${PIPESTATUS[0]}
+echo | tee -a "$report"
+# shellcheck disable=SC2086  # fit_args is a list of flags
+timeout 300 "$py" benchmarks/bench_fit_overhead.py --device "$device" $fit_args 2>/dev/null | tee -a "$report"
+fit_rc=${PIPESTATUS[0]}
 set -e
 
 echo | tee -a "$report"
-echo "gpu tests: rc=$tests_rc; bench: rc=$bench_rc; took $(( $(date +%s) - started ))s; report: $report" | tee -a "$report"
-[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ]
+echo "gpu tests: rc=$tests_rc; bench: rc=$bench_rc; fit overhead: rc=$fit_rc; took $(( $(date +%s) - started ))s; report: $report" | tee -a "$report"
+[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ] && [ "$fit_rc" = 0 ]

@@ -13,6 +13,7 @@ or rename it.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,3 +28,41 @@ class TensorRef:
         # allow-list check instead of two in weights_only loading, per tensor. Old
         # checkpoints (NEWOBJ + BUILD) load as before.
         return (TensorRef, (self.key,))
+
+
+#: the largest tensor the skeleton keeps inline, as bytes (save/skeleton_bytes.py)
+INLINE_TENSOR_MAX_BYTES = 1 << 16
+#: the dtypes an inline tensor may have (plain numbers: no quantized or bit-packed types)
+INLINE_TENSOR_DTYPES = frozenset(
+    {"bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+     "float16", "bfloat16", "float32", "float64", "complex64", "complex128"}
+)  # fmt: skip
+
+
+def tensor_from_bytes(dtype: str, shape: tuple[int, ...], data: str) -> Any:
+    """A small dense CPU tensor the skeleton kept inline (an RNG state, a score):
+    ``torch.<dtype>`` of ``shape`` from its raw bytes, given as ``latin-1`` text (what
+    pickle protocol 2 makes of bytes anyway, without the ``_codecs.encode`` global).
+
+    Pickled by name as ``lightning_preempt.format.tensor_from_bytes`` (never move or rename
+    it). Its arguments come from storage others may write: each is checked before use, and
+    the tensor owns a copy of ``data``.
+    """
+    import torch  # not at import time: the operator CLI imports this package without torch
+
+    if not (isinstance(dtype, str) and dtype in INLINE_TENSOR_DTYPES):
+        raise ValueError(f"tensor_from_bytes: {dtype!r} is not a dtype of an inline tensor")
+    kind = getattr(torch, dtype)
+    if not (isinstance(shape, tuple) and all(type(n) is int and n >= 0 for n in shape)):
+        raise ValueError(f"tensor_from_bytes: the shape {shape!r} is not a tuple of sizes")
+    if not isinstance(data, str) or len(data) > INLINE_TENSOR_MAX_BYTES:
+        raise ValueError("tensor_from_bytes: the data is not the text of an inline tensor's bytes")
+    numel = 1
+    for n in shape:
+        numel *= n
+    if numel * kind.itemsize != len(data):
+        raise ValueError(f"tensor_from_bytes: {len(data)} bytes for {numel} elements of {dtype}")
+    if numel == 0:
+        return torch.empty(shape, dtype=kind)
+    raw = bytearray(data.encode("latin-1"))  # UnicodeEncodeError (a ValueError) past U+00FF
+    return torch.frombuffer(raw, dtype=torch.uint8).view(kind).reshape(shape)

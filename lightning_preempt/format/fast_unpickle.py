@@ -7,7 +7,7 @@ placeholders took ~0.12 s that way, as long as reading 256 MiB of tensors (issue
 Here the same ``torch.load`` (zip reading, storages, ``map_location``) runs with the C
 unpickler, whose only way to reach a callable is ``find_class``. ``find_class`` resolves a
 small, fixed set, every member of which the weights-only path also allows
-(:func:`fast_globals`): containers, :class:`TensorRef`, dense tensors
+(:func:`fast_globals`): containers, :class:`TensorRef`, inline tensors, dense tensors
 (``torch._utils._rebuild_tensor_v2``, storages, dtypes, sizes, devices), the ``bytes``
 codec, and NumPy arrays/scalars when the pickle names NumPy. Anything else (sparse,
 quantized or subclassed tensors, parameters, a global off the list) raises
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from lightning_preempt.format import TensorRef
+from lightning_preempt.format import TensorRef, tensor_from_bytes
 from lightning_preempt.format.allowlists import TORCH_WEIGHTS_ONLY_GLOBALS
 from lightning_preempt.format.fast_guard import FastRefused, check_fast_pickle
 from lightning_preempt.format.state_replay import archived_pickle
@@ -69,6 +69,7 @@ def fast_globals(with_numpy: bool) -> dict[tuple[str, str], Any]:
         ("torch", "device"): torch.device,
         ("_codecs", "encode"): __import__("_codecs").encode,  # how protocol 2 pickles bytes
         (TensorRef.__module__, TensorRef.__qualname__): TensorRef,
+        (tensor_from_bytes.__module__, tensor_from_bytes.__qualname__): tensor_from_bytes,  # checks its arguments
     }
     for value in vars(torch).values():
         if isinstance(value, torch.dtype):

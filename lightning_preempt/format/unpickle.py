@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from lightning_preempt.errors import CheckpointError, CorruptCheckpointError, UntrustedCheckpointError
-from lightning_preempt.format import TensorRef
+from lightning_preempt.format import TensorRef, tensor_from_bytes
 from lightning_preempt.format import dcp_compat as _compat
 from lightning_preempt.format.containers import map_leaves
 from lightning_preempt.format.fast_unpickle import OffFastPath, fast_load_state, numpy_globals
@@ -55,10 +55,11 @@ _GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
 # ---- the per-rank state files -------------------------------------------------------------
 def skeleton_safe_globals() -> list[Any]:
     """The allow-list for the per-rank state files, on top of ``weights_only``'s defaults
-    (tensors, dtypes, ``OrderedDict``…): this package's :class:`TensorRef` and NumPy arrays
-    and scalars (exact-resume RNG states). That is all a ``Trainer.fit`` puts there:
-    Lightning stores hyper-parameters as a plain ``dict`` (measured with Lightning 2.6)."""
-    return [TensorRef, *numpy_globals()]
+    (tensors, dtypes, ``OrderedDict``…): this package's :class:`TensorRef`, its inline
+    tensors (:func:`~lightning_preempt.format.tensor_from_bytes`, which checks its arguments)
+    and NumPy arrays and scalars (exact-resume RNG states). That is all a ``Trainer.fit``
+    puts there: Lightning stores hyper-parameters as a plain ``dict`` (measured with Lightning 2.6)."""
+    return [TensorRef, tensor_from_bytes, *numpy_globals()]
 
 
 def load_state_bytes(data: bytes, *, path: str, trusted: bool = False, map_location: Any = None) -> Any:
@@ -68,6 +69,17 @@ def load_state_bytes(data: bytes, *, path: str, trusted: bool = False, map_locat
     Raises :class:`UntrustedCheckpointError` when the state needs a global outside the
     allow-list, :class:`CorruptCheckpointError` when it is not a ``torch.save`` file.
     """
+    state = _load_state(data, path=path, trusted=trusted, map_location=map_location)
+    if map_location is not None and _INLINE in data:  # inline tensors are made on the CPU
+        state = apply_map_location(state, map_location)
+    return state
+
+
+#: how a state file names an inline tensor's constructor (protocol 2: ``GLOBAL module name``)
+_INLINE = f"{tensor_from_bytes.__module__}\n{tensor_from_bytes.__qualname__}".encode()
+
+
+def _load_state(data: bytes, *, path: str, trusted: bool, map_location: Any) -> Any:
     location = map_location if map_location is not None else "cpu"
     if trusted:
         return torch.load(io.BytesIO(data), map_location=location, weights_only=False)
@@ -79,7 +91,7 @@ def load_state_bytes(data: bytes, *, path: str, trusted: bool = False, map_locat
     # bytes, as text): torch's weights_only loader rebuilds a dict of the allowed globals
     # for every object it makes, so a shorter list is faster per tensor placeholder.
     # Fewer globals allowed is never less safe; a skeleton without them loads the same.
-    allowed = skeleton_safe_globals() if b"numpy" in data else [TensorRef]
+    allowed: list[Any] = skeleton_safe_globals() if b"numpy" in data else [TensorRef, tensor_from_bytes]
     try:
         with torch.serialization.safe_globals(allowed):  # scoped to this call
             return torch.load(io.BytesIO(data), map_location=location, weights_only=True)

@@ -48,6 +48,7 @@ from lightning_preempt.format import dcp_compat as _compat
 from lightning_preempt.format.manifest import FileEntry
 from lightning_preempt.format.names import DCP_METADATA_NAME
 from lightning_preempt.save.budget import Streamed
+from lightning_preempt.save.dcp_exchange import SentResults, new_token, unwrap_metadata
 from lightning_preempt.save.planning import PlanCache
 from lightning_preempt.save.record_layout import Entry, RecordLayout, entry, replay_file, results_of
 from lightning_preempt.save.records import write_tensor_record
@@ -279,8 +280,8 @@ class ChecksummingWriter(_compat.FsspecWriter):
 
         def remember(results: list[list[WriteResult]]) -> list[WriteResult]:
             if record and cache is not None:
-                cache.records = RecordLayout(plan.items, names, files, results)
-                return cache.records.flat
+                layout = cache.records = RecordLayout(plan.items, names, files, results)
+                return SentResults(layout.flat, layout.token, same=False)  # in full, once per layout
             return [r for part in results for r in part]
 
         if cache is not None:
@@ -305,11 +306,17 @@ class ChecksummingWriter(_compat.FsspecWriter):
         def finish(_: list[list[WriteResult]]) -> list[WriteResult]:
             if moved:
                 layout.flat = [r for part in layout.results for r in part]
-            return layout.flat  # the same list while nothing moved: .metadata's places are known
+                layout.token = new_token()
+            # the same list while nothing moved: .metadata's places are known, and only its
+            # token goes to the coordinator (save/dcp_exchange.py)
+            return SentResults(layout.flat, layout.token, same=not moved)
 
         return _run_files(write, len(layout.names), finish)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        metadata = unwrap_metadata(metadata)
+        if self.plan_cache is not None:  # tokens of results sent before: the lists kept for them
+            results = self.plan_cache.results_kept.resolve(results)
         version = _compat.dcp_format_version()
         if version is not None:  # torch >= 2.7 (as its own FileSystemWriter.finish does)
             metadata.version = version

@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
+from lightning_preempt.save.dcp_exchange import KeptMetadata, ResultsKept
 from lightning_preempt.save.dcp_metadata import MetadataPickles
 from lightning_preempt.save.record_layout import RecordLayout
 
@@ -65,6 +66,8 @@ class PlanCache:
     records: RecordLayout | None = dataclasses.field(default=None, repr=False, compare=False)
     #: ``.metadata`` pickled for the plan above (save/dcp_metadata.py)
     metadata_pickles: MetadataPickles = dataclasses.field(default_factory=MetadataPickles, repr=False, compare=False)
+    #: the coordinator's copy of every rank's write results, sent once per layout (save/dcp_exchange.py)
+    results_kept: ResultsKept = dataclasses.field(default_factory=ResultsKept, repr=False, compare=False)
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
 
     def __reduce__(self) -> tuple[type[PlanCache], tuple[()]]:
@@ -77,6 +80,7 @@ class PlanCache:
             self.local_key = self.local_plan = self.all_plans = self.global_plans = self.metadata = None
             self.local_token = self.all_tokens = self.final_plan = None
             self.records = None
+        self.results_kept.clear()
 
 
 def _structure_key(state_dict: dict[str, Any], is_coordinator: bool) -> Any:
@@ -98,6 +102,7 @@ class CachingSavePlanner(DefaultSavePlanner):
         self._plan_cache = cache
         #: plans travel between ranks: unchanged ones are not sent (module docstring)
         self._unsent = collective and _HAS_USABLE
+        self._collective = collective
         #: the state is plain tensors (its plans are cached) / this save reused the local plan:
         #: the same buffers as the last save (the writer replays that save's files then)
         self.structure_cached = False
@@ -148,6 +153,12 @@ class CachingSavePlanner(DefaultSavePlanner):
         return plan
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        plans, metadata = self._global_plan_reused(all_plans)
+        # DCP broadcasts the metadata to every rank after the write; only the coordinator's
+        # writer uses it (save/dcp_exchange.py): across ranks it travels as None.
+        return plans, KeptMetadata(metadata) if self._collective else metadata  # type: ignore[return-value]
+
+    def _global_plan_reused(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         cache = self._plan_cache
         tokens = [p.storage_data.value if isinstance(p.storage_data, _Token) else None for p in all_plans]
         if any(not getattr(p, "usable", True) for p in all_plans):

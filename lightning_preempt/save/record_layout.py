@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
 from lightning_preempt.format import dcp_compat as _compat
+from lightning_preempt.save.dcp_exchange import new_token
 from lightning_preempt.save.records import write_tensor_record
 
 
@@ -48,6 +49,8 @@ class RecordLayout:
     results: list[list[WriteResult]]
     #: every file's results in one list (what DCP gets; the same object while nothing moved)
     flat: list[WriteResult] = dataclasses.field(default_factory=list)
+    #: names ``flat`` as the coordinator received it (save/dcp_exchange.py); new when it changes
+    token: str = dataclasses.field(default_factory=new_token)
 
     def __post_init__(self) -> None:
         self.flat = [r for part in self.results for r in part]

@@ -3,17 +3,25 @@
 ``torch.save`` pickles with a subclass of ``pickle_module.Pickler`` whose
 ``persistent_id`` (a Python method) the C pickler calls for *every* object, to find tensor
 storages. A skeleton of 4000 placeholders is ~26000 objects: ~25 ms of the time training
-waits, for a skeleton that usually holds no storage at all (its tensors went to the shards).
+waits, for a skeleton that holds few storages or none (its tensors went to the shards).
 
 :func:`skeleton_bytes` passes ``torch.save`` a ``pickle_module`` whose ``Pickler`` first
 pickles with a plain C pickler that has no ``persistent_id``, only a ``reducer_override``
 (called for objects that are not of a builtin type: the placeholders, never the strings,
-ints and dicts) that gives up at the first tensor or storage. Without one, ``persistent_id``
-would have returned ``None`` for every object: the bytes are the same. With one (a tensor
-kept outside the sharded keys, e.g. an RNG state), the data written so far is discarded and
-the object pickled again with torch's ``persistent_id``, as ``torch.save`` does.
-Either way the archive is ``torch.save``'s: torch writes the records, the storages and the
-zip. Checked against ``torch.save`` byte for byte by tests/unit/test_skeleton_bytes.py.
+ints and dicts). The tensors a real fit keeps outside the sharded keys (RNG states,
+``ModelCheckpoint``'s scores) are small, dense CPU tensors: those are pickled *inline*, as
+``lightning_preempt.format.tensor_from_bytes(dtype, shape, raw bytes as latin-1 text)`` (issue 33; before,
+one of them sent the whole skeleton through torch's ``persistent_id``: +8 ms per 4000
+tensors). A tensor that is not plain (on a device, a view, sharing its storage with another
+tensor, over :data:`INLINE_TENSOR_MAX_BYTES`, needing autograd, a subclass…) or a bare
+storage gives up: the data written so far is discarded and the object pickled again with
+torch's ``persistent_id``, as ``torch.save`` does, storage sharing and all. Without any
+tensor the bytes are ``torch.save``'s exactly; with inline tensors the archive is still
+``torch.save``'s (torch writes the records and the zip), which every loader of this
+package reads (format/unpickle.py: both allow-lists name ``tensor_from_bytes``) and
+``torch.load(weights_only=True)`` reads once it is allowed
+(``torch.serialization.safe_globals([tensor_from_bytes])``). tests/unit/test_skeleton_bytes.py
+checks both against ``torch.save``.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from typing import IO, Any
 
 import torch
 
-from lightning_preempt.format import TensorRef
+from lightning_preempt.format import INLINE_TENSOR_DTYPES, INLINE_TENSOR_MAX_BYTES, TensorRef, tensor_from_bytes
 
 
 class _HoldsStorage(Exception):
@@ -33,12 +41,42 @@ class _HoldsStorage(Exception):
 
 
 class _PlainPickler(pickle.Pickler):
+    def __init__(self, file: IO[bytes], protocol: int | None) -> None:
+        super().__init__(file, protocol)
+        self._storages: set[int] = set()  # of the inline tensors: a second tensor on one gives up
+
     def reducer_override(self, obj: Any) -> Any:
         if type(obj) is TensorRef:  # what its __reduce__ returns, without calling it
             return (TensorRef, (obj.key,))
+        if type(obj) is torch.Tensor:
+            return self._inline(obj)
         if isinstance(obj, (torch.Tensor, torch.storage.TypedStorage)) or torch.is_storage(obj):
             raise _HoldsStorage
         return NotImplemented
+
+    def _inline(self, t: torch.Tensor) -> Any:
+        """``tensor_from_bytes``'s reduction of a plain tensor that owns its whole storage,
+        or :class:`_HoldsStorage` (the same object twice is pickled once: the memo)."""
+        nbytes = t.numel() * t.element_size()
+        if not (
+            t.device.type == "cpu"
+            and t.layout == torch.strided
+            and not t.requires_grad
+            and nbytes <= INLINE_TENSOR_MAX_BYTES
+            and str(t.dtype).removeprefix("torch.") in INLINE_TENSOR_DTYPES
+            and t.storage_offset() == 0
+            and t.is_contiguous()
+            and not (t.is_conj() or t.is_neg())
+            and not t.__dict__  # attributes torch.save would keep
+        ):
+            raise _HoldsStorage
+        storage = t.untyped_storage()
+        if storage.nbytes() != nbytes or storage.data_ptr() in self._storages:
+            raise _HoldsStorage  # part of a larger storage, or shared with another tensor
+        if nbytes:
+            self._storages.add(storage.data_ptr())
+        data = t.reshape(-1).view(torch.uint8).numpy().tobytes().decode("latin-1") if nbytes else ""
+        return (tensor_from_bytes, (str(t.dtype).removeprefix("torch."), tuple(t.shape), data))
 
 
 class _Pickler:
@@ -74,7 +112,7 @@ _PICKLE_MODULE = types.SimpleNamespace(__name__="lightning_preempt.save.skeleton
 
 
 def skeleton_bytes(skeleton: Any) -> bytes:
-    """``torch.save(skeleton)``'s bytes (see the module docstring)."""
+    """``torch.save(skeleton)``'s archive, small tensors inline (see the module docstring)."""
     buffer = io.BytesIO()
     torch.save(skeleton, buffer, pickle_module=_PICKLE_MODULE)
     return buffer.getvalue()

@@ -76,7 +76,8 @@ def _worker(rank: int, world: int, root: str, scenario: str) -> None:
             io.save_checkpoint(_state(step, rank=rank), os.path.join(root, f"step-{step}"))
             io.wait()
         cache = io.saver.plan_cache
-        out.update(hits=dict(cache.hits), replayed=cache.records is not None, pickled=cache.metadata_pickles.hits)
+        out.update(hits=dict(cache.hits), replayed=cache.records is not None, pickled=cache.metadata_pickles.hits,
+                   results_unsent=cache.results_kept.hits)  # fmt: skip
         # the structure changes on every rank (a new tensor), then stays: planned afresh, then unsent again
         for step in (4, 5):
             ckpt = _state(step, rank=rank)
@@ -213,6 +214,8 @@ def test_saves_of_one_structure_replay_on_every_rank_and_each_checkpoint_is_its_
         assert o["out_of_step"] is not None and "out of step" in o["out_of_step"], o
     assert sorted(o["hits_after_change"]["local"] for o in outcomes)[0] == 3  # some rank planned save 4 afresh
     assert outcomes[0]["pickled"] >= 2
+    # issue 33: in saves 2 and 3 both ranks' write results reached the coordinator as a token
+    assert outcomes[0]["results_unsent"] == 4 and outcomes[1]["results_unsent"] == 0
     for step in (1, 2, 3, 4, 5, 7):
         _assert_complete(str(tmp_path / f"step-{step}"), step)
     from lightning_preempt.read.load import load_full_checkpoint

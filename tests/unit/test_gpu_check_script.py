@@ -22,7 +22,10 @@ def test_gpu_check_dry_run_runs_the_tests_and_prints_the_table(tmp_path: Path) -
     assert "skipped" in report or "passed" in report  # the gpu tests were collected and ran (or skipped)
     for row in ("FLOOR: one host copy", "| ShardedAsyncCheckpointIO |", "host_memory_budget = half the state",
                 "DCP async_save, DefaultStager", "two training steps", "with a save between them",
-                "gpu tests: rc=0; bench: rc=0"):  # fmt: skip
+                "gpu tests: rc=0; bench: rc=0; fit overhead: rc=0",
+                # bench_fit_overhead's table, both overlap rows and the switch's verdict (issue 33)
+                "### Whole-fit overhead", "| (a) no checkpointing |", "| (e') ours, overlap_staging=True |",
+                "The overlap switch (`AUTO_ON_CUDA`", "blocks / floor"):  # fmt: skip
         assert row in report, row
 
 

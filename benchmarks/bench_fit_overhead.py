@@ -1,0 +1,464 @@
+"""The cost of checkpointing in a whole ``Trainer.fit``: steps per second against the same fit
+without checkpointing (issue 33).
+
+The same small model and data (a step of a few ms: the worst case, where a save weighs most),
+the same ``Trainer``, five ways to checkpoint:
+
+* (a) no checkpointing (``enable_checkpointing=False``): the baseline;
+* (b) Lightning's ``ModelCheckpoint(every_n_train_steps=N, save_top_k=1)`` with the default
+  ``TorchCheckpointIO`` (synchronous ``torch.save``);
+* (c) the same ``ModelCheckpoint`` with ``AsyncCheckpointIO`` (clones, then ``torch.save`` on a thread);
+* (d) DCP ``async_save`` of ``{"model", "optim"}`` from a hand-written callback every N steps, at
+  most one save in flight (torchtitan's way), on a gloo group of its own under DDP;
+* (e) ours: ``PreemptionCallback(every_n_train_steps=N)`` + ``ShardedAsyncCheckpointIO``.
+
+Rows: save intervals 1, 10, 100 steps; 24 tensors (6 ``Linear`` layers + SGD momentum) and
+4000 tensors (the same layers + 3976 small buffers, about the same bytes); 1 and 2 ranks
+(real DDP over gloo; each rank a process started here with Lightning's environment variables,
+so one process runs every fit of its world). Each fit warms up until its first save is done
+(plans, buffers, threads) and then times ``--steps``-many steps (at least two saves); the
+rows of one world are interleaved and their order reversed every other round. The figure is
+the median over rounds; overhead = median over rounds of (baseline rate / row rate - 1).
+Saves still in flight when the window closes are not counted (they finish after training).
+
+    python benchmarks/bench_fit_overhead.py              # the table, ~5 min on 2 busy cores
+    python benchmarks/bench_fit_overhead.py --quick      # tiny sizes, 1 round: the code paths
+    python benchmarks/bench_fit_overhead.py --device cuda   # on a GPU (2 ranks need 2 GPUs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import MiB, fmt_range, machine_notes, median, table
+
+METHODS = ("none", "torch_io", "async_io", "dcp_async", "ours", "ours_overlap")
+LABELS = {
+    "none": "(a) no checkpointing",
+    "torch_io": "(b) ModelCheckpoint + TorchCheckpointIO",
+    "async_io": "(c) ModelCheckpoint + AsyncCheckpointIO",
+    "dcp_async": "(d) DCP async_save, hand-written callback",
+    "ours": "(e) ours: PreemptionCallback + ShardedAsyncCheckpointIO",
+    "ours_overlap": "(e') ours, overlap_staging=True",
+}
+N_LAYERS = 6  # Linear layers with bias: 12 parameters, 24 tensors with SGD's momentum
+
+
+# ---------------------------------------------------------------- one fit (runs in a worker)
+def build(width: int, n_tensors: int) -> Any:
+    """The LightningModule: ``N_LAYERS`` Linear layers, plus small buffers up to ``n_tensors``
+    tensors of state (parameters, their SGD momentum, buffers)."""
+    import lightning as L
+    import torch
+
+    n_small = max(0, n_tensors - 4 * N_LAYERS)
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(N_LAYERS))
+            # 4000 tensors at about the same bytes: the small ones are 64 floats each. Buffers,
+            # not parameters: 2000 parameters would spend ~50 ms a step in autograd's and the
+            # optimizer's per-tensor bookkeeping on a 2-core CPU (a step 10x longer, a run of
+            # half an hour); a save handles a buffer as any other tensor of the state.
+            for i in range(n_small):
+                self.register_buffer(f"small_{i}", torch.zeros(64))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x = batch
+            for layer in self.layers:
+                x = torch.relu(layer(x))
+            return x.square().mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=1e-4, momentum=0.9, foreach=True)
+
+    return Net()
+
+
+class Batches:
+    """An endless loader of one batch (no I/O: the step is the model's time alone)."""
+
+    def __init__(self, width: int, batch: int, device: str) -> None:
+        import torch
+
+        self.x = torch.randn(batch, width, generator=torch.Generator().manual_seed(0)).to(device)
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            yield self.x
+
+
+def clock(warm_until: int, steps: int) -> Any:
+    """A callback timing ``steps`` steps from ``on_train_batch_start`` of step ``warm_until + 1``
+    to ``on_train_batch_start`` of the step after them, so every hook of the last timed step,
+    the saves included, lies inside the window."""
+    import time as _time
+
+    import lightning as L
+
+    class Clock(L.Callback):
+        def __init__(self) -> None:
+            self.t0 = self.t1 = 0.0
+
+        def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+            if trainer.global_step == warm_until:
+                self.t0 = _time.perf_counter()
+            elif trainer.global_step == warm_until + steps:
+                self.t1 = _time.perf_counter()
+
+    return Clock()
+
+
+def dcp_callback(dirpath: str, every: int, group: Any) -> Any:
+    """(d): DCP ``async_save`` every ``every`` steps from a callback, one save in flight."""
+    import lightning as L
+    import torch.distributed.checkpoint as dcp
+
+    class DcpAsyncSave(L.Callback):
+        def __init__(self) -> None:
+            self.pending: Any = None
+            self.dirs: list[str] = []
+
+        def _wait(self) -> None:
+            if self.pending is not None:
+                self.pending.result()
+                self.pending = None
+
+        def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+            if trainer.global_step % every:
+                return
+            self._wait()  # at most one in flight: the next save waits for the previous one
+            if len(self.dirs) >= 2 and trainer.is_global_zero:  # keep the last two, like ours
+                shutil.rmtree(self.dirs.pop(0), ignore_errors=True)
+            path = os.path.join(dirpath, f"step-{trainer.global_step}")
+            self.dirs.append(path)
+            state = {"model": pl_module.state_dict(), "optim": trainer.optimizers[0].state_dict()}
+            self.pending = dcp.async_save(state, checkpoint_id=path, process_group=group)
+
+        def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            self._wait()
+
+    return DcpAsyncSave()
+
+
+def window(every: int, args: argparse.Namespace) -> int:
+    """Timed steps of a fit saving every ``every`` steps: ``--steps``, and at least ``--saves`` saves."""
+    return max(args.steps, args.saves * every) if every else args.steps
+
+
+def one_fit(
+    method: str, every: int, args: argparse.Namespace, n_tensors: int, root: str, group: Any
+) -> tuple[float, list[float]]:
+    """Steps per second of one fit's timed window, and (ours) each timed save's blocking
+    time without its wait for the previous save (``Saver.history``)."""
+    import warnings
+
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO
+
+    warm_until = every + 1 if method != "none" else 3  # the first save is done before the window
+    steps = window(every, args)
+    dirpath = os.path.join(root, f"{method}-{every}-{n_tensors}-{time.monotonic_ns()}")
+    probe = clock(warm_until, steps)
+    callbacks: list[Any] = [probe]
+    plugins: list[Any] = []
+    if method in ("torch_io", "async_io"):
+        callbacks.append(ModelCheckpoint(dirpath=dirpath, every_n_train_steps=every, save_top_k=1))
+        if method == "async_io":
+            plugins.append(AsyncCheckpointIO())
+    elif method == "dcp_async":
+        callbacks.append(dcp_callback(dirpath, every, group))
+    elif method in ("ours", "ours_overlap"):
+        callbacks.append(PreemptionCallback(dirpath, every_n_train_steps=every, keep_last_n=2))
+        plugins.append(ShardedAsyncCheckpointIO(overlap_staging=method == "ours_overlap"))
+    trainer = L.Trainer(
+        max_steps=warm_until + steps + 1,
+        accelerator="gpu" if args.device == "cuda" else "cpu",
+        devices=args.world,
+        # (buffers never change here: no broadcast of 3976 of them every step)
+        strategy=DDPStrategy(broadcast_buffers=False) if args.world > 1 else "auto",
+        callbacks=callbacks,
+        plugins=plugins or None,
+        enable_checkpointing=method in ("torch_io", "async_io"),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "the dataloader has no __len__", "few workers": same for every row
+        trainer.fit(build(args.width, n_tensors), Batches(args.width, args.batch, args.device))
+    if trainer.is_global_zero:
+        shutil.rmtree(dirpath, ignore_errors=True)
+    blocked: list[float] = []
+    if plugins and isinstance(plugins[0], ShardedAsyncCheckpointIO):
+        blocked = [
+            r.blocking_s - r.waited_s for r in plugins[0].saver.history if warm_until < r.step <= warm_until + steps
+        ]
+    return steps / (probe.t1 - probe.t0), blocked
+
+
+def rows_of(args: argparse.Namespace) -> list[tuple[str, int, int]]:
+    """(method, interval, tensors) of every fit in one round; the baseline once per tensor count."""
+    out: list[tuple[str, int, int]] = []
+    for n in args.tensors:
+        out.append(("none", 0, n))
+        out += [(m, every, n) for every in args.every for m in args.methods[1:]]
+    return out
+
+
+def copy_floor(width: int, n_tensors: int, device: str, repeats: int = 7) -> float:
+    """Seconds to copy the fit's state (parameters and SGD momentum, as many tensors) into
+    preallocated, touched buffers with one ``_foreach_copy_``: the blocking floor of a save.
+    Caches are flushed before each copy (64 MiB written): in a fit the step and the writer
+    evict the state between two saves, and a state of a few MiB copied in a hot loop would
+    stay in the cache and set a floor no save can meet. On CUDA: device to pinned host
+    buffers, synchronized (what the stager does there)."""
+    import torch
+
+    cuda = device == "cuda"
+    model = build(width, n_tensors).to(device)
+    params = [p.detach() for p in model.parameters()]
+    sources = [*params, *params, *model.buffers()]  # + one momentum buffer each
+    buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) for t in sources]
+    torch._foreach_copy_(buffers, sources, non_blocking=cuda)  # touched
+    scratch = torch.empty(16 << 20, dtype=torch.float32)
+    times = []
+    for i in range(repeats):
+        scratch.fill_(float(i))
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        torch._foreach_copy_(buffers, sources, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return median(times)
+
+
+def worker(args: argparse.Namespace) -> int:
+    """One rank of a world: every fit of every round, in the same interleaved order on each rank."""
+    import logging
+
+    import torch
+    import torch.distributed as dist
+
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    logging.getLogger("lightning_preempt").setLevel(logging.WARNING)
+    group = None
+    if args.world > 1:
+        backend = "nccl" if args.device == "cuda" else "gloo"
+        if args.device == "cuda":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(backend)  # Lightning's DDP finds it initialised and uses it
+        group = dist.new_group(backend="gloo")  # DCP's background collectives stay off DDP's group
+    rank = int(os.environ.get("RANK", "0"))
+    root = os.path.join(args.root, f"world{args.world}")
+    results: dict[str, Any] = {"rates": {}, "blocked": {}, "floor": {}}
+    rows = rows_of(args)
+    started = time.perf_counter()
+    for n in args.tensors:  # a process's first fit pays one-time costs (lazy imports, first touches)
+        one_fit("none", 0, argparse.Namespace(**{**vars(args), "steps": 3}), n, root, group)
+    for rnd in range(args.rounds):
+        for method, every, n in rows if rnd % 2 == 0 else list(reversed(rows)):
+            t0 = time.perf_counter()
+            rate, blocked = one_fit(method, every, args, n, root, group)
+            key = f"{method}|{every}|{n}"
+            results["rates"].setdefault(key, []).append(rate)
+            results["blocked"].setdefault(key, []).append(blocked)
+            if rank == 0:
+                print(f"bench_fit_overhead: {args.world} rank(s) round {rnd + 1}/{args.rounds} {key}: "
+                      f"{rate:.1f} steps/s, fit {time.perf_counter() - t0:.1f}s, "
+                      f"total {time.perf_counter() - started:.0f}s", file=sys.stderr, flush=True)  # fmt: skip
+        for n in args.tensors:  # once a round, between the fits (same process, same memory state)
+            results["floor"].setdefault(str(n), []).append(copy_floor(args.width, n, args.device))
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(results, f)
+    return 0
+
+
+# ---------------------------------------------------------------- the parent
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_world(world: int, args: argparse.Namespace, root: str) -> dict[str, Any]:
+    """Start ``world`` ranks (Lightning's environment variables: it launches none itself)."""
+    out = os.path.join(root, f"results-{world}.json")
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
+               "RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0", "GROUP_RANK": "0"}  # fmt: skip
+        if world == 1:
+            for name in ("MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK"):
+                env.pop(name)
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--world", str(world), "--out", out,
+               "--root", root, *worker_argv(args)]  # fmt: skip
+        # Lightning's banner lines ("GPU available", tips) go to the workers' stdout: dropped
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL))
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise SystemExit(f"bench_fit_overhead: a {world}-rank worker failed (exit codes {codes})")
+    with open(out) as f:
+        return dict(json.load(f))
+
+
+def worker_argv(args: argparse.Namespace) -> list[str]:
+    return ["--width", str(args.width), "--batch", str(args.batch), "--steps", str(args.steps),
+            "--saves", str(args.saves), "--rounds", str(args.rounds), "--every", ",".join(map(str, args.every)),
+            "--tensors", ",".join(map(str, args.tensors)), "--device", args.device,
+            "--methods", ",".join(args.methods)]  # fmt: skip
+
+
+def report(results: dict[int, dict[str, Any]], args: argparse.Namespace, took: float, load: tuple[str, str]) -> str:
+    rows, verdicts, blocking_rows, overlap_lines = [], [], [], []
+    others = [m for m in args.methods if m in ("torch_io", "async_io", "dcp_async")]
+    ours = [m for m in args.methods if m.startswith("ours")]
+    for world, res in results.items():
+        rates = res["rates"]
+        for n in args.tensors:
+            base = rates[f"none|0|{n}"]
+            rows.append([str(world), str(n), "—", LABELS["none"], f"{median(base):.1f}", fmt_range(base), "—"])
+            floor = median(res["floor"][str(n)])
+            for every in args.every:
+                over: dict[str, float] = {}
+                for m in args.methods[1:]:
+                    got = rates[f"{m}|{every}|{n}"]
+                    over[m] = 100 * median([b / r - 1 for b, r in zip(base, got, strict=True)])
+                    rows.append([str(world), str(n), str(every), LABELS[m], f"{median(got):.1f}",
+                                 fmt_range(got), f"{over[m]:+.1f}%"])  # fmt: skip
+                for m in ours:
+                    fits = res["blocked"][f"{m}|{every}|{n}"]
+                    per_fit = [median(b) for b in fits if b]
+                    if not per_fit:
+                        continue
+                    ratios = [b / floor for b in per_fit]
+                    met = sum(r <= 1.2 for r in ratios)
+                    blocking_rows.append([str(world), str(n), str(every), LABELS[m],
+                                          f"{1e3 * median(per_fit):.2f}", f"{1e3 * floor:.2f}",
+                                          f"{median(ratios):.2f}", f"{met} of {len(ratios)}"])  # fmt: skip
+                if "ours_overlap" in over and "ours" in over:  # decides save/overlap.py's AUTO_ON_CUDA
+                    better = over["ours_overlap"] < over["ours"]
+                    overlap_lines.append(f"- {world} rank(s), {n} tensors, every {every}: overlap_staging=True "
+                                         f"{over['ours_overlap']:+.1f}% vs off {over['ours']:+.1f}%: "
+                                         f"{'on is better' if better else 'off is better or equal'}")  # fmt: skip
+                target = {1: 10.0, 10: 2.0}.get(every)
+                for m in ours:
+                    line = f"- {world} rank(s), {n} tensors, every {every}: {m} {over[m]:+.1f}%"
+                    if target is not None:
+                        line += f" (target <= {target:g}%: {'met' if over[m] <= target else 'MISSED'})"
+                    if others:
+                        best = min(others, key=lambda o: over[o])
+                        ahead = all(over[m] < over[o] for o in others)
+                        line += f"; ahead of (b)-(d): {'yes' if ahead else 'NO'} (best other {over[best]:+.1f}%)"
+                    verdicts.append(line)
+    state_mib = 2 * N_LAYERS * (args.width * args.width + args.width) * 4 / MiB
+    return "\n".join([
+        f"### Whole-fit overhead: {N_LAYERS} Linear {args.width}x{args.width} + SGD momentum "
+        f"(~{state_mib:.1f} MiB of state), batch {args.batch}, device {args.device}",
+        "",
+        f"{args.rounds} round(s); timed window a fit: max({args.steps} steps, {args.saves} saves). "
+        f"Machine: {machine_notes()}; run took {took:.0f}s",
+        f"`uptime` before: {load[0]}; after: {load[1]}",
+        "",
+        table(["ranks", "tensors", "save every", "method", "steps/s (median)", "range", "overhead"], rows),
+        "",
+        "Overhead = median over rounds of (no-checkpointing rate / row rate - 1); targets for ours: "
+        "<= 2% every 10 steps, <= 10% every step, ahead of (b)-(d) in every row.",
+        "",
+        *verdicts,
+        *(["", f"The overlap switch (`AUTO_ON_CUDA` in save/overlap.py; device {args.device}):", *overlap_lines]
+          if overlap_lines else []),
+        "",
+        "Time a save of ours blocks training inside these fits (`Saver.history`: split, skeleton, "
+        "staging copy; without the wait for the previous save), per fit the median over its timed "
+        "saves, against the copy floor (the same tensors, one `_foreach_copy_` into touched buffers, "
+        "caches flushed before each copy, measured in the same process between the fits; under DDP "
+        "a rank stages about 1/N of it):",
+        "",
+        table(["ranks", "tensors", "save every", "method", "blocks (ms)", "copy floor (ms)",
+               "blocks / floor", "fits <= 1.2x"], blocking_rows),
+    ])  # fmt: skip
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny sizes, 1 round, 1 rank: the code paths")
+    p.add_argument("--dry-run", action="store_true", help="--quick with every method (the overlap rows too)")
+    p.add_argument("--width", type=int, default=384, help="Linear width (default 384: ~7 MiB of state)")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--steps", type=int, default=40, help="timed steps a fit, at least (default 40)")
+    p.add_argument("--saves", type=int, default=3, help="timed saves a fit, at least (default 3)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--every", type=ints, default=[1, 10, 100], help="save intervals (default 1,10,100)")
+    p.add_argument("--tensors", type=ints, default=[24, 4000], help="tensor counts (default 24,4000)")
+    p.add_argument("--ranks", type=ints, default=[1, 2], help="world sizes (default 1,2)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda when available)")
+    p.add_argument("--methods", type=lambda t: t.split(","), default=None,
+                   help=f"rows (default: all of {','.join(METHODS)}; ours_overlap only on CUDA)")  # fmt: skip
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--root", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.device == "auto":
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.methods is None:
+        # On CUDA ours runs twice, overlap_staging off and on: the row pair that decides
+        # save/overlap.py's AUTO_ON_CUDA (docs/staging.md). On CPU overlap is known to cost.
+        args.methods = [m for m in METHODS if m != "ours_overlap" or args.device == "cuda" or args.dry_run]
+    unknown = [m for m in args.methods if m not in METHODS]
+    if unknown or args.methods[0] != "none":
+        p.error(f"--methods: start with none, choose from {','.join(METHODS)} (got {','.join(args.methods)})")
+    if args.worker:
+        return worker(args)
+    given = argv if argv is not None else sys.argv[1:]
+    if args.quick or args.dry_run:
+        args.width, args.steps, args.saves, args.rounds = 32, 4, 2, 1
+        args.every, args.tensors = [1, 2], [24, 100]
+        if "--ranks" not in given:
+            args.ranks = [1]
+    if args.device == "cuda":
+        import torch
+
+        args.ranks = [w for w in args.ranks if w <= torch.cuda.device_count()]
+    load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    started = time.perf_counter()
+    root = tempfile.mkdtemp(prefix="lp-fit-overhead-")
+    try:
+        results = {world: run_world(world, args, root) for world in args.ranks}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    after = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    print(report(results, args, time.perf_counter() - started, (load, after)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
