@@ -20,9 +20,9 @@ from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.lightning import _compat
 from lightning_preempt.lightning.fabric_routing import wrap_save
 from lightning_preempt.save.history import SaveRecord
-from lightning_preempt.save.overlap import resolve as resolve_overlap
 from lightning_preempt.save.saver import Saver
-from lightning_preempt.save.tiers import TwoTier
+from lightning_preempt.staging.overlap import resolve as resolve_overlap
+from lightning_preempt.tiers.two_tier import TwoTier
 
 
 class ShardedAsyncCheckpointIO(CheckpointIO):

@@ -41,10 +41,10 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from lightning_preempt.errors import CheckpointWriteError
-from lightning_preempt.save.staging import copy_all
+from lightning_preempt.staging.stager import copy_all
 
 if TYPE_CHECKING:
-    from lightning_preempt.save.staging import HostStager
+    from lightning_preempt.staging.stager import HostStager
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The engine's two-tier decisions (docs/two-tier.md).
 
-The mechanism (local commit, drain queue, per-tier retention) lives in save/tiers.py; these
+The mechanism (local commit, drain queue, per-tier retention) lives in tiers/two_tier.py; these
 are the policy decisions around it: wiring the saver's tiers, uploading on start what only
 this node holds, where the "already taken" check looks, and how long an emergency snapshot
 may drain.
@@ -15,9 +15,9 @@ from typing import Any
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.format.names import MANIFEST_NAME
 from lightning_preempt.save.saver import Saver
-from lightning_preempt.save.tiers import TwoTier
 from lightning_preempt.storage.diagnose import describe
 from lightning_preempt.storage.store import Store
+from lightning_preempt.tiers.two_tier import TwoTier
 
 log = logging.getLogger(__name__)
 

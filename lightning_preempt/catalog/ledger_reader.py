@@ -1,4 +1,4 @@
-"""Reading the goodput ledger under a checkpoint root (format/ledger.py says what a record is).
+"""Reading the goodput ledger under a checkpoint root (format/ledger_records.py says what a record is).
 
 Everything read is untrusted: names must match the ledger's patterns, every file is read
 with a size bound and checked field by field, and whatever fails is skipped with a note
@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from lightning_preempt.errors import CheckpointError
-from lightning_preempt.format import ledger as fmt
+from lightning_preempt.format import ledger_records as fmt
 from lightning_preempt.format.names import LEDGER_COMPACT_RE, LEDGER_DIR, LEDGER_RECORD_RE, LEDGER_RUN_RE
 from lightning_preempt.storage.store import Store
 

@@ -1,4 +1,4 @@
-"""Overlapped staging under the Trainer: what Lightning's run adds to save/overlap.py.
+"""Overlapped staging under the Trainer: what Lightning's run adds to staging/overlap.py.
 
 The mechanism is framework-neutral; this module only tells it which tensors only an
 optimizer step changes (the module's parameters, the optimizers' state) and settles the

@@ -1,5 +1,5 @@
-"""The static allow-lists of format/unpickle.py's loaders, as qualified names, for the
-torch-free checks (format/state_replay.py, format/metadata_scan.py).
+"""The static allow-lists of format/pickles/unpickle.py's loaders, as qualified names, for the
+torch-free checks (format/pickles/state_replay.py, format/pickles/metadata_scan.py).
 
 They are written out rather than read from torch so that ``lightning-preempt verify`` needs
 neither torch nor NumPy; the NumPy names follow the installed NumPy's major version, read
@@ -75,7 +75,7 @@ _NUMPY_DTYPE_CLASSES = "Bool Int8 Int16 Int32 Int64 UInt8 UInt16 UInt32 UInt64 F
 
 
 def _numpy_globals() -> frozenset[str]:
-    """format/unpickle.py's NumPy names, for the installed NumPy, without importing it."""
+    """format/pickles/unpickle.py's NumPy names, for the installed NumPy, without importing it."""
     try:
         major = int(importlib.metadata.version("numpy").split(".")[0])
     except (importlib.metadata.PackageNotFoundError, ValueError):
@@ -101,7 +101,7 @@ METADATA_CLASSES = frozenset(
 )
 #: Allowed functions, and the class of what they return.
 METADATA_FUNCTIONS = {"torch.serialization._get_layout": "torch.layout"}
-#: Everything format/unpickle.py's ``_MetadataUnpickler`` resolves.
+#: Everything format/pickles/unpickle.py's ``_MetadataUnpickler`` resolves.
 METADATA_GLOBALS = (
     METADATA_CLASSES
     | set(METADATA_FUNCTIONS)

@@ -5,7 +5,7 @@ shapes, so a steady-state save allocates no staging memory; that is also why at 
 one save may be in flight (the writer reads these buffers until it commits). Buffers
 are pinned when CUDA is present, so device-to-host copies run at full PCIe speed.
 Which tensors get a buffer, and which of those are pinned, is the host-memory budget's
-decision (``save/budget.py``); :attr:`HostStager.peak_bytes` is the most staging memory this
+decision (``staging/budget.py``); :attr:`HostStager.peak_bytes` is the most staging memory this
 process held at once (buffers and the budget's chunk), for the budget's tests and benchmark.
 
 :meth:`HostStager.prepare` allocates and touches them ahead of time, on a background
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from lightning_preempt.save.budget import host_cost
+from lightning_preempt.staging.budget import host_cost
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +218,7 @@ class HostStager:
         self, tensors: dict[str, torch.Tensor], deferred: Collection[str], pinned: set[str] | None = None
     ) -> tuple[dict[str, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
         """:meth:`stage` for the keys not in ``deferred``; for those only their buffers, and
-        the ``(buffer, source)`` pairs left to copy (save/overlap.py copies them later)."""
+        the ``(buffer, source)`` pairs left to copy (staging/overlap.py copies them later)."""
         later = {k: t for k, t in tensors.items() if k in deferred}
         staged = self.stage({k: t for k, t in tensors.items() if k not in later}, pinned, keep=later)
         pairs = []

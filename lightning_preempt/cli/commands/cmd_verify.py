@@ -1,6 +1,6 @@
 """``lightning-preempt verify URL [STEP]``: the manifest, every file's size and CRC32C, and
 that the state loads without ``trust_checkpoints``. Needs no torch: the last check replays
-what the loader's unpickling would accept (format/state_replay.py, format/metadata_scan.py) instead of loading.
+what the loader's unpickling would accept (format/pickles/state_replay.py, format/pickles/metadata_scan.py) instead of loading.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from lightning_preempt.cli.output import ProgressBar
 from lightning_preempt.cli.plan import format_bytes
 from lightning_preempt.cli.resolve import resolve_checkpoint, storage_call
 from lightning_preempt.errors import UntrustedCheckpointError
-from lightning_preempt.format.layout import data_store
+from lightning_preempt.format.generations import data_store
 from lightning_preempt.format.manifest import Manifest
-from lightning_preempt.format.metadata_scan import check_metadata_pickle
 from lightning_preempt.format.names import DCP_METADATA_NAME, STATE_RE
-from lightning_preempt.format.state_replay import check_state_pickle
+from lightning_preempt.format.pickles.metadata_scan import check_metadata_pickle
+from lightning_preempt.format.pickles.state_replay import check_state_pickle
 from lightning_preempt.read.verify import verify_checkpoint
 from lightning_preempt.storage.store import Store
 
@@ -79,7 +79,7 @@ def check_loadable(store: Store, manifest: Manifest) -> None:
     state and DCP's ``.metadata`` would load with the allow-list only.
 
     Nothing is unpickled with real classes and torch is not imported: the pickles are
-    replayed against the loader's allow-lists (format/allowlists.py), which raise what
+    replayed against the loader's allow-lists (format/pickles/allowlists.py), which raise what
     the load would raise (tests/unit/test_pickle_replay.py compares the two).
     """
     files = data_store(store, manifest)  # a replaced checkpoint's files live in its generation dir

@@ -34,10 +34,10 @@ from lightning_preempt.collective import groups as pdist
 from lightning_preempt.errors import CheckpointError, CorruptCheckpointError
 from lightning_preempt.format.manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from lightning_preempt.format.names import MANIFEST_NAME, dir_step, is_checkpoint_file, writer_of
-from lightning_preempt.save.drain import copy_files
 from lightning_preempt.storage import local
 from lightning_preempt.storage.checksum import Crc32c
 from lightning_preempt.storage.store import CHUNK_BYTES, Store
+from lightning_preempt.tiers.drain import copy_files
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
-"""Would reading DCP's ``.metadata`` (``read_dcp_metadata`` in format/unpickle.py) accept
+"""Would reading DCP's ``.metadata`` (``read_dcp_metadata`` in format/pickles/unpickle.py) accept
 it? Answered without torch, for the operator CLI's ``verify``.
 
 * :func:`check_metadata_pickle`: ``.metadata`` through an unpickler whose ``find_class``
   returns recording stand-ins for
-  :data:`~lightning_preempt.format.allowlists.METADATA_GLOBALS` only, then
+  :data:`~lightning_preempt.format.pickles.allowlists.METADATA_GLOBALS` only, then
 * :func:`check_dcp_structure`: the structural check, written once for real DCP objects
   (the load path) and stand-ins alike.
 
@@ -19,15 +19,15 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from lightning_preempt.errors import CheckpointError, CorruptCheckpointError, UntrustedCheckpointError
-from lightning_preempt.format.allowlists import (
+from lightning_preempt.format.manifest import Manifest
+from lightning_preempt.format.names import SHARD_RE
+from lightning_preempt.format.pickles.allowlists import (
     DCP_MD,
     METADATA_CLASSES,
     METADATA_FUNCTIONS,
     METADATA_GLOBALS,
     STORAGE_INFO,
 )
-from lightning_preempt.format.manifest import Manifest
-from lightning_preempt.format.names import SHARD_RE
 
 
 class _Stub:
@@ -80,7 +80,7 @@ def _stub_class(qualified: str) -> type[_Stub]:
 
 
 class _MetadataStubUnpickler(pickle.Unpickler):
-    """format/unpickle.py's ``_MetadataUnpickler`` with stand-ins in place of torch's classes."""
+    """format/pickles/unpickle.py's ``_MetadataUnpickler`` with stand-ins in place of torch's classes."""
 
     def __init__(self, file: Any, path: str) -> None:
         super().__init__(file)

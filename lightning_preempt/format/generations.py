@@ -1,5 +1,5 @@
 """Where a committed checkpoint's files live: beside its manifest, or in the generation
-directory its manifest names (a checkpoint replaced at the same path, see save/layout.py).
+directory its manifest names (a checkpoint replaced at the same path, see write/replace.py).
 """
 
 from __future__ import annotations

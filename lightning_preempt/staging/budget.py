@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 from lightning_preempt.errors import CheckpointWriteError
 
 if TYPE_CHECKING:
-    from lightning_preempt.save.staging import HostStager
+    from lightning_preempt.staging.stager import HostStager
 
 log = logging.getLogger(__name__)
 

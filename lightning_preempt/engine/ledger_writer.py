@@ -1,6 +1,6 @@
 """The goodput ledger's writer: what the engine measured, written off the training thread.
 
-Rank 0 of a run writes every record (format/ledger.py) as one create-only file under
+Rank 0 of a run writes every record (format/ledger_records.py) as one create-only file under
 ``<dirpath>/.lp-ledger/<run id>/``; the training thread only appends to a queue. A thread of
 the ledger's own does the I/O, so a slow bucket never delays a step, a save or the emergency
 sequence (which flushes the ledger last, within what is left of the grace period). A write
@@ -23,9 +23,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from lightning_preempt.catalog.goodput import summarize
-from lightning_preempt.catalog.ledger import RunLedger, ledger_store, read_run
+from lightning_preempt.catalog.ledger_reader import RunLedger, ledger_store, read_run
 from lightning_preempt.errors import CheckpointError
-from lightning_preempt.format import ledger as fmt
+from lightning_preempt.format import ledger_records as fmt
 from lightning_preempt.format.names import ledger_compact_name, ledger_record_name
 from lightning_preempt.storage.store import Store
 
@@ -95,7 +95,7 @@ class Ledger:
 
     # ---- the training thread's side: queue a record (cheap) ------------------------------------
     def add(self, kind: str, **fields: Any) -> None:
-        """Queue a record of ``kind`` (format/ledger.py lists the fields)."""
+        """Queue a record of ``kind`` (format/ledger_records.py lists the fields)."""
         if not self.enabled:
             return
         with self._lock:

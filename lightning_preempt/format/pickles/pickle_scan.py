@@ -3,8 +3,8 @@ torch): :func:`pickle_globals` for a pickle's bytes, :func:`pickled_globals` for
 ``data.pkl`` inside a ``torch.save`` file.
 
 Whether a checkpoint's pickles load without ``trust_checkpoints`` is another question,
-answered by format/state_replay.py (per-rank state) and format/metadata_scan.py (DCP's
-``.metadata``) against the static allow-lists of format/allowlists.py.
+answered by format/pickles/state_replay.py (per-rank state) and format/pickles/metadata_scan.py (DCP's
+``.metadata``) against the static allow-lists of format/pickles/allowlists.py.
 """
 
 from __future__ import annotations

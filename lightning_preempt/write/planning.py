@@ -13,7 +13,7 @@ the same. :class:`CachingSavePlanner` is DCP's ``DefaultSavePlanner`` that reuse
 * the global plan and metadata when the local plans it is given equal the last ones
   (compared field by field, as gathered from every rank);
 * beside them, what the writer derives from a plan: the shard files' layout
-  (save/record_layout.py) and the pickled ``.metadata`` (save/dcp_metadata.py).
+  (write/record_layout.py) and the pickled ``.metadata`` (write/dcp_metadata.py).
 
 Across ranks (``collective=True``) the plans need not travel either: DCP gathers every
 rank's local plan to the coordinator and scatters the global plans back, pickles of one
@@ -43,8 +43,8 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
-from lightning_preempt.save.dcp_metadata import MetadataPickles
-from lightning_preempt.save.record_layout import RecordLayout
+from lightning_preempt.write.dcp_metadata import MetadataPickles
+from lightning_preempt.write.record_layout import RecordLayout
 
 
 @dataclasses.dataclass
@@ -61,9 +61,9 @@ class PlanCache:
     all_tokens: list[str | None] | None = None
     final_plan: SavePlan | None = None  # this rank's plan as DCP finished it last time
     hits: dict[str, int] = dataclasses.field(default_factory=lambda: {"local": 0, "global": 0, "unsent": 0})
-    #: the shard files the plan above wrote, to write again (save/record_layout.py)
+    #: the shard files the plan above wrote, to write again (write/record_layout.py)
     records: RecordLayout | None = dataclasses.field(default=None, repr=False, compare=False)
-    #: ``.metadata`` pickled for the plan above (save/dcp_metadata.py)
+    #: ``.metadata`` pickled for the plan above (write/dcp_metadata.py)
     metadata_pickles: MetadataPickles = dataclasses.field(default_factory=MetadataPickles, repr=False, compare=False)
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
 

@@ -3,7 +3,7 @@
 ``.metadata`` is one pickle of DCP's ``Metadata``: an entry per tensor (properties, sizes,
 chunks, where its record lies). Pickling 4000 entries costs ~0.1 s (``torch.Size`` and
 dataclass reduces, in C), more than the disk needs for the bytes those tensors fill. While
-DCP's plan is reused (save/planning.py) and every record keeps its place in the shard
+DCP's plan is reused (write/planning.py) and every record keeps its place in the shard
 files, all of it is the same save after save except ``storage_meta`` (this save's path and
 id) and ``version``.
 
@@ -56,7 +56,7 @@ class MetadataPickles:
         ``results``)."""
         # The same objects (the PlanCache hands out the same metadata while the plan holds;
         # held here, so never a new object at an old address) and the same record places:
-        # the same result lists (a replayed layout, save/record_layout.py) or equal places.
+        # the same result lists (a replayed layout, write/record_layout.py) or equal places.
         with self._lock:
             last = self._key
         same_lists = last is not None and len(results) == len(last[3]) and all(

@@ -38,12 +38,12 @@ from lightning_preempt.errors import CheckpointError, CheckpointExistsError, Che
 from lightning_preempt.format.dcp_compat import dcp_save_tensors
 from lightning_preempt.format.manifest import FileEntry, Manifest
 from lightning_preempt.format.names import MANIFEST_NAME, state_file
-from lightning_preempt.save.budget import Streamed
-from lightning_preempt.save.dcp_writer import ChecksummingWriter
-from lightning_preempt.save.layout import WritePlan, abandon, finish_write, plan_write
-from lightning_preempt.save.planning import CachingSavePlanner, PlanCache
+from lightning_preempt.staging.budget import Streamed
 from lightning_preempt.storage.checksum import Crc32c
 from lightning_preempt.storage.store import Store
+from lightning_preempt.write.dcp_writer import ChecksummingWriter
+from lightning_preempt.write.planning import CachingSavePlanner, PlanCache
+from lightning_preempt.write.replace import WritePlan, abandon, finish_write, plan_write
 
 _STORAGE_HINT = (
     "Check that the storage is reachable, writable and has space; earlier committed checkpoints are "
@@ -71,7 +71,7 @@ class SaveRequest:
     #: Written to the manifest when set: retention given a run id spares other runs' checkpoints.
     run_id: str | None = None
     #: Tensors of ``tensors`` that are the training state's own, not staged copies (over the
-    #: host-memory budget, ``save/budget.py``): written first, then the training resumes.
+    #: host-memory budget, ``staging/budget.py``): written first, then the training resumes.
     streamed: Streamed | None = None
 
 
@@ -86,7 +86,7 @@ def write_checkpoint(
 
     With ``group`` every rank of it must call this for the same checkpoint.
     ``plan_cache``: DCP plans of the previous save to reuse when the structure is the
-    same (:mod:`lightning_preempt.save.planning`).
+    same (:mod:`lightning_preempt.write.planning`).
     """
     root = Store(request.url, request.storage_options)
     rank, world = pdist.rank(group) if group else 0, pdist.world_size(group) if group else 1

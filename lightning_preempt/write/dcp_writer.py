@@ -14,13 +14,13 @@ bytes reach storage:
   never checks it. Our writer threads skip it (:func:`_skip_zip_crc32`): the CRC32C of
   every file in the manifest covers the same bytes. The records then carry CRC 0;
   ``torch.load`` / ``dcp.load`` read them as usual.
-* tensor records are written by :func:`save.records.write_tensor_record` (one template per
+* tensor records are written by :func:`write.records.write_tensor_record` (one template per
   dtype and shape instead of a ``torch.save`` call per tensor) through a buffered stream,
   so thousands of small tensors become a few large sequential writes and CRC32C updates
   (:meth:`ChecksummingWriter.write_data`); the file format is DCP's, unchanged.
 * ``.metadata`` is pickled once per DCP plan, only this save's path and id afresh
-  (``save/dcp_metadata.py``);
-* tensors the host-memory budget streams (``save/budget.py``) are written first, from the
+  (``write/dcp_metadata.py``);
+* tensors the host-memory budget streams (``staging/budget.py``) are written first, from the
   training state (through the budget's host chunk when on a device), and the save is
   released as soon as they are: the files differ only in the order of their records.
 """
@@ -47,12 +47,12 @@ from torch.futures import Future
 from lightning_preempt.format import dcp_compat as _compat
 from lightning_preempt.format.manifest import FileEntry
 from lightning_preempt.format.names import DCP_METADATA_NAME
-from lightning_preempt.save.budget import Streamed
-from lightning_preempt.save.planning import PlanCache
-from lightning_preempt.save.record_layout import Entry, RecordLayout, entry, replay_file, results_of
-from lightning_preempt.save.records import write_tensor_record
+from lightning_preempt.staging.budget import Streamed
 from lightning_preempt.storage.checksum import Crc32c
 from lightning_preempt.storage.store import Store
+from lightning_preempt.write.planning import PlanCache
+from lightning_preempt.write.record_layout import Entry, RecordLayout, entry, replay_file, results_of
+from lightning_preempt.write.records import write_tensor_record
 
 _thread_state = threading.local()
 #: Writes smaller than this are gathered into one write (and one CRC32C update). 1 MiB
@@ -185,7 +185,7 @@ class ChecksummingWriter(_compat.FsspecWriter):
         self.path = store.path()
         self._store = store
         self.streamed = streamed
-        #: plans, ``.metadata`` and file layouts of the previous saves (save/planning.py)
+        #: plans, ``.metadata`` and file layouts of the previous saves (write/planning.py)
         self.plan_cache = plan_cache
 
     @property
@@ -288,7 +288,7 @@ class ChecksummingWriter(_compat.FsspecWriter):
         return _run_files(lambda i: write(names[i], buckets[i], files[i]), len(buckets), remember)
 
     def _replay(self, layout: RecordLayout, state_dict: dict[str, Any]) -> Future[list[WriteResult]]:
-        """:meth:`write_data` of a plan written before (save/record_layout.py)."""
+        """:meth:`write_data` of a plan written before (write/record_layout.py)."""
 
         moved: list[int] = []
 
@@ -318,7 +318,7 @@ class ChecksummingWriter(_compat.FsspecWriter):
         with self.fs.create_stream(posixpath.join(self.path, DCP_METADATA_NAME), "wb") as f:
             if self.plan_cache is None:
                 pickle.dump(metadata, f)
-            else:  # the entries pickled once per plan (save/dcp_metadata.py)
+            else:  # the entries pickled once per plan (write/dcp_metadata.py)
                 f.write(self.plan_cache.metadata_pickles.dumps(metadata, results))
 
 

@@ -3,7 +3,7 @@
 Writing a DCP plan item by item costs ~40 us per tensor in Python besides the bytes
 (finding the tensor, checking it can take a template, the template, ``WriteResult`` and
 ``_StorageInfo`` objects, two ``tell`` calls). A save whose local plan was reused
-(save/planning.py: the same staging buffers, dtypes, shapes and strides as last time) and
+(write/planning.py: the same staging buffers, dtypes, shapes and strides as last time) and
 whose items are the same writes every record at the same place as last time. So the first
 save of a plan records, per file, each item's key, template and length
 (:class:`RecordLayout`); later saves of that plan write ``head + the tensor's bytes + tail``
@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
 from lightning_preempt.format import dcp_compat as _compat
-from lightning_preempt.save.records import write_tensor_record
+from lightning_preempt.write.records import write_tensor_record
 
 
 class Entry(NamedTuple):

@@ -12,7 +12,7 @@ small, fixed set, every member of which the weights-only path also allows
 codec, and NumPy arrays/scalars when the pickle names NumPy. Anything else (sparse,
 quantized or subclassed tensors, parameters, a global off the list) raises
 :class:`OffFastPath` at its first mention, before anything it names is called, and the
-caller loads the bytes again through ``weights_only`` (format/unpickle.py), which decides
+caller loads the bytes again through ``weights_only`` (format/pickles/unpickle.py), which decides
 and words the error. So this path accepts a subset of what that one accepts, never more;
 docs/security.md.
 """

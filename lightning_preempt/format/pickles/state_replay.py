@@ -1,9 +1,9 @@
-"""Would ``load_state_bytes`` (format/unpickle.py) accept this ``state-rankNNNNN.pt``?
+"""Would ``load_state_bytes`` (format/pickles/unpickle.py) accept this ``state-rankNNNNN.pt``?
 Answered without torch, for the operator CLI's ``verify``.
 
 :func:`check_state_pickle` opens the ``torch.save`` zip as torch's reader does and replays
 its ``data.pkl`` through the rules of ``torch.load(weights_only=True)`` with
-:data:`~lightning_preempt.format.allowlists.STATE_GLOBALS` allowed: the same opcodes, the
+:data:`~lightning_preempt.format.pickles.allowlists.STATE_GLOBALS` allowed: the same opcodes, the
 same refusals, with inert stand-ins where torch builds tensors and arrays. It raises the
 :class:`UntrustedCheckpointError` or :class:`CorruptCheckpointError` the load would raise;
 tests/unit/test_pickle_replay.py runs both on the same bytes.
@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_preempt.errors import CheckpointError, CorruptCheckpointError, UntrustedCheckpointError
-from lightning_preempt.format.allowlists import BLOCKED_MODULES, NUMPY_DTYPE_CODES, STATE_GLOBALS, py2_rename
+from lightning_preempt.format.pickles.allowlists import BLOCKED_MODULES, NUMPY_DTYPE_CODES, STATE_GLOBALS, py2_rename
 
 TRUST_HINT = (
     "Load it only if you trust everyone who can write this storage: pass "

@@ -34,10 +34,10 @@ from lightning_preempt.errors import CheckpointError, CorruptCheckpointError, Un
 from lightning_preempt.format import TensorRef
 from lightning_preempt.format import dcp_compat as _compat
 from lightning_preempt.format.containers import map_leaves
-from lightning_preempt.format.fast_unpickle import OffFastPath, fast_load_state, numpy_globals
 from lightning_preempt.format.manifest import Manifest
-from lightning_preempt.format.metadata_scan import check_dcp_structure
 from lightning_preempt.format.names import DCP_METADATA_NAME
+from lightning_preempt.format.pickles.fast_unpickle import OffFastPath, fast_load_state, numpy_globals
+from lightning_preempt.format.pickles.metadata_scan import check_dcp_structure
 from lightning_preempt.storage.store import Store
 
 TRUST_HINT = (
@@ -72,7 +72,7 @@ def load_state_bytes(data: bytes, *, path: str, trusted: bool = False, map_locat
     if trusted:
         return torch.load(io.BytesIO(data), map_location=location, weights_only=False)
     try:
-        return fast_load_state(data, location)  # the common case, ~10x faster (format/fast_unpickle.py)
+        return fast_load_state(data, location)  # the common case, ~10x faster (format/pickles/fast_unpickle.py)
     except OffFastPath:
         pass  # weights_only decides (it allows a superset) and words any error
     # NumPy's globals only when the pickle can name them (their module's name is in its

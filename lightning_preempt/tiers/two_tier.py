@@ -48,10 +48,10 @@ from lightning_preempt.errors import (
 from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.format.names import MANIFEST_NAME
 from lightning_preempt.read.verify import Verify
-from lightning_preempt.save.drain import drain_files
-from lightning_preempt.save.jobs import JobQueue
 from lightning_preempt.storage.diagnose import describe, is_transient, redact
 from lightning_preempt.storage.store import Store, join_url
+from lightning_preempt.tiers.drain import drain_files
+from lightning_preempt.write.jobs import JobQueue
 
 log = logging.getLogger(__name__)
 

@@ -69,7 +69,7 @@ class _Pickler:
 
 
 #: passed to ``torch.save`` as its ``pickle_module`` (it reads ``__name__`` and ``Pickler``)
-_PICKLE_MODULE = types.SimpleNamespace(__name__="lightning_preempt.save.skeleton_bytes", Pickler=_Pickler,
+_PICKLE_MODULE = types.SimpleNamespace(__name__="lightning_preempt.write.skeleton_bytes", Pickler=_Pickler,
                                        dump=pickle.dump, dumps=pickle.dumps)  # fmt: skip
 
 
