@@ -29,15 +29,13 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from lightning_preempt.errors import CheckpointWriteError
-
-if TYPE_CHECKING:
-    from lightning_preempt.staging.stager import HostStager
+from lightning_preempt.staging.stager import HostStager, host_cost, nbytes
 
 log = logging.getLogger(__name__)
 
@@ -119,17 +117,6 @@ def resolve(host: int | float | None, pinned: int | float | None, *, held_bytes:
     if host_bytes is not None and pinned_bytes is not None:
         pinned_bytes = min(pinned_bytes, host_bytes)
     return Budget(host_bytes, pinned_bytes)
-
-
-def host_cost(nbytes: int, pinned: bool) -> int:
-    """Host bytes a buffer of ``nbytes`` takes: torch's pinned (caching host) allocator rounds
-    every block up to a power of two, and the budget counts what the host gives up."""
-    return 1 << max(nbytes - 1, 0).bit_length() if pinned and nbytes > 0 else nbytes
-
-
-def nbytes(tensor: torch.Tensor) -> int:
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    return local.numel() * local.element_size()
 
 
 @dataclasses.dataclass

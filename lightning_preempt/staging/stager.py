@@ -26,8 +26,6 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from lightning_preempt.staging.budget import host_cost
-
 log = logging.getLogger(__name__)
 
 
@@ -120,8 +118,8 @@ class HostStager:
             buf.zero_()  # touch every page now, not inside the first (emergency) save
             self._buffers[key] = buf
             self._plan = None
-            self.account(host_cost(_nbytes(buf), pin))
-            added += _nbytes(buf)
+            self.account(host_cost(nbytes(buf), pin))
+            added += nbytes(buf)
         self.allocated_bytes += added
         return added
 
@@ -134,7 +132,7 @@ class HostStager:
         pinned = key in self._pinned
         self._pinned.discard(key)
         if buf is not None:
-            self.account(-host_cost(_nbytes(buf), pinned))
+            self.account(-host_cost(nbytes(buf), pinned))
 
     def _wait_prepared(self) -> None:
         prep, self._prep = self._prep, None
@@ -227,7 +225,7 @@ class HostStager:
             buf = self._buffer_for(key, source, self._pins(key, pinned))
             pairs.append((buf, source))
             staged[key] = _like(tensor, buf)
-            self.last_staged_bytes += _nbytes(buf)
+            self.last_staged_bytes += nbytes(buf)
         return {k: staged[k] for k in tensors}, pairs
 
     def _buffer_for(self, key: str, local: torch.Tensor, pin: bool) -> torch.Tensor:
@@ -239,8 +237,8 @@ class HostStager:
                 self._pinned.add(key)
             self._buffers[key] = buf
             self._plan = None
-            self.allocated_bytes += _nbytes(buf)
-            self.account(host_cost(_nbytes(buf), pin))
+            self.allocated_bytes += nbytes(buf)
+            self.account(host_cost(nbytes(buf), pin))
         return buf
 
     def release(self) -> None:
@@ -308,8 +306,16 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
+def host_cost(nbytes: int, pinned: bool) -> int:
+    """Host bytes a buffer of ``nbytes`` takes: torch's pinned (caching host) allocator rounds
+    every block up to a power of two, and the budget counts what the host gives up."""
+    return 1 << max(nbytes - 1, 0).bit_length() if pinned and nbytes > 0 else nbytes
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    """Bytes of ``tensor``'s local data (a DTensor's own shard)."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
 
 
 def _spec(tensor: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
