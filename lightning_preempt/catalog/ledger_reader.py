@@ -37,10 +37,6 @@ class RunLedger:
     def restarts(self) -> list[int]:
         return sorted({r["restart"] for r in self.records})
 
-    def last_seq(self, restart: int) -> int:
-        """The highest sequence number of ``restart`` read (-1: none)."""
-        return max((r["seq"] for r in self.records if r["restart"] == restart), default=-1)
-
 
 @dataclasses.dataclass
 class LedgerRead:

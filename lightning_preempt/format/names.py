@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import Iterable
 
 MANIFEST_NAME = "manifest.json"
 DCP_METADATA_NAME = ".metadata"
@@ -93,11 +92,6 @@ def writer_of(name: str) -> int:
     """The rank that writes ``name`` into a checkpoint (rank 0 for ``.metadata``)."""
     match = SHARD_RE.fullmatch(name) or STATE_RE.fullmatch(name)
     return int(match.group(1)) if match else 0
-
-
-def state_ranks(names: Iterable[str]) -> list[int]:
-    """The ranks whose state files are among ``names``, in order."""
-    return sorted(int(m.group(1)) for n in names if (m := STATE_RE.fullmatch(n)))
 
 
 def is_safe_file_name(name: object) -> bool:

@@ -252,10 +252,6 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         return self.saver.history
 
     @property
-    def last_save(self) -> SaveRecord | None:
-        return self.saver.history[-1] if self.saver.history else None
-
-    @property
     def loaded_from(self) -> str | None:
         """The checkpoint the last ``load_checkpoint`` returned (after any fall-back)."""
         return self.loader.loaded_from

@@ -63,10 +63,6 @@ class HostStager:
         state["_prep"] = None
         return state
 
-    @property
-    def buffer_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
-
     def account(self, delta: int) -> None:
         """Count ``delta`` more (or fewer) bytes of staging memory held (the budget's chunk)."""
         self.held_bytes += delta

@@ -14,7 +14,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from typing import Any
 
 from lightning_preempt.catalog.ownership import remove_if_ours
 from lightning_preempt.collective import agree
@@ -345,15 +344,3 @@ def _remove_partial(dst: Store) -> None:
             dst.url,
             describe_error(err),
         )
-
-
-def drain_url(
-    src_url: str,
-    dst_url: str,
-    *,
-    src_options: dict[str, Any] | None = None,
-    dst_options: dict[str, Any] | None = None,
-    **kwargs: Any,
-) -> Manifest:
-    """:func:`drain_checkpoint` for URLs."""
-    return drain_checkpoint(Store(src_url, src_options), Store(dst_url, dst_options), **kwargs)
