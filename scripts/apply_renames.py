@@ -5,7 +5,8 @@ Usage::
     python scripts/apply_renames.py MAP FILE...      # rewrite FILEs in place
     python scripts/apply_renames.py --check MAP FILE...   # list what would change, exit 1 if any
 
-MAP has one module a line: ``old.dotted.path new.dotted.path`` (``#`` starts a comment).
+MAP (issue 34's: scripts/renames_issue34.txt) has one module a line: ``old.dotted.path
+new.dotted.path`` (``#`` starts a comment).
 Three spellings of a module are rewritten, each only as a whole path (``a.b`` never
 matches inside ``a.bc`` or ``x.a.b``):
 
