@@ -136,7 +136,7 @@ def step_costs(device: torch.device, root: str, width: int, layers: int, batch: 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(batch, width, device=device)
     io = ShardedAsyncCheckpointIO(overlap_staging=True) if overlap else ShardedAsyncCheckpointIO()
-    if overlap:  # what the Trainer front-end declares (lightning/overlap.py)
+    if overlap:  # what the Trainer front-end declares (lightning/overlap_hooks.py)
         io.saver.overlap.stable = lambda: [*model.parameters(),
                                            *(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v))]  # fmt: skip
 

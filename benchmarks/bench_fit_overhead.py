@@ -357,7 +357,7 @@ def report(results: dict[int, dict[str, Any]], args: argparse.Namespace, took: f
                     blocking_rows.append([str(world), str(n), str(every), LABELS[m],
                                           f"{1e3 * median(per_fit):.2f}", f"{1e3 * floor:.2f}",
                                           f"{median(ratios):.2f}", f"{met} of {len(ratios)}"])  # fmt: skip
-                if "ours_overlap" in over and "ours" in over:  # decides save/overlap.py's AUTO_ON_CUDA
+                if "ours_overlap" in over and "ours" in over:  # decides staging/overlap.py's AUTO_ON_CUDA
                     better = over["ours_overlap"] < over["ours"]
                     overlap_lines.append(f"- {world} rank(s), {n} tensors, every {every}: overlap_staging=True "
                                          f"{over['ours_overlap']:+.1f}% vs off {over['ours']:+.1f}%: "
@@ -387,7 +387,7 @@ def report(results: dict[int, dict[str, Any]], args: argparse.Namespace, took: f
         "<= 2% every 10 steps, <= 10% every step, ahead of (b)-(d) in every row.",
         "",
         *verdicts,
-        *(["", f"The overlap switch (`AUTO_ON_CUDA` in save/overlap.py; device {args.device}):", *overlap_lines]
+        *(["", f"The overlap switch (`AUTO_ON_CUDA` in staging/overlap.py; device {args.device}):", *overlap_lines]
           if overlap_lines else []),
         "",
         "Time a save of ours blocks training inside these fits (`Saver.history`: split, skeleton, "
@@ -431,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.methods is None:
         # On CUDA ours runs twice, overlap_staging off and on: the row pair that decides
-        # save/overlap.py's AUTO_ON_CUDA (docs/staging.md). On CPU overlap is known to cost.
+        # staging/overlap.py's AUTO_ON_CUDA (docs/staging.md). On CPU overlap is known to cost.
         args.methods = [m for m in METHODS if m != "ours_overlap" or args.device == "cuda" or args.dry_run]
     unknown = [m for m in args.methods if m not in METHODS]
     if unknown or args.methods[0] != "none":

@@ -105,7 +105,7 @@ def _timed(owner: Any, name: str, into: list[float]) -> None:
 
 
 def run(args: argparse.Namespace) -> str:
-    from lightning_preempt.engine.ledger import Ledger
+    from lightning_preempt.engine.ledger_writer import Ledger
     from lightning_preempt.lightning.reporting import SaveReporter
 
     for method in ("add", "progress"):

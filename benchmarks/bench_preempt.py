@@ -39,32 +39,14 @@ def child_train(args: argparse.Namespace) -> int:
     """Train a ~``size_mib`` MiB MLP with SGD (no momentum: no optimizer state) until SIGTERM."""
     import lightning as L
     import torch
-    from torch.utils.data import DataLoader, Dataset
+    from _models import Big, Noise
+    from torch.utils.data import DataLoader
 
     from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO
 
     torch.manual_seed(0)
     width = 4096
     n_layers = max(1, round(args.size_mib * MiB / (4 * width * width)))
-
-    class Big(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(n_layers)])
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            out: torch.Tensor = self.net(batch).pow(2).mean()
-            return out
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=1e-6)
-
-    class Noise(Dataset[torch.Tensor]):
-        def __len__(self) -> int:
-            return 1_000_000
-
-        def __getitem__(self, i: int) -> torch.Tensor:
-            return torch.ones(width) * (i % 7)
 
     class Status(L.Callback):
         def on_train_batch_end(self, trainer: L.Trainer, *a: Any) -> None:
@@ -82,10 +64,10 @@ def child_train(args: argparse.Namespace) -> int:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    model = Big()
+    model = Big(width, n_layers, lr=1e-6)
     result: dict[str, Any] = {"n_params": sum(p.numel() for p in model.parameters())}
     try:
-        trainer.fit(model, DataLoader(Noise(), batch_size=4))
+        trainer.fit(model, DataLoader(Noise(width), batch_size=4))
     except SystemExit as exc:
         origin = cb.signal_flag.received_at
         result.update(

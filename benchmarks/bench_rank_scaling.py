@@ -49,7 +49,7 @@ def run_world(args: argparse.Namespace, world: int) -> dict[str, list[float]]:
 def exchange(args: argparse.Namespace, repeats: int = 7) -> list[list[str]]:
     """What DCP sends between ranks after the write of a save with an unchanged plan, as DCP
     sent it (every rank's ``WriteResult`` list gathered, the whole ``Metadata`` broadcast)
-    and as it travels now (save/dcp_exchange.py): bytes, and pickling + unpickling time
+    and as it travels now (write/dcp_exchange.py): bytes, and pickling + unpickling time
     (the part of the exchange that is CPU; the transport is on top). From a real save's
     plan cache, one process."""
     import pickle
@@ -57,7 +57,7 @@ def exchange(args: argparse.Namespace, repeats: int = 7) -> list[list[str]]:
     from _common import lightning_style_checkpoint
 
     from lightning_preempt import ShardedAsyncCheckpointIO
-    from lightning_preempt.save.dcp_exchange import KeptMetadata, SentResults
+    from lightning_preempt.write.dcp_exchange import KeptMetadata, SentResults
 
     root = tempfile.mkdtemp(prefix="lp-bench-exchange-", dir=args.dir or "/tmp")
     try:

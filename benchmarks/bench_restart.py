@@ -51,7 +51,8 @@ PHASES = [
 def child(args: argparse.Namespace) -> int:
     import lightning as L
     import torch
-    from torch.utils.data import DataLoader, Dataset
+    from _models import Big, Noise
+    from torch.utils.data import DataLoader
 
     from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO
 
@@ -76,30 +77,12 @@ def child(args: argparse.Namespace) -> int:
     # SGD with momentum: the checkpoint holds weights + one buffer per weight.
     n_layers = max(1, round(args.size_mib * MiB / 2 / (4 * width * width)))
 
-    class Big(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(n_layers)])
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            out: torch.Tensor = self.net(batch).pow(2).mean()
-            return out
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=1e-7, momentum=0.9)
-
+    class Stamped(Big):
         def configure_model(self) -> None:
             stamp("chosen")
 
         def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
             stamp("read")
-
-    class Noise(Dataset[torch.Tensor]):
-        def __len__(self) -> int:
-            return 1_000_000
-
-        def __getitem__(self, i: int) -> torch.Tensor:
-            return torch.ones(width) * (i % 7)
 
     class Probe(L.Callback):
         def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -124,7 +107,7 @@ def child(args: argparse.Namespace) -> int:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(Big(), DataLoader(Noise(), batch_size=4))
+    trainer.fit(Stamped(width, n_layers, lr=1e-7, momentum=0.9), DataLoader(Noise(width), batch_size=4))
     return 0
 
 

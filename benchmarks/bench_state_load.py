@@ -6,7 +6,7 @@ resume RNG states (NumPy and torch) and Lightning's plain containers. Rows, inte
 round by round (best of the rounds):
 
 * ``load_state_bytes``: what resume does (the opcode check, then C pickle);
-* the opcode check alone (``format/fast_guard.py``);
+* the opcode check alone (``format/pickles/fast_guard.py``);
 * C pickle alone, unchecked: the fast road before issue 32 (unsafe: for comparison);
 * ``torch.load(weights_only=True)`` with the same allow-list: the road without the fast one.
 
@@ -27,10 +27,11 @@ import numpy as np
 import torch
 from _common import machine_notes, table
 
-from lightning_preempt.format import TensorRef, fast_unpickle
-from lightning_preempt.format.fast_guard import check_fast_pickle
-from lightning_preempt.format.state_replay import archived_pickle
-from lightning_preempt.format.unpickle import load_state_bytes, skeleton_safe_globals
+from lightning_preempt.format import TensorRef
+from lightning_preempt.format.pickles import fast_unpickle
+from lightning_preempt.format.pickles.fast_guard import check_fast_pickle
+from lightning_preempt.format.pickles.state_replay import archived_pickle
+from lightning_preempt.format.pickles.unpickle import load_state_bytes, skeleton_safe_globals
 
 
 def skeleton(n: int) -> bytes:

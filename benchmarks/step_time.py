@@ -10,7 +10,7 @@ The pair is compared with the same step without a save. The three modes are inte
 by round; the writer's commit is waited for between pairs, outside the timings. The writer
 runs during step k+1 in both save modes alike; the "writer after the step" rows hold it
 until the step is done, so that only the staging copy competes with the step. Uses the framework-neutral ``Saver`` as a
-hand-written loop would (save/saver.py, save/overlap.py).
+hand-written loop would (save/saver.py, staging/overlap.py).
 
     python benchmarks/step_time.py                 # ~190 MiB of state, ~1 min
     python benchmarks/step_time.py --width 1024 --layers 8 --batch 64

@@ -46,12 +46,12 @@ def child_main(args: argparse.Namespace) -> int:
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
-    import lightning_preempt.engine.ledger
+    import lightning_preempt.engine.ledger_writer
     from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO
 
     # A short demo: the goodput ledger notes the last step seen at every step (default: every
     # 10 s), so the report counts a SIGKILL's lost steps exactly, as the demo's own table does.
-    lightning_preempt.engine.ledger.PROGRESS_EVERY_S = 0.0
+    lightning_preempt.engine.ledger_writer.PROGRESS_EVERY_S = 0.0
     torch.set_num_threads(1)
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

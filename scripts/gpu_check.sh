@@ -7,7 +7,7 @@
 #      time and staging GB/s, DCP async_save with DefaultStager, step time with a save;
 #   3. benchmarks/bench_fit_overhead.py --device cuda (issue 33): the whole-fit overhead table
 #      of docs/benchmarks.md on the GPU, with ours twice, overlap_staging off and on: the row
-#      pairs that decide AUTO_ON_CUDA in lightning_preempt/save/overlap.py (docs/staging.md).
+#      pairs that decide AUTO_ON_CUDA in lightning_preempt/staging/overlap.py (docs/staging.md).
 # The report is printed and written to $OUT/gpu_check.md (or ./gpu_check.md).
 #
 #   scripts/gpu_check.sh            # on the GPU machine

@@ -1,6 +1,6 @@
 """What a run's ledger says it cost: restarts, time training and down, steps lost, goodput.
 
-Pure computation over checked records (catalog/ledger.py reads them); no I/O, no torch.
+Pure computation over checked records (catalog/ledger_reader.py reads them); no I/O, no torch.
 The engine uses it for the figures it logs while training, ``lightning-preempt report``
 for the whole run.
 

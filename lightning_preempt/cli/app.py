@@ -16,7 +16,7 @@ import traceback
 from collections.abc import Sequence
 from typing import NoReturn
 
-from lightning_preempt.cli import cmd_export, cmd_ls, cmd_plan, cmd_report, cmd_verify
+from lightning_preempt.cli.commands import cmd_export, cmd_ls, cmd_plan, cmd_report, cmd_verify
 from lightning_preempt.cli.options import EXIT_ERROR, EXIT_INVALID, EXIT_OK, PROG, storage_parent
 from lightning_preempt.cli.output import print_error
 from lightning_preempt.errors import CheckpointError, CorruptCheckpointError

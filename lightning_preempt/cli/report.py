@@ -9,7 +9,7 @@ import statistics
 from typing import Any
 
 from lightning_preempt.catalog.goodput import summarize
-from lightning_preempt.catalog.ledger import LedgerRead, read_ledger
+from lightning_preempt.catalog.ledger_reader import LedgerRead, read_ledger
 from lightning_preempt.catalog.listing import list_checkpoints
 from lightning_preempt.cli.plan import DEFAULT_COPY_BANDWIDTH, PlanInputs, lost_fraction, make_plan
 

@@ -21,7 +21,7 @@ from typing import Any, Literal, TypeVar
 
 from lightning_preempt.preemption.notices import parse_names
 from lightning_preempt.preemption.signals import resolve_signal
-from lightning_preempt.save.budget import check_budget
+from lightning_preempt.staging.budget import check_budget
 from lightning_preempt.storage.protocols import check_driver
 
 T = TypeVar("T")

@@ -44,10 +44,10 @@ from typing import Any
 from lightning_preempt.catalog.retention import retain
 from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
-from lightning_preempt.engine import tiers as tier_policy
+from lightning_preempt.engine import tier_policy
 from lightning_preempt.engine.config import PreemptionConfig
 from lightning_preempt.engine.failures import FailureDetector, write_failure_record
-from lightning_preempt.engine.ledger import Ledger, record_preemption, record_save, start_fields
+from lightning_preempt.engine.ledger_writer import Ledger, record_preemption, record_save, start_fields
 from lightning_preempt.engine.runtime import (
     Runtime,
     newest_manifest,
@@ -322,7 +322,7 @@ class Engine:
         path = self._fresh_path(step)
         self.save_kind = kind  # recorded in the checkpoint by the front-end during this save
         saver, before = self.saver, self.saver.history[-1:]
-        # Periodic saves may overlap their copy with the next step (save/overlap.py); the
+        # Periodic saves may overlap their copy with the next step (staging/overlap.py); the
         # emergency and final ones are waited for at once: staged completely, synchronously.
         overlap = kind in ("periodic", "notice")
         with contextlib.nullcontext() if overlap else saver.overlap.suspended():

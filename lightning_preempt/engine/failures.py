@@ -31,11 +31,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lightning_preempt.catalog.ledger import ledger_store
+from lightning_preempt.catalog.ledger_reader import ledger_store
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.collective.heartbeat import Heartbeat, Verdict
 from lightning_preempt.errors import CheckpointError, CheckpointExistsError
-from lightning_preempt.format import ledger as fmt
+from lightning_preempt.format import ledger_records as fmt
 from lightning_preempt.format.names import LEDGER_COMPACT_RE, LEDGER_RECORD_RE, ledger_record_name
 
 log = logging.getLogger(__name__)
@@ -162,7 +162,7 @@ def ledger_restart(store: Any, known: int | None) -> int:
 
 def write_failure_record(dirpath: str, storage_options: dict[str, Any], run_id: str, verdict: Verdict, *,
                          step: int, restart: int | None) -> bool:  # fmt: skip
-    """The ``failure`` record of ``verdict`` (create-only, ``seq`` :data:`~lightning_preempt.format.ledger.FAILURE_SEQ`):
+    """The ``failure`` record of ``verdict`` (create-only, ``seq`` :data:`~lightning_preempt.format.ledger_records.FAILURE_SEQ`):
     whether this rank wrote it (``False``: the other side of a partition did first)."""
     store = ledger_store(dirpath, storage_options).child(run_id)
     number = ledger_restart(store, restart)

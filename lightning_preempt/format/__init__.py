@@ -30,7 +30,7 @@ class TensorRef:
         return (TensorRef, (self.key,))
 
 
-#: the largest tensor the skeleton keeps inline, as bytes (save/skeleton_bytes.py)
+#: the largest tensor the skeleton keeps inline, as bytes (write/skeleton_bytes.py)
 INLINE_TENSOR_MAX_BYTES = 1 << 16
 #: the dtypes an inline tensor may have (plain numbers: no quantized or bit-packed types)
 INLINE_TENSOR_DTYPES = frozenset(

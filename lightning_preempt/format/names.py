@@ -11,7 +11,7 @@ In a checkpoint directory (any path: ``<dirpath>/step-0000000500/``, ``last.ckpt
     state-rank{rank:05d}.pt      each rank's non-tensor state (the skeleton)
     v-{12 hex}/                  a generation: the files of a checkpoint replaced at its path
     .lightning_preempt           zero-byte marker: the path exists before its commit (object stores)
-    .lightning_preempt.writer    the claim of the one save writing its files directly here (save/layout.py)
+    .lightning_preempt.writer    the claim of the one save writing its files directly here (write/replace.py)
     .manifest.json.{hex}.tmp     a local commit's temporary manifest (and ..lightning_preempt.writer.{hex}.tmp)
 
 Under a checkpoint root (``dirpath``)::
@@ -19,17 +19,16 @@ Under a checkpoint root (``dirpath``)::
     step-{step:010d}[-{8 hex}]   the callback's checkpoints (the suffix: a step reached again)
     .lp-lease-{gen:010d}.json    the lease (save/lease.py)
     .lp-probe-…                  the storage probe's file (save/preflight.py)
-    .lp-ledger/{run id}/         the goodput ledger: one small JSON record per file (format/ledger.py)
+    .lp-ledger/{run id}/         the goodput ledger: one small JSON record per file (format/ledger_records.py)
 
 Beside a path whose kind changes (a plain file replaced by a checkpoint directory, local
-disk): ``.{name}.lp-new-{12 hex}`` and ``.{name}.lp-old-{12 hex}`` (save/layout.py).
+disk): ``.{name}.lp-new-{12 hex}`` and ``.{name}.lp-old-{12 hex}`` (write/replace.py).
 """
 
 from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import Iterable
 
 MANIFEST_NAME = "manifest.json"
 DCP_METADATA_NAME = ".metadata"
@@ -43,7 +42,7 @@ CLAIM_NAME = ".lightning_preempt.writer"
 HIDDEN_PREFIX = ".lp-"
 LEASE_PREFIX = ".lp-lease-"
 PROBE_PREFIX = ".lp-probe-"
-#: The goodput ledger's directory under a checkpoint root (format/ledger.py).
+#: The goodput ledger's directory under a checkpoint root (format/ledger_records.py).
 LEDGER_DIR = ".lp-ledger"
 
 SHARD_RE = re.compile(r"__(\d{1,6})_\d{1,9}\.distcp")
@@ -93,11 +92,6 @@ def writer_of(name: str) -> int:
     """The rank that writes ``name`` into a checkpoint (rank 0 for ``.metadata``)."""
     match = SHARD_RE.fullmatch(name) or STATE_RE.fullmatch(name)
     return int(match.group(1)) if match else 0
-
-
-def state_ranks(names: Iterable[str]) -> list[int]:
-    """The ranks whose state files are among ``names``, in order."""
-    return sorted(int(m.group(1)) for n in names if (m := STATE_RE.fullmatch(n)))
 
 
 def is_safe_file_name(name: object) -> bool:

@@ -32,7 +32,7 @@ from lightning_preempt.lightning.logs import (
     QuietWarning,
     quiet_auto_resume_warnings,
 )
-from lightning_preempt.lightning.overlap import install as install_overlap
+from lightning_preempt.lightning.overlap_hooks import install as install_overlap
 from lightning_preempt.lightning.prealloc import prepare_staging
 from lightning_preempt.lightning.reporting import SaveReporter, report_resume
 from lightning_preempt.lightning.strategies import ensure_plugin, install_collective_saves

@@ -20,9 +20,9 @@ from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.lightning import _compat
 from lightning_preempt.lightning.fabric_routing import wrap_save
 from lightning_preempt.save.history import SaveRecord
-from lightning_preempt.save.overlap import resolve as resolve_overlap
 from lightning_preempt.save.saver import Saver
-from lightning_preempt.save.tiers import TwoTier
+from lightning_preempt.staging.overlap import resolve as resolve_overlap
+from lightning_preempt.tiers.two_tier import TwoTier
 
 
 class ShardedAsyncCheckpointIO(CheckpointIO):
@@ -250,10 +250,6 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
     def history(self) -> list[SaveRecord]:
         """Timings of the newest saves (save/saver.py ``SaveRecord``)."""
         return self.saver.history
-
-    @property
-    def last_save(self) -> SaveRecord | None:
-        return self.saver.history[-1] if self.saver.history else None
 
     @property
     def loaded_from(self) -> str | None:

@@ -1,4 +1,4 @@
-"""Lightning wiring of the peer replica (:mod:`lightning_preempt.save.peer`).
+"""Lightning wiring of the peer replica (:mod:`lightning_preempt.tiers.peer`).
 
 ``Trainer(callbacks=[PreemptionCallback(..., local_dirpath=...), PeerReplica()])``: after a
 preemption snapshot committed on the node-local tiers, every rank copies its share to a
@@ -30,7 +30,7 @@ from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.engine.engine import Engine
 from lightning_preempt.preemption.controller import Preempted
-from lightning_preempt.save.peer import ReplicaReport, complete_from_peers, replicate
+from lightning_preempt.tiers.peer import ReplicaReport, complete_from_peers, replicate
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_preempt.format import dcp_compat as _compat
 from lightning_preempt.format.manifest import Manifest
-from lightning_preempt.format.unpickle import read_dcp_metadata
+from lightning_preempt.format.pickles.unpickle import read_dcp_metadata
 from lightning_preempt.storage.store import Store
 
 

@@ -14,16 +14,16 @@ import torch
 
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.errors import CorruptCheckpointError
-from lightning_preempt.format.layout import data_store
+from lightning_preempt.format.generations import data_store
 from lightning_preempt.format.manifest import Manifest
-from lightning_preempt.format.metadata_scan import check_dcp_structure
 from lightning_preempt.format.names import DCP_METADATA_NAME, state_file
-from lightning_preempt.format.skeleton import merge_checkpoint, tensor_refs
-from lightning_preempt.format.unpickle import (
+from lightning_preempt.format.pickles.metadata_scan import check_dcp_structure
+from lightning_preempt.format.pickles.unpickle import (
     apply_map_location,
     load_state_bytes,
     unpickle_dcp_metadata,
 )
+from lightning_preempt.format.skeleton import merge_checkpoint, tensor_refs
 from lightning_preempt.read.dcp import load_all_tensors, load_tensors_into
 from lightning_preempt.read.tensors import read_tensors, read_verified_bytes, tensor_items
 from lightning_preempt.read.verify import _CORRUPT_HINT, Fallback, check_files, read_manifest, verify_checkpoint

@@ -33,10 +33,10 @@ from lightning_preempt.collective import groups as pdist
 from lightning_preempt.errors import CheckpointError, NotACheckpointError
 from lightning_preempt.read.load import Fallback
 from lightning_preempt.read.verify import Verify
-from lightning_preempt.save.tiers import TwoTier
 from lightning_preempt.storage.diagnose import describe, is_transient, storage_hint
 from lightning_preempt.storage.reach import StorageUnreachableError
 from lightning_preempt.storage.retry import Backoff, retry
+from lightning_preempt.tiers.two_tier import TwoTier
 
 log = logging.getLogger(__name__)
 

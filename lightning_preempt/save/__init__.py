@@ -1,3 +1,4 @@
-"""Saving: staging into host buffers, the job queue, the DCP writer, the commit protocol,
-replacing a checkpoint at its path, two tiers and the drain, the peer replica, the lease.
+"""Saving: the save pipeline of one process (``saver``: stage, queue, write, commit, drain),
+what each save measured (``history``), the lease (one writer per dirpath) and the storage
+probe (``preflight``). The pieces it composes live below it: ``staging/``, ``write/``, ``tiers/``.
 """

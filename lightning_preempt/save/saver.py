@@ -1,14 +1,14 @@
 """The save pipeline of one process: stage, queue, write, commit. Framework-neutral.
 
 :meth:`Saver.save` blocks only while the tensors are copied into reusable host buffers
-(``save/staging.py``), within the host-memory budget (``save/budget.py``: a share
+(``staging/stager.py``), within the host-memory budget (``staging/budget.py``: a share
 that does not fit is partly written before the save returns); with overlapped staging only
-the eager part, the rest is copied while the next step computes (``save/overlap.py``); a
-background job (``save/jobs.py``) writes them through DCP and
-commits the checkpoint by writing its manifest last (``save/commit.py``). At most one save
+the eager part, the rest is copied while the next step computes (``staging/overlap.py``); a
+background job (``write/jobs.py``) writes them through DCP and
+commits the checkpoint by writing its manifest last (``write/commit.py``). At most one save
 is in flight: the next one first waits for the previous one (its staging buffers are in use
 until the commit). Deletes and other jobs queue behind the saves, so a delete never overtakes
-a write. With a node-local tier (``save/tiers.py``) the commit goes to the local disk and a
+a write. With a node-local tier (``tiers/two_tier.py``) the commit goes to the local disk and a
 drain uploads it afterwards.
 
 Call order (the ranks that call):
@@ -46,17 +46,17 @@ from lightning_preempt.format.names import MANIFEST_NAME
 from lightning_preempt.format.shares import ShareMemo, own_share
 from lightning_preempt.format.skeleton import split_checkpoint
 from lightning_preempt.read.load import gc_paused
-from lightning_preempt.save.budget import StagingBudget
-from lightning_preempt.save.commit import SaveRequest, write_checkpoint
 from lightning_preempt.save.history import HISTORY_KEPT, SaveRecord
-from lightning_preempt.save.jobs import JobQueue
-from lightning_preempt.save.layout import ensure_exists, remove_local, write_file_atomic
-from lightning_preempt.save.overlap import InFlightCopy, Overlap
-from lightning_preempt.save.planning import PlanCache
-from lightning_preempt.save.skeleton_bytes import skeleton_bytes
-from lightning_preempt.save.staging import HostStager
-from lightning_preempt.save.tiers import TwoTier
+from lightning_preempt.staging.budget import StagingBudget
+from lightning_preempt.staging.overlap import InFlightCopy, Overlap
+from lightning_preempt.staging.stager import HostStager
 from lightning_preempt.storage.store import Store
+from lightning_preempt.tiers.two_tier import TwoTier
+from lightning_preempt.write.commit import SaveRequest, write_checkpoint
+from lightning_preempt.write.jobs import JobQueue
+from lightning_preempt.write.planning import PlanCache
+from lightning_preempt.write.replace import ensure_exists, remove_local, write_file_atomic
+from lightning_preempt.write.skeleton_bytes import skeleton_bytes
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +67,12 @@ class Saver:
         storage_options: fsspec options for every path (merged with per-save options).
         pin_memory: pin staging buffers; ``None``: when CUDA is available.
         host_memory_budget: staging bytes, or a fraction of the available memory;
-            ``None``: half of ``MemAvailable`` divided by the node's ranks (save/budget.py).
+            ``None``: half of ``MemAvailable`` divided by the node's ranks (staging/budget.py).
         pinned_memory_budget: of those, the bytes that may be pinned; ``None``: all.
         thread_count: DCP writer threads per rank.
         sharded_keys: top-level checkpoint keys whose tensors go to the DCP shards.
         overlap_staging: copy the tensors :attr:`overlap` declares stable after ``save``
-            returns, while the next step computes (save/overlap.py, docs/staging.md).
+            returns, while the next step computes (staging/overlap.py, docs/staging.md).
     """
 
     def __init__(
@@ -92,7 +92,7 @@ class Saver:
         self.stager = HostStager(pin_memory)
         self.budget = StagingBudget(host_memory_budget, pinned_memory_budget)
         self.overlap = Overlap(overlap_staging)
-        #: DCP plans reused while the staged state keeps its structure (save/planning.py)
+        #: DCP plans reused while the staged state keeps its structure (write/planning.py)
         self.plan_cache = PlanCache()
         self._shares = ShareMemo()  # who stages which replicated tensor, while the structure holds
         self.jobs = JobQueue()
@@ -125,7 +125,7 @@ class Saver:
                 self.tiers.remote_root, self.tiers.keep_last_n = tier_config
 
     def use_local_tier(self, local_root: str, *, max_workers: int = 4, retries: int = 4, backoff_s: float = 1.0) -> None:
-        """Two tiers (save/tiers.py): commit to ``local_root`` first, then drain to where each
+        """Two tiers (tiers/two_tier.py): commit to ``local_root`` first, then drain to where each
         save is addressed (``storage_options`` apply there)."""
         self._tier_args = {"local_root": local_root, "max_workers": max_workers, "retries": retries,
                            "backoff_s": backoff_s}  # fmt: skip
@@ -246,7 +246,7 @@ class Saver:
         except Exception as err:
             # Never raise on rank 0 alone here: the other ranks would enter the job's
             # collectives and wait until the group times out. The write job meets the same
-            # failure and raises it on every rank (save/commit.py's agreement).
+            # failure and raises it on every rank (write/commit.py's agreement).
             log.warning("lightning_preempt: could not create %s yet (%s); the save reports it", url, err)
 
     def _write(self, request: SaveRequest, record: SaveRecord, copying: InFlightCopy | None = None) -> Manifest:
@@ -254,14 +254,14 @@ class Saver:
             if copying is not None:
                 copying.wait()  # the deferred copies fill the buffers the writer reads
             # write_checkpoint clears an uncommitted leftover at the path (never mixing old
-            # and new files) and replaces a committed checkpoint there (save/layout.py).
+            # and new files) and replaces a committed checkpoint there (write/replace.py).
             manifest = write_checkpoint(
                 request, group=self.group, thread_count=self.thread_count, plan_cache=self.plan_cache
             )
         except BaseException as err:
             record.error = err
             # Every rank meets a failed save (commit.py's agreement): every rank plans the
-            # next one afresh, so no rank reuses a plan the coordinator lacks (save/planning.py).
+            # next one afresh, so no rank reuses a plan the coordinator lacks (write/planning.py).
             self.plan_cache.clear()
             raise
         record.committed_s = time.perf_counter() - record.started
@@ -277,7 +277,7 @@ class Saver:
 
     def save_plain(self, checkpoint: dict[str, Any], url: str, options: dict[str, Any]) -> None:
         """One synchronous ``torch.save`` file, as Lightning's ``TorchCheckpointIO`` writes it
-        (every Lightning tool reads it), written atomically (save/layout.py). With
+        (every Lightning tool reads it), written atomically (write/replace.py). With
         collective saves every rank calls and rank 0 writes."""
         if self.rank != 0:
             return
@@ -287,7 +287,7 @@ class Saver:
         log.info("lightning_preempt: saved %s synchronously as a plain Lightning checkpoint (outside fit)", url)
 
     def settle(self) -> None:
-        """Order whatever comes next after the overlapped copy in flight (save/overlap.py):
+        """Order whatever comes next after the overlapped copy in flight (staging/overlap.py):
         call it before changing parameters or optimizer state outside an optimizer step."""
         self.overlap.settle()
 

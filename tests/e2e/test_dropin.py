@@ -367,8 +367,8 @@ def test_a_replacement_leaves_no_stale_files(tmp_path: Path) -> None:
 
 
 def test_a_replaced_checkpoint_drains_to_another_store(tmp_path: Path) -> None:
-    from lightning_preempt.save.drain import drain_checkpoint
     from lightning_preempt.storage.store import Store
+    from lightning_preempt.tiers.drain import drain_checkpoint
 
     io = ShardedAsyncCheckpointIO()
     for step in (1, 2):

@@ -20,8 +20,8 @@ def _worker(rank: int, world: int, out_dir: str, failing_rank: int) -> None:
 
     from lightning_preempt.collective.groups import new_gloo_group
     from lightning_preempt.errors import CheckpointWriteError
-    from lightning_preempt.save.commit import SaveRequest, write_checkpoint
     from lightning_preempt.storage.store import Store
+    from lightning_preempt.write.commit import SaveRequest, write_checkpoint
 
     group = new_gloo_group(timeout_s=60)
     # Each process has its own in-memory "faulty://" store; only the failing rank's breaks.

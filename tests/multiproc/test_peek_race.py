@@ -20,7 +20,7 @@ def _worker(rank: int, world: int, root: str, shared: bool) -> None:
     from lightning_preempt.collective.groups import new_gloo_group
     from lightning_preempt.errors import NotACheckpointError
     from lightning_preempt.resume.resolver import ResumeResolver
-    from lightning_preempt.save.commit import SaveRequest, write_checkpoint
+    from lightning_preempt.write.commit import SaveRequest, write_checkpoint
 
     url = f"{root}/ck" if shared else f"{root}/ck-rank{rank}"
     group = new_gloo_group(timeout_s=60)

@@ -19,8 +19,8 @@ from ranks import run_ranks
 from lightning_preempt.catalog.listing import complete_local_checkpoints
 from lightning_preempt.format.manifest import FileEntry, Manifest
 from lightning_preempt.format.names import MANIFEST_NAME
-from lightning_preempt.save.peer import complete_from_peers, placement, plan_union, replicate
 from lightning_preempt.storage.checksum import Crc32c
+from lightning_preempt.tiers.peer import complete_from_peers, placement, plan_union, replicate
 
 
 def test_placement_puts_each_copy_on_the_next_node() -> None:

@@ -31,8 +31,8 @@ from lightning_preempt.catalog.retention import apply_retention
 from lightning_preempt.format.names import MANIFEST_NAME
 from lightning_preempt.read.load import load_full_checkpoint
 from lightning_preempt.read.verify import read_manifest, verify_checkpoint
-from lightning_preempt.save.drain import drain_checkpoint
 from lightning_preempt.storage.store import Store
+from lightning_preempt.tiers.drain import drain_checkpoint
 
 if TYPE_CHECKING:
     from objectstore_plugin import Remote

@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ledger-progress-s", type=float, default=None, help="the ledger's last step seen, this often")
     args = p.parse_args(argv)
     if args.ledger_progress_s is not None:
-        import lightning_preempt.engine.ledger as ledger
+        import lightning_preempt.engine.ledger_writer as ledger
 
         ledger.PROGRESS_EVERY_S = args.ledger_progress_s
     if os.environ.get("LP_CHAOS_DIR"):

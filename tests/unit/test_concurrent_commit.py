@@ -16,13 +16,13 @@ import torch
 from concurrent_saves import run_trials
 
 from lightning_preempt.errors import CheckpointExistsError
-from lightning_preempt.format.layout import data_store
+from lightning_preempt.format.generations import data_store
 from lightning_preempt.format.names import CLAIM_NAME, MANIFEST_NAME
 from lightning_preempt.read.dcp import load_all_tensors
 from lightning_preempt.read.verify import verify_checkpoint
-from lightning_preempt.save import commit
-from lightning_preempt.save.commit import SaveRequest, write_checkpoint
 from lightning_preempt.storage.store import Store
+from lightning_preempt.write import commit
+from lightning_preempt.write.commit import SaveRequest, write_checkpoint
 
 
 def test_two_concurrent_saves_to_one_step_dir_leave_the_winner_intact(tmp_path: Path) -> None:

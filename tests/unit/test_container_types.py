@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from lightning_preempt import ShardedAsyncCheckpointIO
+from lightning_preempt.format.pickles.unpickle import _map_tensors
 from lightning_preempt.format.skeleton import merge_checkpoint, split_checkpoint
-from lightning_preempt.format.unpickle import _map_tensors
 
 Pair = namedtuple("Pair", ["weight", "scale"])
 

@@ -1,4 +1,4 @@
-"""What DCP sends between ranks after a save (save/dcp_exchange.py): a rank's write results
+"""What DCP sends between ranks after a save (write/dcp_exchange.py): a rank's write results
 once per file layout, then a token; the coordinator's metadata never (issue 33). The 2-rank
 run is tests/multiproc/test_dedupe_multirank.py (the replay scenario)."""
 
@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
 from lightning_preempt.format import dcp_compat as _compat
-from lightning_preempt.save.dcp_exchange import KeptMetadata, ResultsKept, SentResults, new_token, unwrap_metadata
+from lightning_preempt.write.dcp_exchange import KeptMetadata, ResultsKept, SentResults, new_token, unwrap_metadata
 
 
 def _results(name: str, n: int) -> list[WriteResult]:

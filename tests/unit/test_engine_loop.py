@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lightning_preempt.catalog.goodput import summarize
-from lightning_preempt.catalog.ledger import read_ledger
+from lightning_preempt.catalog.ledger_reader import read_ledger
 from lightning_preempt.catalog.listing import list_checkpoints
 from lightning_preempt.catalog.loader import Loader
 from lightning_preempt.engine.config import PreemptionConfig
@@ -81,7 +81,7 @@ def _run(dirpath: Path, *, signal_at: int | None = None) -> tuple[int, dict[str,
 
 
 def test_a_hand_written_loop_is_preempted_and_resumes_bit_identical(tmp_path: Path, monkeypatch: Any) -> None:
-    monkeypatch.setattr("lightning_preempt.engine.ledger.PROGRESS_EVERY_S", 0.0)  # the last step seen, every step
+    monkeypatch.setattr("lightning_preempt.engine.ledger_writer.PROGRESS_EVERY_S", 0.0)  # the last step seen, every step
     previous = signal.getsignal(signal.SIGUSR1)
     code, _, trained = _run(tmp_path / "preempted", signal_at=7)
     assert code == 143 and trained == list(range(1, 8))  # the signal's step was snapshotted, then exit

@@ -23,7 +23,7 @@ PRIVATE_NAMES = [
     ("torch.distributed.checkpoint.state_dict_loader", "_load_state_dict"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch.serialization", "_get_layout"),
-    ("torch.serialization", "get_crc32_options"),  # save/dcp_writer.py wraps it
+    ("torch.serialization", "get_crc32_options"),  # write/dcp_writer.py wraps it
     ("lightning.fabric.utilities.data", "_set_sampler_epoch"),  # lightning/_compat.py
     ("lightning.pytorch.trainer.connectors.callback_connector", "_CallbackConnector"),
     ("lightning.pytorch.trainer.connectors.checkpoint_connector", "_CheckpointConnector"),  # .resume_start

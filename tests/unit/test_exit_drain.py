@@ -14,7 +14,7 @@ import pytest
 from ckpts import lightning_like_checkpoint
 
 from lightning_preempt import ShardedAsyncCheckpointIO, list_checkpoints
-from lightning_preempt.save.jobs import EXIT_PRIORITY
+from lightning_preempt.write.jobs import EXIT_PRIORITY
 
 
 def _worker(path: str, how: str) -> None:

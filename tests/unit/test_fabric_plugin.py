@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_preempt import ShardedAsyncCheckpointIO
-from lightning_preempt.format.unpickle import load_state_bytes
+from lightning_preempt.format.pickles.unpickle import load_state_bytes
 
 
 def _fabric() -> L.Fabric:

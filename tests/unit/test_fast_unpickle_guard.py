@@ -19,8 +19,8 @@ import torch
 
 from lightning_preempt.errors import UntrustedCheckpointError
 from lightning_preempt.format import TensorRef
-from lightning_preempt.format.fast_unpickle import OffFastPath, fast_load_state
-from lightning_preempt.format.unpickle import load_state_bytes
+from lightning_preempt.format.pickles.fast_unpickle import OffFastPath, fast_load_state
+from lightning_preempt.format.pickles.unpickle import load_state_bytes
 
 
 def _saved(obj: Any) -> bytes:
@@ -154,7 +154,7 @@ def test_a_huge_memo_index_costs_no_memory() -> None:
     """The 100-byte file with memo index 1e8 took 1.8 GB through C pickle; now the fast
     path refuses it and the weights-only loader (a dict memo) reads it in a few MB."""
     code = (
-        "import resource, sys; from lightning_preempt.format.unpickle import load_state_bytes; "
+        "import resource, sys; from lightning_preempt.format.pickles.unpickle import load_state_bytes; "
         "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
         "got = load_state_bytes(open(sys.argv[1], 'rb').read(), path='ckpt'); "
         "print(got, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) // 1024)"

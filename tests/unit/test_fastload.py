@@ -269,7 +269,7 @@ def test_a_large_file_read_in_two_ranges_verifies_in_file_order(tmp_url: str, mo
 
 
 def _metadata(url: str) -> Any:
-    from lightning_preempt.format.unpickle import unpickle_dcp_metadata
+    from lightning_preempt.format.pickles.unpickle import unpickle_dcp_metadata
 
     return unpickle_dcp_metadata(Path(url, ".metadata").read_bytes(), path=url)
 

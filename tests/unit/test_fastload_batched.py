@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_preempt.errors import CorruptCheckpointError
-from lightning_preempt.format.unpickle import unpickle_dcp_metadata
+from lightning_preempt.format.pickles.unpickle import unpickle_dcp_metadata
 from lightning_preempt.read import tensors as fastload
 from lightning_preempt.read.load import load_full_checkpoint
 from lightning_preempt.save.saver import Saver

@@ -17,9 +17,9 @@ from log_records import package_records
 from lightning_preempt.errors import CheckpointWriteError
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.read.load import load_full_checkpoint
-from lightning_preempt.save import budget as budget_mod
-from lightning_preempt.save.budget import Budget, Streamed, resolve, split
 from lightning_preempt.save.saver import Saver
+from lightning_preempt.staging import budget as budget_mod
+from lightning_preempt.staging.budget import Budget, Streamed, resolve, split
 from lightning_preempt.storage.store import Store
 
 MIB = 1 << 20

@@ -19,10 +19,11 @@ from torch.utils.data import DataLoader
 
 from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO
 from lightning_preempt.errors import CorruptCheckpointError
-from lightning_preempt.format import INLINE_TENSOR_MAX_BYTES, TensorRef, fast_unpickle, tensor_from_bytes, unpickle
-from lightning_preempt.format.state_replay import check_state_pickle
-from lightning_preempt.format.unpickle import load_state_bytes
-from lightning_preempt.save.skeleton_bytes import skeleton_bytes
+from lightning_preempt.format import INLINE_TENSOR_MAX_BYTES, TensorRef, tensor_from_bytes
+from lightning_preempt.format.pickles import fast_unpickle, unpickle
+from lightning_preempt.format.pickles.state_replay import check_state_pickle
+from lightning_preempt.format.pickles.unpickle import load_state_bytes
+from lightning_preempt.write.skeleton_bytes import skeleton_bytes
 
 
 def _torch_save(obj: Any) -> bytes:

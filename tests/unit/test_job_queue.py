@@ -1,4 +1,4 @@
-"""The background job queue never lets a delete overtake a write (save/jobs.py), and the
+"""The background job queue never lets a delete overtake a write (write/jobs.py), and the
 plugin built on it keeps that order on a slow storage (lightning/checkpoint_io.py)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from throttled_fs import ThrottledFileSystem, set_rate
 
 from lightning_preempt import ShardedAsyncCheckpointIO
 from lightning_preempt.format.names import MANIFEST_NAME
-from lightning_preempt.save.jobs import JobQueue
+from lightning_preempt.write.jobs import JobQueue
 
 WAIT_S = 30  # a bound for the waits below, never reached when the code is right
 

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 
 from lightning_preempt.catalog.goodput import summarize
-from lightning_preempt.catalog.ledger import read_ledger
+from lightning_preempt.catalog.ledger_reader import read_ledger
 from lightning_preempt.cli import main
-from lightning_preempt.engine import ledger as writer
-from lightning_preempt.format import ledger as fmt
+from lightning_preempt.engine import ledger_writer as writer
+from lightning_preempt.format import ledger_records as fmt
 from lightning_preempt.format.names import LEDGER_DIR, ledger_record_name
 
 RUN = "0123456789abcdef0123456789abcdef"

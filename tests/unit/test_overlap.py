@@ -1,4 +1,4 @@
-"""Overlapped staging (save/overlap.py) on the CPU thread path, in real Trainer runs: the copy
+"""Overlapped staging (staging/overlap.py) on the CPU thread path, in real Trainer runs: the copy
 of every periodic save is held until the next optimizer step's backward is done, so that
 step's forward and backward certainly run during it; the committed snapshot of step k must
 still equal step k's state bit for bit."""
@@ -24,8 +24,8 @@ from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO, list
 from lightning_preempt.errors import CheckpointWriteError
 from lightning_preempt.preemption.controller import Preempted
 from lightning_preempt.read.load import load_full_checkpoint
-from lightning_preempt.save import overlap
 from lightning_preempt.save.saver import Saver
+from lightning_preempt.staging import overlap
 from lightning_preempt.storage.store import Store
 
 

@@ -1,7 +1,7 @@
-"""The torch-free loadability check (format/state_replay.py, format/metadata_scan.py) says what the loader says.
+"""The torch-free loadability check (format/pickles/state_replay.py, format/pickles/metadata_scan.py) says what the loader says.
 
 ``lightning-preempt verify`` replays the pickles of a checkpoint against the loader's
-allow-lists instead of unpickling them with torch (format/unpickle.py). Here both run on
+allow-lists instead of unpickling them with torch (format/pickles/unpickle.py). Here both run on
 the same bytes, from checkpoints the plugin writes and from crafted ones (every crafted
 file gets past the CRC, as an attacker's would): they must accept the same ones and refuse
 the others with the same error. The guard tests pin the static allow-lists to what the
@@ -26,12 +26,12 @@ import pytest
 import torch
 
 from lightning_preempt.errors import CheckpointError
-from lightning_preempt.format import allowlists
-from lightning_preempt.format import unpickle as torch_path
 from lightning_preempt.format.manifest import Manifest
-from lightning_preempt.format.metadata_scan import check_dcp_structure, check_metadata_pickle
 from lightning_preempt.format.names import checkpoint_name
-from lightning_preempt.format.state_replay import check_state_pickle
+from lightning_preempt.format.pickles import allowlists
+from lightning_preempt.format.pickles import unpickle as torch_path
+from lightning_preempt.format.pickles.metadata_scan import check_dcp_structure, check_metadata_pickle
+from lightning_preempt.format.pickles.state_replay import check_state_pickle
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.read.verify import read_manifest
 from lightning_preempt.storage.store import Store
@@ -322,7 +322,7 @@ def test_state_allow_list_is_what_the_loader_allows() -> None:
     loader = torch_defaults | {_qualified(g) for g in torch_path.skeleton_safe_globals()}
     replay = set(allowlists.STATE_GLOBALS)
     assert not replay - loader  # never more than the load allows: `verify` must not say "loads" where it refuses
-    assert not loader - replay  # nor less (a new torch default is a name to add to format/allowlists.py)
+    assert not loader - replay  # nor less (a new torch default is a name to add to format/pickles/allowlists.py)
 
 
 def test_numpy_dtype_codes_are_the_allowed_dtype_classes() -> None:
@@ -350,7 +350,7 @@ def test_python2_renames_are_torchs() -> None:
     assert allowlists._NAME_MAPPING == _utils.NAME_MAPPING
 
 
-# ---- the fast path (format/fast_unpickle.py) ------------------------------------------------
+# ---- the fast path (format/pickles/fast_unpickle.py) ------------------------------------------------
 def _weights_only(data: bytes) -> Any:
     with torch.serialization.safe_globals(torch_path.skeleton_safe_globals()):
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
@@ -371,7 +371,7 @@ def _equal(a: Any, b: Any) -> bool:
 
 
 def test_fast_path_takes_what_a_fit_writes_and_gives_what_weights_only_gives(written: Path, fitted: Path) -> None:
-    from lightning_preempt.format.fast_unpickle import fast_load_state
+    from lightning_preempt.format.pickles.fast_unpickle import fast_load_state
 
     for ckpt in (written / checkpoint_name(1), fitted):
         data = (ckpt / STATE).read_bytes()
@@ -385,7 +385,7 @@ def test_fast_path_takes_what_a_fit_writes_and_gives_what_weights_only_gives(wri
 def test_fast_path_never_accepts_what_weights_only_refuses(case: str) -> None:
     """The fast path loads a subset of what the weights-only path loads, the same objects;
     for everything else it steps aside (OffFastPath) and load_state_bytes asks torch."""
-    from lightning_preempt.format.fast_unpickle import OffFastPath, fast_load_state
+    from lightning_preempt.format.pickles.fast_unpickle import OffFastPath, fast_load_state
 
     data = STATE_CASES[case]()
     try:
@@ -404,7 +404,7 @@ def test_fast_path_never_accepts_what_weights_only_refuses(case: str) -> None:
 def test_fast_path_steps_aside_for_the_allowed_oddities(written: Path) -> None:
     """NumPy scalars, sets, Parameters… are allowed but not on the fast path: the loader
     still returns exactly what weights_only returns."""
-    from lightning_preempt.format.fast_unpickle import OffFastPath, fast_load_state
+    from lightning_preempt.format.pickles.fast_unpickle import OffFastPath, fast_load_state
 
     data = (written / checkpoint_name(2) / STATE).read_bytes()
     with pytest.raises(OffFastPath):
@@ -413,7 +413,7 @@ def test_fast_path_steps_aside_for_the_allowed_oddities(written: Path) -> None:
 
 
 def test_fast_path_wraps_numpy_so_only_allowed_types_are_built() -> None:
-    from lightning_preempt.format.fast_unpickle import OffFastPath, fast_globals
+    from lightning_preempt.format.pickles.fast_unpickle import OffFastPath, fast_globals
 
     g = fast_globals(True)
     make_dtype = next(v for (m, n), v in g.items() if n == "dtype" and m == "numpy")

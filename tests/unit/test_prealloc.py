@@ -12,7 +12,7 @@ from lightning_preempt.format.shares import own_share, replica_owners
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.lightning.prealloc import prepare_staging
 from lightning_preempt.read.load import load_full_checkpoint
-from lightning_preempt.save.staging import HostStager
+from lightning_preempt.staging.stager import HostStager
 from lightning_preempt.storage.store import Store
 
 
@@ -136,7 +136,7 @@ def test_trainer_state_preallocated_before_the_first_save(tmp_path: Path) -> Non
 def test_staging_copies_every_kind_of_tensor_in_one_call(monkeypatch: Any) -> None:
     """One ``_foreach_copy_`` for the whole state (issue 26): parameters that need grad,
     non-contiguous, 0-dim, bfloat16 and empty tensors land in contiguous buffers, exactly."""
-    from lightning_preempt.save import staging
+    from lightning_preempt.staging import stager as staging
 
     calls: list[int] = []
     real = staging.copy_all

@@ -1,5 +1,5 @@
 """Saves of an unchanged structure replay the last plan's file layout and reuse its pickled
-``.metadata`` entries (save/record_layout.py, save/dcp_metadata.py): the same shard bytes
+``.metadata`` entries (write/record_layout.py, write/dcp_metadata.py): the same shard bytes
 as a save made item by item, a ``.metadata`` every reader takes, the values of *this* save."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from ckpts import assert_loads_both_ways
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from lightning_preempt.format.manifest import Manifest
-from lightning_preempt.format.metadata_scan import check_metadata_pickle
 from lightning_preempt.format.names import DCP_METADATA_NAME, MANIFEST_NAME
+from lightning_preempt.format.pickles.metadata_scan import check_metadata_pickle
 from lightning_preempt.read.load import load_full_checkpoint
-from lightning_preempt.save import records
 from lightning_preempt.save.saver import Saver
 from lightning_preempt.storage.store import Store
+from lightning_preempt.write import records
 
 
 def _state(step: int) -> dict[str, Any]:

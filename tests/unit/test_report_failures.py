@@ -7,11 +7,11 @@ import json
 from pathlib import Path
 
 from lightning_preempt.catalog.goodput import summarize
-from lightning_preempt.catalog.ledger import read_ledger
+from lightning_preempt.catalog.ledger_reader import read_ledger
 from lightning_preempt.cli.app import main
 from lightning_preempt.collective.heartbeat import Verdict
 from lightning_preempt.engine.failures import write_failure_record
-from lightning_preempt.format import ledger as fmt
+from lightning_preempt.format import ledger_records as fmt
 from lightning_preempt.format.names import ledger_record_name
 
 RUN = "a" * 32

@@ -19,9 +19,9 @@ from trainers import make_trainer
 
 from lightning_preempt.errors import CheckpointError, CheckpointExistsError
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
-from lightning_preempt.save.layout import write_file_atomic
 from lightning_preempt.storage import local
 from lightning_preempt.storage.store import Store
+from lightning_preempt.write.replace import write_file_atomic
 
 USER_FILES = {"src/train.py": b"print('my training script')\n", "results.csv": b"step,loss\n1,0.5\n"}
 

@@ -11,9 +11,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from lightning_preempt.read.load import load_full_checkpoint
-from lightning_preempt.save import dcp_writer, records
 from lightning_preempt.save.saver import Saver
 from lightning_preempt.storage.store import Store
+from lightning_preempt.write import dcp_writer, records
 
 
 def _torch_save(tensor: torch.Tensor) -> bytes:

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from lightning_preempt.format import TensorRef
-from lightning_preempt.format.unpickle import load_state_bytes
-from lightning_preempt.save.skeleton_bytes import skeleton_bytes
+from lightning_preempt.format.pickles.unpickle import load_state_bytes
+from lightning_preempt.write.skeleton_bytes import skeleton_bytes
 
 
 def _torch_save(obj: Any) -> bytes:

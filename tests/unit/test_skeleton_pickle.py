@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from lightning_preempt.format import TensorRef
+from lightning_preempt.format.pickles.unpickle import load_state_bytes
 from lightning_preempt.format.skeleton import split_checkpoint
-from lightning_preempt.format.unpickle import load_state_bytes
 
 
 def _skeleton() -> dict[str, Any]:

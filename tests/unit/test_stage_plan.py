@@ -1,5 +1,5 @@
 """HostStager.stage reuses its last routing while the tensors keep their keys, types,
-shapes, dtypes and devices (save/staging.py), and notices every change."""
+shapes, dtypes and devices (staging/stager.py), and notices every change."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_preempt.save.staging import HostStager
+from lightning_preempt.staging.stager import HostStager
 
 
 def _state(n: int = 50, seed: int = 0) -> dict[str, torch.Tensor]:

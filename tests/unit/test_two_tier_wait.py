@@ -7,7 +7,7 @@ import threading
 from concurrent.futures import Future
 from pathlib import Path
 
-from lightning_preempt.save.tiers import TwoTier
+from lightning_preempt.tiers.two_tier import TwoTier
 
 
 def test_wait_with_a_deadline_past_timeout_max_waits_for_the_drain(tmp_path: Path) -> None:

@@ -39,13 +39,13 @@ from lightning_preempt.errors import (
 )
 from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.format.names import MANIFEST_NAME, checkpoint_name
-from lightning_preempt.format.unpickle import UntrustedCheckpointError, unpickle_dcp_metadata
+from lightning_preempt.format.pickles.unpickle import UntrustedCheckpointError, unpickle_dcp_metadata
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.read.verify import read_manifest, verify_checkpoint
-from lightning_preempt.save.commit import SaveRequest, write_checkpoint
 from lightning_preempt.storage.checksum import Crc32c
 from lightning_preempt.storage.diagnose import storage_hint
 from lightning_preempt.storage.store import Store
+from lightning_preempt.write.commit import SaveRequest, write_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 STATE = "state-rank00000.pt"
@@ -558,7 +558,7 @@ def test_writing_to_a_missing_s3_bucket_fails_with_a_hint_and_creates_nothing(tm
         fs.invalidate_cache()
         assert sorted(fs.ls("")) == before and not any("missing-bucket" in b for b in fs.ls(""))
         # the DCP writer alone (what a save does after the path check) creates nothing either
-        from lightning_preempt.save.dcp_writer import ChecksummingWriter
+        from lightning_preempt.write.dcp_writer import ChecksummingWriter
 
         writer = ChecksummingWriter(Store(f"s3://missing-bucket/x/{checkpoint_name(2)}", server.storage_options))
         with pytest.raises(CheckpointWriteError, match="never creates buckets"):
@@ -581,7 +581,7 @@ def test_cli_credential_hints_never_suggest_secrets_on_the_command_line() -> Non
 
 
 def test_draining_a_crafted_checkpoint_writes_nothing_outside_the_destination(tmp_path: Path) -> None:
-    from lightning_preempt.save.drain import drain_checkpoint
+    from lightning_preempt.tiers.drain import drain_checkpoint
 
     src_root = tmp_path / "bucket"
     _save(src_root, [1])

@@ -1,0 +1,1 @@
+"""One module per ``lightning-preempt`` command: its options and what it prints."""

@@ -1,0 +1,99 @@
+"""``lightning-preempt verify URL [STEP]``: the manifest, every file's size and CRC32C, and
+that the state loads without ``trust_checkpoints``. Needs no torch: the last check replays
+what the loader's unpickling would accept (format/pickles/state_replay.py, format/pickles/metadata_scan.py) instead of loading.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from lightning_preempt._text import untrusted_text
+from lightning_preempt.cli.options import EXIT_OK, parse_storage_options
+from lightning_preempt.cli.output import ProgressBar
+from lightning_preempt.cli.plan import format_bytes
+from lightning_preempt.cli.resolve import resolve_checkpoint, storage_call
+from lightning_preempt.errors import UntrustedCheckpointError
+from lightning_preempt.format.generations import data_store
+from lightning_preempt.format.manifest import Manifest
+from lightning_preempt.format.names import DCP_METADATA_NAME, STATE_RE
+from lightning_preempt.format.pickles.metadata_scan import check_metadata_pickle
+from lightning_preempt.format.pickles.state_replay import check_state_pickle
+from lightning_preempt.read.verify import verify_checkpoint
+from lightning_preempt.storage.store import Store
+
+PROGRESS_MIN_BYTES = 64 << 20  # on a TTY, smaller checkpoints verify too fast to need a bar
+
+
+def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
+    """Register ``verify`` on the sub-command parser ``sub``."""
+    p = sub.add_parser("verify", parents=parents, help="check a checkpoint's manifest, sizes and CRC32C")
+    p.add_argument("url", metavar="URL", help="a checkpoint directory, or a directory of checkpoints")
+    p.add_argument("step", metavar="STEP", nargs="?", type=int, help="step to verify (default: newest committed)")
+    p.add_argument("--progress", action="store_true", help="show a progress bar on stderr even when not a TTY")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument(
+        "--trust",
+        action="store_true",
+        help="skip the check that the state loads without trust_checkpoints (allow-listed types only)",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``verify URL [STEP]``: manifest, then every file's size and CRC32C, then the pickles."""
+    options = parse_storage_options(args.storage_options)
+    store, manifest = storage_call(args.url, lambda: resolve_checkpoint(args.url, args.step, options))
+    show = args.progress or (sys.stderr.isatty() and manifest.total_bytes >= PROGRESS_MIN_BYTES)
+    bar = ProgressBar(manifest.total_bytes, f"verifying step {manifest.step}") if show else None
+    started = time.perf_counter()
+    try:
+        storage_call(store.url, lambda: verify_checkpoint(store, manifest, progress=bar.update if bar else None))
+    finally:
+        if bar is not None:
+            bar.close()
+    if not args.trust:
+        storage_call(store.url, lambda: check_loadable(store, manifest))
+    _report(store, manifest, time.perf_counter() - started, as_json=args.json, trusted=args.trust)
+    return EXIT_OK
+
+
+def _report(store: Store, manifest: Manifest, elapsed: float, *, as_json: bool, trusted: bool) -> None:
+    total = manifest.total_bytes
+    if as_json:
+        fields = {"ok": True, "path": store.url, "step": manifest.step, "files": len(manifest.files)}
+        print(json.dumps({**fields, "bytes": total, "seconds": elapsed}))
+        return
+    print(
+        f"OK step {manifest.step} ({untrusted_text(store.url, None)}): manifest v{manifest.version}, {len(manifest.files)} "
+        f"files, {format_bytes(total)}, sizes and CRC32C match"
+        f"{'' if trusted else ', loads without trust_checkpoints'} ({elapsed:.2f}s)"
+    )
+
+
+def check_loadable(store: Store, manifest: Manifest) -> None:
+    """Raise :class:`UntrustedCheckpointError` (naming the global) unless every rank's
+    state and DCP's ``.metadata`` would load with the allow-list only.
+
+    Nothing is unpickled with real classes and torch is not imported: the pickles are
+    replayed against the loader's allow-lists (format/pickles/allowlists.py), which raise what
+    the load would raise (tests/unit/test_pickle_replay.py compares the two).
+    """
+    files = data_store(store, manifest)  # a replaced checkpoint's files live in its generation dir
+    try:
+        for name in sorted(n for n in manifest.files if STATE_RE.fullmatch(n)):  # every rank's
+            check_state_pickle(files.read_regular(name, manifest.files[name].size), path=store.url)
+        entry = manifest.files.get(DCP_METADATA_NAME)
+        if entry is not None:
+            data = files.read_regular(DCP_METADATA_NAME, entry.size)
+            check_metadata_pickle(data, path=files.url, manifest=manifest)
+    except UntrustedCheckpointError as err:
+        raise UntrustedCheckpointError(
+            f"step {manifest.step}: sizes and CRC32C match, but {str(err).splitlines()[0]}",
+            global_name=err.global_name,
+            path=store.url,
+            hint=err.hint,
+        ) from None

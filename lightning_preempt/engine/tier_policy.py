@@ -1,0 +1,101 @@
+"""The engine's two-tier decisions (docs/two-tier.md).
+
+The mechanism (local commit, drain queue, per-tier retention) lives in tiers/two_tier.py; these
+are the policy decisions around it: wiring the saver's tiers, uploading on start what only
+this node holds, where the "already taken" check looks, and how long an emergency snapshot
+may drain.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from lightning_preempt.collective import groups as pdist
+from lightning_preempt.format.names import MANIFEST_NAME
+from lightning_preempt.save.saver import Saver
+from lightning_preempt.storage.diagnose import describe
+from lightning_preempt.storage.store import Store
+from lightning_preempt.tiers.two_tier import TwoTier
+
+log = logging.getLogger(__name__)
+
+
+def configure_tiers(
+    saver: Saver, *, dirpath: str, local_dirpath: str | None, keep_last_n: int,
+    new_group: Callable[[], pdist.ProcessGroup | None],
+) -> str | None:  # fmt: skip
+    """Give the saver its tiers: the remote root, retention, and a gloo group for the drain
+    thread. Collective when tiers are on (every rank configures alike). Returns the local
+    tier in use (the engine's ``local_dirpath`` or the plugin's)."""
+    tiers = saver.tiers
+    if local_dirpath is not None and tiers is None:
+        saver.use_local_tier(local_dirpath)
+    elif tiers is not None and local_dirpath is None:
+        local_dirpath = tiers.local_root
+    elif tiers is not None and tiers.local_root != str(local_dirpath).rstrip("/"):
+        raise ValueError(
+            f"local_dirpath differs: {local_dirpath!r} (callback) vs {tiers.local_root!r} (plugin)\n"
+            "HINT: pass the same local_dirpath to both, or to one of them."
+        )
+    if saver.tiers is None:
+        return local_dirpath
+    drain_group = new_group()
+    collective = pdist.is_distributed() and saver.group is not None
+    saver.tiers.configure(dirpath, keep_last_n, drain_group if collective else None)
+    return local_dirpath
+
+
+def upload_local_only(tiers: TwoTier | None, dirpath: str) -> None:
+    """Rank 0: queue the upload of the newest checkpoint only this node's disk holds (before
+    any retention of the remote tier runs: drains run in order)."""
+    if tiers is None:
+        return
+    try:
+        pending = tiers.local_only()
+    except Exception as err:
+        log.warning("lightning_preempt: cannot compare the tiers (%s); no upload on start", err)
+        return
+    if not pending:
+        return
+    newest = pending[-1]
+    remote_url = tiers.remote_twin(newest.path)
+    if remote_url is None:
+        return
+    log.info(
+        "lightning_preempt: %s (step %d) is committed locally but not in %s: uploading it",
+        newest.path, newest.step, dirpath,
+    )  # fmt: skip
+    tiers.queue_drain(newest.path, remote_url, newest.step, solo=True)
+
+
+def taken(tiers: TwoTier | None, path: str, storage_options: dict[str, Any]) -> bool:
+    """Does ``path`` already hold a committed checkpoint? With two tiers the training thread
+    looks at the local disk only (a remote outage must not stall a step)."""
+    try:
+        if tiers is None:
+            return Store(path, storage_options).exists(MANIFEST_NAME)
+        local = tiers.local_twin(path)
+        return local is not None and tiers.committed(local)
+    except Exception as err:  # could not tell: a fresh name, so nothing committed is ever replaced
+        log.warning("lightning_preempt: cannot tell whether %s is committed (%s); saving beside it", path,
+                    describe(err, storage_options))  # fmt: skip
+        return True
+
+
+def drain_within_grace(
+    saver: Saver, *, dirpath: str, step: int, budget: float, mark: Callable[[str], None],
+    saved: tuple[str, int | None] | None,
+) -> str:  # fmt: skip
+    """Two tiers: let the snapshot drain for ``budget`` seconds. Returns "; step N held by …"
+    for the exit log when ``saved`` (path, step: rank 0's last save) is given."""
+    if saver.tiers is None:
+        return ""
+    mark(f"draining step {step} to {dirpath} for at most {budget:.1f}s")
+    finished = saver.wait_drained(budget)
+    mark("drained" if finished else "drain did not finish within the grace period")
+    if saved is None:
+        return ""
+    held = saver.tiers.holders(saved[0])
+    return f"; step {saved[1]} held by: {', '.join(held) or 'no tier (see the errors above)'}"

@@ -1,0 +1,194 @@
+"""The opcode check the fast unpickler (format/pickles/fast_unpickle.py) runs before C ``pickle``.
+
+C ``pickle`` runs every opcode it is given: ``BUILD`` sets attributes on whatever lies on
+its stack, an allowed global included (``BUILD`` on ``torch._utils._rebuild_tensor_v2``
+setting ``__defaults__``, or on the :class:`~lightning_preempt.format.TensorRef` class,
+changes them for the whole process, for every later load), and a memo index of 1e8 in a
+100-byte file makes it allocate 1.6 GB. ``find_class`` sees none of that. So the pickle
+is walked first, without building anything, and C ``pickle`` only runs on a pickle that
+passes (issue 32). :func:`check_fast_pickle` allows:
+
+* only the opcodes torch's weights-only unpickler reads (protocol 2: no ``INST``, ``OBJ``,
+  ``NEWOBJ_EX``, ``EXT*``, ``STACK_GLOBAL``, ``MEMOIZE``, ``FRAME``...), starting with
+  ``PROTO 2``;
+* ``GLOBAL`` of exactly the names the caller allows (no ``os.FloatStorage``: torch's own
+  ``find_class`` maps any name holding ``Storage`` to a storage type first);
+* ``REDUCE`` and ``NEWOBJ`` only of an allowed global named as callable (``numpy.ndarray``
+  and storage types only as arguments), on a tuple;
+* ``BUILD`` only on what an allowed callable returned and the weights-only loader builds
+  too (a ``TensorRef``, an ``OrderedDict``, a NumPy dtype or array): never on a global,
+  a tensor, a container;
+* ``SETITEM(S)`` only on a dict or an ``OrderedDict``, ``APPEND(S)`` only on a list;
+* memo indices no larger than the number of values memoized so far (a ``torch.save``
+  pickle numbers them 0, 1, 2...), so the memo never outgrows the file.
+
+Anything else raises :class:`FastRefused`; the caller then hands the bytes to the
+weights-only loader, which decides and words the error. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Collection
+
+#: What a value on the walked stack is; globals and what calling them returns are strings.
+_OTHER, _TUPLE, _LIST, _DICT = 0, 1, 2, 3
+_MARK = object()
+
+
+class FastRefused(Exception):
+    """The pickle does something the fast path does not let C ``pickle`` run."""
+
+
+def check_fast_pickle(
+    pkl: bytes,
+    *,
+    globals_allowed: Collection[str],
+    callables: Collection[str],
+    buildable: Collection[str],
+    dict_like: Collection[str],
+) -> None:
+    """Walk ``pkl`` (a protocol-2 pickle) and raise :class:`FastRefused` unless every
+    opcode is one the fast path allows (see the module docstring).
+
+    ``globals_allowed``: ``"module.name"`` a ``GLOBAL`` may name; ``callables``: those
+    ``REDUCE``/``NEWOBJ`` may call; ``buildable``: those whose result ``BUILD`` may set
+    state on; ``dict_like``: those whose result ``SETITEM(S)`` may fill.
+    """
+    try:
+        _walk(pkl, frozenset(globals_allowed), frozenset(callables), frozenset(buildable), frozenset(dict_like))
+    except FastRefused:
+        raise
+    except (IndexError, KeyError, ValueError, struct.error, UnicodeDecodeError) as err:  # truncated, underflow…
+        raise FastRefused(f"malformed pickle ({type(err).__name__})") from None
+
+
+def _walk(  # one dispatch loop, its branches ordered by how often torch.save writes each op
+    pkl: bytes,
+    globals_allowed: frozenset[str],
+    callables: frozenset[str],
+    buildable: frozenset[str],
+    dict_like: frozenset[str],
+) -> None:
+    if pkl[:2] != b"\x80\x02":
+        raise FastRefused("not a protocol-2 pickle")
+    unpack_i = struct.Struct("<I").unpack_from
+    stack: list[object] = []
+    metastack: list[list[object]] = []
+    memo: list[object] = []  # a torch.save pickle memoizes 0, 1, 2...: a list, never sparse
+    pos, end = 2, len(pkl)
+    while pos < end:
+        op = pkl[pos]
+        pos += 1
+        if op == 0x72 or op == 0x71:  # LONG_BINPUT, BINPUT
+            if op == 0x72:
+                idx = unpack_i(pkl, pos)[0]
+                pos += 4
+            else:
+                idx = pkl[pos]
+                pos += 1
+            if idx == len(memo):
+                memo.append(stack[-1])
+            elif idx < len(memo):
+                memo[idx] = stack[-1]
+            else:  # C pickle sizes its memo array by the largest index a file names
+                raise FastRefused(f"memo index {idx} after {len(memo)} values")
+        elif op == 0x58:  # BINUNICODE
+            pos += 4 + unpack_i(pkl, pos)[0]
+            stack.append(_OTHER)
+        elif op == 0x52:  # REDUCE
+            args = stack.pop()
+            func = stack[-1]
+            if func not in callables or args is not _TUPLE:
+                raise FastRefused(f"REDUCE of {func!r}")
+            stack[-1] = "=" + func  # type: ignore[operator]
+        elif op == 0x85:  # TUPLE1
+            stack[-1] = _TUPLE
+        elif op == 0x68 or op == 0x6A:  # BINGET, LONG_BINGET
+            if op == 0x68:
+                idx = pkl[pos]
+                pos += 1
+            else:
+                idx = unpack_i(pkl, pos)[0]
+                pos += 4
+            stack.append(memo[idx])
+        elif op == 0x28:  # MARK
+            metastack.append(stack)
+            stack = []
+        elif op == 0x75 or op == 0x73:  # SETITEMS, SETITEM
+            if op == 0x75:
+                items = stack
+                stack = metastack.pop()
+                if len(items) % 2:
+                    raise FastRefused("SETITEMS with an odd number of items")
+            else:
+                del stack[-2:]
+            target = stack[-1]
+            if target is not _DICT and not (isinstance(target, str) and target[:1] == "=" and target[1:] in dict_like):
+                raise FastRefused("SETITEM on something other than a dict")
+        elif op == 0x65 or op == 0x61:  # APPENDS, APPEND
+            if op == 0x65:
+                stack = metastack.pop()
+            else:
+                stack.pop()
+            if stack[-1] is not _LIST:
+                raise FastRefused("APPEND to something other than a list")
+        elif op == 0x74:  # TUPLE
+            stack = metastack.pop()
+            stack.append(_TUPLE)
+        elif op == 0x86:  # TUPLE2
+            stack[-2:] = [_TUPLE]
+        elif op == 0x87:  # TUPLE3
+            stack[-3:] = [_TUPLE]
+        elif op == 0x29:  # EMPTY_TUPLE
+            stack.append(_TUPLE)
+        elif op == 0x5D:  # EMPTY_LIST
+            stack.append(_LIST)
+        elif op == 0x7D:  # EMPTY_DICT
+            stack.append(_DICT)
+        elif op in _NO_ARG_VALUES:  # NONE, NEWTRUE, NEWFALSE, EMPTY_SET
+            stack.append(_OTHER)
+        elif op in _FIXED_ARG:  # BININT*, BINFLOAT
+            pos += _FIXED_ARG[op]
+            stack.append(_OTHER)
+        elif op == 0x55 or op == 0x8A:  # SHORT_BINSTRING, LONG1
+            pos += 1 + pkl[pos]
+            stack.append(_OTHER)
+        elif op == 0x63:  # GLOBAL
+            nl1 = pkl.index(b"\n", pos)
+            nl2 = pkl.index(b"\n", nl1 + 1)
+            name = f"{pkl[pos:nl1].decode('ascii')}.{pkl[nl1 + 1 : nl2].decode('ascii')}"
+            pos = nl2 + 1
+            if name not in globals_allowed:
+                raise FastRefused(f"GLOBAL {name}")
+            stack.append(name)
+        elif op == 0x81:  # NEWOBJ
+            args = stack.pop()
+            cls = stack[-1]
+            if cls not in callables or args is not _TUPLE:
+                raise FastRefused(f"NEWOBJ of {cls!r}")
+            stack[-1] = "=" + cls  # type: ignore[operator]
+        elif op == 0x62:  # BUILD
+            stack.pop()
+            inst = stack[-1]
+            if not (isinstance(inst, str) and inst[:1] == "=" and inst[1:] in buildable):
+                raise FastRefused(f"BUILD on {inst!r}")
+        elif op == 0x51:  # BINPERSID: torch's persistent_load (storages)
+            if stack[-1] is not _TUPLE:
+                raise FastRefused("persistent id that is not a tuple")
+            stack[-1] = _OTHER
+        elif op == 0x2E:  # STOP
+            if len(stack) != 1 or metastack or pos != end:
+                raise FastRefused("STOP with more than one value or bytes after it")
+            if isinstance(stack[0], str) and stack[0][:1] != "=":
+                raise FastRefused("the pickle's value is a global")
+            return
+        else:
+            raise FastRefused(f"opcode {op:#04x}")
+        if pos > end:
+            raise FastRefused("truncated pickle")
+    raise FastRefused("no STOP")
+
+
+_NO_ARG_VALUES = frozenset({0x4E, 0x88, 0x89, 0x8F})
+_FIXED_ARG = {0x4A: 4, 0x4B: 1, 0x4D: 2, 0x47: 8}

@@ -1,0 +1,196 @@
+"""Would reading DCP's ``.metadata`` (``read_dcp_metadata`` in format/pickles/unpickle.py) accept
+it? Answered without torch, for the operator CLI's ``verify``.
+
+* :func:`check_metadata_pickle`: ``.metadata`` through an unpickler whose ``find_class``
+  returns recording stand-ins for
+  :data:`~lightning_preempt.format.pickles.allowlists.METADATA_GLOBALS` only, then
+* :func:`check_dcp_structure`: the structural check, written once for real DCP objects
+  (the load path) and stand-ins alike.
+
+tests/unit/test_pickle_replay.py runs both paths on the same bytes.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from lightning_preempt.errors import CheckpointError, CorruptCheckpointError, UntrustedCheckpointError
+from lightning_preempt.format.manifest import Manifest
+from lightning_preempt.format.names import SHARD_RE
+from lightning_preempt.format.pickles.allowlists import (
+    DCP_MD,
+    METADATA_CLASSES,
+    METADATA_FUNCTIONS,
+    METADATA_GLOBALS,
+    STORAGE_INFO,
+)
+
+
+class _Stub:
+    """An object of an allowed DCP class: records its arguments and state; runs nothing."""
+
+    qualified: ClassVar[str] = ""
+
+    def __new__(cls, *args: Any) -> _Stub:
+        obj = super().__new__(cls)
+        obj.__dict__["_lp_args"] = args
+        return obj
+
+    def __init__(self, *args: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
+            state, slots = state
+            self.__dict__.update({k: v for k, v in slots.items() if isinstance(k, str)})
+        if isinstance(state, dict):
+            self.__dict__.update({k: v for k, v in state.items() if isinstance(k, str)})
+        elif state is not None:
+            self.__dict__["_lp_state"] = state
+
+
+class _StubFunction:
+    """An allowed function (``_get_layout``): calling it records a stand-in result."""
+
+    def __init__(self, returns: str) -> None:
+        self.result = _stub_class(returns)
+
+    def __call__(self, *args: Any) -> _Stub:
+        return self.result(*args)
+
+
+class _StubValue:
+    """An allowed value (a dtype such as ``torch.float32``): neither callable nor a class."""
+
+    def __init__(self, qualified: str) -> None:
+        self.qualified = qualified
+
+
+_STUB_CLASSES: dict[str, type[_Stub]] = {}
+
+
+def _stub_class(qualified: str) -> type[_Stub]:
+    if qualified not in _STUB_CLASSES:
+        _STUB_CLASSES[qualified] = type(qualified.rsplit(".", 1)[-1], (_Stub,), {"qualified": qualified})
+    return _STUB_CLASSES[qualified]
+
+
+class _MetadataStubUnpickler(pickle.Unpickler):
+    """format/pickles/unpickle.py's ``_MetadataUnpickler`` with stand-ins in place of torch's classes."""
+
+    def __init__(self, file: Any, path: str) -> None:
+        super().__init__(file)
+        self._path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        full = f"{module}.{name}"
+        if full == "collections.OrderedDict":
+            return OrderedDict  # the loader uses the real one too
+        if full in METADATA_FUNCTIONS:
+            return _StubFunction(METADATA_FUNCTIONS[full])
+        if full in METADATA_CLASSES:
+            return _stub_class(full)
+        if full in METADATA_GLOBALS:
+            return _StubValue(full)
+        raise metadata_global_error(module, name, self._path)
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise CorruptCheckpointError("DCP metadata uses persistent ids", path=self._path)
+
+
+def metadata_global_error(module: str, name: str, path: str) -> CheckpointError:
+    """What reading DCP's ``.metadata`` raises for a global outside its allow-list."""
+    if name == "BytesStorageMetadata":
+        return CorruptCheckpointError(
+            "DCP metadata declares byte-IO (pickled object) items; lightning_preempt writes tensors only",
+            path=path,
+            hint="This checkpoint was not written by lightning_preempt or was tampered with; do not load it.",
+        )
+    return UntrustedCheckpointError(
+        f"refusing to unpickle DCP's .metadata: it needs the global {module}.{name}, not one of DCP's "
+        "metadata classes; unpickling it could run code",
+        global_name=f"{module}.{name}",
+        path=path,
+        hint="lightning_preempt never writes that: the checkpoint was tampered with or written by something "
+        "else. trust_checkpoints does not cover DCP metadata; delete the checkpoint (docs/security.md).",
+    )
+
+
+def check_metadata_pickle(data: bytes, *, path: str, manifest: Manifest | None) -> None:
+    """Raise what reading and checking DCP's ``.metadata`` (``read_dcp_metadata``) would raise."""
+    try:
+        metadata = _MetadataStubUnpickler(io.BytesIO(data), path).load()
+    except CheckpointError:
+        raise
+    except Exception as err:  # truncated, garbage, a class called the wrong way...
+        raise CorruptCheckpointError(
+            f"DCP's .metadata cannot be read ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})",
+            path=path,
+            hint="The checkpoint is damaged; resume from an older one.",
+        ) from err
+    check_dcp_structure(metadata, path=path, manifest=manifest)
+
+
+def qualified_type(obj: Any) -> str:
+    """``module.qualname`` of ``obj``'s class; for a stand-in, of the class it stands for."""
+    if isinstance(obj, (_Stub, _StubValue)):
+        return obj.qualified
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def check_dcp_structure(metadata: Any, *, path: str, manifest: Manifest | None) -> None:
+    """Raise :class:`CorruptCheckpointError` unless ``metadata`` (real DCP objects or
+    stand-ins) describes only tensors stored in byte ranges of our shard files (listed in
+    ``manifest``, when given), with no stream transforms."""
+
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"DCP's .metadata is not what lightning_preempt writes: {why}",
+            path=path,
+            hint="The checkpoint is damaged or was tampered with; resume from an older one.",
+        )
+
+    def short(obj: Any) -> str:
+        return qualified_type(obj).rsplit(".", 1)[-1]
+
+    if qualified_type(metadata) != DCP_MD + "Metadata":
+        raise bad(f"it holds a {short(metadata)}, not DCP Metadata")
+    entries = getattr(metadata, "state_dict_metadata", None)
+    if not isinstance(entries, dict) or not all(isinstance(k, str) for k in entries):
+        raise bad("state_dict_metadata is not a mapping of names")
+    for fqn, entry in entries.items():
+        if qualified_type(entry) != DCP_MD + "TensorStorageMetadata":
+            raise bad(f"{fqn!r} is a {short(entry)}, not a tensor")
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, dict):
+        raise bad("storage_data is not a mapping")
+    for index, info in storage.items():
+        if qualified_type(index) != DCP_MD + "MetadataIndex" or qualified_type(info) != STORAGE_INFO:
+            raise bad("storage_data holds something other than DCP storage records")
+        _check_record(info, manifest, bad)
+
+
+def _check_record(info: Any, manifest: Manifest | None, bad: Callable[[str], CorruptCheckpointError]) -> None:
+    name, offset, length = info.relative_path, getattr(info, "offset", None), getattr(info, "length", None)
+    if not isinstance(name, str) or not SHARD_RE.fullmatch(name):
+        raise bad(f"a tensor is stored in {name!r}, not in one of our shard files")
+    if not _is_nonneg_int(offset) or not _is_nonneg_int(length):
+        raise bad(f"a byte range in {name!r} is not a pair of non-negative integers")
+    transforms = getattr(info, "transform_descriptors", None)
+    if transforms:
+        raise bad(f"a record in {name!r} needs stream transforms {list(transforms)!r}")
+    if manifest is not None:
+        entry = manifest.files.get(name)
+        if entry is None:
+            raise bad(f"{name!r} is not listed in the manifest")
+        assert isinstance(offset, int) and isinstance(length, int)  # checked above
+        if offset + length > entry.size:
+            raise bad(f"a record lies beyond the end of {name!r}")
+
+
+def _is_nonneg_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

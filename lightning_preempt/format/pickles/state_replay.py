@@ -1,0 +1,330 @@
+"""Would ``load_state_bytes`` (format/pickles/unpickle.py) accept this ``state-rankNNNNN.pt``?
+Answered without torch, for the operator CLI's ``verify``.
+
+:func:`check_state_pickle` opens the ``torch.save`` zip as torch's reader does and replays
+its ``data.pkl`` through the rules of ``torch.load(weights_only=True)`` with
+:data:`~lightning_preempt.format.pickles.allowlists.STATE_GLOBALS` allowed: the same opcodes, the
+same refusals, with inert stand-ins where torch builds tensors and arrays. It raises the
+:class:`UntrustedCheckpointError` or :class:`CorruptCheckpointError` the load would raise;
+tests/unit/test_pickle_replay.py runs both on the same bytes.
+"""
+
+from __future__ import annotations
+
+import io
+import pickletools
+import re
+import struct
+import zipfile
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from lightning_preempt.errors import CheckpointError, CorruptCheckpointError, UntrustedCheckpointError
+from lightning_preempt.format.pickles.allowlists import BLOCKED_MODULES, NUMPY_DTYPE_CODES, STATE_GLOBALS, py2_rename
+
+TRUST_HINT = (
+    "Load it only if you trust everyone who can write this storage: pass "
+    "ShardedAsyncCheckpointIO(trust_checkpoints=True) (or Trainer.fit(..., weights_only=False) for one load, "
+    "`lightning-preempt export --trust` on the command line). Better: keep plain types (dict, list, str, "
+    "numbers, tensors, NumPy arrays) in on_save_checkpoint / hyper-parameters. See docs/security.md."
+)
+_STATE_CORRUPT_HINT = "The checkpoint is damaged or was not written by lightning_preempt; resume from an older one."
+#: A ``data.pkl`` larger than this is refused unread (the loaders would need as much memory).
+MAX_PICKLE_BYTES = 256 << 20
+
+
+# ---- errors ----------------------------------------------------------------------------------
+def untrusted_state_error(global_name: str | None, detail: str, path: str) -> UntrustedCheckpointError:
+    """The error ``load_state_bytes`` raises for a state that needs more than the allow-list."""
+    if global_name is not None:
+        what = f"needs the global {global_name}, which is not on the allow-list of what lightning_preempt writes"
+    else:
+        what = f"uses something weights_only loading refuses ({detail})"
+    return UntrustedCheckpointError(
+        f"refusing to unpickle the checkpoint state: it {what}; unpickling it could run code",
+        global_name=global_name,
+        path=path,
+        hint=TRUST_HINT,
+    )
+
+
+def _corrupt_state(detail: str, path: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"the per-rank state is not a readable torch.save file ({detail})", path=path, hint=_STATE_CORRUPT_HINT
+    )
+
+
+class _Refused(Exception):
+    """What torch's weights-only unpickler refuses (it raises ``UnpicklingError`` there)."""
+
+    def __init__(self, detail: str, global_name: str | None = None) -> None:
+        super().__init__(detail)
+        self.global_name = global_name
+
+
+# ---- the per-rank state: a replay of torch.load(weights_only=True) ---------------------------
+def check_state_pickle(data: bytes, *, path: str) -> None:
+    """Raise what ``load_state_bytes(data, path=path)`` would raise, without torch.
+
+    :class:`UntrustedCheckpointError` (naming the global, when one is to blame) for what
+    the allow-list refuses; :class:`CorruptCheckpointError` when ``data`` is not a
+    ``torch.save`` archive or its pickle does not hold together.
+    """
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            prefix, info = _archive_pickle(archive, path)
+            pkl = _record_bytes(archive, info, data)
+            records = set(archive.namelist())
+    except CheckpointError:
+        raise
+    except Exception as err:  # not a zip, a record failing its CRC, an unknown compression...
+        raise _corrupt_state(f"not a readable zip archive: {type(err).__name__}: {str(err)[:200]}", path) from None
+    try:
+        _WeightsOnlyReplay(pkl, lambda key: f"{prefix}/data/{key}" in records).run()
+    except _Refused as err:
+        raise untrusted_state_error(err.global_name, str(err), path) from None
+    except (ValueError, TypeError, KeyError, IndexError, EOFError) as err:
+        raise _corrupt_state(f"{type(err).__name__}: {str(err)[:200]}", path) from None
+
+
+def archived_pickle(data: bytes) -> bytes:
+    """The ``data.pkl`` bytes torch's reader would unpickle from the ``torch.save`` archive
+    ``data``, for the fast path's opcode check (format/pickles/fast_guard.py). Raises (any error)
+    when the archive is not one both readers are sure to read alike: a name listed twice
+    (zipfile takes the last, torch's reader may take another) counts as such."""
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        names = archive.namelist()
+        if len(set(names)) != len(names):
+            raise ValueError("a record name appears twice")
+        _, info = _archive_pickle(archive, "")
+        return _record_bytes(archive, info, data)
+
+
+def _archive_pickle(archive: zipfile.ZipFile, path: str) -> tuple[str, zipfile.ZipInfo]:
+    """The archive's directory name and its ``data.pkl``, checked as torch's reader checks them."""
+    names = archive.namelist()
+    prefix = names[0].split("/", 1)[0] if names else ""
+    if not names or any(not n.startswith(prefix + "/") for n in names):
+        raise _corrupt_state("its records are not in one directory", path)
+    if f"{prefix}/constants.pkl" in names:
+        raise _corrupt_state("a TorchScript archive", path)
+    order = archive.NameToInfo.get(f"{prefix}/byteorder")
+    if order is not None and archive.read(order) not in (b"little", b"big"):
+        raise _corrupt_state("unknown byte order", path)
+    info = archive.NameToInfo.get(f"{prefix}/data.pkl")
+    if info is None:
+        raise _corrupt_state("no data.pkl", path)
+    if info.file_size > MAX_PICKLE_BYTES:
+        raise _corrupt_state(f"data.pkl holds {info.file_size} bytes", path)
+    return prefix, info
+
+
+def _record_bytes(archive: zipfile.ZipFile, info: zipfile.ZipInfo, data: bytes) -> bytes:
+    """A record's bytes as torch's reader takes them: a stored record (torch.save stores)
+    is sliced out without zipfile's CRC-32 check, which torch does not make either (the
+    manifest's CRC32C covers the whole file)."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        return archive.read(info)
+    header = data[info.header_offset : info.header_offset + 30]
+    if len(header) < 30 or header[:4] != b"PK\x03\x04":
+        raise ValueError(f"no local header for {info.filename}")
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    start = info.header_offset + 30 + name_len + extra_len
+    if start + info.file_size > len(data):
+        raise ValueError(f"{info.filename} runs past the end of the archive")
+    return data[start : start + info.file_size]
+
+
+class _Global:
+    """An allowed global on the replay's stack (torch pushes the real class or function)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class _Made:
+    """What calling an allowed torch or NumPy global returns (a tensor, an array, a Size...)."""
+
+    def __init__(self, maker: str, args: Any) -> None:
+        self.maker = maker
+        self.args = args
+
+    def buildable(self) -> bool:
+        """Whether torch lets BUILD set its state: its type must be on the allow-list."""
+        if self.maker == "numpy.dtype":  # np.dtype("<U3") is a StrDType, not allowed
+            return bool(self.args) and self.args[0] in NUMPY_DTYPE_CODES
+        return not self.maker.endswith((".scalar", "._get_layout"))
+
+    def __repr__(self) -> str:
+        return f"<{self.maker}(...)>"
+
+
+# Allowed stdlib globals build the real (inert, empty) container, so type checks match torch's.
+_STDLIB_RESULTS: dict[str, Callable[[], Any]] = {
+    "collections.OrderedDict": OrderedDict,
+    "collections.Counter": Counter,
+    "builtins.set": set,
+    "builtins.bytearray": bytearray,
+    "builtins.complex": complex,
+    "_codecs.encode": bytes,
+}
+_CONSTANTS = {"NONE": None, "NEWFALSE": False, "NEWTRUE": True, "EMPTY_TUPLE": ()}
+_VALUES = frozenset({"BININT", "BININT1", "BININT2", "BINFLOAT", "LONG1", "BINUNICODE", "SHORT_BINSTRING"})
+
+
+class _WeightsOnlyReplay:
+    """torch's ``_weights_only_unpickler.Unpickler.load``, opcode for opcode (the same
+    opcodes, the same refusals), pushing stand-ins where torch builds tensors and arrays."""
+
+    def __init__(self, data: bytes, has_record: Callable[[str], bool]) -> None:
+        self.data = data
+        self.has_record = has_record
+        self.metastack: list[list[Any]] = []
+        self.stack: list[Any] = []
+        self.memo: dict[int, Any] = {}
+
+    def run(self) -> None:
+        """Replay the pickle; raise :class:`_Refused` where torch raises ``UnpicklingError``."""
+        try:
+            for op, arg, _ in pickletools.genops(self.data):
+                self.step(op.name, ord(op.code), arg)
+                if op.name == "STOP":
+                    return
+        except ValueError as err:  # genops: an opcode byte pickle does not know, or truncated data
+            unknown = re.search(r"at position (\d+), opcode .* unknown", str(err))
+            if unknown is None:
+                raise
+            raise _Refused(f"Unsupported operand {self.data[int(unknown.group(1))]}") from None
+
+    def step(self, name: str, code: int, arg: Any) -> None:
+        if name in _CONSTANTS:
+            self.stack.append(_CONSTANTS[name])
+        elif name in _VALUES:
+            self.stack.append(arg)
+        else:
+            handler = getattr(self, f"op_{name}", None)
+            if handler is None:  # FRAME, MEMOIZE, STACK_GLOBAL...: torch.save writes protocol 2
+                raise _Refused(f"Unsupported operand {code}")
+            handler(arg)
+
+    def pop_mark(self) -> list[Any]:
+        items = self.stack
+        self.stack = self.metastack.pop()
+        return items
+
+    # -- risky operators
+    def op_GLOBAL(self, arg: str) -> None:
+        module, name = arg.split(" ", 1)
+        module, name = py2_rename(module, name)
+        full = f"{module}.{name}"
+        if module in BLOCKED_MODULES:
+            raise _Refused(f"Trying to load unsupported GLOBAL {full} whose module {module} is blocked.", full)
+        if full not in STATE_GLOBALS:
+            raise _Refused(f"Unsupported global: GLOBAL {full} was not an allowed global by default.", full)
+        self.stack.append(_Global(full))
+
+    def _call(self, refusal: str, func: Any, args: Any) -> Any:
+        if not isinstance(func, _Global):
+            raise _Refused(f"{refusal} {func!r}")
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(f"arguments are a {type(args).__name__}")
+        make = _STDLIB_RESULTS.get(func.name)
+        return make() if make is not None else _Made(func.name, tuple(args))
+
+    def op_NEWOBJ(self, arg: None) -> None:
+        args = self.stack.pop()
+        cls = self.stack.pop()
+        self.stack.append(self._call("Can only create new object for classes allowlisted, but got", cls, args))
+
+    def op_REDUCE(self, arg: None) -> None:
+        args = self.stack.pop()
+        self.stack[-1] = self._call("Trying to call reduce for unrecognized function", self.stack[-1], args)
+
+    def op_BUILD(self, arg: None) -> None:
+        self.stack.pop()
+        inst = self.stack[-1]
+        if not (type(inst) in (OrderedDict, Counter) or (isinstance(inst, _Made) and inst.buildable())):
+            raise _Refused(f"Can only build Tensor, Parameter, OrderedDict or types allowlisted, but got {inst!r}")
+
+    def op_BINPERSID(self, arg: None) -> None:
+        pid: Any = self.stack.pop()
+        kind = type(pid)
+        if kind is not tuple and kind is not int:
+            raise _Refused(f"persistent_load id must be tuple or int, but got {kind}")
+        if kind is tuple and pid and pid[0] not in ("storage", b"storage"):
+            raise _Refused(f"Only persistent_load of storage is allowed, but got {type(pid[0])}")
+        # torch's persistent_load: ("storage", storage class, key, location, numel), record data/<key>
+        ok = kind is tuple and len(pid) == 5 and isinstance(pid[1], _Global) and isinstance(pid[2], str)
+        if not ok or not pid[1].name.endswith("Storage") or type(pid[4]) is not int or not self.has_record(pid[2]):
+            raise KeyError(f"persistent id {pid!r} names no storage record of the archive")
+        self.stack.append(_Made(pid[1].name, pid))
+
+    # -- containers
+    def op_APPEND(self, arg: None) -> None:
+        item = self.stack.pop()
+        self._target((list,), "append to lists").append(item)
+
+    def op_APPENDS(self, arg: None) -> None:
+        items = self.pop_mark()
+        self._target((list,), "extend lists").extend(items)
+
+    def op_SETITEM(self, arg: None) -> None:
+        value, key = self.stack.pop(), self.stack.pop()
+        self._target((dict, OrderedDict, Counter), "SETITEM for dict")[key] = value
+
+    def op_SETITEMS(self, arg: None) -> None:
+        items = self.pop_mark()
+        target = self._target((dict, OrderedDict, Counter), "SETITEMS for dict")
+        for i in range(0, len(items), 2):
+            target[items[i]] = items[i + 1]
+
+    def _target(self, kinds: tuple[type, ...], what: str) -> Any:
+        target = self.stack[-1]
+        if type(target) not in kinds:
+            raise _Refused(f"Can only {what}, but got {type(target)}")
+        return target
+
+    def op_MARK(self, arg: None) -> None:
+        self.metastack.append(self.stack)
+        self.stack = []
+
+    def op_TUPLE(self, arg: None) -> None:
+        items = self.pop_mark()  # first: it replaces self.stack
+        self.stack.append(tuple(items))
+
+    def op_TUPLE1(self, arg: None) -> None:
+        self.stack[-1] = (self.stack[-1],)
+
+    def op_TUPLE2(self, arg: None) -> None:
+        self.stack[-2:] = [(self.stack[-2], self.stack[-1])]
+
+    def op_TUPLE3(self, arg: None) -> None:
+        self.stack[-3:] = [(self.stack[-3], self.stack[-2], self.stack[-1])]
+
+    def op_EMPTY_LIST(self, arg: None) -> None:
+        self.stack.append([])
+
+    def op_EMPTY_DICT(self, arg: None) -> None:
+        self.stack.append({})
+
+    def op_EMPTY_SET(self, arg: None) -> None:
+        self.stack.append(set())
+
+    # -- memo
+    def op_BINPUT(self, arg: int) -> None:
+        self.memo[arg] = self.stack[-1]
+
+    def op_BINGET(self, arg: int) -> None:
+        self.stack.append(self.memo[arg])
+
+    op_LONG_BINPUT, op_LONG_BINGET = op_BINPUT, op_BINGET
+
+    def op_PROTO(self, arg: int) -> None:
+        pass  # torch only warns about a protocol other than 2
+
+    def op_STOP(self, arg: None) -> None:
+        self.stack.pop()

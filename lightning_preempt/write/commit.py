@@ -1,0 +1,251 @@
+"""Writing one checkpoint directory, ending with the commit.
+
+Protocol (every rank, in the writer thread, on the writer's own gloo group):
+
+0. rank 0 decides where the files go (:func:`lightning_preempt.layout.plan_write`): into
+   the path, or into a new generation directory when the path already holds a committed
+   checkpoint (replacement, see ``layout.py``); every rank follows its decision;
+1. every rank creates the directory; ranks agree it worked before any DCP collective;
+2. ``dcp.save`` writes each rank's share of the tensors (DCP gathers per-rank failures
+   and raises on every rank);
+3. every rank writes its own ``state-rankNNNNN.pt`` (the non-tensor skeleton);
+4. all ranks exchange their file entries or error; if any rank failed, no rank commits
+   and every rank raises the same :class:`CheckpointWriteError`;
+5. rank 0 writes ``manifest.json`` atomically — commit metadata only after all ranks
+   completed writing — and tells the others whether the commit itself succeeded;
+6. rank 0 deletes what the new checkpoint replaced (:func:`lightning_preempt.layout.finish_write`).
+
+Two saves to one path at the same moment each write files no other save writes (layout.py:
+a create-only claim, else a generation of its own); the create-only manifest picks the
+winner. The loser deletes what it wrote and every one of its ranks raises
+:class:`CheckpointExistsError` saying another writer committed the path first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+from lightning_preempt.collective import agree
+from lightning_preempt.collective import groups as pdist
+from lightning_preempt.errors import CheckpointError, CheckpointExistsError, CheckpointWriteError
+from lightning_preempt.format.dcp_compat import dcp_save_tensors
+from lightning_preempt.format.manifest import FileEntry, Manifest
+from lightning_preempt.format.names import MANIFEST_NAME, state_file
+from lightning_preempt.staging.budget import Streamed
+from lightning_preempt.storage.checksum import Crc32c
+from lightning_preempt.storage.store import Store
+from lightning_preempt.write.dcp_writer import ChecksummingWriter
+from lightning_preempt.write.planning import CachingSavePlanner, PlanCache
+from lightning_preempt.write.replace import WritePlan, abandon, finish_write, plan_write
+
+_STORAGE_HINT = (
+    "Check that the storage is reachable, writable and has space; earlier committed checkpoints are "
+    "untouched and training can resume from them."
+)
+#: a storage error on rank 0 becomes the same CheckpointWriteError on every rank
+_FAILED: dict[str, Any] = {"foreign": CheckpointWriteError, "hint": _STORAGE_HINT}
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class SaveRequest:
+    """Everything the writer needs; tensors are staged host copies owned by the stager."""
+
+    url: str
+    tensors: dict[str, torch.Tensor]
+    skeleton: bytes
+    step: int
+    epoch: int
+    storage_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    stats: dict[str, float] = dataclasses.field(default_factory=dict)
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: Written to the manifest when set: retention given a run id spares other runs' checkpoints.
+    run_id: str | None = None
+    #: Tensors of ``tensors`` that are the training state's own, not staged copies (over the
+    #: host-memory budget, ``staging/budget.py``): written first, then the training resumes.
+    streamed: Streamed | None = None
+
+
+def write_checkpoint(
+    request: SaveRequest,
+    *,
+    group: pdist.ProcessGroup | None = None,
+    thread_count: int = 1,
+    plan_cache: PlanCache | None = None,
+) -> Manifest:
+    """Write and commit ``request``; returns the committed manifest (on every rank).
+
+    With ``group`` every rank of it must call this for the same checkpoint.
+    ``plan_cache``: DCP plans of the previous save to reuse when the structure is the
+    same (:mod:`lightning_preempt.write.planning`).
+    """
+    root = Store(request.url, request.storage_options)
+    rank, world = pdist.rank(group) if group else 0, pdist.world_size(group) if group else 1
+    started = time.perf_counter()
+
+    plan = agree.decide(lambda: plan_write(root), group, what="preparing the checkpoint path", **_FAILED)
+    store = plan.data(root)
+    _on_every_rank(store.makedirs, group, root, "creating the checkpoint directory")
+
+    def write_files() -> dict[str, FileEntry]:
+        entries: dict[str, FileEntry] = {}
+        writer = ChecksummingWriter(
+            store,
+            thread_count=thread_count,
+            streamed=request.streamed,
+            plan_cache=plan_cache,
+        )
+        try:
+            dcp_save_tensors(
+                request.tensors,
+                storage_writer=writer,
+                planner=CachingSavePlanner(plan_cache, collective=group is not None) if plan_cache is not None else None,
+                process_group=group,
+                no_dist=group is None,
+            )
+        except CheckpointException as err:  # BaseException in DCP: convert, keep the cause
+            mine = writer.storage_error
+            what = f"{type(mine).__name__}: {mine}" if mine is not None else f"DCP reports {_dcp_failures(err)}"
+            raise CheckpointWriteError(
+                f"writing the shards failed: {what}", path=root.url, hint=_hint_of(mine, err)
+            ) from err
+        entries.update(writer.entries)
+        name = state_file(rank)
+        entries[name] = _write_hashed(store, name, request.skeleton)
+        return entries
+
+    written: list[dict[str, FileEntry]] = []
+    try:
+        written = _on_every_rank(write_files, group, root, "writing checkpoint files")
+        manifest = Manifest(
+            step=request.step,
+            epoch=request.epoch,
+            world_size=world,
+            files={name: entry for rank_entries in written for name, entry in rank_entries.items()},
+            tensor_bytes=sum(_nbytes(t) for t in request.tensors.values()),
+            stats={**request.stats, "write_s": time.perf_counter() - started},
+            extra={**request.extra, **plan.manifest_extra},
+            run_id=request.run_id,
+        )
+        # Commit metadata only after all ranks completed writing (the gather above). Rank 0
+        # commits; every rank gets its outcome. A CheckpointExistsError (the create-only
+        # commit found another writer's manifest: theirs stands) is raised as such on every rank.
+        target = plan.commit_store(root)
+
+        def commit() -> None:
+            target.commit_bytes(MANIFEST_NAME, manifest.to_json(), exclusive=plan.exclusive)
+            if plan.mode == "beside":  # committed beside the path; it is saved once it is *at* it
+                finish_write(root, plan)
+
+        agree.decide(commit, group, what="committing the manifest", **_FAILED)
+    except CheckpointError as err:
+        _raise_if_lost(err, root, plan, written, request.step, group)
+        raise
+    if rank == 0 and plan.mode != "beside":
+        finish_write(root, plan)  # only deletes what was replaced; logs its own failures
+    return manifest
+
+
+def _raise_if_lost(
+    err: CheckpointError,
+    root: Store,
+    plan: WritePlan,
+    written: list[dict[str, FileEntry]],
+    step: int,
+    group: pdist.ProcessGroup | None,
+) -> None:
+    """Every rank (the failure is agreed): when another writer committed this path while we
+    wrote (its manifest beat ours, or its clean-up took our files), delete what this save
+    wrote on rank 0 and raise :class:`CheckpointExistsError` saying so; else return."""
+    if plan.replace:  # we meant to replace the manifest: a failure here is a plain failure
+        return
+    target = plan.commit_store(root)
+
+    def lost() -> bool:
+        if not isinstance(err, CheckpointExistsError) and not target.exists(MANIFEST_NAME):
+            return False
+        if written:  # our files are unreferenced: the committed manifest names the winner's
+            try:
+                abandon(root, plan, [name for entries in written for name in entries])
+            except Exception as cleanup_err:  # leftovers of ours; the outcome stands
+                log.warning("lightning_preempt: could not delete this save's files at %s: %s", root.url, cleanup_err)
+        return True
+
+    if not agree.decide(lost, group, what="checking who committed the checkpoint", **_FAILED):
+        return
+    raise CheckpointExistsError(
+        f"another writer committed {root.url} first; this save (step {step}) was not committed (the other "
+        "writer's checkpoint is intact)",
+        path=root.url,
+        hint="Two processes saved to the same path at once. Give each job its own dirpath, or keep the "
+        "PreemptionCallback's lease on (lease=True) so only one job writes a dirpath.",
+    ) from err
+
+
+def _dcp_failures(err: CheckpointException) -> str:
+    """One line per failed rank instead of DCP's full tracebacks."""
+    parts = []
+    for rank, failure in sorted(err.failures.items()):
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        parts.append(f"rank {rank} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    return "; ".join(parts)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    """Bytes of ``tensor`` (a ``DTensor``: of the whole tensor, as its ``numel``)."""
+    return tensor.nbytes if type(tensor) is torch.Tensor else tensor.numel() * tensor.element_size()
+
+
+def _write_hashed(store: Store, name: str, data: bytes) -> FileEntry:
+    crc = Crc32c()
+    crc.update(data)
+    with store.open_write(name) as f:
+        f.write(data)
+    return FileEntry(len(data), crc.hexdigest())
+
+
+def _on_every_rank(fn: Callable[[], T], group: pdist.ProcessGroup | None, root: Store, what: str) -> list[T]:
+    """Every rank runs ``fn`` (its share of the work); every rank returns every rank's result,
+    or raises the same :class:`CheckpointWriteError` naming each failed rank and its error.
+
+    :func:`agree.gather` (type, message, HINT travel as :class:`agree.Outcome` fields), worded
+    for a write: it always says that nothing was committed and lists every failed rank's
+    error, not only the first one's. The HINT is the first failed rank's own (an error of
+    ours already says what to do, e.g. "the bucket does not exist").
+    """
+    outcomes, local_error = agree.gather(fn, group)
+    failed = [o for o in outcomes if not o.ok]
+    if not failed:
+        return [o.value for o in outcomes]
+    detail = "; ".join(f"rank {o.rank}: {_first_line(o)}" for o in failed)
+    raise CheckpointWriteError(
+        f"{what} failed, nothing was committed ({detail})",
+        path=root.url,
+        hint=next((o.hint for o in failed if o.hint), _STORAGE_HINT),
+    ) from local_error
+
+
+def _first_line(outcome: agree.Outcome) -> str:
+    """``Type: first line of the message``, the type named as a traceback names it."""
+    kind = outcome.error_type.removeprefix("builtins.")
+    line = outcome.message.splitlines()[0] if outcome.message else ""
+    return kind if line in ("", kind.rsplit(".", 1)[-1]) else f"{kind}: {line}"
+
+
+def _hint_of(mine: BaseException | None, err: CheckpointException) -> str | None:
+    """The HINT of the first error of ours among a failed ``dcp.save``'s causes."""
+    failures = [f[0] if isinstance(f, tuple) else f for f in err.failures.values()]
+    for exc in [mine, *failures]:
+        hint = getattr(exc, "hint", None)
+        if isinstance(hint, str):
+            return hint
+    return None

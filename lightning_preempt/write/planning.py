@@ -1,0 +1,226 @@
+"""DCP save plans made once and reused while the state's structure is unchanged.
+
+DCP plans every save from scratch: one write item per tensor (``TensorProperties``
+asks each tensor whether it is pinned: ~40-80 us), then the coordinator's global plan
+(de-duplication, metadata, validation), ~0.1 ms per tensor in all. Our staged tensors
+are the stager's buffers, reused save after save, so the plans of consecutive saves are
+the same. :class:`CachingSavePlanner` is DCP's ``DefaultSavePlanner`` that reuses them:
+
+* the local plan when every tensor is a plain ``torch.Tensor`` and the same buffer as
+  last time (same key, storage address, dtype, shape, stride, ``requires_grad``): the
+  stager replaces a buffer whose shape changed, so any change of structure misses;
+  ``DTensor`` states are planned every time;
+* the global plan and metadata when the local plans it is given equal the last ones
+  (compared field by field, as gathered from every rank);
+* beside them, what the writer derives from a plan: the shard files' layout
+  (write/record_layout.py) and the pickled ``.metadata`` (write/dcp_metadata.py).
+
+Across ranks (``collective=True``) the plans need not travel either: DCP gathers every
+rank's local plan to the coordinator and scatters the global plans back, pickles of one
+item per tensor (4000 tensors on 2 gloo ranks: ~0.5 s of a ~1 s save). A rank whose local
+plan is reused sends ``SavePlan([], usable=False)`` carrying the token of the plan it
+reuses; when every rank does and the coordinator holds those very plans (the tokens match),
+each rank gets ``SavePlan([], usable=False)`` back and writes its cached final plan. That
+is DCP's own protocol (``usable``, 2.6+). A token the coordinator does not hold raises
+rather than guess (a save that fails clears every rank's cache: save/saver.py), so the
+next save plans afresh everywhere.
+
+DCP (2.6+) has its own ``enable_plan_caching``; it keys its process-wide cache on the
+planner's class name alone, so two savers in one process (a collective one and a
+single-process one) would share it. This cache lives in one :class:`PlanCache` per
+:class:`~lightning_preempt.save.saver.Saver`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import uuid
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan
+
+from lightning_preempt.write.dcp_exchange import KeptMetadata, ResultsKept
+from lightning_preempt.write.dcp_metadata import MetadataPickles
+from lightning_preempt.write.record_layout import RecordLayout
+
+
+@dataclasses.dataclass
+class PlanCache:
+    """The last plans of one saver (see the module docstring). ``hits`` counts reuses."""
+
+    local_key: Any = None
+    local_plan: SavePlan | None = None
+    all_plans: list[SavePlan] | None = None
+    global_plans: list[SavePlan] | None = None
+    metadata: Metadata | None = None
+    #: this rank's token for ``local_plan``; the coordinator's tokens of ``all_plans``
+    local_token: str | None = None
+    all_tokens: list[str | None] | None = None
+    final_plan: SavePlan | None = None  # this rank's plan as DCP finished it last time
+    hits: dict[str, int] = dataclasses.field(default_factory=lambda: {"local": 0, "global": 0, "unsent": 0})
+    #: the shard files the plan above wrote, to write again (write/record_layout.py)
+    records: RecordLayout | None = dataclasses.field(default=None, repr=False, compare=False)
+    #: ``.metadata`` pickled for the plan above (write/dcp_metadata.py)
+    metadata_pickles: MetadataPickles = dataclasses.field(default_factory=MetadataPickles, repr=False, compare=False)
+    #: the coordinator's copy of every rank's write results, sent once per layout (write/dcp_exchange.py)
+    results_kept: ResultsKept = dataclasses.field(default_factory=ResultsKept, repr=False, compare=False)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def __reduce__(self) -> tuple[type[PlanCache], tuple[()]]:
+        # A pickled or copied saver (ddp_spawn workers, deepcopy of a trainer) plans afresh:
+        # the plans name this process's buffers.
+        return (PlanCache, ())
+
+    def clear(self) -> None:
+        with self.lock:
+            self.local_key = self.local_plan = self.all_plans = self.global_plans = self.metadata = None
+            self.local_token = self.all_tokens = self.final_plan = None
+            self.records = None
+        self.results_kept.clear()
+
+
+def _structure_key(state_dict: dict[str, Any], is_coordinator: bool) -> Any:
+    """What the local plan depends on, or ``None`` when this state is not cached."""
+    parts: list[Any] = [is_coordinator]
+    for key, value in state_dict.items():
+        if type(value) is not torch.Tensor or type(key) is not str:  # DTensor, ShardedTensor, bytes: plan afresh
+            return None
+        # (the data's address, not the storage's: a record holds the tensor's own bytes)
+        parts.append((key, value.data_ptr(), value.dtype, value.shape, value.stride(), value.requires_grad))
+    return tuple(parts)
+
+
+class CachingSavePlanner(DefaultSavePlanner):
+    """``DefaultSavePlanner`` reusing the plans in ``cache`` (see the module docstring)."""
+
+    def __init__(self, cache: PlanCache, *, collective: bool = False) -> None:
+        super().__init__()
+        self._plan_cache = cache
+        #: plans travel between ranks: unchanged ones are not sent (module docstring)
+        self._unsent = collective and _HAS_USABLE
+        self._collective = collective
+        #: the state is plain tensors (its plans are cached) / this save reused the local plan:
+        #: the same buffers as the last save (the writer replays that save's files then)
+        self.structure_cached = False
+        self.reused_local_plan = False
+        self._key: Any = None
+
+    def set_up_planner(
+        self, state_dict: dict[str, Any], storage_meta: Any = None, is_coordinator: bool = False
+    ) -> None:
+        key = _structure_key(state_dict, is_coordinator)
+        if key is not None:  # a plan made alone is never offered to a group as unsent, nor back
+            key = (self._unsent, key)
+        self._key, self.structure_cached = key, key is not None
+        if key is None:
+            super().set_up_planner(state_dict, storage_meta, is_coordinator)
+            return
+        # A flat dict of plain tensors under str keys: DCP's two flattening passes (~5 us a
+        # tensor) would map every key to itself.
+        cache = self._plan_cache
+        with cache.lock:
+            plan = cache.local_plan if key == cache.local_key else None
+        mappings = plan.planner_data if plan is not None else None
+        self.mappings = mappings if isinstance(mappings, dict) else {k: (k,) for k in state_dict}
+        self.state_dict = state_dict
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        cache = self._plan_cache
+        key = self._key
+        with cache.lock:
+            if key is not None and key == cache.local_key and cache.local_plan is not None:
+                cache.hits["local"] += 1
+                self.plan = cache.local_plan
+                self.reused_local_plan = True
+                if self._unsent and cache.local_token is not None:
+                    token = _Token(cache.local_token)
+                    if cache.final_plan is not None:  # the coordinator holds it: send nothing
+                        return SavePlan([], storage_data=token, usable=False)
+                    return dataclasses.replace(self.plan, storage_data=token)
+                return self.plan
+        plan = super().create_local_plan()
+        with cache.lock:
+            cache.local_key, cache.local_plan = (key, plan) if key is not None else (None, None)
+            cache.local_token = uuid.uuid4().hex if key is not None else None
+            cache.final_plan = None  # (set once DCP finishes this plan)
+            if self._unsent and cache.local_token is not None:
+                return dataclasses.replace(plan, storage_data=_Token(cache.local_token))
+        return plan
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        plans, metadata = self._global_plan_reused(all_plans)
+        # DCP broadcasts the metadata to every rank after the write; only the coordinator's
+        # writer uses it (write/dcp_exchange.py): across ranks it travels as None.
+        return plans, KeptMetadata(metadata) if self._collective else metadata  # type: ignore[return-value]
+
+    def _global_plan_reused(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        cache = self._plan_cache
+        tokens = [p.storage_data.value if isinstance(p.storage_data, _Token) else None for p in all_plans]
+        if any(not getattr(p, "usable", True) for p in all_plans):
+            with cache.lock:
+                held = cache.all_tokens
+                if held is None or cache.all_plans is None or len(held) != len(all_plans) or any(
+                    not p.usable and (t is None or t != h) for p, t, h in zip(all_plans, tokens, held, strict=True)
+                ):
+                    raise RuntimeError(
+                        "a rank reused a save plan the coordinator does not hold (plan caches out of step); "
+                        "every rank plans afresh in the next save"
+                    )
+                if all(not p.usable for p in all_plans) and cache.global_plans is not None and cache.metadata is not None:
+                    cache.hits["unsent"] += 1
+                    self.global_plan, self.metadata = cache.global_plans, cache.metadata
+                    return [SavePlan([], usable=False) for _ in all_plans], self.metadata
+                all_plans = [c if not p.usable else p for p, c in zip(all_plans, cache.all_plans, strict=True)]
+        # (the tokens ride in storage_data, where the writer puts each rank's file prefix next)
+        all_plans = [dataclasses.replace(p, storage_data=None) if isinstance(p.storage_data, _Token) else p
+                     for p in all_plans]  # fmt: skip
+        global_plans, metadata = self._global_plan(all_plans)
+        with cache.lock:
+            cache.all_tokens = tokens if self._unsent else None
+        return global_plans, metadata
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        cache = self._plan_cache
+        if not getattr(new_plan, "usable", True):
+            with cache.lock:
+                final = cache.final_plan
+            if final is None:  # (the coordinator checked the token: cannot happen)
+                raise RuntimeError("the coordinator sent no plan and this rank holds none")
+            self.plan = final
+            return final
+        plan = super().finish_plan(new_plan)
+        with cache.lock:
+            cache.final_plan = plan if self._plan_cache.local_key is not None else None
+        return plan
+
+    def _global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        cache = self._plan_cache
+        with cache.lock:
+            hit = cache.all_plans is not None and cache.global_plans is not None and cache.metadata is not None
+            if hit and _same_plans(all_plans, cache.all_plans):  # type: ignore[arg-type]
+                cache.hits["global"] += 1
+                self.global_plan, self.metadata = cache.global_plans, cache.metadata  # type: ignore[assignment]
+                return list(self.global_plan), self.metadata
+        global_plans, metadata = super().create_global_plan(all_plans)
+        with cache.lock:
+            cache.all_plans, cache.global_plans, cache.metadata = list(all_plans), list(global_plans), metadata
+        return global_plans, metadata
+
+
+_HAS_USABLE = "usable" in {f.name for f in dataclasses.fields(SavePlan)}  # torch 2.6+
+
+
+@dataclasses.dataclass(frozen=True)
+class _Token:
+    """Names one rank's cached local plan (see the module docstring)."""
+
+    value: str
+
+
+def _same_plans(a: list[SavePlan], b: list[SavePlan]) -> bool:
+    return len(a) == len(b) and all(x is y or x == y for x, y in zip(a, b, strict=True))

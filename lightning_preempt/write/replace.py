@@ -1,0 +1,361 @@
+"""Where a checkpoint's files live under its path, and replacing a checkpoint there.
+
+A checkpoint at ``P`` is committed when ``P/manifest.json`` exists. The first save to
+``P`` writes its files directly into ``P``. Lightning also saves *over* paths by design
+(``last.ckpt``, a fixed filename, a re-run into the same folder); the checkpoint there
+must never be torn, and object stores cannot rename a directory. So a save to a path
+that already holds a committed checkpoint adds one level of indirection:
+
+1. the new files go to a fresh *generation* directory ``P/v-<12 hex>/``;
+2. the commit replaces ``P/manifest.json`` with one atomic write (local disk: temp file,
+   fsync, ``os.replace``; object stores: one PUT). The new manifest names its generation
+   in ``extra["data_dir"]``; file names in it stay plain names;
+3. only then are the old checkpoint's files (in ``P`` itself or an older generation)
+   deleted.
+
+Two saves to one path at the same moment (no lease: ``ModelCheckpoint`` with the plugin,
+two jobs) never share a file: the first to create ``P/.lightning_preempt.writer``
+(create-only) writes into ``P``, any other writes into a generation of its own, and the
+create-only manifest decides which one is committed. The loser deletes only what it wrote
+and is told it lost (:func:`abandon`); the winner's files are never touched.
+
+A crash before 2 leaves the old checkpoint (plus an unreferenced generation, which stays
+until the checkpoint is deleted: it cannot be told from a concurrent save's generation
+still being written); a crash after 2 leaves the new one (plus stale files the next
+replacement deletes). Readers
+find a manifest's files with :func:`data_store`; nothing else about reading changes.
+
+A plain Lightning file at ``P`` (``TorchCheckpointIO``, or our saves outside ``fit``) is
+replaced the same way where the store allows both a file and a directory at ``P``
+(object stores: the file is deleted after the commit); elsewhere (local disk,
+``memory://``) the new checkpoint is committed beside ``P`` and swapped in with two
+renames (:func:`swap_in`), so the old one exists until the new one does.
+
+Every storage access goes through :class:`Store` (and :mod:`lightning_preempt.storage.local`
+for the renames that only local disk can do atomically).
+
+Only names this package writes are ever deleted here (``format/names.py``), and a
+directory only with the ownership verdict of :func:`~lightning_preempt.catalog.ownership.check_owned`:
+a save into (or over) a directory holding anything else is refused, nothing deleted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import posixpath
+import uuid
+from collections.abc import Iterable
+from typing import Literal
+
+from lightning_preempt.catalog.ownership import check_owned
+from lightning_preempt.errors import CheckpointError, CheckpointExistsError
+from lightning_preempt.format.generations import DATA_DIR_KEY, generation_of
+from lightning_preempt.format.manifest import MAX_MANIFEST_BYTES, parse_manifest
+from lightning_preempt.format.names import (
+    CLAIM_NAME,
+    MANIFEST_NAME,
+    MARKER_NAME,
+    is_commit_temp,
+    is_our_file,
+    is_sibling_of,
+    new_generation,
+    sibling_name,
+)
+from lightning_preempt.storage import local
+from lightning_preempt.storage.store import Store
+
+log = logging.getLogger(__name__)
+
+
+# ---- the path exists as soon as a save is accepted ------------------------------------
+def ensure_exists(store: Store) -> None:
+    """Make ``store.url`` exist now, before the background write: Lightning's
+    ``ModelCheckpoint`` checks it for ``-v1`` versioning and ``save_last="link"``.
+
+    Local disk: the directory. Object stores have no directories: a zero-byte marker.
+    """
+    if store.exists():
+        return
+    store.makedirs()
+    if not store.exists():
+        store.commit_bytes(MARKER_NAME, b"", exclusive=False)
+
+
+# ---- what a save does at its path ----------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class WritePlan:
+    """Where one save writes (decided by rank 0, the same on every rank).
+
+    ``mode``: ``"in_place"`` (nothing committed at the path), ``"generation"`` (replace a
+    committed checkpoint through ``P/<name>/``) or ``"beside"`` (local disk, a plain file at
+    the path: commit in the sibling directory ``<name>``, then swap it in).
+    """
+
+    mode: Literal["in_place", "generation", "beside"]
+    name: str = ""
+    remove_file: bool = False  # object stores: a plain file object at the path, deleted after commit
+    replace: bool = False  # the path held a committed checkpoint: the commit replaces its manifest
+    replaced: str | None = None  # the generation holding the replaced checkpoint's files (None: beside it)
+
+    def data(self, root: Store) -> Store:
+        """Where the files (and, except for generations, the manifest) are written."""
+        if self.mode == "generation":
+            return root.child(self.name)
+        if self.mode == "beside":
+            return root.parent().child(self.name)
+        return root
+
+    def commit_store(self, root: Store) -> Store:
+        """Where ``manifest.json`` is written."""
+        return self.data(root) if self.mode == "beside" else root
+
+    @property
+    def manifest_extra(self) -> dict[str, str]:
+        return {DATA_DIR_KEY: self.name} if self.mode == "generation" else {}
+
+    @property
+    def exclusive(self) -> bool:
+        """Create-only commit, except when replacing a committed manifest on purpose."""
+        return not self.replace
+
+
+def plan_write(root: Store) -> WritePlan:
+    """Rank 0, before a save writes anything: decide the :class:`WritePlan` and clear this
+    package's uncommitted leftovers at the path (never files it did not write).
+
+    Raises :class:`CheckpointExistsError` (HINT, nothing touched) when the path is a
+    directory holding anything this package did not write (a user's ``src/``, their own
+    ``manifest.json``): a save never writes into, or deletes, someone else's directory.
+    """
+    if root.exists(MANIFEST_NAME):
+        check_owned(root, doing="save into")
+        return WritePlan("generation", new_generation(), replace=True, replaced=_live_or_none(root))
+    if root.exists() and not root.isdir():
+        if not root.is_object_store:
+            return WritePlan("beside", sibling_name(_base(root), "new"))
+        check_owned(root, doing="save into")  # the file object and our objects under P/ coexist
+        return _claim(root, remove_file=True)
+    check_owned(root, doing="save into")
+    return _claim(root, remove_file=False)
+
+
+def _claim(root: Store, *, remove_file: bool) -> WritePlan:
+    """Nothing is committed at ``root``: write in place if this save is the first to claim
+    it (create-only), else into a generation of its own (another save is writing in place
+    now, or one was killed doing so; the create-only manifest decides between them)."""
+    root.makedirs()
+    try:
+        root.commit_bytes(CLAIM_NAME, uuid.uuid4().hex.encode(), exclusive=True)
+    except CheckpointExistsError:
+        return WritePlan("generation", new_generation(), remove_file=remove_file)
+    if root.exists(MANIFEST_NAME):
+        # Another save committed (and released its claim) since we looked: replace it. Its
+        # commit came before its release, so a claim won after the release sees its manifest.
+        root.rm_file(CLAIM_NAME)
+        return WritePlan("generation", new_generation(), replace=True, replaced=_live_or_none(root))
+    remove_stale(root)  # an earlier save's partial files (never the claim: it is ours now)
+    return WritePlan("in_place", remove_file=remove_file)
+
+
+def finish_write(root: Store, plan: WritePlan) -> None:
+    """Rank 0, after the commit: make the new checkpoint the only one at the path.
+
+    For ``"beside"`` a failure raises (the path still holds the old checkpoint); otherwise
+    the new checkpoint is already live and a failed clean-up is only logged.
+    """
+    if plan.mode == "beside":
+        swap_in(root, plan.name)
+    try:
+        if plan.remove_file:
+            root.rm_file()  # P/manifest.json exists now: it wins over the file
+        if plan.mode == "in_place":
+            root.rm_file(CLAIM_NAME)
+        elif plan.mode == "generation" and live_generation(root) == plan.name:
+            # (another writer may have replaced this checkpoint since: its files are not stale)
+            remove_replaced(root, plan)
+        if not root.is_object_store:
+            remove_stale_siblings(root)
+    except Exception as err:  # the new checkpoint is committed; leftovers go next time
+        log.warning("lightning_preempt: could not delete the replaced checkpoint's files at %s: %s", root.url, err)
+
+
+def remove_replaced(root: Store, plan: WritePlan) -> list[str]:
+    """After a commit into the generation ``plan.name``: delete the files of ours directly in
+    ``root`` (the replaced checkpoint's, a killed or losing in-place save's, the claim) and
+    the generation the replaced manifest named. Never any other generation: it may be a
+    concurrent save's, still being written, that a delete would tear once it commits (a
+    killed save's generation stays, unreferenced, until the checkpoint is deleted)."""
+    removed = []
+    for entry in root.entries():
+        name = entry.name
+        if name in (MANIFEST_NAME, MARKER_NAME, plan.name) or is_commit_temp(name):
+            continue  # (a concurrent save's commit in flight: its writer deletes the temporary file)
+        if entry.kind == "dir" and name == plan.replaced:
+            _delete(root, name, is_dir=True)
+        elif entry.kind == "file" and is_our_file(name):
+            root.rm_file(name)
+        else:
+            continue
+        removed.append(name)
+    return removed
+
+
+def _live_or_none(root: Store) -> str | None:
+    """:func:`live_generation`, or ``None`` for a damaged manifest (its files stay)."""
+    try:
+        return live_generation(root)
+    except (CheckpointError, OSError):
+        return None
+
+
+def live_generation(root: Store) -> str | None:
+    """The generation the manifest at ``root`` names (``None``: its files are beside it)."""
+    manifest = parse_manifest(root.read_regular(MANIFEST_NAME, MAX_MANIFEST_BYTES), path=root.url)
+    return generation_of(manifest, path=root.url)
+
+
+def abandon(root: Store, plan: WritePlan, names: Iterable[str]) -> None:
+    """Rank 0, after another writer's manifest won the create-only commit: delete what this
+    save wrote (``names``, its files), never what the committed checkpoint uses."""
+    if plan.mode == "generation":
+        _delete(root, plan.name, is_dir=True)
+    elif plan.mode == "beside":
+        _delete(root.parent(), plan.name, is_dir=True)
+    elif live_generation(root) is not None:  # the winner's files are in its generation
+        for name in names:
+            root.rm_file(name)
+
+
+def remove_stale(root: Store) -> list[str]:
+    """The save that won the claim on an uncommitted path: delete the files of ours directly
+    under ``root`` (a killed save's partial files) except the marker, the claim and commits
+    in flight. Never a generation: a concurrent save that found our claim may have just
+    started writing its own (a killed save's stays, unreferenced, until the path is deleted)."""
+    removed = []
+    for entry in root.entries():
+        name = entry.name
+        if name in (MANIFEST_NAME, MARKER_NAME, CLAIM_NAME) or is_commit_temp(name):
+            continue
+        if entry.kind == "file" and is_our_file(name):  # (a symlink or a directory: never here)
+            root.rm_file(name)
+            removed.append(name)
+    return removed
+
+
+def remove_stale_siblings(root: Store) -> list[str]:
+    """File systems: delete ``.NAME.lp-new-…``/``.NAME.lp-old-…`` left beside the path by
+    a change of kind that a crash interrupted (the path itself is complete now)."""
+    parent, base = root.parent(), _base(root)
+    removed = []
+    for entry in parent.entries():
+        if is_sibling_of(entry.name, base) and entry.kind in ("file", "dir"):
+            _delete(parent, entry.name, is_dir=entry.kind == "dir")
+            removed.append(entry.name)
+    return removed
+
+
+def _quietly_remove_stale_siblings(store: Store) -> None:
+    try:
+        remove_stale_siblings(store)
+    except Exception as err:  # the new file is in place; leftovers go next time
+        log.warning("lightning_preempt: could not delete leftovers beside %s: %s", store.url, err)
+
+
+def _base(store: Store) -> str:
+    return posixpath.basename(store.url.rstrip("/"))
+
+
+# ---- file systems: a plain file and a directory cannot share a path ------------------
+def swap_in(root: Store, new_name: str) -> None:
+    """Put the entry ``new_name`` beside ``root`` (in the same parent) at ``root``'s path,
+    whatever kind of entry each is (never on object stores: no renames there).
+
+    The old entry moves aside, the new one moves in, then the old one is deleted. At every
+    moment a complete checkpoint exists, at the path or beside it.
+    """
+    parent, base = root.parent(), _base(root)
+    aside = sibling_name(base, "old")
+    if root.is_local:  # two atomic renames
+        owned = check_owned(root, doing="replace") if _is_real_dir(parent, base) else None
+        local.replace_entry(root.path(), parent.path(new_name), parent.path(aside), first=MANIFEST_NAME, owned=owned)
+        return
+    had_old = parent.exists(base)
+    if had_old:
+        _move(parent, base, aside)
+    _move(parent, new_name, base)
+    if had_old:
+        _delete(parent, aside, is_dir=parent.isdir(aside))
+
+
+def _move(store: Store, src: str, dst: str) -> None:
+    """A move on a file system without atomic renames (``memory://``; fsspec's ``mv`` is
+    copy, then delete): the copy gets its manifest last, the source loses its manifest
+    first, so neither is ever a committed but incomplete checkpoint."""
+    if not store.isdir(src):
+        store.copy_file(src, dst)
+        store.rm_file(src)
+        return
+    for rel in sorted(store.list_files(src), key=lambda r: posixpath.basename(r) == MANIFEST_NAME):
+        store.copy_file(f"{src}/{rel}", f"{dst}/{rel}")
+    _delete(store, src, is_dir=True)
+
+
+def _delete(store: Store, name: str, *, is_dir: bool) -> None:
+    if is_dir:
+        owned = check_owned(store.child(name))  # before anything goes, the manifest included
+        store.rm_file(f"{name}/{MANIFEST_NAME}")  # uncommit first
+        store.rm_tree(name, owned=owned)
+    else:
+        store.rm_file(name)
+
+
+def remove_local(path: str) -> None:
+    """Delete a local file or symlink (only the link); a directory is refused (storage/owned.py):
+    delete a checkpoint directory through :func:`~lightning_preempt.catalog.ownership.remove_if_ours`."""
+    local.remove_local(path, first=MANIFEST_NAME)
+
+
+def write_file_atomic(store: Store, data: bytes) -> None:
+    """Put a plain file holding ``data`` at ``store.url``; readers see the old entry or the
+    new file, never a partial one (local: temp + fsync + rename; object stores: one PUT)."""
+    parent, base = store.parent(), _base(store)
+    if store.is_object_store:
+        _replace_on_object_store(store, data)
+        return
+    tmp = sibling_name(base, "new")
+    parent.makedirs()
+    if not _is_real_dir(parent, base):
+        if store.is_local:
+            local.write_atomic(store.path(), data, tmp_name=tmp)
+        else:
+            store.commit_bytes("", data, exclusive=False)
+    else:  # a checkpoint directory is at the path: write beside it, then swap
+        check_owned(store, doing="replace")  # a user's directory is refused before anything is written
+        try:
+            with parent.open_write(tmp) as f:  # durable on close; nobody reads this name
+                f.write(data)
+            swap_in(store, tmp)
+        except BaseException:
+            parent.rm_file(tmp)
+            raise
+    _quietly_remove_stale_siblings(store)
+
+
+def _is_real_dir(parent: Store, name: str) -> bool:
+    """A directory, not a symlink to one, is at ``name`` (a symlink is replaced as a file)."""
+    return any(e.name == name and e.kind == "dir" for e in parent.entries())
+
+
+def _replace_on_object_store(store: Store, data: bytes) -> None:
+    committed = store.exists(MANIFEST_NAME)
+    if committed:
+        check_owned(store, doing="replace")  # the objects under P/ are deleted below
+    store.commit_bytes("", data, exclusive=False)
+    if committed:
+        # An object store holds the new file and the old directory side by side: uncommit
+        # the directory (loading then takes the file), then delete its objects one by one
+        # (a recursive delete of the prefix would take the file with it).
+        store.rm_file(MANIFEST_NAME)
+        for rel in store.list_files():
+            store.rm_file(rel)
