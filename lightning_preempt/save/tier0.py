@@ -12,12 +12,14 @@ Layout (one tmpfs directory per run, one per node)::
 
     /dev/shm/lightning_preempt/<run-id>/step-NNNNNNNNNN/   this node's ranks' files + manifest
 
-The writing, the copy to the peer node (save/peer.py's ``replicate``) and the restore are
-not built yet (docs: notes of branch i31-tier0).
+The engine writes it (engine/engine.py ``save_memory``: a save to a path outside the other
+tiers goes straight there) and the resolver reads it as one more candidate
+(resume/resolver.py); docs/tier0.md. The copy to a peer node is not built.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import re
@@ -40,6 +42,14 @@ def tier0_root(run_id: str, base: str = DEFAULT_TIER0_BASE) -> str:
         raise ValueError(f"run id {run_id!r} cannot name a tier-0 directory\n"
                          "HINT: use letters, digits, '_', '-' or '.' (the engine's run ids are hex).")  # fmt: skip
     return os.path.join(base.rstrip("/") or "/", run_id)
+
+
+def default_memory_root(dirpath: str, base: str = DEFAULT_TIER0_BASE) -> str:
+    """Tier 0's directory for the checkpoints of ``dirpath``: ``<base>/<name>-<hash>``, the
+    same on every restart of the job (the run id is known only after the resume choice)."""
+    tail = re.sub(r"[^A-Za-z0-9_.-]", "_", os.path.basename(dirpath.rstrip("/")))[:48].strip(".") or "run"
+    digest = hashlib.sha256(dirpath.rstrip("/").encode()).hexdigest()[:12]
+    return tier0_root(f"{tail}-{digest}", base)
 
 
 def choose_every(copy_s: float, step_s: float, max_overhead: float = MAX_OVERHEAD) -> int:
