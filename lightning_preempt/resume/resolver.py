@@ -98,7 +98,7 @@ class ResumeResolver:
         #: whether tier 0 can be resumed from: every rank on this host (its files are all in
         #: this node's memory). Before the group exists: from torchrun's environment; the
         #: engine sets it from the ranks' host names before choosing.
-        self.memory_usable = os.environ.get("LOCAL_WORLD_SIZE", "1") == os.environ.get("WORLD_SIZE", "1")
+        self.memory_usable = _one_host_by_environment()
         self.retries = retries
         self.backoff_s = backoff_s
         self.sleep = sleep
@@ -251,6 +251,15 @@ class ResumeResolver:
         """Tier 0's directory when it can be resumed from (on, usable, present)."""
         root = self.memory_dirpath
         return root if root is not None and self.memory_usable and os.path.isdir(root) else None
+
+
+def _one_host_by_environment() -> bool:
+    """Whether the launcher's environment allows that every rank runs on this host (torchrun:
+    ``LOCAL_WORLD_SIZE`` vs ``WORLD_SIZE``; SLURM: ``SLURM_NNODES``)."""
+    local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
+    if local is not None and world is not None and local != world:
+        return False
+    return os.environ.get("SLURM_NNODES", "1").strip() in ("", "1")
 
 
 def newest_in_memory(root: str, *, verify: Verify, on_skip: OnSkip, exclude: tuple[str, ...]) -> CheckpointInfo | None:

@@ -109,3 +109,20 @@ def test_a_torn_tier0_copy_falls_back_to_the_disk_tier(tmp_path: Path, shm: Path
     assert result["start_step"] == 10, out[-3000:]
     assert result["resumed_from"] == str(tmp_path / "ck" / "step-0000000010")
     assert "step-0000000012" in out and "skipping checkpoint" in out
+
+
+@pytest.mark.slow
+def test_ddp_ranks_resume_together_from_host_memory(tmp_path: Path, shm: Path) -> None:
+    """Two ranks on one host (gloo): each writes its share into the same tier-0 directory."""
+    ddp = ("--devices", "2", "--strategy", "ddp")
+    code, out = _fit(tmp_path, shm, *ddp, "--signal-at", "saved-kill:12", "--signal-rank", "0")
+    assert code != 0 and committed(shm) == [12, 8], out[-3000:]
+    assert {p.name for p in (shm / "step-0000000012").iterdir()} >= {"state-rank00000.pt", "state-rank00001.pt"}
+    code, out = _fit(tmp_path, shm, *ddp)
+    assert code == 0, out[-3000:]
+    for rank in (0, 1):
+        text = read(tmp_path / "st" / f"rank{rank}.result.json")
+        assert text is not None
+        result = json.loads(text)
+        assert result["start_step"] == 12 and result["step"] == MAX_STEPS
+        assert result["resumed_from"] == str(shm / "step-0000000012")
