@@ -54,3 +54,33 @@ def test_retention_keeps_the_newest_two_and_drops_torn_copies(tmp_path: Path) ->
     assert pruned == {paths[s].name for s in (10, 20, 30, 40)}
     assert torn_newest.name not in pruned
     assert to_prune(str(tmp_path / "absent")) == []
+
+
+def test_the_default_memory_root_is_stable_per_dirpath_and_names_a_directory() -> None:
+    from lightning_preempt.save.tier0 import default_memory_root
+
+    a = default_memory_root("gs://bucket/run-7/")
+    assert a == default_memory_root("gs://bucket/run-7")  # the same on every restart
+    assert a.startswith("/dev/shm/lightning_preempt/run-7-") and "/" not in a[len("/dev/shm/lightning_preempt/") :]
+    assert default_memory_root("gs://other/run-7") != a  # two jobs, one name: two directories
+
+
+def test_tier0_options_are_validated_and_default_to_dev_shm() -> None:
+    from lightning_preempt.engine.config import PreemptionConfig
+    from lightning_preempt.engine.ledger import start_fields
+
+    config = PreemptionConfig(dirpath="ckpts/run", tier0_every_n_steps=4)
+    assert config.memory_dirpath is not None and config.memory_dirpath.startswith("/dev/shm/lightning_preempt/run-")
+    assert PreemptionConfig(dirpath="ckpts/run").memory_dirpath is None  # no tier 0, no directory
+    with pytest.raises(ValueError, match=r"(?s)tier0_every_n_steps must be an int >= 1.*HINT: "):
+        PreemptionConfig(dirpath="ckpts/run", tier0_every_n_steps=0)
+    with pytest.raises(ValueError, match="memory_dirpath must be a local directory"):
+        PreemptionConfig(dirpath="ckpts/run", tier0_every_n_steps=4, memory_dirpath="s3://b/x")
+    fields = start_fields(
+        8, config.memory_dirpath + "/step-0000000008", 1, config, memory_dirpath=config.memory_dirpath
+    )
+    assert fields["resumed_tier"] == "memory"
+    assert (
+        start_fields(5, "ckpts/run/step-0000000005", 1, config, memory_dirpath=config.memory_dirpath)["resumed_tier"]
+        == "dirpath"
+    )
