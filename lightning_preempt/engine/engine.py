@@ -48,7 +48,7 @@ from lightning_preempt.engine import tiers as tier_policy
 from lightning_preempt.engine.config import PreemptionConfig
 from lightning_preempt.engine.failures import FailureDetector, write_failure_record
 from lightning_preempt.engine.ledger import Ledger, record_preemption, record_save, start_fields
-from lightning_preempt.engine.memory_tier import MemoryTier
+from lightning_preempt.engine.memory_tier import MEMORY_HINT, MemoryTier
 from lightning_preempt.engine.runtime import (
     Runtime,
     newest_manifest,
@@ -303,6 +303,7 @@ class Engine:
 
     def _must_stop(self) -> bool:
         """This rank's reason to stop training: its save failed, or the lease was lost."""
+        self._forgive_memory_copy(wait=False)
         lease = self._runtime.lease if self._runtime is not None else None
         return self.saver.pending_failed() or (lease is not None and lease.lost)
 
@@ -332,6 +333,7 @@ class Engine:
         if step == self.last_saved_step:
             return
         assert self._save is not None, "Engine.setup() first"
+        self._forgive_memory_copy(wait=True)
         path = self._fresh_path(step)
         self.save_kind = kind  # recorded in the checkpoint by the front-end during this save
         saver, before = self.saver, self.saver.history[-1:]
@@ -357,11 +359,29 @@ class Engine:
         assert self._save is not None and self.memory is not None, "Engine.setup() first"
         if step == self.last_saved_step:
             return  # on a disk tier already
+        self._forgive_memory_copy(wait=True)
         path = self.memory.path(step, self._group)
         self.save_kind = "periodic"
         self._save(path)
+        self.memory.in_flight = path
         if self._leader:
             self.memory.queue_retention(self.saver, self.run_id)
+
+    def _forgive_memory_copy(self, *, wait: bool) -> None:
+        """A failed tier-0 copy (a full tmpfs) does not stop training: logged, the disk tiers
+        go on. Each rank takes back its own copy's failure; a copy whose commit did not
+        happen is never resumed from (no manifest)."""
+        memory = self.memory
+        if memory is None or memory.in_flight is None:
+            return
+        err = self.saver.forget_failed(wait=wait)
+        path = memory.in_flight
+        if err is None and not wait:
+            return  # running or done well: looked at again at the next boundary or save
+        memory.in_flight = None
+        if err is not None:
+            log.error("lightning_preempt: the tier-0 copy to %s failed (%s); training goes on\nHINT: %s",
+                      path, str(err).splitlines()[0] if str(err) else repr(err), MEMORY_HINT)  # fmt: skip
 
     def _fresh_path(self, step: int) -> str:
         """``dirpath/step-N``, or a suffixed sibling when a committed ``step-N`` exists (a run

@@ -28,6 +28,12 @@ from lightning_preempt.save.tier0 import KEEP_LAST_N, committed_steps
 
 log = logging.getLogger(__name__)
 
+MEMORY_HINT = (
+    "Tier 0 is best effort: the disk tiers hold the periodic checkpoints. Free memory in the "
+    "tmpfs (df -h /dev/shm; a container's /dev/shm is often 64 MiB: docker --shm-size), make "
+    "tier0_every_n_steps larger, or point memory_dirpath at a bigger tmpfs (docs/tier0.md)."
+)
+
 
 class MemoryTier:
     """Tier 0 of one engine: copy every ``every`` steps to ``root``, keep the newest ``keep``."""
@@ -37,6 +43,7 @@ class MemoryTier:
         self.every = every
         self.keep = keep
         self.enabled = False  # set up, and every rank on this host
+        self.in_flight: str | None = None  # the copy the saver may still be writing
 
     def setup(self, group: pdist.ProcessGroup | None, *, leader: bool) -> bool:
         """Collective: on only when every rank runs on this host. Returns whether it is on."""

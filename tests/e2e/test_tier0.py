@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -126,3 +129,37 @@ def test_ddp_ranks_resume_together_from_host_memory(tmp_path: Path, shm: Path) -
         result = json.loads(text)
         assert result["start_step"] == 12 and result["step"] == MAX_STEPS
         assert result["resumed_from"] == str(shm / "step-0000000012")
+
+
+def _tiny_tmpfs_missing() -> str | None:
+    """Why a 4 KiB tmpfs cannot be mounted in a private mount namespace here, or ``None``."""
+    if shutil.which("unshare") is None:
+        return "no unshare(1)"
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=4k tmpfs /mnt"],
+                           capture_output=True, text=True, check=False)  # fmt: skip
+    return None if probe.returncode == 0 else f"cannot mount a tmpfs: {probe.stderr.strip()[:200]}"
+
+
+@pytest.mark.slow
+def test_a_full_tmpfs_does_not_stop_training(tmp_path: Path, shm: Path) -> None:
+    """Tier 0 on a full tmpfs (4 KiB, mounted in a private mount namespace of the job): every
+    copy fails with ENOSPC, is logged with a HINT, and training and the disk tier go on."""
+    why = _tiny_tmpfs_missing()
+    if why is not None:
+        pytest.skip(why)
+    shm.mkdir()
+    args = ["--dirpath", str(tmp_path / "ck"), "--status", str(tmp_path / "st"), "--max-steps", str(MAX_STEPS),
+            "--every", "5", "--width", "256",
+            "--cb-kwargs", json.dumps({"tier0_every_n_steps": 2, "memory_dirpath": str(shm)})]  # fmt: skip
+    script = Path(__file__).resolve().parents[1] / "support" / "train_script.py"
+    command = f"mount -t tmpfs -o size=4k tmpfs {shlex.quote(str(shm))} && exec " + shlex.join(
+        [sys.executable, str(script), *args]
+    )
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", command], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=240, check=False)  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "the tier-0 copy to" in out and "HINT: Tier 0 is best effort" in out, out[-3000:]
+    assert _result(tmp_path)["step"] == MAX_STEPS
+    assert committed(tmp_path / "ck") == [20, 15, 10]
+    assert committed(shm) == []  # the mount went with the job's namespace; nothing was committed on the host
