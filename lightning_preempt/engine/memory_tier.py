@@ -46,18 +46,25 @@ class MemoryTier:
         self.in_flight: str | None = None  # the copy the saver may still be writing
 
     def setup(self, group: pdist.ProcessGroup | None, *, leader: bool) -> bool:
-        """Collective: on only when every rank runs on this host. Returns whether it is on."""
-        hosts = pdist.all_gather_objects(socket.gethostname(), group)
-        self.enabled = len(set(hosts)) == 1
-        if not self.enabled and leader:
-            log.warning(
-                "lightning_preempt: tier 0 (memory_dirpath=%s) is off: the ranks run on %d hosts\n"
-                "HINT: tier 0 restores only when one node holds every rank's share (the copy to a "
-                "peer node is not built yet); the disk tiers are unchanged (docs/tier0.md).",
-                self.root, len(set(hosts)),
-            )  # fmt: skip
-        if self.enabled:
+        """Collective: on only when every rank runs on this host and could create ``root``
+        (every rank decides alike). Returns whether it is on."""
+        try:
             os.makedirs(self.root, exist_ok=True)
+            made = ""
+        except OSError as err:
+            made = f"{type(err).__name__}: {err}"
+        views = pdist.all_gather_objects((socket.gethostname(), made), group)
+        hosts = {host for host, _ in views}
+        errors = [why for _, why in views if why]
+        self.enabled = len(hosts) == 1 and not errors
+        if not self.enabled and leader:
+            reason = f"the ranks run on {len(hosts)} hosts" if len(hosts) > 1 else f"cannot create it ({errors[0]})"
+            log.warning(
+                "lightning_preempt: tier 0 (memory_dirpath=%s) is off: %s\n"
+                "HINT: tier 0 restores only when one node holds every rank's share (the copy to a "
+                "peer node is not built yet) in a writable tmpfs; the disk tiers are unchanged (docs/tier0.md).",
+                self.root, reason,
+            )  # fmt: skip
         return self.enabled
 
     def due(self, step: int) -> bool:
