@@ -23,6 +23,7 @@ from lightning_preempt.preemption.notices import parse_names
 from lightning_preempt.preemption.signals import resolve_signal
 from lightning_preempt.staging.budget import check_budget
 from lightning_preempt.storage.protocols import check_driver
+from lightning_preempt.tiers.tier0 import default_memory_root
 
 T = TypeVar("T")
 
@@ -132,6 +133,8 @@ class PreemptionConfig:
     detect_failures: bool | None = None
     heartbeat_timeout_s: float = 4.0
     failure_exit_code: int = 75
+    tier0_every_n_steps: int | None = None
+    memory_dirpath: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.dirpath, os.PathLike):
@@ -172,6 +175,12 @@ class PreemptionConfig:
                       hint="a rank silent this long is lost, e.g. 4 (survivors exit ~2 s after it).")  # fmt: skip
         check_int("failure_exit_code", self.failure_exit_code, minimum=1, maximum=255,
                   hint="a code the launcher restarts on and that differs from exit_code, e.g. 75.")  # fmt: skip
+        check_int("tier0_every_n_steps", self.tier0_every_n_steps, minimum=1, optional=True,
+                  hint="copy to host memory every K optimizer steps (docs/tier0.md), or None for no tier 0.")  # fmt: skip
+        memory = check_local_dirpath(self.memory_dirpath, name="memory_dirpath")
+        if memory is None and self.tier0_every_n_steps is not None:
+            memory = default_memory_root(self.dirpath)
+        object.__setattr__(self, "memory_dirpath", memory)
         object.__setattr__(self, "notices", tuple(parse_names(self.notices)))  # type: ignore[arg-type]
         if self.on_notice not in ("continue", "exit"):
             raise _fail("on_notice", self.on_notice, "'continue' or 'exit'", "'continue' snapshots and trains on "
@@ -235,7 +244,7 @@ def check_storage_options(value: Any, *, optional: bool) -> dict[str, Any]:
     return dict(value)
 
 
-def check_local_dirpath(value: Any) -> str | None:
+def check_local_dirpath(value: Any, name: str = "local_dirpath") -> str | None:
     """``None``, or a local directory with ``~`` and environment variables expanded
     (``$SLURM_TMPDIR/ckpt``), without a trailing slash."""
     if value is None:
@@ -243,9 +252,9 @@ def check_local_dirpath(value: Any) -> str | None:
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
     if not isinstance(value, str) or not value:
-        raise _fail("local_dirpath", value, "a local directory or None", "e.g. '/local_nvme/ckpt'.")
+        raise _fail(name, value, "a local directory or None", "e.g. '/local_nvme/ckpt'.")
     if "://" in value and not value.startswith("file://"):
-        raise _fail("local_dirpath", value, "a local directory", "local_dirpath is node-local disk (e.g. "
+        raise _fail(name, value, "a local directory", f"{name} is node-local (e.g. "
                     "'/local_nvme/ckpt'); the shared storage (gs://, s3://…) is dirpath.")  # fmt: skip
     expanded = os.path.expandvars(os.path.expanduser(value))
     return expanded.rstrip("/") or expanded

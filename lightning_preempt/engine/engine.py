@@ -48,6 +48,7 @@ from lightning_preempt.engine import tier_policy
 from lightning_preempt.engine.config import PreemptionConfig
 from lightning_preempt.engine.failures import FailureDetector, write_failure_record
 from lightning_preempt.engine.ledger_writer import Ledger, record_preemption, record_save, start_fields
+from lightning_preempt.engine.memory_tier import MEMORY_HINT, MemoryTier
 from lightning_preempt.engine.runtime import (
     Runtime,
     newest_manifest,
@@ -92,7 +93,12 @@ class Engine:
         self.config = config
         self.controller = PreemptionController(config, sources, on_notice=config.on_notice)
         self.resolver = ResumeResolver(config.dirpath, config.storage_options, config.local_dirpath,
+                                       memory_dirpath=config.memory_dirpath,
                                        retries=config.list_retries, backoff_s=config.list_backoff_s)  # fmt: skip
+        #: Tier 0 in host memory (docs/tier0.md), with ``tier0_every_n_steps``.
+        self.memory: MemoryTier | None = None
+        if config.memory_dirpath is not None and config.tier0_every_n_steps is not None:
+            self.memory = MemoryTier(config.memory_dirpath, config.tier0_every_n_steps)
         self.grace = GraceCheck(config.grace_period_s)
         self.local_dirpath = config.local_dirpath  # the plugin's local tier, once set up
         #: Called on every rank as ``hook(step)`` after the emergency snapshot committed and
@@ -165,6 +171,10 @@ class Engine:
             saver, dirpath=config.dirpath, local_dirpath=self.local_dirpath, keep_last_n=config.keep_last_n,
             new_group=rt.new_group,
         )  # fmt: skip
+        if self.memory is not None:  # collective: every rank has the same config
+            self.resolver.memory_usable = self.memory.setup(group, leader=leader)
+            if self.memory.held not in self.held_steps:
+                self.held_steps.append(self.memory.held)
         # A listing that kept failing on any rank stops every rank here, before step 1.
         asked = self.resolver.peeked is not None  # the front-end asked (no explicit checkpoint given)
         resuming = config.resume and self.resolver.agree_on_peeks(group)
@@ -258,8 +268,9 @@ class Engine:
             warn_without_periodic_saves(self.config, step)
         self.ledger.add(
             "start",
-            **start_fields(step, self.resumed_from, pdist.world_size(self._group), self.config, self.local_dirpath),
-        )
+            **start_fields(step, self.resumed_from, pdist.world_size(self._group), self.config, self.local_dirpath,
+                           memory_dirpath=self.config.memory_dirpath),
+        )  # fmt: skip
         self.check(step)  # a signal during start-up or restore: nothing new to save
 
     # ---- 4. step boundaries ----------------------------------------------------------------
@@ -282,6 +293,8 @@ class Engine:
             self.save(step, kind="notice" if decision.notice_snapshot else "periodic")
             if decision.notice_snapshot:
                 self._noticed(step)
+        elif self.memory is not None and self.memory.due(step):
+            self.save_memory(step)
 
     def check(self, step: int) -> None:
         """Every rank, at boundaries other than training steps: agree now, act on preemption."""
@@ -290,6 +303,7 @@ class Engine:
 
     def _must_stop(self) -> bool:
         """This rank's reason to stop training: its save failed, or the lease was lost."""
+        self._forgive_memory_copy(wait=False)
         lease = self._runtime.lease if self._runtime is not None else None
         return self.saver.pending_failed() or (lease is not None and lease.lost)
 
@@ -319,6 +333,7 @@ class Engine:
         if step == self.last_saved_step:
             return
         assert self._save is not None, "Engine.setup() first"
+        self._forgive_memory_copy(wait=True)
         path = self._fresh_path(step)
         self.save_kind = kind  # recorded in the checkpoint by the front-end during this save
         saver, before = self.saver, self.saver.history[-1:]
@@ -337,6 +352,36 @@ class Engine:
             saver.submit(lambda: retain(config.dirpath, config.keep_last_n, config.storage_options,
                                         run_id=self.run_id))  # fmt: skip
         self.grace.check_records(saver.history[:-1])
+
+    def save_memory(self, step: int) -> None:
+        """Every rank: copy ``step`` to tier 0 (asynchronous, behind the saver's one save in
+        flight, as a periodic save); rank 0 then keeps its newest copies only."""
+        assert self._save is not None and self.memory is not None, "Engine.setup() first"
+        if step == self.last_saved_step:
+            return  # on a disk tier already
+        self._forgive_memory_copy(wait=True)
+        path = self.memory.path(step, self._group)
+        self.save_kind = "periodic"
+        self._save(path)
+        self.memory.in_flight = path
+        if self._leader:
+            self.memory.queue_retention(self.saver, self.run_id)
+
+    def _forgive_memory_copy(self, *, wait: bool) -> None:
+        """A failed tier-0 copy (a full tmpfs) does not stop training: logged, the disk tiers
+        go on. Each rank takes back its own copy's failure; a copy whose commit did not
+        happen is never resumed from (no manifest)."""
+        memory = self.memory
+        if memory is None or memory.in_flight is None:
+            return
+        err = self.saver.forget_failed(wait=wait)
+        path = memory.in_flight
+        if err is None and not wait:
+            return  # running or done well: looked at again at the next boundary or save
+        memory.in_flight = None
+        if err is not None:
+            log.error("lightning_preempt: the tier-0 copy to %s failed (%s); training goes on\nHINT: %s",
+                      path, str(err).splitlines()[0] if str(err) else repr(err), MEMORY_HINT)  # fmt: skip
 
     def _fresh_path(self, step: int) -> str:
         """``dirpath/step-N``, or a suffixed sibling when a committed ``step-N`` exists (a run

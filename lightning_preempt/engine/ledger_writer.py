@@ -271,11 +271,14 @@ class Ledger:
 
 
 def start_fields(resumed_step: int, resumed_from: str | None, world_size: int, config: Any,
-                 local_dirpath: str | None = None) -> dict[str, Any]:  # fmt: skip
+                 local_dirpath: str | None = None, *, memory_dirpath: str | None = None) -> dict[str, Any]:  # fmt: skip
     """The fields of a ``start`` record (``config``: the engine's ``PreemptionConfig``;
-    ``local_dirpath``: the node-local tier, to tell which tier the resume came from)."""
+    ``local_dirpath``, ``memory_dirpath``: the node-local tiers, to tell which tier the
+    resume came from)."""
     if resumed_from is None:
         tier = None
+    elif memory_dirpath and resumed_from.startswith(memory_dirpath.rstrip("/") + "/"):
+        tier = "memory"
     elif local_dirpath and resumed_from.startswith(local_dirpath.rstrip("/") + "/"):
         tier = "local"
     else:

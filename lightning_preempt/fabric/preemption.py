@@ -107,6 +107,8 @@ class Preemption:
         detect_failures: bool | None = None,
         heartbeat_timeout_s: float = 4.0,
         failure_exit_code: int = 75,
+        tier0_every_n_steps: int | None = None,
+        memory_dirpath: str | None = None,
     ) -> None:
         config = from_arguments(PreemptionConfig, locals())
         if not isinstance(step_key, str) or not step_key:

@@ -112,6 +112,12 @@ class PreemptionCallback(OnExceptionCheckpoint):
             2 s later).
         failure_exit_code: the exit code of every survivor after a loss (distinct from
             ``exit_code``; ``torchrun --max-restarts`` restarts on any non-zero code).
+        tier0_every_n_steps: tier 0 (docs/tier0.md): every K optimizer steps each rank also
+            commits its share to ``memory_dirpath`` (node-local host memory, a tmpfs), which
+            outlives the process: a restart on the same node resumes from there when it is the
+            newest valid checkpoint. Its newest 2 are kept. ``None``: no tier 0.
+        memory_dirpath: tier 0's directory; ``None``: ``/dev/shm/lightning_preempt/<dirpath's
+            name>-<hash>`` (the same on every restart).
     """
 
     def __init__(
@@ -147,6 +153,8 @@ class PreemptionCallback(OnExceptionCheckpoint):
         detect_failures: bool | None = None,
         heartbeat_timeout_s: float = 4.0,
         failure_exit_code: int = 75,
+        tier0_every_n_steps: int | None = None,
+        memory_dirpath: str | None = None,
     ) -> None:
         config = from_arguments(PreemptionConfig, locals())
         super().__init__(dirpath=config.dirpath)

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from lightning_preempt.catalog.listing import CheckpointInfo, complete_local_checkpoints, list_checkpoints
-from lightning_preempt.catalog.newest import newest_valid
+from lightning_preempt.catalog.newest import OnSkip, first_valid, newest_valid
 from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.errors import CheckpointError, NotACheckpointError
@@ -72,6 +73,8 @@ class ResumeResolver:
         dirpath: the checkpoints' root (any fsspec URL).
         storage_options: fsspec options for ``dirpath``.
         local_dirpath: the node-local tier, if any.
+        memory_dirpath: tier 0 (docs/tier0.md), if any: node-local host memory, one more
+            candidate, used only while every rank runs on this host (``memory_usable``).
         retries: listing attempts before giving up (>= 1).
         backoff_s: first retry delay; doubles each time.
         sleep: how to wait between attempts (tests pass a recorder).
@@ -83,6 +86,7 @@ class ResumeResolver:
         storage_options: dict[str, Any],
         local_dirpath: str | None = None,
         *,
+        memory_dirpath: str | None = None,
         retries: int = 4,
         backoff_s: float = 1.0,
         sleep: Callable[[float], None] = time.sleep,
@@ -90,6 +94,11 @@ class ResumeResolver:
         self.dirpath = dirpath
         self.storage_options = storage_options
         self.local_dirpath = local_dirpath
+        self.memory_dirpath = memory_dirpath
+        #: whether tier 0 can be resumed from: every rank on this host (its files are all in
+        #: this node's memory). Before the group exists: from torchrun's environment; the
+        #: engine sets it from the ranks' host names before choosing.
+        self.memory_usable = _one_host_by_environment()
         self.retries = retries
         self.backoff_s = backoff_s
         self.sleep = sleep
@@ -118,7 +127,8 @@ class ResumeResolver:
 
     def _has_checkpoint(self) -> bool:
         local = self.local_dirpath is not None and bool(complete_local_checkpoints(self.local_dirpath))
-        return local or any(c.committed for c in list_checkpoints(self.dirpath, self.storage_options))
+        memory = self._memory_root() is not None and bool(complete_local_checkpoints(str(self.memory_dirpath)))
+        return local or memory or any(c.committed for c in list_checkpoints(self.dirpath, self.storage_options))
 
     def _retrying(self, fn: Callable[[], T]) -> T:
         """``fn()`` with the listing's retries; an error that persists (or is not worth
@@ -214,9 +224,19 @@ class ResumeResolver:
                 return tiers.newest(verify=verify, on_skip=note, exclude=exclude)
             return newest_valid(self.dirpath, self.storage_options, verify=verify, on_skip=note, exclude=exclude)
 
+        def newest_with_memory() -> CheckpointInfo | None:
+            found = newest()
+            root = self._memory_root()
+            if root is None:
+                return found
+            memory = newest_in_memory(root, verify=verify, on_skip=note, exclude=exclude)
+            if memory is not None and (found is None or memory.step >= found.step):
+                return memory  # a tie goes to memory: nothing to read from disk
+            return found
+
         # A candidate that cannot be judged (its manifest could not be statted or read) is
         # never skipped: skipping it would silently resume from older progress, or from none.
-        info = self._retrying(newest)
+        info = self._retrying(newest_with_memory)
         if info is None:
             raise NotACheckpointError(
                 "every checkpoint found is uncommitted or corrupt",
@@ -226,6 +246,31 @@ class ResumeResolver:
             )
         run_id = info.manifest.run_id if info.manifest is not None else None
         return Choice(info.path, info.step, tuple(skipped), run_id)
+
+    def _memory_root(self) -> str | None:
+        """Tier 0's directory when it can be resumed from (on, usable, present)."""
+        root = self.memory_dirpath
+        return root if root is not None and self.memory_usable and os.path.isdir(root) else None
+
+
+def _one_host_by_environment() -> bool:
+    """Whether the launcher's environment allows that every rank runs on this host (torchrun:
+    ``LOCAL_WORLD_SIZE`` vs ``WORLD_SIZE``; SLURM: ``SLURM_NNODES``)."""
+    local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
+    if local is not None and world is not None and local != world:
+        return False
+    return os.environ.get("SLURM_NNODES", "1").strip() in ("", "1")
+
+
+def newest_in_memory(root: str, *, verify: Verify, on_skip: OnSkip, exclude: tuple[str, ...]) -> CheckpointInfo | None:
+    """The newest valid tier-0 checkpoint under ``root`` whose every file is on this node
+    (a torn or truncated copy is passed over: the usual manifest and size/CRC checks)."""
+    complete = {c.name for c in complete_local_checkpoints(root)}
+
+    def usable(info: CheckpointInfo) -> str | None:
+        return None if info.name in complete else "files missing in this node's memory tier"
+
+    return first_valid(list_checkpoints(root, {}), {}, verify=verify, on_skip=on_skip, exclude=exclude, usable=usable)
 
 
 def _listing_error(dirpath: str, err: BaseException, attempts: int, options: dict[str, Any]) -> ListingError:

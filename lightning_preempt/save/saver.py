@@ -339,6 +339,18 @@ class Saver:
         pending = self._pending
         return pending is not None and pending.done() and pending.exception() is not None
 
+    def forget_failed(self, *, wait: bool = False) -> BaseException | None:
+        """Take back the save in flight when it failed, so that it is never raised later (a
+        best-effort tier's copy: docs/tier0.md). ``wait``: wait for it to finish first.
+        Returns its error, or ``None`` (none in flight, still running, or it succeeded)."""
+        pending = self._pending
+        if pending is None or (not wait and not pending.done()):
+            return None
+        err = pending.exception()  # waits when it is still running
+        if err is not None and self._pending is pending:
+            self._pending = None
+        return err
+
     def wait(self) -> Manifest | None:
         """Block until every pending save and job finished; re-raise a save's error once."""
         pending = self._pending

@@ -29,7 +29,9 @@ class SelfSignal(Callback):
     ``restore``, ``periodic-save`` (while the first periodic save is in flight) or
     ``double:N`` (at step N and again while the emergency snapshot is being written);
     ``kill:N`` sends SIGKILL at step N instead (an unannounced loss); ``ledger-kill:N`` too
-    (before step N+1), once the goodput ledger has written what it was given (step N)."""
+    (before step N+1), once the goodput ledger has written what it was given (step N);
+    ``saved-kill:N`` too (before step N+1), once every save made so far (a tier-0 copy of
+    step N) committed."""
 
     def __init__(self, spec: str, rank: int | None, preemption: PreemptionCallback | None = None) -> None:
         self.phase, _, arg = spec.partition(":")
@@ -43,12 +45,14 @@ class SelfSignal(Callback):
             self.fired += 1
             if self.phase == "ledger-kill" and self.preemption is not None:
                 assert self.preemption.engine.ledger.flush(30.0), "the ledger did not write within 30 s"
+            if self.phase == "saved-kill" and self.preemption is not None:
+                self.preemption.engine.saver.wait()
             os.kill(os.getpid(), signal.SIGKILL if self.phase.endswith("kill") else signal.SIGTERM)
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         # After every callback's on_train_batch_end of step N (Lightning runs checkpoint
         # callbacks last): the ledger was given step N.
-        if self.phase == "ledger-kill" and trainer.global_step == self.arg and not self.fired:
+        if self.phase in ("ledger-kill", "saved-kill") and trainer.global_step == self.arg and not self.fired:
             self._fire(trainer)
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:

@@ -1,0 +1,92 @@
+"""The engine's tier-0 decisions (docs/tier0.md): when to copy to host memory, where, and
+what of it to keep.
+
+Tier 0 is one more tier in the usual format under a tmpfs (``memory_dirpath``, default
+``/dev/shm/lightning_preempt/<dirpath's name>-<hash>``): a save addressed there is written
+and committed straight there by the plugin (manifest last, CRC32C), so the resolver's
+newest-valid choice reads it like any tier and never resumes from a torn copy. The policy
+pieces (root, retention, held steps) are in tiers/tier0.py.
+
+Limit (this cut): tier 0 is written and resumed from only when every rank runs on one host;
+a copy spread over several nodes' memory could not be restored without the peer copy
+(not built), so on several hosts it is turned off with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+
+from lightning_preempt.catalog.retention import retain
+from lightning_preempt.collective import agree
+from lightning_preempt.collective import groups as pdist
+from lightning_preempt.format.names import MANIFEST_NAME, checkpoint_name
+from lightning_preempt.save.saver import Saver
+from lightning_preempt.tiers.tier0 import KEEP_LAST_N, committed_steps
+
+log = logging.getLogger(__name__)
+
+MEMORY_HINT = (
+    "Tier 0 is best effort: the disk tiers hold the periodic checkpoints. Free memory in the "
+    "tmpfs (df -h /dev/shm; a container's /dev/shm is often 64 MiB: docker --shm-size), make "
+    "tier0_every_n_steps larger, or point memory_dirpath at a bigger tmpfs (docs/tier0.md)."
+)
+
+
+class MemoryTier:
+    """Tier 0 of one engine: copy every ``every`` steps to ``root``, keep the newest ``keep``."""
+
+    def __init__(self, root: str, every: int, keep: int = KEEP_LAST_N) -> None:
+        self.root = root
+        self.every = every
+        self.keep = keep
+        self.enabled = False  # set up, and every rank on this host
+        self.in_flight: str | None = None  # the copy the saver may still be writing
+
+    def setup(self, group: pdist.ProcessGroup | None, *, leader: bool) -> bool:
+        """Collective: on only when every rank runs on this host and could create ``root``
+        (every rank decides alike). Returns whether it is on."""
+        try:
+            os.makedirs(self.root, exist_ok=True)
+            made = ""
+        except OSError as err:
+            made = f"{type(err).__name__}: {err}"
+        views = pdist.all_gather_objects((socket.gethostname(), made), group)
+        hosts = {host for host, _ in views}
+        errors = [why for _, why in views if why]
+        self.enabled = len(hosts) == 1 and not errors
+        if not self.enabled and leader:
+            reason = f"the ranks run on {len(hosts)} hosts" if len(hosts) > 1 else f"cannot create it ({errors[0]})"
+            log.warning(
+                "lightning_preempt: tier 0 (memory_dirpath=%s) is off: %s\n"
+                "HINT: tier 0 restores only when one node holds every rank's share (the copy to a "
+                "peer node is not built yet) in a writable tmpfs; the disk tiers are unchanged (docs/tier0.md).",
+                self.root, reason,
+            )  # fmt: skip
+        return self.enabled
+
+    def due(self, step: int) -> bool:
+        return self.enabled and step > 0 and step % self.every == 0
+
+    def path(self, step: int, group: pdist.ProcessGroup | None) -> str:
+        """``root/step-N``, or a suffixed sibling when ``step-N`` is committed there already (a
+        resume from an older checkpoint re-reaches a step): nothing saved is overwritten."""
+        path = os.path.join(self.root, checkpoint_name(step))
+
+        def pick() -> str:
+            if not os.path.exists(os.path.join(path, MANIFEST_NAME)):
+                return path
+            return os.path.join(self.root, checkpoint_name(step, suffix=uuid.uuid4().hex[:8]))
+
+        return agree.decide(pick, group, what="choosing the tier-0 path")
+
+    def queue_retention(self, saver: Saver, run_id: str | None) -> None:
+        """Rank 0, behind the save just made (it runs once that save committed or failed)."""
+        root, keep = self.root, self.keep
+        saver.submit(lambda: retain(root, keep, {}, run_id=run_id))
+
+    def held(self) -> list[int]:
+        """The steps committed in tier 0 (for ``Engine.held_steps``: the failure verdict)."""
+        return committed_steps(self.root) if self.enabled else []
