@@ -46,10 +46,12 @@ class Progress(L.Callback):
     is printed too."""
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        print(f"start step {trainer.global_step}", flush=True)
+        if trainer.global_rank == 0:  # one line per run, whatever the number of tasks
+            print(f"start step {trainer.global_step}", flush=True)
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        print(f"step {trainer.global_step}", flush=True)
+        if trainer.global_rank == 0:
+            print(f"step {trainer.global_step}", flush=True)
 
 
 def main() -> None:
