@@ -18,7 +18,9 @@ Kinds and their fields (besides ``format``, ``kind``, ``run``, ``restart``, ``se
   ``committed_s`` (``None``: it failed), ``bytes``, ``tier`` (``dirpath`` or ``local``), ``error``;
 * ``progress``: ``step`` (the last step seen; what a SIGKILL's steps lost are inferred from);
 * ``preemption``: ``source`` (``SIGTERM``, ``gce``…), ``received_t``, ``step`` (agreed),
-  ``snapshot_step`` (the newest committed step at exit), ``committed``, ``to_exit_s``, ``steps_lost``;
+  ``snapshot_step`` (the newest committed step at exit), ``committed``, ``to_exit_s`` (from the
+  signal to the decision to exit, raising ``Preempted``: the process's teardown comes after and
+  no record of its own can see it), ``steps_lost``;
 * ``error``: ``step``, ``error`` (the agreed error's first line);
 * ``finish``: ``step``.
 

@@ -146,3 +146,17 @@ def test_the_writer_compacts_and_a_ledger_it_cannot_write_only_warns(
     broken.close()
     warned = [r.getMessage() for r in caplog.records if "goodput ledger failed" in r.getMessage()]
     assert len(warned) == 1 and "HINT:" in warned[0] and "training goes on" in warned[0]
+
+
+def test_the_report_names_the_exit_column_for_what_it_measures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``to_exit_s`` ends at the exit decision, not at the process's end (issue 32): the column
+    and the down row say so, and the figure shown is the record's."""
+    _write(tmp_path, _scripted_run())
+    assert main(["report", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    header = next(line for line in text.splitlines() if "STEPS LOST" in line)
+    assert "TO EXIT CALL" in header and "DOWN" in header, text
+    assert "TO EXIT CALL: from the signal to the decision to exit" in text and "teardown" in text, text
+    row = next(line for line in text.splitlines() if "SIGTERM" in line and "committed" in line)
+    assert row.split()[-2] == "3s", row  # the record's to_exit_s=3.0, shown as it is
+    assert "(teardown included)" in text, text
