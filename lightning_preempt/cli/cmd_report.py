@@ -102,6 +102,11 @@ def print_report(r: dict[str, Any], url: str) -> None:
         ("steps lost", str(r["steps_lost"]), f"in {n} preemption(s): {_d(r['lost_s'])} of training redone"),
         ("goodput", _pct(r["goodput"]), "(training - blocking - redone) / wall time"),
     ]  # fmt: skip
+    drains = r.get("drains") or {}
+    if drains.get("count"):
+        rows.append(("uploads (two tiers)", str(drains["uploaded"]),
+                     f"to dirpath, {drains['bytes'] / 1e6:.1f} MB in {_d(drains['drained_s'])}; newest step "
+                     f"{_or_dash(drains['newest_step'])}; {drains['skipped']} skipped, {drains['failed']} failed"))  # fmt: skip
     width = max(len(a) for a, _, _ in rows)
     for name, value, how in rows:
         print(f"  {name:<{width}}  {value:>9}  {how}")

@@ -227,8 +227,9 @@ class Ledger:
         saves = [r for r in mine if r["kind"] == "save"]
         progress = [r for r in mine if r["kind"] == "progress"]
         dropped = saves[: -fmt.COMPACT_KEEPS_SAVES]
-        kept = [r for r in mine if r["kind"] not in ("save", "progress")] + saves[-fmt.COMPACT_KEEPS_SAVES :]
-        kept += progress[-1:]
+        drains = [r for r in mine if r["kind"] == "drain"]  # the newest kept, like saves (no totals yet)
+        kept = [r for r in mine if r["kind"] not in ("save", "progress", "drain")] + saves[-fmt.COMPACT_KEEPS_SAVES :]
+        kept += progress[-1:] + drains[-fmt.COMPACT_KEEPS_SAVES :]
         previous = self._compacted_totals()
         totals = {
             "count": previous["count"] + len(dropped),
@@ -305,6 +306,17 @@ def record_save(ledger: Ledger, saver: Any, before: list[Any], kind: str) -> Non
                    error=error if record.error is None else error or type(record.error).__name__)  # fmt: skip
 
     saver.submit(add)
+
+
+def record_drain(ledger: Ledger, drain: Any) -> None:
+    """The ``drain`` record of one finished upload to the remote tier (``drain``: the
+    ``DrainRecord`` of save/tiers.py; called on the drain thread, the ledger queues it)."""
+    if not ledger.enabled:
+        return
+    error = drain.error.splitlines()[0] if drain.error else None
+    done = drain.skipped is None and error is None
+    ledger.add("drain", step=max(0, drain.step), drained_s=drain.drained_s if done else None, bytes=drain.bytes,
+               skipped=drain.skipped, error=error)  # fmt: skip
 
 
 def record_preemption(ledger: Ledger, controller: Any, saver: Any, *, step: int) -> None:

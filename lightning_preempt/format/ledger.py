@@ -22,7 +22,10 @@ Kinds and their fields (besides ``format``, ``kind``, ``run``, ``restart``, ``se
   signal to the decision to exit, raising ``Preempted``: the process's teardown comes after and
   no record of its own can see it), ``steps_lost``;
 * ``error``: ``step``, ``error`` (the agreed error's first line);
-* ``finish``: ``step``.
+* ``finish``: ``step``;
+* ``drain`` (two tiers: the upload of a locally committed checkpoint to ``dirpath``): ``step``,
+  ``drained_s`` (``None``: not uploaded), ``bytes``, ``skipped`` (``superseded``, ``already
+  there``), ``error``.
 
 Everything read back is untrusted (docs/security.md): JSON only, sizes bounded, every field
 type-checked; a record that fails is skipped by the reader with a note.
@@ -66,6 +69,7 @@ FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     },
     "error": {"step": _INT, "error": _STR},
     "finish": {"step": _INT},
+    "drain": {"step": _INT, "drained_s": _NUM + _NONE, "bytes": _INT, "skipped": _STR + _NONE, "error": _STR + _NONE},
 }  # fmt: skip
 #: Totals a compacted file keeps of the save records it dropped.
 SAVE_TOTALS = ("count", "blocking_s", "committed_s", "bytes", "failed")
