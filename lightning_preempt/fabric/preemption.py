@@ -203,11 +203,15 @@ class Preemption:
 
     # ---- 5./6. the end -----------------------------------------------------------------------
     def finish(self, state: dict[str, Any] | None = None) -> None:
-        """Every rank, when training ends normally: the final save, every commit waited for,
-        then the engine released."""
+        """Every rank, when training ends normally: the final save, every commit (and with two
+        tiers every upload to ``dirpath``) waited for, then the engine released."""
         if state is not None:
             self._state = state
         self.engine.finish(self._step(self._current_state()))
+        if self._io is not None and self._io.tiers is not None:
+            # Fabric never tears the plugin down (the Trainer does): without this the last
+            # checkpoint's upload to dirpath could still be running when the process exits.
+            self._io.tiers.wait()
         self._report()
         self.close()
 
