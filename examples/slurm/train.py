@@ -46,10 +46,12 @@ class Progress(L.Callback):
     is printed too."""
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        print(f"start step {trainer.global_step}", flush=True)
+        if trainer.global_rank == 0:  # one line per run, whatever the number of tasks
+            print(f"start step {trainer.global_step}", flush=True)
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        print(f"step {trainer.global_step}", flush=True)
+        if trainer.global_rank == 0:
+            print(f"step {trainer.global_step}", flush=True)
 
 
 def main() -> None:
@@ -61,6 +63,7 @@ def main() -> None:
     p.add_argument("--grace", type=float, default=20.0, help="the partition's GraceTime")
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--no-requeue", action="store_true", help="requeue=False (the scheduler decides)")
+    p.add_argument("--devices", type=int, default=1, help="processes (DDP on CPU; under SLURM: --ntasks)")
     args = p.parse_args()
 
     L.seed_everything(0, verbose=False)
@@ -71,7 +74,8 @@ def main() -> None:
     trainer = L.Trainer(
         max_steps=args.max_steps,
         accelerator="cpu",
-        devices=1,
+        devices=args.devices,
+        strategy="ddp" if args.devices > 1 else "auto",
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,

@@ -154,12 +154,24 @@ def summarize(records: list[dict[str, Any]], folded_saves: dict[int, dict[str, f
         "every_n_seconds": start_records[-1]["every_n_seconds"] if start_records else None,
         "grace_period_s": start_records[-1]["grace_period_s"] if start_records else None,
         "save_cost": save_cost(saves),
+        "drains": _drains(records),
         "segments": [_segment_dict(s) for s in segs],
     }
 
 
 def _start(seg: Segment) -> dict[str, Any]:
     return next((r for r in seg.records if r["kind"] == "start"), {})
+
+
+def _drains(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Two tiers: the uploads of local checkpoints to ``dirpath`` (``drain`` records)."""
+    drains = [r for r in records if r["kind"] == "drain"]
+    done = [r for r in drains if r["drained_s"] is not None]
+    return {
+        "count": len(drains), "uploaded": len(done), "bytes": sum(r["bytes"] for r in done),
+        "drained_s": sum(r["drained_s"] for r in done), "skipped": sum(r["skipped"] is not None for r in drains),
+        "failed": sum(r["error"] is not None for r in drains), "newest_step": max((r["step"] for r in done), default=None),
+    }  # fmt: skip
 
 
 def _segment_dict(s: Segment) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from lightning_preempt.catalog.ledger_retention import prune_ledgers
 from lightning_preempt.catalog.listing import CheckpointInfo, list_checkpoints
 from lightning_preempt.catalog.ownership import remove_if_ours
 from lightning_preempt.catalog.verified import is_verified, mark_verified
@@ -45,6 +46,8 @@ def apply_retention(
     * ``run_id``: checkpoints whose manifest names another run are neither counted nor
       removed. ``protect`` names directories never to touch (a save still in flight).
     * A checkpoint written by a newer format version is never removed.
+    * With ``run_id``, the goodput ledgers of other runs none of whose checkpoints is left
+      are removed too (catalog/ledger_retention.py).
     * An error that does not prove damage (a manifest or file that could not be statted or
       read: EIO, a 503) is raised and nothing is removed: "could not tell" is never "partial".
     """
@@ -83,6 +86,9 @@ def apply_retention(
             log.warning("lightning_preempt: retention left %s alone: %s", info.path, str(err).splitlines()[0])
             continue
         removed.append(info.path)
+    if run_id is not None:  # the ledgers of runs none of whose checkpoints is left go too
+        gone = set(removed)
+        prune_ledgers(url, storage_options, run_id=run_id, remaining=[c for c in infos if c.path not in gone])
     return removed
 
 

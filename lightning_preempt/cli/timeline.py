@@ -69,7 +69,7 @@ def plot_timeline(report: dict[str, Any], path: str, *, title: str = "") -> None
     top.set_ylim(-0.45, 1.15)
     top.legend(handles=[Patch(color=_START, label="starting (process start to first step)"),
                         Patch(color=_TRAIN, label="training (process #)"),
-                        Patch(color=_DOWN, alpha=0.35, label="down (exit to next start)"),
+                        Patch(color=_DOWN, alpha=0.35, label="down (last record to next start)"),
                         Patch(color=_SAVE, label="save"), Patch(color="#9467bd", label="snapshot")],
                loc="upper left", ncol=5, fontsize=8, frameon=False)  # fmt: skip
     by_restart: dict[int, list[tuple[float, int]]] = {}

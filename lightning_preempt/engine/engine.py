@@ -47,7 +47,7 @@ from lightning_preempt.collective import groups as pdist
 from lightning_preempt.engine import tier_policy
 from lightning_preempt.engine.config import PreemptionConfig
 from lightning_preempt.engine.failures import FailureDetector, write_failure_record
-from lightning_preempt.engine.ledger_writer import Ledger, record_preemption, record_save, start_fields
+from lightning_preempt.engine.ledger_writer import Ledger, record_drain, record_preemption, record_save, start_fields
 from lightning_preempt.engine.memory_tier import MEMORY_HINT, MemoryTier
 from lightning_preempt.engine.runtime import (
     Runtime,
@@ -194,6 +194,7 @@ class Engine:
         self.run_id = saver.run_id = agree.decide(lambda: continued or uuid.uuid4().hex, group)
         if saver.tiers is not None:
             saver.tiers.run_id = self.run_id
+            saver.tiers.on_drain = self._drained  # the ledger is looked up late: replaced just below
             if leader:
                 tier_policy.upload_local_only(saver.tiers, config.dirpath)
         self.ledger.close()
@@ -427,6 +428,10 @@ class Engine:
         except Preempted:
             record_preemption(self.ledger, self.controller, self.saver, step=step)
             raise
+
+    def _drained(self, drain: Any) -> None:
+        """Two tiers: each finished upload to ``dirpath`` into the ledger (drain thread)."""
+        record_drain(self.ledger, drain)
 
     def _noticed(self, step: int) -> None:
         """on_notice="continue": log the snapshot a notice asked for and, from the job thread

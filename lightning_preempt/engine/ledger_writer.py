@@ -5,9 +5,9 @@ Rank 0 of a run writes every record (format/ledger_records.py) as one create-onl
 the ledger's own does the I/O, so a slow bucket never delays a step, a save or the emergency
 sequence (which flushes the ledger last, within what is left of the grace period). A write
 that fails is logged (one warning, then debug lines) and dropped: the ledger never stops
-training. Every :data:`COMPACT_EVERY` records the writer folds this restart's single files
-into one compacted file (the newest saves verbatim, totals of the others) and deletes them,
-so a week-long run keeps a bounded ledger.
+training. Every :data:`COMPACT_EVERY` records (or :data:`COMPACT_EVERY_BYTES` of them) the
+writer folds this restart's single files into one compacted file (the newest saves verbatim,
+totals of the others) and deletes them, so a week-long run keeps a bounded ledger.
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 
 #: Records of one restart after which its single files are compacted.
 COMPACT_EVERY = 256
+#: ... or after this many bytes of them, whichever comes first: records with long text (an
+#: error's line, a path) must not pile up single files of up to ``MAX_RECORD_BYTES`` each.
+COMPACT_EVERY_BYTES = 64 << 10
 #: A ``progress`` record (the last step seen: what a SIGKILL's steps lost are inferred from)
 #: at most this often: a SIGKILL's steps lost are counted up to the last one (at most this
 #: many seconds of steps go unseen). Tests and the demo set it lower.
@@ -201,13 +204,15 @@ class Ledger:
         if self._store is None or self.restart is None or record["seq"] > _MAX_SEQ:
             return  # the ledger could not be opened (warned once)
         name = ledger_record_name(self.restart, record["seq"], record["kind"])
+        data = fmt.encode(record)
         try:
-            self._store.commit_bytes(name, fmt.encode(record))
+            self._store.commit_bytes(name, data)
         except Exception as err:
             self._failed(f"writing {name}", err)
             return
         self._written.append((record["seq"], name))
-        if len(self._written) >= COMPACT_EVERY:
+        self._written_bytes += len(data)
+        if len(self._written) >= COMPACT_EVERY or self._written_bytes >= COMPACT_EVERY_BYTES:
             self._compact()
 
     def _compact(self) -> None:
@@ -222,8 +227,9 @@ class Ledger:
         saves = [r for r in mine if r["kind"] == "save"]
         progress = [r for r in mine if r["kind"] == "progress"]
         dropped = saves[: -fmt.COMPACT_KEEPS_SAVES]
-        kept = [r for r in mine if r["kind"] not in ("save", "progress")] + saves[-fmt.COMPACT_KEEPS_SAVES :]
-        kept += progress[-1:]
+        drains = [r for r in mine if r["kind"] == "drain"]  # the newest kept, like saves (no totals yet)
+        kept = [r for r in mine if r["kind"] not in ("save", "progress", "drain")] + saves[-fmt.COMPACT_KEEPS_SAVES :]
+        kept += progress[-1:] + drains[-fmt.COMPACT_KEEPS_SAVES :]
         previous = self._compacted_totals()
         totals = {
             "count": previous["count"] + len(dropped),
@@ -244,6 +250,7 @@ class Ledger:
         # The compacted file covers them: deleting them (or failing to) changes nothing a reader sees.
         old = [n for _, n in self._written] + ([self._compacted[1]] if self._compacted is not None else [])
         self._compacted, self._written, self._totals = (first, name), [], totals
+        self._written_bytes = 0
         with self._lock:  # the in-memory copy keeps what the compacted file keeps
             self.records = [r for r in self.records if r["seq"] > last or r in kept]
         for n in old:
@@ -253,6 +260,7 @@ class Ledger:
                 log.debug("lightning_preempt: ledger: could not delete %s after compacting: %s", n, err)
 
     _totals: dict[str, float] | None = None
+    _written_bytes = 0  # of the single files not compacted yet
 
     def _compacted_totals(self) -> dict[str, float]:
         return self._totals if self._totals is not None else dict.fromkeys(fmt.SAVE_TOTALS, 0.0)
@@ -310,6 +318,17 @@ def record_save(ledger: Ledger, saver: Any, before: list[Any], kind: str) -> Non
                    error=error if record.error is None else error or type(record.error).__name__)  # fmt: skip
 
     saver.submit(add)
+
+
+def record_drain(ledger: Ledger, drain: Any) -> None:
+    """The ``drain`` record of one finished upload to the remote tier (``drain``: the
+    ``DrainRecord`` of tiers/two_tier.py; called on the drain thread, the ledger queues it)."""
+    if not ledger.enabled:
+        return
+    error = drain.error.splitlines()[0] if drain.error else None
+    done = drain.skipped is None and error is None
+    ledger.add("drain", step=max(0, drain.step), drained_s=drain.drained_s if done else None, bytes=drain.bytes,
+               skipped=drain.skipped, error=error)  # fmt: skip
 
 
 def record_preemption(ledger: Ledger, controller: Any, saver: Any, *, step: int) -> None:

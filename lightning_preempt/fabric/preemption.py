@@ -30,6 +30,7 @@ from lightning_preempt.engine.engine import Engine
 from lightning_preempt.fabric import model_parallel
 from lightning_preempt.fabric.data import LoopData
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
+from lightning_preempt.lightning.reporting import SaveReporter
 from lightning_preempt.lightning.strategies import ensure_plugin
 from lightning_preempt.preemption.sources import PreemptionSource
 from lightning_preempt.resume.exact_state import STATE_KEY
@@ -67,9 +68,10 @@ class Preemption:
     meaning and validation (:class:`~lightning_preempt.engine.config.PreemptionConfig`), except
     ``global_batch``: validated, but a Fabric loop owns its accumulation, and this front-end
     does not yet reshard an epoch at another world size (each rank resumes at its own
-    position, as before; the Trainer's does, docs/elastic.md "Data at a resize"), and
-    ``log_metrics``: validated, but nothing is logged for a Fabric loop yet (the goodput ledger
-    is written as for the Trainer; ``self.engine.ledger.figures()`` holds the run's figures).
+    position, as before; the Trainer's does, docs/elastic.md "Data at a resize").
+    ``log_metrics`` logs through ``fabric.log_dict`` (the loggers given to ``Fabric``, rank 0):
+    each committed save's figures and the run's so far, at the next step boundary after its
+    commit and at :meth:`finish`, and ``preempt/resumed_from_step`` after a resume.
     """
 
     def __init__(
@@ -119,6 +121,7 @@ class Preemption:
         self.data = LoopData()
         self._state: dict[str, Any] | None = None
         self._io: ShardedAsyncCheckpointIO | None = None
+        self._reporter = SaveReporter(self._figures)  # the engine's ledger is replaced at setup: look it up late
 
     # ---- views --------------------------------------------------------------------------
     @property
@@ -169,6 +172,9 @@ class Preemption:
             remainder.pop(STEP_KEY, None)
             remainder.pop(EPOCH_KEY, None)
         self.engine.start(self._step(state), loaded_from=io.loaded_from if target is not None else None)
+        if target is not None and self.config.log_metrics and fabric.is_global_zero:
+            step = self._step(state)
+            fabric.log_dict({"preempt/resumed_from_step": float(step)}, step=step)
         return remainder
 
     # ---- 4. step boundaries ----------------------------------------------------------------
@@ -197,15 +203,21 @@ class Preemption:
         agreed stop. Mid gradient accumulation (``state[step_key]`` unchanged) it does nothing."""
         if state is not None:
             self._state = state
+        self._report()
         self.engine.step_end(self._step(self._current_state()))
 
     # ---- 5./6. the end -----------------------------------------------------------------------
     def finish(self, state: dict[str, Any] | None = None) -> None:
-        """Every rank, when training ends normally: the final save, every commit waited for,
-        then the engine released."""
+        """Every rank, when training ends normally: the final save, every commit (and with two
+        tiers every upload to ``dirpath``) waited for, then the engine released."""
         if state is not None:
             self._state = state
         self.engine.finish(self._step(self._current_state()))
+        if self._io is not None and self._io.tiers is not None:
+            # Fabric never tears the plugin down (the Trainer does): without this the last
+            # checkpoint's upload to dirpath could still be running when the process exits.
+            self._io.tiers.wait()
+        self._report()
         self.close()
 
     def close(self, *, finish_saves: bool = False) -> None:
@@ -224,6 +236,17 @@ class Preemption:
             self.close(finish_saves=True)
 
     # ---- internals ------------------------------------------------------------------------------
+    def _figures(self) -> dict[str, float]:
+        return self.engine.ledger.figures()
+
+    def _report(self) -> None:
+        """The saves committed since the last boundary, through ``fabric.log_dict`` (rank 0;
+        no collective: the history is this rank's plugin's)."""
+        if not self.config.log_metrics or self._io is None:
+            return
+        for metrics, step in self._reporter.collect(self._io.history, is_global_zero=self.fabric.is_global_zero):
+            self.fabric.log_dict(metrics, step=step)
+
     def _save(self, path: str) -> None:
         """The engine's save: ``fabric.save`` of the loop's state (every rank)."""
         state = self._current_state()

@@ -18,9 +18,14 @@ Kinds and their fields (besides ``format``, ``kind``, ``run``, ``restart``, ``se
   ``committed_s`` (``None``: it failed), ``bytes``, ``tier`` (``dirpath`` or ``local``), ``error``;
 * ``progress``: ``step`` (the last step seen; what a SIGKILL's steps lost are inferred from);
 * ``preemption``: ``source`` (``SIGTERM``, ``gce``…), ``received_t``, ``step`` (agreed),
-  ``snapshot_step`` (the newest committed step at exit), ``committed``, ``to_exit_s``, ``steps_lost``;
+  ``snapshot_step`` (the newest committed step at exit), ``committed``, ``to_exit_s`` (from the
+  signal to the decision to exit, raising ``Preempted``: the process's teardown comes after and
+  no record of its own can see it), ``steps_lost``;
 * ``error``: ``step``, ``error`` (the agreed error's first line);
 * ``finish``: ``step``;
+* ``drain`` (two tiers: the upload of a locally committed checkpoint to ``dirpath``): ``step``,
+  ``drained_s`` (``None``: not uploaded), ``bytes``, ``skipped`` (``superseded``, ``already
+  there``), ``error``;
 * ``failure``: an unannounced loss the heartbeats detected (docs/failure-detection.md), written by
   the lowest surviving rank just before every survivor exits: ``lost`` (the silent ranks, e.g.
   ``"1,3"``), ``survivors``, ``world_size``, ``step`` (the last step the writer saw),
@@ -77,6 +82,7 @@ FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
         "lost": _STR, "survivors": _INT, "world_size": _INT, "step": _INT, "agreed_step": _INT + _NONE,
         "silent_s": _NUM, "quorum": (bool,), "agreed": (bool,), "writer_rank": _INT,
     },
+    "drain": {"step": _INT, "drained_s": _NUM + _NONE, "bytes": _INT, "skipped": _STR + _NONE, "error": _STR + _NONE},
 }  # fmt: skip
 #: Fields a record may lack (written by newer versions only); checked when present.
 OPTIONAL: dict[str, dict[str, tuple[type, ...]]] = {"start": {"resumed_tier": _STR + _NONE}}

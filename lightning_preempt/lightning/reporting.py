@@ -22,6 +22,14 @@ class SaveReporter:
         self._figures = figures
 
     def report(self, trainer: pl.Trainer, history: list[Any]) -> None:
+        for metrics, step in self.collect(history, is_global_zero=trainer.is_global_zero):
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
+
+    def collect(self, history: list[Any], *, is_global_zero: bool) -> list[tuple[dict[str, float], int]]:
+        """The ``(metrics, step)`` of each save finished since the last call, in order (none on
+        ranks other than 0); the caller logs them (the Trainer's loggers, ``fabric.log_dict``)."""
+        out: list[tuple[dict[str, float], int]] = []
         run: dict[str, float] | None = None
         for record in history:
             if record.started <= self._last_started:
@@ -29,7 +37,7 @@ class SaveReporter:
             if record.committed_s is None and record.error is None:
                 break  # still in flight: report it later, in order
             self._last_started = record.started
-            if record.error is not None or not trainer.is_global_zero:
+            if record.error is not None or not is_global_zero:
                 continue
             metrics = {
                 "checkpoint/blocking_s": record.blocking_s,
@@ -40,8 +48,8 @@ class SaveReporter:
             if run is None:
                 run = self._figures() if self._figures is not None else {}
             metrics.update(run)
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=max(record.step, 0))
+            out.append((metrics, max(record.step, 0)))
+        return out
 
 
 def report_resume(trainer: pl.Trainer, state: dict[str, Any] | None, *, log_metrics: bool = True) -> None:

@@ -26,7 +26,7 @@ from typing import Literal, NoReturn, Protocol
 from lightning_preempt.collective.groups import ProcessGroup
 from lightning_preempt.preemption import late_signals, quick_exit
 from lightning_preempt.preemption.deadline import grace_margin
-from lightning_preempt.preemption.requeue import AGENT_REQUEUES, requeue_slurm
+from lightning_preempt.preemption.requeue import AGENT_REQUEUES, absorb_requeue_term, requeue_slurm
 from lightning_preempt.preemption.schedule import AgreementSchedule
 from lightning_preempt.preemption.signals import SignalFlag
 from lightning_preempt.preemption.sources import Notice, PreemptionSource
@@ -277,9 +277,15 @@ class PreemptionController:
             held = drain(self.budget())
         except Exception as err:
             self.mark(f"the drain failed ({err}); exiting anyway")
-        job = self._requeue_job() if leader else None
+        requeued = self._requeue_job()
+        job = requeued if leader else None
         then = f"; requeueing SLURM job {job} last (SLURM then ends this run at once)" if job is not None else ""
         self.mark(f"exiting with code {self.config.exit_code}; safe to resume from: {safe_step()}{held}{then}")
+        if job is None and requeued is not None:
+            # Another rank requeues the job; SLURM's SIGTERM then reaches every task of the
+            # step, this one included: absorb it here too, or it kills this rank in its
+            # teardown and SLURM records the requeued job FAILED (issue 32).
+            self.mark(absorb_requeue_term(requeued, min(_SETTLE_S, self.budget()), flush=flush_logs))
         if job is not None:
             # The last act: SLURM's kill follows `scontrol requeue` within milliseconds, so
             # every line above is out (and flushed) before it (docs: "Exit semantics").

@@ -113,3 +113,31 @@ def requeue_slurm(
     finally:
         if absorb:
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def absorb_requeue_term(job: str, settle_s: float, *, flush: Callable[[], None] | None = None) -> str:
+    """On a rank that does not requeue: wait up to ``settle_s`` for the SIGTERM SLURM sends every
+    task after another rank's ``scontrol requeue``, with a handler that only notes it, so this
+    process too exits with its own code (main thread only). Not waited for when SLURM is
+    already ending the job for good (no requeue follows: :func:`ended_by_slurm`)."""
+    if settle_s <= 0 or threading.current_thread() is not threading.main_thread():
+        return "not waiting for SLURM's SIGTERM (no time left, or not the main thread)"
+    came: list[float] = []
+
+    def note(signum: int, frame: FrameType | None) -> None:
+        came.append(time.monotonic())
+
+    previous = signal.signal(signal.SIGTERM, note)
+    start = time.monotonic()
+    try:
+        if shutil.which("scontrol") is not None and ended_by_slurm(job, min(2.0, settle_s)) is not None:
+            return f"SLURM job {job} is ending for good: not waiting for a requeue's SIGTERM"
+        if flush is not None:
+            flush()
+        while not came and time.monotonic() - start < settle_s:
+            time.sleep(0.02)
+        if came:
+            return f"SLURM's SIGTERM after the requeue came {came[0] - start:.2f}s later (absorbed on this rank too)"
+        return f"no SIGTERM from SLURM within {settle_s:.1f}s on this rank"
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)

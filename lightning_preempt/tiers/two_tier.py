@@ -123,6 +123,8 @@ class TwoTier:
         self.drains: list[DrainRecord] = []
         #: called with the byte count of every chunk a drain uploads (drain threads); may raise
         self.progress: Callable[[int], None] | None = None
+        #: called (drain thread, rank 0 of the drain) with each finished drain's record, for the ledger
+        self.on_drain: Callable[[DrainRecord], None] | None = None
         self._writer = JobQueue("lightning_preempt-drain")
         self._lock = threading.Lock()
         self._queued: list[str] = []
@@ -233,6 +235,11 @@ class TwoTier:
                     self._queued.remove(record.name)
             if not solo:
                 self._retention(group)
+            if self.on_drain is not None and pdist.rank(group) == 0:
+                try:
+                    self.on_drain(record)
+                except Exception as err:  # bookkeeping: never fails a drain
+                    log.debug("lightning_preempt: recording the drain of %s failed: %s", record.name, err)
         return record
 
     def _drain(self, record: DrainRecord, group: pdist.ProcessGroup | None) -> None:

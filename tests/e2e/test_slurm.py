@@ -44,13 +44,13 @@ class Reference:
     """The final weights of the same script run uninterrupted, outside SLURM: started when the
     fixture is set up, read (waited for) when a test compares, so it runs beside the job."""
 
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, devices: int = 1) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         self.path = out / "final.pt"
         self.proc = subprocess.Popen([sys.executable, str(EXAMPLE / "train.py"), "--dirpath", str(out / "ckpts"),
                                       "--weights", str(self.path), "--max-steps", str(MAX_STEPS), "--every",
-                                      str(EVERY)], cwd=out, env=env, stdout=subprocess.PIPE,
+                                      str(EVERY), "--devices", str(devices)], cwd=out, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)  # fmt: skip
         self._weights: dict[str, torch.Tensor] | None = None
 
@@ -259,3 +259,25 @@ def test_requeue_false_is_lost_on_preemption_and_says_so(slurm_cluster, tmp_path
     assert fields["JobState"] == "FAILED" and fields["Restarts"] == "0", f"{fields}\n{text}"
     assert fields["ExitCode"] == "143:0", fields
     assert "requeue=False under SLURM" in text and "HINT: leave requeue=None" in text, text
+
+
+@pytest.mark.slow
+def test_two_tasks_every_rank_absorbs_slurms_sigterm_after_the_requeue(slurm_cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 32: ``--ntasks=2`` (DDP over gloo, one node): rank 0 requeues, SLURM's SIGTERM then
+    reaches both tasks; both exit 143 by themselves, the job is REQUEUED (not FAILED), ends
+    COMPLETED and its weights are bitwise those of an uninterrupted 2-process run."""
+    reference = Reference(tmp_path / "ref", devices=2) if (tmp_path / "ref").mkdir() is None else None
+    assert reference is not None
+    job = Job(slurm_cluster, tmp_path, "--ntasks-per-node=2", "--overcommit", "--export=ALL,MASTER_ADDR=127.0.0.1",
+              step_sleep=0.1, args=("--devices", "2"))  # fmt: skip
+    job.wait_step(0, 8)
+    job.preempt_by_high_job()
+    fields = job.final()
+    text = job.text()
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", f"{fields}\n{text}"
+    # srun: both tasks exited 143 by themselves, on one line ("tasks 0-1") or two, as they happen to end
+    assert "tasks 0-1: Exited with exit code 143" in text or "task 1: Exited with exit code 143" in text, text
+    assert "Terminated" not in text and "Killed" not in text, text
+    final, expected = torch.load(job.weights), reference.weights()
+    for name, tensor in expected.items():
+        assert torch.equal(final[name], tensor), f"{name} differs from the uninterrupted run"

@@ -146,3 +146,40 @@ def test_the_writer_compacts_and_a_ledger_it_cannot_write_only_warns(
     broken.close()
     warned = [r.getMessage() for r in caplog.records if "goodput ledger failed" in r.getMessage()]
     assert len(warned) == 1 and "HINT:" in warned[0] and "training goes on" in warned[0]
+
+
+def test_the_report_names_the_exit_column_for_what_it_measures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``to_exit_s`` ends at the exit decision, not at the process's end (issue 32): the column
+    and the down row say so, and the figure shown is the record's."""
+    _write(tmp_path, _scripted_run())
+    assert main(["report", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    header = next(line for line in text.splitlines() if "STEPS LOST" in line)
+    assert "TO EXIT CALL" in header and "DOWN" in header, text
+    assert "TO EXIT CALL: from the signal to the decision to exit" in text and "teardown" in text, text
+    row = next(line for line in text.splitlines() if "SIGTERM" in line and "committed" in line)
+    assert row.split()[-2] == "3s", row  # the record's to_exit_s=3.0, shown as it is
+    assert "(teardown included)" in text, text
+
+
+def test_the_writer_compacts_by_bytes_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Records with long text reach the byte bound before the count one (issue 32): a compacted
+    file appears and the single files stay few; the summary still counts every save."""
+    monkeypatch.setattr(writer, "COMPACT_EVERY", 10_000)  # the count alone would never compact here
+    monkeypatch.setattr(writer, "COMPACT_EVERY_BYTES", 4000, raising=False)
+    monkeypatch.setattr(fmt, "COMPACT_KEEPS_SAVES", 3)
+    config = type("C", (), {"every_n_train_steps": 1, "every_n_seconds": None, "grace_period_s": 30.0})()
+    ledger = writer.Ledger(str(tmp_path), {}, RUN)
+    ledger.add("start", **writer.start_fields(0, None, 1, config))
+    for step in range(1, 41):  # failed saves with a 400-character error line: ~700 bytes a record
+        ledger.add("save", save_kind="periodic", step=step, blocking_s=0.01, committed_s=None, bytes=100,
+                   tier="dirpath", error="E" * 400)  # fmt: skip
+    ledger.add("finish", step=40)
+    ledger.close()
+    names = sorted(p.name for p in (tmp_path / LEDGER_DIR / RUN).iterdir())
+    singles = [n for n in names if not n.startswith("r00000-c")]
+    assert sum(n.startswith("r00000-c") for n in names) == 1 and len(singles) <= 8, names
+    assert sum((tmp_path / LEDGER_DIR / RUN / n).stat().st_size for n in singles) < 4000 + 1000, names
+    read = read_ledger(str(tmp_path))
+    summary = summarize(read.runs[RUN].records, read.runs[RUN].folded_saves)
+    assert summary["saves"] == 40 and summary["finished"] and summary["last_step"] == 40

@@ -99,19 +99,24 @@ def print_report(r: dict[str, Any], url: str) -> None:
     rows = [
         ("wall time", _d(r["wall_s"]), "first process start to the last record"),
         ("training", _d(r["training_s"]), f"{r['steps_trained']} steps, {_d(r['step_time_s'])} per step"),
-        ("down (queued)", _d(r["down_s"]), "from each exit to the next process start"),
+        ("down (queued)", _d(r["down_s"]), "from each process's last record to the next start (teardown included)"),
         ("start to first step", _d(r["startup_s"]), f"{_d(r['startup_s'] / starts)} per start (imports, resume)"),
         ("checkpoint overhead", _pct(r["checkpoint_overhead"]),
          f"{_d(r['checkpoint_blocking_s'])} blocked in {r['saves']} saves / training time"),
         ("steps lost", str(r["steps_lost"]), f"in {n} preemption(s): {_d(r['lost_s'])} of training redone"),
         ("goodput", _pct(r["goodput"]), "(training - blocking - redone) / wall time"),
     ]  # fmt: skip
+    drains = r.get("drains") or {}
+    if drains.get("count"):
+        rows.append(("uploads (two tiers)", str(drains["uploaded"]),
+                     f"to dirpath, {drains['bytes'] / 1e6:.1f} MB in {_d(drains['drained_s'])}; newest step "
+                     f"{_or_dash(drains['newest_step'])}; {drains['skipped']} skipped, {drains['failed']} failed"))  # fmt: skip
     width = max(len(a) for a, _, _ in rows)
     for name, value, how in rows:
         print(f"  {name:<{width}}  {value:>9}  {how}")
     if n:
         print("Preemptions")
-        table = [["#", "PROCESS", "SOURCE", "STEP", "SNAPSHOT", "RESUMED AT", "STEPS LOST", "TO EXIT", "DOWN"]]
+        table = [["#", "PROCESS", "SOURCE", "STEP", "SNAPSHOT", "RESUMED AT", "STEPS LOST", "TO EXIT CALL", "DOWN"]]
         for i, p in enumerate(r["preemptions"], 1):
             snap = "-" if p["committed"] is None else "committed" if p["committed"] else "not committed"
             lost = _or_dash(p["steps_lost"])
@@ -122,6 +127,8 @@ def print_report(r: dict[str, Any], url: str) -> None:
             table.append([str(i), str(p["restart"]), p["source"], str(p["step"]), snap, resumed,
                           lost, _d(p["to_exit_s"]), _d(p["down_s"])])  # fmt: skip
         print_table(table, right_aligned={0, 1, 3, 5, 6, 7, 8})
+        print("  TO EXIT CALL: from the signal to the decision to exit (snapshot committed); the process is gone later (teardown, not seen "
+              "by the ledger), which DOWN includes")  # fmt: skip
         if any(p["steps_lost_at_least"] for p in r["preemptions"]):
             print("  >=: killed without a record; steps after the last step the ledger saw are not counted")
     plan = r["plan"]
