@@ -8,8 +8,7 @@ bash scripts/_venv.sh test
 .venv/bin/ruff check lightning_preempt tests benchmarks examples
 .venv/bin/mypy lightning_preempt
 .venv/bin/lint-imports
-# 4 xdist workers on 2 cores: the tests wait on training processes, sockets and signals for
+# 3 xdist workers on 2 cores: the tests wait on training processes, sockets and signals for
 # much of their time (3 workers: 6m42s, 2: 8m09s, 4: 6m14s, on one loaded 2-core machine back
-# to back; with 871 tests 3 workers took 6m59s); worksteal hands a finished worker the tests
-# queued behind a long one.
-exec .venv/bin/python -m pytest -q -ra -n 4 --dist worksteal "$@"
+# to back); worksteal hands a finished worker the tests queued behind a long one.
+exec .venv/bin/python -m pytest -q -ra -n 3 --dist worksteal "$@"
