@@ -18,7 +18,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -64,7 +63,6 @@ def test_sigterm_after_fit_exits_with_143_and_no_traceback(tmp_path: Path) -> No
         lines.append(line)
         if line.startswith("FIT-RETURNED"):
             break
-    time.sleep(0.2)  # in the script's own work after fit
     proc.send_signal(signal.SIGTERM)
     rest, _ = proc.communicate(timeout=60)
     out = "".join(lines) + rest

@@ -104,14 +104,19 @@ def _pid_namespaces() -> bool:
 
 def _pid_one(outer: subprocess.Popen[str], timeout: float = 30.0) -> int:
     """The pid (in our namespace) of the process unshare forked as the new namespace's PID 1."""
-    children = Path(f"/proc/{outer.pid}/task/{outer.pid}/children")
+    return _first_child(outer.pid, timeout)
+
+
+def _first_child(pid: int, timeout: float = 30.0) -> int:
+    """The first child of ``pid``, waiting until it has one."""
+    children = Path(f"/proc/{pid}/task/{pid}/children")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         pids = children.read_text().split() if children.exists() else []
         if pids:
             return int(pids[0])
         time.sleep(0.01)
-    raise AssertionError("unshare started no child")
+    raise AssertionError(f"process {pid} started no child")
 
 
 def test_the_containers_command_snapshots_and_exits_143_under_the_kubelets_sigterm_then_sigkill(
@@ -197,7 +202,7 @@ def test_a_shell_as_pid_one_swallows_the_sigterm_and_is_sigkilled() -> None:
     )
     try:
         pid_one = _pid_one(proc)
-        time.sleep(0.3)  # sh has started its child
+        _first_child(pid_one)  # sh has started its child (its SIGTERM goes nowhere then)
         code, killed, took = _kubelet_stop(proc, pid_one, 2.0)
     finally:
         if proc.poll() is None:
