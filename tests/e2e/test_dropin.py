@@ -82,6 +82,7 @@ class StartStepFile(Callback):
             Path(self.path).write_text(str(trainer.global_step))
 
 
+@pytest.mark.slow  # ~28 s: 3 spawned 2-rank fits (the test-time budget); DDP is covered fast elsewhere
 def test_ddp_spawn_trains_saves_and_resumes(tmp_path: Path) -> None:
     """ddp_spawn pickles the plugin into 2 worker processes; they save (replacing
     last.ckpt), the parent loads the workers' final weights through its own copy."""
