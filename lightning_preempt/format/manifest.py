@@ -24,7 +24,10 @@ from lightning_preempt.errors import CorruptCheckpointError, UnsupportedFormatEr
 from lightning_preempt.format.names import is_checkpoint_file, is_safe_file_name
 
 FORMAT_NAME = "lightning_preempt.checkpoint"
-FORMAT_VERSION = 1
+#: 2: state files may hold inline tensors (``lightning_preempt.format.tensor_from_bytes``,
+#: 0.2.0). A reader of 1 would refuse those files as untrusted; the version makes it say
+#: "too new, upgrade" instead. Version 1 checkpoints (no inline tensors) still load.
+FORMAT_VERSION = 2
 
 #: Larger manifests are refused unread (a 4096-rank checkpoint's is well under 1 MiB).
 MAX_MANIFEST_BYTES = 32 << 20

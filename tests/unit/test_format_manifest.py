@@ -80,3 +80,21 @@ def test_bad_manifests_raise_with_path_and_hint(mutate, error) -> None:  # type:
         Manifest.from_json(mutate(_manifest().to_json()), path="gs://b/run/step-7")
     assert "gs://b/run/step-7" in str(info.value)
     assert "HINT:" in str(info.value)
+
+
+def test_version_2_is_written_version_1_still_reads_and_3_is_too_new() -> None:
+    """0.2.0's inline tensors made the format version 2: a 0.1 reader says "upgrade" instead
+    of refusing the state files as untrusted, and 0.1's version-1 manifests still load."""
+    from pathlib import Path
+
+    from lightning_preempt.format.manifest import FORMAT_VERSION
+
+    written = json.loads(Manifest(step=3, epoch=0, world_size=1, files={}).to_json())
+    assert written["version"] == FORMAT_VERSION == 2
+    old = Path(__file__).parents[1] / "data" / "v0_2" / "run" / "step-0000000003" / "manifest.json"
+    body = json.loads(old.read_text())
+    assert body["version"] == 1
+    parsed = Manifest.from_json(old.read_bytes(), path=str(old))
+    assert parsed.version == 1 and parsed.step == 3
+    with pytest.raises(UnsupportedFormatError, match="reads up to 2"):
+        Manifest.from_json(json.dumps({**body, "version": 3}).encode(), path=str(old))
