@@ -28,7 +28,18 @@ import time
 from typing import Any
 
 import torch
-from _common import MiB, lightning_style_checkpoint, machine_notes, median, nbytes, table, tensors_of, verdict
+from _common import (
+    MiB,
+    empty_dir,
+    interleaved,
+    lightning_style_checkpoint,
+    machine_notes,
+    median,
+    nbytes,
+    table,
+    tensors_of,
+    verdict,
+)
 
 
 def _to(obj: Any, device: torch.device) -> Any:
@@ -192,16 +203,8 @@ def run_device(args: argparse.Namespace) -> str:
     floor_s = floor_d2h(total, device, args.repeats)
     runners = {"ours": lambda: bench.save_ours(bench.ours), "ours_half": lambda: bench.save_ours(bench.budgeted),
                "dcp": bench.save_dcp}  # fmt: skip
-    results: dict[str, list[dict[str, float]]] = {m: [] for m in runners}
     try:
-        for rnd in range(args.repeats + 1):
-            for m in list(runners)[rnd % 3 :] + list(runners)[: rnd % 3]:
-                bench.touch()
-                r = runners[m]()
-                if rnd:
-                    results[m].append(r)
-                for entry in os.listdir(root):
-                    shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+        results = interleaved(runners, args.repeats, before=lambda _: bench.touch(), between=lambda: empty_dir(root))
     finally:
         bench.close()
     width, layers, batch = (4096, 8, 8192) if device.type == "cuda" else (256, 4, 64)

@@ -20,16 +20,13 @@ import argparse
 import itertools
 import json
 import os
-import shutil
 import signal
-import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import MiB, machine_notes, median, table, verdict
+from _common import MiB, free_port, launch, machine_notes, median, table, this_script, verdict, wait_until, workdir
 
 PREEMPT_EXIT = 143
 
@@ -103,23 +100,22 @@ def preempt_once(args: argparse.Namespace, root: str, scenario: str) -> dict[str
     status = os.path.join(root, f"{scenario}-status")
     os.makedirs(status)
     every = 3 if scenario == "warm" else None
-    cmd = [sys.executable, os.path.abspath(__file__), "--child-train", "--dirpath", dirpath, "--status", status]
+    cmd = [*this_script(__file__), "--child-train", "--dirpath", dirpath, "--status", status]
     cmd += ["--size-mib", str(args.size_mib)] + (["--every", str(every)] if every else [])
-    log = open(os.path.join(root, f"{scenario}.log"), "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    log = os.path.join(root, f"{scenario}.log")
+    proc = launch(cmd, log)
     signal_after = 6 if scenario == "warm" else 4
-    deadline = time.monotonic() + args.timeout
+
+    def ready() -> bool:
+        steps = read_steps(status)
+        # warm: the periodic save must have committed (the buffers are warm)
+        return bool(steps) and steps[-1]["step"] >= signal_after and (
+            not every or any(c.committed for c in list_checkpoints(dirpath)))  # fmt: skip
+
     try:
-        while time.monotonic() < deadline:
-            steps = read_steps(status)
-            ready = bool(steps) and steps[-1]["step"] >= signal_after
-            if ready and every:  # the periodic save must have committed: the buffers are warm
-                ready = any(c.committed for c in list_checkpoints(dirpath))
-            if ready or proc.poll() is not None:
-                break
-            time.sleep(0.01)
+        wait_until(ready, proc, args.timeout, poll_s=0.01)
         if proc.poll() is not None:
-            raise RuntimeError(f"{scenario}: child exited early ({proc.returncode}); see {log.name}")
+            raise RuntimeError(f"{scenario}: child exited early ({proc.returncode}); see {log}")
         t_kill = time.time()
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=args.timeout)
@@ -127,7 +123,6 @@ def preempt_once(args: argparse.Namespace, root: str, scenario: str) -> dict[str
     finally:
         if proc.poll() is None:
             proc.kill()
-        log.close()
     steps = read_steps(status)
     pre = [s for s in steps if s["t"] < t_kill]
     step_times = [b["t"] - a["t"] for a, b in itertools.pairwise(pre[1:])]  # skip the first (warm-up) step
@@ -208,13 +203,9 @@ def _agreement_worker(rank: int, world: int, port: int, steps: int, rounds: int,
 
 
 def agreement_bench(args: argparse.Namespace, root: str) -> dict[str, list[float]]:
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(_agreement_worker, args=(2, port, args.agree_steps, args.agree_rounds, root), nprocs=2, join=True)
     with open(os.path.join(root, "agree-rank0.json")) as f:
         times: dict[str, list[float]] = json.load(f)
@@ -223,16 +214,11 @@ def agreement_bench(args: argparse.Namespace, root: str) -> dict[str, list[float
 
 # ---------------------------------------------------------------- report
 def run(args: argparse.Namespace) -> str:
-    root = args.dir or tempfile.mkdtemp(prefix="lp-bench-preempt-", dir="/tmp")
-    os.makedirs(root, exist_ok=True)
     out: list[str] = []
     started = time.perf_counter()
-    try:
+    with workdir(args.dir, "lp-bench-preempt-") as root:
         runs = [preempt_once(args, root, s) for s in ("cold", "warm")] if not args.skip_sigterm else []
         agree = agreement_bench(args, root) if not args.skip_agreement else {}
-    finally:
-        if not args.dir:
-            shutil.rmtree(root, ignore_errors=True)
     elapsed = time.perf_counter() - started
     out += [
         f"### bench_preempt (run took {elapsed:.0f}s)",

@@ -30,11 +30,10 @@ import shutil  # noqa: E402
 import signal  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 from typing import Any  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import MiB, machine_notes, median, table  # noqa: E402
+from _common import MiB, launch, machine_notes, median, read_json, table, this_script, wait_until, workdir  # noqa: E402
 
 PHASES = [
     ("spawn", "start", "interpreter start (python + site)"),
@@ -113,33 +112,21 @@ def child(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------- parent
 def read_status(status: str, run: int, rank: int) -> dict[str, Any]:
-    path = os.path.join(status, f"run{run}.rank{rank}.json")
-    try:
-        with open(path) as f:
-            return dict(json.load(f))
-    except (FileNotFoundError, json.JSONDecodeError):
-        return {}
+    return read_json(os.path.join(status, f"run{run}.rank{rank}.json"))
 
 
 def start(args: argparse.Namespace, root: str, run: int, max_steps: int) -> tuple[subprocess.Popen[bytes], float]:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--dirpath", os.path.join(root, "ckpt")]
-    cmd += ["--status", root, "--size-mib", str(args.size_mib), "--ranks", str(args.ranks)]
-    cmd += ["--every", str(args.every), "--max-steps", str(max_steps)]
-    log = open(os.path.join(root, f"run{run}.log"), "w")  # noqa: SIM115 - owned by the child's lifetime
+    cmd = [*this_script(__file__), "--child", "--dirpath", os.path.join(root, "ckpt"), "--status", root]
+    cmd += ["--size-mib", str(args.size_mib), "--ranks", str(args.ranks), "--every", str(args.every)]
+    cmd += ["--max-steps", str(max_steps)]
     t = time.time()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "LP_BENCH_RUN": str(run)})
-    return proc, t
+    return launch(cmd, os.path.join(root, f"run{run}.log"), env={**os.environ, "LP_BENCH_RUN": str(run)}), t
 
 
 def wait_for(pred: Any, proc: subprocess.Popen[bytes], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if proc.poll() is not None:
-            raise RuntimeError(f"the job exited ({proc.returncode}) before {what}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"timed out waiting for {what}")
-        time.sleep(0.005)
+    if not wait_until(pred, proc, timeout):
+        proc.kill()
+        raise RuntimeError(f"the job exited ({proc.poll()}) or timed out before {what}")
 
 
 def one_restart(args: argparse.Namespace, root: str) -> dict[str, float]:
@@ -187,17 +174,10 @@ def one_restart(args: argparse.Namespace, root: str) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> str:
-    root = args.dir or tempfile.mkdtemp(prefix="lp-bench-restart-", dir="/tmp")
-    os.makedirs(root, exist_ok=True)
-    results: list[dict[str, float]] = []
     started = time.perf_counter()
     machine = machine_notes()
-    try:
-        for _ in range(args.repeats):
-            results.append(one_restart(args, root))
-    finally:
-        if not args.dir:
-            shutil.rmtree(root, ignore_errors=True)
+    with workdir(args.dir, "lp-bench-restart-") as root:
+        results = [one_restart(args, root) for _ in range(args.repeats)]
     elapsed = time.perf_counter() - started
 
     def m(key: str) -> float:

@@ -45,9 +45,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import step_time
 from _common import (
     MiB,
+    empty_dir,
     fmt_range,
     fmt_s,
     fsync_path,
+    interleaved,
     lightning_style_checkpoint,
     machine_notes,
     median,
@@ -373,20 +375,20 @@ def run_one(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
     fabric = FabricSaves(ckpt, bench.fresh, args.ours_threads) if any(m in FABRIC_METHODS for m in methods) else None
     if fabric is not None:
         runners |= {m: fabric.runner(m) for m in FABRIC_METHODS}
-    results: dict[str, list[Result]] = {m: [] for m in methods}
     started = time.perf_counter()
+
+    def timed(m: str) -> Callable[[], Result]:
+        def once() -> Result:
+            r = runners[m]()
+            if args.verbose:
+                print(f"{m}: blocks {r[0]:.3f}s committed {fmt_s(r[1])}s {r[2]}", file=sys.stderr)
+            return r
+
+        return once
+
     try:
-        for rnd in range(args.repeats + 1):
-            order = methods[rnd % len(methods) :] + methods[: rnd % len(methods)]  # rotate: no fixed neighbour
-            for m in order:
-                bench.touch()
-                r = runners[m]()
-                if rnd > 0:
-                    results[m].append(r)
-                if args.verbose:
-                    print(f"round {rnd} {m}: blocks {r[0]:.3f}s committed {fmt_s(r[1])}s {r[2]}", file=sys.stderr)
-                for entry in os.listdir(root):  # keep the disk tidy; outside the timings
-                    shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+        results = interleaved({m: timed(m) for m in methods}, args.repeats, before=lambda _: bench.touch(),
+                              between=lambda: empty_dir(root))  # fmt: skip
     finally:
         bench.close()
         if fabric is not None:

@@ -39,7 +39,6 @@ from), floored at 0. Goals: every restart resumes from the newest committed chec
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -60,7 +59,7 @@ import crc32c
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "support" / "train_script.py"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import machine_notes, table  # noqa: E402
+from _common import RankFiles, git_revision, kill_group, launch, machine_notes, table, wait_gone, wait_until  # noqa: E402
 
 PHASES = ("steps", "flush", "startup")
 EXPECTED_CODE = {"sigterm": 143, "sigkill": -9}
@@ -78,7 +77,7 @@ class Ckpt:
 
 def scan(ck: Path) -> list[Ckpt]:
     """Every directory under ``ck``, verified without the package's own code."""
-    out = []
+    out: list[Ckpt] = []
     if not ck.is_dir():
         return out
     for d in sorted(ck.iterdir()):
@@ -124,43 +123,20 @@ def newest_ok(ckpts: list[Ckpt]) -> Ckpt | None:
 
 
 # ------------------------------------------------------------------ one launch of the job
-class Job:
+class Job(RankFiles):
     def __init__(self, cfg: argparse.Namespace, work: Path, max_steps: int, index: int) -> None:
-        self.ranks = 2 if cfg.ddp else 1
-        self.st = work / "st"
-        shutil.rmtree(self.st, ignore_errors=True)
-        self.st.mkdir(parents=True)
+        super().__init__(work / "st", 2 if cfg.ddp else 1)
+        shutil.rmtree(self.status, ignore_errors=True)
+        self.status.mkdir(parents=True)
         self.log_path = work / "logs" / f"launch-{index:03d}.log"
         self.log_path.parent.mkdir(exist_ok=True)
-        argv = [sys.executable, str(cfg.script), "--dirpath", str(work / "ck"), "--status", str(self.st)]
+        argv = [sys.executable, str(cfg.script), "--dirpath", str(work / "ck"), "--status", str(self.status)]
         argv += ["--max-steps", str(max_steps), "--every", str(cfg.every), "--step-sleep", str(cfg.step_sleep)]
         argv += ["--width", str(cfg.width), "--grace", str(cfg.grace)]
         if cfg.ddp:
             argv += ["--devices", "2", "--strategy", "ddp"]
-        self.started = time.monotonic()
         self.wall_start = time.time()  # a directory written by this launch has a later mtime
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(
-                argv, cwd=work, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=_child_env(cfg)
-            )
-
-    def read(self, rank: int, what: str) -> str | None:
-        try:
-            return (self.st / f"rank{rank}.{what}").read_text()
-        except FileNotFoundError:
-            return None
-
-    def steps(self) -> list[int]:
-        out = []
-        for r in range(self.ranks):
-            s = self.read(r, "step")
-            if s:
-                out.append(int(s))
-        return out
-
-    def pid(self, rank: int) -> int | None:
-        s = self.read(rank, "pid")
-        return int(s) if s else None
+        self.proc = launch(argv, self.log_path, cwd=work, start_new_session=True, env=_child_env(cfg))
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -172,33 +148,18 @@ class Job:
             self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             return False
-        for r in range(1, self.ranks):
-            pid = self.pid(r)
-            while pid is not None and _pid_alive(pid):
-                if time.monotonic() > deadline:
-                    return False
-                time.sleep(0.05)
-        return True
+        others = [p for p in (self.pid(r) for r in range(1, self.ranks)) if p is not None]
+        return wait_gone(others, max(0.0, deadline - time.monotonic())) is not None
 
     def kill_all(self) -> None:
-        """What a scheduler does at the end of a job step: SIGKILL the whole process group."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=30)
-        for r in range(1, self.ranks):
-            pid = self.pid(r)
-            if pid is not None and _pid_alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        kill_group(self.proc, [self.pid(r) for r in range(1, self.ranks)])
 
     def exit_codes(self) -> list[str]:
         return [self.read(r, "exit") or "-" for r in range(self.ranks)]
 
-    def output(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
     def resumed(self) -> tuple[str | None, int | None, bool]:
         """(chosen dir, step) from the log; the bool says whether the ranks agreed."""
-        found = {(m.group(1), int(m.group(2))) for m in RESUME_RE.finditer(self.output())}
+        found = {(m.group(1), int(m.group(2))) for m in RESUME_RE.finditer(self.log_path.read_text(errors="replace"))}
         if not found:
             return None, None, True
         path, step = sorted(found)[0]
@@ -234,20 +195,6 @@ def snapshot(work: Path, attempts: int = 10) -> Path:
             return src
         time.sleep(5)  # caught a half-finished edit: try again
     raise SystemExit(f"the package in {ROOT} does not import:\n{done.stderr.decode(errors='replace')[-2000:]}")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is dead for our purposes
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 # ------------------------------------------------------------------ trials
@@ -306,30 +253,20 @@ class Runner:
         return Job(self.cfg, self.work, max_steps, self.launches)
 
     # ---- the waits before the signal ---------------------------------------------------
-    def _wait_until(self, job: Job, cond: Any, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if cond():
-                return True
-            if not job.alive():
-                return bool(cond())
-            time.sleep(0.005)
-        return False
-
     def _aim(self, job: Job, trial: Trial, baseline: int) -> bool:
         """Wait for the trial's moment; False when the job never got there."""
         cfg = self.cfg
         rank = trial.rank
         if trial.phase == "startup":
-            if not self._wait_until(job, lambda: job.pid(rank) is not None, cfg.timeout):
+            if not wait_until(lambda: job.pid(rank) is not None, job.proc, cfg.timeout):
                 return False
             gap = sorted(self.startup_gap)[len(self.startup_gap) // 2] if self.startup_gap else 0.5
             time.sleep(self.rng.uniform(0.0, 0.9 * gap))
             return True
         # learn the start-up window (pid file -> first step file) for start-up trials
-        if self._wait_until(job, lambda: job.pid(rank) is not None, cfg.timeout):
+        if wait_until(lambda: job.pid(rank) is not None, job.proc, cfg.timeout):
             t_pid = time.monotonic()
-            if self._wait_until(job, lambda: bool(job.steps()), cfg.timeout):
+            if wait_until(lambda: bool(job.steps()), job.proc, cfg.timeout):
                 self.startup_gap.append(time.monotonic() - t_pid)
         if trial.phase == "steps":
             target = baseline + self.rng.randint(1, 2 * cfg.every)
@@ -338,7 +275,7 @@ class Runner:
                 steps = job.steps()
                 return len(steps) == job.ranks and min(steps) >= target
 
-            if not self._wait_until(job, there, cfg.timeout):
+            if not wait_until(there, job.proc, cfg.timeout):
                 return False
             time.sleep(self.rng.uniform(0.0, cfg.step_sleep))
             return True
@@ -352,7 +289,7 @@ class Runner:
                 p.name not in before and not (p / "manifest.json").exists() for p in self.ck.iterdir() if p.is_dir()
             )
 
-        if not self._wait_until(job, in_flight, cfg.timeout):
+        if not wait_until(in_flight, job.proc, cfg.timeout):
             return False
         time.sleep(self.rng.uniform(0.0, cfg.flush_delay))
         return True
@@ -591,7 +528,7 @@ def render(summary: dict[str, Any], cfg: argparse.Namespace, command: str, elaps
         f"Command: `{command}`  ",
         f"Run: {machine_notes()}; {elapsed / 60:.1f} min, {launches} launches  ",
         f"Job: tests/support/train_script.py --every {cfg.every} --step-sleep {cfg.step_sleep} --width {cfg.width} "
-        f"(seed {cfg.seed}, {cfg.n} trials per signal); code: {_revision(cfg)}",
+        f"(seed {cfg.seed}, {cfg.n} trials per signal); code: git {git_revision(ROOT)} + {'the live working tree' if cfg.live else 'a snapshot of the working tree at the start'}",
         "",
         summary["table"],
         "",
@@ -603,16 +540,6 @@ def render(summary: dict[str, Any], cfg: argparse.Namespace, command: str, elaps
         for p in summary["problems"]:
             lines.append(f"- trial {p['trial']} ({p['kind']}, during {p['hit']}): {'; '.join(p['problems'])}")
     return "\n".join(lines) + "\n"
-
-
-def _revision(cfg: argparse.Namespace) -> str:
-    try:
-        head = subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        head = "?"
-    return f"git {head} + {'the live working tree' if cfg.live else 'a snapshot of the working tree at the start'}"
 
 
 def write_section(path: Path, label: str, body: str) -> None:

@@ -11,37 +11,25 @@ scheduler makes it). Used by tests/multihost/ and benchmarks/bench_node_loss.py.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import subprocess
 import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 from netns import Hosts
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _common import RankFiles, wait_gone  # noqa: E402  (the benchmarks' process harness)
+
 SCRIPT = Path(__file__).resolve().parent / "train_script.py"
 PORT = 29400
 RDZV_CONF = "join_timeout=120,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:  # a zombie (not reaped yet) is gone
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    return True
-
-
-class NodeJob:
+class NodeJob(RankFiles):
     """One launch of the job on ``nodes`` of ``hosts`` (node ``nodes[0]`` hosts the rendezvous).
 
     Args:
@@ -53,7 +41,7 @@ class NodeJob:
                  env: dict[str, str] | None = None) -> None:  # fmt: skip
         self.hosts, self.work, self.nodes = hosts, work, nodes
         self.tag = uuid.uuid4().hex[:8]
-        self.status = work / f"launch-{self.tag}"
+        super().__init__(work / f"launch-{self.tag}", len(nodes))
         self.status.mkdir(parents=True)
         self.dirpath = work / "ckpt"
         self.agents: dict[int, subprocess.Popen[bytes]] = {}
@@ -71,26 +59,7 @@ class NodeJob:
             with open(self.status / f"node{node}.log", "ab") as log:
                 self.agents[node] = hosts.popen(node, cmd, cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT)
 
-    # ---- what the workers report (rank = position in ``nodes``: one worker per node) ----------
-    def read(self, rank: int, what: str) -> str | None:
-        with contextlib.suppress(OSError):
-            return (self.status / f"rank{rank}.{what}").read_text()
-        return None
-
-    def step(self, rank: int) -> int:
-        with contextlib.suppress(TypeError, ValueError):
-            return int(self.read(rank, "step"))  # type: ignore[arg-type]
-        return -1
-
-    def pid(self, rank: int) -> int | None:
-        with contextlib.suppress(TypeError, ValueError):
-            return int(self.read(rank, "pid"))  # type: ignore[arg-type]
-        return None
-
-    def result(self, rank: int) -> dict[str, Any] | None:
-        text = self.read(rank, "result.json")
-        return json.loads(text) if text else None
-
+    # ---- what the workers report (rank = position in ``nodes``: one worker per node): RankFiles
     def wait_step(self, step: int, timeout: float = 240) -> None:
         deadline = time.monotonic() + timeout
         while min(self.step(r) for r in range(len(self.nodes))) < step:
@@ -101,13 +70,7 @@ class NodeJob:
 
     def wait_gone(self, ranks: list[int], timeout: float = 60) -> float | None:
         """Seconds until every worker of ``ranks`` is gone (``None``: still there after ``timeout``)."""
-        t0 = time.monotonic()
-        pids = [p for p in (self.pid(r) for r in ranks) if p is not None]
-        while any(pid_alive(p) for p in pids):
-            if time.monotonic() - t0 > timeout:
-                return None
-            time.sleep(0.02)
-        return time.monotonic() - t0
+        return wait_gone([p for p in (self.pid(r) for r in ranks) if p is not None], timeout)
 
     def wait(self, timeout: float = 240) -> dict[int, int | None]:
         """Every agent's exit code (``None``: still running after ``timeout``; then killed)."""
