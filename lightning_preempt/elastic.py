@@ -1,41 +1,19 @@
-"""Elastic runs under ``torchrun --nnodes=MIN:MAX``: what the package adds around torchrun.
+"""Elastic runs under ``torchrun --nnodes=MIN:MAX``: what the package adds around torchrun
+(docs/elastic.md: what it fixes, measured, and "Who can reach the stores").
 
-Nothing in the checkpoint path changes for an elastic run: after a resize torchrun starts
-every worker again at the new world size, and the callback resumes from the newest valid
-checkpoint, resharded by DCP (docs/elastic.md). What torchrun itself gets wrong for a
-preemptible cluster, and what this module provides:
+The checkpoint path does not change: after a resize torchrun starts every worker again and
+the callback resumes from the newest valid checkpoint, resharded by DCP. This module stands
+at the top level, on the front-ends' line, because its entry points are public:
 
-* **The exit code.** An agent that receives SIGTERM forwards it to its workers (which
-  snapshot and exit 143), then re-raises ``SignalException`` out of ``torch.distributed.run``'s
-  ``main``: the interpreter exits **1**, so a scheduler cannot tell a preemption from a
-  crash. :func:`run` (``python -m lightning_preempt.torchrun``) is torchrun with the exit
-  code a scheduler expects: ``128 + signal`` when the agent was signalled, the failed
-  worker's own exit code when the workers failed (143 after a preemption snapshot).
-* **A rendezvous store off the preemptible nodes.** With the c10d backend the agent whose
-  address matches ``--rdzv-endpoint`` hosts the store; when that node is reclaimed the
-  whole job goes with it. :func:`serve_store` (``python -m lightning_preempt.elastic store``)
-  hosts it on a node that stays (a login node, a small CPU pod); agents then pass
-  ``--rdzv-conf is_host=false``.
-* **Who can reach the store.** torch's ``TCPStore`` has no authentication and no TLS, and
-  the c10d rendezvous state in it is a pickle every joining agent loads: whoever can
-  connect can run code in the agents. In torch 2.13 a ``TCPStore`` server listens on
-  *all* interfaces (``[::]``) whatever ``host_name`` says; it only binds what it is given
-  through ``master_listen_fd``. :func:`bound_tcp_store` does that, and both stores of ours
-  bind the address clients use, nothing wider: ``elastic store`` binds ``--host``
-  (default ``127.0.0.1``; ``0.0.0.0`` widens it), and :func:`run` makes the agent that hosts
-  the rendezvous store bind the ``--rdzv-endpoint`` address (loopback for a loopback
-  endpoint; ``LP_RDZV_BIND_HOST`` widens it). The workers' own store (``MASTER_PORT``),
-  which worker rank 0 would create inside torch's process-group set-up on every interface,
-  is hosted by the rank-0 agent instead, bound the same way (:func:`_host_worker_store_in_agent`;
-  docs/elastic.md, "Who can reach the stores").
-* **A node that joins a running job hangs the resize** (torch 2.13, c10d rendezvous with the
-  TCP store shared with the workers, the default): an agent that was rank 0 before keeps
-  its bootstrap store info and does not publish ``MASTER_ADDR`` for the new round, while
-  the joining agent (not rank 0) waits for it; both time out in ``DistStoreError``.
-  :func:`run` sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (unless set), which makes
-  rank 0 publish it in every round (the workers then get their own store on rank 0's node).
-* **The Trainer's shape.** Lightning checks ``devices * num_nodes == WORLD_SIZE``;
-  :func:`trainer_kwargs` reads both from torchrun's environment on every (re)start.
+* :func:`run` (``python -m lightning_preempt.torchrun``): torchrun with the exit code a
+  scheduler expects (``128 + signal`` for a signalled agent, not 1; a failed worker's own
+  code otherwise), ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` so a joining node does not hang
+  the resize, and every store it hosts bound to the address clients use, not every
+  interface (``TCPStore`` has no authentication and its rendezvous state is a pickle);
+* :func:`serve_store` (``python -m lightning_preempt.elastic store``): the rendezvous store
+  on a node that is not preempted (agents pass ``--rdzv-conf is_host=false``);
+* :func:`bound_tcp_store`: a ``TCPStore`` listening on one address (``master_listen_fd``);
+* :func:`trainer_kwargs`: ``devices`` and ``num_nodes`` from torchrun's environment.
 """
 
 from __future__ import annotations

@@ -1,29 +1,17 @@
-"""Heartbeats between the ranks of one job on a side channel: who is still there, in seconds.
+"""Heartbeats between the ranks of one job on a side channel: who is still there, in seconds
+(the protocol and its limits: docs/failure-detection.md).
 
-A rank or a whole node that disappears without a signal (SIGKILL, power, a NIC gone) leaves
-the others waiting in their next collective until its timeout (10-30 min with NCCL; gloo
-only notices a dead peer when the kernel answered with a reset). Each rank here runs a
-thread that sends a small UDP datagram to every other rank every ``interval_s`` and listens
-for theirs: a peer not heard from for ``timeout_s`` is *lost*. UDP because a heartbeat must
-never block (a TCP send to a host that vanished blocks until the kernel gives up) and needs
-no connection to re-establish after a partition heals.
-
-Agreement without the lost rank: a rank that saw a loss keeps exchanging heartbeats that now
-carry its view — the ranks it still hears and the steps it holds — for a short settle window,
-until every rank it hears reports the same view (or ``settle_s`` ends). Its :class:`Verdict`
-then names the survivors, the lost ranks, the newest step every survivor holds (the largest
-step in the intersection of what each survivor reported) and whether the survivors have a
-quorum: more than half of the world, or exactly half including rank 0. The two sides of a
-partition each see the other as lost; at most one of them has a quorum (the fence for what
-is recorded is the create-only record the engine writes, docs/failure-detection.md).
-
-A rank that leaves cleanly (training ended, a preemption exit) sends ``bye`` first, so the
-others stop watching it instead of taking it for lost.
-
-Datagrams are JSON, at most :data:`MAX_DATAGRAM` bytes, authenticated with HMAC-SHA256 under a
-per-run key the ranks share through the agreement group: a packet from another job, an old
-incarnation or anyone else on the network is dropped. No torch here: the mechanism is
-tested between plain processes; ``engine/failures.py`` wires it to a run.
+A rank or node that vanishes without a signal leaves the others waiting in their next
+collective until its timeout (10-30 min with NCCL). Each rank here sends a small UDP
+datagram to every other rank every ``interval_s`` (UDP: a heartbeat must never block, and
+needs no connection to re-establish after a partition heals); a peer silent for
+``timeout_s`` is lost. A rank that saw a loss then exchanges its view (the ranks it hears,
+the steps it holds) for a short settle window until the views agree; its :class:`Verdict`
+names the survivors, the lost ranks, the newest step every survivor holds and whether they
+have a quorum (more than half the world, or exactly half with rank 0: at most one side of a
+partition). A clean leaver sends ``bye`` first. Datagrams are JSON of at most
+:data:`MAX_DATAGRAM` bytes, HMAC-SHA256-authenticated under a per-run key. No torch here;
+``engine/failures.py`` wires it to a run.
 """
 
 from __future__ import annotations
@@ -156,11 +144,6 @@ class Heartbeat:
     def watching(self) -> bool:
         """Some peer is still watched (not every other rank left cleanly)."""
         return any(r not in self._gone for r in self._peers)
-
-    @property
-    def suspecting(self) -> bool:
-        """A loss was seen and the verdict is being agreed."""
-        return self._detected is not None
 
     # ---- the wire ----------------------------------------------------------------------------
     def _send(self, extra: dict[str, Any]) -> None:

@@ -1,37 +1,15 @@
-"""Exact resume for the Trainer: the per-rank state Lightning does not put in its checkpoints.
+"""Exact resume for the Trainer: the per-rank state Lightning does not put in its checkpoints
+(docs/exact-resume.md): RNG states and the loaders' generators, a plain ``DataLoader``'s
+position in the epoch, ``torchmetrics`` states and ``self.log``'s running aggregates.
 
-Lightning restores weights, optimizers (AMP scaler included, via the precision plugin),
-LR schedulers and loop counters. It does *not* save:
-
-* RNG states (Python ``random``, NumPy, torch CPU and CUDA) and the states of the
-  loaders' own ``torch.Generator`` objects: dropout, augmentations and the shuffling of
-  later epochs differ from the uninterrupted run.
-* the position in the epoch of a plain ``DataLoader``: a mid-epoch resume restarts the
-  epoch's data from its first batch while the batch counter goes on. (Lightning saves a
-  torchdata ``StatefulDataLoader``'s position; we restore its generators after it, and its
-  ``DistributedSampler`` epoch: docs/exact-resume.md.)
-* the state of ``torchmetrics`` metrics (their states are not ``persistent``) and the
-  running ``on_epoch`` aggregates of ``self.log``.
-
-:class:`ExactResume` is the Trainer's driver of the framework-neutral pieces in
-``resume/`` (``loaders.ResumableLoaders``, ``exact_state``, ``rng``, ``samplers``,
-``metrics``): it captures the state at save time (per rank: it goes to each rank's
-skeleton file, never to the DCP shards) and restores it at ``on_train_start``, the last
-hook before the first batch of a resumed run is fetched. What stays here is Lightning's:
-the fit loop's loaders, fetcher and counters (through ``_compat``), the ``self.log``
-aggregates, Lightning's ``set_epoch`` call and when its hooks fire.
-
-Restore points (why ``on_train_start``): on a mid-epoch restart Lightning calls neither
-``on_train_epoch_start`` nor ``iter(dataloader)`` again, and nothing between
-``on_train_start`` and the first fetch draws random numbers. When the checkpoint ended
-an epoch, Lightning starts the next epoch without creating a new iterator; the
-uninterrupted run did create one (it draws from the global torch RNG: a worker base
-seed, and torchdata's samplers their epoch seed), so we create it again after restoring.
-
-The RNG states each epoch's iterators are made from are noted when the epoch starts
-(``ResumableSampler.set_epoch``, :meth:`ExactResume.on_train_epoch_start`) and saved: a
-mid-epoch resume makes the iterators again from them (``rewound_sampler`` for a
-``StatefulDataLoader`` whose sampler torchdata must iterate again to resume).
+:class:`ExactResume` drives the framework-neutral pieces in ``resume/`` (loaders,
+exact_state, rng, samplers, metrics): it captures the state at a save (into each rank's
+skeleton file, never the DCP shards) and restores it at ``on_train_start``, the last hook
+before a resumed run's first fetch (on a mid-epoch restart Lightning calls neither
+``on_train_epoch_start`` nor ``iter(dataloader)`` again, and nothing in between draws random
+numbers; after a save that ended an epoch the next epoch's iterator is made again, as the
+uninterrupted run made it). What stays here is Lightning's: the fit loop's loaders, fetcher
+and counters (through ``_compat``), the ``self.log`` aggregates, ``set_epoch``, the hooks.
 """
 
 from __future__ import annotations

@@ -1,29 +1,14 @@
 """Overlapped staging: a save returns before its large copies finish; the next step's
-forward and backward run while they do. Framework-neutral (docs/staging.md).
+forward and backward run while they do. Framework-neutral; the rules, and why the snapshot
+is exactly step k's, are in docs/staging.md.
 
-A save taken at the end of step k splits its tensors in two:
-
-* **deferred**: tensors that only an optimizer step changes (the front-end declares them:
-  :attr:`Overlap.stable`, e.g. the model's parameters and the optimizers' state) and of at
-  least :data:`MIN_DEFERRED_BYTES`. Their copies run after ``save`` returns: on a side CUDA
-  stream that first waits for the current one (device tensors, pinned buffers), or on a
-  helper thread (host tensors).
-* **eager**: everything else (buffers such as BatchNorm's running statistics, which the
-  next forward changes; small tensors such as step counters; anything not declared), copied
-  before ``save`` returns, as without overlap.
-
-The first thing that would change a deferred tensor waits for the copies
-(:meth:`Overlap.settle`): every optimizer step in the process (a global step pre-hook; when
-the step gets a closure, as Lightning's automatic optimization passes, the wait runs after
-the closure's forward and backward, before the update), the next save, a wait, a load and
-the end of training (save/saver.py), and what a front-end adds. On CUDA the optimizer's
-stream waits for the copy's event on the device (the host does not block); the writer
-waits on the host before reading the buffers.
-
-Host tensors are also checked after their copy: if an in-place operation changed one while
-it was copied (its version counter moved), the save fails with a HINT instead of
-committing a torn state. Writes through ``.data`` do not move the counter: the rule in
-docs/staging.md is what keeps them out.
+Deferred are the tensors the front-end declares only an optimizer step changes
+(:attr:`Overlap.stable`) of at least :data:`MIN_DEFERRED_BYTES`; they are copied on a side
+CUDA stream or a helper thread after ``save`` returns. Everything else is copied before it
+returns. :meth:`Overlap.settle` is what the first change of a deferred tensor waits for
+(every optimizer step, the next save, a wait, a load, the end of training). Host tensors
+are checked after their copy: one an in-place operation changed meanwhile (its version
+counter moved) fails the save with a HINT instead of committing a torn state.
 """
 
 from __future__ import annotations

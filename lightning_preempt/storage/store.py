@@ -1,38 +1,16 @@
-"""Storage: the only module that talks to fsspec.
+"""Storage: the only module that talks to fsspec (docs/object-stores.md).
 
 Paths stay ``str`` URLs (``gs://bucket/run`` is not a ``pathlib.Path``). A :class:`Store`
 is rooted at one URL; every other path it takes is relative to that root, with ``/``.
+A few primitives, the rest derived from them (fsspec's way): :meth:`Store.entries`,
+:meth:`Store.stat` and :meth:`Store.info` answer what exists; :meth:`Store.open_read`,
+:meth:`Store.open_write` and :meth:`Store.commit_bytes` (one small file, atomically,
+create-only where the store can) move bytes; :meth:`Store.rm_file`, :meth:`Store.rm_tree`,
+:meth:`Store.makedirs`. Every answer is fresh (fsspec's listing cache is invalidated first).
 
-The seam is a few primitives (fsspec's way), everything else derived from them:
-
-* :meth:`Store.entries` (what is directly in a directory: name, kind, size) and
-  :meth:`Store.stat` (one entry, through symlinks) answer every question about what exists;
-  :meth:`Store.info` is the store's own metadata of one object (size, CRC32C, ETag);
-* :meth:`Store.open_read` / :meth:`Store.open_write` stream bytes; :meth:`Store.commit_bytes`
-  creates (or replaces) one small file atomically;
-* :meth:`Store.rm_file`, :meth:`Store.rm_tree`, :meth:`Store.makedirs`.
-
-Every answer is fresh: fsspec's listing cache is invalidated before each question (the
-servers are strongly consistent, the cache is not).
-
-Durability: a write to local disk is durable once ``close()`` returns because we fsync
-the file (and, for commits, the directory: :mod:`lightning_preempt.storage.local`); an
-object-store write is durable once the upload completes. Commits never rename on object
-stores (``mv`` there is copy + delete).
-
-Object stores (``gs://``, ``s3://``):
-
-* large writes stream in blocks of :data:`UPLOAD_BLOCK_SIZE` (resumable upload on GCS,
-  multi-part upload on S3); we split every ``write()`` so fsspec never buffers more than
-  about two blocks, even when DCP hands over a multi-GB tensor in one call;
-* a failed write aborts the upload (nothing half-written becomes an object);
-* :meth:`Store.commit_bytes` is one small PUT, create-only where the store supports a
-  conditional write (GCS ``ifGenerationMatch=0``, S3 ``If-None-Match: *``);
-* "directories" are prefixes.
-
-GCS emulators need ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` set before gcsfs is imported
-(gcsfs >= 2026 probes each bucket over gRPC, which an emulator never answers); that is the
-test set-up's business (tests/conftest.py), not this module's.
+Durable means fsynced on local disk (storage/local.py), a completed upload on object
+stores, where writes stream in blocks of :data:`UPLOAD_BLOCK_SIZE`, a failed write aborts
+its upload, and nothing is ever renamed (``mv`` there is copy + delete).
 """
 
 from __future__ import annotations

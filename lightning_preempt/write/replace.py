@@ -1,42 +1,20 @@
-"""Where a checkpoint's files live under its path, and replacing a checkpoint there.
+"""Where a checkpoint's files live under its path, and replacing a checkpoint there
+(docs/design.md, "Checkpoint layout").
 
-A checkpoint at ``P`` is committed when ``P/manifest.json`` exists. The first save to
-``P`` writes its files directly into ``P``. Lightning also saves *over* paths by design
-(``last.ckpt``, a fixed filename, a re-run into the same folder); the checkpoint there
-must never be torn, and object stores cannot rename a directory. So a save to a path
-that already holds a committed checkpoint adds one level of indirection:
+The first save to ``P`` writes into ``P``. A save over a committed checkpoint (Lightning
+saves over paths by design: ``last.ckpt``, re-runs) must never tear it, and object stores
+cannot rename a directory, so it writes a fresh generation ``P/v-<12 hex>/``, replaces
+``P/manifest.json`` in one atomic write (the manifest names its generation in
+``extra["data_dir"]``), and only then deletes the old files. A crash before the manifest
+leaves the old checkpoint, after it the new one. Two saves to one path at once never share
+a file: the one that creates ``P/.lightning_preempt.writer`` writes into ``P``, the other
+into its own generation; the create-only manifest decides, the loser deletes only what it
+wrote (:func:`abandon`). A plain Lightning file at ``P`` is replaced the same way, or on
+local disk committed beside it and swapped in with two renames (:func:`swap_in`).
 
-1. the new files go to a fresh *generation* directory ``P/v-<12 hex>/``;
-2. the commit replaces ``P/manifest.json`` with one atomic write (local disk: temp file,
-   fsync, ``os.replace``; object stores: one PUT). The new manifest names its generation
-   in ``extra["data_dir"]``; file names in it stay plain names;
-3. only then are the old checkpoint's files (in ``P`` itself or an older generation)
-   deleted.
-
-Two saves to one path at the same moment (no lease: ``ModelCheckpoint`` with the plugin,
-two jobs) never share a file: the first to create ``P/.lightning_preempt.writer``
-(create-only) writes into ``P``, any other writes into a generation of its own, and the
-create-only manifest decides which one is committed. The loser deletes only what it wrote
-and is told it lost (:func:`abandon`); the winner's files are never touched.
-
-A crash before 2 leaves the old checkpoint (plus an unreferenced generation, which stays
-until the checkpoint is deleted: it cannot be told from a concurrent save's generation
-still being written); a crash after 2 leaves the new one (plus stale files the next
-replacement deletes). Readers
-find a manifest's files with :func:`data_store`; nothing else about reading changes.
-
-A plain Lightning file at ``P`` (``TorchCheckpointIO``, or our saves outside ``fit``) is
-replaced the same way where the store allows both a file and a directory at ``P``
-(object stores: the file is deleted after the commit); elsewhere (local disk,
-``memory://``) the new checkpoint is committed beside ``P`` and swapped in with two
-renames (:func:`swap_in`), so the old one exists until the new one does.
-
-Every storage access goes through :class:`Store` (and :mod:`lightning_preempt.storage.local`
-for the renames that only local disk can do atomically).
-
-Only names this package writes are ever deleted here (``format/names.py``), and a
-directory only with the ownership verdict of :func:`~lightning_preempt.catalog.ownership.check_owned`:
-a save into (or over) a directory holding anything else is refused, nothing deleted.
+Only names this package writes are deleted, a directory only with
+:func:`~lightning_preempt.catalog.ownership.check_owned`'s verdict. Readers find a
+manifest's files with :func:`data_store`.
 """
 
 from __future__ import annotations
