@@ -1,22 +1,13 @@
 """What is ours to delete or to save over (docs/security.md): the one ownership check.
 
-Storage is shared: a user's ``dataset/``, ``notes-step3/``, a Lightning FSDP
-``epoch=0-step=100.ckpt/``, a user's ``src/`` passed to ``trainer.save_checkpoint`` or a file
-dropped into one of our directories must survive retention, clean-up and saves. So this
-package deletes, replaces or writes into a directory only when
-
-* its name is one this package gives (``names.is_our_dir_name``: ``step-NNNNNNNNNN``, or
-  with the 8-hex suffix the callback adds when a committed ``step-N`` exists), when the
-  caller chose it by name (retention); and
-* everything in it is a file this package writes (:func:`foreign_entries` is empty):
-  the manifest (one that declares our format: a user's own ``manifest.json`` is foreign),
-  DCP shards (``*.distcp``) and ``.metadata``, per-rank state files, a commit's temporary
-  manifest, the path marker and writer claim, and generation directories holding only such
-  files. An empty directory is an uncommitted leftover of ours.
-
-:func:`check_owned` is the check; the :class:`~lightning_preempt.storage.owned.Owned`
-verdict it returns is what every recursive delete in storage demands, so no delete of a
-tree can skip it. Nothing is followed through a symlink; a symlink is never ours.
+Storage is shared: a user's ``dataset/``, a Lightning FSDP ``epoch=0-step=100.ckpt/`` or a
+file dropped into one of our directories must survive retention, clean-up and saves. So a
+directory is deleted, replaced or written into only when its name is one this package gives
+(when the caller chose it by name: retention) and everything in it is a file this package
+writes (:func:`foreign_entries` is empty; a manifest counts only if it declares our format;
+an empty directory is an uncommitted leftover of ours). :func:`check_owned` is the check; the
+:class:`~lightning_preempt.storage.owned.Owned` verdict it returns is what every recursive
+delete in storage demands. Nothing is followed through a symlink; a symlink is never ours.
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
-"""How often to checkpoint: Young/Daly intervals and expected time lost. Pure math, no I/O.
+"""How often to checkpoint: Young/Daly intervals and expected time lost. Pure math, no I/O;
+the symbols and formulas: docs/cli.md ("plan").
 
-Symbols (all in seconds or bytes):
-
-* ``S``: checkpoint size; ``B``: write bandwidth; ``F = S / B``: time to flush one save.
-* ``C``: cost of one periodic save to the training loop. Saves are asynchronous, so ``C``
-  is the time the loop *blocks* (staging tensors into host memory), not ``F``.
-* ``M``: mean time between preemptions (MTBF); ``R``: restart time (reschedule + load).
-* ``G``: the scheduler's grace period between SIGTERM and SIGKILL.
-
-Interval, first order (Young 1974): ``tau = sqrt(2 C M)``. Higher order (Daly 2006):
-``tau = sqrt(2 C M) * (1 + sqrt(C / (2M)) / 3 + C / (18 M)) - C`` when ``C < 2M``,
-else ``tau = M``. The recommendation is Daly's, clamped to at least ``F``: at most one
-save is in flight, so saving more often than a save takes to flush only stalls the loop.
-
-Expected fraction of time lost (first order, one failure per ``M`` on average):
-
-* hard kill, no snapshot: ``C / tau + (tau / 2 + R) / M`` (save overhead plus, per
-  failure, half an interval of rework on average and the restart);
-* SIGTERM snapshot that fits the grace period: ``C / tau + R / M`` (no rework: the
-  snapshot holds the last step). It fits when ``C + F <= G - margin``.
+``C`` is what a periodic save costs the loop: saves are asynchronous, so the time it
+*blocks*, not the flush ``F = S / B``. The recommended interval is Daly's, clamped to at
+least ``F``: at most one save is in flight, so saving more often only stalls the loop. A
+SIGTERM snapshot that fits the grace period (``C + F <= G - margin``) removes the rework.
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
-"""Unannounced failures: what every surviving rank does when a peer goes silent.
+"""Unannounced failures: what every surviving rank does when a peer goes silent (the policy;
+``collective/heartbeat.py`` is the mechanism; docs/failure-detection.md).
 
-The mechanism is ``collective/heartbeat.py`` (UDP heartbeats, the survivors' verdict); this is
-the policy (docs/failure-detection.md). After a verdict, on the heartbeat thread — the
-training thread is likely blocked in a collective that will not return for 10-30 minutes:
-
-1. log the loss (which ranks, how long silent, the newest step every survivor holds);
-2. the lowest surviving rank of a side holding at least half the world records a ``failure``
-   in the run's ledger: one create-only file per restart, so of the two sides of a partition
-   at most one records (the other is told and records nothing; a side with fewer than half
-   does not try); bounded to :data:`RECORD_BUDGET_S`;
-3. flush the logs and end the process with ``os._exit(exit_code)`` (75 by default, distinct
-   from a preemption's 143): the launcher (``torchrun --max-restarts``) or the scheduler
-   restarts the group, which resumes from the newest valid checkpoint, at the same world
-   size or without the lost node (docs/elastic.md).
-
-Nothing is committed after a loss: a commit needs every rank's files and agreement, which
-the lost rank can no longer give, and the exit ends any save in flight before its manifest
-(an uncommitted directory is never resumed from).
+After a verdict, on the heartbeat thread (the training thread is likely blocked in a
+collective that will not return for 10-30 minutes): log the loss; the lowest surviving rank
+of a side holding at least half the world records a ``failure`` in the run's ledger (one
+create-only file per restart, so at most one side of a partition records; bounded to
+:data:`RECORD_BUDGET_S`); then flush the logs and ``os._exit(exit_code)`` (75 by default,
+distinct from a preemption's 143) so the launcher restarts the group from the newest valid
+checkpoint. Nothing is committed after a loss: a commit needs every rank.
 """
 
 from __future__ import annotations

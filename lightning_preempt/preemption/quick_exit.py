@@ -1,26 +1,15 @@
-"""After a preemption, leave at once: the interpreter's own teardown is grace the next job lacks.
+"""After a preemption, leave at once: the interpreter's own teardown is grace the next job lacks
+(issue 32: 1-5 s of CPython collecting every module; what still runs: docs/guide.md).
 
-Once the emergency snapshot is committed, :class:`~lightning_preempt.Preempted` unwinds the
-stack: the framework runs what the user registered (Lightning: every callback's and the
-module's ``on_exception``, ``strategy.on_exception``, each logger's ``finalize("failed")``,
-the strategy's teardown), the user's own ``finally`` and ``except`` blocks run, non-daemon
-threads are joined and the ``atexit`` handlers run. All of that stays. Then CPython
-finalizes the interpreter: it collects every module (torch, Lightning: hundreds of
-thousands of objects), which took 1-5 s and holds nothing anyone registered (issue 32,
-measured with gdb: ``Py_FinalizeEx`` -> ``interpreter_clear`` -> ``gc_collect_main``).
-
-:func:`armed` (called as ``Preempted`` is raised) makes that last part an ``os._exit``, but
-only when the ``Preempted`` really ends the program: it watches the program's outermost
-frame (``sys.settrace``; frames called later are not traced) and arms the exit when that
-frame is left by this exception (through its ``finally`` blocks or an ``except`` that
-re-raises it, not by a return or another exception). Then an ``atexit`` handler,
-registered when armed (so it runs first, ``atexit`` being last-in first-out), runs every
-other ``atexit`` handler itself, flushes the logging handlers and the standard streams,
-and calls ``os._exit(exit_code)``: the exit code the interpreter would have used.
-
-It stands aside (the ordinary, slower exit) when the program catches the ``Preempted`` and
-goes on (a test, a sweep; once the exception is freed nothing is traced any more), when a
-tracer is already installed (a debugger, coverage), and off the main thread.
+Everything registered still runs as :class:`~lightning_preempt.Preempted` unwinds (the
+framework's ``on_exception`` and teardown, the user's ``finally``, non-daemon thread joins,
+``atexit``). :func:`armed` then makes the interpreter's finalization an ``os._exit``, but only
+when the ``Preempted`` really ends the program: it watches the outermost frame
+(``sys.settrace``) and arms when that frame is left by this exception. The ``atexit`` handler
+it registers (so it runs first) runs every other handler itself, flushes logging and the
+standard streams and calls ``os._exit(exit_code)``. It stands aside when the program catches
+the ``Preempted`` and goes on, under an installed tracer (debugger, coverage), and off the
+main thread.
 """
 
 from __future__ import annotations

@@ -1,27 +1,15 @@
-"""One pass over the bytes on load: read each shard file once, straight into the memory
-the tensors will live in, and compute its CRC32C on the way.
+"""One pass over the bytes on load: read each shard file once, straight into the memory the
+tensors will live in, and compute its CRC32C on the way (docs/resume-speed.md: how, and
+what was measured).
 
-``dcp.load`` reads every tensor record into a ``BytesIO`` (copy 1), ``torch.load``s it
-into a new storage (copy 2) and copies that into the destination (copy 3); a separate
-verification pass read every byte before that. Here:
-
-* the DCP ``.metadata`` says where every tensor's ``torch.save`` archive sits in which
-  file; each file is read front to back: an archive's head (its small records) into
-  scratch, then its tensor data with ``readinto`` straight into a new tensor of exactly
-  that size, then its tail into scratch. The tensors *are* the read buffers, each with
-  a storage of its own (optimizer state often stays the very tensor that was loaded:
-  it must not keep other bytes alive, and torch.save of it must save only it);
-* every read from storage is hashed as it arrives (:func:`crc_reader.hashing_reader`:
-  small records come from 1 MiB reads, large tensor data is read straight into the
-  tensor), so verification costs no extra pass and thousands of small tensors cost a
-  few large reads, not several each;
-* files are read in parallel (a thread each, up to :data:`MAX_PARALLEL_FILES`);
-* a file whose size or CRC32C disagrees with the manifest raises
-  :class:`CorruptCheckpointError` before any tensor is returned.
-
-Who owns what: this module plans the reads (which files, which ranges, in parallel) and
-checks every file against the manifest; :mod:`lightning_preempt.read.archive` parses one
-tensor record; :mod:`lightning_preempt.read.crc_reader` reads with the CRC32C on the way.
+``dcp.load`` copies every tensor three times and verification read every byte once more.
+Here each file is read front to back from the offsets DCP's ``.metadata`` gives: a large
+archive's data with ``readinto`` into a new tensor of exactly its size (each tensor owns its
+storage: optimizer state often stays the very tensor loaded), small archives in batches;
+every read is hashed as it arrives (:func:`crc_reader.hashing_reader`); files are read in
+parallel (up to :data:`MAX_PARALLEL_FILES`); a file whose size or CRC32C disagrees with the
+manifest raises :class:`CorruptCheckpointError` before any tensor is returned. This module
+plans the reads and checks the files; ``read/archive.py`` parses one tensor record.
 """
 
 from __future__ import annotations

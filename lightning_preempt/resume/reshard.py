@@ -1,21 +1,14 @@
-"""Sample-exact resharding: an epoch begun at world size W goes on at world size M.
+"""Sample-exact resharding: an epoch begun at world size W goes on at world size M
+(docs/elastic.md, "Data at a resize").
 
-A ``DistributedSampler`` splits one epoch *order* (a permutation of the dataset's indices
-from ``seed + epoch``, or ``range(n)``; for Lightning's ``DistributedSamplerWrapper`` the
-wrapped sampler's list, taken in that order) W ways: padded to a multiple of W with its
-first indices (or cut to one with ``drop_last``), rank r takes positions r, r+W, ... So
-after every rank trained k batches of b samples, the world has consumed exactly the first
-``k * b * W`` positions of the order, whatever W was. That count and what defines the order
-(:func:`order_record`) are saved per loader; at any world size the resume takes the order
-again, drops what was consumed and splits the rest the same way among the M ranks now
-(:func:`share`): the union over the ranks of the epoch's samples is every index once (plus
-the padding, or less what ``drop_last`` cuts, as the sampler is configured: at most M-1
-indices at each resize).
-
-:class:`ReshardedSampler` yields one rank's share for the rest of that epoch, in place of
-the loader's sampler inside its batch sampler; at the next epoch (``set_epoch``) it puts the
-original back. Its ``len`` is the batches already trained plus its share, so that a loop
-counting batches per rank (Lightning) ends the epoch where the share ends.
+A ``DistributedSampler`` splits one epoch order W ways (rank r takes positions r, r+W, …),
+so after k batches of b samples per rank the world has consumed exactly the first k·b·W
+positions, whatever W was. That count and what defines the order (:func:`order_record`)
+are saved per loader; the resume takes the order again, drops what was consumed and splits
+the rest among the M ranks now (:func:`share`): every index once, plus at most M-1 of
+padding per resize. :class:`ReshardedSampler` yields one rank's share for the rest of that
+epoch (its ``len`` counts the batches already trained, so Lightning ends the epoch where
+the share ends) and puts the original sampler back at ``set_epoch``.
 """
 
 from __future__ import annotations

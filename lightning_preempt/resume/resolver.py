@@ -2,20 +2,17 @@
 
 Two phases, because Lightning asks before the process group exists:
 
-1. :meth:`ResumeResolver.peek` (every rank, from the callback's ``ckpt_path`` property,
-   before any collective is possible): does ``dirpath`` (or the local tier) hold a committed
-   checkpoint? A listing *error* is retried with backoff; if it persists it is remembered,
-   never taken for "nothing there" (that would start training from step 0 and let retention
-   delete the previous run's checkpoints).
-2. :meth:`ResumeResolver.choose` (every rank, in ``setup``, collective): ranks agree on their
-   peeks (any error raises the same error everywhere), then rank 0 picks the newest
-   checkpoint that verifies and every rank gets it or the same error (:func:`agree.decide`).
+1. :meth:`ResumeResolver.peek` (every rank, before any collective is possible): does
+   ``dirpath`` (or the local tier) hold a committed checkpoint? A listing error is retried
+   with backoff and, if it persists, remembered: never taken for "nothing there" (training
+   would start from step 0 and retention delete the previous run's checkpoints).
+2. :meth:`ResumeResolver.choose` / :meth:`ResumeResolver.target` (every rank, in ``setup``,
+   collective): ranks agree on their peeks, then rank 0 picks the newest checkpoint that
+   verifies and every rank gets it or the same error (:func:`agree.decide`).
 
-"Could not tell" is never "absent": a manifest that cannot be statted or read (EIO on NFS
-or FUSE, a 503; see ``Store.stat``) fails the listing, which is retried like any listing
-error. When it persists, resuming fails on every rank with :class:`ListingError` (and its
-HINT) — the candidate is not skipped for an older one, and training never silently starts
-from step 0. A candidate is passed over only for what it *is* (uncommitted, damaged).
+A manifest that cannot be read fails the listing (docs/design.md, '"Could not tell" is never
+"absent"'): resuming then fails on every rank with :class:`ListingError` and its HINT. A
+candidate is passed over only for what it *is* (uncommitted, damaged).
 """
 
 from __future__ import annotations

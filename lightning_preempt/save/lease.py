@@ -1,25 +1,15 @@
-"""One writer per dirpath: a create-only, heartbeated lease.
+"""One writer per dirpath: a create-only, heartbeated lease (docs/design.md, "One writer per dirpath").
 
-After a requeue the old job may not be dead yet (still in its grace period, or a zombie
-on a node the scheduler lost); two jobs writing one dirpath would each be told
-"committed" while the other overwrote or deleted its files. So a job takes a lease at
-``setup`` (rank 0 only; every rank gets the outcome through :func:`agree.decide`):
-
-* the lease is a series of small files ``.lp-lease-<generation>.json`` in dirpath; the
-  highest generation is the current holder. A new holder *creates* the next generation
-  (create-only: local disk ``link``, GCS ``ifGenerationMatch=0``, S3 ``If-None-Match``), so of
-  two jobs taking over at once exactly one wins;
-* the holder rewrites its own file every ``timeout_s / 4`` (heartbeat thread) and marks it
-  released when it exits (normal end, preemption) so a successor starts at once;
-* a lease is *stale* — and taken over — when it was released, when its holder is a process
-  on this host that no longer exists, or when its heartbeat has not advanced for
-  ``timeout_s`` (watched, so clock skew between hosts does not matter);
-* a lease whose heartbeat keeps advancing belongs to a live job: :class:`LeaseHeldError`.
-
-The heartbeat thread also notices when a newer generation appears (another job took the
-lease over, e.g. after this job was suspended for longer than the timeout): :attr:`lost`
-is then set and the callback stops training with :class:`LeaseLostError` at the next
-agreed step instead of writing into a dirpath it no longer owns.
+After a requeue the old job may not be dead yet; two jobs writing one dirpath would each be
+told "committed" while the other overwrote or deleted its files. So rank 0 takes a lease at
+``setup`` (every rank gets the outcome through :func:`agree.decide`): the highest generation
+of ``.lp-lease-<generation>.json`` holds it, and a new holder *creates* the next one, so of
+two jobs taking over at once exactly one wins. The holder rewrites its file every
+``timeout_s / 4`` and marks it released when it exits. A lease is stale (taken over) when
+released, when its holder is a dead process on this host, or when its heartbeat has not
+advanced for ``timeout_s`` (watched here, so clock skew does not matter); otherwise
+:class:`LeaseHeldError`. A newer generation appearing sets :attr:`lost`: training stops
+with :class:`LeaseLostError` at the next agreed step.
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
-"""The host-memory budget of staging: which tensors get host buffers, which are streamed.
+"""The host-memory budget of staging: which tensors get host buffers, which are streamed
+(docs/host-memory.md: why, the options, what happens over the budget).
 
-Staging buffers hold a rank's whole share of the state in host memory (pinned under CUDA);
-eight ranks of a node with 10+ GB FSDP shards each need 100+ GB of it, and async
-checkpointers are known to run hosts out of memory. So staging has a budget per process:
-
-* ``host_memory_budget``: bytes (an int), or a fraction (a float in (0, 1]) of the memory
-  available; default (``None``) :data:`DEFAULT_FRACTION` of ``MemAvailable`` divided by the
-  ranks of this node (``LOCAL_WORLD_SIZE``). Resolved once per process, counting the
-  buffers it already holds as available (they would otherwise shrink the next budget).
-* ``pinned_memory_budget``: bytes of the above that may be pinned (page-locked memory
-  cannot be swapped or reclaimed); default: the whole host budget.
-
-:func:`split` decides per save. A share that fits is staged whole, as before (reusable
-buffers, the save returns after the copy). One that does not keeps as many tensors as fit in
-buffers ("resident", smallest first) and *streams* the rest: the writer writes them straight
-from the training state (CPU) or through one reusable host chunk (a device tensor is copied
-into it, written, then the next), and the save blocks until they are written, so the
-training cannot change them meanwhile. The bytes are the same either way; only the file's
-order of records differs, which the metadata records.
+``host_memory_budget`` is bytes, a fraction of the available memory, or (``None``)
+:data:`DEFAULT_FRACTION` of ``MemAvailable`` divided by the node's ranks, resolved once per
+process counting the buffers it already holds; ``pinned_memory_budget`` is the part that may
+be pinned. :func:`split` decides per save: a share that fits is staged whole; one that does
+not keeps as many tensors as fit in buffers (smallest first) and streams the rest from the
+training state (through one reusable host chunk for device tensors), and the save blocks
+until they are written. The bytes are the same; only the order of records differs.
 """
 
 from __future__ import annotations

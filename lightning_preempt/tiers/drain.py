@@ -111,7 +111,7 @@ def drain_files(
     mine = [n for n in manifest.files if group is None or writer_of(n) % world == rank]
 
     def copy() -> None:
-        # a replaced checkpoint's files live in its generation dir (layout.py), same name at dst
+        # a replaced checkpoint's files live in its generation dir (write/replace.py), same name at dst
         copy_files(data_store(src, manifest), data_store(dst, manifest), manifest, max_workers=max_workers,
                    progress=progress, chunk_size=chunk_size, names=mine)  # fmt: skip
 

@@ -1,24 +1,14 @@
-"""Two-tier checkpoints: commit to fast node-local storage, drain to a bucket in the background.
+"""Two-tier checkpoints: commit to fast node-local storage, drain to a bucket in the background
+(docs/two-tier.md: saves, SIGTERM, resume, retention, failures, ranks and nodes).
 
-With ``ShardedAsyncCheckpointIO(local_dirpath=...)`` a save addressed to
-``<remote_root>/<name>`` is written and committed to ``<local_dirpath>/<name>`` first (the
-usual commit protocol, on the writer thread, from the staging buffers). A *drain job* on
-a second thread then copies the committed local files to ``<remote_root>/<name>`` and
-commits them there (manifest last, create-only), streaming from the files — never a
-second in-memory copy of the state. See ``docs/two-tier.md``.
-
-Ranks: with collective saves every rank uploads the files it wrote itself
-(``__{rank}_*.distcp``, ``state-rank{rank}.pt``; rank 0 also ``.metadata``); rank 0
-writes the remote manifest after every rank's uploads landed (gathered on the drain
-thread's own gloo group), as in ``commit.py``. So a drain is correct when each node has
-its own local disk. Resuming from the local tier, and uploading local-only checkpoints
-on start, need every file on rank 0's disk: they are used only when all ranks run on one
-host.
-
-Failures: transient errors (connection, 5xx, throttling) are retried with exponential
-backoff; credential and "exists" errors are not. A failed drain is logged with a HINT and
-training goes on (the local tier holds the checkpoint). A failed local write falls back
-to writing the remote tier directly; only when both fail does the save raise.
+A save addressed to ``<remote_root>/<name>`` is committed to ``<local_dirpath>/<name>``
+first; a drain job on a second thread then streams the committed local files to the remote
+tier and commits them there (manifest last, create-only) — never a second in-memory copy.
+With collective saves each rank uploads the files it wrote and rank 0 writes the remote
+manifest once every rank's uploads landed (the drain thread's own gloo group), so each node
+may have its own disk; resuming from the local tier needs every file on rank 0's disk (one
+host only). A failed drain is logged with a HINT and training goes on; a failed local write
+falls back to the remote tier, and only when both fail does the save raise.
 """
 
 from __future__ import annotations

@@ -2,23 +2,21 @@
 
 Protocol (every rank, in the writer thread, on the writer's own gloo group):
 
-0. rank 0 decides where the files go (:func:`lightning_preempt.layout.plan_write`): into
-   the path, or into a new generation directory when the path already holds a committed
-   checkpoint (replacement, see ``layout.py``); every rank follows its decision;
+0. rank 0 decides where the files go (:func:`~lightning_preempt.write.replace.plan_write`):
+   into the path, or into a new generation when it holds a committed checkpoint; every rank
+   follows its decision;
 1. every rank creates the directory; ranks agree it worked before any DCP collective;
-2. ``dcp.save`` writes each rank's share of the tensors (DCP gathers per-rank failures
-   and raises on every rank);
+2. ``dcp.save`` writes each rank's share of the tensors (DCP raises per-rank failures on
+   every rank);
 3. every rank writes its own ``state-rankNNNNN.pt`` (the non-tensor skeleton);
 4. all ranks exchange their file entries or error; if any rank failed, no rank commits
    and every rank raises the same :class:`CheckpointWriteError`;
 5. rank 0 writes ``manifest.json`` atomically — commit metadata only after all ranks
    completed writing — and tells the others whether the commit itself succeeded;
-6. rank 0 deletes what the new checkpoint replaced (:func:`lightning_preempt.layout.finish_write`).
+6. rank 0 deletes what the new checkpoint replaced (:func:`~lightning_preempt.write.replace.finish_write`).
 
-Two saves to one path at the same moment each write files no other save writes (layout.py:
-a create-only claim, else a generation of its own); the create-only manifest picks the
-winner. The loser deletes what it wrote and every one of its ranks raises
-:class:`CheckpointExistsError` saying another writer committed the path first.
+Of two saves to one path at the same moment the create-only manifest picks the winner
+(write/replace.py); every rank of the loser raises :class:`CheckpointExistsError`.
 """
 
 from __future__ import annotations

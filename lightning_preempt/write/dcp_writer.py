@@ -1,28 +1,18 @@
 """Our extension of DCP's storage layer: checksums while writing, no rename to commit.
 
-We keep DCP's file format (``__{rank}_{i}.distcp`` + pickled ``.metadata``) so plain
-``torch.distributed.checkpoint`` can still read the tensor shards, and change only how
-bytes reach storage:
+DCP's file format stays (``__{rank}_{i}.distcp`` + pickled ``.metadata``: plain
+``torch.distributed.checkpoint`` reads the shards); only how bytes reach storage changes:
 
-* every file goes through :meth:`Store.open_write` (durable on close: fsync locally,
-  completed upload remotely) and a CRC32C is computed on the bytes as they stream by;
-* ``.metadata`` is written directly, not as ``.metadata.tmp`` + rename: on object stores
-  rename is copy + delete (35 s on the GCS emulator for 64 MiB). Our manifest, written
-  after DCP finishes, is the commit marker, so ``.metadata`` needs no atomicity.
-* DCP calls ``torch.save`` for every tensor; the zip CRC-32 it computes per record cost
-  ~0.55 s per GiB here (one thread, about as long as the disk write) and ``torch.load``
-  never checks it. Our writer threads skip it (:func:`_skip_zip_crc32`): the CRC32C of
-  every file in the manifest covers the same bytes. The records then carry CRC 0;
-  ``torch.load`` / ``dcp.load`` read them as usual.
-* tensor records are written by :func:`write.records.write_tensor_record` (one template per
-  dtype and shape instead of a ``torch.save`` call per tensor) through a buffered stream,
-  so thousands of small tensors become a few large sequential writes and CRC32C updates
-  (:meth:`ChecksummingWriter.write_data`); the file format is DCP's, unchanged.
-* ``.metadata`` is pickled once per DCP plan, only this save's path and id afresh
-  (``write/dcp_metadata.py``);
-* tensors the host-memory budget streams (``staging/budget.py``) are written first, from the
-  training state (through the budget's host chunk when on a device), and the save is
-  released as soon as they are: the files differ only in the order of their records.
+* every file goes through :meth:`Store.open_write` (durable on close) with a CRC32C computed
+  as the bytes stream by; the manifest, written after DCP finishes, is the commit marker,
+  so ``.metadata`` is written directly, never renamed (copy + delete on object stores);
+* the zip CRC-32 ``torch.save`` computes per record (~0.55 s per GiB, never checked by
+  ``torch.load``) is skipped (:func:`_skip_zip_crc32`): the manifest's CRC32C covers the
+  same bytes;
+* tensor records come from per-shape templates (write/records.py) through a buffered
+  stream, ``.metadata`` is pickled once per plan (write/dcp_metadata.py);
+* tensors the host-memory budget streams are written first, and the save is released as
+  soon as they are: the files differ only in the order of their records.
 """
 
 from __future__ import annotations

@@ -1,27 +1,14 @@
 """The skeleton's ``torch.save`` archive, without a Python call per pickled object.
 
-``torch.save`` pickles with a subclass of ``pickle_module.Pickler`` whose
-``persistent_id`` (a Python method) the C pickler calls for *every* object, to find tensor
-storages. A skeleton of 4000 placeholders is ~26000 objects: ~25 ms of the time training
-waits, for a skeleton that holds few storages or none (its tensors went to the shards).
-
-:func:`skeleton_bytes` passes ``torch.save`` a ``pickle_module`` whose ``Pickler`` first
-pickles with a plain C pickler that has no ``persistent_id``, only a ``reducer_override``
-(called for objects that are not of a builtin type: the placeholders, never the strings,
-ints and dicts). The tensors a real fit keeps outside the sharded keys (RNG states,
-``ModelCheckpoint``'s scores) are small, dense CPU tensors: those are pickled *inline*, as
-``lightning_preempt.format.tensor_from_bytes(dtype, shape, raw bytes as latin-1 text)`` (issue 33; before,
-one of them sent the whole skeleton through torch's ``persistent_id``: +8 ms per 4000
-tensors). A tensor that is not plain (on a device, a view, sharing its storage with another
-tensor, over :data:`INLINE_TENSOR_MAX_BYTES`, needing autograd, a subclass…) or a bare
-storage gives up: the data written so far is discarded and the object pickled again with
-torch's ``persistent_id``, as ``torch.save`` does, storage sharing and all. Without any
-tensor the bytes are ``torch.save``'s exactly; with inline tensors the archive is still
-``torch.save``'s (torch writes the records and the zip), which every loader of this
-package reads (format/pickles/unpickle.py: both allow-lists name ``tensor_from_bytes``) and
-``torch.load(weights_only=True)`` reads once it is allowed
-(``torch.serialization.safe_globals([tensor_from_bytes])``). tests/unit/test_skeleton_bytes.py
-checks both against ``torch.save``.
+``torch.save``'s ``persistent_id`` (a Python method) runs for *every* pickled object: ~25 ms
+of training's wait for a skeleton of 4000 placeholders that holds few storages or none.
+:func:`skeleton_bytes` first pickles with a plain C pickler whose ``reducer_override`` only
+sees non-builtin objects; small, dense CPU tensors (RNG states, ``ModelCheckpoint``'s
+scores) are pickled inline as ``lightning_preempt.format.tensor_from_bytes(...)`` (issue 33).
+Any other tensor or a bare storage gives up, and the object is pickled again the way
+``torch.save`` does. The archive is ``torch.save``'s either way (exactly, without tensors),
+which every loader of this package reads and ``torch.load(weights_only=True)`` reads once
+``tensor_from_bytes`` is allowed; tests/unit/test_skeleton_bytes.py checks both.
 """
 
 from __future__ import annotations

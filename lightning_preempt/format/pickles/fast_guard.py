@@ -1,29 +1,15 @@
-"""The opcode check the fast unpickler (format/pickles/fast_unpickle.py) runs before C ``pickle``.
+"""The opcode check the fast unpickler (format/pickles/fast_unpickle.py) runs before C ``pickle``
+(issue 32; the rules and why: docs/security.md).
 
-C ``pickle`` runs every opcode it is given: ``BUILD`` sets attributes on whatever lies on
-its stack, an allowed global included (``BUILD`` on ``torch._utils._rebuild_tensor_v2``
-setting ``__defaults__``, or on the :class:`~lightning_preempt.format.TensorRef` class,
-changes them for the whole process, for every later load), and a memo index of 1e8 in a
-100-byte file makes it allocate 1.6 GB. ``find_class`` sees none of that. So the pickle
-is walked first, without building anything, and C ``pickle`` only runs on a pickle that
-passes (issue 32). :func:`check_fast_pickle` allows:
-
-* only the opcodes torch's weights-only unpickler reads (protocol 2: no ``INST``, ``OBJ``,
-  ``NEWOBJ_EX``, ``EXT*``, ``STACK_GLOBAL``, ``MEMOIZE``, ``FRAME``...), starting with
-  ``PROTO 2``;
-* ``GLOBAL`` of exactly the names the caller allows (no ``os.FloatStorage``: torch's own
-  ``find_class`` maps any name holding ``Storage`` to a storage type first);
-* ``REDUCE`` and ``NEWOBJ`` only of an allowed global named as callable (``numpy.ndarray``
-  and storage types only as arguments), on a tuple;
-* ``BUILD`` only on what an allowed callable returned and the weights-only loader builds
-  too (a ``TensorRef``, an ``OrderedDict``, a NumPy dtype or array): never on a global,
-  a tensor, a container;
-* ``SETITEM(S)`` only on a dict or an ``OrderedDict``, ``APPEND(S)`` only on a list;
-* memo indices no larger than the number of values memoized so far (a ``torch.save``
-  pickle numbers them 0, 1, 2...), so the memo never outgrows the file.
-
-Anything else raises :class:`FastRefused`; the caller then hands the bytes to the
-weights-only loader, which decides and words the error. Nothing here imports torch.
+``find_class`` does not bound what C ``pickle`` does: ``BUILD`` sets attributes on whatever
+lies on its stack (an allowed global too, for the whole process), and a memo index of 1e8
+in a 100-byte file allocates 1.6 GB. So the pickle is walked first, nothing built, and
+:func:`check_fast_pickle` allows only the opcodes torch's weights-only unpickler reads
+(from ``PROTO 2``), ``GLOBAL`` of exactly the allowed names, ``REDUCE``/``NEWOBJ`` only of
+an allowed callable on a tuple, ``BUILD`` only on what such a call returned and the
+weights-only loader builds too, ``SETITEM(S)`` on dicts and ``APPEND(S)`` on lists, and memo
+indices no larger than the values memoized so far. Anything else raises
+:class:`FastRefused`: the weights-only loader then decides and words the error. No torch here.
 """
 
 from __future__ import annotations

@@ -1,26 +1,13 @@
-"""The fast path for the per-rank state files: C ``pickle`` with a tight ``find_class``.
+"""The fast path for the per-rank state files: C ``pickle`` with a tight ``find_class``
+(issue 26; why it accepts a subset of ``weights_only``, never more: docs/security.md).
 
-``torch.load(weights_only=True)`` interprets the pickle in Python, one opcode at a time,
-and rebuilds its allow-list dict for every object it reduces. A skeleton of 4000 tensor
-placeholders took ~0.12 s that way, as long as reading 256 MiB of tensors (issue 26).
-
-Here the same ``torch.load`` (zip reading, storages, ``map_location``) runs with the C
-unpickler, whose only way to reach a callable is ``find_class``. ``find_class`` resolves a
-small, fixed set, every member of which the weights-only path also allows
-(:func:`fast_globals`): containers, :class:`TensorRef`, inline tensors, dense tensors
-(``torch._utils._rebuild_tensor_v2``, storages, dtypes, sizes, devices), the ``bytes``
-codec, and NumPy arrays/scalars when the pickle names NumPy. Anything else (sparse,
-quantized or subclassed tensors, parameters, a global off the list) raises
-:class:`OffFastPath`, and the caller loads the bytes again through ``weights_only``
-(format/pickles/unpickle.py), which decides and words the error. So this path accepts a subset
-of what that one accepts, never more; docs/security.md.
-
-``find_class`` alone is not enough: C pickle's ``BUILD`` sets state on whatever is on its
-stack (an allowed function or class too, for the whole process) and its memo grows to the
-largest index a file names. So before C pickle runs, the pickle's opcodes are walked
-(:func:`~lightning_preempt.format.pickles.fast_guard.check_fast_pickle`, nothing built): only the
-weights-only opcodes, only these exact globals, ``BUILD`` only on what the weights-only
-loader builds too, bounded memo indices (issue 32).
+``torch.load(weights_only=True)`` interprets the pickle in Python: ~0.12 s for a skeleton of
+4000 placeholders, as long as reading 256 MiB of tensors. Here the same ``torch.load`` runs
+with the C unpickler, whose ``find_class`` resolves a small fixed set the weights-only path
+also allows (:func:`fast_globals`). Anything else raises :class:`OffFastPath` and the caller
+loads the bytes again through ``weights_only`` (format/pickles/unpickle.py), which decides
+and words the error. Before C pickle runs, the opcodes are checked
+(:func:`~lightning_preempt.format.pickles.fast_guard.check_fast_pickle`, issue 32).
 """
 
 from __future__ import annotations

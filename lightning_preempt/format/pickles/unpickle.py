@@ -1,22 +1,14 @@
-"""Unpickling what storage hands us without running code from it (docs/security.md).
+"""Unpickling what storage hands us without running code from it (docs/security.md: what is
+allowed, and why).
 
-Two pickles live in a checkpoint directory, and both come from storage that other
-principals may write:
-
-* each rank's ``state-rankNNNNN.pt`` (``torch.save`` of the non-tensor *skeleton*) is
-  loaded with ``torch.load(weights_only=True)`` and, for the few globals this package
-  and Lightning put there, an explicit allow-list scoped to that one call
-  (:func:`torch.serialization.safe_globals`, never the process-wide
-  ``add_safe_globals``). A skeleton that needs anything else raises
-  :class:`UntrustedCheckpointError` naming the global and the opt-in
-  (``ShardedAsyncCheckpointIO(trust_checkpoints=True)``, ``export --trust``);
-* DCP's ``.metadata`` goes through :class:`_MetadataUnpickler`, which resolves only DCP's
-  metadata classes, ``torch.Size``, dtypes and layouts. Byte-IO entries
-  (``BytesStorageMetadata``: DCP ``torch.load``s those with ``weights_only=False``) are
-  refused: this package writes tensors only. Every ``relative_path`` must name one of
-  our shard files listed in the manifest, and every byte range must lie inside it.
-
-The tensor records themselves are read by DCP with ``torch.load(weights_only=True)``.
+Both pickles of a checkpoint come from storage other principals may write. Each rank's
+``state-rankNNNNN.pt`` is loaded with ``torch.load(weights_only=True)`` and an allow-list
+scoped to that one call (``torch.serialization.safe_globals``, never the process-wide
+``add_safe_globals``); anything else raises :class:`UntrustedCheckpointError` naming the
+global and the opt-in (``trust_checkpoints=True``, ``export --trust``). DCP's ``.metadata``
+goes through :class:`_MetadataUnpickler` (DCP's metadata classes, ``torch.Size``, dtypes,
+layouts only; byte-IO entries refused; every ``relative_path`` one of our listed shard files
+and every byte range inside it). DCP reads the tensor records with ``weights_only=True``.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
-"""AWS EC2 Spot: the interruption notice and the rebalance recommendation, over IMDSv2.
-
-IMDSv2 (session tokens): ``PUT /latest/api/token`` with header
-``X-aws-ec2-metadata-token-ttl-seconds`` returns a token; every ``GET`` sends it in
-``X-aws-ec2-metadata-token`` (a 401 means it expired: fetch a new one).
-
-* ``GET /latest/meta-data/spot/instance-action``: 404 while nothing is planned; about two
-  minutes before the interruption, 200 with ``{"action": "terminate"|"stop"|"hibernate",
-  "time": "2017-09-18T08:22:00Z"}`` (the deadline). AWS recommends checking every 5 s.
-* ``GET /latest/meta-data/events/recommendations/rebalance``: 404, or 200 with
-  ``{"noticeTime": "..."}`` when the instance is at elevated risk of interruption; it can
-  come earlier than the interruption notice (or with it) and has no deadline: an
-  *advisory* notice, replaced by the interruption notice when that comes.
-
-See docs/notices.md for the sources of these details.
+"""AWS EC2 Spot: the interruption notice and the rebalance recommendation, over IMDSv2
+(a session token fetched with ``PUT /latest/api/token``, fetched again on a 401).
+``spot/instance-action`` answers 200 about two minutes before the interruption, with its
+deadline; ``events/recommendations/rebalance`` is advisory (no deadline), replaced by the
+interruption notice when that comes. The protocol and its sources: docs/notices.md.
 """
 
 from __future__ import annotations

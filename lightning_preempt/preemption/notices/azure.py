@@ -1,21 +1,10 @@
-"""Azure Scheduled Events (Instance Metadata Service): ``Preempt`` for Spot VMs, and the
-other events that end the VM's processes.
-
-``GET /metadata/scheduledevents?api-version=2020-07-01`` with header ``Metadata: true``
-returns ``{"DocumentIncarnation": N, "Events": [{"EventId", "EventType", "ResourceType",
-"Resources": [vm names], "EventStatus": "Scheduled"|"Started", "NotBefore": "Mon, 19 Sep
-2016 18:29:47 GMT", ...}]}``. ``Preempt`` (Spot eviction) is scheduled at least 30 s ahead;
-``Terminate`` 5 to 15 min (user configurable, scale sets); ``Reboot``/``Redeploy`` minutes.
-``Freeze`` (a pause of seconds) is not a reclaim. Events of an availability set or scale-set
-placement group reach every VM of it: only events whose ``Resources`` name this VM count
-(its name from ``/metadata/instance/compute/name``).
-
-The first request of a VM enables the service and may take up to two minutes to answer.
-Acknowledging (``POST`` ``{"StartRequests": [{"EventId": id}]}``) lets the event start
-before ``NotBefore``; :class:`AzureSource` does it only with ``acknowledge=True``, in
-:meth:`stop` (after the snapshot), so the node is handed back sooner.
-
-See docs/notices.md for the sources of these details.
+"""Azure Scheduled Events (Instance Metadata Service): ``Preempt`` for Spot VMs (at least 30 s
+ahead), and ``Terminate``/``Reboot``/``Redeploy``, which also end the VM's processes
+(``Freeze`` does not). Only events whose ``Resources`` name this VM count (events of an
+availability set reach all of it). The first request may take two minutes (it enables the
+service). :class:`AzureSource` acknowledges an event (it may then start before
+``NotBefore``) only with ``acknowledge=True``, in :meth:`stop`, after the snapshot. The
+document format, the times and their sources: docs/notices.md.
 """
 
 from __future__ import annotations

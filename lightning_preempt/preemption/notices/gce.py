@@ -1,20 +1,8 @@
-"""Google Compute Engine: ``instance/preempted`` and ``instance/maintenance-event``.
-
-Both keys live under ``/computeMetadata/v1/instance/`` and need the request header
-``Metadata-Flavor: Google`` (the server answers with the same header). Each is watched by
-a long-poll, ``?wait_for_change=true&last_etag=E&timeout_sec=T``: the server holds the
-request until the value differs from the one whose ``ETag`` we pass (or ``T`` seconds
-pass), so a change is seen at once and nothing is missed between two requests.
-
-* ``preempted``: ``FALSE``, then ``TRUE`` when a Spot/preemptible VM is being preempted;
-  the VM then has about 30 s before it is stopped.
-* ``maintenance-event``: ``NONE``, or ``TERMINATE_ON_HOST_MAINTENANCE`` /
-  ``MIGRATE_ON_HOST_MAINTENANCE`` about 60 s before host maintenance (GCE sends the
-  warning only to a VM that has queried the key since the last event, which this watcher
-  does). ``TERMINATE_…`` (e.g. VMs with GPUs) ends the process: a notice. ``MIGRATE_…`` (live
-  migration) does not: logged only.
-
-See docs/notices.md for the sources of these details.
+"""Google Compute Engine: ``instance/preempted`` and ``instance/maintenance-event``, each
+watched by a long-poll on its ``ETag`` (a change is seen at once, nothing missed between
+requests). ``preempted`` ``TRUE`` (~30 s left) and ``TERMINATE_ON_HOST_MAINTENANCE`` (~60 s)
+are notices; ``MIGRATE_ON_HOST_MAINTENANCE`` (live migration) is only logged. The protocol,
+the times and their sources: docs/notices.md.
 """
 
 from __future__ import annotations
