@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -123,6 +123,18 @@ def verdict(name: str, value: float, target: float, higher_is_better: bool) -> t
     sign = ">=" if higher_is_better else "<="
     status = "met" if ok else "MISSED"
     return [name, f"{value:.2f}", f"{sign} {target:g}", status], f"- {name}: {value:.2f} (target {sign} {target:g}): {status}"
+
+
+def ratio_table(checks: Iterable[tuple[str, float, float, bool]], title: str = "Ratios (median of per-round ratios, "
+                "same run):") -> list[str]:  # fmt: skip
+    """The ratio table and its verdict lines for ``(name, value, target, higher_is_better)``
+    checks (no lines when there are none)."""
+    judged = [verdict(*check) for check in checks]
+    if not judged:
+        return []
+    head = [title, ""] if title else []
+    return [*head, table(["ratio", "value", "target", "verdict"], [row for row, _ in judged]), "",
+            *(line for _, line in judged)]  # fmt: skip
 
 
 def machine_notes() -> str:

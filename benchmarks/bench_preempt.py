@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import MiB, free_port, launch, machine_notes, median, table, this_script, verdict, wait_until, workdir
+from _common import MiB, free_port, launch, machine_notes, median, ratio_table, table, this_script, wait_until, workdir
 
 PREEMPT_EXIT = 143
 
@@ -153,6 +153,7 @@ def _agreement_worker(rank: int, world: int, port: int, steps: int, rounds: int,
     import torch.distributed as dist
 
     from lightning_preempt.collective import groups as pdist
+    from lightning_preempt.collective.flags import FlagAgreement
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -171,7 +172,7 @@ def _agreement_worker(rank: int, world: int, port: int, steps: int, rounds: int,
         torch.nn.functional.mse_loss(ddp(x), y).backward()
         opt.step()
 
-    agreement = pdist.FlagAgreement(group, 2)
+    agreement = FlagAgreement(group, 2)
     modes = {"overlap=False": False, "overlap=True": True, "auto": True}
     times: dict[str, list[float]] = {"step": [], "exchange only": []}
     times.update({f"step + exchange {k}": [] for k in modes})
@@ -287,17 +288,11 @@ def run(args: argparse.Namespace) -> str:
             table(["per step", "ms", "added vs step (ms)"], rows),
             "",
         ]
-        ratio_rows = []
         out += [f'"auto" agreed every k={every_k} steps (about every 0.25 s), overlapped: the callback\'s default.', ""]
-        for k in ("overlap=False", "overlap=True", "auto"):
-            added = median(agree[f"step + exchange {k}"]) - step
-            row, line = verdict(f"exchange cost {k} / small step", added / step, 0.01, False)
-            ratio_rows.append(row)
-            verdicts.append(line)
-        row, line = verdict("exchange alone / small step", median(agree["exchange only"]) / step, 0.01, False)
-        ratio_rows.append(row)
-        verdicts.append(line)
-        out += [table(["ratio", "value", "target", "verdict"], ratio_rows), ""]
+        checks = [(f"exchange cost {k} / small step", (median(agree[f"step + exchange {k}"]) - step) / step, 0.01, False)
+                  for k in ("overlap=False", "overlap=True", "auto")]  # fmt: skip
+        checks.append(("exchange alone / small step", median(agree["exchange only"]) / step, 0.01, False))
+        out += [*ratio_table(checks, title=""), ""]
     out += verdicts
     return "\n".join(out)
 

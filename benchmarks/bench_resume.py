@@ -32,7 +32,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -49,9 +48,10 @@ from _common import (
     machine_notes,
     median,
     nbytes,
+    ratio_table,
     table,
     tensors_of,
-    verdict,
+    workdir,
 )
 
 
@@ -522,13 +522,11 @@ def _worlds(args: argparse.Namespace) -> list[int]:
 
 
 def run_one(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
-    root = args.dir or tempfile.mkdtemp(prefix="lp-bench-resume-", dir="/tmp")
-    os.makedirs(root, exist_ok=True)
     started = time.perf_counter()
     machine = machine_notes()
     parts: list[str] = []
     figures: dict[str, float] = {}
-    try:
+    with workdir(args.dir, "lp-bench-resume-") as root:
         ckpt = lightning_style_checkpoint(args.size_mib * MiB, args.tensors)
         if "a" in args.parts:
             d = os.path.join(root, "a")
@@ -550,9 +548,6 @@ def run_one(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
                 text, f = bench_ranks(args, root, world)
                 parts.append(text)
                 figures |= f
-    finally:
-        if not args.dir:
-            shutil.rmtree(root, ignore_errors=True)
     elapsed = time.perf_counter() - started
     specs = [
         ("warm: ours (verify) / read floor", "warm ours_verify/floor_read", 1.5, False),
@@ -574,12 +569,6 @@ def run_one(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
             (f"DDP {world} ranks: largest rank's staged bytes / state", f"{world} ranks staged share", 1.2 / world,
              False),
         ]  # fmt: skip
-    rows, lines = [], []
-    for name, key, target, higher in specs:
-        if key in figures:
-            row, line = verdict(name, figures[key], target, higher)
-            rows.append(row)
-            lines.append(line)
     info = [
         f"- {k}: {v:.2f}"
         for k, v in figures.items()
@@ -591,18 +580,8 @@ def run_one(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
         f"Machine: {machine}; run took {elapsed:.0f}s; loadavg at the end {os.getloadavg()[0]:.2f}",
         "",
     ]
-    return "\n".join(
-        header
-        + parts
-        + [
-            "Ratios (median of per-round ratios, same run):",
-            "",
-            table(["ratio", "value", "target", "verdict"], rows),
-            "",
-            *lines,
-        ]
-        + (["", "Other ratios (information):", *info] if info else [])
-    ), figures
+    checks = [(name, figures[key], target, higher) for name, key, target, higher in specs if key in figures]
+    return "\n".join(header + parts + ratio_table(checks) + (["", "Other ratios (information):", *info] if info else [])), figures
 
 
 def main(argv: list[str] | None = None) -> int:

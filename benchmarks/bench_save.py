@@ -54,9 +54,9 @@ from _common import (
     machine_notes,
     median,
     nbytes,
+    ratio_table,
     table,
     tensors_of,
-    verdict,
 )
 from _fabric_save import METHODS as FABRIC_METHODS
 from _fabric_save import FabricSaves
@@ -457,7 +457,6 @@ def run_one(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
     ]:
         if a in methods and b in methods:
             figures[key] = paired(a, b, ia, ib)
-    ratio_rows, verdicts = [], []
     specs = [
         ("ours blocking / floor copy", "ours", "floor_copy", 0, 0, 1.3, False),
         ("sync torch.save blocking / ours blocking", "torch_sync", "ours", 0, 0, 5.0, True),
@@ -473,14 +472,8 @@ def run_one(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
             True,
         ),
     ]
-    for name, a, b, ia, ib, target, higher in specs:
-        if a in methods and b in methods:
-            row, line = verdict(name, paired(a, b, ia, ib), target, higher)
-            ratio_rows.append(row)
-            verdicts.append(line)
-    if ratio_rows:
-        out += ["Ratios (median of per-round ratios, same run):", ""]
-        out += [table(["ratio", "value", "target", "verdict"], ratio_rows), "", *verdicts]
+    out += ratio_table((name, paired(a, b, ia, ib), target, higher)
+                       for name, a, b, ia, ib, target, higher in specs if a in methods and b in methods)  # fmt: skip
     return "\n".join(out), figures
 
 
