@@ -1,21 +1,17 @@
-"""One primitive for decisions that must be the same on every rank, errors included.
-
-Two shapes cover every multi-rank decision in this package:
+"""One primitive for decisions that must be the same on every rank, errors included
+(docs/design.md, "Agreed failures"; a rank-0 error raised or logged there alone would leave
+the others waiting in the next collective until the group times out, 30 min with NCCL).
 
 * :func:`decide` — rank 0 runs ``fn`` (I/O: list, choose, probe, exists) and every rank
-  gets its *result or its exception*. A rank-0 error that was only logged, or raised on
-  rank 0 alone, would leave the others waiting in the next collective until the process
-  group times out (30 min with NCCL).
+  gets its *result or its exception*;
 * :func:`agree` — every rank runs ``fn`` (its own share of the work) and every rank learns
   every rank's outcome; if any failed, all raise the same error.
 
-An outcome travels as a small picklable :class:`Outcome` (kind, type, message, hint, path),
-never as a string with a prefix to parse. The error raised is of the original class when it
-is one of ours (:mod:`lightning_preempt.errors`), else a :class:`RankFailedError` naming the
-rank and the original type; the rank where it happened chains the original (``from``).
-
-Every rank of ``group`` must make the same sequence of calls. Without torch.distributed
-(or with ``group=None``) both run ``fn`` locally and raise as above.
+An outcome travels as a small picklable :class:`Outcome`, never a string to parse; the
+error raised is of the original class when it is one of ours, else a
+:class:`RankFailedError` naming the rank and type (chained on the rank where it happened).
+Every rank of ``group`` must make the same sequence of calls; without torch.distributed (or
+``group=None``) both run ``fn`` locally.
 """
 
 from __future__ import annotations
