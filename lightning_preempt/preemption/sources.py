@@ -12,6 +12,7 @@ at boundaries, ``stop()`` when training ends, fails or is preempted (idempotent)
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Protocol, runtime_checkable
 
 # The furthest ahead a notice's deadline may lie. Real ones are 30 s (GCE) to 15 min (Azure
@@ -43,6 +44,12 @@ class Notice:
         if self.deadline is not None and not self.deadline <= self.received_at + MAX_NOTICE_HORIZON_S:
             # ``not <=`` also catches NaN.
             object.__setattr__(self, "deadline", self.received_at + MAX_NOTICE_HORIZON_S)
+
+    @classmethod
+    def now(cls, source: str, reason: str, *, within_s: float | None = None, deadline: float | None = None) -> Notice:
+        """A notice received now; the node is gone ``within_s`` from now, or at ``deadline``."""
+        now = time.monotonic()
+        return cls(source, reason, now, now + within_s if within_s is not None else deadline)
 
 
 @runtime_checkable

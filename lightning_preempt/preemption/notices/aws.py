@@ -77,23 +77,14 @@ class AWSSpotSource(MetadataSource):
         action, when = doc.get("action"), doc.get("time")
         if not isinstance(action, str) or not isinstance(when, str):
             raise GarbageResponse(f"{ACTION_PATH} lacks 'action'/'time': {body[:200]!r}")
-        return Notice(
-            source="aws",
-            reason=f"spot instance-action {action!r} at {when}",
-            received_at=time.monotonic(),
-            deadline=wall_to_monotonic(parse_iso8601(when)),
-        )
+        return Notice.now("aws", f"spot instance-action {action!r} at {when}", deadline=wall_to_monotonic(parse_iso8601(when)))
 
     def _recommendation(self, body: str) -> Notice:
         when = _json_object(body, REBALANCE_PATH).get("noticeTime")
         if not isinstance(when, str):
             raise GarbageResponse(f"{REBALANCE_PATH} lacks 'noticeTime': {body[:200]!r}")
         parse_iso8601(when)  # validate only: it says when AWS noticed, not when the node goes
-        return Notice(
-            source="aws",
-            reason=f"rebalance recommendation (elevated interruption risk, noticed {when}; no deadline)",
-            received_at=time.monotonic(),
-        )
+        return Notice.now("aws", f"rebalance recommendation (elevated interruption risk, noticed {when}; no deadline)")
 
     # ---- IMDSv2 ------------------------------------------------------------------------
     def _get(self, path: str) -> tuple[int, str]:

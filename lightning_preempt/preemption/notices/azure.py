@@ -97,13 +97,8 @@ class AzureSource(MetadataSource):
         deadlines = [(self._deadline(e), e) for e in mine]
         deadline, first = min(deadlines, key=lambda d: d[0])
         self._event_ids = [str(e["EventId"]) for e in mine if e.get("EventId")]
-        return Notice(
-            source="azure",
-            reason=f"scheduled event {first.get('EventType')} ({first.get('EventStatus')}, NotBefore "
-            f"{first.get('NotBefore') or 'now'}, id {first.get('EventId')})",
-            received_at=time.monotonic(),
-            deadline=deadline,
-        )
+        return Notice.now("azure", f"scheduled event {first.get('EventType')} ({first.get('EventStatus')}, NotBefore "
+                          f"{first.get('NotBefore') or 'now'}, id {first.get('EventId')})", deadline=deadline)  # fmt: skip
 
     def _concerns_us(self, event: object) -> bool:
         if not isinstance(event, dict):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from urllib.parse import urlencode
 
 from lightning_preempt._text import untrusted_text
@@ -65,13 +64,8 @@ class GCESource(MetadataSource):
             raise GarbageResponse(f"{BASE}preempted is {value[:100]!r}, not TRUE/FALSE")
         if value == "FALSE":
             return None
-        now = time.monotonic()
-        return Notice(
-            source="gce",
-            reason=f"instance/preempted is TRUE (Spot/preemptible VM stops in ~{PREEMPTED_GRACE_S:.0f}s)",
-            received_at=now,
-            deadline=now + PREEMPTED_GRACE_S,
-        )
+        return Notice.now("gce", f"instance/preempted is TRUE (Spot/preemptible VM stops in ~{PREEMPTED_GRACE_S:.0f}s)",
+                          within_s=PREEMPTED_GRACE_S)  # fmt: skip
 
     def _watch_maintenance(self, stop: threading.Event) -> Notice | None:
         value = self._next_value("maintenance-event")
@@ -85,13 +79,8 @@ class GCESource(MetadataSource):
             log.info("lightning_preempt: gce live migration in ~%.0fs; training goes on", MAINTENANCE_NOTICE_S)
         if value != "TERMINATE_ON_HOST_MAINTENANCE":
             return None
-        now = time.monotonic()
-        return Notice(
-            source="gce",
-            reason=f"maintenance-event TERMINATE_ON_HOST_MAINTENANCE (host maintenance in ~{MAINTENANCE_NOTICE_S:.0f}s)",
-            received_at=now,
-            deadline=now + MAINTENANCE_NOTICE_S,
-        )
+        return Notice.now("gce", "maintenance-event TERMINATE_ON_HOST_MAINTENANCE (host maintenance in "
+                          f"~{MAINTENANCE_NOTICE_S:.0f}s)", within_s=MAINTENANCE_NOTICE_S)  # fmt: skip
 
     def _next_value(self, key: str) -> str:
         """The current value at first, then the next *changed* value (long-poll)."""
