@@ -1,4 +1,5 @@
-"""Preemption under a real SLURM (22.05, one node on this machine: tests/support/slurm.py).
+"""Preemption under a real SLURM (22.05 on this machine: one node, or two in network
+namespaces; tests/support/slurm.py).
 
 Every test submits README's job script, ``examples/slurm/train.sbatch`` (which runs
 ``examples/slurm/train.py`` with ``srun``), to the ``low`` partition and lets SLURM interrupt

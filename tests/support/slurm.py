@@ -13,6 +13,9 @@ Accounting needs slurmdbd, which we do not run: :meth:`SlurmCluster.job` reads
 ``scontrol show job`` (state, ``Restarts``, ``ExitCode``) and :meth:`SlurmCluster.records`
 the job-completion log (``JobCompType=jobcomp/filetxt``: one line per end of a run, the
 requeued ones included). docs/slurm-testing.md shows the same by hand.
+
+With ``hosts`` (a ``netns.Hosts``, root only) the cluster has one node per host instead,
+``lp1``, ``lp2``, ..., each slurmd in its host's network namespace (:meth:`SlurmCluster._on`).
 """
 
 from __future__ import annotations
