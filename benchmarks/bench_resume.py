@@ -190,12 +190,18 @@ def bench_loads(args: argparse.Namespace, root: str, ckpt: dict[str, Any]) -> tu
         "torch_load": loads.torch_load,
         "dcp": loads.dcp_load,
     }
-    methods = list(runners)
+    methods = [m for m in runners if getattr(args, "methods", None) is None or m in args.methods]
     caches = ["warm", "cold"] if not args.no_cold else ["warm"]
     results: dict[tuple[str, str], list[float]] = {(c, m): [] for c in caches for m in methods}
+    # CPU seconds of this process per load: the work done, much less moved by other processes
+    # on a loaded machine than the wall time is (the loaders read on the calling thread).
+    cpu_s: dict[tuple[str, str], list[float]] = {(c, m): [] for c in caches for m in methods}
+    befores: dict[str, list[bool]] = {c: [] for c in caches}  # per measured round: verify ran before noverify
     for rnd in range(args.repeats + 1):
         for cache in caches:
             order = methods[rnd % len(methods) :] + methods[: rnd % len(methods)]
+            if rnd > 0 and {"ours_verify", "ours_noverify"} <= set(order):
+                befores[cache].append(order.index("ours_verify") < order.index("ours_noverify"))
             for m in order:
                 paths = loads.files(m)
                 if cache == "cold":
@@ -203,14 +209,15 @@ def bench_loads(args: argparse.Namespace, root: str, ckpt: dict[str, Any]) -> tu
                 else:
                     warm(paths)
                 gc.collect()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 out = runners[m]()
-                dt = time.perf_counter() - t0
+                dt, cpu = time.perf_counter() - t0, time.process_time() - c0
                 if rnd == 0 and out is not None and not same(ckpt, out):
                     raise SystemExit(f"{m} loaded different tensors")
                 del out
                 if rnd > 0:
                     results[(cache, m)].append(dt)
+                    cpu_s[(cache, m)].append(cpu)
     total = sum(os.path.getsize(p) for p in files_under(loads.ours_dir))
     rows = []
     for cache in caches:
@@ -231,7 +238,9 @@ def bench_loads(args: argparse.Namespace, root: str, ckpt: dict[str, Any]) -> tu
             ("ours_verify", "torch_load"),
             ("ours_verify", "torch_io"),
             ("ours_verify", "dcp"),
+            ("ours_noverify", "ours_verify"),
         ]
+        if a in methods and b in methods
     }
     text = "\n".join(
         [
@@ -240,9 +249,37 @@ def bench_loads(args: argparse.Namespace, root: str, ckpt: dict[str, Any]) -> tu
             "",
             table(["cache", "method", "load (s)", "range", "GB/s", "notes"], rows),
             "",
+            *_verify_order_table(results, cpu_s, befores),
         ]
     )
     return text, figures
+
+
+def _verify_order_table(
+    results: dict[tuple[str, str], list[float]],
+    cpu_s: dict[tuple[str, str], list[float]],
+    befores: dict[str, list[bool]],
+) -> list[str]:
+    """verify_on_load=False against True, round by round, split by which of the two ran first
+    in the round (the methods' order rotates): an order effect shows as two different rows.
+    Wall seconds, and the CPU seconds of the same loads."""
+    rows = []
+    for cache, before in befores.items():
+        for what, source in (("wall", results), ("CPU", cpu_s)):
+            verify, noverify = source.get((cache, "ours_verify"), []), source.get((cache, "ours_noverify"), [])
+            if not before or len(verify) != len(before):
+                continue
+            for label, want in (("verify first", True), ("noverify first", False), ("all", None)):
+                pairs = [(v, n) for v, n, b in zip(verify, noverify, before, strict=True) if want is None or b == want]
+                if pairs:
+                    ratios = [n / v for v, n in pairs]
+                    rows.append([cache, what, label, str(len(pairs)), fmt_s(median([v for v, _ in pairs])),
+                                 fmt_s(median([n for _, n in pairs])), f"{median(ratios):.2f}", fmt_range(ratios)])  # fmt: skip
+    if not rows:
+        return []
+    head = ["cache", "time", "order in the round", "rounds", "verify=True (s)", "verify=False (s)", "False / True",
+            "range of False / True"]  # fmt: skip
+    return ["verify_on_load=False against True, by which ran first in the round (medians):", "", table(head, rows), ""]
 
 
 # ---- (c) first-save stall, one process ---------------------------------------------------
@@ -595,6 +632,12 @@ def main(argv: list[str] | None = None) -> int:
         "--parts", default="abc", help="which parts to run: a (1-process loads), b (2 ranks), c (first save)"
     )
     p.add_argument("--no-cold", action="store_true", help="skip the cold-cache rounds")
+    p.add_argument(
+        "--methods",
+        type=lambda v: v.split(","),
+        default=None,
+        help=f"(a) only these load methods, comma list of {','.join(LOAD_METHODS)} (default: all)",
+    )
     p.add_argument("--quick", action="store_true", help="smoke run: 128 MiB, 16 tensors, 2 rounds")
     args = p.parse_args(argv)
     if args.quick:

@@ -63,7 +63,8 @@ def main() -> None:
     p.add_argument("--grace", type=float, default=20.0, help="the partition's GraceTime")
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--no-requeue", action="store_true", help="requeue=False (the scheduler decides)")
-    p.add_argument("--devices", type=int, default=1, help="processes (DDP on CPU; under SLURM: --ntasks)")
+    p.add_argument("--devices", type=int, default=1, help="processes a node (--ntasks-per-node)")
+    p.add_argument("--num-nodes", type=int, default=1, help="nodes (under SLURM: --nodes)")
     args = p.parse_args()
 
     L.seed_everything(0, verbose=False)
@@ -75,7 +76,8 @@ def main() -> None:
         max_steps=args.max_steps,
         accelerator="cpu",
         devices=args.devices,
-        strategy="ddp" if args.devices > 1 else "auto",
+        num_nodes=args.num_nodes,
+        strategy="ddp" if args.devices * args.num_nodes > 1 else "auto",
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,

@@ -11,7 +11,10 @@ What is saved (per rank, in the rank's own state file): ``exact_state.make_state
 the loader's entry, plus, for a torchdata ``StatefulDataLoader``, its own ``state_dict``.
 A plain ``DataLoader`` resumes through a ``ResumableSampler`` (resume/samplers.py).
 
-Restore order (loaders.py's protocol): mid-epoch, the sampler replays the saved order and
+Restore order (loaders.py's protocol): mid-epoch in an epoch split among another number of
+ranks (a resize), the loader gets this rank's share of the rest of the same epoch order
+(``ResumableLoaders.reshard``, docs/elastic.md "Data at a resize"), as the Trainer's does;
+mid-epoch at the same world size, the sampler replays the saved order and
 skips what was trained, the iterator is made from the RNG states of the epoch's start,
 then the states of the save are restored; after a save that ended an epoch, the states of
 the save are restored and the next epoch's iterator is made from them, as the
@@ -42,7 +45,7 @@ class LoopData:
         self.loaders = ResumableLoaders(replay_setting=REPLAY_SETTING)
         self.epoch = 0
         self.batches_in_epoch = 0
-        self.restored: str | None = None  # "mid-epoch", "epoch-end", "derived" (tests and logs)
+        self.restored: str | None = None  # "mid-epoch", "resharded", "epoch-end", "derived" (tests and logs)
         self._loader: Any = None
         self._pending: dict[str, Any] | None = None
 
@@ -87,13 +90,17 @@ class LoopData:
         self._loader = dl
         n = _length(dl)
         state, self._pending = self._pending, None
+        resharded = False
         if state is not None:
             exact_state.warn_world_size(state, world_size)
-            if state["batches_in_epoch"] >= n:  # the save ended its epoch: the next one starts
+            # Another split of the saved epoch first: this rank's batch count may be past the
+            # epoch's length at a larger world size while the world has not consumed it all.
+            resharded = self._reshard(dl, state)
+            if not resharded and state["batches_in_epoch"] >= n:  # the save ended its epoch: the next one starts
                 self.epoch, self.batches_in_epoch = int(state["epoch"]) + 1, 0
         while self.epoch < max_epochs:
-            iterator = self._start_epoch(dl, state, n, rank)
-            state = None
+            iterator = self._start_epoch(dl, state, n, rank, resharded)
+            state, resharded = None, False
             for batch in iterator:
                 yield to_device(batch) if device is not None else batch
                 self.batches_in_epoch += 1
@@ -102,7 +109,16 @@ class LoopData:
             self.batches_in_epoch = 0
 
     # -- internals --
-    def _start_epoch(self, dl: Any, state: dict[str, Any] | None, n: float, rank: int) -> Iterator[Any]:
+    def _reshard(self, dl: Any, state: dict[str, Any]) -> bool:
+        """Give ``dl`` this rank's share of the rest of the saved epoch if that epoch was split
+        among another number of ranks (or already resharded): ``ResumableLoaders.reshard``."""
+        if state.get("epoch") != self.epoch or state["batches_in_epoch"] <= 0:
+            return False
+        return bool(self.loaders.reshard([dl], state.get("loaders", []), self.epoch, int(state["batches_in_epoch"])))
+
+    def _start_epoch(
+        self, dl: Any, state: dict[str, Any] | None, n: float, rank: int, resharded: bool = False
+    ) -> Iterator[Any]:
         epoch = self.epoch
         mid_epoch = exact_state.is_mid_epoch(state, epoch, n)
         if state is None:
@@ -112,7 +128,18 @@ class LoopData:
             return iter(dl)
         saved = state.get("loaders", [])
         own = state.get("rank") == rank
-        if mid_epoch:
+        if resharded:
+            # The rest of the epoch's order, split among the ranks of now (its ReshardedSampler,
+            # put back by the next epoch's set_epoch); the batch counter goes on from the save.
+            if own:  # workers draw their base seed from the epoch start's states, as when it began
+                self.loaders.set_pre_iter_rng([dl], saved)
+            self.loaders.remake_resharded([dl], {0}, None)  # a StatefulDataLoader starts afresh from its share
+            _compat.set_sampler_epoch(dl, epoch)
+            self.loaders.note_pre_iter([dl], epoch)
+            iterator = iter(dl)
+            self._restore_rng(state, rank)
+            self.restored = "resharded"
+        elif mid_epoch:
             self.loaders.restore_positions(saved, True, self.batches_in_epoch)
             loader_states = state.get("loader_states") or [None]
             if self._stateful(dl) and loader_states[0] is not None:

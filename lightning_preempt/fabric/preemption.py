@@ -66,9 +66,9 @@ class Preemption:
 
     Every other argument is :class:`~lightning_preempt.PreemptionCallback`'s, with the same
     meaning and validation (:class:`~lightning_preempt.engine.config.PreemptionConfig`), except
-    ``global_batch``: validated, but a Fabric loop owns its accumulation, and this front-end
-    does not yet reshard an epoch at another world size (each rank resumes at its own
-    position, as before; the Trainer's does, docs/elastic.md "Data at a resize").
+    ``global_batch``: validated, but a Fabric loop owns its accumulation. A mid-epoch resume
+    at another world size reshards the rest of the epoch among the ranks of now, as the
+    Trainer's does (docs/elastic.md "Data at a resize").
     ``log_metrics`` logs through ``fabric.log_dict`` (the loggers given to ``Fabric``, rank 0):
     each committed save's figures and the run's so far, at the next step boundary after its
     commit and at :meth:`finish`, and ``preempt/resumed_from_step`` after a resume.

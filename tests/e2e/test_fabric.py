@@ -14,6 +14,7 @@ import random
 import subprocess
 import sys
 import textwrap
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -66,9 +67,11 @@ def test_a_two_rank_checkpoint_resumes_at_world_size_1(tmp_path: Path) -> None:
     newest = newest_valid(str(tmp_path / "ck"))
     assert newest is not None and newest.world_size == 2
     [result] = _run(tmp_path, devices=1)
-    # one rank now takes every batch: 24 per epoch; the resume goes on inside the saved epoch
-    assert result["start_step"] == newest.step and result["step"] == 2 * STEPS
-    assert result["resumed_from"] == newest.path and result["restored"] == "mid-epoch"
+    # one rank now takes the rest of the saved epoch's order (96 - 8k samples: 12 - k batches
+    # per rank at 2, 24 - 2k at 1), then whole epochs of 24 batches
+    k = newest.step
+    assert result["start_step"] == k and result["step"] == k + (24 - 2 * k) + 24, result
+    assert result["resumed_from"] == newest.path and result["restored"] == "resharded"
 
 
 def test_three_preemptions_at_random_steps_end_bit_identical(tmp_path: Path) -> None:
@@ -127,3 +130,34 @@ def test_model_parallel_fsdp2_on_cpu_preempts_resumes_and_ends_bit_identical(tmp
     for r in _run(tmp_path, *mp):
         assert r["start_step"] == newest.step and r["restored"] == "mid-epoch"
         assert r["weights"] == expected["weights"] and r["step"] == STEPS
+
+
+def _resize_phase(tmp: Path, phase: str, devices: int, *extra: str, expect: int = 0) -> list[dict[str, Any]]:
+    """One run of fabric_resize_script.py (its own status folder); each rank's trained lines."""
+    st = tmp / phase
+    st.mkdir()
+    proc = launch("fabric_resize_script.py", tmp, "--dirpath", str(tmp / "ck"), "--status", str(st),
+                  "--devices", str(devices), *extra)  # fmt: skip
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == expect, out[-4000:]
+    assert [read(st / f"rank{r}.exit") for r in range(devices)] == [str(expect)] * devices, out[-4000:]
+    return [json.loads(line) for r in range(devices) for line in (st / f"rank{r}.trained").read_text().splitlines()]
+
+
+def test_a_loop_resized_from_3_to_2_ranks_trains_every_sample_of_the_epoch_once(tmp_path: Path) -> None:
+    """Issue 32: a Fabric loop preempted at 3 ranks mid-epoch and resumed at 2 goes on with
+    the rest of the same epoch order split 2 ways (docs/elastic.md "Data at a resize"), as
+    the Trainer does: every index of epoch 0 once over both runs, epoch 1 one whole pass."""
+    before = _resize_phase(tmp_path, "at3", 3, "--signal-at", "3", expect=143)
+    newest = newest_valid(str(tmp_path / "ck"))
+    assert newest is not None and newest.world_size == 3 and newest.step >= 3
+    after = _resize_phase(tmp_path, "at2", 2)
+    epoch0 = Counter(i for line in before if line["step"] <= newest.step for i in line["indices"])
+    epoch0.update(i for line in after if line["epoch"] == 0 for i in line["indices"])
+    n = 96  # fabric_resize_script.N
+    twice = {i: c for i, c in epoch0.items() if c > 1}
+    assert set(epoch0) == set(range(n)) and not twice, f"missing {sorted(set(range(n)) - set(epoch0))}, twice {twice}"
+    epoch1 = Counter(i for line in after if line["epoch"] == 1 for i in line["indices"])
+    assert epoch1 == Counter(range(n)), "the next epoch is one whole pass at 2 ranks"
+    results = [json.loads(read(tmp_path / "at2" / f"rank{r}.result.json")) for r in range(2)]
+    assert all(r["start_step"] == newest.step and r["restored"] == "resharded" for r in results), results

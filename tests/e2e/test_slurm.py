@@ -1,4 +1,5 @@
-"""Preemption under a real SLURM (22.05, one node on this machine: tests/support/slurm.py).
+"""Preemption under a real SLURM (22.05 on this machine: one node, or two in network
+namespaces; tests/support/slurm.py).
 
 Every test submits README's job script, ``examples/slurm/train.sbatch`` (which runs
 ``examples/slurm/train.py`` with ``srun``), to the ``low`` partition and lets SLURM interrupt
@@ -279,5 +280,50 @@ def test_two_tasks_every_rank_absorbs_slurms_sigterm_after_the_requeue(slurm_clu
     assert "tasks 0-1: Exited with exit code 143" in text or "task 1: Exited with exit code 143" in text, text
     assert "Terminated" not in text and "Killed" not in text, text
     final, expected = torch.load(job.weights), reference.weights()
+    for name, tensor in expected.items():
+        assert torch.equal(final[name], tensor), f"{name} differs from the uninterrupted run"
+
+
+@pytest.fixture
+def two_node_cluster(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """Two slurmd nodes, each in a network namespace of its own (tests/support/netns.py):
+    slurmctld on the first, one CPU each; skips where SLURM or namespaces are missing."""
+    import netns
+    import slurm
+
+    absent = slurm.missing()
+    if absent:
+        pytest.skip(f"{', '.join(absent)} not found. {slurm.HOW_TO_GET}")
+    if netns.missing():
+        pytest.skip(str(netns.missing()))
+    with netns.Hosts(2) as hosts, slurm.cluster(tmp_path / "slurm", hosts=hosts) as cluster:
+        yield cluster
+
+
+@pytest.mark.slow
+def test_two_nodes_every_rank_absorbs_slurms_sigterm_after_the_requeue(two_node_cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 32: ``--nodes=2`` (one task each, DDP over gloo between two slurmd nodes): rank 0
+    requeues, SLURM's SIGTERM reaches the task on each node; both exit 143 by themselves, the
+    job is REQUEUED (not FAILED), both tasks resume at the snapshot's step, and the final
+    weights are bitwise those of an uninterrupted 2-process run."""
+    reference = Reference(tmp_path / "ref", devices=2) if (tmp_path / "ref").mkdir() is None else None
+    assert reference is not None
+    job = Job(two_node_cluster, tmp_path, "--nodes=2", "--ntasks-per-node=1", step_sleep=0.1,
+              args=("--num-nodes", "2"))  # fmt: skip
+    job.wait_step(0, 8)
+    job.preempt_by_high_job()
+    fields = job.final()
+    text = job.text()
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", f"{fields}\n{text}"
+    assert "lp1: task 0: Exited with exit code 143" in text and "lp2: task 1: Exited with exit code 143" in text, text
+    assert "Terminated" not in text and "Killed" not in text, text
+    records = two_node_cluster.records(job.id)
+    # one line per run: the preempted one went back to PENDING (requeued, not FAILED), both on both nodes
+    assert [(r["JobState"], r["NodeList"]) for r in records] == [("PENDING", "lp[1-2]"), ("COMPLETED", "lp[1-2]")], records
+    runs = job.runs()
+    assert len(runs) == 2 and runs[0][-1] == runs[1][0], f"steps lost: {runs}\n{text}"
+    assert text.count(f"resuming from {tmp_path / 'ckpts'}/step-") == 2, text  # both ranks resumed
+    final, expected = torch.load(job.weights), reference.weights()
+    assert final.keys() == expected.keys()
     for name, tensor in expected.items():
         assert torch.equal(final[name], tensor), f"{name} differs from the uninterrupted run"

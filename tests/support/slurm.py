@@ -13,6 +13,9 @@ Accounting needs slurmdbd, which we do not run: :meth:`SlurmCluster.job` reads
 ``scontrol show job`` (state, ``Restarts``, ``ExitCode``) and :meth:`SlurmCluster.records`
 the job-completion log (``JobCompType=jobcomp/filetxt``: one line per end of a run, the
 requeued ones included). docs/slurm-testing.md shows the same by hand.
+
+With ``hosts`` (a ``netns.Hosts``, root only) the cluster has one node per host instead,
+``lp1``, ``lp2``, ..., each slurmd in its host's network namespace (:meth:`SlurmCluster._on`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "squeue", "scontrol", "sinfo", "scancel")
@@ -66,15 +70,20 @@ def _free_port() -> int:
 
 
 def slurm_conf(
-    root: Path, *, grace_s: int, kill_wait_s: int, cred_expire_s: int | None, ctld_port: int, slurmd_port: int
-) -> str:
+    root: Path, *, grace_s: int, kill_wait_s: int, cred_expire_s: int | None, ctld_port: int, slurmd_port: int,
+    addrs: tuple[str, ...] = ("127.0.0.1",),
+) -> str:  # fmt: skip
     """The cluster's ``slurm.conf`` (see the module docstring); ``cred_expire_s=None`` keeps
-    SLURM's default (120 s), as production clusters do."""
+    SLURM's default (120 s), as production clusters do. ``addrs``: one node ``lp<i+1>`` per
+    address (slurmctld listens on the first)."""
     host = socket.gethostname().split(".")[0]
     cred = f",cred_expire={cred_expire_s}" if cred_expire_s is not None else ""
+    names = ",".join(f"lp{i + 1}" for i in range(len(addrs)))
+    nodes = [f"NodeName=lp{i + 1} NodeAddr={addr} NodeHostname={host} CPUs=1 State=UNKNOWN"
+             for i, addr in enumerate(addrs)]  # fmt: skip
     return "\n".join([
         "ClusterName=lptest",
-        f"SlurmctldHost={host}(127.0.0.1)",
+        f"SlurmctldHost={host}({addrs[0]})",
         f"SlurmctldPort={ctld_port}",
         f"SlurmdPort={slurmd_port}",
         "SlurmUser=root",
@@ -83,11 +92,11 @@ def slurm_conf(
         "AuthType=auth/munge",
         "CredType=cred/munge",
         f"StateSaveLocation={root / 'state'}",
-        f"SlurmdSpoolDir={root / 'spool'}",
+        f"SlurmdSpoolDir={root / 'spool'}{'-%n' if len(addrs) > 1 else ''}",
         f"SlurmctldPidFile={root / 'slurmctld.pid'}",
-        f"SlurmdPidFile={root / 'slurmd.pid'}",
+        f"SlurmdPidFile={root / 'slurmd'}{'-%n' if len(addrs) > 1 else ''}.pid",
         f"SlurmctldLogFile={root / 'slurmctld.log'}",
-        f"SlurmdLogFile={root / 'slurmd.log'}",
+        f"SlurmdLogFile={root / 'slurmd'}{'-%n' if len(addrs) > 1 else ''}.log",
         "SlurmctldDebug=info",
         "SlurmdDebug=info",
         "ProctrackType=proctrack/linuxproc",
@@ -109,9 +118,9 @@ def slurm_conf(
         "MinJobAge=3600",
         "InactiveLimit=0",
         "SlurmdTimeout=300",
-        f"NodeName=lp1 NodeAddr=127.0.0.1 NodeHostname={host} CPUs=1 State=UNKNOWN",
-        f"PartitionName=low Nodes=lp1 Default=YES MaxTime=INFINITE PriorityTier=1 PreemptMode=REQUEUE GraceTime={grace_s} State=UP",
-        "PartitionName=high Nodes=lp1 MaxTime=INFINITE PriorityTier=2 PreemptMode=OFF State=UP",
+        *nodes,
+        f"PartitionName=low Nodes={names} Default=YES MaxTime=INFINITE PriorityTier=1 PreemptMode=REQUEUE GraceTime={grace_s} State=UP",
+        f"PartitionName=high Nodes={names} MaxTime=INFINITE PriorityTier=2 PreemptMode=OFF State=UP",
         "",
     ])
 
@@ -120,9 +129,13 @@ class SlurmCluster:
     """A running private cluster; :meth:`start` it, :meth:`stop` it (by PID)."""
 
     def __init__(
-        self, root: Path, *, grace_s: int = 20, kill_wait_s: int = 10, cred_expire_s: int | None = CRED_EXPIRE_S
-    ) -> None:
+        self, root: Path, *, grace_s: int = 20, kill_wait_s: int = 10, cred_expire_s: int | None = CRED_EXPIRE_S,
+        hosts: Any = None,
+    ) -> None:  # fmt: skip
+        """``hosts``: a ``netns.Hosts``; then one node per host, each slurmd in its host's
+        network namespace, slurmctld and the clients in the first (see :meth:`start`)."""
         self.root = root
+        self.hosts = hosts
         self.cred_expire_s = cred_expire_s
         self.grace_s = grace_s
         self.kill_wait_s = kill_wait_s
@@ -138,17 +151,43 @@ class SlurmCluster:
         key = self.root / "munge" / "munge.key"
         key.write_bytes(os.urandom(1024))
         os.chmod(key, 0o400)
+        addrs = tuple(self.hosts.ip(i) for i in range(len(self.hosts.nodes))) if self.hosts else ("127.0.0.1",)
         self.conf.write_text(slurm_conf(self.root, grace_s=self.grace_s, kill_wait_s=self.kill_wait_s,
-                                        cred_expire_s=self.cred_expire_s, ctld_port=_free_port(), slurmd_port=_free_port()))  # fmt: skip
+                                        cred_expire_s=self.cred_expire_s, ctld_port=_free_port(), slurmd_port=_free_port(),
+                                        addrs=addrs))  # fmt: skip
+        if self.hosts:
+            self._name_hosts(addrs)
         munge = self.root / "munge"
         self._spawn("munged", [_which("munged"), "-F", "--force", f"--socket={munge / 'munge.socket'}",
                                f"--key-file={key}", f"--log-file={munge / 'munged.log'}",
                                f"--pid-file={munge / 'munged.pid'}", f"--seed-file={munge / 'munged.seed'}"])  # fmt: skip
         self._until(lambda: (munge / "munge.socket").exists(), timeout_s, "munged to open its socket")
-        self._spawn("slurmctld", [_which("slurmctld"), "-D", "-i", "-c", "-f", str(self.conf)])
-        self._spawn("slurmd", [_which("slurmd"), "-D", "-N", "lp1", "-f", str(self.conf)])
-        self._until(lambda: self.sinfo_state() == "idle", timeout_s, "sinfo to show the node idle")
+        self._spawn("slurmctld", [*self._on(0), _which("slurmctld"), "-D", "-i", "-c", "-f", str(self.conf)])
+        for i in range(len(addrs)):
+            name = "slurmd" if len(addrs) == 1 else f"slurmd-lp{i + 1}"
+            self._spawn(name, [*self._on(i), _which("slurmd"), "-D", "-N", f"lp{i + 1}", "-f", str(self.conf)])
+        self._until(lambda: self.sinfo_states() == ["idle"] * len(addrs), timeout_s, "sinfo to show every node idle")
         return self
+
+    def _on(self, i: int) -> list[str]:
+        """The command prefix that runs a program on node ``i``: in its host's network
+        namespace (``nsenter``: ``ip netns exec`` would mount a sysfs without the cgroup
+        mounts slurmd needs) and a mount namespace of its own where the node's hosts file
+        (:meth:`_name_hosts`) is ``/etc/hosts``."""
+        if not self.hosts:
+            return []
+        hosts_file = self.root / f"hosts-lp{i + 1}"
+        return [_which("nsenter"), f"--net=/run/netns/{self.hosts.nodes[i]}", _which("unshare"), "--mount",
+                "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts_file)]  # fmt: skip
+
+    def _name_hosts(self, addrs: tuple[str, ...]) -> None:
+        """Each node's hosts file: the machine's hostname is the node's own address there (srun
+        and slurmstepd tell each other addresses they can reach) and ``lp<j>`` names node j."""
+        host = socket.gethostname().split(".")[0]
+        for i in range(len(addrs)):
+            names = "".join(f"{addr} lp{j + 1}\n" for j, addr in enumerate(addrs) if j != i)
+            (self.root / f"hosts-lp{i + 1}").write_text(f"127.0.0.1 localhost\n{addrs[i]} {host} lp{i + 1}\n{names}")
+            (self.root / f"spool-lp{i + 1}").mkdir(exist_ok=True)
 
     def stop(self) -> None:
         """Stop every daemon this cluster started, by PID (jobs first, so slurmd ends them)."""
@@ -156,7 +195,8 @@ class SlurmCluster:
             with contextlib.suppress(OSError, subprocess.TimeoutExpired):
                 subprocess.run([_which("scancel"), "--user=root", "--full"], env=self.env, timeout=10,
                                capture_output=True, check=False)  # fmt: skip
-        for name in ("slurmd", "slurmctld", "munged"):
+        slurmds = [name for name in self.procs if name.startswith("slurmd")]
+        for name in (*slurmds, "slurmctld", "munged"):
             proc = self.procs.pop(name, None)
             if proc is None or proc.poll() is not None:
                 continue
@@ -192,8 +232,8 @@ class SlurmCluster:
     def logs(self, tail: int = 30) -> str:
         """The last lines of every daemon log (for failure messages)."""
         parts = []
-        for path in (self.root / "slurmctld.log", self.root / "slurmd.log", self.root / "munge" / "munged.log",
-                     *sorted(self.root.glob("*.out"))):  # fmt: skip
+        for path in (self.root / "slurmctld.log", *sorted(self.root.glob("slurmd*.log")),
+                     self.root / "munge" / "munged.log", *sorted(self.root.glob("*.out"))):  # fmt: skip
             if path.exists():
                 lines = path.read_text(errors="replace").splitlines()[-tail:]
                 parts.append(f"--- {path.name}\n" + "\n".join(lines))
@@ -202,8 +242,8 @@ class SlurmCluster:
     # ---- clients ------------------------------------------------------------------------------
     def run(self, *argv: str, check: bool = True) -> str:
         """Run a SLURM client against this cluster; its stdout."""
-        done = subprocess.run([_which(argv[0]), *argv[1:]], env=self.env, capture_output=True, text=True,
-                              timeout=30, check=False)  # fmt: skip
+        done = subprocess.run([*self._on(0), _which(argv[0]), *argv[1:]], env=self.env, capture_output=True,
+                              text=True, timeout=30, check=False)  # fmt: skip
         if check and done.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} -> exit {done.returncode}: {done.stderr.strip()}")
         return done.stdout
@@ -213,10 +253,17 @@ class SlurmCluster:
             return self.run("sinfo", "-h", "-n", "lp1", "-o", "%T").split("\n")[0].strip().rstrip("*")
         return ""
 
+    def sinfo_states(self) -> list[str]:
+        """Every node's state, in node order (``[]`` while slurmctld does not answer)."""
+        with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
+            lines = self.run("sinfo", "-h", "-N", "-p", "low", "-o", "%N %T").split("\n")
+            return [state.rstrip("*") for _, state in sorted(line.split() for line in lines if line.strip())]
+        return []
+
     def sbatch(self, *argv: str, env: dict[str, str] | None = None) -> str:
         """``sbatch --parsable ARGV`` (options, then the script and its arguments, or ``--wrap``);
         the job id."""
-        done = subprocess.run([_which("sbatch"), "--parsable", *argv], env={**self.env, **(env or {})},
+        done = subprocess.run([*self._on(0), _which("sbatch"), "--parsable", *argv], env={**self.env, **(env or {})},
                               capture_output=True, text=True, timeout=30, check=False)  # fmt: skip
         if done.returncode != 0:
             raise RuntimeError(f"sbatch -> exit {done.returncode}: {done.stderr.strip()}\n{self.logs()}")
