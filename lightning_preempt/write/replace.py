@@ -19,6 +19,14 @@ two jobs) never share a file: the first to create ``P/.lightning_preempt.writer`
 create-only manifest decides which one is committed. The loser deletes only what it wrote
 and is told it lost (:func:`abandon`); the winner's files are never touched.
 
+The claim is created and removed without syncs (a crash may lose it or bring it back: a
+stale claim only sends the next save to a generation, a lost one lets it write in place and
+clear the partial files). What a commit syncs on local disk, in order: each data file
+(``fdatasync`` as it is closed: DCP shards, ``.metadata``, state files), the temporary
+manifest (``fdatasync``), then, after its hard link, the directory once (``fsync``), which
+also makes the data files' names durable. A manifest is thus durable only after every byte
+it names; nothing else is synced on the commit path (write/commit.py).
+
 A crash before 2 leaves the old checkpoint (plus an unreferenced generation, which stays
 until the checkpoint is deleted: it cannot be told from a concurrent save's generation
 still being written); a crash after 2 leaves the new one (plus stale files the next
@@ -146,13 +154,15 @@ def _claim(root: Store, *, remove_file: bool) -> WritePlan:
     now, or one was killed doing so; the create-only manifest decides between them)."""
     root.makedirs()
     try:
-        root.commit_bytes(CLAIM_NAME, uuid.uuid4().hex.encode(), exclusive=True)
+        # Not synced: the claim only settles who writes in place among the saves running
+        # now; after a crash a lost claim and a stale one both mean "nobody is writing here".
+        root.commit_bytes(CLAIM_NAME, uuid.uuid4().hex.encode(), exclusive=True, durable=False)
     except CheckpointExistsError:
         return WritePlan("generation", new_generation(), remove_file=remove_file)
     if root.exists(MANIFEST_NAME):
         # Another save committed (and released its claim) since we looked: replace it. Its
         # commit came before its release, so a claim won after the release sees its manifest.
-        root.rm_file(CLAIM_NAME)
+        root.rm_file(CLAIM_NAME, durable=False)
         return WritePlan("generation", new_generation(), replace=True, replaced=_live_or_none(root))
     remove_stale(root)  # an earlier save's partial files (never the claim: it is ours now)
     return WritePlan("in_place", remove_file=remove_file)
@@ -170,7 +180,7 @@ def finish_write(root: Store, plan: WritePlan) -> None:
         if plan.remove_file:
             root.rm_file()  # P/manifest.json exists now: it wins over the file
         if plan.mode == "in_place":
-            root.rm_file(CLAIM_NAME)
+            root.rm_file(CLAIM_NAME, durable=False)  # a claim back after a crash is only stale
         elif plan.mode == "generation" and live_generation(root) == plan.name:
             # (another writer may have replaced this checkpoint since: its files are not stale)
             remove_replaced(root, plan)
