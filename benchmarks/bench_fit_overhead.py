@@ -16,12 +16,17 @@ Rows: save intervals 1, 10, 100 steps; 24 tensors (6 ``Linear`` layers + SGD mom
 4000 tensors (the same layers + 3976 small buffers, about the same bytes); 1 and 2 ranks
 (real DDP over gloo; each rank a process started here with Lightning's environment variables,
 so one process runs every fit of its world). Each fit warms up until its first save is done
-(plans, buffers, threads) and then times ``--steps``-many steps (at least two saves); the
-rows of one world are interleaved and their order reversed every other round. The figure is
-the median over rounds; overhead = median over rounds of (baseline rate / row rate - 1).
-Saves still in flight when the window closes are not counted (they finish after training).
+(plans, buffers, threads) and, at intervals of 10 steps and more, past the agreement's
+calibration steps (``CALIBRATION_STEPS``: every step while it times them); so does the
+baseline, whose window is the longest of any row's (it was 40 steps right after the start
+against 300 for every-100 rows: a different part of the run). Then ``--steps``-many steps are
+timed (at least ``--saves`` saves); the rows of one world are interleaved and their order
+reversed every other round. The figure is the median over rounds; overhead = median over
+rounds of (baseline rate / row rate - 1). Saves still in flight when the window closes are
+not counted (they finish after training).
 
-    python benchmarks/bench_fit_overhead.py              # the table, ~5 min on 2 busy cores
+    python benchmarks/bench_fit_overhead.py              # the whole table, 1 round: <= 5 min on 2 busy cores
+    python benchmarks/bench_fit_overhead.py --full       # 3 rounds, longer windows (~15 min)
     python benchmarks/bench_fit_overhead.py --quick      # tiny sizes, 1 round: the code paths
     python benchmarks/bench_fit_overhead.py --device cuda   # on a GPU (2 ranks need 2 GPUs)
 """
@@ -153,6 +158,16 @@ def dcp_callback(dirpath: str, every: int, group: Any) -> Any:
     return DcpAsyncSave()
 
 
+def warm_up(every: int) -> int:
+    """Untimed steps of a fit: its first save done (``every + 1``), and from 10 steps on also
+    the agreement's calibration (an exchange every step while it times them; at every step
+    the saves outweigh it, and 20 saved warm-up steps would triple the fit). The baseline
+    (``every == 0``) warms up past the calibration steps too."""
+    from lightning_preempt.preemption.schedule import CALIBRATION_STEPS
+
+    return every + 1 if every == 1 else max(every + 1, CALIBRATION_STEPS + 1)
+
+
 def window(every: int, args: argparse.Namespace) -> int:
     """Timed steps of a fit saving every ``every`` steps: ``--steps``, and at least ``--saves`` saves."""
     return max(args.steps, args.saves * every) if every else args.steps
@@ -172,8 +187,8 @@ def one_fit(
 
     from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO
 
-    warm_until = every + 1 if method != "none" else 3  # the first save is done before the window
-    steps = window(every, args)
+    warm_until = warm_up(every)
+    steps = window(every, args) if method != "none" else max(window(e, args) for e in args.every)
     dirpath = os.path.join(root, f"{method}-{every}-{n_tensors}-{time.monotonic_ns()}")
     probe = clock(warm_until, steps)
     callbacks: list[Any] = [probe]
@@ -408,12 +423,13 @@ def ints(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes, 1 round, 1 rank: the code paths")
+    p.add_argument("--full", action="store_true", help="3 rounds of longer windows (--steps 40 --saves 3)")
     p.add_argument("--dry-run", action="store_true", help="--quick with every method (the overlap rows too)")
     p.add_argument("--width", type=int, default=384, help="Linear width (default 384: ~7 MiB of state)")
     p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--steps", type=int, default=40, help="timed steps a fit, at least (default 40)")
-    p.add_argument("--saves", type=int, default=3, help="timed saves a fit, at least (default 3)")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=20, help="timed steps a fit, at least (default 20; --full 40)")
+    p.add_argument("--saves", type=int, default=2, help="timed saves a fit, at least (default 2; --full 3)")
+    p.add_argument("--rounds", type=int, default=1, help="rounds (default 1; --full 3)")
     p.add_argument("--every", type=ints, default=[1, 10, 100], help="save intervals (default 1,10,100)")
     p.add_argument("--tensors", type=ints, default=[24, 4000], help="tensor counts (default 24,4000)")
     p.add_argument("--ranks", type=ints, default=[1, 2], help="world sizes (default 1,2)")
@@ -439,6 +455,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return worker(args)
     given = argv if argv is not None else sys.argv[1:]
+    if args.full:
+        for name, value in (("steps", 40), ("saves", 3), ("rounds", 3)):
+            if f"--{name}" not in given:
+                setattr(args, name, value)
     if args.quick or args.dry_run:
         args.width, args.steps, args.saves, args.rounds = 32, 4, 2, 1
         args.every, args.tensors = [1, 2], [24, 100]
