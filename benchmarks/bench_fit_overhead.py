@@ -126,7 +126,7 @@ def clock(warm_until: int, steps: int, least: int, window_s: float) -> Any:
             done = trainer.global_step - warm_until
             if done == 0:
                 self.t0 = _time.perf_counter()
-            elif self.t1 == 0.0 and 0 < done and (done == steps or done == least and self._long(trainer)):
+            elif self.t1 == 0.0 and done > 0 and (done == steps or (done == least and self._long(trainer))):
                 self.t1, self.timed = _time.perf_counter(), done
                 trainer.should_stop = True
 
