@@ -16,12 +16,17 @@ Rows: save intervals 1, 10, 100 steps; 24 tensors (6 ``Linear`` layers + SGD mom
 4000 tensors (the same layers + 3976 small buffers, about the same bytes); 1 and 2 ranks
 (real DDP over gloo; each rank a process started here with Lightning's environment variables,
 so one process runs every fit of its world). Each fit warms up until its first save is done
-(plans, buffers, threads) and then times ``--steps``-many steps (at least two saves); the
-rows of one world are interleaved and their order reversed every other round. The figure is
-the median over rounds; overhead = median over rounds of (baseline rate / row rate - 1).
-Saves still in flight when the window closes are not counted (they finish after training).
+(plans, buffers, threads) and, at intervals of 10 steps and more, past the agreement's
+calibration steps (``CALIBRATION_STEPS``: every step while it times them); so does the
+baseline, whose window is the longest of any row's (it was 40 steps right after the start
+against 300 for every-100 rows: a different part of the run). Then ``--steps``-many steps are
+timed (at least ``--saves`` saves); the rows of one world are interleaved and their order
+reversed every other round. The figure is the median over rounds; overhead = median over
+rounds of (baseline rate / row rate - 1). Saves still in flight when the window closes are
+not counted (they finish after training).
 
-    python benchmarks/bench_fit_overhead.py              # the table, ~5 min on 2 busy cores
+    python benchmarks/bench_fit_overhead.py              # the whole table, 1 round: <= 5 min on 2 busy cores
+    python benchmarks/bench_fit_overhead.py --full       # 3 rounds, longer windows (~15 min)
     python benchmarks/bench_fit_overhead.py --quick      # tiny sizes, 1 round: the code paths
     python benchmarks/bench_fit_overhead.py --device cuda   # on a GPU (2 ranks need 2 GPUs)
 """
@@ -100,10 +105,14 @@ class Batches:
             yield self.x
 
 
-def clock(warm_until: int, steps: int) -> Any:
+def clock(warm_until: int, steps: int, least: int, window_s: float) -> Any:
     """A callback timing ``steps`` steps from ``on_train_batch_start`` of step ``warm_until + 1``
     to ``on_train_batch_start`` of the step after them, so every hook of the last timed step,
-    the saves included, lies inside the window."""
+    the saves included, lies inside the window. A window longer than ``window_s`` closes
+    after ``least`` steps (one whole save interval or more) and stops the fit: a row of a
+    few seconds a step (DCP at 4000 tensors, every step) would take minutes. ``timed``: the
+    steps in the window. Every rank decides alike: the ranks reduce "over time?" once, at
+    step ``least`` (not every step: that would add a collective to the rows only)."""
     import time as _time
 
     import lightning as L
@@ -111,12 +120,19 @@ def clock(warm_until: int, steps: int) -> Any:
     class Clock(L.Callback):
         def __init__(self) -> None:
             self.t0 = self.t1 = 0.0
+            self.timed = steps
 
         def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-            if trainer.global_step == warm_until:
+            done = trainer.global_step - warm_until
+            if done == 0:
                 self.t0 = _time.perf_counter()
-            elif trainer.global_step == warm_until + steps:
-                self.t1 = _time.perf_counter()
+            elif self.t1 == 0.0 and done > 0 and (done == steps or (done == least and self._long(trainer))):
+                self.t1, self.timed = _time.perf_counter(), done
+                trainer.should_stop = True
+
+        def _long(self, trainer: L.Trainer) -> bool:
+            over = _time.perf_counter() - self.t0 > window_s
+            return bool(trainer.strategy.reduce_boolean_decision(over, all=False))
 
     return Clock()
 
@@ -153,6 +169,16 @@ def dcp_callback(dirpath: str, every: int, group: Any) -> Any:
     return DcpAsyncSave()
 
 
+def warm_up(every: int) -> int:
+    """Untimed steps of a fit: its first save done (``every + 1``), and from 10 steps on also
+    the agreement's calibration (an exchange every step while it times them; at every step
+    the saves outweigh it, and 20 saved warm-up steps would triple the fit). The baseline
+    (``every == 0``) warms up past the calibration steps too."""
+    from lightning_preempt.preemption.schedule import CALIBRATION_STEPS
+
+    return every + 1 if every == 1 else max(every + 1, CALIBRATION_STEPS + 1)
+
+
 def window(every: int, args: argparse.Namespace) -> int:
     """Timed steps of a fit saving every ``every`` steps: ``--steps``, and at least ``--saves`` saves."""
     return max(args.steps, args.saves * every) if every else args.steps
@@ -172,10 +198,11 @@ def one_fit(
 
     from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO
 
-    warm_until = every + 1 if method != "none" else 3  # the first save is done before the window
-    steps = window(every, args)
+    warm_until = warm_up(every)
+    steps = window(every, args) if method != "none" else max(window(e, args) for e in args.every)
     dirpath = os.path.join(root, f"{method}-{every}-{n_tensors}-{time.monotonic_ns()}")
-    probe = clock(warm_until, steps)
+    least = max(2, every * args.saves) if every else steps
+    probe = clock(warm_until, steps, least, args.window_s)
     callbacks: list[Any] = [probe]
     plugins: list[Any] = []
     if method in ("torch_io", "async_io"):
@@ -208,9 +235,9 @@ def one_fit(
     blocked: list[float] = []
     if plugins and isinstance(plugins[0], ShardedAsyncCheckpointIO):
         blocked = [
-            r.blocking_s - r.waited_s for r in plugins[0].saver.history if warm_until < r.step <= warm_until + steps
+            r.blocking_s - r.waited_s for r in plugins[0].saver.history if warm_until < r.step <= warm_until + probe.timed
         ]
-    return steps / (probe.t1 - probe.t0), blocked
+    return probe.timed / (probe.t1 - probe.t0), blocked
 
 
 def rows_of(args: argparse.Namespace) -> list[tuple[str, int, int]]:
@@ -261,6 +288,9 @@ def worker(args: argparse.Namespace) -> int:
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.ERROR)
     logging.getLogger("lightning_preempt").setLevel(logging.WARNING)
+    # torchrun's default (OMP_NUM_THREADS=1 a rank): 2 intra-op threads on a machine whose
+    # cores are busy spin in OpenMP's barriers, and a 3 ms step took 5-300 ms from fit to fit.
+    torch.set_num_threads(args.threads)
     group = None
     if args.world > 1:
         backend = "nccl" if args.device == "cuda" else "gloo"
@@ -274,7 +304,7 @@ def worker(args: argparse.Namespace) -> int:
     rows = rows_of(args)
     started = time.perf_counter()
     for n in args.tensors:  # a process's first fit pays one-time costs (lazy imports, first touches)
-        one_fit("none", 0, argparse.Namespace(**{**vars(args), "steps": 3}), n, root, group)
+        one_fit("none", 0, argparse.Namespace(**{**vars(args), "steps": 3, "every": [0]}), n, root, group)
     for rnd in range(args.rounds):
         for method, every, n in rows if rnd % 2 == 0 else list(reversed(rows)):
             t0 = time.perf_counter()
@@ -324,8 +354,8 @@ def run_world(world: int, args: argparse.Namespace, root: str) -> dict[str, Any]
 
 
 def worker_argv(args: argparse.Namespace) -> list[str]:
-    return ["--width", str(args.width), "--batch", str(args.batch), "--steps", str(args.steps),
-            "--saves", str(args.saves), "--rounds", str(args.rounds), "--every", ",".join(map(str, args.every)),
+    return ["--width", str(args.width), "--batch", str(args.batch), "--threads", str(args.threads), "--steps", str(args.steps),
+            "--saves", str(args.saves), "--rounds", str(args.rounds), "--window-s", str(args.window_s), "--every", ",".join(map(str, args.every)),
             "--tensors", ",".join(map(str, args.tensors)), "--device", args.device,
             "--methods", ",".join(args.methods)]  # fmt: skip
 
@@ -378,7 +408,7 @@ def report(results: dict[int, dict[str, Any]], args: argparse.Namespace, took: f
         f"(~{state_mib:.1f} MiB of state), batch {args.batch}, device {args.device}",
         "",
         f"{args.rounds} round(s); timed window a fit: max({args.steps} steps, {args.saves} saves). "
-        f"Machine: {machine_notes()}; run took {took:.0f}s",
+        f"Machine: {machine_notes()}; {args.threads} intra-op thread(s) a rank in the fits; run took {took:.0f}s",
         f"`uptime` before: {load[0]}; after: {load[1]}",
         "",
         table(["ranks", "tensors", "save every", "method", "steps/s (median)", "range", "overhead"], rows),
@@ -408,12 +438,16 @@ def ints(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes, 1 round, 1 rank: the code paths")
+    p.add_argument("--full", action="store_true", help="3 rounds of longer windows (--steps 40 --saves 3)")
     p.add_argument("--dry-run", action="store_true", help="--quick with every method (the overlap rows too)")
     p.add_argument("--width", type=int, default=384, help="Linear width (default 384: ~7 MiB of state)")
     p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--steps", type=int, default=40, help="timed steps a fit, at least (default 40)")
-    p.add_argument("--saves", type=int, default=3, help="timed saves a fit, at least (default 3)")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads a rank (default 1, as torchrun)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps a fit, at least (default 20; --full 40)")
+    p.add_argument("--saves", type=int, default=2, help="timed saves a fit, at least (default 2; --full 3)")
+    p.add_argument("--rounds", type=int, default=1, help="rounds (default 1; --full 3)")
+    p.add_argument("--window-s", type=float, default=4.0,
+                   help="a timed window closes after this many seconds once it holds --saves saves (default 4; --full 30)")  # fmt: skip
     p.add_argument("--every", type=ints, default=[1, 10, 100], help="save intervals (default 1,10,100)")
     p.add_argument("--tensors", type=ints, default=[24, 4000], help="tensor counts (default 24,4000)")
     p.add_argument("--ranks", type=ints, default=[1, 2], help="world sizes (default 1,2)")
@@ -439,6 +473,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return worker(args)
     given = argv if argv is not None else sys.argv[1:]
+    if args.full:
+        for name, value in (("steps", 40), ("saves", 3), ("rounds", 3), ("window_s", 30.0)):
+            if f"--{name.replace('_', '-')}" not in given:
+                setattr(args, name, value)
     if args.quick or args.dry_run:
         args.width, args.steps, args.saves, args.rounds = 32, 4, 2, 1
         args.every, args.tensors = [1, 2], [24, 100]

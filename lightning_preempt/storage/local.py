@@ -3,7 +3,7 @@ reads that refuse anything but a regular file.
 
 Every durable local write in this package goes through :func:`write_atomic` (commits,
 plain Lightning files, the peer replica's copies, ``export``): a temporary file in the
-same directory, ``fsync``, then ``os.replace`` (or ``os.link``, which is create-only), then
+same directory, ``fdatasync``, then ``os.replace`` (or ``os.link``, which is create-only), then
 ``fsync`` of the directory, so after a crash the name holds the old bytes or all of the
 new ones, never a torn file.
 """
@@ -51,9 +51,16 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def write_durable(path: str, data: Payload) -> None:
-    """Write ``data`` to ``path`` (created or truncated) and fsync it. Not atomic: only for
-    names nobody reads yet (temporary files); a failure removes the partial file."""
+def sync_data(fd: int) -> None:
+    """Make a file's bytes durable: ``fdatasync`` (the data and the size needed to read it
+    back, without the timestamps ``fsync`` also journals), ``fsync`` where it is missing."""
+    (getattr(os, "fdatasync", None) or os.fsync)(fd)
+
+
+def write_durable(path: str, data: Payload, *, durable: bool = True) -> None:
+    """Write ``data`` to ``path`` (created or truncated) and sync it (unless ``durable`` is
+    false). Not atomic: only for names nobody reads yet (temporary files); a failure removes
+    the partial file."""
     try:
         with open(path, "wb") as f:
             if callable(data):
@@ -61,7 +68,8 @@ def write_durable(path: str, data: Payload) -> None:
             else:
                 f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                sync_data(f.fileno())
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(path)
@@ -75,9 +83,10 @@ def write_atomic(
     exclusive: bool = False,
     tmp_name: str | None = None,
     check: Callable[[str], None] | None = None,
+    durable: bool = True,
 ) -> None:
     """Put a file holding ``data`` at ``path``: readers see the old entry or all of the new
-    file, and after this returns the new file survives a crash.
+    file, and after this returns the new file survives a crash (with ``durable``).
 
     Args:
         exclusive: create-only: raise ``FileExistsError`` (nothing changed) when ``path``
@@ -86,18 +95,22 @@ def write_atomic(
             clean-up recognises); default ``.{name}.{32 hex}.tmp``.
         check: called with the temporary file's path once it is durable and before it gets
             its name (``export`` scans the pickle there); raising aborts the write.
+        durable: ``False`` skips both syncs: still atomic and create-only for the processes
+            running now, but a crash may lose the file (the writer claim: a lost claim is as
+            good as a stale one, write/replace.py).
     """
     directory = os.path.dirname(path)
     tmp = os.path.join(directory, tmp_name or f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
     try:
-        write_durable(tmp, data)
+        write_durable(tmp, data, durable=durable)
         if check is not None:
             check(tmp)
         _publish(tmp, path, exclusive=exclusive)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)  # after a link() the data lives on under its new name
-    fsync_dir(directory)
+    if durable:
+        fsync_dir(directory)
 
 
 def _publish(tmp: str, path: str, *, exclusive: bool) -> None:

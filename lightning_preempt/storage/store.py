@@ -272,7 +272,7 @@ class Store:
             yield f if self.is_local else cast(IO[bytes], remote.BoundedWrites(f, UPLOAD_BLOCK_SIZE))
             if self.is_local:
                 f.flush()
-                os.fsync(f.fileno())
+                local.sync_data(f.fileno())
             f.close()
         except BaseException:
             remote.abandon(f)
@@ -280,7 +280,7 @@ class Store:
                 self._fs.rm_file(path)  # not rm(): it would read "[...]" in a path as a glob
             raise
 
-    def commit_bytes(self, rel: str, data: bytes, *, exclusive: bool = True) -> None:
+    def commit_bytes(self, rel: str, data: bytes, *, exclusive: bool = True, durable: bool = True) -> None:
         """Create ``rel`` holding ``data`` atomically: readers see all of it or nothing.
 
         Local disk: :func:`local.write_atomic` (temp file, fsync, hard link or rename, fsync
@@ -288,12 +288,13 @@ class Store:
         rename there. With ``exclusive`` the write is create-only where the store supports a
         conditional write (local disk, GCS, S3): if ``rel`` already holds different bytes
         :class:`CheckpointExistsError` is raised. The same bytes count as success (a PUT
-        retried after its answer was lost).
+        retried after its answer was lost). ``durable=False`` (local disk): no syncs, a crash
+        may lose the file; only for names whose loss is harmless (the writer claim).
         """
         path = self.path(rel)
         try:
             if self.is_local:
-                local.write_atomic(path, data, exclusive=exclusive)
+                local.write_atomic(path, data, exclusive=exclusive, durable=durable)
             elif not exclusive:
                 self._fs.pipe_file(path, data)
             else:
@@ -321,14 +322,16 @@ class Store:
             "path, or remove the old checkpoint first if you really mean to replace it.",
         )
 
-    def rm_file(self, rel: str = "") -> None:
-        """Delete the file (object, or local symlink itself) ``rel``; a missing one is fine."""
+    def rm_file(self, rel: str = "", *, durable: bool = True) -> None:
+        """Delete the file (object, or local symlink itself) ``rel``; a missing one is fine.
+        ``durable=False`` (local disk): the directory is not synced, a crash may bring the
+        file back (only for names whose return is harmless: the writer claim)."""
         with contextlib.suppress(FileNotFoundError):
             self._fs.rm_file(self.path(rel))
-        if self.is_local:
-            local.fsync_dir(os.path.dirname(self.path(rel)))
-        else:
+        if not self.is_local:
             self._fs.invalidate_cache(self.path(rel))
+        elif durable:
+            local.fsync_dir(os.path.dirname(self.path(rel)))
 
     def rm_tree(self, rel: str = "", *, owned: Owned) -> None:
         """Delete ``rel`` and everything below it (a local symlink: only the link); a missing

@@ -12,6 +12,11 @@ into its own generation; the create-only manifest decides, the loser deletes onl
 wrote (:func:`abandon`). A plain Lightning file at ``P`` is replaced the same way, or on
 local disk committed beside it and swapped in with two renames (:func:`swap_in`).
 
+The claim is created and removed without syncs (a lost or resurrected claim only changes
+where the next save writes). A local commit syncs each data file (``fdatasync``), the
+temporary manifest, then the directory once after the manifest's hard link: a manifest is
+durable only after every byte it names (docs/design.md, "Commit protocol").
+
 Only names this package writes are deleted, a directory only with
 :func:`~lightning_preempt.catalog.ownership.check_owned`'s verdict. Readers find a
 manifest's files with :func:`data_store`.
@@ -124,13 +129,15 @@ def _claim(root: Store, *, remove_file: bool) -> WritePlan:
     now, or one was killed doing so; the create-only manifest decides between them)."""
     root.makedirs()
     try:
-        root.commit_bytes(CLAIM_NAME, uuid.uuid4().hex.encode(), exclusive=True)
+        # Not synced: the claim only settles who writes in place among the saves running
+        # now; after a crash a lost claim and a stale one both mean "nobody is writing here".
+        root.commit_bytes(CLAIM_NAME, uuid.uuid4().hex.encode(), exclusive=True, durable=False)
     except CheckpointExistsError:
         return WritePlan("generation", new_generation(), remove_file=remove_file)
     if root.exists(MANIFEST_NAME):
         # Another save committed (and released its claim) since we looked: replace it. Its
         # commit came before its release, so a claim won after the release sees its manifest.
-        root.rm_file(CLAIM_NAME)
+        root.rm_file(CLAIM_NAME, durable=False)
         return WritePlan("generation", new_generation(), replace=True, replaced=_live_or_none(root))
     remove_stale(root)  # an earlier save's partial files (never the claim: it is ours now)
     return WritePlan("in_place", remove_file=remove_file)
@@ -148,7 +155,7 @@ def finish_write(root: Store, plan: WritePlan) -> None:
         if plan.remove_file:
             root.rm_file()  # P/manifest.json exists now: it wins over the file
         if plan.mode == "in_place":
-            root.rm_file(CLAIM_NAME)
+            root.rm_file(CLAIM_NAME, durable=False)  # a claim back after a crash is only stale
         elif plan.mode == "generation" and live_generation(root) == plan.name:
             # (another writer may have replaced this checkpoint since: its files are not stale)
             remove_replaced(root, plan)

@@ -235,9 +235,9 @@ def test_s3_server_killed_mid_drain_raises_cleanly_without_a_commit(tmp_path: Pa
         commits: list[str] = []
 
         class _Recording(Store):
-            def commit_bytes(self, rel: str, data: bytes, *, exclusive: bool = True) -> None:
+            def commit_bytes(self, rel: str, data: bytes, *, exclusive: bool = True, durable: bool = True) -> None:
                 commits.append(rel)
-                super().commit_bytes(rel, data, exclusive=exclusive)
+                super().commit_bytes(rel, data, exclusive=exclusive, durable=durable)
 
         dst = _Recording(server.url("run/step-1"), options)
         copied = 0

@@ -76,3 +76,35 @@ def test_flag_agreement_without_a_group_is_the_local_flags() -> None:
     assert flags.exchange([1, 0, 2]) == [1, 0, 2]
     assert flags.exchange([0, 1, 0], overlap=True) == [0, 1, 0]  # nothing to overlap with
     assert flags.flush() == [0, 0, 0] and flags.exchange_now([0, 0, 1]) == [0, 0, 1]
+
+
+class _OneRank(FlagAgreement):
+    """A group of one that counts as active: what each rank sees of a MAX over equal flags."""
+
+    def __init__(self) -> None:
+        super().__init__(None, width=4)
+        self.exchanges = 0
+
+    @property
+    def active(self) -> bool:
+        return True
+
+    def exchange(self, flags: list[int], overlap: bool = False) -> list[int]:
+        self.exchanges += 1
+        return [int(v) for v in flags]
+
+
+def test_the_default_auto_schedule_agrees_about_once_a_second() -> None:
+    # An exchange's launch costs 1-5 ms on a busy 2-core CPU (issue 33): at the former 0.25 s
+    # (k=8 for a 30 ms step) that was ~2% of every step; the default now waits ~1 s.
+    from lightning_preempt.engine.config import PreemptionConfig
+
+    config = PreemptionConfig(dirpath="memory://agree-default")
+    schedule = AgreementSchedule(config.agree_every_n_steps, config.agree_interval_s, config.overlap_agreement)
+    schedule._flags = flags = _OneRank()
+    step_s = 0.03
+    said = _run(schedule, CALIBRATION_STEPS + 200, signalled_from=CALIBRATION_STEPS + 50, step_s=step_s)
+    assert schedule.k == int(1.0 / step_s) == 33
+    assert flags.exchanges == CALIBRATION_STEPS + 200 // 33  # calibration, then one exchange a second
+    first = said.index(True) + 1  # acted on at the next agreement: within ~1 s + one step
+    assert 0 <= (first - (CALIBRATION_STEPS + 50)) * step_s <= 1.0 + step_s

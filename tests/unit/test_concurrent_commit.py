@@ -61,12 +61,12 @@ class _Interleaving(Store):
     before: ClassVar[dict[tuple[str, str], Callable[[], None]]] = {}
     after: ClassVar[dict[tuple[str, str], Callable[[], None]]] = {}
 
-    def commit_bytes(self, rel: str, data: bytes, *, exclusive: bool = True) -> None:
+    def commit_bytes(self, rel: str, data: bytes, *, exclusive: bool = True, durable: bool = True) -> None:
         me = threading.current_thread().name
         hook = _Interleaving.before.pop((me, rel), None)
         if hook is not None:
             hook()
-        super().commit_bytes(rel, data, exclusive=exclusive)
+        super().commit_bytes(rel, data, exclusive=exclusive, durable=durable)
         hook = _Interleaving.after.pop((me, rel), None)
         if hook is not None:
             hook()

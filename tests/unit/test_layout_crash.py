@@ -61,13 +61,13 @@ class CrashingStore(Store):
         with super().open_write(rel) as f:
             yield f
 
-    def commit_bytes(self, rel: str, data: bytes, *, exclusive: bool = True) -> None:
+    def commit_bytes(self, rel: str, data: bytes, *, exclusive: bool = True, durable: bool = True) -> None:
         self._moment(f"commit_bytes {rel}")
-        super().commit_bytes(rel, data, exclusive=exclusive)
+        super().commit_bytes(rel, data, exclusive=exclusive, durable=durable)
 
-    def rm_file(self, rel: str = "") -> None:
+    def rm_file(self, rel: str = "", *, durable: bool = True) -> None:
         self._moment(f"rm_file {rel}")
-        super().rm_file(rel)
+        super().rm_file(rel, durable=durable)
 
     def rm_tree(self, rel: str = "", *, owned: Owned) -> None:
         self._moment(f"rm_tree {rel}")
