@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -23,6 +24,8 @@ from pathlib import Path
 import pytest
 from ckpts import committed
 from jobs import launch, read
+
+from lightning_preempt.tiers.tier0 import WARMUP_STEPS
 
 pytestmark = pytest.mark.multiproc
 
@@ -163,3 +166,34 @@ def test_a_full_tmpfs_does_not_stop_training(tmp_path: Path, shm: Path) -> None:
     assert _result(tmp_path)["step"] == MAX_STEPS
     assert committed(tmp_path / "ck") == [20, 15, 10]
     assert committed(shm) == []  # the mount went with the job's namespace; nothing was committed on the host
+
+
+def _ledger_records(tmp: Path, kind: str) -> list[dict[str, object]]:
+    records = [json.loads(p.read_text()) for p in sorted((tmp / "ck" / ".lp-ledger").rglob("*.json"))]
+    return sorted((r for r in records if r.get("kind") == kind), key=lambda r: (r["restart"], r["seq"]))  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_auto_k_picks_a_k_from_the_measured_copy_and_copies(tmp_path: Path, shm: Path) -> None:
+    """``memory_dirpath`` alone turns tier 0 on with ``tier0_every_n_steps="auto"``: the first
+    copy after the warm-up measures, the engine logs the K it chose, later copies are K apart
+    (or more: a copy starts at an agreement boundary), and each copy is a ledger record that
+    the report shows (the newest tier-0 step). 120 steps: a loaded 2-core host measured K ~ 30
+    (the writer thread competes with the step for the CPU; that is overhead too)."""
+    args = ["--dirpath", str(tmp_path / "ck"), "--status", str(tmp_path / "st"), "--max-steps", "120",
+            "--every", "1000", "--step-sleep", "0.05", "--cb-kwargs", json.dumps({"memory_dirpath": str(shm)})]  # fmt: skip
+    proc = launch("train_script.py", tmp_path, *args)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out[-3000:]
+    ks = [int(k) for k in re.findall(r"tier 0 copies every (\d+) steps \(auto", out)]
+    assert ks and all(k >= 1 for k in ks), out[-3000:]
+    copies = [r for r in _ledger_records(tmp_path, "save") if r["tier"] == "memory"]
+    steps = [int(r["step"]) for r in copies]  # type: ignore[call-overload]
+    assert len(steps) >= 2 and all(r["save_kind"] == "tier0" and r["committed_s"] is not None for r in copies), (steps, ks)
+    assert steps[0] > WARMUP_STEPS  # the base step time is measured first
+    assert steps[1] - steps[0] >= ks[0], (steps, ks)  # never more often than the first K
+    assert committed(shm) == sorted(steps)[-2:][::-1]  # the newest two are kept, every copy committed
+    report = subprocess.run([sys.executable, "-m", "lightning_preempt.cli", "report", str(tmp_path / "ck")],
+                            capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert report.returncode == 0, report.stderr[-2000:]
+    assert re.search(rf"tier-0 copies\s+{len(steps)}\s+to host memory, newest step {max(steps)}", report.stdout), report.stdout
