@@ -30,8 +30,11 @@ from lightning_preempt.catalog.listing import list_checkpoints
 DEFAULT_TIER0_BASE = "/dev/shm/lightning_preempt"
 #: The step-time overhead tier 0 may cost, as a fraction of the step time.
 MAX_OVERHEAD = 0.01
-#: Tier-0 checkpoints kept per node (memory is the scarce resource here).
-KEEP_LAST_N = 2
+#: Tier-0 checkpoints kept per node (memory is the scarce resource here). One is enough: the
+#: next copy is written beside it and it is removed only once that one committed, so a copy
+#: torn by a kill leaves the previous one (and the disk tiers stay the fallback for damage).
+#: The tmpfs then holds one copy, two while a copy is written (bench_tier0.py measures it).
+KEEP_LAST_N = 1
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 

@@ -4,7 +4,7 @@ tier-0 step, or from the disk tier when the newest tier-0 copy is torn.
 
 Disk saves every 5 steps, tier 0 every 2 (a step the disk tier saves is not copied again):
 killed after step 12's tier-0 copy committed, the disk tier holds 10 and 5, tier 0 holds 12
-and 8 (its newest two).
+(its newest only: the previous copy is removed once the next committed).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def _killed_at_12(tmp: Path, shm: Path) -> None:
     code, out = _fit(tmp, shm, "--signal-at", "saved-kill:12")
     assert code == -signal.SIGKILL, out[-3000:]
     assert committed(tmp / "ck") == [10, 5], out[-3000:]
-    assert committed(shm) == [12, 8], out[-3000:]  # retention keeps tier 0's newest two
+    assert committed(shm) == [12], out[-3000:]  # retention keeps tier 0's newest
 
 
 def _result(tmp: Path) -> dict[str, object]:
@@ -111,7 +111,7 @@ def test_a_torn_tier0_copy_falls_back_to_the_disk_tier(tmp_path: Path, shm: Path
     code, out = _fit(tmp_path, shm)
     assert code == 0, out[-3000:]
     result = _result(tmp_path)
-    # tier 0's older copy (8) is older than the disk tier's newest (10): the disk tier wins
+    # tier 0 holds no other copy: the disk tier's newest (10) is resumed
     assert result["start_step"] == 10, out[-3000:]
     assert result["resumed_from"] == str(tmp_path / "ck" / "step-0000000010")
     assert "step-0000000012" in out and "skipping checkpoint" in out
@@ -122,7 +122,7 @@ def test_ddp_ranks_resume_together_from_host_memory(tmp_path: Path, shm: Path) -
     """Two ranks on one host (gloo): each writes its share into the same tier-0 directory."""
     ddp = ("--devices", "2", "--strategy", "ddp")
     code, out = _fit(tmp_path, shm, *ddp, "--signal-at", "saved-kill:12", "--signal-rank", "0")
-    assert code != 0 and committed(shm) == [12, 8], out[-3000:]
+    assert code != 0 and committed(shm) == [12], out[-3000:]
     assert {p.name for p in (shm / "step-0000000012").iterdir()} >= {"state-rank00000.pt", "state-rank00001.pt"}
     code, out = _fit(tmp_path, shm, *ddp)
     assert code == 0, out[-3000:]
@@ -192,7 +192,7 @@ def test_auto_k_picks_a_k_from_the_measured_copy_and_copies(tmp_path: Path, shm:
     assert len(steps) >= 2 and all(r["save_kind"] == "tier0" and r["committed_s"] is not None for r in copies), (steps, ks)
     assert steps[0] > WARMUP_STEPS  # the base step time is measured first
     assert steps[1] - steps[0] >= ks[0], (steps, ks)  # never more often than the first K
-    assert committed(shm) == sorted(steps)[-2:][::-1]  # the newest two are kept, every copy committed
+    assert committed(shm) == [max(steps)]  # the newest is kept
     report = subprocess.run([sys.executable, "-m", "lightning_preempt.cli", "report", str(tmp_path / "ck")],
                             capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
     assert report.returncode == 0, report.stderr[-2000:]
