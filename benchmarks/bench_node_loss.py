@@ -99,6 +99,10 @@ K_RE = re.compile(r"tier 0 copies every (\d+) steps")
 def tier0_trial(cfg: argparse.Namespace, hosts: Hosts, job: NodeJob, memory: Path, rng: random.Random) -> dict[str, object]:
     """Kill the node during steps or during a tier-0 copy; what the restart must reach."""
     start = max(0, resumed_step(job) or 0)
+    deadline = time.monotonic() + 240
+    while newest_ok(scan(job.dirpath) + scan(memory)) is None:  # a first launch: its first copy commits first
+        assert time.monotonic() < deadline, "no checkpoint committed\n" + job.log(0)
+        time.sleep(0.05)
     moment = rng.choice(["steps", "tier-0 copy"])
     k_now = lambda: int(K_RE.findall(job.log(0))[-1]) if K_RE.findall(job.log(0)) else cfg.fixed_k  # noqa: E731
     if moment == "tier-0 copy":
@@ -137,8 +141,10 @@ def main_tier0(cfg: argparse.Namespace, argv: list[str] | None) -> int:
                 trial = tier0_trial(cfg, hosts, job, memory, rng)
                 job = NodeJob(hosts, work / "run", [0], args)
                 deadline = time.monotonic() + 300
-                while (got := resumed_step(job)) is None and time.monotonic() < deadline:
+                while (got := resumed_step(job)) is None and job.step(0) < 0 and time.monotonic() < deadline:
                     time.sleep(0.1)
+                got = resumed_step(job) if got is None else got
+                got = 0 if got is None and job.step(0) >= 0 else got  # trained from scratch: nothing to resume
                 trial["resumed"] = got
                 trial["lost"] = max(0, int(trial["seen"]) - got) if got is not None else None  # type: ignore[call-overload]
                 trial["resumed_newest"] = got is not None and got == trial["newest"]
