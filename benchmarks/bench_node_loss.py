@@ -105,9 +105,12 @@ def tier0_trial(cfg: argparse.Namespace, hosts: Hosts, job: NodeJob, memory: Pat
         time.sleep(0.05)
     moment = rng.choice(["steps", "tier-0 copy"])
     k_now = lambda: int(K_RE.findall(job.log(0))[-1]) if K_RE.findall(job.log(0)) else cfg.fixed_k  # noqa: E731
-    if moment == "tier-0 copy":
+    if moment == "tier-0 copy":  # a steady-state copy: after this launch chose its K
         deadline = time.monotonic() + 120
         job.wait_step(start + 1)
+        while K_RE.search(job.log(0)) is None and cfg.fixed_k is None:
+            assert time.monotonic() < deadline and job.step(0) < cfg.max_steps - 2, "no K chosen\n" + job.log(0)
+            time.sleep(0.05)
         while not any(d.is_dir() and not (d / "manifest.json").exists() for d in memory.glob("step-*")):
             assert time.monotonic() < deadline and job.step(0) < cfg.max_steps - 2, "no tier-0 copy seen in flight"
             time.sleep(0.005)

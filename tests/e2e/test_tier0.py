@@ -25,6 +25,7 @@ import pytest
 from ckpts import committed
 from jobs import launch, read
 
+from lightning_preempt.cli.report import build_report
 from lightning_preempt.tiers.tier0 import WARMUP_STEPS
 
 pytestmark = pytest.mark.multiproc
@@ -84,6 +85,11 @@ def test_a_sigkilled_fit_resumes_from_host_memory(tmp_path: Path, shm: Path) -> 
     assert result["start_step"] == 12 and result["step"] == MAX_STEPS, out[-3000:]
     assert str(result["resumed_from"]).startswith(str(shm) + "/"), result
     assert os.path.basename(str(result["resumed_from"])) == "step-0000000012"
+    # the report: the kill (no signal, no record) resumed from tier 0, the newest tier-0 step
+    summary = build_report(str(tmp_path / "ck"), {})
+    [kill] = summary["preemptions"]
+    assert kill["kind"] == "killed" and kill["resumed_step"] == 12 and kill["resumed_tier"] == "memory", kill
+    assert summary["tier0"]["newest_step"] >= 12 and summary["tier0"]["failed"] == 0, summary["tier0"]
 
 
 @pytest.mark.slow
