@@ -254,7 +254,7 @@ class Engine:
             self.save(step, kind="notice" if decision.notice_snapshot else "periodic")
             if decision.notice_snapshot:
                 report_notice_snapshot(self.controller, self.saver, step)
-        elif self.memory is not None and (self.memory.due(step) or decision.tier0_due):
+        elif self.memory is not None and (self.memory.due(step) or self.memory.agreed(decision.tier0)):
             self.save_memory(step)
 
     def check(self, step: int) -> None:

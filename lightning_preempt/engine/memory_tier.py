@@ -50,6 +50,7 @@ class MemoryTier:
         self.enabled = False  # set up, and every rank on this host
         self.in_flight: str | None = None  # the copy the saver may still be writing
         self._measuring: SaveRecord | None = None  # auto: the copy whose cost is being measured
+        self.copies = 0  # copies started: the same count on every rank (they start at agreed steps)
 
     def setup(self, group: pdist.ProcessGroup | None, *, leader: bool) -> bool:
         """Collective: on only when every rank runs on this host and could create ``root``
@@ -79,8 +80,11 @@ class MemoryTier:
 
     def vote(self, step: int, saver: Saver) -> int:
         """Auto K, at every optimizer-step boundary: feed this rank's measurements to the
-        policy and return its vote for the agreement (preemption/schedule.py ``tier0``:
-        0 no auto tier 0, 1 ready, 2 not ready). Cheap: reads the saver's records."""
+        policy and return its vote for the agreement (preemption/schedule.py ``tier0``, MAX):
+        ``3 * copies + 1`` ready, ``+ 2`` not ready; 0 without auto tier 0. Every rank votes
+        with the same ``copies``, so the MAX says "every rank ready" only as ``+ 1``; and an
+        overlapped exchange read after a copy started (votes cast before it) carries an older
+        count, which :meth:`agreed` refuses alike on every rank. Cheap: reads the saver's records."""
         auto = self.auto
         if auto is None or not self.enabled:
             return 0
@@ -96,12 +100,17 @@ class MemoryTier:
             if self.every != before:
                 log.info("lightning_preempt: tier 0 copies every %s steps (auto: the last copy took %.3f s, a step "
                          "%.4f s; overhead kept within 1 %%)", self.every, copy_s, auto.step_s or 0.0)  # fmt: skip
-        return 1 if auto.ready(step) else 2
+        return 3 * self.copies + (1 if auto.ready(step) else 2)
+
+    def agreed(self, vote: int) -> bool:
+        """Whether the agreed ``vote`` starts an auto copy now (the same answer on every rank)."""
+        return self.auto is not None and self.enabled and vote == 3 * self.copies + 1
 
     def started(self, step: int, path: str, record: SaveRecord | None) -> None:
         """A copy to ``path`` started at ``step`` (``record``: the saver's record of it, if this
         rank wrote; auto measures it)."""
         self.in_flight = path
+        self.copies += 1
         if self.auto is not None:
             self.auto.started(step)
             self._measuring = record

@@ -46,7 +46,7 @@ class Decision:
     save_due: bool = False
     stop: bool = False  # a rank's save failed or its lease was lost: raise the agreed error
     notice_snapshot: bool = False  # this rank asked for this save: a notice with on_notice="continue"
-    tier0_due: bool = False  # every rank voted for an auto-K tier-0 copy (tiers/tier0.py AutoEvery)
+    tier0: int = 0  # the agreed tier-0 vote (auto K; engine/memory_tier.py ``MemoryTier.agreed`` reads it)
 
 
 class ControllerSettings(Protocol):
@@ -194,7 +194,7 @@ class PreemptionController:
         if noticed:
             self.notice_snapshot_taken = True  # every rank saves this boundary: asked for once
         return Decision(preempt=preempt, save_due=due, stop=halt, notice_snapshot=noticed,
-                        tier0_due=self.schedule.tier0 == 1)  # fmt: skip
+                        tier0=self.schedule.tier0)  # fmt: skip
 
     def now(self, *, stop: bool = False) -> Decision:
         """Agree synchronously (validation, start-up)."""

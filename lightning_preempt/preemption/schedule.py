@@ -41,10 +41,9 @@ class AgreementSchedule:
         self._flags: FlagAgreement | None = None
         self._boundaries = 0
         self._times: list[float] = []
-        #: The agreed tier-0 vote of the last boundary: each rank sends 0 (no auto tier 0),
-        #: 1 (ready for a copy) or 2 (not ready), so the MAX is 1 only when every rank is
-        #: ready, and 0 where no exchange happened (a boundary between exchanges, the first
-        #: overlapped one): a copy starts only on 1 (engine.py).
+        #: The agreed tier-0 vote of the last boundary (MAX of the ranks' votes; 0 where no
+        #: exchange happened: a boundary between exchanges, the first overlapped one). The
+        #: vote's meaning is the memory tier's (engine/memory_tier.py ``MemoryTier.vote``).
         self.tier0 = 0
 
     def __getstate__(self) -> dict[str, object]:

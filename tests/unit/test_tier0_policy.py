@@ -160,3 +160,18 @@ def test_tier0_options_are_validated_and_default_to_dev_shm() -> None:
         start_fields(5, "ckpts/run/step-0000000005", 1, config, memory_dirpath=config.memory_dirpath)["resumed_tier"]
         == "dirpath"
     )
+
+
+def test_a_vote_cast_before_the_last_copy_started_starts_nothing(tmp_path: Path) -> None:
+    """Overlapped agreement reads an exchange one boundary later: the votes in it were cast
+    before the copy that started meanwhile, so "every rank ready" there is stale (it would
+    start a second copy at once, behind the first). The votes carry the copy count."""
+    from lightning_preempt.engine.memory_tier import MemoryTier
+
+    tier = MemoryTier(str(tmp_path), "auto")
+    tier.enabled = True
+    assert tier.agreed(1) and not tier.agreed(2) and not tier.agreed(0)  # 0: no exchange here
+    tier.started(10, str(tmp_path / "step-10"), None)
+    assert not tier.agreed(1)  # cast before the copy of step 10
+    assert tier.agreed(3 * 1 + 1) and not tier.agreed(3 * 1 + 2)
+    assert not MemoryTier(str(tmp_path), 4).agreed(1)  # a fixed K never votes
