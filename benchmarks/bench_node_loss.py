@@ -22,6 +22,16 @@ was never interrupted (same world size: bit-identical expected).
 
     python benchmarks/bench_node_loss.py                 # 3 trials, ~3 min here
     python benchmarks/bench_node_loss.py --trials 20 --md docs/benchmarks.md
+
+``--tier0 auto`` (or a K): tier 0 (docs/tier0.md) on one host, one rank: each trial SIGKILLs
+every process of the node during steps or during a tier-0 copy (an uncommitted directory
+seen in the tmpfs) and restarts on the same node, whose ``/dev/shm`` outlived the kill.
+Per trial: steps lost (target <= the K in force at the kill: the one the engine logged, or a
+fixed K), and whether the restart resumed the newest checkpoint that verifies independently
+across the disk tier *and* tier 0 (never a partial or mixed one). The copy to a peer node
+(a node lost with its memory) is r4-peer's part: tiers/peer.py.
+
+    python benchmarks/bench_node_loss.py --tier0 auto --trials 20 --every 1000
 """
 
 from __future__ import annotations
@@ -29,6 +39,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
+import shutil
 import sys
 import tempfile
 import time
@@ -81,6 +93,94 @@ def one_trial(cfg: argparse.Namespace, hosts: Hosts, job: NodeJob, rng: random.R
             "newest": ok.step if ok is not None else None, "failure_records": len(failures)}  # fmt: skip
 
 
+K_RE = re.compile(r"tier 0 copies every (\d+) steps")
+
+
+def tier0_trial(cfg: argparse.Namespace, hosts: Hosts, job: NodeJob, memory: Path, rng: random.Random) -> dict[str, object]:
+    """Kill the node during steps or during a tier-0 copy; what the restart must reach."""
+    start = max(0, resumed_step(job) or 0)
+    deadline = time.monotonic() + 240
+    while newest_ok(scan(job.dirpath) + scan(memory)) is None:  # a first launch: its first copy commits first
+        assert time.monotonic() < deadline, "no checkpoint committed\n" + job.log(0)
+        time.sleep(0.05)
+    moment = rng.choice(["steps", "tier-0 copy"])
+    k_now = lambda: int(K_RE.findall(job.log(0))[-1]) if K_RE.findall(job.log(0)) else cfg.fixed_k  # noqa: E731
+    if moment == "tier-0 copy":  # a steady-state copy: after this launch chose its K
+        deadline = time.monotonic() + 120
+        job.wait_step(start + 1)
+        while K_RE.search(job.log(0)) is None and cfg.fixed_k is None:
+            assert time.monotonic() < deadline and job.step(0) < cfg.max_steps - 2, "no K chosen\n" + job.log(0)
+            time.sleep(0.05)
+        while not any(d.is_dir() and not (d / "manifest.json").exists() for d in memory.glob("step-*")):
+            assert time.monotonic() < deadline and job.step(0) < cfg.max_steps - 2, "no tier-0 copy seen in flight"
+            time.sleep(0.005)
+    else:
+        k = k_now() or 10
+        job.wait_step(min(cfg.max_steps - 2, start + rng.randint(1 if start else 8, 2 * k)))
+        time.sleep(rng.uniform(0, cfg.step_sleep))
+    seen, k = job.step(0), k_now()
+    hosts.kill_node(0)
+    job.wait(60)
+    candidates = [c for c in scan(job.dirpath) + scan(memory) if c.status == "ok"]
+    ok = newest_ok(candidates)
+    return {"moment": moment, "victim": 0, "seen": seen, "k": k, "since_resume": seen - start, "exit_s": None,
+            "survivor_code": None, "newest": ok.step if ok is not None else None, "failure_records": 0}  # fmt: skip
+
+
+def main_tier0(cfg: argparse.Namespace, argv: list[str] | None) -> int:
+    """``--tier0``: one host, SIGKILL of the whole node, restart on the same node."""
+    rng = random.Random(cfg.seed)
+    t0 = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="lp-node-loss-tier0-"))
+    memory = Path("/dev/shm") / work.name
+    cfg.fixed_k = None if cfg.tier0 == "auto" else int(cfg.tier0)
+    args = [*job_args(cfg), "--cb-kwargs", json.dumps({"tier0_every_n_steps": cfg.fixed_k or "auto",
+                                                        "memory_dirpath": str(memory)})]  # fmt: skip
+    trials: list[dict[str, object]] = []
+    try:
+        with Hosts(1) as hosts:
+            job = NodeJob(hosts, work / "run", [0], args)
+            for i in range(cfg.trials):
+                trial = tier0_trial(cfg, hosts, job, memory, rng)
+                job = NodeJob(hosts, work / "run", [0], args)
+                deadline = time.monotonic() + 300
+                while (got := resumed_step(job)) is None and job.step(0) < 0 and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                got = resumed_step(job) if got is None else got
+                got = 0 if got is None and job.step(0) >= 0 else got  # trained from scratch: nothing to resume
+                trial["resumed"] = got
+                trial["lost"] = max(0, int(trial["seen"]) - got) if got is not None else None  # type: ignore[call-overload]
+                trial["resumed_newest"] = got is not None and got == trial["newest"]
+                bound = max(int(trial["k"] or 0), int(trial["since_resume"]))  # type: ignore[call-overload]
+                trial["within_k"] = trial["lost"] is not None and int(trial["lost"]) <= bound  # type: ignore[call-overload]
+                trials.append(trial)
+                print(f"trial {i + 1}: {json.dumps(trial)}", flush=True)
+            hosts.kill_node(0)
+            job.wait(60)
+    finally:
+        shutil.rmtree(memory, ignore_errors=True)
+    rows = [[str(i + 1), str(t["moment"]), str(t["seen"]), str(t["resumed"]), str(t["lost"]), str(t["k"]),
+             "yes" if t["within_k"] else "NO", "yes" if t["resumed_newest"] else "NO"] for i, t in enumerate(trials)]  # fmt: skip
+    header = ["trial", "hit during", "step seen", "resumed at", "steps lost", "K in force", "lost <= K", "resumed newest"]
+    lost = [int(t["lost"]) for t in trials if t["lost"] is not None]  # type: ignore[call-overload]
+    summary = [
+        f"steps lost: max {max(lost, default=-1)}; within K (or the steps since the resume, before this launch's "
+        f"first copy): {sum(bool(t['within_k']) for t in trials)}/{len(trials)} (disk tier every {cfg.every} steps)",
+        f"partial or mixed states resumed: {sum(not t['resumed_newest'] for t in trials)} of {len(trials)}",
+    ]
+    command = "python benchmarks/bench_node_loss.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = (f"Command: `{command.strip()}`  \nRun: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+            f"{machine_notes()}; {time.monotonic() - t0:.0f} s\n\n{table(header, rows)}\n\n"
+            + "\n".join(f"- {s}" for s in summary) + "\n")  # fmt: skip
+    print(text)
+    if cfg.md:
+        with open(cfg.md, "a") as f:
+            f.write(f"\n### Node loss with tier 0 (bench_node_loss.py --tier0)\n\n{text}")
+    if cfg.json:
+        Path(cfg.json).write_text(json.dumps({"trials": trials}, indent=1))
+    return 0 if all(t["resumed_newest"] and t["within_k"] for t in trials) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trials", type=int, default=3)
@@ -91,12 +191,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--md", default="", help="append the table and the command to this markdown file")
     p.add_argument("--json", default="")
+    p.add_argument("--tier0", default="", help="auto or K: tier 0 on one host (see the module docstring)")
     cfg = p.parse_args(argv)
     cfg.max_steps = cfg.max_steps or (cfg.trials + 1) * 2 * cfg.every + 5
+    if cfg.tier0:
+        cfg.max_steps = 10**6  # every launch is killed, the last one too
     why = missing()
     if why is not None:
         print(f"bench_node_loss: skipped: {why}")
         return 0
+    if cfg.tier0:
+        return main_tier0(cfg, argv)
     rng = random.Random(cfg.seed)
     t0 = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="lp-node-loss-"))

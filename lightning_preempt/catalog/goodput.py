@@ -155,6 +155,7 @@ def summarize(records: list[dict[str, Any]], folded_saves: dict[int, dict[str, f
         "grace_period_s": start_records[-1]["grace_period_s"] if start_records else None,
         "save_cost": save_cost(saves),
         "drains": _drains(records),
+        "tier0": _tier0(saves),
         "segments": [_segment_dict(s) for s in segs],
     }
 
@@ -174,6 +175,17 @@ def _drains(records: list[dict[str, Any]]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _tier0(saves: list[dict[str, Any]]) -> dict[str, Any]:
+    """Tier 0 (docs/tier0.md): its copies to host memory (``save`` records of tier ``memory``)."""
+    copies = [r for r in saves if r["tier"] == "memory"]
+    done = [r for r in copies if r["committed_s"] is not None]
+    return {
+        "count": len(copies), "committed": len(done), "failed": len(copies) - len(done),
+        "blocking_s": sum(r["blocking_s"] for r in copies), "newest_step": max((r["step"] for r in done), default=None),
+        "committed_s": statistics.median(r["committed_s"] for r in done) if done else None,
+    }  # fmt: skip
+
+
 def _segment_dict(s: Segment) -> dict[str, Any]:
     return {"restart": s.restart, "started_t": s.started_t, "first_step_t": s.first_step_t, "end_t": s.end_t,
             "end": s.end, "resumed_step": s.resumed_step, "last_step": s.last_step}  # fmt: skip
@@ -182,7 +194,7 @@ def _segment_dict(s: Segment) -> dict[str, Any]:
 def save_cost(saves: list[dict[str, Any]]) -> dict[str, float] | None:
     """Medians of the periodic saves that committed: blocking seconds, seconds to commit,
     bytes, and the write bandwidth behind the blocking copy (what ``plan`` takes)."""
-    done = [r for r in saves if r["committed_s"] is not None] or []
+    done = [r for r in saves if r["committed_s"] is not None and r["tier"] != "memory"]  # tier 0 has its own
     periodic = [r for r in done if r["save_kind"] == "periodic"] or done
     if not periodic:
         return None

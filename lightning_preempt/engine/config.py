@@ -133,7 +133,7 @@ class PreemptionConfig:
     detect_failures: bool | None = None
     heartbeat_timeout_s: float = 4.0
     failure_exit_code: int = 75
-    tier0_every_n_steps: int | None = None
+    tier0_every_n_steps: int | Literal["auto"] | None = None
     memory_dirpath: str | None = None
 
     def __post_init__(self) -> None:
@@ -175,11 +175,15 @@ class PreemptionConfig:
                       hint="a rank silent this long is lost, e.g. 4 (survivors exit ~2 s after it).")  # fmt: skip
         check_int("failure_exit_code", self.failure_exit_code, minimum=1, maximum=255,
                   hint="a code the launcher restarts on and that differs from exit_code, e.g. 75.")  # fmt: skip
-        check_int("tier0_every_n_steps", self.tier0_every_n_steps, minimum=1, optional=True,
-                  hint="copy to host memory every K optimizer steps (docs/tier0.md), or None for no tier 0.")  # fmt: skip
+        if self.tier0_every_n_steps != "auto":
+            check_int("tier0_every_n_steps", self.tier0_every_n_steps, minimum=1, optional=True,
+                      hint="copy to host memory every K optimizer steps, 'auto' (K keeps the step-time overhead "
+                           "within 1 %), or None for no tier 0 (docs/tier0.md).")  # fmt: skip
         memory = check_local_dirpath(self.memory_dirpath, name="memory_dirpath")
         if memory is None and self.tier0_every_n_steps is not None:
             memory = default_memory_root(self.dirpath)
+        elif memory is not None and self.tier0_every_n_steps is None:
+            object.__setattr__(self, "tier0_every_n_steps", "auto")  # a tier-0 directory given: tier 0 is on
         object.__setattr__(self, "memory_dirpath", memory)
         object.__setattr__(self, "notices", tuple(parse_names(self.notices)))  # type: ignore[arg-type]
         if self.on_notice not in ("continue", "exit"):

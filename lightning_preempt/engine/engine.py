@@ -243,7 +243,8 @@ class Engine:
         now = time.monotonic()
         every_s = self.config.every_n_seconds
         local_due = every_s is not None and now - self._last_save_time >= every_s
-        decision = self.controller.at_boundary(now, save_due=local_due, stop=self._must_stop())
+        vote = self.memory.vote(step, self.saver) if self.memory is not None else 0
+        decision = self.controller.at_boundary(now, save_due=local_due, stop=self._must_stop(), tier0=vote)
         if decision.stop:
             self._stop()
         if decision.preempt:
@@ -253,7 +254,7 @@ class Engine:
             self.save(step, kind="notice" if decision.notice_snapshot else "periodic")
             if decision.notice_snapshot:
                 report_notice_snapshot(self.controller, self.saver, step)
-        elif self.memory is not None and self.memory.due(step):
+        elif self.memory is not None and (self.memory.due(step) or self.memory.agreed(decision.tier0)):
             self.save_memory(step)
 
     def check(self, step: int) -> None:
@@ -323,8 +324,11 @@ class Engine:
         self._forgive_memory_copy(wait=True)
         path = self.memory.path(step, self._group)
         self.save_kind = "periodic"
+        before = self.saver.history[-1:]
         self._save(path)
-        self.memory.in_flight = path
+        after = self.saver.history[-1:]
+        self.memory.started(step, path, after[0] if after and after != before else None)
+        record_save(self.ledger, self.saver, before, "tier0", tier="memory")
         if self.leader:
             self.memory.queue_retention(self.saver, self.run_id)
 

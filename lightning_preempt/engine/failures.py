@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -70,6 +71,7 @@ class FailureDetector:
         self._held, self._record, self._exit = held, record, exit
         self.heartbeat: Heartbeat | None = None
         self.settle_s = min(2.0, timeout_s / 2)
+        self._acted = threading.Event()  # the verdict's policy ran (record written or given up)
 
     def start(self, group: Any) -> None:
         """Collective over ``group`` (every rank): share a key and the addresses, start beating."""
@@ -96,7 +98,15 @@ class FailureDetector:
             return  # not a collective's error, or every peer left cleanly: nobody can be lost
         log.warning("lightning_preempt: %s: waiting up to %.0f s for the heartbeats to tell whether a rank was lost",
                     type(error).__name__, self.timeout_s + self.settle_s)  # fmt: skip
-        hb.wait_verdict(self.timeout_s + self.settle_s + RECORD_BUDGET_S + 1.0)
+        with _deferred_sigterm() as deferred:
+            # The launcher may tear this worker down meanwhile: when the lost node hosted the
+            # c10d store, the survivors' agents fail at once and SIGTERM their workers, well
+            # before the verdict. Dying then would leave no failure record; the wait is
+            # bounded (the verdict, its record, the exit), and a SIGTERM is acted on after it.
+            if hb.wait_verdict(self.timeout_s + self.settle_s + RECORD_BUDGET_S + 1.0) is not None:
+                self._acted.wait(RECORD_BUDGET_S + 1.0)  # the verdict's record, then its exit
+            if deferred:
+                log.warning("lightning_preempt: a SIGTERM came while waiting for the heartbeats; acting on it now")
 
     # ---- on the heartbeat thread -------------------------------------------------------------
     def _act(self, verdict: Verdict) -> None:
@@ -130,7 +140,27 @@ class FailureDetector:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
+        self._acted.set()
         self._exit(self.exit_code)
+
+
+@contextlib.contextmanager
+def _deferred_sigterm() -> Any:
+    """Hold SIGTERM inside the block (main thread only; elsewhere nothing changes): yields a
+    list that is non-empty once one came; on leaving, the previous handler is put back and
+    a held SIGTERM is sent again, to it."""
+    got: list[int] = []
+    try:
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    except ValueError:  # not the main thread: signals cannot be handled here anyway
+        yield got
+        return
+    try:
+        yield got
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if got:
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _collective_error(error: BaseException) -> bool:

@@ -302,14 +302,15 @@ def start_fields(resumed_step: int, resumed_from: str | None, world_size: int, c
     }  # fmt: skip
 
 
-def record_save(ledger: Ledger, saver: Any, before: list[Any], kind: str) -> None:
+def record_save(ledger: Ledger, saver: Any, before: list[Any], kind: str, *, tier: str | None = None) -> None:
     """Queue, behind the save just made on the saver's job thread, its ``save`` record: the
     figures are final once it committed or failed (``saver``: the engine's ``Saver``;
-    ``before``: its newest history record before the save, as a list of at most one)."""
+    ``before``: its newest history record before the save, as a list of at most one;
+    ``tier``: where it went, when not the disk tiers: ``memory`` for a tier-0 copy)."""
     if not ledger.enabled or saver.history[-1:] == before:
         return  # this rank did not save (a strategy where another rank writes)
     record = saver.history[-1]
-    tier = "local" if saver.tiers is not None else "dirpath"
+    tier = tier or ("local" if saver.tiers is not None else "dirpath")
 
     def add() -> None:
         error = str(record.error).splitlines()[0] if record.error is not None and str(record.error) else None

@@ -17,14 +17,17 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 import uuid
+from typing import Literal
 
 from lightning_preempt.catalog.retention import retain
 from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.format.names import MANIFEST_NAME, checkpoint_name
+from lightning_preempt.save.history import SaveRecord
 from lightning_preempt.save.saver import Saver
-from lightning_preempt.tiers.tier0 import KEEP_LAST_N, committed_steps
+from lightning_preempt.tiers.tier0 import KEEP_LAST_N, AutoEvery, committed_steps
 
 log = logging.getLogger(__name__)
 
@@ -36,14 +39,18 @@ MEMORY_HINT = (
 
 
 class MemoryTier:
-    """Tier 0 of one engine: copy every ``every`` steps to ``root``, keep the newest ``keep``."""
+    """Tier 0 of one engine: copy every ``every`` steps to ``root`` (``"auto"``: K from the
+    measured overhead, tiers/tier0.py ``AutoEvery``), keep the newest ``keep``."""
 
-    def __init__(self, root: str, every: int, keep: int = KEEP_LAST_N) -> None:
+    def __init__(self, root: str, every: int | Literal["auto"], keep: int = KEEP_LAST_N) -> None:
         self.root = root
-        self.every = every
+        self.auto = AutoEvery() if every == "auto" else None
+        self.every = every if isinstance(every, int) else None  # auto: known once a copy is measured
         self.keep = keep
         self.enabled = False  # set up, and every rank on this host
         self.in_flight: str | None = None  # the copy the saver may still be writing
+        self._measuring: SaveRecord | None = None  # auto: the copy whose cost is being measured
+        self.copies = 0  # copies started: the same count on every rank (they start at agreed steps)
 
     def setup(self, group: pdist.ProcessGroup | None, *, leader: bool) -> bool:
         """Collective: on only when every rank runs on this host and could create ``root``
@@ -68,7 +75,45 @@ class MemoryTier:
         return self.enabled
 
     def due(self, step: int) -> bool:
-        return self.enabled and step > 0 and step % self.every == 0
+        """A fixed K: whether ``step`` copies (every rank counts alike; auto votes instead)."""
+        return self.enabled and self.every is not None and self.auto is None and step > 0 and step % self.every == 0
+
+    def vote(self, step: int, saver: Saver) -> int:
+        """Auto K, at every optimizer-step boundary: feed this rank's measurements to the
+        policy and return its vote for the agreement (preemption/schedule.py ``tier0``, MAX):
+        ``3 * copies + 1`` ready, ``+ 2`` not ready; 0 without auto tier 0. Every rank votes
+        with the same ``copies``, so the MAX says "every rank ready" only as ``+ 1``; and an
+        overlapped exchange read after a copy started (votes cast before it) carries an older
+        count, which :meth:`agreed` refuses alike on every rank. Cheap: reads the saver's records."""
+        auto = self.auto
+        if auto is None or not self.enabled:
+            return 0
+        newest = saver.history[-1] if saver.history else None
+        busy = newest is not None and newest.committed_s is None and newest.error is None
+        auto.boundary(time.monotonic(), other_save=busy and newest is not self._measuring)
+        rec = self._measuring
+        if auto.in_flight and (rec is None or rec.committed_s is not None or rec.error is not None):
+            # done (or this rank wrote nothing: a strategy where another rank writes)
+            copy_s = 0.0 if rec is None else rec.committed_s if rec.committed_s is not None else time.perf_counter() - rec.started
+            before, self.every = self.every, auto.finished(blocking_s=rec.blocking_s if rec is not None else 0.0, copy_s=copy_s)
+            self._measuring = None
+            if self.every != before:
+                log.info("lightning_preempt: tier 0 copies every %s steps (auto: the last copy took %.3f s, a step "
+                         "%.4f s; overhead kept within 1 %%)", self.every, copy_s, auto.step_s or 0.0)  # fmt: skip
+        return 3 * self.copies + (1 if auto.ready(step) else 2)
+
+    def agreed(self, vote: int) -> bool:
+        """Whether the agreed ``vote`` starts an auto copy now (the same answer on every rank)."""
+        return self.auto is not None and self.enabled and vote == 3 * self.copies + 1
+
+    def started(self, step: int, path: str, record: SaveRecord | None) -> None:
+        """A copy to ``path`` started at ``step`` (``record``: the saver's record of it, if this
+        rank wrote; auto measures it)."""
+        self.in_flight = path
+        self.copies += 1
+        if self.auto is not None:
+            self.auto.started(step)
+            self._measuring = record
 
     def path(self, step: int, group: pdist.ProcessGroup | None) -> str:
         """``root/step-N``, or a suffixed sibling when ``step-N`` is committed there already (a

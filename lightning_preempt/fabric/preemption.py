@@ -109,7 +109,7 @@ class Preemption:
         detect_failures: bool | None = None,
         heartbeat_timeout_s: float = 4.0,
         failure_exit_code: int = 75,
-        tier0_every_n_steps: int | None = None,
+        tier0_every_n_steps: int | Literal["auto"] | None = None,
         memory_dirpath: str | None = None,
     ) -> None:
         config = from_arguments(PreemptionConfig, locals())

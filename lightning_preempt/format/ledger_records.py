@@ -14,8 +14,9 @@ Kinds and their fields (besides ``format``, ``kind``, ``run``, ``restart``, ``se
 * ``start``: ``resumed_step`` (0: fresh), ``resumed_from``, ``process_start_t``, ``startup_s``
   (process start to the first step), ``world_size``, ``every_n_train_steps``,
   ``every_n_seconds``, ``grace_period_s``, ``host``, ``pid``;
-* ``save``: ``save_kind`` (periodic, notice, emergency, final), ``step``, ``blocking_s``,
-  ``committed_s`` (``None``: it failed), ``bytes``, ``tier`` (``dirpath`` or ``local``), ``error``;
+* ``save``: ``save_kind`` (periodic, notice, emergency, final; ``tier0``: a copy to host memory),
+  ``step``, ``blocking_s``, ``committed_s`` (``None``: it failed), ``bytes``, ``tier``
+  (``dirpath``, ``local``, or ``memory`` for a tier-0 copy), ``error``;
 * ``progress``: ``step`` (the last step seen; what a SIGKILL's steps lost are inferred from);
 * ``preemption``: ``source`` (``SIGTERM``, ``gce``…), ``received_t``, ``step`` (agreed),
   ``snapshot_step`` (the newest committed step at exit), ``committed``, ``to_exit_s`` (from the

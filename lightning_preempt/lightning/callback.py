@@ -117,9 +117,11 @@ class PreemptionCallback(OnExceptionCheckpoint):
         tier0_every_n_steps: tier 0 (docs/tier0.md): every K optimizer steps each rank also
             commits its share to ``memory_dirpath`` (node-local host memory, a tmpfs), which
             outlives the process: a restart on the same node resumes from there when it is the
-            newest valid checkpoint. Its newest 2 are kept. ``None``: no tier 0.
+            newest valid checkpoint. Its newest is kept. ``"auto"``: K chosen from the
+            measured copy and step times so that tier 0 costs at most 1 % of the step time.
+            ``None``: no tier 0, unless ``memory_dirpath`` is given (then ``"auto"``).
         memory_dirpath: tier 0's directory; ``None``: ``/dev/shm/lightning_preempt/<dirpath's
-            name>-<hash>`` (the same on every restart).
+            name>-<hash>`` (the same on every restart) when ``tier0_every_n_steps`` is set.
     """
 
     def __init__(
@@ -155,7 +157,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
         detect_failures: bool | None = None,
         heartbeat_timeout_s: float = 4.0,
         failure_exit_code: int = 75,
-        tier0_every_n_steps: int | None = None,
+        tier0_every_n_steps: int | Literal["auto"] | None = None,
         memory_dirpath: str | None = None,
     ) -> None:
         config = from_arguments(PreemptionConfig, locals())

@@ -46,6 +46,7 @@ class Decision:
     save_due: bool = False
     stop: bool = False  # a rank's save failed or its lease was lost: raise the agreed error
     notice_snapshot: bool = False  # this rank asked for this save: a notice with on_notice="continue"
+    tier0: int = 0  # the agreed tier-0 vote (auto K; engine/memory_tier.py ``MemoryTier.agreed`` reads it)
 
 
 class ControllerSettings(Protocol):
@@ -184,14 +185,16 @@ class PreemptionController:
         return False, not self.notice_snapshot_taken
 
     # ---- agreement ----------------------------------------------------------------------
-    def at_boundary(self, now: float, *, save_due: bool, stop: bool) -> Decision:
-        """At an optimizer-step boundary (every rank): what all ranks do now."""
+    def at_boundary(self, now: float, *, save_due: bool, stop: bool, tier0: int = 0) -> Decision:
+        """At an optimizer-step boundary (every rank): what all ranks do now. ``tier0``: this
+        rank's vote for a tier-0 copy (preemption/schedule.py ``AgreementSchedule.tier0``)."""
         preempt_here, snapshot_here = self._wants()
-        preempt, due, halt = self.schedule.at_boundary(now, preempt_here, save_due or snapshot_here, stop)
+        preempt, due, halt = self.schedule.at_boundary(now, preempt_here, save_due or snapshot_here, stop, tier0)
         noticed = due and snapshot_here and not preempt
         if noticed:
             self.notice_snapshot_taken = True  # every rank saves this boundary: asked for once
-        return Decision(preempt=preempt, save_due=due, stop=halt, notice_snapshot=noticed)
+        return Decision(preempt=preempt, save_due=due, stop=halt, notice_snapshot=noticed,
+                        tier0=self.schedule.tier0)  # fmt: skip
 
     def now(self, *, stop: bool = False) -> Decision:
         """Agree synchronously (validation, start-up)."""

@@ -1,7 +1,8 @@
 """When ranks agree on "preempt now?" (and "a time-based save is due?").
 
 Policy on top of :class:`lightning_preempt.dist.FlagAgreement` (the mechanism). Ranks
-exchange ``[signalled, time_due, stop, proposed_k]`` with MAX at optimizer-step boundaries:
+exchange ``[signalled, time_due, stop, proposed_k, tier0]`` with MAX at optimizer-step
+boundaries (``tier0``: a rank's vote for an auto-K tier-0 copy, :attr:`AgreementSchedule.tier0`):
 
 * every ``k`` boundaries, on a schedule all ranks count alike — a rank-local condition
   never decides whether a rank enters the collective (the others would wait forever);
@@ -40,6 +41,10 @@ class AgreementSchedule:
         self._flags: FlagAgreement | None = None
         self._boundaries = 0
         self._times: list[float] = []
+        #: The agreed tier-0 vote of the last boundary (MAX of the ranks' votes; 0 where no
+        #: exchange happened: a boundary between exchanges, the first overlapped one). The
+        #: vote's meaning is the memory tier's (engine/memory_tier.py ``MemoryTier.vote``).
+        self.tier0 = 0
 
     def __getstate__(self) -> dict[str, object]:
         state = self.__dict__.copy()
@@ -48,25 +53,26 @@ class AgreementSchedule:
 
     def bind(self, group: ProcessGroup | None) -> None:
         """Use ``group`` (a gloo group of its own; ``None`` without torch.distributed)."""
-        self._flags = FlagAgreement(group, width=4)
+        self._flags = FlagAgreement(group, width=5)
 
     @property
     def bound(self) -> bool:
         return self._flags is not None
 
     def at_boundary(
-        self, now: float, signalled: bool, time_due: bool, stop: bool = False
+        self, now: float, signalled: bool, time_due: bool, stop: bool = False, tier0: int = 0
     ) -> tuple[bool, bool, bool]:
         """At an optimizer-step boundary: ``(any rank signalled, any rank's save due, any
         rank must stop)``. ``stop`` (a failed save, a lost lease) travels in the same
-        exchange as the signal flag."""
+        exchange as the signal flag; so does ``tier0`` (this rank's vote, see :attr:`tier0`)."""
         assert self._flags is not None, "bind() first"
         self._boundaries += 1
+        self.tier0 = 0
         proposal = self._calibrate(now)
         if self._boundaries % self.k != 0:
             return False, False, False
-        any_signal, any_due, any_stop, new_k = self._flags.exchange(
-            [int(signalled), int(time_due), int(stop), proposal], overlap=self.overlap
+        any_signal, any_due, any_stop, new_k, self.tier0 = self._flags.exchange(
+            [int(signalled), int(time_due), int(stop), proposal, tier0], overlap=self.overlap
         )
         if new_k:
             self.k = new_k
@@ -76,7 +82,7 @@ class AgreementSchedule:
         """Agree synchronously (validation, start-up): ``(any rank signalled, any must stop)``."""
         if self._flags is None:
             return signalled, stop
-        agreed = self._flags.exchange_now([int(signalled), 0, int(stop), 0])
+        agreed = self._flags.exchange_now([int(signalled), 0, int(stop), 0, 0])
         return bool(agreed[0]), bool(agreed[2])
 
     def flush(self) -> None:

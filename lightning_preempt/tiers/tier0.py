@@ -30,8 +30,11 @@ from lightning_preempt.catalog.listing import list_checkpoints
 DEFAULT_TIER0_BASE = "/dev/shm/lightning_preempt"
 #: The step-time overhead tier 0 may cost, as a fraction of the step time.
 MAX_OVERHEAD = 0.01
-#: Tier-0 checkpoints kept per node (memory is the scarce resource here).
-KEEP_LAST_N = 2
+#: Tier-0 checkpoints kept per node (memory is the scarce resource here). One is enough: the
+#: next copy is written beside it and it is removed only once that one committed, so a copy
+#: torn by a kill leaves the previous one (and the disk tiers stay the fallback for damage).
+#: The tmpfs then holds one copy, two while a copy is written (bench_tier0.py measures it).
+KEEP_LAST_N = 1
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
@@ -61,31 +64,106 @@ def choose_every(copy_s: float, step_s: float, max_overhead: float = MAX_OVERHEA
     return max(1, math.ceil(copy_s / (max_overhead * step_s) - 1e-9))
 
 
-class Tier0Schedule:
-    """When to start a tier-0 copy: every ``every`` steps, never while the previous runs.
+#: Steps measured before auto's first copy (the base step time it is weighed against).
+WARMUP_STEPS = 5
+#: Recent quiet step times (no save or copy in flight) the base step time is the mean of.
+STEP_WINDOW = 50
+#: Recent copies whose measured cost auto weighs (the median: one noisy window moves nothing).
+COST_WINDOW = 5
 
-    ``every=None`` means "auto": :meth:`measured` sets it from the first measured copy.
+
+class AutoEvery:
+    """``tier0_every_n_steps="auto"`` on one rank: K from the measured step-time overhead.
+
+    Fed at every optimizer-step boundary (:meth:`boundary`) and when a copy starts and is
+    done; :meth:`ready` is this rank's vote. Ranks agree on the votes at the existing
+    flag exchange (preemption/schedule.py, MAX), so a copy starts only at a boundary where
+    *every* rank is ready: each one's previous copy finished and K of its steps passed
+    since it started (K is each rank's own; the slowest rank's wins). No collective of its own.
+
+    Cost of a copy = what the steps it overlapped took beyond the base step time (the mean of
+    recent quiet steps), at least the time training blocked on it: so the writer thread's
+    competition for the CPU counts too, not only the staging copy. K = the smallest that keeps
+    that cost within ``max_overhead`` of K steps, and at least the copy's whole duration in
+    steps (never more often than the previous copy finished). Re-evaluated after every copy,
+    from the median of the last :data:`COST_WINDOW` costs. The first copy is due once
+    :data:`WARMUP_STEPS` quiet steps were measured; it pays the one-time set-up (the staging
+    buffers), so the second follows as soon as the first's duration allows and is the first
+    measurement.
     """
 
-    def __init__(self, every: int | None = None, max_overhead: float = MAX_OVERHEAD) -> None:
-        if every is not None and every < 1:
-            raise ValueError(f"tier0_every_n_steps must be >= 1, got {every}\nHINT: pass None for auto.")
-        self.every = every
+    def __init__(self, max_overhead: float = MAX_OVERHEAD) -> None:
+        if not 0 < max_overhead <= 1:
+            raise ValueError(f"max_overhead must be in (0, 1], got {max_overhead}\nHINT: 0.01 keeps tier 0 within 1 %.")
         self.max_overhead = max_overhead
-        self.busy = False
+        self.every: int | None = None  # K, once a copy was measured
+        self.costs: list[tuple[float, float]] = []  # (overhead s, whole copy s) of recent copies
+        self._quiet: list[float] = []  # recent step times with nothing in flight
+        self._last: float | None = None  # the previous boundary's time
+        self._started: int | None = None  # the step the newest copy started at
+        self._open = False  # a copy is in flight: its window collects excess step time
+        self._excess = 0.0
+        self._dirty = False  # another save overlapped the window: its excess is not this copy's
+        self._first = True  # the next copy to finish is the first: set-up, not a measurement
 
-    def due(self, step: int) -> bool:
-        """Whether to start a copy at ``step`` (auto: the first step copies, to measure)."""
-        if self.busy:
-            return False
-        return self.every is None or step % self.every == 0
+    @property
+    def step_s(self) -> float | None:
+        """The base step time (mean of recent quiet steps), once enough were measured."""
+        return sum(self._quiet) / len(self._quiet) if len(self._quiet) >= WARMUP_STEPS else None
 
-    def measured(self, copy_s: float, step_s: float) -> int:
-        """Record a finished copy; in auto mode K is chosen from it. Returns K."""
-        self.busy = False
-        if self.every is None:
-            self.every = choose_every(copy_s, step_s, self.max_overhead)
+    def boundary(self, now: float, *, other_save: bool = False) -> None:
+        """An optimizer-step boundary at ``now`` (monotonic seconds). ``other_save``: a save
+        that is not a tier-0 copy was in flight during the step just ended."""
+        gap, self._last = (now - self._last if self._last is not None else None), now
+        if gap is None:
+            return
+        if self._open:
+            base = self.step_s
+            self._excess += gap - base if base is not None else 0.0
+            self._dirty |= other_save
+        elif not other_save:
+            self._quiet = [*self._quiet, gap][-STEP_WINDOW:]
+
+    def started(self, step: int) -> None:
+        """A tier-0 copy started at ``step`` (every rank, at the same agreed boundary)."""
+        self._started, self._open, self._excess, self._dirty = step, True, 0.0, False
+
+    @property
+    def in_flight(self) -> bool:
+        return self._open
+
+    def finished(self, *, blocking_s: float, copy_s: float) -> int | None:
+        """The copy in flight committed (or failed) after ``copy_s`` seconds, ``blocking_s`` of
+        them on the training thread. Returns the new K (``None``: nothing measured yet)."""
+        if not self._open:
+            return self.every
+        self._open = False
+        base = self.step_s
+        if base is None:
+            return self.every
+        whole_steps = max(1, math.ceil(copy_s / base - 1e-9))
+        if self._first:
+            # The first copy pays the one-time set-up (the staging buffers' first touch: up to
+            # seconds) that no later copy pays: not a measurement. The next copy comes as soon
+            # as this one's duration allows and measures.
+            self._first = False
+            self.every = whole_steps
+            return self.every
+        cost = blocking_s if self._dirty else max(blocking_s, self._excess)
+        self.costs = [*self.costs, (max(0.0, cost), max(0.0, copy_s))][-COST_WINDOW:]
+        overhead = sorted(c for c, _ in self.costs)[len(self.costs) // 2]
+        whole = sorted(w for _, w in self.costs)[len(self.costs) // 2]
+        self.every = max(choose_every(overhead, base, self.max_overhead), math.ceil(whole / base - 1e-9), 1)
         return self.every
+
+    def ready(self, step: int) -> bool:
+        """This rank's vote at ``step``: its previous copy is done and K steps passed since it
+        started (before the first copy: once the base step time is measured)."""
+        if self._open or self.step_s is None:
+            return False
+        if self._started is None or self.every is None:
+            return self._started is None  # the first copy; a measurement still missing waits
+        return step - self._started >= self.every
 
 
 def committed_steps(root: str) -> list[int]:

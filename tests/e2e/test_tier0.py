@@ -4,13 +4,14 @@ tier-0 step, or from the disk tier when the newest tier-0 copy is torn.
 
 Disk saves every 5 steps, tier 0 every 2 (a step the disk tier saves is not copied again):
 killed after step 12's tier-0 copy committed, the disk tier holds 10 and 5, tier 0 holds 12
-and 8 (its newest two).
+(its newest only: the previous copy is removed once the next committed).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -23,6 +24,9 @@ from pathlib import Path
 import pytest
 from ckpts import committed
 from jobs import launch, read
+
+from lightning_preempt.cli.report import build_report
+from lightning_preempt.tiers.tier0 import WARMUP_STEPS
 
 pytestmark = pytest.mark.multiproc
 
@@ -54,7 +58,7 @@ def _killed_at_12(tmp: Path, shm: Path) -> None:
     code, out = _fit(tmp, shm, "--signal-at", "saved-kill:12")
     assert code == -signal.SIGKILL, out[-3000:]
     assert committed(tmp / "ck") == [10, 5], out[-3000:]
-    assert committed(shm) == [12, 8], out[-3000:]  # retention keeps tier 0's newest two
+    assert committed(shm) == [12], out[-3000:]  # retention keeps tier 0's newest
 
 
 def _result(tmp: Path) -> dict[str, object]:
@@ -81,6 +85,11 @@ def test_a_sigkilled_fit_resumes_from_host_memory(tmp_path: Path, shm: Path) -> 
     assert result["start_step"] == 12 and result["step"] == MAX_STEPS, out[-3000:]
     assert str(result["resumed_from"]).startswith(str(shm) + "/"), result
     assert os.path.basename(str(result["resumed_from"])) == "step-0000000012"
+    # the report: the kill (no signal, no record) resumed from tier 0, the newest tier-0 step
+    summary = build_report(str(tmp_path / "ck"), {})
+    [kill] = summary["preemptions"]
+    assert kill["kind"] == "killed" and kill["resumed_step"] == 12 and kill["resumed_tier"] == "memory", kill
+    assert summary["tier0"]["newest_step"] >= 12 and summary["tier0"]["failed"] == 0, summary["tier0"]
 
 
 @pytest.mark.slow
@@ -108,7 +117,7 @@ def test_a_torn_tier0_copy_falls_back_to_the_disk_tier(tmp_path: Path, shm: Path
     code, out = _fit(tmp_path, shm)
     assert code == 0, out[-3000:]
     result = _result(tmp_path)
-    # tier 0's older copy (8) is older than the disk tier's newest (10): the disk tier wins
+    # tier 0 holds no other copy: the disk tier's newest (10) is resumed
     assert result["start_step"] == 10, out[-3000:]
     assert result["resumed_from"] == str(tmp_path / "ck" / "step-0000000010")
     assert "step-0000000012" in out and "skipping checkpoint" in out
@@ -119,7 +128,7 @@ def test_ddp_ranks_resume_together_from_host_memory(tmp_path: Path, shm: Path) -
     """Two ranks on one host (gloo): each writes its share into the same tier-0 directory."""
     ddp = ("--devices", "2", "--strategy", "ddp")
     code, out = _fit(tmp_path, shm, *ddp, "--signal-at", "saved-kill:12", "--signal-rank", "0")
-    assert code != 0 and committed(shm) == [12, 8], out[-3000:]
+    assert code != 0 and committed(shm) == [12], out[-3000:]
     assert {p.name for p in (shm / "step-0000000012").iterdir()} >= {"state-rank00000.pt", "state-rank00001.pt"}
     code, out = _fit(tmp_path, shm, *ddp)
     assert code == 0, out[-3000:]
@@ -163,3 +172,34 @@ def test_a_full_tmpfs_does_not_stop_training(tmp_path: Path, shm: Path) -> None:
     assert _result(tmp_path)["step"] == MAX_STEPS
     assert committed(tmp_path / "ck") == [20, 15, 10]
     assert committed(shm) == []  # the mount went with the job's namespace; nothing was committed on the host
+
+
+def _ledger_records(tmp: Path, kind: str) -> list[dict[str, object]]:
+    records = [json.loads(p.read_text()) for p in sorted((tmp / "ck" / ".lp-ledger").rglob("*.json"))]
+    return sorted((r for r in records if r.get("kind") == kind), key=lambda r: (r["restart"], r["seq"]))  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_auto_k_picks_a_k_from_the_measured_copy_and_copies(tmp_path: Path, shm: Path) -> None:
+    """``memory_dirpath`` alone turns tier 0 on with ``tier0_every_n_steps="auto"``: the first
+    copy after the warm-up measures, the engine logs the K it chose, later copies are K apart
+    (or more: a copy starts at an agreement boundary), and each copy is a ledger record that
+    the report shows (the newest tier-0 step). 120 steps: a loaded 2-core host measured K ~ 30
+    (the writer thread competes with the step for the CPU; that is overhead too)."""
+    args = ["--dirpath", str(tmp_path / "ck"), "--status", str(tmp_path / "st"), "--max-steps", "120",
+            "--every", "1000", "--step-sleep", "0.05", "--cb-kwargs", json.dumps({"memory_dirpath": str(shm)})]  # fmt: skip
+    proc = launch("train_script.py", tmp_path, *args)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out[-3000:]
+    ks = [int(k) for k in re.findall(r"tier 0 copies every (\d+) steps \(auto", out)]
+    assert ks and all(k >= 1 for k in ks), out[-3000:]
+    copies = [r for r in _ledger_records(tmp_path, "save") if r["tier"] == "memory"]
+    steps = [int(r["step"]) for r in copies]  # type: ignore[call-overload]
+    assert len(steps) >= 2 and all(r["save_kind"] == "tier0" and r["committed_s"] is not None for r in copies), (steps, ks)
+    assert steps[0] > WARMUP_STEPS  # the base step time is measured first
+    assert steps[1] - steps[0] >= ks[0], (steps, ks)  # never more often than the first K
+    assert committed(shm) == [max(steps)]  # the newest is kept
+    report = subprocess.run([sys.executable, "-m", "lightning_preempt.cli", "report", str(tmp_path / "ck")],
+                            capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert report.returncode == 0, report.stderr[-2000:]
+    assert re.search(rf"tier-0 copies\s+{len(steps)}\s+to host memory, newest step {max(steps)}", report.stdout), report.stdout

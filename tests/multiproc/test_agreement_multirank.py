@@ -64,6 +64,17 @@ def _worker(rank: int, world: int, out: str) -> None:
     s = scheduled("auto", overlap=True)
     results["auto_overlap"] = _boundaries(s, rank, 3 * AUTO_K + 2, lambda r, b: (r == 1 and b >= 100, False, False))
     s.flush()
+    # tier-0 votes (1 ready, 2 not): rank 0 is ready from boundary 2, rank 1 only from 4
+    # (its previous copy still in flight before): a copy is agreed only where both are.
+    for overlap in (False, True):
+        s = scheduled(1, overlap=overlap)
+        votes = []
+        for b in range(1, 7):
+            ready = b >= (2 if rank == 0 else 4)
+            s.at_boundary(b * STEP_S[rank], signalled=False, time_due=False, tier0=1 if ready else 2)
+            votes.append(s.tier0)
+        s.flush()
+        results[f"tier0_overlap{overlap}"] = votes
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
 
 
@@ -98,3 +109,8 @@ def test_every_rank_acts_at_the_same_boundaries(tmp_path: Path) -> None:
     ks = [row[1] for row in got["auto_overlap"]]
     assert ks.index(AUTO_K) + 1 == CALIBRATION_STEPS + 1 and set(ks[CALIBRATION_STEPS:]) == {AUTO_K}
     assert _said(got["auto_overlap"], 0) == [3 * AUTO_K]  # exchanged at 128, read at the next one, 192
+
+    # tier 0 (auto K): agreed 1 ("copy") only once every rank voted ready; overlapped one
+    # boundary later, and 0 ("no result") at the first overlapped boundary
+    assert got["tier0_overlapFalse"] == [2, 2, 2, 1, 1, 1]
+    assert got["tier0_overlapTrue"] == [0, 2, 2, 2, 1, 1]

@@ -8,7 +8,14 @@ import pytest
 
 from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.format.names import MANIFEST_NAME, checkpoint_name
-from lightning_preempt.tiers.tier0 import Tier0Schedule, choose_every, committed_steps, tier0_root, to_prune
+from lightning_preempt.tiers.tier0 import (
+    WARMUP_STEPS,
+    AutoEvery,
+    choose_every,
+    committed_steps,
+    tier0_root,
+    to_prune,
+)
 
 
 def test_k_keeps_the_overhead_within_one_percent() -> None:
@@ -21,15 +28,80 @@ def test_k_keeps_the_overhead_within_one_percent() -> None:
         choose_every(0.1, 0.0)
 
 
-def test_schedule_never_starts_a_copy_while_one_runs() -> None:
-    s = Tier0Schedule(every=None)
-    assert s.due(1)  # auto: the first copy measures
-    s.busy = True
-    assert not s.due(2)
-    assert s.measured(copy_s=0.02, step_s=0.1) == 20
-    assert [n for n in range(1, 61) if s.due(n)] == [20, 40, 60]
+def _steps(auto: AutoEvery, times: list[float], t0: float = 0.0, *, other_save: bool = False) -> float:
+    """Feed boundaries ``times`` apart after ``t0``; returns the last boundary's time."""
+    t = t0
+    for gap in times:
+        t += gap
+        auto.boundary(t, other_save=other_save)
+    return t
+
+
+def _warm(auto: AutoEvery, step_s: float = 0.1) -> float:
+    """Measure the base step time and finish the first copy (set-up, not a measurement)."""
+    t = _steps(auto, [step_s] * 11)
+    auto.started(10)
+    t = _steps(auto, [step_s * 5], t0=t)  # the first copy allocated its buffers: slow
+    assert auto.finished(blocking_s=step_s * 4, copy_s=step_s * 2.5) == 3  # its duration only: 2.5 steps
+    return t
+
+
+def test_auto_waits_for_the_base_step_time_then_copies_once_to_measure() -> None:
+    auto = AutoEvery()
+    assert not auto.ready(0)
+    _steps(auto, [0.1] * WARMUP_STEPS)  # the first boundary has no gap: one more step measured below
+    assert auto.step_s is None and not auto.ready(WARMUP_STEPS)
+    _steps(auto, [0.1], t0=0.1 * WARMUP_STEPS)
+    assert auto.step_s == pytest.approx(0.1) and auto.ready(WARMUP_STEPS + 1)
+    auto.started(WARMUP_STEPS + 1)
+    assert not auto.ready(WARMUP_STEPS + 500)  # never while the copy is in flight
+
+
+def test_auto_k_counts_the_excess_step_time_the_copy_caused_not_only_its_blocking() -> None:
+    auto = AutoEvery()
+    t = _warm(auto)
+    auto.started(10)
+    # the copy blocked 0.02 s, and while it was written two steps ran 0.01 s slower: 0.04 s in all
+    t = _steps(auto, [0.12, 0.11, 0.11], t0=t)
+    k = auto.finished(blocking_s=0.02, copy_s=0.25)
+    assert k == choose_every(0.04, 0.1) == 40
+    assert 0.04 / (k * 0.1) <= 0.01  # within 1 % of the K steps
+    assert not auto.ready(10 + k - 1) and auto.ready(10 + k)
+
+
+def test_auto_k_is_never_shorter_than_the_whole_copy() -> None:
+    auto = AutoEvery()
+    t = _warm(auto)
+    auto.started(10)
+    _steps(auto, [0.1], t0=t)  # no excess at all (a GPU step does not feel the CPU writer)
+    assert auto.finished(blocking_s=0.0, copy_s=3.0) == 30  # 3 s of copy = 30 steps of 0.1 s
+
+
+def test_auto_k_follows_new_measurements_through_a_median() -> None:
+    auto = AutoEvery()
+    t = _warm(auto)
+    ks = []
+    for i, blocking in enumerate([0.02, 0.02, 0.5, 0.04, 0.04, 0.04]):
+        auto.started(i)
+        t = _steps(auto, [0.1], t0=t)
+        ks.append(auto.finished(blocking_s=blocking, copy_s=0.0))
+    assert ks[0] == 20 and ks[2] == 20  # one noisy copy moves nothing
+    assert ks[-1] == 40  # the copies became slower: K follows
+
+
+def test_a_window_another_save_overlapped_counts_only_the_blocking() -> None:
+    auto = AutoEvery()
+    t = _warm(auto)
+    auto.started(10)
+    t = _steps(auto, [0.9], t0=t, other_save=True)  # a disk save's cost, not tier 0's
+    assert auto.finished(blocking_s=0.01, copy_s=0.0) == 10
+    _steps(auto, [5.0], t0=t, other_save=True)
+    assert auto.step_s == pytest.approx(0.1)  # a save's step is not a base step
+
+
+def test_auto_rejects_a_bad_overhead() -> None:
     with pytest.raises(ValueError, match="HINT"):
-        Tier0Schedule(every=0)
+        AutoEvery(max_overhead=0)
 
 
 def test_root_is_one_directory_per_run() -> None:
@@ -72,8 +144,12 @@ def test_tier0_options_are_validated_and_default_to_dev_shm() -> None:
     config = PreemptionConfig(dirpath="ckpts/run", tier0_every_n_steps=4)
     assert config.memory_dirpath is not None and config.memory_dirpath.startswith("/dev/shm/lightning_preempt/run-")
     assert PreemptionConfig(dirpath="ckpts/run").memory_dirpath is None  # no tier 0, no directory
-    with pytest.raises(ValueError, match=r"(?s)tier0_every_n_steps must be an int >= 1.*HINT: "):
+    with pytest.raises(ValueError, match=r"(?s)tier0_every_n_steps must be an int >= 1.*HINT: .*'auto'"):
         PreemptionConfig(dirpath="ckpts/run", tier0_every_n_steps=0)
+    auto = PreemptionConfig(dirpath="ckpts/run", tier0_every_n_steps="auto")
+    assert auto.memory_dirpath == config.memory_dirpath
+    given = PreemptionConfig(dirpath="ckpts/run", memory_dirpath="/dev/shm/x")  # a directory turns tier 0 on
+    assert given.tier0_every_n_steps == "auto" and given.memory_dirpath == "/dev/shm/x"
     with pytest.raises(ValueError, match="memory_dirpath must be a local directory"):
         PreemptionConfig(dirpath="ckpts/run", tier0_every_n_steps=4, memory_dirpath="s3://b/x")
     fields = start_fields(
@@ -84,3 +160,18 @@ def test_tier0_options_are_validated_and_default_to_dev_shm() -> None:
         start_fields(5, "ckpts/run/step-0000000005", 1, config, memory_dirpath=config.memory_dirpath)["resumed_tier"]
         == "dirpath"
     )
+
+
+def test_a_vote_cast_before_the_last_copy_started_starts_nothing(tmp_path: Path) -> None:
+    """Overlapped agreement reads an exchange one boundary later: the votes in it were cast
+    before the copy that started meanwhile, so "every rank ready" there is stale (it would
+    start a second copy at once, behind the first). The votes carry the copy count."""
+    from lightning_preempt.engine.memory_tier import MemoryTier
+
+    tier = MemoryTier(str(tmp_path), "auto")
+    tier.enabled = True
+    assert tier.agreed(1) and not tier.agreed(2) and not tier.agreed(0)  # 0: no exchange here
+    tier.started(10, str(tmp_path / "step-10"), None)
+    assert not tier.agreed(1)  # cast before the copy of step 10
+    assert tier.agreed(3 * 1 + 1) and not tier.agreed(3 * 1 + 2)
+    assert not MemoryTier(str(tmp_path), 4).agreed(1)  # a fixed K never votes

@@ -111,6 +111,11 @@ def print_report(r: dict[str, Any], url: str) -> None:
         rows.append(("uploads (two tiers)", str(drains["uploaded"]),
                      f"to dirpath, {drains['bytes'] / 1e6:.1f} MB in {_d(drains['drained_s'])}; newest step "
                      f"{_or_dash(drains['newest_step'])}; {drains['skipped']} skipped, {drains['failed']} failed"))  # fmt: skip
+    tier0 = r.get("tier0") or {}
+    if tier0.get("count"):
+        rows.append(("tier-0 copies", str(tier0["committed"]),
+                     f"to host memory, newest step {_or_dash(tier0['newest_step'])}, {_d(tier0['committed_s'])} each "
+                     f"(median), {_d(tier0['blocking_s'])} blocked; {tier0['failed']} failed"))  # fmt: skip
     width = max(len(a) for a, _, _ in rows)
     for name, value, how in rows:
         print(f"  {name:<{width}}  {value:>9}  {how}")
