@@ -115,7 +115,9 @@ class PreemptionCallback(OnExceptionCheckpoint):
         tier0_every_n_steps: tier 0 (docs/tier0.md): every K optimizer steps each rank also
             commits its share to ``memory_dirpath`` (node-local host memory, a tmpfs), which
             outlives the process: a restart on the same node resumes from there when it is the
-            newest valid checkpoint. Its newest 2 are kept. ``None``: no tier 0.
+            newest valid checkpoint. Its newest 2 are kept. On several nodes each copy also goes
+            to the next node's memory, and a replaced node gets it back from there. ``None``:
+            no tier 0.
         memory_dirpath: tier 0's directory; ``None``: ``/dev/shm/lightning_preempt/<dirpath's
             name>-<hash>`` (the same on every restart).
     """

@@ -130,3 +130,32 @@ def test_peer_copy_lands_and_a_wiped_node_is_restored_bit_for_bit(tmp_path: Path
         assert out["both_lost"] is None
     trees = [json.loads((tmp_path / f"tree{r}.json").read_text()) for r in range(2)]
     assert trees[0] == trees[1] and any(n.startswith("step-0000000008/__1_") for n in trees[0])
+
+
+def _uneven_worker(rank: int, world: int, work: str) -> None:
+    import logging
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    logging.getLogger("lightning_preempt").addHandler(Keep())
+    root = os.path.join(work, "nodeA" if rank < 2 else "nodeB", "tier0")  # ranks 0, 1 share a node
+    tier = MemoryTier(root, every=2)
+    on = tier.setup(dist.group.WORLD, leader=rank == 0, new_group=lambda: new_gloo_group(timeout_s=60))
+    Path(work, f"uneven{rank}.json").write_text(json.dumps({"on": on, "nodes": tier.nodes, "log": seen}))
+
+
+@pytest.mark.multiproc
+def test_uneven_nodes_turn_tier0_off_with_a_hint(tmp_path: Path) -> None:
+    """Two ranks on one node, one on the other: node B would hold two peers' shares, more
+    than the bound, so tier 0 is off (the disk tiers go on) and rank 0 says why."""
+    run_ranks(_uneven_worker, 3, tmp_path, str(tmp_path))
+    outs = [json.loads((tmp_path / f"uneven{r}.json").read_text()) for r in range(3)]
+    assert [o["on"] for o in outs] == [False, False, False]
+    assert outs[0]["nodes"] == ["tier0-0", "tier0-0", "tier0-2"]
+    [warning] = [m for m in outs[0]["log"] if "tier 0" in m]
+    assert "as many ranks on every node; here [1, 2]" in warning and "HINT: " in warning
+    assert "Run the same number of ranks per node" in warning
