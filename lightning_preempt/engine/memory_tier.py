@@ -93,7 +93,12 @@ class MemoryTier:
             made = f"{type(err).__name__}: {err}"
         errors = [why for why in pdist.all_gather_json(made, group, max_bytes=WIRE_MAX_BYTES) if why]
         self._peer_group, self.restored_step = None, None
-        nodes = None if errors else memory_nodes(self.root, group)
+        nodes = None
+        if not errors:
+            try:
+                nodes = memory_nodes(self.root, group)
+            except OSError as err:  # raised on every rank alike
+                errors = [str(err)]
         why = _why_not(errors, nodes, can_group=new_group is not None)
         self.enabled = why is None
         self.nodes = nodes or []

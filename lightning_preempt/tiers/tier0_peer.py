@@ -55,7 +55,8 @@ _PROBE = HIDDEN_PREFIX + "tier0-probe-"
 def memory_nodes(root: str, group: dist.ProcessGroup | None) -> list[str] | None:
     """For every rank, the name of the tier-0 "node" it is on: ``tier0-<lowest rank that
     sees the same directory>``. ``None`` when the ranks' views disagree (rank a sees rank
-    b's probe, b does not see a's: no sound grouping). Collective over ``group``.
+    b's probe, b does not see a's: no sound grouping). Collective over ``group``; raises
+    :class:`OSError` on every rank when some rank could not create its probe file.
 
     Each rank creates an empty probe file in ``root``, the ranks agree that all exist, each
     lists which probes it sees, and removes its own."""
@@ -68,23 +69,31 @@ def memory_nodes(root: str, group: dist.ProcessGroup | None) -> list[str] | None
     except OSError as err:
         made = f"{type(err).__name__}: {err}"
     views = pdist.all_gather_json({"token": token, "error": made}, group, max_bytes=WIRE_MAX_BYTES)
+    failed = [f"rank {r}: {v['error']}" for r, v in enumerate(views) if v["error"] is not None]
+    if failed:  # every rank raises here alike (a full tmpfs has no inode left, a read-only one)
+        if made is None:
+            _remove(probe)
+        raise OSError(f"cannot create a probe file in {root} ({failed[0]})")
     try:
         present = set(os.listdir(root))
     except OSError:
         present = set()
     seen = [r for r, v in enumerate(views) if v["error"] is None and _PROBE + v["token"] in present]
     sights = pdist.all_gather_json(seen, group, max_bytes=WIRE_MAX_BYTES)
-    if made is None:
-        try:
-            os.remove(probe)
-        except OSError as err:  # an empty hidden file is left behind; nothing reads it
-            log.debug("lightning_preempt: could not remove the tier-0 probe %s: %s", probe, err)
+    _remove(probe)
     nodes: list[str] = []
     for rank, group_of in enumerate(sights):
         if rank not in group_of or any(sights[other] != group_of for other in group_of):
             return None
         nodes.append(f"tier0-{min(group_of)}")
     return nodes
+
+
+def _remove(probe: str) -> None:
+    try:
+        os.remove(probe)
+    except OSError as err:  # an empty hidden file is left behind; nothing reads it
+        log.debug("lightning_preempt: could not remove the tier-0 probe %s: %s", probe, err)
 
 
 @dataclasses.dataclass(frozen=True)
