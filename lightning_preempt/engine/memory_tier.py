@@ -25,15 +25,13 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from lightning_preempt.catalog.retention import retain
-from lightning_preempt.catalog.verified import mark_verified
 from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
-from lightning_preempt.format.manifest import parse_manifest
 from lightning_preempt.format.names import MANIFEST_NAME, checkpoint_name
 from lightning_preempt.save.saver import Saver
 from lightning_preempt.tiers.peer import WIRE_MAX_BYTES, replicate
 from lightning_preempt.tiers.tier0 import KEEP_LAST_N, committed_steps
-from lightning_preempt.tiers.tier0_peer import memory_nodes, restore
+from lightning_preempt.tiers.tier0_peer import memory_nodes, prune, restore
 
 log = logging.getLogger(__name__)
 
@@ -170,11 +168,11 @@ class MemoryTier:
             else:
                 log.debug("lightning_preempt: peer copy of %s: %d B sent, %d B received in %.3fs", path,
                           report.bytes_sent, report.bytes_received, report.seconds)  # fmt: skip
-                _mark_verified(path)  # this node wrote or CRC-checked every byte: retention need not re-read
             if first:
-                retain(root, keep, {}, run_id=run_id)
+                prune(root, keep, run_id)
 
         self._peer_job = saver.submit(peer_copy)
+
     def due(self, step: int) -> bool:
         return self.enabled and step > 0 and step % self.every == 0
 
@@ -203,10 +201,3 @@ def _hint(errors: list[str], nodes: list[str] | None) -> str:
     return ("Tier 0 restores a lost node's share from the next node, which holds its own share and one peer's; "
             "with uneven nodes some node would hold more than that. Run the same number of ranks per node.")  # fmt: skip
 
-
-def _mark_verified(path: str) -> None:
-    try:
-        with open(os.path.join(path, MANIFEST_NAME), "rb") as f:
-            mark_verified(path, parse_manifest(f.read(), path=path))
-    except Exception as err:  # only an optimisation: retention then reads the CRCs itself
-        log.debug("lightning_preempt: %s not marked verified: %s", path, err)
