@@ -104,6 +104,12 @@ def _worker(rank: int, world: int, work: str) -> None:
     dist.barrier()
     out["torn_restored"] = restart().restored_step
     dist.barrier()
+    if rank == 0:  # rank 0's node replaced: node 1 sends it back
+        shutil.rmtree(root)
+    dist.barrier()
+    out["node0_replaced"] = restart().restored_step
+    out["node0_same_as_node1"] = rank == 1 or _tree(root) == _tree(os.path.join(work, "node1", "tier0"))
+    dist.barrier()
     shutil.rmtree(root)  # both nodes lost: nothing to restore, the disk tiers decide
     dist.barrier()
     os.makedirs(root)
@@ -127,6 +133,7 @@ def test_peer_copy_lands_and_a_wiped_node_is_restored_bit_for_bit(tmp_path: Path
         assert out["again_same_nodes"] is None and out["older_than_disk"] is None
         assert out["still_empty"] or out is outs[0]
         assert out["torn_restored"] == 6
+        assert out["node0_replaced"] == 6 and out["node0_same_as_node1"]
         assert out["both_lost"] is None
     trees = [json.loads((tmp_path / f"tree{r}.json").read_text()) for r in range(2)]
     assert trees[0] == trees[1] and any(n.startswith("step-0000000008/__1_") for n in trees[0])
