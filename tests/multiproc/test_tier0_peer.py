@@ -166,3 +166,47 @@ def test_uneven_nodes_turn_tier0_off_with_a_hint(tmp_path: Path) -> None:
     [warning] = [m for m in outs[0]["log"] if "tier 0" in m]
     assert "as many ranks on every node; here [1, 2]" in warning and "HINT: " in warning
     assert "Run the same number of ranks per node" in warning
+
+
+def _two_per_node_worker(rank: int, world: int, work: str) -> None:
+    node = rank // 2
+    root = os.path.join(work, f"node{node}", "tier0")
+    saver = Saver({})
+    saver.enable_collective(new_gloo_group(timeout_s=60))
+    peer_group = new_gloo_group(timeout_s=60)
+    tier = MemoryTier(root, every=2)
+    assert tier.setup(dist.group.WORLD, leader=rank == 0, new_group=lambda: peer_group)
+    for step in (2, 4):
+        assert _copy(tier, saver, step, rank) is not None
+        saver.wait()
+    dist.barrier()
+    before = _tree(root)
+    dist.barrier()
+    if rank == 2:  # node 1 (ranks 2 and 3) replaced
+        shutil.rmtree(root)
+    dist.barrier()
+    again = MemoryTier(root, every=2)
+    assert again.setup(dist.group.WORLD, leader=rank == 0, new_group=lambda: peer_group, restore_floor=lambda: -1)
+    saver.close()
+    dist.barrier()
+    def newest(tree: dict[str, bytes]) -> dict[str, bytes]:
+        return {k: v for k, v in tree.items() if k.startswith("step-0000000004/")}
+
+    out = {"nodes": tier.nodes, "restored": again.restored_step, "same": newest(_tree(root)) == newest(before),
+           "shards": sorted(n for n in _tree(root) if n.endswith(".distcp"))}  # fmt: skip
+    Path(work, f"two{rank}.json").write_text(json.dumps(out))
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_two_ranks_per_node_replicate_and_restore(tmp_path: Path) -> None:
+    """4 ranks on 2 nodes (rank i of node 0 sends to rank i of node 1): every node ends with
+    every rank's shard, and a replaced node gets all of them back, spread over its 2 ranks."""
+    run_ranks(_two_per_node_worker, 4, tmp_path, str(tmp_path))
+    outs = [json.loads((tmp_path / f"two{r}.json").read_text()) for r in range(4)]
+    for out in outs:
+        assert out["nodes"] == ["tier0-0", "tier0-0", "tier0-2", "tier0-2"]
+        assert out["restored"] == 4 and out["same"]
+        assert [n for n in out["shards"] if n.startswith("step-0000000004/")] == [
+            f"step-0000000004/__{r}_0.distcp" for r in range(4)
+        ]
