@@ -30,6 +30,7 @@ import logging
 import os
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -38,7 +39,7 @@ from lightning_preempt.catalog.ownership import remove_if_ours
 from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.errors import CheckpointError
-from lightning_preempt.format.manifest import parse_manifest
+from lightning_preempt.format.manifest import Manifest, parse_manifest
 from lightning_preempt.format.names import HIDDEN_PREFIX, MANIFEST_NAME
 from lightning_preempt.storage.store import Store
 from lightning_preempt.tiers.peer import (
@@ -150,24 +151,7 @@ def restore(root: str, group: dist.ProcessGroup | None, nodes: list[str], floor:
         return None
     name, raw, _ = plan
     manifest = parse_manifest(raw, path=os.path.join(root, name))
-    members = {n: [r for r, m in enumerate(nodes) if m == n] for n in dict.fromkeys(nodes)}
-
-    def has(rank: int, file: str) -> bool:
-        return holdings[rank].get(name, {}).get("files", {}).get(file) == manifest.files[file].size
-
-    moves: list[tuple[int, int, str]] = []  # (sender, receiver, file): the same list on every rank
-    commits: list[int] = []  # the rank of each node that writes the manifest there
-    for node, ranks in members.items():
-        lead = ranks[0]
-        missing = [f for f in sorted(manifest.files) if not has(lead, f)]
-        for i, file in enumerate(missing):
-            holders = [r for r in range(len(nodes)) if nodes[r] != node and has(r, file)]
-            if not holders:  # held on this node only, yet not by its first rank: views raced
-                raise ReplicaError(f"restoring tier 0's step {manifest.step}: {file} is on {node} only",
-                                   hint="The restart resumes from the disk tiers instead.")  # fmt: skip
-            moves.append((holders[i % len(holders)], ranks[i % len(ranks)], file))
-        if missing or holdings[lead].get(name, {}).get("manifest") != raw:
-            commits.append(lead)
+    moves, commits = _plan_moves(holdings, nodes, name, raw, manifest)
     if not commits:
         return None  # complete on every node already
     step = manifest.step
@@ -198,6 +182,34 @@ def restore(root: str, group: dist.ProcessGroup | None, nodes: list[str], floor:
     log.warning("lightning_preempt: tier 0's step %d completed on %d node(s) from their peers (%d files, %.1f MB)",
                 step, len(commits), len(moves), bytes_sent / 1e6)  # fmt: skip
     return Restored(step=step, name=name, files_sent=len(moves), bytes_sent=bytes_sent)
+
+
+def _plan_moves(
+    holdings: list[dict[str, dict[str, Any]]], nodes: list[str], name: str, raw: bytes, manifest: Manifest
+) -> tuple[list[tuple[int, int, str]], list[int]]:
+    """Pure, the same on every rank: ``(sender, receiver, file)`` for every file of ``name``
+    that a node lacks (its first rank's listing speaks for the node: they share the
+    directory), senders and receivers spread over the ranks; and the rank of each node that
+    writes the manifest there (a node that lacks a file or the manifest itself)."""
+    members = {n: [r for r, m in enumerate(nodes) if m == n] for n in dict.fromkeys(nodes)}
+
+    def has(rank: int, file: str) -> bool:
+        return holdings[rank].get(name, {}).get("files", {}).get(file) == manifest.files[file].size
+
+    moves: list[tuple[int, int, str]] = []
+    commits: list[int] = []
+    for node, ranks in members.items():
+        lead = ranks[0]
+        missing = [f for f in sorted(manifest.files) if not has(lead, f)]
+        for i, file in enumerate(missing):
+            holders = [r for r in range(len(nodes)) if nodes[r] != node and has(r, file)]
+            if not holders:  # held on this node only, yet not by its first rank: views raced
+                raise ReplicaError(f"restoring tier 0's step {manifest.step}: {file} is on {node} only",
+                                   hint="The restart resumes from the disk tiers instead.")  # fmt: skip
+            moves.append((holders[i % len(holders)], ranks[i % len(ranks)], file))
+        if missing or holdings[lead].get(name, {}).get("manifest") != raw:
+            commits.append(lead)
+    return moves, commits
 
 
 def _raise_failed(errors: list[object], step: int, what: str) -> None:
