@@ -27,6 +27,7 @@ import os
 from lightning_preempt.errors import CheckpointExistsError
 from lightning_preempt.format.manifest import MAX_MANIFEST_BYTES, declares_our_format
 from lightning_preempt.format.names import MANIFEST_NAME, is_generation, is_our_file
+from lightning_preempt.storage import local
 from lightning_preempt.storage.owned import Owned
 from lightning_preempt.storage.store import Store
 
@@ -114,3 +115,26 @@ def remove_checkpoint_dir(store: Store) -> None:
     when the directory holds anything this package did not write.
     """
     remove_if_ours(store, why="removal requested")
+
+
+def remove_path(store: Store) -> None:
+    """Delete what is at ``store``'s path: our checkpoint directory (only if it holds nothing
+    foreign), a plain checkpoint file, a symlink (never what it points to). Logs, never raises
+    (the saver's deletes run behind training)."""
+    try:
+        if store.is_local and (os.path.islink(store.path()) or os.path.isfile(store.path())):
+            local.remove_local(store.path(), first=MANIFEST_NAME)  # a link goes, never what it points to
+        elif store.exists(MANIFEST_NAME) or store.isdir():
+            remove_checkpoint_dir(store)  # manifest first: never half-deleted yet committed
+        elif store.exists():
+            store.rm_file("")
+        else:
+            log.debug("lightning_preempt: nothing to remove at %s", store.url)
+            return
+        log.debug("lightning_preempt: removed checkpoint %s", store.url)
+    except Exception as err:
+        log.error(
+            "lightning_preempt: could not remove checkpoint %s: %s: %s\nHINT: check permissions and the storage; "
+            "delete it by hand if it is no longer needed.",
+            store.url, type(err).__name__, err,
+        )  # fmt: skip

@@ -34,7 +34,6 @@ Call order (and which ranks call):
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
 import uuid
@@ -46,8 +45,9 @@ from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.engine import tier_policy
 from lightning_preempt.engine.config import PreemptionConfig
-from lightning_preempt.engine.failures import FailureDetector, write_failure_record
-from lightning_preempt.engine.ledger_writer import Ledger, record_drain, record_preemption, record_save, start_fields
+from lightning_preempt.engine.emergency import committed_steps, emergency, report_notice_snapshot, safe_step
+from lightning_preempt.engine.failures import FailureDetector, start_detector
+from lightning_preempt.engine.ledger_writer import Ledger, record_drain, record_save, start_fields
 from lightning_preempt.engine.memory_tier import MEMORY_HINT, MemoryTier
 from lightning_preempt.engine.runtime import (
     Runtime,
@@ -57,28 +57,14 @@ from lightning_preempt.engine.runtime import (
     warn_about_newer_checkpoints,
     warn_without_periodic_saves,
 )
-from lightning_preempt.errors import CheckpointError
-from lightning_preempt.format.names import checkpoint_name
 from lightning_preempt.preemption.controller import Preempted, PreemptionController
 from lightning_preempt.preemption.deadline import GraceCheck
 from lightning_preempt.preemption.notices import make_sources
 from lightning_preempt.preemption.sources import PreemptionSource
-from lightning_preempt.read.verify import Fallback, Verify
-from lightning_preempt.resume.resolver import ResumeResolver
+from lightning_preempt.resume.resolver import ResumeResolver, ResumeTarget
 from lightning_preempt.save.saver import Saver
-from lightning_preempt.storage.store import join_url
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class ResumeTarget:
-    """The checkpoint every rank loads, and the next one to try if the load finds it damaged."""
-
-    path: str
-    step: int
-    fallback: Fallback | None = None
-    run_id: str | None = None  # the run that wrote it: a resumed run continues it
 
 
 class Engine:
@@ -108,14 +94,14 @@ class Engine:
         self.run_id: str | None = None  # set in setup; recorded in every manifest of this run
         self.save_kind = "periodic"  # why the save in progress is taken (saved in the checkpoint)
         self.last_saved_step: int | None = None
-        self._last_saved_path: str | None = None
+        self.last_saved_path: str | None = None
+        self.leader = True
         self._last_save_time = time.monotonic()
         self._last_seen_step: int | None = None
         self._notice_sources: list[PreemptionSource] = []
         self._runtime: Runtime | None = None
         self._saver: Saver | None = None
         self._save: Callable[[str], None] | None = None
-        self._leader = True
         self._warned_no_interval = False
         #: The goodput ledger (written by rank 0 with ``config.ledger``; else one that records nothing).
         self.ledger = Ledger.off()
@@ -161,7 +147,7 @@ class Engine:
                 only and a damaged choice falls back to the next (docs/resume-speed.md).
         """
         config = self.config
-        self._saver, self._save, self._leader = saver, save, leader
+        self._saver, self._save, self.leader = saver, save, leader
         rt = self._runtime = Runtime()
         writer_group = rt.new_group()
         group = rt.agree_group = rt.new_group()
@@ -190,7 +176,9 @@ class Engine:
                 # committed since (a requeued job waiting for its predecessor to let go). Not
                 # when the front-end never asked (an explicit checkpoint was given).
                 resuming = self.resolver.look_again(group, asked=asked)
-        target = self._choose(saver, group, verify_on_load) if resuming else None
+        target = self.resolver.target(group, tiers=saver.tiers, verify_on_load=verify_on_load) if resuming else None
+        if target is not None:
+            self.resumed_from, self.last_saved_step = target.path, target.step
         # A resumed run continues the run it resumed from; a fresh one gets a new id.
         continued = target.run_id if target is not None else None
         self.run_id = saver.run_id = agree.decide(lambda: continued or uuid.uuid4().hex, group)
@@ -208,49 +196,20 @@ class Engine:
             self._notice_sources = make_sources(config.notices, local_rank=local_rank)
             self.controller.sources.extend(self._notice_sources)
         self.controller.start()
-        self._start_detector(group)
+        if self.detector is None:
+            self.detector = start_detector(config, group, run_id=self.run_id or "", ledger=self.ledger, held=self._held,
+                                           step=lambda: self._last_seen_step or 0)  # fmt: skip
         return target
-
-    def _start_detector(self, group: Any) -> None:
-        """The heartbeats (collective): on with ``detect_failures``, or by default when the
-        job has more than one rank."""
-        config = self.config
-        wanted = config.detect_failures if config.detect_failures is not None else pdist.world_size(group) > 1
-        if not wanted or group is None or self.detector is not None:
-            return
-        run_id, ledger = self.run_id or "", self.ledger
-
-        def record(verdict: Any) -> None:
-            if config.ledger:
-                write_failure_record(config.dirpath, config.storage_options, run_id, verdict,
-                                     step=self._last_seen_step or 0, restart=ledger.restart if ledger.enabled else None)  # fmt: skip
-
-        self.detector = FailureDetector(timeout_s=config.heartbeat_timeout_s, exit_code=config.failure_exit_code,
-                                        held=self._held, record=record)  # fmt: skip
-        self.detector.start(group)
 
     def _held(self) -> list[int]:
         """The steps this rank can resume from: its committed saves, the step it resumed from,
         and what the other sources (``held_steps``) report. Called on the heartbeat thread."""
-        steps = {r.step for r in list(self.saver.history) if r.committed_s is not None and r.error is None}
+        steps = {r.step for r in committed_steps(self.saver.history)}
         if self.resumed_from is not None and self.last_saved_step is not None:
             steps.add(self.last_saved_step)
         for source in list(self.held_steps):
             steps.update(source())
         return sorted(steps)
-
-    def _choose(self, saver: Saver, group: Any, verify_on_load: bool) -> ResumeTarget:
-        """Rank 0 picks the newest valid checkpoint, every rank gets it. Manifests and sizes
-        only: the load checks every byte once, and on damage every rank moves on together."""
-        verify: Verify = "sizes" if verify_on_load else False
-        choice = self.resolver.choose(group, tiers=saver.tiers, verify=verify)
-        fallback = self.resolver.fallback(group, tiers=saver.tiers, verify=verify) if verify_on_load else None
-        self.resumed_from, self.last_saved_step = choice.path, choice.step
-        log.info(
-            "lightning_preempt: resuming from %s (step %d)%s",
-            choice.path, choice.step, f"; skipped {list(choice.skipped)}" if choice.skipped else "",
-        )  # fmt: skip
-        return ResumeTarget(choice.path, choice.step, fallback, choice.run_id)
 
     # ---- 3. the state is loaded ------------------------------------------------------------
     def start(self, step: int, *, loaded_from: str | None) -> None:
@@ -264,9 +223,9 @@ class Engine:
             self.resumed_from, self.last_saved_step = loaded_from, step
         if self.last_saved_step is None and step > 0:
             self.last_saved_step = step  # resumed from a path the user gave
-            if self._leader:
+            if self.leader:
                 warn_about_newer_checkpoints(self.config, step)
-        if self._leader and not self._warned_no_interval:
+        if self.leader and not self._warned_no_interval:
             self._warned_no_interval = True  # once per callback, not once per fit
             warn_without_periodic_saves(self.config, step)
         self.ledger.add(
@@ -290,19 +249,19 @@ class Engine:
         if decision.stop:
             self._stop()
         if decision.preempt:
-            self._emergency(step)
+            emergency(self, step)  # the snapshot, its drain, Preempted (engine/emergency.py)
         every_n = self.config.every_n_train_steps
         if (every_n is not None and step % every_n == 0) or decision.save_due:
             self.save(step, kind="notice" if decision.notice_snapshot else "periodic")
             if decision.notice_snapshot:
-                self._noticed(step)
+                report_notice_snapshot(self.controller, self.saver, step)
         elif self.memory is not None and self.memory.due(step):
             self.save_memory(step)
 
     def check(self, step: int) -> None:
         """Every rank, at boundaries other than training steps: agree now, act on preemption."""
         if self.controller.schedule.bound and self.controller.now().preempt:
-            self._emergency(step)
+            emergency(self, step)  # the snapshot, its drain, Preempted (engine/emergency.py)
 
     def _must_stop(self) -> bool:
         """This rank's reason to stop training: its save failed, or the lease was lost."""
@@ -337,7 +296,8 @@ class Engine:
             return
         assert self._save is not None, "Engine.setup() first"
         self._forgive_memory_copy(wait=True)
-        path = self._fresh_path(step)
+        path = tier_policy.fresh_path(self.saver.tiers, self.config.dirpath, step, self.config.storage_options,
+                                       self._group)  # fmt: skip
         self.save_kind = kind  # recorded in the checkpoint by the front-end during this save
         saver, before = self.saver, self.saver.history[-1:]
         # Periodic saves may overlap their copy with the next step (staging/overlap.py); the
@@ -345,10 +305,10 @@ class Engine:
         overlap = kind in ("periodic", "notice")
         with contextlib.nullcontext() if overlap else saver.overlap.suspended():
             self._save(path)
-        self.last_saved_step, self._last_saved_path = step, path
+        self.last_saved_step, self.last_saved_path = step, path
         self._last_save_time = time.monotonic()
         record_save(self.ledger, saver, before, kind)
-        if self._leader and saver.tiers is None:  # two tiers: each drain job applies retention per tier
+        if self.leader and saver.tiers is None:  # two tiers: each drain job applies retention per tier
             # Queued behind the save: runs after it committed (or failed; then the old
             # checkpoints are still the newest committed and are kept).
             config = self.config
@@ -369,7 +329,7 @@ class Engine:
         self.save_kind = "periodic"
         self._save(path)
         self.memory.in_flight = path
-        self.memory.after_copy(self.saver, path, self.run_id, leader=self._leader)
+        self.memory.after_copy(self.saver, path, self.run_id, leader=self.leader)
 
     def _forgive_memory_copy(self, *, wait: bool) -> None:
         """A failed tier-0 copy (a full tmpfs) does not stop training: logged, the disk tiers
@@ -387,78 +347,12 @@ class Engine:
             log.error("lightning_preempt: the tier-0 copy to %s failed (%s); training goes on\nHINT: %s",
                       path, str(err).splitlines()[0] if str(err) else repr(err), MEMORY_HINT)  # fmt: skip
 
-    def _fresh_path(self, step: int) -> str:
-        """``dirpath/step-N``, or a suffixed sibling when a committed ``step-N`` exists (a run
-        resumed from an older checkpoint re-reaches a step). Rank 0 decides for all ranks."""
-        path = join_url(self.config.dirpath, checkpoint_name(step))
-        tiers, options = self.saver.tiers, self.config.storage_options
-
-        def pick() -> str:
-            if not tier_policy.taken(tiers, path, options):
-                return path
-            return join_url(self.config.dirpath, checkpoint_name(step, suffix=uuid.uuid4().hex[:8]))
-
-        return agree.decide(pick, self._group, what="choosing the checkpoint path")
-
-    # ---- the emergency sequence -----------------------------------------------------------------
-    def _emergency(self, step: int) -> None:
-        def snapshot() -> None:
-            try:
-                self.wait()  # an in-flight periodic save is not lost: let it commit first
-            except CheckpointError as err:
-                log.error("lightning_preempt: the in-flight save failed (%s); snapshotting anyway", err)
-                self.last_saved_step = None
-            if step in (self.last_saved_step, 0):
-                self.controller.mark(f"step {step} is already committed; no snapshot needed")
-                return
-            self.save(step, kind="emergency")
-            self.controller.mark(f"staged step {step}")
-            self.wait()
-            self.controller.mark(f"committed step {step}")
-            for hook in list(self.snapshot_hooks):
-                hook(step)
-
-        def drain(budget: float) -> str:
-            path = self._last_saved_path
-            saved = (path, self.last_saved_step) if self._leader and path is not None else None
-            return tier_policy.drain_within_grace(self.saver, dirpath=self.config.dirpath, step=step, budget=budget,
-                                                  mark=self.controller.mark, saved=saved)  # fmt: skip
-
-        try:
-            self.controller.emergency(
-                step, snapshot=snapshot, drain=drain, safe_step=self._safe_step, leader=self._leader
-            )
-        except Preempted:
-            record_preemption(self.ledger, self.controller, self.saver, step=step)
-            raise
-
     def _drained(self, drain: Any) -> None:
         """Two tiers: each finished upload to ``dirpath`` into the ledger (drain thread)."""
         record_drain(self.ledger, drain)
 
-    def _noticed(self, step: int) -> None:
-        """on_notice="continue": log the snapshot a notice asked for and, from the job thread
-        behind the save, whether it committed (training does not wait)."""
-        notice = self.controller.notice
-        source = notice.source if notice is not None else "a"
-        self.controller.mark(f"{source} notice: snapshot of step {step} staged; training goes on until the signal")
-        history = self.saver.history
-
-        def committed() -> None:
-            rec = next((r for r in reversed(history) if r.step == step), None)
-            ok = rec is not None and rec.committed_s is not None and rec.error is None
-            self.controller.mark(f"committed step {step} (the {source} notice's snapshot)" if ok else
-                                 f"the {source} notice's snapshot of step {step} did not commit")  # fmt: skip
-
-        self.saver.submit(committed)
-
     def _safe_step(self) -> str:
-        done = [r for r in self.saver.history if r.committed_s is not None and r.error is None]
-        if done:
-            return f"step {done[-1].step} ({done[-1].path})"
-        if self.resumed_from is not None:
-            return f"step {self.last_saved_step} ({self.resumed_from}, the checkpoint this run resumed from)"
-        return "no checkpoint of this run committed (the newest in dirpath, if any)"
+        return safe_step(self.saver.history, self.resumed_from, self.last_saved_step)
 
     # ---- 5./6. the end ---------------------------------------------------------------------------
     def finish(self, step: int) -> None:
@@ -481,7 +375,7 @@ class Engine:
             self.detector.stop()
             self.detector = None
         if error is None:  # a SIGTERM after training ends the process with exit_code, no traceback
-            self.controller.after_training(leader=self._leader, safe_step=self._safe_step)
+            self.controller.after_training(leader=self.leader, safe_step=self._safe_step)
         if error is not None and not isinstance(error, Preempted):
             self.ledger.error(self._last_seen_step or 0, error)
         if finish_saves and self._saver is not None:

@@ -34,6 +34,8 @@ from typing import Any
 from lightning_preempt.catalog.ledger_reader import ledger_store
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.collective.heartbeat import Heartbeat, Verdict
+from lightning_preempt.engine.config import PreemptionConfig
+from lightning_preempt.engine.ledger_writer import Ledger
 from lightning_preempt.errors import CheckpointError, CheckpointExistsError
 from lightning_preempt.format import ledger_records as fmt
 from lightning_preempt.format.names import LEDGER_COMPACT_RE, LEDGER_RECORD_RE, ledger_record_name
@@ -180,3 +182,22 @@ def write_failure_record(dirpath: str, storage_options: dict[str, Any], run_id: 
         return False
     log.info("lightning_preempt: recorded the loss of rank(s) %s in the ledger (restart %d)", record["lost"], number)
     return True
+
+
+def start_detector(config: PreemptionConfig, group: Any, *, run_id: str, ledger: Ledger,
+                   held: Callable[[], Sequence[int]], step: Callable[[], int]) -> FailureDetector | None:  # fmt: skip
+    """The heartbeats (collective), or ``None``: on with ``detect_failures``, or by default
+    when the job has more than one rank. ``step``: the newest step seen (for the record)."""
+    wanted = config.detect_failures if config.detect_failures is not None else pdist.world_size(group) > 1
+    if not wanted or group is None:
+        return None
+
+    def record(verdict: Verdict) -> None:
+        if config.ledger:
+            write_failure_record(config.dirpath, config.storage_options, run_id, verdict,
+                                 step=step(), restart=ledger.restart if ledger.enabled else None)  # fmt: skip
+
+    detector = FailureDetector(timeout_s=config.heartbeat_timeout_s, exit_code=config.failure_exit_code,
+                               held=held, record=record)  # fmt: skip
+    detector.start(group)
+    return detector

@@ -2,22 +2,24 @@
 
 The mechanism (local commit, drain queue, per-tier retention) lives in tiers/two_tier.py; these
 are the policy decisions around it: wiring the saver's tiers, uploading on start what only
-this node holds, where the "already taken" check looks, and how long an emergency snapshot
-may drain.
+this node holds, where the "already taken" check looks (and so the path of a new save), and
+how long an emergency snapshot may drain.
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 from lightning_preempt.catalog.listing import complete_local_checkpoints, list_checkpoints
+from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
-from lightning_preempt.format.names import MANIFEST_NAME
+from lightning_preempt.format.names import MANIFEST_NAME, checkpoint_name
 from lightning_preempt.save.saver import Saver
 from lightning_preempt.storage.diagnose import describe
-from lightning_preempt.storage.store import Store
+from lightning_preempt.storage.store import Store, join_url
 from lightning_preempt.tiers.two_tier import TwoTier
 
 log = logging.getLogger(__name__)
@@ -83,6 +85,19 @@ def taken(tiers: TwoTier | None, path: str, storage_options: dict[str, Any]) -> 
         log.warning("lightning_preempt: cannot tell whether %s is committed (%s); saving beside it", path,
                     describe(err, storage_options))  # fmt: skip
         return True
+
+
+def fresh_path(tiers: TwoTier | None, dirpath: str, step: int, storage_options: dict[str, Any], group: Any) -> str:
+    """``dirpath/step-N``, or a suffixed sibling when a committed ``step-N`` exists (a run
+    resumed from an older checkpoint re-reaches a step). Rank 0 decides for all ranks."""
+    path = join_url(dirpath, checkpoint_name(step))
+
+    def pick() -> str:
+        if not taken(tiers, path, storage_options):
+            return path
+        return join_url(dirpath, checkpoint_name(step, suffix=uuid.uuid4().hex[:8]))
+
+    return agree.decide(pick, group, what="choosing the checkpoint path")
 
 
 def drain_within_grace(

@@ -66,6 +66,16 @@ class Choice:
     run_id: str | None = None  # the run that wrote it: a resumed run continues it
 
 
+@dataclasses.dataclass(frozen=True)
+class ResumeTarget:
+    """The checkpoint every rank loads, and the next one to try if the load finds it damaged."""
+
+    path: str
+    step: int
+    fallback: Fallback | None = None
+    run_id: str | None = None  # the run that wrote it: a resumed run continues it
+
+
 class ResumeResolver:
     """Peek, agree and choose the resume target for one ``dirpath``.
 
@@ -196,6 +206,18 @@ class ResumeResolver:
         byte once, and :meth:`fallback` names the next candidate if it finds damage.
         """
         return agree.decide(lambda: self._pick(tiers, verify, ()), group, what="choosing the checkpoint to resume from")
+
+    def target(self, group: pdist.ProcessGroup | None, *, tiers: TwoTier | None, verify_on_load: bool) -> ResumeTarget:
+        """What every rank loads (collective): rank 0 chooses with manifests and sizes only
+        when the load checks every byte (then a damaged choice falls back to the next)."""
+        verify: Verify = "sizes" if verify_on_load else False
+        choice = self.choose(group, tiers=tiers, verify=verify)
+        fallback = self.fallback(group, tiers=tiers, verify=verify) if verify_on_load else None
+        log.info(
+            "lightning_preempt: resuming from %s (step %d)%s",
+            choice.path, choice.step, f"; skipped {list(choice.skipped)}" if choice.skipped else "",
+        )  # fmt: skip
+        return ResumeTarget(choice.path, choice.step, fallback, choice.run_id)
 
     def fallback(self, group: pdist.ProcessGroup | None, *, tiers: TwoTier | None, verify: Verify) -> Fallback:
         """For ``io.alias(fallback=)``: the next checkpoint after the ``excluded`` ones (rank 0

@@ -30,19 +30,17 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
-import os
 import time
 from concurrent.futures import Future
 from typing import Any
 
 import torch
 
-from lightning_preempt.catalog.ownership import remove_checkpoint_dir
+from lightning_preempt.catalog.ownership import remove_path
 from lightning_preempt.catalog.verified import mark_verified
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.errors import CheckpointWriteError
 from lightning_preempt.format.manifest import Manifest
-from lightning_preempt.format.names import MANIFEST_NAME
 from lightning_preempt.format.shares import ShareMemo, own_share
 from lightning_preempt.format.skeleton import split_checkpoint
 from lightning_preempt.read.load import gc_paused
@@ -55,7 +53,7 @@ from lightning_preempt.tiers.two_tier import TwoTier
 from lightning_preempt.write.commit import SaveRequest, write_checkpoint
 from lightning_preempt.write.jobs import JobQueue
 from lightning_preempt.write.planning import PlanCache
-from lightning_preempt.write.replace import ensure_exists, remove_local, write_file_atomic
+from lightning_preempt.write.replace import ensure_exists, write_file_atomic
 from lightning_preempt.write.skeleton_bytes import skeleton_bytes
 
 log = logging.getLogger(__name__)
@@ -312,9 +310,9 @@ class Saver:
         if self.rank != 0:
             return
         if self.idle:
-            _remove_path(Store(url, self.storage_options))  # e.g. the ddp_spawn parent's copy: no thread to start
+            remove_path(Store(url, self.storage_options))  # e.g. the ddp_spawn parent's copy: no thread to start
             return
-        self.submit(lambda: _remove_path(Store(url, self.storage_options)))
+        self.submit(lambda: remove_path(Store(url, self.storage_options)))
 
     # ---- everything else queues behind the saves ---------------------------------------
     def submit(self, job: Any) -> Future[Any]:
@@ -384,24 +382,3 @@ def checkpoint_step(checkpoint: dict[str, Any]) -> int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     return -1
-
-
-def _remove_path(store: Store) -> None:
-    """Delete what is at ``store``'s path (see :meth:`Saver.remove`); log, never raise."""
-    try:
-        if store.is_local and (os.path.islink(store.path()) or os.path.isfile(store.path())):
-            remove_local(store.path())  # a link goes, never what it points to
-        elif store.exists(MANIFEST_NAME) or store.isdir():
-            remove_checkpoint_dir(store)  # manifest first: never half-deleted yet committed
-        elif store.exists():
-            store.rm_file("")
-        else:
-            log.debug("lightning_preempt: nothing to remove at %s", store.url)
-            return
-        log.debug("lightning_preempt: removed checkpoint %s", store.url)
-    except Exception as err:
-        log.error(
-            "lightning_preempt: could not remove checkpoint %s: %s: %s\nHINT: check permissions and the storage; "
-            "delete it by hand if it is no longer needed.",
-            store.url, type(err).__name__, err,
-        )  # fmt: skip

@@ -310,12 +310,6 @@ def _delete(store: Store, name: str, *, is_dir: bool) -> None:
         store.rm_file(name)
 
 
-def remove_local(path: str) -> None:
-    """Delete a local file or symlink (only the link); a directory is refused (storage/owned.py):
-    delete a checkpoint directory through :func:`~lightning_preempt.catalog.ownership.remove_if_ours`."""
-    local.remove_local(path, first=MANIFEST_NAME)
-
-
 def write_file_atomic(store: Store, data: bytes) -> None:
     """Put a plain file holding ``data`` at ``store.url``; readers see the old entry or the
     new file, never a partial one (local: temp + fsync + rename; object stores: one PUT)."""

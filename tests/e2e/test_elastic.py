@@ -90,6 +90,7 @@ def test_node_loss_survivor_goes_on_at_n_minus_1_losing_no_step(cluster_factory:
     assert a_second["code"] == 0 and a_second["step"] == 40
 
 
+@pytest.mark.slow  # N+1; the N-1 case above stays in every run
 def test_node_join_restarts_at_n_with_a_snapshot(cluster_factory: type[Cluster]) -> None:
     c = cluster_factory(nnodes="1:2", script_args=("--max-steps", "100000"))
     c.start("A")

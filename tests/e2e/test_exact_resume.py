@@ -153,6 +153,7 @@ def compare(reference: Path, status: Path, rank: int = 0, *, expect_replays: boo
 
 
 # ---- tests -------------------------------------------------------------------------------
+@pytest.mark.slow  # three preemptions; test_preemption.py's single SIGTERM stays in every run
 @pytest.mark.multiproc
 def test_sigterm_three_times_single_process(reference: Path, tmp_path: Path) -> None:
     # 7: mid-epoch; 10: the last batch of epoch 0 (the save ends the epoch); 23: mid-epoch 2.

@@ -88,6 +88,7 @@ def test_sigterm_single_process(tmp_path: Path) -> None:
     _preempt_and_resume(tmp_path, devices=1, targets=[0])
 
 
+@pytest.mark.slow  # the signal on rank 1 only (below) is the harder case and stays in every run
 def test_sigterm_to_rank0_only_ddp(tmp_path: Path) -> None:
     _preempt_and_resume(tmp_path, devices=2, targets=[0])
 

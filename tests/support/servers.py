@@ -47,7 +47,7 @@ def _bin(name: str) -> str:
         return str(here)
     found = shutil.which(name)
     if found is None:
-        raise RuntimeError(f"{name} not found\nHINT: pip install the test extras (moto[server], gcp-storage-emulator).")
+        raise RuntimeError(f"{name} not found\nHINT: pip install the test extras (moto[s3], flask, flask-cors, gcp-storage-emulator).")
     return found
 
 
