@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -145,6 +146,7 @@ def restore(root: str, group: dist.ProcessGroup | None, nodes: list[str], floor:
     Returns what was sent, or ``None`` when nothing needed completing (or nothing could
     be). Raises :class:`ReplicaError` on every rank when a transfer or a write failed (the
     copies that did arrive stay uncommitted where the manifest did not follow)."""
+    started = time.monotonic()
     holdings = gather_holdings(root, -1, group)
     plan = plan_union(holdings)
     if plan is None:
@@ -179,8 +181,8 @@ def restore(root: str, group: dist.ProcessGroup | None, nodes: list[str], floor:
             err = f"{type(exc).__name__}: {exc}"
     _raise_failed(pdist.all_gather_json(err, group, max_bytes=WIRE_MAX_BYTES), step, "committing")
     bytes_sent = sum(manifest.files[f].size for _, _, f in moves)
-    log.warning("lightning_preempt: tier 0's step %d completed on %d node(s) from their peers (%d files, %.1f MB)",
-                step, len(commits), len(moves), bytes_sent / 1e6)  # fmt: skip
+    log.warning("lightning_preempt: tier 0's step %d completed on %d node(s) from their peers (%d files, %.1f MB, "
+                "%.2f s)", step, len(commits), len(moves), bytes_sent / 1e6, time.monotonic() - started)  # fmt: skip
     return Restored(step=step, name=name, files_sent=len(moves), bytes_sent=bytes_sent)
 
 
