@@ -158,7 +158,9 @@ class Engine:
             new_group=rt.new_group,
         )  # fmt: skip
         if self.memory is not None:  # collective: every rank has the same config
-            self.resolver.memory_usable = self.memory.setup(group, leader=leader)
+            floor = (lambda: tier_policy.newest_disk_step(config, saver.tiers)) if config.resume else None
+            self.resolver.memory_usable = self.memory.setup(group, leader=leader, new_group=rt.new_group,
+                                                            restore_floor=floor)  # fmt: skip
             if self.memory.held not in self.held_steps:
                 self.held_steps.append(self.memory.held)
         # A listing that kept failing on any rank stops every rank here, before step 1.
@@ -317,20 +319,21 @@ class Engine:
 
     def save_memory(self, step: int) -> None:
         """Every rank: copy ``step`` to tier 0 (asynchronous, behind the saver's one save in
-        flight, as a periodic save); rank 0 then keeps its newest copies only."""
+        flight, as a periodic save); on several nodes the peer copy follows it (memory_tier.py)."""
         assert self._save is not None and self.memory is not None, "Engine.setup() first"
         if step == self.last_saved_step:
             return  # on a disk tier already
         self._forgive_memory_copy(wait=True)
         path = self.memory.path(step, self._group)
+        if path is None:
+            return  # the previous peer copy still runs on some rank: skipped on every rank
         self.save_kind = "periodic"
         before = self.saver.history[-1:]
         self._save(path)
         after = self.saver.history[-1:]
         self.memory.started(step, path, after[0] if after and after != before else None)
         record_save(self.ledger, self.saver, before, "tier0", tier="memory")
-        if self.leader:
-            self.memory.queue_retention(self.saver, self.run_id)
+        self.memory.after_copy(self.saver, path, self.run_id, leader=self.leader)
 
     def _forgive_memory_copy(self, *, wait: bool) -> None:
         """A failed tier-0 copy (a full tmpfs) does not stop training: logged, the disk tiers

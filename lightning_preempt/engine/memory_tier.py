@@ -7,18 +7,23 @@ and committed straight there by the plugin (manifest last, CRC32C), so the resol
 newest-valid choice reads it like any tier and never resumes from a torn copy. The policy
 pieces (root, retention, held steps) are in tiers/tier0.py.
 
-Limit (this cut): tier 0 is written and resumed from only when every rank runs on one host;
-a copy spread over several nodes' memory could not be restored without the peer copy
-(not built), so on several hosts it is turned off with a warning.
+Several nodes (docs/tier0.md, "Several hosts"): when the ranks see more than one tier-0
+directory (one per node), each copy that committed is also sent to the next node (the
+peer replica's transfer, tiers/peer.py) by a job queued behind it on the saver's job
+thread, over a gloo group of its own; at set-up a node that lacks its share of the newest
+copy the nodes hold together gets it from its peers before the resume choice
+(tiers/tier0_peer.py). Without that (uneven ranks per node, views of the directory that
+disagree) tier 0 is off with a warning.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Literal
 
 from lightning_preempt.catalog.retention import retain
@@ -27,7 +32,9 @@ from lightning_preempt.collective import groups as pdist
 from lightning_preempt.format.names import MANIFEST_NAME, checkpoint_name
 from lightning_preempt.save.history import SaveRecord
 from lightning_preempt.save.saver import Saver
+from lightning_preempt.tiers.peer import WIRE_MAX_BYTES, replicate
 from lightning_preempt.tiers.tier0 import KEEP_LAST_N, AutoEvery, committed_steps
+from lightning_preempt.tiers.tier0_peer import memory_nodes, prune, restore
 
 log = logging.getLogger(__name__)
 
@@ -40,39 +47,138 @@ MEMORY_HINT = (
 
 class MemoryTier:
     """Tier 0 of one engine: copy every ``every`` steps to ``root`` (``"auto"``: K from the
-    measured overhead, tiers/tier0.py ``AutoEvery``), keep the newest ``keep``."""
+    measured overhead, tiers/tier0.py ``AutoEvery``), keep the newest ``keep``; on several
+    nodes, each copy also to the next node's ``root`` (module docstring)."""
 
     def __init__(self, root: str, every: int | Literal["auto"], keep: int = KEEP_LAST_N) -> None:
         self.root = root
         self.auto = AutoEvery() if every == "auto" else None
         self.every = every if isinstance(every, int) else None  # auto: known once a copy is measured
         self.keep = keep
-        self.enabled = False  # set up, and every rank on this host
+        self.enabled = False  # set up, and every rank's share restorable
         self.in_flight: str | None = None  # the copy the saver may still be writing
         self._measuring: SaveRecord | None = None  # auto: the copy whose cost is being measured
         self.copies = 0  # copies started: the same count on every rank (they start at agreed steps)
+        #: The tier-0 "node" of each rank (tiers/tier0_peer.py); several: the peer copy is on.
+        self.nodes: list[str] = []
+        self.restored_step: int | None = None  # completed from the peers at set-up
+        self.skipped = 0  # copies not made because the previous peer copy was still running
+        self._peer_group: pdist.ProcessGroup | None = None
+        self._peer_job: Future[None] | None = None
 
-    def setup(self, group: pdist.ProcessGroup | None, *, leader: bool) -> bool:
-        """Collective: on only when every rank runs on this host and could create ``root``
-        (every rank decides alike). Returns whether it is on."""
+    def __getstate__(self) -> dict[str, object]:
+        state = self.__dict__.copy()  # the group and the job belong to one run
+        state.update(_peer_group=None, _peer_job=None)
+        return state
+
+    @property
+    def replicating(self) -> bool:
+        """Whether each copy is also sent to the next node."""
+        return self.enabled and self._peer_group is not None
+
+    def setup(
+        self,
+        group: pdist.ProcessGroup | None,
+        *,
+        leader: bool,
+        new_group: Callable[[], pdist.ProcessGroup | None] | None = None,
+        restore_floor: Callable[[], int] | None = None,
+    ) -> bool:
+        """Collective: on when every rank could create ``root`` and either every rank sees
+        the same directory (one node) or each node's ranks see their own and every node has
+        as many ranks (the peer copy: a gloo group from ``new_group``). ``restore_floor``
+        (resuming): complete the newest copy the nodes hold together on every node, unless
+        the disk tiers hold a step as new (that function's answer, asked on rank 0).
+        Every rank decides alike. Returns whether tier 0 can be resumed from (it is on, and
+        no restore failed)."""
         try:
             os.makedirs(self.root, exist_ok=True)
             made = ""
         except OSError as err:
             made = f"{type(err).__name__}: {err}"
-        views = pdist.all_gather_objects((socket.gethostname(), made), group)
-        hosts = {host for host, _ in views}
-        errors = [why for _, why in views if why]
-        self.enabled = len(hosts) == 1 and not errors
+        errors = [why for why in pdist.all_gather_json(made, group, max_bytes=WIRE_MAX_BYTES) if why]
+        self._peer_group, self.restored_step = None, None
+        nodes = None
+        if not errors:
+            try:
+                nodes = memory_nodes(self.root, group)
+            except OSError as err:  # raised on every rank alike
+                errors = [str(err)]
+        why = _why_not(errors, nodes, can_group=new_group is not None)
+        self.enabled = why is None
+        self.nodes = nodes or []
         if not self.enabled and leader:
-            reason = f"the ranks run on {len(hosts)} hosts" if len(hosts) > 1 else f"cannot create it ({errors[0]})"
             log.warning(
-                "lightning_preempt: tier 0 (memory_dirpath=%s) is off: %s\n"
-                "HINT: tier 0 restores only when one node holds every rank's share (the copy to a "
-                "peer node is not built yet) in a writable tmpfs; the disk tiers are unchanged (docs/tier0.md).",
-                self.root, reason,
+                "lightning_preempt: tier 0 (memory_dirpath=%s) is off: %s\nHINT: %s The disk tiers are unchanged "
+                "(docs/tier0.md).", self.root, why, _hint(errors, nodes),
             )  # fmt: skip
+        if self.enabled and len(set(self.nodes)) > 1 and new_group is not None:
+            self._peer_group = new_group()  # collective: every rank took this branch
+            if restore_floor is not None:
+                return self._restore(restore_floor)
         return self.enabled
+
+    def _restore(self, floor: Callable[[], int]) -> bool:
+        """Whether tier 0 may be resumed from: not after a failed restore (rank 0's node may
+        hold a copy another node lacks; the copies go on)."""
+        try:
+            done = restore(self.root, self._peer_group, self.nodes, floor)
+        except Exception as err:  # agreed on every rank (tiers/tier0_peer.py); never stops a start
+            log.error("lightning_preempt: %s", err)
+            return False
+        self.restored_step = done.step if done is not None else None
+        return True
+
+    def path(self, step: int, group: pdist.ProcessGroup | None) -> str | None:
+        """``root/step-N``, or a suffixed sibling when ``step-N`` is committed there already on
+        any node (a resume from an older checkpoint re-reaches a step): nothing saved is
+        overwritten. ``None`` (on every rank) when a rank's previous peer copy still runs:
+        this copy is skipped, so copies never come faster than the peer copies finish."""
+        name = checkpoint_name(step)
+
+        def taken() -> bool:
+            return os.path.exists(os.path.join(self.root, name, MANIFEST_NAME))
+
+        if self.replicating:  # one small gather on the agreement group, at a due step only
+            busy = self._peer_job is not None and not self._peer_job.done()
+            views = pdist.all_gather_json([busy, taken()], group, max_bytes=WIRE_MAX_BYTES)
+            if any(b for b, _ in views):
+                self.skipped += 1
+                log.info("lightning_preempt: tier-0 copy of step %d skipped: the previous peer copy still runs", step)
+                return None
+            clash = any(t for _, t in views)
+        else:
+            clash = agree.decide(taken, group, what="choosing the tier-0 path")
+        if clash:  # each rank joins the agreed name to its own root (the same path on every node)
+            name = checkpoint_name(step, suffix=agree.decide(lambda: uuid.uuid4().hex[:8], group))
+        return os.path.join(self.root, name)
+
+    def after_copy(self, saver: Saver, path: str, run_id: str | None, *, leader: bool) -> None:
+        """Every rank, right after the copy to ``path`` was queued: queue what follows it on the
+        saver's job thread (it runs once that copy committed or failed). One node: rank 0's
+        retention. Several: the peer copy, then each node's first rank's retention."""
+        root, keep = self.root, self.keep
+        if not self.replicating:
+            if leader:
+                saver.submit(lambda: retain(root, keep, {}, run_id=run_id))
+            return
+        group, node = self._peer_group, self.nodes[pdist.rank(self._peer_group)]
+        first = self.nodes.index(node) == pdist.rank(self._peer_group)
+
+        def peer_copy() -> None:
+            try:
+                report = replicate(path, group, node=node)
+            except Exception as err:  # agreed (ReplicaError) or a lost peer: the local copy stands
+                log.error("lightning_preempt: the peer copy of %s failed (%s); training goes on\nHINT: this "
+                          "copy is on its own node only; a loss of that node falls back to the disk tiers.",
+                          path, str(err).splitlines()[0] if str(err) else repr(err))  # fmt: skip
+            else:
+                log.debug("lightning_preempt: peer copy of %s: %d B sent, %d B received in %.3fs", path,
+                          report.bytes_sent, report.bytes_received, report.seconds)  # fmt: skip
+            if first:
+                prune(root, keep, run_id)
+
+        self._peer_job = saver.submit(peer_copy)
 
     def due(self, step: int) -> bool:
         """A fixed K: whether ``step`` copies (every rank counts alike; auto votes instead)."""
@@ -84,7 +190,9 @@ class MemoryTier:
         ``3 * copies + 1`` ready, ``+ 2`` not ready; 0 without auto tier 0. Every rank votes
         with the same ``copies``, so the MAX says "every rank ready" only as ``+ 1``; and an
         overlapped exchange read after a copy started (votes cast before it) carries an older
-        count, which :meth:`agreed` refuses alike on every rank. Cheap: reads the saver's records."""
+        count, which :meth:`agreed` refuses alike on every rank. A rank whose previous peer
+        copy still runs is not ready (so no copy is agreed only to be skipped). Cheap: reads
+        the saver's records."""
         auto = self.auto
         if auto is None or not self.enabled:
             return 0
@@ -100,7 +208,8 @@ class MemoryTier:
             if self.every != before:
                 log.info("lightning_preempt: tier 0 copies every %s steps (auto: the last copy took %.3f s, a step "
                          "%.4f s; overhead kept within 1 %%)", self.every, copy_s, auto.step_s or 0.0)  # fmt: skip
-        return 3 * self.copies + (1 if auto.ready(step) else 2)
+        peer_busy = self._peer_job is not None and not self._peer_job.done()
+        return 3 * self.copies + (1 if auto.ready(step) and not peer_busy else 2)
 
     def agreed(self, vote: int) -> bool:
         """Whether the agreed ``vote`` starts an auto copy now (the same answer on every rank)."""
@@ -115,23 +224,28 @@ class MemoryTier:
             self.auto.started(step)
             self._measuring = record
 
-    def path(self, step: int, group: pdist.ProcessGroup | None) -> str:
-        """``root/step-N``, or a suffixed sibling when ``step-N`` is committed there already (a
-        resume from an older checkpoint re-reaches a step): nothing saved is overwritten."""
-        path = os.path.join(self.root, checkpoint_name(step))
-
-        def pick() -> str:
-            if not os.path.exists(os.path.join(path, MANIFEST_NAME)):
-                return path
-            return os.path.join(self.root, checkpoint_name(step, suffix=uuid.uuid4().hex[:8]))
-
-        return agree.decide(pick, group, what="choosing the tier-0 path")
-
-    def queue_retention(self, saver: Saver, run_id: str | None) -> None:
-        """Rank 0, behind the save just made (it runs once that save committed or failed)."""
-        root, keep = self.root, self.keep
-        saver.submit(lambda: retain(root, keep, {}, run_id=run_id))
-
     def held(self) -> list[int]:
         """The steps committed in tier 0 (for ``Engine.held_steps``: the failure verdict)."""
         return committed_steps(self.root) if self.enabled else []
+
+
+def _why_not(errors: list[str], nodes: list[str] | None, *, can_group: bool) -> str | None:
+    """Why tier 0 cannot be on (``None``: it can)."""
+    if errors:
+        return f"cannot create it ({errors[0]})"
+    if nodes is None:
+        return "the ranks' views of it disagree (some rank sees another's probe file, which does not see its)"
+    counts = {n: nodes.count(n) for n in nodes}
+    if len(counts) > 1 and not can_group:
+        return f"the ranks see {len(counts)} separate directories and no process group is there for the peer copy"
+    if len(set(counts.values())) > 1:
+        return f"the peer copy needs as many ranks on every node; here {sorted(counts.values())}"
+    return None
+
+
+def _hint(errors: list[str], nodes: list[str] | None) -> str:
+    if errors or nodes is None:
+        return MEMORY_HINT
+    return ("Tier 0 restores a lost node's share from the next node, which holds its own share and one peer's; "
+            "with uneven nodes some node would hold more than that. Run the same number of ranks per node.")  # fmt: skip
+

@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from lightning_preempt.catalog.listing import complete_local_checkpoints, list_checkpoints
 from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.format.names import MANIFEST_NAME, checkpoint_name
@@ -114,3 +115,17 @@ def drain_within_grace(
         return ""
     held = saver.tiers.holders(saved[0])
     return f"; step {saved[1]} held by: {', '.join(held) or 'no tier (see the errors above)'}"
+
+
+def newest_disk_step(config: Any, tiers: TwoTier | None) -> int:
+    """The newest committed step on the disk tiers (``dirpath``, and the local tier when it
+    holds whole checkpoints), -1 when none or when the listing fails (the resolver lists
+    again and reports it): tier 0's restore from peers is skipped when it is not newer."""
+    try:
+        steps = [c.step for c in list_checkpoints(config.dirpath, config.storage_options) if c.committed]
+        if tiers is not None and tiers.single_host:
+            steps += [c.step for c in complete_local_checkpoints(tiers.local_root)]
+    except Exception as err:
+        log.debug("lightning_preempt: cannot list the disk tiers for tier 0's restore: %s", describe(err, {}))
+        return -1
+    return max(steps, default=-1)

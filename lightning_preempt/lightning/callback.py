@@ -117,9 +117,10 @@ class PreemptionCallback(OnExceptionCheckpoint):
         tier0_every_n_steps: tier 0 (docs/tier0.md): every K optimizer steps each rank also
             commits its share to ``memory_dirpath`` (node-local host memory, a tmpfs), which
             outlives the process: a restart on the same node resumes from there when it is the
-            newest valid checkpoint. Its newest is kept. ``"auto"``: K chosen from the
-            measured copy and step times so that tier 0 costs at most 1 % of the step time.
-            ``None``: no tier 0, unless ``memory_dirpath`` is given (then ``"auto"``).
+            newest valid checkpoint. Its newest is kept. On several nodes each copy also goes to
+            the next node's memory, and a replaced node gets it back from there. ``"auto"``: K
+            chosen from the measured copy and step times so that tier 0 costs at most 1 % of the
+            step time. ``None``: no tier 0, unless ``memory_dirpath`` is given (then ``"auto"``).
         memory_dirpath: tier 0's directory; ``None``: ``/dev/shm/lightning_preempt/<dirpath's
             name>-<hash>`` (the same on every restart) when ``tier0_every_n_steps`` is set.
     """

@@ -81,7 +81,8 @@ class ResumeResolver:
         storage_options: fsspec options for ``dirpath``.
         local_dirpath: the node-local tier, if any.
         memory_dirpath: tier 0 (docs/tier0.md), if any: node-local host memory, one more
-            candidate, used only while every rank runs on this host (``memory_usable``).
+            candidate, used only while ``memory_usable`` (every rank's share is on rank 0's
+            node, and on every other node after the engine's restore from peers).
         retries: listing attempts before giving up (>= 1).
         backoff_s: first retry delay; doubles each time.
         sleep: how to wait between attempts (tests pass a recorder).
@@ -102,9 +103,9 @@ class ResumeResolver:
         self.storage_options = storage_options
         self.local_dirpath = local_dirpath
         self.memory_dirpath = memory_dirpath
-        #: whether tier 0 can be resumed from: every rank on this host (its files are all in
-        #: this node's memory). Before the group exists: from torchrun's environment; the
-        #: engine sets it from the ranks' host names before choosing.
+        #: whether tier 0 can be resumed from. Before the group exists: every rank on this host
+        #: by torchrun's environment; the engine sets it in set-up (engine/memory_tier.py:
+        #: one shared directory, or several nodes with the peer copy and no failed restore).
         self.memory_usable = _one_host_by_environment()
         self.retries = retries
         self.backoff_s = backoff_s

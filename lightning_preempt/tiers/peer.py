@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 #: Bound of the small JSON values ranks exchange here (node ids, file lists, error texts):
 #: the file names of one rank's share of even a 100k-file manifest stay far below it.
-_WIRE_MAX_BYTES = 8 << 20
+WIRE_MAX_BYTES = 8 << 20
 #: Bound of one rank's holdings (its local tier's checkpoints newer than the bucket's, each
 #: with its manifest's text): a few manifests, each capped at MAX_MANIFEST_BYTES.
 _HOLDINGS_MAX_BYTES = 4 * MAX_MANIFEST_BYTES
@@ -109,7 +109,7 @@ def _read_manifest(local_dir: str) -> bytes | None:
         return None
 
 
-def _write_durable(path: str, data: bytes | memoryview) -> None:
+def write_durable(path: str, data: bytes | memoryview) -> None:
     # Temporary names retention recognises as ours (ownership.py), unique per writer: two
     # ranks of one node may write the same manifest into their shared local tier.
     base = os.path.basename(path)
@@ -121,12 +121,14 @@ def _chunks(size: int) -> list[tuple[int, int]]:
     return [(off, min(CHUNK_BYTES, size - off)) for off in range(0, size, CHUNK_BYTES)] or [(0, 0)]
 
 
-def replicate(local_dir: str, group: dist.ProcessGroup | None) -> ReplicaReport:
+def replicate(local_dir: str, group: dist.ProcessGroup | None, *, node: str | None = None) -> ReplicaReport:
     """Copy every rank's files of the checkpoint in ``local_dir`` to its buddy's local tier.
 
     ``local_dir`` is this rank's path of one committed checkpoint (rank 0 holds its
     ``manifest.json``). Collective over ``group``; a failure on any rank raises
     :class:`ReplicaError` on every rank (the transfer is agreed, never half-assumed).
+    ``node``: this rank's node for the placement (default :func:`node_id`; tier 0 passes
+    the ranks that share its directory, tiers/tier0_peer.py).
 
     The local tier is untrusted input like any storage (docs/security.md): the manifest is
     read size-capped, not through a symlink, validated on rank 0 and sent as its JSON bytes
@@ -147,29 +149,29 @@ def replicate(local_dir: str, group: dist.ProcessGroup | None) -> ReplicaReport:
     data: dict[str, bytes] = {}
     err: str | None = None
     try:
-        data = _read_own(Store(local_dir), manifest, own)
+        data = read_own(Store(local_dir), manifest, own)
     except (OSError, CheckpointError) as exc:
         err = f"{type(exc).__name__}: {exc}"
-    shares = pdist.all_gather_json({"node": node_id(), "own": own, "error": err}, group, max_bytes=_WIRE_MAX_BYTES)
+    shares = pdist.all_gather_json({"node": node or node_id(), "own": own, "error": err}, group, max_bytes=WIRE_MAX_BYTES)
     _raise_failed([s["error"] for s in shares], manifest.step, local_dir, "Nothing was sent; ")
     where = placement([str(s["node"]) for s in shares])
     held: list[list[str]] = [[n for n in s["own"] if n in manifest.files] for s in shares]
     claimed: set[str] = set()  # a file two ranks of one node hold (a shared local tier) is sent once
-    plan: list[tuple[int, str]] = []  # (sender, file) in one global order, identical on every rank
+    plan: list[tuple[int, int, str]] = []  # (sender, buddy, file) in one order, identical on every rank
     for sender in range(world):
+        buddy = where.buddy[sender]
         for name in held[sender]:
             key = f"{where.node_of[sender]}/{name}"
-            if where.buddy[sender] is not None and key not in claimed:
+            if buddy is not None and key not in claimed:
                 claimed.add(key)
-                plan.append((sender, name))
-    sent, received, err = _transfer(local_dir, manifest, data, plan, where, me, group)
-    _raise_failed(pdist.all_gather_json(err, group, max_bytes=_WIRE_MAX_BYTES), manifest.step, local_dir, "")
+                plan.append((sender, buddy, name))
+    sent, received, err = transfer(local_dir, manifest, data, plan, me, group)
+    _raise_failed(pdist.all_gather_json(err, group, max_bytes=WIRE_MAX_BYTES), manifest.step, local_dir, "")
     if me != 0 and received:
-        _write_durable(os.path.join(local_dir, MANIFEST_NAME), raw)  # last: the files are durable
+        write_durable(os.path.join(local_dir, MANIFEST_NAME), raw)  # last: the files are durable
     holders: dict[str, list[str]] = {}
-    for sender, name in plan:
-        buddy = where.buddy[sender]
-        holders.setdefault(name, []).extend([where.node_of[sender], where.node_of[buddy]] if buddy is not None else [])
+    for sender, buddy, name in plan:
+        holders.setdefault(name, []).extend([where.node_of[sender], where.node_of[buddy]])
     for sender in range(world):
         for name in held[sender]:
             holders.setdefault(name, [where.node_of[sender]])
@@ -196,14 +198,14 @@ def _agreed_manifest(local_dir: str, group: dist.ProcessGroup | None) -> bytes:
             parse_manifest(raw, path=local_dir)  # refused on rank 0 before a byte is sent
         return raw is not None
 
-    found = agree.decide(load, group, what="reading the checkpoint's manifest", json_max_bytes=_WIRE_MAX_BYTES)
+    found = agree.decide(load, group, what="reading the checkpoint's manifest", json_max_bytes=WIRE_MAX_BYTES)
     if not found:
         raise ReplicaError("rank 0 holds no manifest for this checkpoint", path=local_dir,
                            hint="Replicate only a checkpoint that committed on the local tier.")  # fmt: skip
     return pdist.broadcast_bytes(raw, group, max_bytes=MAX_MANIFEST_BYTES)
 
 
-def _read_own(store: Store, manifest: Manifest, names: list[str]) -> dict[str, bytes]:
+def read_own(store: Store, manifest: Manifest, names: list[str]) -> dict[str, bytes]:
     """Each of ``names`` as the drain and the loader read it: a regular file, not through a
     symlink, of exactly its manifest size (:meth:`Store.check_regular` before opening, then
     :meth:`Store.read_regular` capped at that size: a FIFO never blocks, a file grown since
@@ -231,24 +233,24 @@ def _raise_failed(errors: list[object], step: int, local_dir: str, done: str) ->
                            "node is missing. Check the local tier's files and free space.")  # fmt: skip
 
 
-def _transfer(
+def transfer(
     local_dir: str,
     manifest: Manifest,
     data: dict[str, bytes],
-    plan: list[tuple[int, str]],
-    where: Placement,
+    plan: list[tuple[int, int, str]],
     me: int,
     group: dist.ProcessGroup | None,
 ) -> tuple[int, list[str], str | None]:
-    """Post every send and receive of ``plan`` at once (pairs run in parallel), wait, then
-    verify and commit what this rank received. ``data``: this rank's files, read already.
-    Returns (bytes sent, files received, error)."""
+    """Post every send and receive of ``plan`` (``(sender, receiver, file)``, the same list
+    on every rank; a receiver gets a file once) at once, so pairs run in parallel; wait,
+    then verify each received file's size and CRC32C against ``manifest`` and write it
+    durably into ``local_dir`` (never the manifest: the caller commits it, last).
+    ``data``: this rank's files to send, read already. Returns (bytes sent, files
+    received, error)."""
     ops: list[dist.P2POp] = []
     incoming: dict[str, list[torch.Tensor]] = {}
     sent = 0
-    for sender, name in plan:
-        buddy = where.buddy[sender]
-        assert buddy is not None
+    for sender, buddy, name in plan:
         size = manifest.files[name].size
         if me == sender:
             tensor = torch.frombuffer(bytearray(data[name]) or bytearray(1), dtype=torch.uint8)
@@ -271,7 +273,7 @@ def _transfer(
             if len(got) != entry.size or crc.hexdigest() != entry.crc32c:
                 return sent, [], f"{name} arrived damaged (size {len(got)}, crc {crc.hexdigest()} != {entry.crc32c})"
             os.makedirs(local_dir, exist_ok=True)
-            _write_durable(os.path.join(local_dir, name), got)
+            write_durable(os.path.join(local_dir, name), got)
     except OSError as err:
         return sent, [], f"{type(err).__name__}: {err}"
     return sent, sorted(incoming), None
@@ -299,6 +301,16 @@ def _local_holdings(local_root: str, floor: int) -> dict[str, dict[str, object]]
             manifest = None
         out[entry.name] = {"step": step, "manifest": manifest, "files": files}
     return out
+
+
+def gather_holdings(local_root: str, floor: int, group: dist.ProcessGroup | None) -> list[dict[str, dict[str, Any]]]:
+    """Every rank's holdings under ``local_root`` (checkpoints newer than ``floor``), on every
+    rank, as :func:`plan_union` takes them (each manifest as bytes, or ``None``). Collective."""
+    gathered = pdist.all_gather_json(_local_holdings(local_root, floor), group, max_bytes=_HOLDINGS_MAX_BYTES)
+    for holding in gathered:  # the manifests travelled as JSON text; plan_union takes their bytes
+        for held in holding.values():
+            held["manifest"] = held["manifest"].encode("utf-8") if isinstance(held["manifest"], str) else None
+    return gathered  # type: ignore[no-any-return]
 
 
 def plan_union(holdings: list[dict[str, dict[str, object]]]) -> tuple[str, bytes, dict[str, int]] | None:
@@ -341,12 +353,8 @@ def complete_from_peers(
         committed = [c.step for c in list_checkpoints(remote_url, remote_options) if c.committed]
         return max(committed, default=-1)
 
-    floor = agree.decide(remote_floor, group, what="listing the remote tier", json_max_bytes=_WIRE_MAX_BYTES)
-    gathered = pdist.all_gather_json(_local_holdings(local_root, floor), group, max_bytes=_HOLDINGS_MAX_BYTES)
-    for holding in gathered:  # the manifests travelled as JSON text; plan_union takes their bytes
-        for held in holding.values():
-            held["manifest"] = held["manifest"].encode("utf-8") if isinstance(held["manifest"], str) else None
-    plan = plan_union(gathered)
+    floor = agree.decide(remote_floor, group, what="listing the remote tier", json_max_bytes=WIRE_MAX_BYTES)
+    plan = plan_union(gather_holdings(local_root, floor, group))
     if plan is None:
         return None
     name, raw, assignment = plan
@@ -360,13 +368,13 @@ def complete_from_peers(
         copy_files(src, dst, manifest, names=mine)
     except Exception as exc:
         err = f"{type(exc).__name__}: {exc}"
-    errors = pdist.all_gather_json(err, group, max_bytes=_WIRE_MAX_BYTES)
+    errors = pdist.all_gather_json(err, group, max_bytes=WIRE_MAX_BYTES)
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
         raise ReplicaError(f"uploading {name} from the survivors failed on rank {failed[0][0]}: {failed[0][1]}",
                            path=dst.url, hint="Nothing was committed there; the local copies stay.")  # fmt: skip
     agree.decide(lambda: dst.commit_bytes(MANIFEST_NAME, raw), group, what="committing the survivors' upload",
-                 json_max_bytes=_WIRE_MAX_BYTES)  # fmt: skip
+                 json_max_bytes=WIRE_MAX_BYTES)  # fmt: skip
     log.warning("lightning_preempt: %s (step %d) completed in %s from the survivors' local tiers",
                 name, manifest.step, remote_url)  # fmt: skip
     return manifest.step

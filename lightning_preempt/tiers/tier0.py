@@ -11,10 +11,12 @@ a rank holds there (for ``Engine.held_steps``).
 Layout (one tmpfs directory per run, one per node)::
 
     /dev/shm/lightning_preempt/<run-id>/step-NNNNNNNNNN/   this node's ranks' files + manifest
+                                                            (+ the previous node's, several nodes)
 
 The engine writes it (engine/engine.py ``save_memory``: a save to a path outside the other
 tiers goes straight there) and the resolver reads it as one more candidate
-(resume/resolver.py); docs/tier0.md. The copy to a peer node is not built.
+(resume/resolver.py); docs/tier0.md. On several nodes each copy also goes to the next
+node's ``step-N`` (engine/memory_tier.py, tiers/tier0_peer.py).
 """
 
 from __future__ import annotations

@@ -35,10 +35,14 @@ class NodeJob(RankFiles):
     Args:
         work: the run's directory (``ckpt/`` inside is ``dirpath``, shared by every launch).
         script_args: more ``train_script.py`` arguments (``--max-steps``, ``--every``…).
+        memory: each node's own tier-0 memory (the namespaces share the machine's
+            ``/dev/shm``): node ``i``'s agent runs with ``memory/node{i}`` bind-mounted on
+            ``memory/tier0`` in its own mount namespace, so ``memory_dirpath=memory/tier0``
+            is one path on every node with node-local contents, as on real hosts.
     """
 
     def __init__(self, hosts: Hosts, work: Path, nodes: list[int], script_args: list[str], *,
-                 env: dict[str, str] | None = None) -> None:  # fmt: skip
+                 env: dict[str, str] | None = None, memory: Path | None = None) -> None:  # fmt: skip
         self.hosts, self.work, self.nodes = hosts, work, nodes
         self.tag = uuid.uuid4().hex[:8]
         super().__init__(work / f"launch-{self.tag}", len(nodes))
@@ -56,6 +60,10 @@ class NodeJob(RankFiles):
             ]  # fmt: skip
             full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPT.parent), str(ROOT)]),
                         "GLOO_SOCKET_IFNAME": "eth0", "LP_ZYGOTE": "0", **(env or {})}  # fmt: skip
+            if memory is not None:  # `ip netns exec` gives every agent a mount namespace of its own
+                own, shared = memory / f"node{node}", memory / "tier0"
+                cmd = ["sh", "-c", 'mkdir -p "$1" "$2" && mount --bind "$1" "$2" && shift 2 && exec "$@"', "sh",
+                       str(own), str(shared), *cmd]  # fmt: skip
             with open(self.status / f"node{node}.log", "ab") as log:
                 self.agents[node] = hosts.popen(node, cmd, cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT)
 

@@ -1,0 +1,222 @@
+"""Tier 0 across nodes: which ranks share a tier-0 directory, and the restore from peers.
+
+Tier 0 (tiers/tier0.py) keeps each node's ranks' shares in that node's memory. With ranks
+on several nodes a copy is complete only together: the engine (engine/memory_tier.py) then
+sends every share to the next node after each copy commits (:func:`~lightning_preempt.tiers.peer.replicate`,
+the peer replica's transfer, into the *same* ``step-N`` directory there), so with two
+nodes each node holds the whole copy and with more each holds its own share and its
+predecessor's. This module holds the two collective pieces that need no saver:
+
+* :func:`memory_nodes`: the ranks that see one tier-0 directory (a probe file each),
+  the "nodes" of tier 0. A host name is not enough: two hosts may share an NFS directory,
+  two network namespaces on one machine (the tests) share ``/dev/shm`` unless each node
+  mounts its own.
+* :func:`prune`: each node's retention of its directory, where a committed copy may hold
+  only some shares (more than two nodes), so "sound" cannot mean "every file here".
+* :func:`restore`: before the resume choice, the newest copy the nodes hold *together*
+  (every file of its committed manifest, at its size, on some node) is completed on every
+  node that lacks files of it (a replacement node with an empty ``/dev/shm``, or a copy
+  whose peer transfer was cut): the holders send the missing files, each receiver checks
+  its CRC32C against the manifest and writes it durably, and the manifest goes last. The
+  resolver then finds it complete on rank 0's node and every rank loads its own node's copy.
+
+Collective (but :func:`prune`): every rank of ``group`` calls each function, in the same order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from lightning_preempt.catalog.listing import list_checkpoints
+from lightning_preempt.catalog.ownership import remove_if_ours
+from lightning_preempt.collective import agree
+from lightning_preempt.collective import groups as pdist
+from lightning_preempt.errors import CheckpointError
+from lightning_preempt.format.manifest import Manifest, parse_manifest
+from lightning_preempt.format.names import HIDDEN_PREFIX, MANIFEST_NAME
+from lightning_preempt.storage.store import Store
+from lightning_preempt.tiers.peer import (
+    WIRE_MAX_BYTES,
+    ReplicaError,
+    gather_holdings,
+    plan_union,
+    read_own,
+    transfer,
+    write_durable,
+)
+
+log = logging.getLogger(__name__)
+
+_PROBE = HIDDEN_PREFIX + "tier0-probe-"
+
+
+def memory_nodes(root: str, group: dist.ProcessGroup | None) -> list[str] | None:
+    """For every rank, the name of the tier-0 "node" it is on: ``tier0-<lowest rank that
+    sees the same directory>``. ``None`` when the ranks' views disagree (rank a sees rank
+    b's probe, b does not see a's: no sound grouping). Collective over ``group``; raises
+    :class:`OSError` on every rank when some rank could not create its probe file.
+
+    Each rank creates an empty probe file in ``root``, the ranks agree that all exist, each
+    lists which probes it sees, and removes its own."""
+    token = uuid.uuid4().hex
+    probe = os.path.join(root, _PROBE + token)
+    made: str | None = None
+    try:
+        with open(probe, "x"):
+            pass
+    except OSError as err:
+        made = f"{type(err).__name__}: {err}"
+    views = pdist.all_gather_json({"token": token, "error": made}, group, max_bytes=WIRE_MAX_BYTES)
+    failed = [f"rank {r}: {v['error']}" for r, v in enumerate(views) if v["error"] is not None]
+    if failed:  # every rank raises here alike (a full tmpfs has no inode left, a read-only one)
+        if made is None:
+            _remove(probe)
+        raise OSError(f"cannot create a probe file in {root} ({failed[0]})")
+    try:
+        present = set(os.listdir(root))
+    except OSError:
+        present = set()
+    seen = [r for r, v in enumerate(views) if v["error"] is None and _PROBE + v["token"] in present]
+    sights = pdist.all_gather_json(seen, group, max_bytes=WIRE_MAX_BYTES)
+    _remove(probe)
+    nodes: list[str] = []
+    for rank, group_of in enumerate(sights):
+        if rank not in group_of or any(sights[other] != group_of for other in group_of):
+            return None
+        nodes.append(f"tier0-{min(group_of)}")
+    return nodes
+
+
+def _remove(probe: str) -> None:
+    try:
+        os.remove(probe)
+    except OSError as err:  # an empty hidden file is left behind; nothing reads it
+        log.debug("lightning_preempt: could not remove the tier-0 probe %s: %s", probe, err)
+
+
+def prune(root: str, keep: int, run_id: str | None) -> list[str]:
+    """One node's tier-0 retention (its first rank, after a peer copy): keep the newest
+    ``keep`` copies committed here (a manifest: with more than two nodes it lists files
+    other nodes hold), delete older ones of this run and uncommitted leftovers older than
+    the newest; only our own directories (catalog/ownership.py). Failures are logged; the
+    next copy tries again. Returns the removed paths. Not collective."""
+    removed: list[str] = []
+    try:
+        infos = list_checkpoints(root, {})  # newest first
+        ours = [c for c in infos if c.manifest is None or run_id is None or c.manifest.run_id in (None, run_id)]
+        committed = [c for c in ours if c.committed]
+        if not committed:
+            return []
+        doomed = [(c, f"tier 0 keeps the newest {keep}") for c in committed[keep:]]
+        doomed += [(c, "uncommitted, older than the newest") for c in ours
+                   if not c.committed and c.step < committed[0].step]  # fmt: skip
+        for info, why in doomed:
+            remove_if_ours(Store(info.path), why=why)
+            removed.append(info.path)
+    except Exception as err:
+        log.warning("lightning_preempt: tier-0 retention in %s failed (%s); the next copy retries", root, err)
+    return removed
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """What :func:`restore` did, the same on every rank."""
+
+    step: int
+    name: str  # the checkpoint directory's name under every node's tier-0 root
+    files_sent: int  # over all ranks
+    bytes_sent: int  # over all ranks
+
+
+def restore(root: str, group: dist.ProcessGroup | None, nodes: list[str], floor: Callable[[], int]) -> Restored | None:
+    """Complete on every node the newest tier-0 copy the nodes hold together (module
+    docstring). ``nodes``: :func:`memory_nodes`' answer. ``floor``: the newest step
+    committed on the disk tiers (asked on rank 0 only when something must be sent): an older
+    copy would not be resumed from, so it is not restored (a tie goes to tier 0 in the
+    resolver: restored).
+
+    Returns what was sent, or ``None`` when nothing needed completing (or nothing could
+    be). Raises :class:`ReplicaError` on every rank when a transfer or a write failed (the
+    copies that did arrive stay uncommitted where the manifest did not follow)."""
+    started = time.monotonic()
+    holdings = gather_holdings(root, -1, group)
+    plan = plan_union(holdings)
+    if plan is None:
+        return None
+    name, raw, _ = plan
+    manifest = parse_manifest(raw, path=os.path.join(root, name))
+    moves, commits = _plan_moves(holdings, nodes, name, raw, manifest)
+    if not commits:
+        return None  # complete on every node already
+    step = manifest.step
+    if step < agree.decide(floor, group, what="listing the disk tiers", json_max_bytes=WIRE_MAX_BYTES):
+        log.info("lightning_preempt: tier 0's step %d is older than the disk tiers': not restored", step)
+        return None
+    me = pdist.rank(group)
+    local_dir = os.path.join(root, name)
+    data: dict[str, bytes] = {}
+    err: str | None = None
+    try:
+        data = read_own(Store(local_dir), manifest, sorted({f for s, _, f in moves if s == me}))
+        if any(r == me for _, r, _ in moves) or me in commits:
+            os.makedirs(local_dir, exist_ok=True)
+    except (OSError, CheckpointError) as exc:
+        err = f"{type(exc).__name__}: {exc}"
+    _raise_failed(pdist.all_gather_json(err, group, max_bytes=WIRE_MAX_BYTES), step, "reading")
+    _, _, err = transfer(local_dir, manifest, data, moves, me, group)
+    _raise_failed(pdist.all_gather_json(err, group, max_bytes=WIRE_MAX_BYTES), step, "sending")
+    err = None
+    if me in commits:  # last: every file of this node's copy is durable (the gather above)
+        try:
+            write_durable(os.path.join(local_dir, MANIFEST_NAME), raw)
+        except OSError as exc:
+            err = f"{type(exc).__name__}: {exc}"
+    _raise_failed(pdist.all_gather_json(err, group, max_bytes=WIRE_MAX_BYTES), step, "committing")
+    bytes_sent = sum(manifest.files[f].size for _, _, f in moves)
+    log.warning("lightning_preempt: tier 0's step %d completed on %d node(s) from their peers (%d files, %.1f MB, "
+                "%.2f s)", step, len(commits), len(moves), bytes_sent / 1e6, time.monotonic() - started)  # fmt: skip
+    return Restored(step=step, name=name, files_sent=len(moves), bytes_sent=bytes_sent)
+
+
+def _plan_moves(
+    holdings: list[dict[str, dict[str, Any]]], nodes: list[str], name: str, raw: bytes, manifest: Manifest
+) -> tuple[list[tuple[int, int, str]], list[int]]:
+    """Pure, the same on every rank: ``(sender, receiver, file)`` for every file of ``name``
+    that a node lacks (its first rank's listing speaks for the node: they share the
+    directory), senders and receivers spread over the ranks; and the rank of each node that
+    writes the manifest there (a node that lacks a file or the manifest itself)."""
+    members = {n: [r for r, m in enumerate(nodes) if m == n] for n in dict.fromkeys(nodes)}
+
+    def has(rank: int, file: str) -> bool:
+        return holdings[rank].get(name, {}).get("files", {}).get(file) == manifest.files[file].size
+
+    moves: list[tuple[int, int, str]] = []
+    commits: list[int] = []
+    for node, ranks in members.items():
+        lead = ranks[0]
+        missing = [f for f in sorted(manifest.files) if not has(lead, f)]
+        for i, file in enumerate(missing):
+            holders = [r for r in range(len(nodes)) if nodes[r] != node and has(r, file)]
+            if not holders:  # held on this node only, yet not by its first rank: views raced
+                raise ReplicaError(f"restoring tier 0's step {manifest.step}: {file} is on {node} only",
+                                   hint="The restart resumes from the disk tiers instead.")  # fmt: skip
+            moves.append((holders[i % len(holders)], ranks[i % len(ranks)], file))
+        if missing or holdings[lead].get(name, {}).get("manifest") != raw:
+            commits.append(lead)
+    return moves, commits
+
+
+def _raise_failed(errors: list[object], step: int, what: str) -> None:
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        rank, why = failed[0]
+        raise ReplicaError(f"restoring tier 0's step {step} from the peers failed on rank {rank} ({what}): {why}",
+                           hint="The restart resumes from the disk tiers instead; nothing there is touched.")  # fmt: skip
