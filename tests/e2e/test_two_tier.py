@@ -132,10 +132,10 @@ def test_server_killed_mid_upload_leaves_no_remote_commit_and_training_goes_on(
     commits: list[str] = []
     original = Store.commit_bytes
 
-    def recording(self: Store, rel: str, payload: bytes, *, exclusive: bool = True) -> None:
+    def recording(self: Store, rel: str, payload: bytes, **kwargs: Any) -> None:
         if not self.is_local:
             commits.append(self.url_of(rel))
-        original(self, rel, payload, exclusive=exclusive)
+        original(self, rel, payload, **kwargs)
 
     class KillDuringSecondDrain(Callback):
         def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
