@@ -12,12 +12,11 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from ckpts import committed
-from netns import Hosts, missing, netem_missing
+from netns import Hosts, netem_missing
 from netns_job import NodeJob
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,18 +25,6 @@ ARGS = ["--max-steps", "30", "--every", str(EVERY), "--step-sleep", "0.1", "--le
 EXIT_BOUND_S = 10.0  # the target: survivors exit with an agreed error <= 10 s after the loss
 
 pytestmark = [pytest.mark.multihost, pytest.mark.multiproc, pytest.mark.timeout(600)]
-
-
-@pytest.fixture
-def hosts() -> Iterator[Hosts]:
-    why = missing()
-    if why is not None:
-        pytest.skip(f"multi-host tests need network namespaces: {why}")
-    h = Hosts(2)
-    try:
-        yield h
-    finally:
-        h.close()
 
 
 def failure_records(dirpath: Path) -> list[dict[str, object]]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from ckpts import committed
-from netns import Hosts, missing
+from netns import Hosts
 from netns_job import NodeJob
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,18 +27,6 @@ KILL_AT = 12  # tier 0 copies every 2 steps, the disk every 5: disk holds 10, ti
 ARGS = ["--max-steps", "30", "--step-sleep", "0.1"]
 
 pytestmark = [pytest.mark.multihost, pytest.mark.multiproc, pytest.mark.timeout(900)]
-
-
-@pytest.fixture
-def hosts() -> Iterator[Hosts]:
-    why = missing()
-    if why is not None:
-        pytest.skip(f"multi-host tests need network namespaces: {why}")
-    h = Hosts(2)
-    try:
-        yield h
-    finally:
-        h.close()
 
 
 @pytest.fixture

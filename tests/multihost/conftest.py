@@ -1,0 +1,21 @@
+"""The multi-host tests' hosts: two network namespaces (tests/support/netns.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from netns import Hosts, missing
+
+
+@pytest.fixture
+def hosts() -> Iterator[Hosts]:
+    """Two "hosts" for one test; skips with one line where namespaces are not available."""
+    why = missing()
+    if why is not None:
+        pytest.skip(f"multi-host tests need network namespaces: {why}")
+    h = Hosts(2)
+    try:
+        yield h
+    finally:
+        h.close()
