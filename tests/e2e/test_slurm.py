@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from slurm import free_port
 
 pytestmark = pytest.mark.multiproc
 
@@ -87,6 +88,10 @@ class Job:
         env = {
             "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
             "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+            # A fresh port for the job's store: sbatch exports this process's environment, where an
+            # earlier in-process test may have left a MASTER_PORT that is in use now (EADDRINUSE in
+            # CI), and every test cluster numbers its jobs from 1 (Lightning's default port).
+            "MASTER_PORT": str(free_port()),
         }
         train_args = ["--dirpath", str(tmp_path / "ckpts"), "--weights", str(self.weights), "--max-steps",
                       str(MAX_STEPS), "--every", str(EVERY), "--step-sleep", str(step_sleep), *args]  # fmt: skip

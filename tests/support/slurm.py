@@ -63,7 +63,8 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port nothing listens on now (the kernel's pick), for a daemon or a job's MASTER_PORT."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -153,7 +154,7 @@ class SlurmCluster:
         os.chmod(key, 0o400)
         addrs = tuple(self.hosts.ip(i) for i in range(len(self.hosts.nodes))) if self.hosts else ("127.0.0.1",)
         self.conf.write_text(slurm_conf(self.root, grace_s=self.grace_s, kill_wait_s=self.kill_wait_s,
-                                        cred_expire_s=self.cred_expire_s, ctld_port=_free_port(), slurmd_port=_free_port(),
+                                        cred_expire_s=self.cred_expire_s, ctld_port=free_port(), slurmd_port=free_port(),
                                         addrs=addrs))  # fmt: skip
         if self.hosts:
             self._name_hosts(addrs)
