@@ -168,16 +168,8 @@ def main_tier0(cfg: argparse.Namespace, argv: list[str] | None) -> int:
         f"first copy): {sum(bool(t['within_k']) for t in trials)}/{len(trials)} (disk tier every {cfg.every} steps)",
         f"partial or mixed states resumed: {sum(not t['resumed_newest'] for t in trials)} of {len(trials)}",
     ]
-    command = "python benchmarks/bench_node_loss.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = (f"Command: `{command.strip()}`  \nRun: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
-            f"{machine_notes()}; {time.monotonic() - t0:.0f} s\n\n{table(header, rows)}\n\n"
-            + "\n".join(f"- {s}" for s in summary) + "\n")  # fmt: skip
-    print(text)
-    if cfg.md:
-        with open(cfg.md, "a") as f:
-            f.write(f"\n### Node loss with tier 0 (bench_node_loss.py --tier0)\n\n{text}")
-    if cfg.json:
-        Path(cfg.json).write_text(json.dumps({"trials": trials}, indent=1))
+    _report(cfg, argv, t0, "Node loss with tier 0 (bench_node_loss.py --tier0)", table(header, rows), summary,
+            {"trials": trials})  # fmt: skip
     return 0 if all(t["resumed_newest"] and t["within_k"] for t in trials) else 1
 
 
@@ -240,18 +232,24 @@ def main(argv: list[str] | None = None) -> int:
         f"kill -> survivor gone: max {max(exits, default=float('nan')):.2f} s, "
         f"{sum(e <= 10 for e in exits)}/{len(trials)} within 10 s",
     ]
+    _report(cfg, argv, t0, "Node loss without a signal (bench_node_loss.py)", table(header, rows), summary,
+            {"trials": trials, "identical": identical})  # fmt: skip
+    return 0 if identical and all(t["resumed_newest"] for t in trials) else 1
+
+
+def _report(cfg: argparse.Namespace, argv: list[str] | None, t0: float, title: str, body: str,
+            summary: list[str], data: dict[str, object]) -> None:  # fmt: skip
+    """Print the run's table and summary; append them to ``--md`` under ``title``, the trials to ``--json``."""
     command = "python benchmarks/bench_node_loss.py " + " ".join(argv if argv is not None else sys.argv[1:])
     text = (f"Command: `{command.strip()}`  \nRun: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
-            f"{machine_notes()}; {time.monotonic() - t0:.0f} s\n\n{table(header, rows)}\n\n"
+            f"{machine_notes()}; {time.monotonic() - t0:.0f} s\n\n{body}\n\n"
             + "\n".join(f"- {s}" for s in summary) + "\n")  # fmt: skip
     print(text)
     if cfg.md:
         with open(cfg.md, "a") as f:
-            f.write(f"\n### Node loss without a signal (bench_node_loss.py)\n\n{text}")
+            f.write(f"\n### {title}\n\n{text}")
     if cfg.json:
-        Path(cfg.json).write_text(json.dumps({"trials": trials, "identical": identical}, indent=1))
-    return 0 if identical and all(t["resumed_newest"] for t in trials) else 1
-
+        Path(cfg.json).write_text(json.dumps(data, indent=1))
 
 if __name__ == "__main__":
     sys.exit(main())
