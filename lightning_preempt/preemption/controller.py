@@ -1,14 +1,7 @@
-"""The preemption controller: framework-neutral policy for "are we being reclaimed, and
-what do we do about it".
-
-It owns the preemption sources (signals, cloud notices), the agreement schedule, the
-timeline, and the emergency sequence. It knows nothing about Lightning: the callback hands
-it the step, and callables that snapshot, drain and say which step is safe.
-
-The emergency sequence is unconditional (a scheduler must always see a preemption as one):
-whatever the snapshot does — commits, fails, or the storage is gone — the controller logs
-the step that is safe, requeues when configured (bounded by the grace period), and raises
-:class:`Preempted` with ``exit_code``.
+"""The preemption controller: framework-neutral policy for "are we being reclaimed, and what
+now". It owns the sources, the agreement schedule, the timeline and the emergency sequence,
+which is unconditional (a scheduler must always see a preemption as one): whatever the
+snapshot does, it logs the safe step, requeues when configured and raises :class:`Preempted`.
 """
 
 from __future__ import annotations
@@ -72,16 +65,9 @@ class ControllerSettings(Protocol):
 
 
 class PreemptionController:
-    """Sources -> agreement -> decisions; and the emergency sequence.
-
-    Args:
-        config: the settings (validated by the caller).
-        sources: extra preemption sources (cloud notices); a :class:`SignalFlag` for
-            ``config.signals`` is always the first.
-        on_notice: what a notice from ``sources`` does: ``"exit"``: preempt at once, like a
-            signal; ``"continue"``: snapshot once at the next agreed step and keep training
-            until a signal comes (that snapshot then costs only the steps since).
-    """
+    """Sources -> agreement -> decisions; and the emergency sequence. A :class:`SignalFlag`
+    is always the first source. ``on_notice="continue"``: a notice snapshots once and training
+    goes on until a signal; ``"exit"``: a notice preempts like a signal."""
 
     def __init__(
         self, config: ControllerSettings, sources: Sequence[PreemptionSource] = (), *, on_notice: str = "exit"
@@ -256,15 +242,8 @@ class PreemptionController:
         safe_step: Callable[[], str],
         leader: bool,
     ) -> NoReturn:
-        """Snapshot, drain, requeue and exit — the exit happens whatever the others do.
-
-        Args:
-            step: the step all ranks agreed to stop at.
-            snapshot: save and wait for the commit (raises on failure).
-            drain: two tiers: drain for at most the given seconds; returns "held by …".
-            safe_step: describes the newest committed step (for the exit log).
-            leader: this rank requeues the job (global rank 0).
-        """
+        """Snapshot, drain, requeue and exit: the exit happens whatever the others do.
+        ``leader`` (global rank 0) requeues."""
         self.preempted = True
         self.mark(f"ranks agreed to preempt at step {step}")
         self.flush()

@@ -27,13 +27,8 @@ REQUEST_FAILURES: tuple[type[BaseException], ...] = (OSError, http.client.HTTPEx
 
 
 class _DeadlineSocket(socket.socket):
-    """A connected socket whose every read and write ends by one monotonic ``deadline``.
-
-    A socket timeout bounds each read, not the request: a server trickling one byte a
-    second (slow-loris) would hold ``http.client``'s header loop for ever. Each call here
-    gets only the time left, and none once it is gone (:class:`TimeoutError`, an ``OSError``
-    the poller counts as a failed request).
-    """
+    """A socket whose every read and write ends by one ``deadline``: a socket timeout bounds
+    each read, not the request, and a server trickling bytes (slow-loris) would hold it for ever."""
 
     deadline = 0.0
 
