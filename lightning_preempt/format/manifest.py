@@ -1,14 +1,8 @@
-"""The manifest: a versioned JSON file that makes a checkpoint exist.
+"""The manifest: a versioned JSON file, written last, that makes a checkpoint exist.
 
-A checkpoint directory without ``manifest.json`` does not exist, for resume and for
-retention alike. The manifest is written last, atomically, after every rank's files
-are durable; it lists every file with its size and CRC32C so corruption is detected
-before any byte is handed to Lightning. No pickle: any tool can read it.
-
-Storage is shared with other writers, so a manifest is *untrusted input* (docs/security.md):
-:meth:`Manifest.from_json` checks every field's type and range, and
-:func:`parse_manifest` also checks that every file name is one this package writes.
-A manifest that fails is *corrupt*; only a well-formed, larger ``version`` is *newer*.
+It lists every file with its size and CRC32C. It is untrusted input (docs/security.md):
+:meth:`Manifest.from_json` checks every field, :func:`parse_manifest` every file name. One
+that fails is *corrupt*; only a well-formed, larger ``version`` is *newer*.
 """
 
 from __future__ import annotations
@@ -103,14 +97,8 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes, *, path: str) -> Manifest:
-        """Parse and type-check a manifest.
-
-        Raises :class:`CorruptCheckpointError` (with a HINT) for garbage, a foreign format,
-        a missing, unknown or ill-typed field, a non-finite time or a file name that is not
-        a plain name, and :class:`UnsupportedFormatError` only for a well-formed version
-        newer than this build reads. File names are checked against this package's own
-        patterns by :func:`parse_manifest` (what every read from storage uses).
-        """
+        """Parse and type-check a manifest: :class:`CorruptCheckpointError` for anything
+        wrong, :class:`UnsupportedFormatError` only for a well-formed newer version."""
         if len(data) > MAX_MANIFEST_BYTES:
             raise _corrupt(f"manifest is {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} allowed", path)
         # Before json.loads builds anything: every entry our writer makes has this literal
