@@ -1,12 +1,8 @@
 """Reading a file range by range with its CRC32C computed on the way.
 
-A range is read through :func:`hashing_reader`: a buffered reader over the file whose
-every read from storage (a buffer fill of :data:`READ_BUFFER_BYTES`, or a read straight
-into a large tensor) is hashed as it arrives, on the reading thread. Thousands of small
-tensor records then cost a few large reads and CRC32C updates, not several each (the
-parser above asks for a record's head, data and tail separately). Ranges of one file
-are read and hashed at once by different threads (``readinto`` and ``crc32c`` release
-the GIL), and their CRCs combined in file order (:func:`file_digest`).
+:func:`hashing_reader` hashes each storage read as it arrives, so thousands of small records
+cost a few large reads. Ranges are hashed by several threads (the GIL is released) and
+combined in file order (:func:`file_digest`).
 """
 
 from __future__ import annotations

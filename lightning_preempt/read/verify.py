@@ -82,11 +82,8 @@ Fallback = Callable[[list[str]], "str | None"]
 
 
 def check_sizes(store: Store, manifest: Manifest | None = None) -> Manifest:
-    """Every file the manifest lists exists with its size: one listing, no data read.
-
-    The cheap check for choosing a resume target; a truncated or missing file is the
-    common damage (a copy that stopped), a flipped bit is caught later by the load.
-    """
+    """Every listed file exists with its size: one listing, no data read (a flipped bit is
+    the load's to catch)."""
     manifest = manifest or read_manifest(store)
     store = data_store(store, manifest)  # a replaced checkpoint's files live in its generation dir
     sizes = {e.name: e.size for e in store.entries()}
