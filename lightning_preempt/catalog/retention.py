@@ -121,9 +121,7 @@ def _soundness_problem(info: CheckpointInfo, storage_options: dict[str, Any] | N
         else:
             check_checkpoint(store, info.manifest, verify="sizes")
     except CheckpointError as err:
-        # Damage only. Any other error (EIO, a 503) means "could not tell": it is raised and
-        # retention removes nothing this time (retain() logs it), so a checkpoint that was
-        # merely unreadable for a moment is never deleted as corrupt.
+        # damage only: "could not tell" (EIO, a 503) is raised, so nothing is deleted as corrupt
         log.warning("lightning_preempt: retention does not count %s: %s", info.path, str(err).splitlines()[0])
         return str(err).splitlines()[0]
     return None
