@@ -1,6 +1,5 @@
 """``lightning-preempt verify URL [STEP]``: the manifest, every file's size and CRC32C, and
-that the state loads without ``trust_checkpoints``. Needs no torch: the last check replays
-what the loader's unpickling would accept (format/pickles/state_replay.py, format/pickles/metadata_scan.py) instead of loading.
+that the state loads without ``trust_checkpoints`` (replayed, without torch).
 """
 
 from __future__ import annotations
