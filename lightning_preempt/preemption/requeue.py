@@ -32,12 +32,8 @@ def _seconds(duration: str) -> int | None:
 
 
 def ended_by_slurm(job: str, timeout_s: float) -> str | None:
-    """Why SLURM is already ending ``job`` for good, or ``None`` (running, or unknown).
-
-    SLURM 22.05's ``scontrol show job`` (and ``squeue``, even ``-t CANCELLED``) shows a
-    cancelled job as ``COMPLETING`` while its processes stop, like one whose batch shell died
-    or that reached its time limit; only the run time tells the limit apart (a job killed at
-    its limit is requeued: with ``--signal=TERM@60`` it never gets there)."""
+    """Why SLURM is already ending ``job`` for good, or ``None``. A cancelled job shows as
+    ``COMPLETING`` like one at its time limit; only the run time tells them apart."""
     try:
         result = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True,
                                 timeout=timeout_s, check=False)  # fmt: skip
@@ -99,10 +95,8 @@ def requeue_slurm(
 
 
 def absorb_requeue_term(job: str, settle_s: float, *, flush: Callable[[], None] | None = None) -> str:
-    """On a rank that does not requeue: wait up to ``settle_s`` for the SIGTERM SLURM sends every
-    task after another rank's ``scontrol requeue``, with a handler that only notes it, so this
-    process too exits with its own code (main thread only). Not waited for when SLURM is
-    already ending the job for good (no requeue follows: :func:`ended_by_slurm`)."""
+    """On a rank that does not requeue: absorb, up to ``settle_s``, the SIGTERM another rank's
+    requeue brings (main thread; not when :func:`ended_by_slurm`)."""
     if settle_s <= 0 or threading.current_thread() is not threading.main_thread():
         return "not waiting for SLURM's SIGTERM (no time left, or not the main thread)"
     came: list[float] = []

@@ -10,9 +10,7 @@ import dataclasses
 import time
 from typing import Protocol, runtime_checkable
 
-# The furthest ahead a notice's deadline may lie. Real ones are 30 s (GCE) to 15 min (Azure
-# Terminate); a server's "year 9999" would make every wait on it overflow (``threading``
-# refuses timeouts past ``TIMEOUT_MAX``: the drain was cancelled at once) or hang for ever.
+# Real deadlines are 30 s to 15 min; a server's "year 9999" would overflow ``threading`` waits.
 MAX_NOTICE_HORIZON_S = 3600.0
 
 

@@ -1,8 +1,5 @@
-"""The one HTTP helper the notice sources use: plain ``http.client``, bounded in time and size.
-
-Why not ``urllib``: it honours ``HTTP_PROXY``/``http_proxy``, and a metadata server must be
-reached directly (a proxy would answer for *its* host, or not at all). Why not
-``requests``: not a dependency, and four verbs on loopback/link-local need nothing more.
+"""The notice sources' HTTP helper: plain ``http.client``, bounded in time and size (``urllib``
+honours ``HTTP_PROXY``, and a metadata server must be reached directly).
 """
 
 from __future__ import annotations

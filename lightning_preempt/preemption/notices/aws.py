@@ -1,8 +1,5 @@
-"""AWS EC2 Spot: the interruption notice and the rebalance recommendation, over IMDSv2
-(a session token fetched with ``PUT /latest/api/token``, fetched again on a 401).
-``spot/instance-action`` answers 200 about two minutes before the interruption, with its
-deadline; ``events/recommendations/rebalance`` is advisory (no deadline), replaced by the
-interruption notice when that comes. The protocol and its sources: docs/notices.md.
+"""AWS EC2 Spot over IMDSv2: the interruption notice (~2 min, with its deadline) and the
+advisory rebalance recommendation. Protocol and sources: docs/notices.md.
 """
 
 from __future__ import annotations

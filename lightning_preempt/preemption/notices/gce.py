@@ -1,8 +1,5 @@
 """Google Compute Engine: ``instance/preempted`` and ``instance/maintenance-event``, each
-watched by a long-poll on its ``ETag`` (a change is seen at once, nothing missed between
-requests). ``preempted`` ``TRUE`` (~30 s left) and ``TERMINATE_ON_HOST_MAINTENANCE`` (~60 s)
-are notices; ``MIGRATE_ON_HOST_MAINTENANCE`` (live migration) is only logged. The protocol,
-the times and their sources: docs/notices.md.
+long-polled on its ``ETag``; live migration is only logged. Protocol and times: docs/notices.md.
 """
 
 from __future__ import annotations
