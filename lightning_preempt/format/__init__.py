@@ -18,10 +18,8 @@ class TensorRef:
     key: str
 
     def __reduce__(self) -> tuple[type[TensorRef], tuple[str]]:
-        # One REDUCE instead of NEWOBJ + BUILD of a state dict: fewer objects for
-        # torch.save to visit (the skeleton is pickled while training waits) and one
-        # allow-list check instead of two in weights_only loading, per tensor. Old
-        # checkpoints (NEWOBJ + BUILD) load as before.
+        # one REDUCE, not NEWOBJ + BUILD: fewer objects to pickle while training waits, one
+        # allow-list check per tensor (old NEWOBJ + BUILD checkpoints still load)
         return (TensorRef, (self.key,))
 
 

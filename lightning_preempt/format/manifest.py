@@ -18,20 +18,14 @@ from lightning_preempt.errors import CorruptCheckpointError, UnsupportedFormatEr
 from lightning_preempt.format.names import is_checkpoint_file, is_safe_file_name
 
 FORMAT_NAME = "lightning_preempt.checkpoint"
-#: 2: state files may hold inline tensors (``lightning_preempt.format.tensor_from_bytes``,
-#: 0.2.0). A reader of 1 would refuse those files as untrusted; the version makes it say
-#: "too new, upgrade" instead. Version 1 checkpoints (no inline tensors) still load.
+#: 2: state files may hold inline tensors (0.2.0), so a reader of 1 says "too new", not
+#: "untrusted". Version 1 checkpoints still load.
 FORMAT_VERSION = 2
 
 #: Larger manifests are refused unread (a 4096-rank checkpoint's is well under 1 MiB).
 MAX_MANIFEST_BYTES = 32 << 20
-#: Most files one manifest may list. A manifest lists files, not tensors (the tensors of a
-#: sharded state live inside the DCP shards and ``.metadata``): each rank writes
-#: ``thread_count`` shard files and one ``state-rank*.pt``, so 2**18 entries hold a job of
-#: 131,072 ranks at the default one writer thread (8x the 16k GPUs of Llama 3 405B's
-#: run) or 32,768 ranks at 7 threads. Parsing that many takes ~2.5 s on a busy 2-core
-#: machine; past it a manifest is refused in well under a second (a crafted one of 430k
-#: entries took 8.8 s and 310 MB in ``ls`` before this limit, 0.6 s and 60 MB after).
+#: Most files one manifest may list: 131,072 ranks at one writer thread each (~2.5 s to
+#: parse); a crafted 430k-entry one took 8.8 s and 310 MB in ``ls`` before this limit.
 MAX_MANIFEST_FILES = 1 << 18
 
 _CRC_RE = re.compile(r"[0-9a-f]{8}")

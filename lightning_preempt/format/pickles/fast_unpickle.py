@@ -63,11 +63,8 @@ def fast_globals(with_numpy: bool) -> dict[tuple[str, str], Any]:
 
 
 def _numpy_fast_globals() -> dict[tuple[str, str], Any]:
-    """NumPy arrays of the allowed dtypes (an RNG state), no scalars (those, and anything
-    else, take the weights-only path). The weights-only unpickler checks the type of every
-    object it BUILDs; C pickle does not, so the two callables whose result is BUILT later
-    are wrapped to check it when they return: only an ``ndarray`` and a dtype of an
-    allowed class ever reach ``__setstate__``."""
+    """NumPy arrays of the allowed dtypes, no scalars. C pickle does not type-check what it
+    BUILDs, so the two callables whose result is BUILT are wrapped to check it."""
     import numpy as np
 
     names = {(g.__module__, g.__qualname__): g for g in numpy_globals()}

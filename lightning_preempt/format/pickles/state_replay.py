@@ -78,10 +78,8 @@ def check_state_pickle(data: bytes, *, path: str) -> None:
 
 
 def archived_pickle(data: bytes) -> bytes:
-    """The ``data.pkl`` bytes torch's reader would unpickle from the ``torch.save`` archive
-    ``data``, for the fast path's opcode check (format/pickles/fast_guard.py). Raises (any error)
-    when the archive is not one both readers are sure to read alike: a name listed twice
-    (zipfile takes the last, torch's reader may take another) counts as such."""
+    """The ``data.pkl`` bytes torch's reader would unpickle from ``data``; raises when the two
+    readers may differ (a name listed twice: zipfile takes the last)."""
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
         names = archive.namelist()
         if len(set(names)) != len(names):

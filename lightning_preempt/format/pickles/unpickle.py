@@ -65,10 +65,8 @@ def _load_state(data: bytes, *, path: str, trusted: bool, map_location: Any) -> 
         return fast_load_state(data, location)  # the common case, ~10x faster (format/pickles/fast_unpickle.py)
     except OffFastPath:
         pass  # weights_only decides (it allows a superset) and words any error
-    # NumPy's globals only when the pickle can name them (their module's name is in its
-    # bytes, as text): torch's weights_only loader rebuilds a dict of the allowed globals
-    # for every object it makes, so a shorter list is faster per tensor placeholder.
-    # Fewer globals allowed is never less safe; a skeleton without them loads the same.
+    # NumPy's globals only when the bytes name them: weights_only rebuilds the allowed dict
+    # per object, so a shorter list is faster (and never less safe)
     allowed: list[Any] = skeleton_safe_globals() if b"numpy" in data else [TensorRef, tensor_from_bytes]
     try:
         with torch.serialization.safe_globals(allowed):  # scoped to this call
