@@ -20,10 +20,8 @@ READ_BUFFER_BYTES = 1 << 20
 
 
 class OrderedCrc:
-    """CRC32C of one range of a file, starting at ``start``: each piece read is queued
-    under its file offset and hashed in order by a helper task (``crc32c`` releases the
-    GIL, so hashing overlaps the reads). Ranges read at once are hashed at once too, and
-    their CRCs combined (:meth:`Crc32c.extend`)."""
+    """CRC32C of one range from ``start``: pieces are queued by offset and hashed in order by
+    a helper task, overlapping the reads."""
 
     def __init__(self, pool: ThreadPoolExecutor | None, start: int = 0) -> None:
         self.crc = Crc32c()
@@ -142,8 +140,6 @@ class _HashingRaw(io.RawIOBase):
 
 
 def hashing_reader(inner: IO[bytes], crc: OrderedCrc | None, offset: int, end: int | None = None) -> IO[bytes]:
-    """A buffered reader over ``inner`` (positioned at ``offset``) that hands every byte
-    it reads from ``inner`` to ``crc`` (``OrderedCrc(None, offset)``: hashed inline), and
-    reads nothing at or past ``end`` (``None``: to the end of the file). Reads of at
-    least :data:`READ_BUFFER_BYTES` go straight into the caller's memory."""
+    """A buffered reader over ``inner`` from ``offset`` to ``end`` that hands every byte read to
+    ``crc``; reads of :data:`READ_BUFFER_BYTES` or more go straight into the caller's memory."""
     return cast(IO[bytes], io.BufferedReader(_HashingRaw(inner, crc, offset, end), READ_BUFFER_BYTES))
