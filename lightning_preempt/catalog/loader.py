@@ -65,9 +65,8 @@ class Loader:
         return None
 
     def not_found(self, url: str) -> NotACheckpointError:
-        """The error for a path that holds no checkpoint (also a ``FileNotFoundError`` when
-        nothing exists there, worded as Lightning's own plugin words it for a missing
-        ``ckpt_path``: its tests and users' scripts match on that text)."""
+        """The error for a path without a checkpoint; worded as Lightning's for a missing
+        ``ckpt_path`` when nothing is there (scripts match on that text)."""
         if not Store(url, self.storage_options).exists():
             return CheckpointNotFoundError(f"Checkpoint file not found: {url}", path=url, hint=LOAD_HINT)
         return NotACheckpointError("no committed checkpoint found", path=url, hint=LOAD_HINT)

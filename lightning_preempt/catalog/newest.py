@@ -33,9 +33,8 @@ def newest_valid(
     on_skip: OnSkip | None = None,
     exclude: Collection[str] = (),
 ) -> CheckpointInfo | None:
-    """The newest committed checkpoint under ``url`` that passes ``verify`` (see the module
-    docstring), or ``None``. Each candidate passed over is reported to ``on_skip`` (default:
-    a warning naming it and the reason)."""
+    """The newest committed checkpoint under ``url`` that passes ``verify``, or ``None``; each
+    one passed over goes to ``on_skip`` (default: a warning)."""
     return first_valid(list_checkpoints(url, storage_options), storage_options, verify=verify, on_skip=on_skip,
                        exclude=exclude)  # fmt: skip
 

@@ -81,9 +81,8 @@ def check_owned(store: Store, *, doing: str = "delete") -> Owned:
 
 
 def remove_if_ours(store: Store, *, why: str) -> None:
-    """Delete the checkpoint directory ``store`` (manifest first, so a half-deleted one is
-    never committed) and log it at INFO, or raise :class:`CheckpointExistsError` with a
-    HINT when it holds anything this package did not write (:func:`check_owned`)."""
+    """Delete our checkpoint directory ``store``, manifest first (a half-deleted one is never
+    committed), and log it; :class:`CheckpointExistsError` when anything in it is foreign."""
     owned = check_owned(store)
     store.rm_file(MANIFEST_NAME)
     store.rm_tree(owned=owned)
@@ -91,8 +90,7 @@ def remove_if_ours(store: Store, *, why: str) -> None:
 
 
 def remove_checkpoint_dir(store: Store) -> None:
-    """Delete a checkpoint, the manifest first (a half-deleted one is never committed); only
-    when everything in it is ours."""
+    """Delete our checkpoint directory ``store`` (:func:`remove_if_ours`)."""
     remove_if_ours(store, why="removal requested")
 
 

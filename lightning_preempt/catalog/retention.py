@@ -90,9 +90,8 @@ def retain(
     protect: frozenset[str] = frozenset(),
     run_id: str | None = None,
 ) -> list[str]:
-    """:func:`apply_retention` for the background jobs that run it after a commit or a drain:
-    a failure is logged (secrets redacted) and never raised; the checkpoints stay and the
-    next commit tries again. Returns the removed URLs."""
+    """:func:`apply_retention` for background jobs: a failure is logged, never raised (the
+    next commit tries again)."""
     try:
         return apply_retention(url, keep_last_n, storage_options, protect=protect, run_id=run_id)
     except Exception as err:
