@@ -64,9 +64,8 @@ def unknown_hint(protocol: str) -> str:
 
 
 def check_driver(url: str, *, name: str = "the URL") -> None:
-    """Raise when ``url`` cannot be opened whatever the credentials: ``ValueError`` ("unknown
-    protocol") or ``ImportError`` (the driver is not installed), each ending with a HINT line.
-    ``name`` says which option holds ``url``. Imports the driver (as opening the URL would)."""
+    """``ValueError`` (unknown protocol) or ``ImportError`` (no driver) with a HINT when ``url``
+    cannot be opened whatever the credentials; ``name``: the option that holds it."""
     for protocol in protocols_in(url):
         try:
             fsspec.get_filesystem_class(protocol)

@@ -31,9 +31,8 @@ class StorageUnreachableError(CheckpointError):
 
 
 def require_reachable(protocol: str, options: dict[str, Any], url: str) -> None:
-    """Raise :class:`StorageUnreachableError` with a HINT when ``url`` on Google Cloud Storage
-    has no credentials to find or no endpoint to resolve; pass otherwise (other protocols,
-    explicit ``token`` or ``endpoint_url``, an emulator, an inconclusive answer)."""
+    """Raise :class:`StorageUnreachableError` when a GCS ``url`` has no credentials to find or
+    no endpoint to resolve; anything else or inconclusive passes."""
     if protocol not in GCS_PROTOCOLS or "token" in options or "endpoint_url" in options or os.environ.get(_EMULATOR_ENV):
         return
     key = (protocol, os.environ.get("GOOGLE_APPLICATION_CREDENTIALS", ""))

@@ -55,9 +55,8 @@ def info_entry(info: dict[str, Any]) -> tuple[str, int | None]:
 
 
 def crc32c_of(info: dict[str, Any], protocol: str) -> str | None:
-    """The CRC32C (8 hex digits) the store keeps for an object, from its ``info()``, or
-    ``None``. GCS keeps one for every object (base64, big-endian); for other stores
-    computing it would mean reading the object."""
+    """The CRC32C (hex) GCS keeps for an object, from its ``info()`` (base64, big-endian), or
+    ``None``."""
     if protocol not in GCS_PROTOCOLS:
         return None
     value = info.get("crc32c")
