@@ -1,24 +1,9 @@
 """Exact resume for a Fabric loop: where the loop is in its data, and the RNG states.
 
-The framework-neutral pieces are in ``resume/`` (``ResumableLoaders``, ``exact_state``,
-``rng``); this module is their driver for the one loader a :class:`~lightning_preempt.fabric.Preemption`
-iterates, the way ``lightning/exact.py`` drives them for the Trainer's loops. It owns the
-epoch and the batch counter of that loader (the Trainer's loops own theirs), makes the
-epoch's iterator itself (so that ``set_epoch`` gets the real epoch, not the count of a
-fresh wrapper's ``iter`` calls) and moves batches to Fabric's device.
-
-What is saved (per rank, in the rank's own state file): ``exact_state.make_state`` with
-the loader's entry, plus, for a torchdata ``StatefulDataLoader``, its own ``state_dict``.
-A plain ``DataLoader`` resumes through a ``ResumableSampler`` (resume/samplers.py).
-
-Restore order (loaders.py's protocol): mid-epoch in an epoch split among another number of
-ranks (a resize), the loader gets this rank's share of the rest of the same epoch order
-(``ResumableLoaders.reshard``, docs/elastic.md "Data at a resize"), as the Trainer's does;
-mid-epoch at the same world size, the sampler replays the saved order and
-skips what was trained, the iterator is made from the RNG states of the epoch's start,
-then the states of the save are restored; after a save that ended an epoch, the states of
-the save are restored and the next epoch's iterator is made from them, as the
-uninterrupted run did.
+The driver of ``resume/`` for the one loader :class:`~lightning_preempt.fabric.Preemption`
+iterates, as ``lightning/exact.py`` is for the Trainer. It owns that loader's epoch and batch
+counter, makes the epoch's iterator itself (so ``set_epoch`` gets the real epoch) and moves
+batches to Fabric's device. Restores follow loaders.py's call order, resharding at a resize.
 """
 
 from __future__ import annotations

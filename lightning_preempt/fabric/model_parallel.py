@@ -1,18 +1,10 @@
 """Fabric's ``ModelParallelStrategy`` (FSDP2 ``fully_shard``, tensor parallel) through our plugin.
 
-That strategy refuses a ``CheckpointIO`` plugin (its ``checkpoint_io`` setter raises) and
-writes its checkpoints itself: DCP shards and a ``meta.pt``, with no manifest and no commit.
-:class:`~lightning_preempt.fabric.Preemption` therefore owns a plugin for it and rebinds
-``save_checkpoint`` and ``load_checkpoint`` on the strategy *instance* (as
-``lightning/strategies.py`` does for the Trainer's ``ModelParallelStrategy``):
-
-* save: every rank converts the modules to their sharded state dicts (``DTensor`` shards,
-  torch's ``get_model_state_dict``) and the optimizers to theirs, and hands them to the
-  plugin: asynchronous, every rank writes its shards, committed by the manifest.
-* load: a checkpoint of ours is loaded into the current modules and optimizers in place,
-  resharded to the current world size (DCP); any other path goes to Lightning.
-
-Works on CPU with gloo (what Fabric allows: its ``FSDPStrategy``, FSDP1, refuses CPU).
+That strategy refuses a ``CheckpointIO`` and writes DCP shards with no commit, so
+:class:`~lightning_preempt.fabric.Preemption` owns a plugin for it and rebinds
+``save_checkpoint`` (every rank hands its sharded state dicts to the plugin) and
+``load_checkpoint`` (ours load in place, resharded; other paths go to Lightning) on the
+strategy instance, as ``lightning/strategies.py`` does for the Trainer. Works on CPU (gloo).
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""Exact resume for the Trainer: the per-rank state Lightning does not put in its checkpoints
-(docs/exact-resume.md): RNG states and the loaders' generators, a plain ``DataLoader``'s
-position in the epoch, ``torchmetrics`` states and ``self.log``'s running aggregates.
+"""Exact resume for the Trainer (docs/exact-resume.md): RNG states and the loaders' generators,
+a plain ``DataLoader``'s position, ``torchmetrics`` states and ``self.log``'s aggregates.
 
-:class:`ExactResume` drives the framework-neutral pieces in ``resume/`` (loaders,
-exact_state, rng, samplers, metrics): it captures the state at a save (into each rank's
-skeleton file, never the DCP shards) and restores it at ``on_train_start``, the last hook
-before a resumed run's first fetch (on a mid-epoch restart Lightning calls neither
-``on_train_epoch_start`` nor ``iter(dataloader)`` again, and nothing in between draws random
-numbers; after a save that ended an epoch the next epoch's iterator is made again, as the
-uninterrupted run made it). What stays here is Lightning's: the fit loop's loaders, fetcher
-and counters (through ``_compat``), the ``self.log`` aggregates, ``set_epoch``, the hooks.
+:class:`ExactResume` drives ``resume/``: it captures the state at a save (each rank's skeleton
+file) and restores it at ``on_train_start``, the last hook before a resumed run's first fetch.
+What stays here is Lightning's: the fit loop's loaders and counters, ``set_epoch``, the hooks.
 """
 
 from __future__ import annotations
