@@ -32,9 +32,8 @@ COMPACT_EVERY = 256
 #: ... or after this many bytes of them, whichever comes first: records with long text (an
 #: error's line, a path) must not pile up single files of up to ``MAX_RECORD_BYTES`` each.
 COMPACT_EVERY_BYTES = 64 << 10
-#: A ``progress`` record (the last step seen: what a SIGKILL's steps lost are inferred from)
-#: at most this often: a SIGKILL's steps lost are counted up to the last one (at most this
-#: many seconds of steps go unseen). Tests and the demo set it lower.
+#: A ``progress`` record (the last step seen, what a SIGKILL's steps lost are counted up to)
+#: at most this often. Tests and the demo set it lower.
 PROGRESS_EVERY_S = 10.0
 _MAX_SEQ = 999_999
 

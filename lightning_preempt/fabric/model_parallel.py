@@ -20,6 +20,7 @@ from lightning_preempt.collective import groups as pdist
 from lightning_preempt.format.skeleton import split_checkpoint
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.lightning.fabric_routing import stateful_keys
+from lightning_preempt.resume.samplers import is_stateful
 
 
 def _module_of(state: dict[str, Any]) -> Module:
@@ -30,10 +31,6 @@ def _module_of(state: dict[str, Any]) -> Module:
             f"{len(modules)}\nHINT: put the model set up with fabric.setup_module under one key, e.g. state['model']."
         )
     return modules[0]
-
-
-def _stateful(value: Any) -> bool:
-    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
 
 
 def _sharded_states(state: dict[str, Any]) -> dict[str, Any]:
@@ -59,7 +56,7 @@ def install(strategy: Any, io: ShardedAsyncCheckpointIO) -> None:
             raise NotImplementedError("lightning_preempt: fabric.save(filter=...) with ModelParallelStrategy\n"
                                       "HINT: save the whole state; filter when exporting it.")  # fmt: skip
         path = self.broadcast(str(path))  # every rank writes its shards into one checkpoint
-        converted = {k: (v.state_dict() if _stateful(v) else v) for k, v in state.items()}
+        converted = {k: (v.state_dict() if is_stateful(v) else v) for k, v in state.items()}
         converted.update(_sharded_states(state))
         with io.fabric_state(stateful_keys(state)):
             io.save_checkpoint(checkpoint=converted, path=path, storage_options=storage_options)
@@ -91,7 +88,7 @@ def install(strategy: Any, io: ShardedAsyncCheckpointIO) -> None:
                 set_model_state_dict(value, checkpoint.pop(key), options=options)
             elif isinstance(value, Optimizer):
                 set_optimizer_state_dict(module, value, optim_state_dict=checkpoint.pop(key), options=options)
-            elif _stateful(value):
+            elif is_stateful(value):
                 value.load_state_dict(checkpoint.pop(key))
             else:
                 state[key] = checkpoint.pop(key)

@@ -86,15 +86,10 @@ def _iterator_maker(trainer: pl.Trainer) -> Callable[[], object] | None:
 class ExactResume:
     """Captures and restores what an exact resume needs; driven by :class:`PreemptionCallback`.
 
-    Set :attr:`enabled` to ``False`` to turn it off (the samplers are then left alone and
-    nothing extra is saved).
-
-    Worker processes draw their own random numbers (augmentations in ``__getitem__``) from
-    a seed made when the epoch's iterator is made, and each draw moves them on. A mid-epoch
-    resume gives the workers the same seed, but they have not drawn for the batches already
-    trained. With :attr:`replay_worker_draws` the workers load those batches again (and we
-    drop them), so their draws match an uninterrupted run bit for bit; it costs reading that
-    part of the epoch again. Off by default: a warning says when it would matter.
+    :attr:`enabled` ``False`` turns it off (samplers left alone, nothing extra saved). With
+    :attr:`replay_worker_draws` a mid-epoch resume has the workers load the trained batches
+    again (and drops them), so random draws inside workers match an uninterrupted run bit for
+    bit, at the cost of reading that part of the epoch again (docs/exact-resume.md).
     """
 
     def __init__(self, enabled: bool = True, replay_worker_draws: bool = False, global_batch: str = "per_rank") -> None:
