@@ -49,9 +49,42 @@ class PreemptionCallback(OnExceptionCheckpoint):
 
     Add it with :class:`ShardedAsyncCheckpointIO` to the ``Trainer`` (it installs the plugin
     when none is configured); ``trainer.fit(model)`` then resumes from the newest valid
-    checkpoint in ``dirpath`` on every (re)start. Every option, its default and what it does:
-    docs/options.md; all are validated here
-    (:class:`~lightning_preempt.engine.config.PreemptionConfig`, a ``HINT:`` on error).
+    checkpoint in ``dirpath`` on every (re)start. Every option is validated here
+    (:class:`~lightning_preempt.engine.config.PreemptionConfig`); the long form: docs/options.md.
+
+    Args:
+        dirpath: where checkpoints go (any fsspec URL: local path, ``gs://``, ``s3://``…).
+        every_n_train_steps: save every N optimizer steps.
+        every_n_seconds: save when this much wall time passed since the last save.
+        keep_last_n: committed checkpoints to keep (older ones are deleted after a newer commit).
+        signals: signals that mean "preempted" (SLURM can send ``SIGUSR1`` earlier).
+        grace_period_s: time between the signal and SIGKILL; bounds the drain and requeue.
+        exit_code: process exit code after a preemption (143 = 128 + SIGTERM).
+        requeue: ``scontrol requeue`` on rank 0 before exiting; ``None``: when under SLURM.
+        requeue_timeout_s: the longest ``scontrol`` may take.
+        agree_every_n_steps: how often ranks agree on the signal flag (``"auto"``: by time).
+        agree_interval_s: the target time between agreements with ``"auto"``.
+        overlap_agreement: run the agreement while the next step computes (acts one step later).
+        resume: resume from the newest valid checkpoint when ``fit`` gets no ``ckpt_path``.
+        save_on_train_end: save the final step when training ends normally.
+        storage_options: fsspec options for ``dirpath``.
+        local_dirpath: two-tier mode: commit to this node-local directory, drain to ``dirpath``.
+        list_retries: attempts to list ``dirpath`` on start before failing.
+        list_backoff_s: the first retry delay (doubles per attempt).
+        lease: hold a lease on ``dirpath`` so a second live job cannot write into it.
+        lease_timeout_s: a lease whose heartbeat has not advanced for this long is taken over.
+        probe_storage: at ``setup``, check every rank can write and list ``dirpath``.
+        notices: cloud preemption notices to watch (``"aws"``, ``"gce"``, ``"azure"``, ``"auto"``).
+        on_notice: ``"continue"``: snapshot and train on until the signal; ``"exit"``: at once.
+        global_batch: at a resize, ``"per_rank"`` keeps each rank's batch, ``"keep"`` the global one.
+        sources: extra :class:`~lightning_preempt.preemption.sources.PreemptionSource` objects.
+        ledger: rank 0 records the run in ``dirpath/.lp-ledger/`` for ``lightning-preempt report``.
+        log_metrics: log each committed save's figures and goodput through the Trainer's loggers.
+        detect_failures: heartbeats between ranks; a rank lost without a signal ends the job.
+        heartbeat_timeout_s: a rank not heard from for this long is lost.
+        failure_exit_code: every survivor's exit code after a loss.
+        tier0_every_n_steps: tier 0: every K steps also commit to host memory (``"auto"``: K by cost).
+        memory_dirpath: tier 0's directory (a tmpfs).
     """
 
     def __init__(
