@@ -10,5 +10,8 @@ bash scripts/_venv.sh test
 .venv/bin/lint-imports
 # 3 xdist workers on 2 cores: the tests wait on training processes, sockets and signals for
 # much of their time (3 workers: 6m42s, 2: 8m09s, 4: 6m14s, on one loaded 2-core machine back
-# to back); worksteal hands a finished worker the tests queued behind a long one.
-exec .venv/bin/python -m pytest -q -ra -n 3 --dist worksteal "$@"
+# to back). `--dist load --maxschedchunk 1`: a worker gets the next test when it is free, and
+# the workers collect the tests longest first (tests/slow_costs.json, tests/conftest.py), so no
+# 60 s test starts last (worksteal split the list in contiguous thirds: sorted longest first,
+# one worker would hold all the long tests).
+exec .venv/bin/python -m pytest -q -ra -n 3 --dist load --maxschedchunk 1 "$@"
