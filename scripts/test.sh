@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up .venv (only python3 needed) and runs the test suite. README's test command.
 # Extra arguments go to pytest (after ours: `-n 0` runs in one process). LP_FULL=1 runs every
-# slow matrix instead of a sample; LP_SLICE=k runs slice k of the sample (tests/conftest.py).
+# slow matrix instead of a sample; LP_SLICE=k runs slice k of the cost-balanced sample
+# (tests/conftest.py, tests/slow_costs.json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/_venv.sh test
