@@ -101,6 +101,7 @@ class PreemptionController:
         self.notice: Notice | None = None
         self._warned_requeue_off = False
         self.preempted = False  # the emergency sequence ran (the exit is under way)
+        self._requeued = False  # ... and the SLURM job is requeued (by this rank or another)
 
     # ---- sources ----------------------------------------------------------------------
     def bind(self, group: ProcessGroup | None) -> None:
@@ -129,11 +130,12 @@ class PreemptionController:
                 source.stop()
             except Exception as err:  # one broken source must not keep the others running
                 log.warning("lightning_preempt: stopping preemption source %s failed: %s", source.name, err)
-        if self.preempted:
+        if self.preempted and self._requeued:
             # The exit with exit_code is under way, but the teardown still runs (the saver's
             # threads, the ledger, the lease: seconds under load) with the default action back.
-            # SLURM's SIGTERM after another rank's requeue can come that late: only note it, or
-            # it kills this rank and srun says "Terminated" (issue 32, seen in CI).
+            # SLURM's SIGTERM after a requeue can come that late: only note it, or it kills this
+            # rank and srun says "Terminated" (issue 32, seen in CI). Without a requeue nothing
+            # is expected, and a program that catches the Preempted keeps its signals.
             late_signals.take_over(self.config.signals, _noted)
 
     def after_training(self, *, leader: bool, safe_step: Callable[[], str]) -> None:
@@ -291,6 +293,7 @@ class PreemptionController:
         except Exception as err:
             self.mark(f"the drain failed ({err}); exiting anyway")
         requeued = self._requeue_job()
+        self._requeued = requeued is not None
         job = requeued if leader else None
         then = f"; requeueing SLURM job {job} last (SLURM then ends this run at once)" if job is not None else ""
         self.mark(f"exiting with code {self.config.exit_code}; safe to resume from: {safe_step()}{held}{then}")
