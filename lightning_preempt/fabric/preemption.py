@@ -26,6 +26,7 @@ from lightning_preempt.engine.config import PreemptionConfig, from_arguments
 from lightning_preempt.engine.engine import Engine
 from lightning_preempt.fabric import model_parallel
 from lightning_preempt.fabric.data import LoopData
+from lightning_preempt.lightning import _compat
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.lightning.reporting import SaveReporter
 from lightning_preempt.lightning.strategies import ensure_plugin
@@ -148,6 +149,7 @@ class Preemption:
         fabric = self.fabric
         io = self._io = _ensure_plugin(fabric.strategy, self.config.storage_options, self.engine.local_dirpath)
         self._state = state
+        _compat.tolerate_preempted_children(self.config.exit_code, self.config.grace_period_s)
         self.engine.peek()  # remembered; agreed in setup
         target = self.engine.setup(
             io.saver, save=self._save, leader=fabric.is_global_zero, local_rank=fabric.local_rank,

@@ -227,3 +227,46 @@ def fabric_loader_parts(loader: Any) -> tuple[Any, Any]:
     if inner is None:
         return loader, None
     return inner, getattr(loader, "device", None)
+
+
+# ---- the subprocess launcher's child observer ------------------------------------------------
+def tolerate_preempted_children(exit_code: int, wait_s: float) -> int:
+    """Let Lightning's child-process observer accept a child's preemption exit.
+
+    With the subprocess launcher (``devices=N`` without torchrun/SLURM) a thread of the main
+    process (rank 0) SIGKILLs every process once any child exits non-zero. After a preemption
+    the ranks exit with ``exit_code`` one by one, so rank 0 was killed (-9) whenever rank 1 left
+    first (seen under load): its log lines, ledger record and own exit code were lost. A child
+    exiting with ``exit_code`` now gives the others ``wait_s`` to exit by themselves; any other
+    non-zero code, or a process still running after that, gets Lightning's kill as before.
+    Returns how many observers were adapted (0 without the launcher).
+
+    Private: ``_ChildProcessObserver`` (``_run``, ``_child_processes``; Lightning 2.5-2.6).
+    Without it nothing changes.
+    """
+    import threading
+    import time
+
+    adapted = 0
+    for thread in threading.enumerate():
+        if type(thread).__name__ != "_ChildProcessObserver" or getattr(thread, "_lp_tolerant", False):
+            continue
+        run, children = getattr(thread, "_run", None), getattr(thread, "_child_processes", None)
+        if run is None or children is None:
+            continue
+        first_seen: list[float] = []
+
+        def tolerant(run: Callable[[], bool] = run, children: list[Any] = children,
+                     first_seen: list[float] = first_seen) -> bool:  # fmt: skip
+            codes = [child.poll() for child in children]
+            if any(code not in (None, 0, exit_code) for code in codes) or exit_code not in codes:
+                return run()  # a failure, or nothing preempted: Lightning's own decision
+            first_seen[:1] = first_seen[:1] or [time.monotonic()]
+            if time.monotonic() - first_seen[0] < wait_s:
+                return False  # keep watching: this process exits by itself (the thread is a daemon)
+            return run()  # still running after the wait: Lightning's kill
+
+        thread._run = tolerant  # type: ignore[attr-defined]
+        thread._lp_tolerant = True  # type: ignore[attr-defined]
+        adapted += 1
+    return adapted

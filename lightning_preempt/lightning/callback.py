@@ -208,6 +208,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        _compat.tolerate_preempted_children(self.config.exit_code, self.config.grace_period_s)
         io = ensure_plugin(trainer.strategy, self.config.storage_options, self.engine.local_dirpath)
         # Our checkpoints are resume checkpoints: always the full state. Said explicitly, so
         # Lightning does not log "`weights_only` was not set, defaulting to `False`" per save.
