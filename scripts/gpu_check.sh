@@ -80,13 +80,18 @@ set +e
 LP_FULL=1 timeout 240 "$py" -m pytest -q -n 0 -p no:cacheprovider -m gpu -ra tests/gpu 2>&1 | tail -n 25 | tee -a "$report"
 tests_rc=${PIPESTATUS[0]}
 echo | tee -a "$report"
+# stderr goes to a file, and its tail into the report when a step fails: a failure says why.
+errs="$(mktemp -d)"
+trap 'rm -rf "$errs"' EXIT
 timeout 420 "$py" benchmarks/bench_save.py --device "$device" --size-mib "$size" --tensors "$tensors" \
-  --repeats "$repeats" 2>/dev/null | tee -a "$report"
+  --repeats "$repeats" 2>"$errs/bench" | tee -a "$report"
 bench_rc=${PIPESTATUS[0]}
+[ "$bench_rc" = 0 ] || { echo "bench_save.py failed (rc=$bench_rc); its stderr ends:"; tail -n 30 "$errs/bench"; } | tee -a "$report"
 echo | tee -a "$report"
 # shellcheck disable=SC2086  # fit_args is a list of flags
-timeout 300 "$py" benchmarks/bench_fit_overhead.py --device "$device" $fit_args 2>/dev/null | tee -a "$report"
+timeout 300 "$py" benchmarks/bench_fit_overhead.py --device "$device" $fit_args 2>"$errs/fit" | tee -a "$report"
 fit_rc=${PIPESTATUS[0]}
+[ "$fit_rc" = 0 ] || { echo "bench_fit_overhead.py failed (rc=$fit_rc); its stderr ends:"; tail -n 30 "$errs/fit"; } | tee -a "$report"
 set -e
 
 echo | tee -a "$report"

@@ -71,6 +71,10 @@ class ControllerSettings(Protocol):
     def overlap_agreement(self) -> bool: ...
 
 
+def _noted(signum: signal.Signals) -> None:
+    """A signal while the exit is under way: :data:`late_signals.LATE` counts it; nothing more."""
+
+
 class PreemptionController:
     """Sources -> agreement -> decisions; and the emergency sequence.
 
@@ -125,6 +129,12 @@ class PreemptionController:
                 source.stop()
             except Exception as err:  # one broken source must not keep the others running
                 log.warning("lightning_preempt: stopping preemption source %s failed: %s", source.name, err)
+        if self.preempted:
+            # The exit with exit_code is under way, but the teardown still runs (the saver's
+            # threads, the ledger, the lease: seconds under load) with the default action back.
+            # SLURM's SIGTERM after another rank's requeue can come that late: only note it, or
+            # it kills this rank and srun says "Terminated" (issue 32, seen in CI).
+            late_signals.take_over(self.config.signals, _noted)
 
     def after_training(self, *, leader: bool, safe_step: Callable[[], str]) -> None:
         """Training ended normally (after :meth:`stop`): from now on, a configured signal

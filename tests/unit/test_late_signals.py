@@ -51,3 +51,28 @@ def test_a_handler_of_the_users_is_left_alone() -> None:
     finally:
         late_signals.hand_back()
         signal.signal(SIG, previous)
+
+
+def test_after_a_preemption_a_signal_in_the_teardown_is_only_noted() -> None:
+    """Issue 32 (CI): the teardown after the snapshot ran with the default action back, and
+    SLURM's SIGTERM after another rank's requeue, late under load, killed rank 1 there."""
+    from lightning_preempt.engine.config import PreemptionConfig
+    from lightning_preempt.preemption.controller import PreemptionController
+
+    previous = signal.signal(SIG, signal.SIG_DFL)
+    try:
+        ctl = PreemptionController(PreemptionConfig(dirpath="unused", signals=(SIG,), overlap_agreement=False))
+        ctl.start()
+        ctl.preempted = True  # the emergency sequence ran
+        ctl.stop()  # the sources put the default action back; the late handler takes over
+        assert signal.getsignal(SIG) == late_signals.LATE._handle
+        _deliver()  # would kill the process with the default action
+        assert late_signals.LATE.fired == SIG
+        ctl.start()  # training again (same process): the signal is a preemption's again
+        assert signal.getsignal(SIG) != late_signals.LATE._handle
+        ctl.preempted = False
+        ctl.stop()
+        assert signal.getsignal(SIG) == signal.SIG_DFL
+    finally:
+        late_signals.hand_back()
+        signal.signal(SIG, previous)
