@@ -42,11 +42,11 @@ import uuid
 from typing import Any
 
 from lightning_preempt.format.manifest import Manifest
+from lightning_preempt.format.names import SEAL_NAME
 from lightning_preempt.storage.checksum import Crc32c
 
 log = logging.getLogger(__name__)
 
-SEAL_NAME = ".tier0-seal.json"
 FRESH_NS = 50_000_000  # a ctime this close to the sealing time is not trusted (coarse clock)
 _CHUNK = 8 << 20
 
@@ -118,7 +118,7 @@ def seal(step_dir: str, manifest: Manifest) -> bool:
             log.debug("lightning_preempt: tier-0 seal of %s: %s not sealed", step_dir, name)
             return False
         files[name] = {"size": entry.size, "crc32c": entry.crc32c, "ident": ident}
-    tmp = os.path.join(step_dir, f".{SEAL_NAME}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp = os.path.join(step_dir, f"{SEAL_NAME}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump({"version": 1, "boot_id": boot, "files": files}, f)

@@ -16,11 +16,12 @@ import torch
 
 from lightning_preempt.engine.memory_tier import seal_copy
 from lightning_preempt.errors import CorruptCheckpointError
+from lightning_preempt.format.names import SEAL_NAME, is_our_file
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.read import load as load_mod
 from lightning_preempt.read import seal as seal_mod
 from lightning_preempt.read.load import load_full_checkpoint
-from lightning_preempt.read.seal import SEAL_NAME, on_tmpfs, seal, sealed
+from lightning_preempt.read.seal import on_tmpfs, seal, sealed
 from lightning_preempt.read.verify import read_manifest
 from lightning_preempt.storage.store import Store
 
@@ -83,6 +84,8 @@ def test_a_sealed_copy_loads_bit_identical_without_hashing(shm: Path, monkeypatc
     assert seen == [True]
     assert seal_copy(path) and (shm / "step-9" / SEAL_NAME).exists()
     assert sealed(path, read_manifest(Store(path)))
+    # Ours, so retention removes the copy with its seal (catalog/ownership.py).
+    assert all(is_our_file(n) for n in os.listdir(path)) and is_our_file(SEAL_NAME + ".0123abcd.tmp")
     _same(ckpt, load_full_checkpoint(Store(path)))
     assert seen == [True, False]
 
