@@ -61,9 +61,14 @@ N_LAYERS = 6  # Linear layers with bias: 12 parameters, 24 tensors with SGD's mo
 
 
 # ---------------------------------------------------------------- one fit (runs in a worker)
-def build(width: int, n_tensors: int) -> Any:
+def build(width: int, n_tensors: int, step_ms: float = 0.0) -> Any:
     """The LightningModule: ``N_LAYERS`` Linear layers, plus small buffers up to ``n_tensors``
-    tensors of state (parameters, their SGD momentum, buffers)."""
+    tensors of state (parameters, their SGD momentum, buffers). ``step_ms`` > 0: each
+    training step also sleeps that long, standing for the accelerator's time (a GPU user's
+    step: the host launches kernels and idles while the device computes; the sleep releases
+    the GIL and the cores as a wait on CUDA does)."""
+    import time as _time
+
     import lightning as L
     import torch
 
@@ -84,6 +89,8 @@ def build(width: int, n_tensors: int) -> Any:
             x = batch
             for layer in self.layers:
                 x = torch.relu(layer(x))
+            if step_ms > 0:
+                _time.sleep(step_ms / 1e3)
             return x.square().mean()
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -180,8 +187,12 @@ def warm_up(every: int) -> int:
 
 
 def window(every: int, args: argparse.Namespace) -> int:
-    """Timed steps of a fit saving every ``every`` steps: ``--steps``, and at least ``--saves`` saves."""
-    return max(args.steps, args.saves * every) if every else args.steps
+    """Timed steps of a fit saving every ``every`` steps: ``--steps``, and at least ``--saves``
+    saves, but no more than ``--max-window`` steps once it holds one save (every 100 steps at
+    50 ms a step: 100 timed steps, 1 save, not 200)."""
+    if not every:
+        return int(args.steps)
+    return int(max(args.steps, min(args.saves * every, max(every, args.max_window))))
 
 
 def one_fit(
@@ -201,7 +212,7 @@ def one_fit(
     warm_until = warm_up(every)
     steps = window(every, args) if method != "none" else max(window(e, args) for e in args.every)
     dirpath = os.path.join(root, f"{method}-{every}-{n_tensors}-{time.monotonic_ns()}")
-    least = max(2, every * args.saves) if every else steps
+    least = max(2, min(every * args.saves, steps)) if every else steps
     probe = clock(warm_until, steps, least, args.window_s)
     callbacks: list[Any] = [probe]
     plugins: list[Any] = []
@@ -229,7 +240,7 @@ def one_fit(
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "the dataloader has no __len__", "few workers": same for every row
-        trainer.fit(build(args.width, n_tensors), Batches(args.width, args.batch, args.device))
+        trainer.fit(build(args.width, n_tensors, args.step_ms), Batches(args.width, args.batch, args.device))
     if trainer.is_global_zero:
         shutil.rmtree(dirpath, ignore_errors=True)
     blocked: list[float] = []
@@ -354,7 +365,7 @@ def run_world(world: int, args: argparse.Namespace, root: str) -> dict[str, Any]
 
 
 def worker_argv(args: argparse.Namespace) -> list[str]:
-    return ["--width", str(args.width), "--batch", str(args.batch), "--threads", str(args.threads), "--steps", str(args.steps),
+    return ["--width", str(args.width), "--step-ms", str(args.step_ms), "--max-window", str(args.max_window), "--batch", str(args.batch), "--threads", str(args.threads), "--steps", str(args.steps),
             "--saves", str(args.saves), "--rounds", str(args.rounds), "--window-s", str(args.window_s), "--every", ",".join(map(str, args.every)),
             "--tensors", ",".join(map(str, args.tensors)), "--device", args.device,
             "--methods", ",".join(args.methods)]  # fmt: skip
@@ -405,7 +416,9 @@ def report(results: dict[int, dict[str, Any]], args: argparse.Namespace, took: f
     state_mib = 2 * N_LAYERS * (args.width * args.width + args.width) * 4 / MiB
     return "\n".join([
         f"### Whole-fit overhead: {N_LAYERS} Linear {args.width}x{args.width} + SGD momentum "
-        f"(~{state_mib:.1f} MiB of state), batch {args.batch}, device {args.device}",
+        f"(~{state_mib:.1f} MiB of state), batch {args.batch}, device {args.device}, "
+        + (f"step = CPU forward/backward + {args.step_ms:g} ms sleep standing for accelerator time"
+           if args.step_ms > 0 else "pure-CPU step (no accelerator-time emulation)"),
         "",
         f"{args.rounds} round(s); timed window a fit: max({args.steps} steps, {args.saves} saves). "
         f"Machine: {machine_notes()}; {args.threads} intra-op thread(s) a rank in the fits; run took {took:.0f}s",
@@ -442,6 +455,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="--quick with every method (the overlap rows too)")
     p.add_argument("--width", type=int, default=384, help="Linear width (default 384: ~7 MiB of state)")
     p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--step-ms", type=float, default=None,
+                   help="accelerator-time emulation: each step sleeps this long after its CPU forward/backward "
+                        "(default 50 on CPU, 0 on CUDA; 0: the pure-CPU step, the writer competing for its cores)")  # fmt: skip
+    p.add_argument("--max-window", type=int, default=100,
+                   help="timed steps a fit, at most, once it holds one save (default 100)")  # fmt: skip
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads a rank (default 1, as torchrun)")
     p.add_argument("--steps", type=int, default=20, help="timed steps a fit, at least (default 20; --full 40)")
     p.add_argument("--saves", type=int, default=2, help="timed saves a fit, at least (default 2; --full 3)")
@@ -463,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.step_ms is None:
+        args.step_ms = 0.0 if args.device == "cuda" else 50.0
     if args.methods is None:
         # On CUDA ours runs twice, overlap_staging off and on: the row pair that decides
         # staging/overlap.py's AUTO_ON_CUDA (docs/staging.md). On CPU overlap is known to cost.

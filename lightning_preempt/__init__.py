@@ -4,16 +4,9 @@ Public API::
 
     from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO, list_checkpoints
 
-Names are imported on first use (PEP 562), so tools such as the ``lightning-preempt``
-CLI do not pay for importing Lightning when they only read manifests.
-
-The folders are layers, each importing only those below it (docs/design.md draws the map;
-pyproject.toml's import-linter contracts keep it): ``storage``/``collective`` <- ``format`` <-
-``read`` <- ``catalog`` <- ``staging`` <- ``write`` <- ``tiers`` <- ``save`` <- ``preemption``/
-``resume`` <- ``engine`` <- ``lightning``/``cli`` <- ``fabric``. Three modules stand outside the
-folders because they are public entry points whose paths users type: ``torchrun``
-(``python -m lightning_preempt.torchrun``), ``elastic`` (``trainer_kwargs()``, the rendezvous
-store) and ``notices`` (the documented name of ``preemption.notices``).
+Names are imported on first use (PEP 562), so the CLI does not import Lightning to read
+manifests. The folders are layers (docs/design.md; import-linter keeps them); ``torchrun``,
+``elastic`` and ``notices`` stand outside them because users type their paths.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
-"""Elastic runs under ``torchrun --nnodes=MIN:MAX``: what the package adds around torchrun
-(docs/elastic.md: what it fixes, measured, and "Who can reach the stores").
-
-The checkpoint path does not change: after a resize torchrun starts every worker again and
-the callback resumes from the newest valid checkpoint, resharded by DCP. This module stands
-at the top level, on the front-ends' line, because its entry points are public:
-
-* :func:`run` (``python -m lightning_preempt.torchrun``): torchrun with the exit code a
-  scheduler expects (``128 + signal`` for a signalled agent, not 1; a failed worker's own
-  code otherwise), ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` so a joining node does not hang
-  the resize, and every store it hosts bound to the address clients use, not every
-  interface (``TCPStore`` has no authentication and its rendezvous state is a pickle);
-* :func:`serve_store` (``python -m lightning_preempt.elastic store``): the rendezvous store
-  on a node that is not preempted (agents pass ``--rdzv-conf is_host=false``);
-* :func:`bound_tcp_store`: a ``TCPStore`` listening on one address (``master_listen_fd``);
-* :func:`trainer_kwargs`: ``devices`` and ``num_nodes`` from torchrun's environment.
+"""Elastic runs under ``torchrun --nnodes=MIN:MAX`` (docs/elastic.md): :func:`run`
+(``python -m lightning_preempt.torchrun``: torchrun with a scheduler's exit codes, a resize
+that does not hang, stores bound to the address clients use), :func:`serve_store` (the
+rendezvous store on a node that stays), :func:`bound_tcp_store` and :func:`trainer_kwargs`.
+The checkpoint path does not change: after a resize every worker resumes, resharded by DCP.
 """
 
 from __future__ import annotations
@@ -75,12 +64,8 @@ class ElasticEnv:
 
 
 def trainer_kwargs(environ: dict[str, str] | None = None) -> dict[str, int]:
-    """``Trainer(**trainer_kwargs())``: ``devices`` and ``num_nodes`` of this (re)start.
-
-    Under torchrun the world size changes with every resize, while Lightning insists that
-    ``devices * num_nodes`` equals it; outside torchrun this returns ``{}`` (Lightning's
-    defaults apply).
-    """
+    """``Trainer(**trainer_kwargs())``: ``devices`` and ``num_nodes`` of this (re)start under
+    torchrun (the world size changes with every resize); ``{}`` outside torchrun."""
     env = ElasticEnv.from_environ(environ)
     if env is None:
         return {}
@@ -91,10 +76,8 @@ def trainer_kwargs(environ: dict[str, str] | None = None) -> dict[str, int]:
 def listen_socket(host: str, port: int) -> socket.socket:
     """A listening TCP socket on ``host``'s address (``0.0.0.0``/``::``/``""``: every interface).
 
-    A name is resolved here; one that resolves to a loopback address other than
-    ``localhost`` (Debian's ``127.0.1.1 <hostname>`` line) gets every interface, as before:
-    other nodes reach that name through DNS, at another address, and a loopback bind would
-    shut them out.
+    A name resolving to loopback other than ``localhost`` (Debian's ``127.0.1.1 <hostname>``)
+    gets every interface: other nodes reach that name through DNS, at another address.
     """
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # "[::1]"
     if host in _ALL_INTERFACES:
@@ -127,13 +110,9 @@ def _is_ip(host: str) -> bool:
 
 
 def bound_tcp_store(host: str, port: int, *, bind_host: str | None = None, **kwargs: Any) -> TCPStore:
-    """A ``TCPStore`` server that listens on ``bind_host`` (default: ``host``'s address) only.
-
-    torch 2.13's ``TCPStore(host, port, is_master=True)`` binds every interface whatever
-    ``host`` is (both the libuv and the classic server); given a listening socket through
-    ``master_listen_fd`` it serves on that one. ``kwargs`` go to ``TCPStore``
-    (``multi_tenant``, ``timeout``, ``wait_for_workers``…).
-    """
+    """A ``TCPStore`` server that listens on ``bind_host`` (default: ``host``'s address) only;
+    ``kwargs`` go to ``TCPStore``. (``TCPStore(is_master=True)`` binds every interface; given a
+    socket through ``master_listen_fd`` it serves on that one.)"""
     from torch.distributed import TCPStore
 
     sock = listen_socket(bind_host if bind_host is not None else host, port)
@@ -153,12 +132,8 @@ _TCPSTORE_POSITIONAL = ("world_size", "is_master", "timeout", "wait_for_workers"
 def _bind_rendezvous_store_to_endpoint() -> None:
     """Make the agent that hosts a rendezvous store bind the address its clients use.
 
-    torch builds the c10d backend's store in ``c10d_rendezvous_backend._create_tcp_store``
-    and the static backend's (which is also the workers' store) in
-    ``StaticTCPRendezvous.next_rendezvous``, each with its module's ``TCPStore``; there is
-    no option for the bind address, so the modules' name is pointed at a factory that hosts
-    through :func:`bound_tcp_store` (clients are unchanged). A torch whose module no longer
-    has that name keeps its own behaviour, with a note.
+    torch has no option for the bind address, so the c10d and static backends' module name
+    ``TCPStore`` is pointed at a factory that hosts through :func:`bound_tcp_store`.
     """
     from torch.distributed import TCPStore
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, static_tcp_rendezvous
@@ -189,18 +164,10 @@ def _bind_rendezvous_store_to_endpoint() -> None:
 
 def _host_worker_store_in_agent() -> None:
     """The c10d backend's workers' store (``MASTER_ADDR:MASTER_PORT``): hosted by the agent
-    of rendezvous rank 0, bound to ``MASTER_ADDR``'s address, instead of by worker rank 0.
-
-    :func:`run` turns torch's own sharing of the rendezvous store with the workers off
-    (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: it hangs a resize, module docstring); then
-    worker rank 0 creates the store inside ``init_process_group`` and it listens on every
-    interface, out of our reach. torch also has the other way: an agent store, which the
-    workers join as clients (``TORCHELASTIC_USE_AGENT_STORE=True``, set by the agent from its
-    rendezvous handler's ``use_agent_store``). So after each rendezvous round, the agent of
-    rank 0 hosts a fresh store on the round's ``MASTER_PORT`` through :func:`bound_tcp_store`
-    (the previous round's, whose workers are gone, is closed), and its handler says
-    ``use_agent_store``. Should the port be taken meanwhile, that round's workers host it as
-    before (noted on stderr).
+    of rendezvous rank 0, bound to ``MASTER_ADDR``'s address, instead of by worker rank 0
+    (which, with store sharing off, would listen on every interface). After each round the
+    agent hosts a fresh store and its handler says ``use_agent_store``; should the port be
+    taken, that round's workers host it as before (noted on stderr).
     """
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
@@ -232,11 +199,9 @@ def _host_worker_store_in_agent() -> None:
 
 
 def _local_addr_default(args: argparse.Namespace) -> str | None:
-    """The address this agent names itself by (``MASTER_ADDR`` when it is rank 0) when
-    ``--local-addr`` is not given, for the c10d backend: the local address toward the
-    rendezvous endpoint (loopback for a loopback or local endpoint), so the workers' store
-    binds where its clients connect. torch's own default, the FQDN, may resolve to anything
-    (Debian: ``127.0.1.1``). ``None``: leave torch's default."""
+    """The agent's ``--local-addr`` when not given, for the c10d backend: the local address
+    toward the rendezvous endpoint, so the workers' store binds where its clients connect
+    (torch's default, the FQDN, may resolve to anything). ``None``: leave torch's default."""
     endpoint = args.rdzv_endpoint or ""
     local_only = args.standalone or (args.rdzv_backend == "static" and not endpoint and args.master_port is None
                                      and str(args.nnodes).split(":")[-1] == "1")  # fmt: skip
@@ -259,13 +224,9 @@ def _local_addr_default(args: argparse.Namespace) -> str | None:
 
 # ---- the launcher --------------------------------------------------------------------------
 def exit_code_for(exc: BaseException) -> int:
-    """The exit code a scheduler should see for what ended ``torch.distributed.run``.
-
-    ``SignalException`` (the agent was sent SIGTERM/SIGINT/…): ``128 + signal``, as if the
-    agent had died of it, the convention schedulers match on (Kubernetes
-    ``podFailurePolicy``, SLURM). ``ChildFailedError``: the first failed worker's exit code
-    (a worker killed by a signal: ``128 + signal``). Anything else: 1.
-    """
+    """The exit code a scheduler should see for what ended ``torch.distributed.run``:
+    ``128 + signal`` for a signalled agent (what Kubernetes and SLURM match on), the first
+    failed worker's code for ``ChildFailedError`` (``128 + signal`` if killed), else 1."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -281,12 +242,8 @@ def exit_code_for(exc: BaseException) -> int:
 
 
 def run(argv: Sequence[str] | None = None) -> int:
-    """``torchrun`` with scheduler-friendly exit codes (see the module docstring).
-
-    Takes exactly torchrun's arguments. Returns 0 when the workers finished, else
-    :func:`exit_code_for` of what stopped the agent; the traceback torchrun would have
-    printed is replaced by one line naming the cause.
-    """
+    """``torchrun`` (exactly its arguments) returning 0 when the workers finished, else
+    :func:`exit_code_for` of what stopped the agent, with one line naming the cause."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -325,16 +282,9 @@ def run(argv: Sequence[str] | None = None) -> int:
 
 # ---- a rendezvous store on a node that stays -------------------------------------------------
 def serve_store(host: str, port: int, *, ready_file: str | None = None) -> None:
-    """Host the c10d rendezvous store until SIGTERM/SIGINT (blocks).
-
-    Agents connect with ``--rdzv-backend=c10d --rdzv-endpoint=HOST:PORT --rdzv-conf
-    is_host=false`` and keep their rendezvous state here, so the loss of any training node
-    leaves the rendezvous intact. ``ready_file`` is written once the store listens.
-
-    The store listens on ``host``'s address only (``0.0.0.0``: every interface): whoever
-    can connect can run code in the agents that join (the state is a pickle, and torch's
-    store has no authentication), so name the address the agents use, nothing wider.
-    """
+    """Host the c10d rendezvous store until SIGTERM/SIGINT (blocks); agents connect with
+    ``--rdzv-endpoint=HOST:PORT --rdzv-conf is_host=false``. ``ready_file`` is written once
+    it listens, on ``host``'s address only: whoever connects can run code in the agents."""
     store = bound_tcp_store(host, port, wait_for_workers=False, multi_tenant=True)
     stop = False
 

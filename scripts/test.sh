@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up .venv (only python3 needed) and runs the test suite. README's test command.
 # Extra arguments go to pytest (after ours: `-n 0` runs in one process). LP_FULL=1 runs every
-# slow matrix instead of a sample; LP_SLICE=k runs slice k of the sample (tests/conftest.py).
+# slow matrix instead of a sample; LP_SLICE=k runs slice k of the cost-balanced sample
+# (tests/conftest.py, tests/slow_costs.json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/_venv.sh test
@@ -10,5 +11,8 @@ bash scripts/_venv.sh test
 .venv/bin/lint-imports
 # 3 xdist workers on 2 cores: the tests wait on training processes, sockets and signals for
 # much of their time (3 workers: 6m42s, 2: 8m09s, 4: 6m14s, on one loaded 2-core machine back
-# to back); worksteal hands a finished worker the tests queued behind a long one.
-exec .venv/bin/python -m pytest -q -ra -n 3 --dist worksteal "$@"
+# to back). `--dist load --maxschedchunk 1`: a worker gets the next test when it is free, and
+# the workers collect the tests longest first (tests/slow_costs.json, tests/conftest.py), so no
+# 60 s test starts last (worksteal split the list in contiguous thirds: sorted longest first,
+# one worker would hold all the long tests).
+exec .venv/bin/python -m pytest -q -ra -n 3 --dist load --maxschedchunk 1 "$@"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
+import math
 import os
 import sys
 import time
@@ -19,35 +21,71 @@ ROOT = Path(__file__).resolve().parent.parent
 SUPPORT = Path(__file__).resolve().parent / "support"
 sys.path.insert(0, str(SUPPORT))
 
-# The `slow` tests run in a rotating sample unless LP_FULL=1: they are split into SAMPLE_EVERY
-# slices and CI runs slice (UTC day number) % SAMPLE_EVERY, so each slow test runs at least
-# once every SAMPLE_EVERY days of CI runs (1 in 3 took CI to 14m56s on 2 cores; 1 in 4 held
-# it under its budget until issues 21-25 added 4x the slow tests: 1 in 7, one a day, does). LP_SLICE=k runs slice k (the header of a run names its slice, so a
-# developer reproduces CI's choice with the same LP_SLICE). A test named by its node id on
-# the command line (`file.py::test`) always runs: scripts/test_min_versions.sh picks its own.
-SAMPLE_EVERY = int(os.environ.get("LP_SAMPLE_EVERY", "7"))
-if not 1 <= SAMPLE_EVERY <= 7:
+# The `slow` tests run in a rotating, cost-balanced sample unless LP_FULL=1. Their measured
+# cost (worker-seconds, tests/slow_costs.json, refreshed by scripts/slow_costs.py) splits them
+# into PERIOD slices of about equal cost (longest first, each onto the cheapest slice so far),
+# PERIOD being the fewest days whose slices fit the budget (LP_SLOW_BUDGET worker-seconds, the
+# table's "budget_s" by default; at most 7: every slow test runs at least once a week). CI runs
+# slice (UTC day number) % PERIOD. The split is computed from the table alone, so running one
+# file picks the same tests as the whole suite; a slow test not in the table yet takes a slice
+# by a hash of its node id (and the table's default cost in the header's figure). LP_SLICE=k runs
+# slice k (the run names its slice: a developer reproduces CI's choice with the same LP_SLICE);
+# LP_SAMPLE_EVERY=n forces n slices. A test named by its node id on the command line
+# (`file.py::test`) always runs: scripts/test_min_versions.sh picks its own.
+COSTS_FILE = Path(__file__).resolve().parent / "slow_costs.json"
+_COSTS = json.loads(COSTS_FILE.read_text())
+SLOW_COSTS: dict[str, float] = _COSTS["slow"]
+FAST_COSTS: dict[str, float] = _COSTS.get("fast", {})
+DEFAULT_COST = float(_COSTS["default_s"])
+BUDGET = float(os.environ.get("LP_SLOW_BUDGET", _COSTS["budget_s"]))
+MAX_PERIOD = 7
+
+
+def _period() -> int:
+    if "LP_SAMPLE_EVERY" in os.environ:
+        return int(os.environ["LP_SAMPLE_EVERY"])
+    return max(1, min(MAX_PERIOD, math.ceil(sum(SLOW_COSTS.values()) / BUDGET)))
+
+
+SAMPLE_EVERY = _period()
+if not 1 <= SAMPLE_EVERY <= MAX_PERIOD:
     raise pytest.UsageError(f"LP_SAMPLE_EVERY={SAMPLE_EVERY}: every slow test must run within a week (1..7)")
+
+
+def _hash(text: str) -> int:
+    return int(hashlib.sha1(text.encode()).hexdigest(), 16)
 
 
 def _slice_today() -> int:
     return int(time.time() // 86400) % SAMPLE_EVERY
 
 
-def slices(items: list[pytest.Item]) -> dict[str, int]:
-    """The slice of each slow test: a file's slow tests, in collection order, take the slices
-    in turn from a stable hash of the file name on, so each file spreads over the slices and
-    every day costs about the same. Computed over whole files (before -k/-m), so running one
-    file picks the same tests as the full suite does."""
-    by_file: dict[str, list[str]] = {}
-    for item in items:
-        if item.get_closest_marker("slow") is not None:
-            by_file.setdefault(item.nodeid.split("::", 1)[0], []).append(item.nodeid)
+def balanced_slices(costs: dict[str, float], n: int) -> dict[str, int]:
+    """Longest processing time first: each test, the costliest first (ties by a hash of its
+    node id), goes to the slice with the least cost so far (ties: the lowest index)."""
+    load = [0.0] * n
     out = {}
-    for file, nodeids in by_file.items():
-        start = int(hashlib.sha1(file.encode()).hexdigest(), 16)
-        out.update({nodeid: (start + i) % SAMPLE_EVERY for i, nodeid in enumerate(nodeids)})
+    for nodeid in sorted(costs, key=lambda t: (-costs[t], _hash(t))):
+        k = min(range(n), key=lambda i: (load[i], i))
+        out[nodeid] = k
+        load[k] += costs[nodeid]
     return out
+
+
+_SLICE_OF = balanced_slices(SLOW_COSTS, SAMPLE_EVERY)
+
+
+def slice_of(nodeid: str) -> int:
+    return _SLICE_OF[nodeid] if nodeid in _SLICE_OF else _hash(nodeid) % SAMPLE_EVERY
+
+
+def slice_cost(k: int) -> float:
+    return sum(c for t, c in SLOW_COSTS.items() if _SLICE_OF[t] == k)
+
+
+def cost(nodeid: str) -> float:
+    """Measured worker-seconds of a test (0 for a fast test under the table's threshold)."""
+    return SLOW_COSTS.get(nodeid, FAST_COSTS.get(nodeid, 0.0))
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -63,10 +101,13 @@ def pytest_configure(config: pytest.Config) -> None:
 def _which_slow_tests() -> str:
     if os.environ.get("LP_FULL") == "1":
         return "slow tests: all (LP_FULL=1)"
-    chosen = os.environ["LP_SLICE"]
+    chosen = int(os.environ["LP_SLICE"])
     return (
-        f"slow tests: slice {chosen} of 0..{SAMPLE_EVERY - 1} (today's is {_slice_today()}); "
-        f"reproduce with LP_SLICE={chosen} LP_SAMPLE_EVERY={SAMPLE_EVERY}, or run all with LP_FULL=1"
+        f"slow tests: slice {chosen} of 0..{SAMPLE_EVERY - 1} (today's is {_slice_today()}), "
+        f"~{slice_cost(chosen):.0f} worker-s of {BUDGET:.0f} (tests/slow_costs.json); "
+        f"reproduce with LP_SLICE={chosen}"
+        + (f" LP_SAMPLE_EVERY={SAMPLE_EVERY}" if "LP_SAMPLE_EVERY" in os.environ else "")
+        + ", or run all with LP_FULL=1"
     )
 
 
@@ -93,16 +134,20 @@ def _named(config: pytest.Config) -> set[str]:
 
 @pytest.hookimpl(tryfirst=True)  # before -k / -m deselect anything: slices count whole files
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Longest first (scripts/test.sh: `--dist load --maxschedchunk 1` hands each worker the
+        # next test when it is free): a 60 s test started last would run alone at the end.
+        # Only the tests the table names move; the rest keep their order (module fixtures).
+        items.sort(key=lambda item: -cost(item.nodeid))
     if os.environ.get("LP_FULL") == "1":
         return
     chosen = int(os.environ["LP_SLICE"])
-    slice_of = slices(items)
     named = _named(config)
     keep, drop = [], []
     for item in items:
         runs = (
             item.get_closest_marker("slow") is None
-            or slice_of[item.nodeid] == chosen
+            or slice_of(item.nodeid) == chosen
             or item.nodeid in named
             or item.nodeid.split("[", 1)[0] in named
         )
@@ -110,6 +155,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+_RECORDED: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    # LP_RECORD_COSTS=file: each test's setup+call+teardown seconds, one JSON line a test, for
+    # scripts/slow_costs.py to refresh tests/slow_costs.json (under xdist the controller writes).
+    out = os.environ.get("LP_RECORD_COSTS")
+    if not out or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    _RECORDED[report.nodeid] = _RECORDED.get(report.nodeid, 0.0) + report.duration
+    if report.when == "teardown":
+        line = {"nodeid": report.nodeid, "seconds": round(_RECORDED.pop(report.nodeid), 2)}
+        line["slow"] = "slow" in report.keywords
+        with open(out, "a") as f:
+            f.write(json.dumps(line) + "\n")
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

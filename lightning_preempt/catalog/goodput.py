@@ -1,20 +1,13 @@
 """What a run's ledger says it cost: restarts, time training and down, steps lost, goodput.
 
-Pure computation over checked records (catalog/ledger_reader.py reads them); no I/O, no torch.
-The engine uses it for the figures it logs while training, ``lightning-preempt report``
-for the whole run.
+Pure computation over checked records; no I/O, no torch. Seconds, wall clock:
 
-Definitions (seconds, wall clock):
-
-* a *segment* is one process of the run (one restart): from the process's start to its end
-  (its preemption or finish record; for a process killed without warning, its last record);
-* ``wall``: from the first process's start to the last segment's end;
-* ``training``: the sum over segments of end minus the first step's start;
-* ``startup``: process start to first step; ``down``: an end to the next process start;
-* ``steps_lost`` of a preemption: the last step seen in the segment minus the step the next
-  segment resumed from (0 when the snapshot committed; for a SIGKILL the steps since the
-  last commit, up to the last step the ledger saw: a lower bound); ``lost``: steps lost
-  times the mean step time;
+* a *segment* is one process (one restart), from its start to its preemption or finish
+  record (killed without warning: its last record); ``wall``: first start to last end;
+* ``training``: sum of segment end minus first step; ``startup``: start to first step;
+  ``down``: an end to the next start;
+* ``steps_lost``: last step seen minus the step the next segment resumed from (a lower
+  bound after a SIGKILL); ``lost``: steps lost times the mean step time;
 * ``useful = training - checkpoint blocking - lost``; ``goodput = useful / wall``.
 """
 

@@ -1,9 +1,5 @@
-"""Reading the goodput ledger under a checkpoint root (format/ledger_records.py says what a record is).
-
-Everything read is untrusted: names must match the ledger's patterns, every file is read
-with a size bound and checked field by field, and whatever fails is skipped with a note
-(the text of a note is the caller's to escape: it may quote names found in storage).
-Needs no torch (the ``report`` command).
+"""Reading the goodput ledger under a checkpoint root (format/ledger_records.py). Everything is
+untrusted: bounded, checked, and skipped with a note (the caller escapes it) when it fails.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""The goodput ledgers of old runs follow checkpoint retention: once no checkpoint of a run
-is left under the root, its ledger (``.lp-ledger/<run id>/``) is deleted too.
-
-Conservative by design: nothing is deleted while any checkpoint's run cannot be told (an
-unreadable manifest, one written before manifests named their run), never the current
-run's ledger, and only files named as the ledger names them (format/names.py).
+"""Old runs' ledgers follow retention: once none of a run's checkpoints is left, its ledger
+goes too. Nothing is deleted while any checkpoint's run cannot be told, never the current run's.
 """
 
 from __future__ import annotations

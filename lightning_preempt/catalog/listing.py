@@ -1,12 +1,5 @@
-"""Finding checkpoints: list, pick the newest valid one, and apply retention.
-
-Only a committed checkpoint (one with a readable manifest) counts, for resume and for
+"""Finding checkpoints. Only a committed one (a readable manifest) counts, for resume and
 retention alike: a partial directory can never push out the last good checkpoint.
-
-Storage is shared (docs/security.md): retention deletes only directories named as this
-package names them whose contents are all its own (:mod:`lightning_preempt.ownership`),
-logs every deletion, never deletes the newest checkpoint that verifies, never counts a
-corrupt one toward ``keep_last_n``, and leaves other runs' checkpoints alone.
 """
 
 from __future__ import annotations
@@ -49,13 +42,9 @@ class CheckpointInfo:
 
 
 def list_checkpoints(url: str, storage_options: dict[str, Any] | None = None) -> list[CheckpointInfo]:
-    """Every checkpoint directory directly under ``url``, newest first.
-
-    A directory counts when it is named as this package names checkpoints
-    (``step-NNNNNNNNNN``, committed or not) or holds a manifest of this package's format
-    (e.g. ``ModelCheckpoint``'s ``epoch=0-step=100.ckpt/``). ``committed`` is true only
-    when its manifest is present, parses, and names the step its directory name carries.
-    """
+    """Every checkpoint directory directly under ``url``, newest first: named as ours, or
+    holding our manifest (``epoch=0-step=100.ckpt/``). ``committed``: the manifest parses and
+    names the step its directory carries."""
     root = Store(url, storage_options)
     found: list[CheckpointInfo] = []
     for name in root.list_dirs():

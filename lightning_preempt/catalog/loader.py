@@ -1,15 +1,6 @@
-"""Loading what a path means: one checkpoint, a directory of them, a plain Lightning file,
-or an alias the engine set; verified, with a fall-back all ranks agree on.
-
-* a checkpoint directory (it holds ``manifest.json``) is loaded and checked in one pass
-  (read/load.py: every byte it reads against the manifest's size and CRC32C);
-* a directory of checkpoints means the newest valid one (catalog/newest.py: manifests and
-  sizes while choosing, the CRC32C while loading); damage found while loading moves on to
-  the next one;
-* a plain ``torch.save`` file (Lightning's ``.ckpt``) is read as Lightning reads it, through
-  our storage options;
-* :meth:`Loader.alias` makes a path mean another checkpoint (the resume pointer, see
-  docs/design.md), with the fall-back the engine chose (every rank moves on together).
+"""Loading what a path means: one checkpoint, a directory of them (the newest valid one,
+moving on after damage), a plain ``torch.save`` file, or an alias the engine set
+(:meth:`Loader.alias`); verified while loading, with a fall-back all ranks agree on.
 """
 
 from __future__ import annotations
@@ -31,13 +22,7 @@ LOAD_HINT = (
 
 
 class Loader:
-    """Loads checkpoints for one process (see the module docstring).
-
-    Args:
-        storage_options: fsspec options for every path.
-        verify_on_load: check every byte read against the manifest's CRC32C.
-        trust_checkpoints: unpickle the non-tensor state with full ``pickle`` (docs/security.md).
-    """
+    """Loads checkpoints for one process; ``trust_checkpoints``: full ``pickle`` (docs/security.md)."""
 
     def __init__(self, storage_options: dict[str, Any], *, verify_on_load: bool, trust_checkpoints: bool) -> None:
         self.storage_options = storage_options
@@ -80,9 +65,8 @@ class Loader:
         return None
 
     def not_found(self, url: str) -> NotACheckpointError:
-        """The error for a path that holds no checkpoint (also a ``FileNotFoundError`` when
-        nothing exists there, worded as Lightning's own plugin words it for a missing
-        ``ckpt_path``: its tests and users' scripts match on that text)."""
+        """The error for a path without a checkpoint; worded as Lightning's for a missing
+        ``ckpt_path`` when nothing is there (scripts match on that text)."""
         if not Store(url, self.storage_options).exists():
             return CheckpointNotFoundError(f"Checkpoint file not found: {url}", path=url, hint=LOAD_HINT)
         return NotACheckpointError("no committed checkpoint found", path=url, hint=LOAD_HINT)

@@ -1,18 +1,10 @@
-"""The newest valid checkpoint: under one root, or across a node-local and a remote tier.
+"""The newest valid checkpoint, under one root or across a local and a remote tier.
 
-The one place that picks: resume (every rank loads what rank 0 picked here), a load given
-a directory of checkpoints, the fall-back after a load found damage, and the CLI all ask
-these functions. A candidate counts when it is committed (its manifest reads and names
-the step its directory carries), was not already found damaged (``exclude``), and passes
-``verify``:
-
-* ``True``: every file's size and CRC32C (reads every byte);
-* ``"sizes"``: every file exists with its size (one listing); the CRC32C is then checked
-  by the one-pass load itself, which falls back to :func:`fallback`'s next choice;
-* ``False``: the manifest only.
-
-A checkpoint written by a newer format version is never skipped over: falling back would
-silently throw away the progress it holds, so :class:`UnsupportedFormatError` is raised.
+The one place that picks (resume, loading a directory, the fall-back after damage, the
+CLI). A candidate counts when committed, not in ``exclude``, and passing ``verify``:
+``True`` every byte's CRC32C, ``"sizes"`` one listing (the load checks CRC32C), ``False``
+the manifest only. A newer format version raises :class:`UnsupportedFormatError` rather
+than falling back past the progress it holds.
 """
 
 from __future__ import annotations
@@ -41,9 +33,8 @@ def newest_valid(
     on_skip: OnSkip | None = None,
     exclude: Collection[str] = (),
 ) -> CheckpointInfo | None:
-    """The newest committed checkpoint under ``url`` that passes ``verify`` (see the module
-    docstring), or ``None``. Each candidate passed over is reported to ``on_skip`` (default:
-    a warning naming it and the reason)."""
+    """The newest committed checkpoint under ``url`` that passes ``verify``, or ``None``; each
+    one passed over goes to ``on_skip`` (default: a warning)."""
     return first_valid(list_checkpoints(url, storage_options), storage_options, verify=verify, on_skip=on_skip,
                        exclude=exclude)  # fmt: skip
 
@@ -58,13 +49,8 @@ def newest_in_tiers(
     on_skip: OnSkip | None = None,
     exclude: Collection[str] = (),
 ) -> CheckpointInfo | None:
-    """The newest valid checkpoint across a node-local tier and a remote one; the local copy
-    wins a tie. The remote tier is looked at only when it may hold something newer.
-
-    ``local_usable``: whether a local checkpoint can be resumed from at all (every rank runs
-    on this host: another host's local disk holds its own ranks' files only). A local
-    checkpoint whose files are not all on this disk is passed over.
-    """
+    """The newest valid checkpoint across a local and a remote tier (local wins a tie; remote
+    looked at only when it may be newer). ``local_usable``: every rank runs on this host."""
     report = on_skip or _warn_skip
     local = None
     if local_usable:

@@ -1,13 +1,8 @@
-"""What is ours to delete or to save over (docs/security.md): the one ownership check.
+"""What is ours to delete or save over (docs/security.md): the one ownership check.
 
-Storage is shared: a user's ``dataset/``, a Lightning FSDP ``epoch=0-step=100.ckpt/`` or a
-file dropped into one of our directories must survive retention, clean-up and saves. So a
-directory is deleted, replaced or written into only when its name is one this package gives
-(when the caller chose it by name: retention) and everything in it is a file this package
-writes (:func:`foreign_entries` is empty; a manifest counts only if it declares our format;
-an empty directory is an uncommitted leftover of ours). :func:`check_owned` is the check; the
-:class:`~lightning_preempt.storage.owned.Owned` verdict it returns is what every recursive
-delete in storage demands. Nothing is followed through a symlink; a symlink is never ours.
+A directory is ours only when its name is one we give (when chosen by name) and everything in
+it is a file we write (:func:`foreign_entries` empty). :func:`check_owned` returns the
+:class:`~lightning_preempt.storage.owned.Owned` verdict every recursive delete demands.
 """
 
 from __future__ import annotations
@@ -72,12 +67,8 @@ def _is_our_manifest(store: Store, name: str) -> bool:
 
 
 def check_owned(store: Store, *, doing: str = "delete") -> Owned:
-    """The one ownership check: the verdict that lets storage delete or replace the
-    directory ``store`` (storage/owned.py), when everything in it is this package's or it
-    is empty or absent. Otherwise :class:`CheckpointExistsError` with a HINT, nothing touched.
-
-    ``doing``: what was refused, for the message (``"delete"``, ``"save into"``, ``"replace"``).
-    """
+    """The verdict that lets storage delete or replace ``store`` (all ours, empty or absent);
+    else :class:`CheckpointExistsError`. ``doing``: for the message (``"delete"``…)."""
     foreign = foreign_entries(store)
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
@@ -90,9 +81,8 @@ def check_owned(store: Store, *, doing: str = "delete") -> Owned:
 
 
 def remove_if_ours(store: Store, *, why: str) -> None:
-    """Delete the checkpoint directory ``store`` (manifest first, so a half-deleted one is
-    never committed) and log it at INFO, or raise :class:`CheckpointExistsError` with a
-    HINT when it holds anything this package did not write (:func:`check_owned`)."""
+    """Delete our checkpoint directory ``store``, manifest first (a half-deleted one is never
+    committed), and log it; :class:`CheckpointExistsError` when anything in it is foreign."""
     owned = check_owned(store)
     store.rm_file(MANIFEST_NAME)
     store.rm_tree(owned=owned)
@@ -100,11 +90,7 @@ def remove_if_ours(store: Store, *, why: str) -> None:
 
 
 def remove_checkpoint_dir(store: Store) -> None:
-    """Delete a checkpoint: the manifest first, so a half-deleted one is never committed.
-
-    Raises :class:`~lightning_preempt.errors.CheckpointExistsError` (nothing deleted)
-    when the directory holds anything this package did not write.
-    """
+    """Delete our checkpoint directory ``store`` (:func:`remove_if_ours`)."""
     remove_if_ours(store, why="removal requested")
 
 

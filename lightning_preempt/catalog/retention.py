@@ -31,25 +31,15 @@ def apply_retention(
     protect: frozenset[str] = frozenset(),
     run_id: str | None = None,
 ) -> list[str]:
-    """Keep the newest ``keep_last_n`` sound committed checkpoints; remove older ones and
-    this package's corrupt checkpoints and uncommitted leftovers older than the newest
-    checkpoint that verifies. Returns the removed URLs; every removal is logged at INFO.
+    """Keep the newest ``keep_last_n`` sound committed checkpoints; remove older ones, and our
+    corrupt ones and leftovers older than the newest that verifies. Returns the removed URLs.
 
-    * Only directories named as this package names them and holding only its files are
-      touched (:mod:`lightning_preempt.catalog.ownership`); anything else under ``url`` is left
-      alone with one warning per process.
-    * A checkpoint is *sound* when its files exist with their sizes; one that is not, or
-      whose manifest is unreadable, never counts toward ``keep_last_n``.
-    * The newest sound checkpoint is read in full for its CRC32C unless this process
-      wrote or verified it; nothing is removed until one checkpoint verifies, and that one
-      is kept.
-    * ``run_id``: checkpoints whose manifest names another run are neither counted nor
-      removed. ``protect`` names directories never to touch (a save still in flight).
-    * A checkpoint written by a newer format version is never removed.
-    * With ``run_id``, the goodput ledgers of other runs none of whose checkpoints is left
-      are removed too (catalog/ledger_retention.py).
-    * An error that does not prove damage (a manifest or file that could not be statted or
-      read: EIO, a 503) is raised and nothing is removed: "could not tell" is never "partial".
+    * Only our names holding only our files are touched; anything else: one warning.
+    * *Sound*: files exist with their sizes; others never count toward ``keep_last_n``.
+    * Nothing is removed until one checkpoint verifies in full, and that one is kept.
+    * ``run_id``: other runs' checkpoints are neither counted nor removed (their ledgers go
+      once none is left); ``protect``: never touched; a newer format is never removed.
+    * "Could not tell" (EIO, a 503) is raised, never taken for "partial".
     """
     infos = list_checkpoints(url, storage_options)
     _warn_foreign(url, storage_options, infos)
@@ -100,9 +90,8 @@ def retain(
     protect: frozenset[str] = frozenset(),
     run_id: str | None = None,
 ) -> list[str]:
-    """:func:`apply_retention` for the background jobs that run it after a commit or a drain:
-    a failure is logged (secrets redacted) and never raised; the checkpoints stay and the
-    next commit tries again. Returns the removed URLs."""
+    """:func:`apply_retention` for background jobs: a failure is logged, never raised (the
+    next commit tries again)."""
     try:
         return apply_retention(url, keep_last_n, storage_options, protect=protect, run_id=run_id)
     except Exception as err:
@@ -131,9 +120,7 @@ def _soundness_problem(info: CheckpointInfo, storage_options: dict[str, Any] | N
         else:
             check_checkpoint(store, info.manifest, verify="sizes")
     except CheckpointError as err:
-        # Damage only. Any other error (EIO, a 503) means "could not tell": it is raised and
-        # retention removes nothing this time (retain() logs it), so a checkpoint that was
-        # merely unreadable for a moment is never deleted as corrupt.
+        # damage only: "could not tell" (EIO, a 503) is raised, so nothing is deleted as corrupt
         log.warning("lightning_preempt: retention does not count %s: %s", info.path, str(err).splitlines()[0])
         return str(err).splitlines()[0]
     return None

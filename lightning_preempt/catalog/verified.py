@@ -1,8 +1,5 @@
-"""Which checkpoints this process knows to be intact: it committed them (the CRC32C came
-from the bytes it wrote) or read and verified them in full. Retention needs one verified
-checkpoint before it deletes anything; this saves reading the newest one back after
-every save, and a resume that chose a checkpoint after reading it in full need not read it
-twice. One cache per process, shared by every caller (a bounded LRU).
+"""Which checkpoints this process knows to be intact (it committed them or verified them in
+full), so retention need not read the newest back after every save. One bounded LRU per process.
 """
 
 from __future__ import annotations

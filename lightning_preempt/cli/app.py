@@ -1,10 +1,6 @@
-"""``lightning-preempt``: inspect, verify and export checkpoints; plan the save interval; report
-what preemption cost a run.
-
-Exit codes: 0 success; 1 usage error, nothing found, unreachable storage, an unknown
-format version, or state that would need ``trust_checkpoints``; 2 a checkpoint that fails
-verification (or cannot be loaded because of it). Every error is printed to stderr with a
-``HINT:`` line saying what to do next.
+"""``lightning-preempt``: the parser and dispatch. Exit codes: 0 success; 1 usage, nothing
+found, storage, unknown format or untrusted state; 2 a checkpoint that fails verification.
+Every error goes to stderr with a ``HINT:`` line.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
-"""Export a sharded checkpoint directory as one ordinary Lightning ``.ckpt`` file.
+"""Export a sharded checkpoint directory as one plain Lightning ``.ckpt`` (``torch.save``).
 
-The result is ``torch.save`` of the full, unsharded checkpoint dict: plain Lightning
-loads it with ``Trainer.fit(ckpt_path=...)`` or ``Model.load_from_checkpoint`` without
-this package installed. Before the file gets its final name we scan its pickle for any
-class from ``lightning_preempt`` and refuse to publish one that would need us to load.
-
-``Model.load_from_checkpoint`` in Lightning >= 2.6 loads with ``weights_only=True`` by
-default, which rejects NumPy arrays. This package's own entry (the top-level
-``"lightning_preempt"`` key: exact-resume state, whose NumPy RNG state is an array) is
-made safe by turning NumPy values into plain Python ones; ``np.random.set_state``
-accepts them, so resuming from the exported file with this package stays exact. Other
-keys are written as they are; :attr:`ExportResult.weights_only_error` says when the
-result still needs ``weights_only=False``.
+Plain Lightning loads it without this package; a pickle naming a ``lightning_preempt``
+class is refused before it gets its name. NumPy values in our own entry become plain
+Python ones, so Lightning >= 2.6's ``weights_only=True`` load accepts it
+(:attr:`ExportResult.weights_only_error` says when other keys still need ``False``).
 """
 
 from __future__ import annotations
@@ -50,15 +42,9 @@ class ExportError(CheckpointError):
 def export_checkpoint(
     store: Store, out_path: str, *, force: bool = False, verify: bool = True, trusted: bool = False
 ) -> ExportResult:
-    """Write the checkpoint in ``store`` to ``out_path`` (a local file) atomically.
-
-    The checkpoint's state is unpickled with the allow-list only (nothing from storage
-    runs) unless ``trusted`` (docs/security.md).
-
-    Returns what was written. Raises :class:`CheckpointExistsError` when ``out_path``
-    exists and not ``force``; :class:`ExportError` when the dict would pickle a class of
-    this package; the reader's errors when the checkpoint is missing or corrupt.
-    """
+    """Write the checkpoint in ``store`` to the local file ``out_path`` atomically; state is
+    unpickled with the allow-list only unless ``trusted``. :class:`CheckpointExistsError`
+    when ``out_path`` exists and not ``force``."""
     out_path = os.path.abspath(os.path.expanduser(out_path))
     if os.path.isdir(out_path):
         raise ExportError(

@@ -1,10 +1,5 @@
 """How often to checkpoint: Young/Daly intervals and expected time lost. Pure math, no I/O;
-the symbols and formulas: docs/cli.md ("plan").
-
-``C`` is what a periodic save costs the loop: saves are asynchronous, so the time it
-*blocks*, not the flush ``F = S / B``. The recommended interval is Daly's, clamped to at
-least ``F``: at most one save is in flight, so saving more often only stalls the loop. A
-SIGTERM snapshot that fits the grace period (``C + F <= G - margin``) removes the rework.
+symbols and formulas: docs/cli.md ("plan").
 """
 
 from __future__ import annotations

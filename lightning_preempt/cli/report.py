@@ -41,9 +41,8 @@ def build_report(url: str, options: dict[str, Any], *, run: str | None = None, g
 
 
 def timeline_points(records: list[dict[str, Any]]) -> dict[str, list[list[Any]]]:
-    """What the plot draws besides the segments: ``[t, step, restart]`` seen (starts, progress,
-    saves, preemptions) and ``[t, step, kind, blocking_s, committed_s]`` per save (``t``: when its
-    record was made, after it committed or failed)."""
+    """What the plot draws besides the segments: ``[t, step, restart]`` per record seen and
+    ``[t, step, kind, blocking_s, committed_s]`` per save."""
     steps = [[r["t"] - (r["committed_s"] or 0.0) if r["kind"] == "save" else r["t"],  # a save: when it began
               r["resumed_step"] if r["kind"] == "start" else r["step"], r["restart"]]
              for r in records if r["kind"] in ("start", "progress", "save", "preemption", "finish")]  # fmt: skip

@@ -1,9 +1,6 @@
-"""``report --plot``: a run's timeline as a PNG (matplotlib, the ``[plot]`` extra).
-
-Top: one band per process of the run, starting up (grey), training (green) and down
-between an exit and the next start (red); saves as ticks; each preemption a line.
-Bottom: the global step over time, one line per process, with the steps a preemption
-lost (trained, then trained again) shaded. Times are from the first process's start.
+"""``report --plot``: a run's timeline as a PNG (matplotlib, the ``[plot]`` extra): one band
+per process (startup, training, down), saves and preemptions; below, the step over time
+with the steps a preemption lost shaded.
 """
 
 from __future__ import annotations

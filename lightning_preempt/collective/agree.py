@@ -1,17 +1,10 @@
 """One primitive for decisions that must be the same on every rank, errors included
-(docs/design.md, "Agreed failures"; a rank-0 error raised or logged there alone would leave
-the others waiting in the next collective until the group times out, 30 min with NCCL).
+(docs/design.md, "Agreed failures": an error on one rank alone leaves the others waiting).
 
-* :func:`decide` — rank 0 runs ``fn`` (I/O: list, choose, probe, exists) and every rank
-  gets its *result or its exception*;
-* :func:`agree` — every rank runs ``fn`` (its own share of the work) and every rank learns
-  every rank's outcome; if any failed, all raise the same error.
+* :func:`decide` — rank 0 runs ``fn`` and every rank gets its *result or its exception*;
+* :func:`agree` — every rank runs ``fn``; if any failed, all raise the same error.
 
-An outcome travels as a small picklable :class:`Outcome`, never a string to parse; the
-error raised is of the original class when it is one of ours, else a
-:class:`RankFailedError` naming the rank and type (chained on the rank where it happened).
-Every rank of ``group`` must make the same sequence of calls; without torch.distributed (or
-``group=None``) both run ``fn`` locally.
+Every rank of ``group`` must make the same calls; without torch.distributed both run locally.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
-"""Heartbeats between the ranks of one job on a side channel: who is still there, in seconds
-(the protocol and its limits: docs/failure-detection.md).
+"""Heartbeats between the ranks of one job on a side channel (docs/failure-detection.md).
 
-A rank or node that vanishes without a signal leaves the others waiting in their next
-collective until its timeout (10-30 min with NCCL). Each rank here sends a small UDP
-datagram to every other rank every ``interval_s`` (UDP: a heartbeat must never block, and
-needs no connection to re-establish after a partition heals); a peer silent for
-``timeout_s`` is lost. A rank that saw a loss then exchanges its view (the ranks it hears,
-the steps it holds) for a short settle window until the views agree; its :class:`Verdict`
-names the survivors, the lost ranks, the newest step every survivor holds and whether they
-have a quorum (more than half the world, or exactly half with rank 0: at most one side of a
-partition). A clean leaver sends ``bye`` first. Datagrams are JSON of at most
-:data:`MAX_DATAGRAM` bytes, HMAC-SHA256-authenticated under a per-run key. No torch here;
-``engine/failures.py`` wires it to a run.
+A rank lost without a signal would leave the others in their next collective until its
+timeout (10-30 min with NCCL). Each rank sends a small UDP datagram (never blocks, no
+connection) to every other every ``interval_s``; a peer silent for ``timeout_s`` is lost, and
+the ranks then exchange views until they agree on a :class:`Verdict` (survivors, newest step
+all hold, quorum). Datagrams: JSON, at most :data:`MAX_DATAGRAM` bytes, HMAC under a per-run key.
 """
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ def check_signals(value: Any) -> tuple[signal.Signals, ...]:
 class PreemptionConfig:
     """Every option of :class:`~lightning_preempt.PreemptionCallback`, validated.
 
-    See the callback's docstring for what each one means.
+    What each one means: docs/options.md.
     """
 
     dirpath: str

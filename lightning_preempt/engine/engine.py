@@ -1,12 +1,8 @@
 """The engine: preemption safety for a training loop, whatever framework runs it.
 
-It owns the policy: when to save (every N steps, every N seconds, on a cloud notice), where
-(``dirpath/step-N``), which checkpoint to resume from, the agreement of all ranks at step
-boundaries, the emergency snapshot inside the grace period and the exit for requeue,
-retention, the lease, and the bookkeeping of what was saved. The mechanism is below it
-(save/, catalog/, preemption/, resume/); a front-end (lightning/: the Trainer callback)
-only maps its framework's hooks onto these calls and hands over a function that saves the
-current training state at a path (``trainer.save_checkpoint``).
+It owns the policy (when and where to save, what to resume, the agreement of the ranks, the
+emergency snapshot and exit, retention, the lease); the mechanism is below it. A front-end
+maps its hooks onto these calls and hands over a function that saves the state at a path.
 
 Call order (and which ranks call):
 

@@ -1,13 +1,10 @@
 """Unannounced failures: what every surviving rank does when a peer goes silent (the policy;
 ``collective/heartbeat.py`` is the mechanism; docs/failure-detection.md).
 
-After a verdict, on the heartbeat thread (the training thread is likely blocked in a
-collective that will not return for 10-30 minutes): log the loss; the lowest surviving rank
-of a side holding at least half the world records a ``failure`` in the run's ledger (one
-create-only file per restart, so at most one side of a partition records; bounded to
-:data:`RECORD_BUDGET_S`); then flush the logs and ``os._exit(exit_code)`` (75 by default,
-distinct from a preemption's 143) so the launcher restarts the group from the newest valid
-checkpoint. Nothing is committed after a loss: a commit needs every rank.
+On the heartbeat thread (the training thread is likely stuck in a collective): log the loss;
+the lowest survivor of a side holding at least half the world records a ``failure`` in the
+ledger (within :data:`RECORD_BUDGET_S`); then ``os._exit(exit_code)`` so the launcher
+restarts from the newest valid checkpoint. Nothing is committed after a loss.
 """
 
 from __future__ import annotations

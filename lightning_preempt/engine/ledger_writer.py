@@ -1,13 +1,9 @@
 """The goodput ledger's writer: what the engine measured, written off the training thread.
 
-Rank 0 of a run writes every record (format/ledger_records.py) as one create-only file under
-``<dirpath>/.lp-ledger/<run id>/``; the training thread only appends to a queue. A thread of
-the ledger's own does the I/O, so a slow bucket never delays a step, a save or the emergency
-sequence (which flushes the ledger last, within what is left of the grace period). A write
-that fails is logged (one warning, then debug lines) and dropped: the ledger never stops
-training. Every :data:`COMPACT_EVERY` records (or :data:`COMPACT_EVERY_BYTES` of them) the
-writer folds this restart's single files into one compacted file (the newest saves verbatim,
-totals of the others) and deletes them, so a week-long run keeps a bounded ledger.
+Rank 0 writes each record as one create-only file under ``<dirpath>/.lp-ledger/<run id>/`` on
+a thread of its own (a slow bucket never delays a step); a failed write is logged and
+dropped. Every :data:`COMPACT_EVERY` records (or :data:`COMPACT_EVERY_BYTES`) this restart's
+files are folded into one, so a week-long run keeps a bounded ledger.
 """
 
 from __future__ import annotations
@@ -36,9 +32,8 @@ COMPACT_EVERY = 256
 #: ... or after this many bytes of them, whichever comes first: records with long text (an
 #: error's line, a path) must not pile up single files of up to ``MAX_RECORD_BYTES`` each.
 COMPACT_EVERY_BYTES = 64 << 10
-#: A ``progress`` record (the last step seen: what a SIGKILL's steps lost are inferred from)
-#: at most this often: a SIGKILL's steps lost are counted up to the last one (at most this
-#: many seconds of steps go unseen). Tests and the demo set it lower.
+#: A ``progress`` record (the last step seen, what a SIGKILL's steps lost are counted up to)
+#: at most this often. Tests and the demo set it lower.
 PROGRESS_EVERY_S = 10.0
 _MAX_SEQ = 999_999
 

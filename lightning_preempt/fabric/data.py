@@ -1,24 +1,9 @@
 """Exact resume for a Fabric loop: where the loop is in its data, and the RNG states.
 
-The framework-neutral pieces are in ``resume/`` (``ResumableLoaders``, ``exact_state``,
-``rng``); this module is their driver for the one loader a :class:`~lightning_preempt.fabric.Preemption`
-iterates, the way ``lightning/exact.py`` drives them for the Trainer's loops. It owns the
-epoch and the batch counter of that loader (the Trainer's loops own theirs), makes the
-epoch's iterator itself (so that ``set_epoch`` gets the real epoch, not the count of a
-fresh wrapper's ``iter`` calls) and moves batches to Fabric's device.
-
-What is saved (per rank, in the rank's own state file): ``exact_state.make_state`` with
-the loader's entry, plus, for a torchdata ``StatefulDataLoader``, its own ``state_dict``.
-A plain ``DataLoader`` resumes through a ``ResumableSampler`` (resume/samplers.py).
-
-Restore order (loaders.py's protocol): mid-epoch in an epoch split among another number of
-ranks (a resize), the loader gets this rank's share of the rest of the same epoch order
-(``ResumableLoaders.reshard``, docs/elastic.md "Data at a resize"), as the Trainer's does;
-mid-epoch at the same world size, the sampler replays the saved order and
-skips what was trained, the iterator is made from the RNG states of the epoch's start,
-then the states of the save are restored; after a save that ended an epoch, the states of
-the save are restored and the next epoch's iterator is made from them, as the
-uninterrupted run did.
+The driver of ``resume/`` for the one loader :class:`~lightning_preempt.fabric.Preemption`
+iterates, as ``lightning/exact.py`` is for the Trainer. It owns that loader's epoch and batch
+counter, makes the epoch's iterator itself (so ``set_epoch`` gets the real epoch) and moves
+batches to Fabric's device. Restores follow loaders.py's call order, resharding at a resize.
 """
 
 from __future__ import annotations
@@ -32,6 +17,7 @@ from lightning_preempt.lightning import _compat
 from lightning_preempt.resume import exact_state
 from lightning_preempt.resume.loaders import ResumableLoaders
 from lightning_preempt.resume.rng import restore_rng
+from lightning_preempt.resume.samplers import is_stateful
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +45,7 @@ class LoopData:
             batches_in_epoch=self.batches_in_epoch, loaders=self.loaders.capture(loaders, self.epoch, self.batches_in_epoch) if loaders else [],
             metrics={}, results={},
         )  # fmt: skip
-        state["loader_states"] = [dl.state_dict() if self._stateful(dl) else None for dl in loaders]
+        state["loader_states"] = [dl.state_dict() if is_stateful(dl) else None for dl in loaders]
         return state
 
     # -- loading --
@@ -134,30 +120,23 @@ class LoopData:
             if own:  # workers draw their base seed from the epoch start's states, as when it began
                 self.loaders.set_pre_iter_rng([dl], saved)
             self.loaders.remake_resharded([dl], {0}, None)  # a StatefulDataLoader starts afresh from its share
-            _compat.set_sampler_epoch(dl, epoch)
-            self.loaders.note_pre_iter([dl], epoch)
-            iterator = iter(dl)
-            self._restore_rng(state, rank)
-            self.restored = "resharded"
         elif mid_epoch:
             self.loaders.restore_positions(saved, True, self.batches_in_epoch)
             loader_states = state.get("loader_states") or [None]
-            if self._stateful(dl) and loader_states[0] is not None:
+            if is_stateful(dl) and loader_states[0] is not None:
                 dl.load_state_dict(loader_states[0])
             if own:
                 self.loaders.set_pre_iter_rng([dl], saved)
-            _compat.set_sampler_epoch(dl, epoch)
-            self.loaders.note_pre_iter([dl], epoch)
-            iterator = iter(dl)
+        else:  # the save ended an epoch: the next epoch's iterator is made from the save's states
             self._restore_rng(state, rank)
-            self.restored = "mid-epoch" if own else "derived"
-        else:
-            self._restore_rng(state, rank)
-            self.restored = "epoch-end" if own else "derived"
-            _compat.set_sampler_epoch(dl, epoch)
-            self.loaders.note_pre_iter([dl], epoch)
             self.batches_in_epoch = 0
-            iterator = iter(dl)
+        _compat.set_sampler_epoch(dl, epoch)
+        self.loaders.note_pre_iter([dl], epoch)
+        iterator = iter(dl)
+        if resharded or mid_epoch:  # the iterator is made from the epoch start's states, then the save's
+            self._restore_rng(state, rank)
+        kind = "resharded" if resharded else "mid-epoch" if mid_epoch else "epoch-end"
+        self.restored = kind if own or resharded else "derived"
         log.info("lightning_preempt: exact resume (%s) at epoch %d, batch %d of the epoch", self.restored, epoch,
                  self.batches_in_epoch)  # fmt: skip
         return iterator
@@ -170,10 +149,6 @@ class LoopData:
         else:
             exact_state.seed_from_saved_rank(state, rank)
             self.restored = "derived"
-
-    @staticmethod
-    def _stateful(dl: Any) -> bool:
-        return callable(getattr(dl, "state_dict", None)) and callable(getattr(dl, "load_state_dict", None))
 
 
 def _length(loader: Any) -> float:

@@ -1,18 +1,10 @@
 """Fabric's ``ModelParallelStrategy`` (FSDP2 ``fully_shard``, tensor parallel) through our plugin.
 
-That strategy refuses a ``CheckpointIO`` plugin (its ``checkpoint_io`` setter raises) and
-writes its checkpoints itself: DCP shards and a ``meta.pt``, with no manifest and no commit.
-:class:`~lightning_preempt.fabric.Preemption` therefore owns a plugin for it and rebinds
-``save_checkpoint`` and ``load_checkpoint`` on the strategy *instance* (as
-``lightning/strategies.py`` does for the Trainer's ``ModelParallelStrategy``):
-
-* save: every rank converts the modules to their sharded state dicts (``DTensor`` shards,
-  torch's ``get_model_state_dict``) and the optimizers to theirs, and hands them to the
-  plugin: asynchronous, every rank writes its shards, committed by the manifest.
-* load: a checkpoint of ours is loaded into the current modules and optimizers in place,
-  resharded to the current world size (DCP); any other path goes to Lightning.
-
-Works on CPU with gloo (what Fabric allows: its ``FSDPStrategy``, FSDP1, refuses CPU).
+That strategy refuses a ``CheckpointIO`` and writes DCP shards with no commit, so
+:class:`~lightning_preempt.fabric.Preemption` owns a plugin for it and rebinds
+``save_checkpoint`` (every rank hands its sharded state dicts to the plugin) and
+``load_checkpoint`` (ours load in place, resharded; other paths go to Lightning) on the
+strategy instance, as ``lightning/strategies.py`` does for the Trainer. Works on CPU (gloo).
 """
 
 from __future__ import annotations
@@ -28,6 +20,7 @@ from lightning_preempt.collective import groups as pdist
 from lightning_preempt.format.skeleton import split_checkpoint
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.lightning.fabric_routing import stateful_keys
+from lightning_preempt.resume.samplers import is_stateful
 
 
 def _module_of(state: dict[str, Any]) -> Module:
@@ -38,10 +31,6 @@ def _module_of(state: dict[str, Any]) -> Module:
             f"{len(modules)}\nHINT: put the model set up with fabric.setup_module under one key, e.g. state['model']."
         )
     return modules[0]
-
-
-def _stateful(value: Any) -> bool:
-    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
 
 
 def _sharded_states(state: dict[str, Any]) -> dict[str, Any]:
@@ -67,7 +56,7 @@ def install(strategy: Any, io: ShardedAsyncCheckpointIO) -> None:
             raise NotImplementedError("lightning_preempt: fabric.save(filter=...) with ModelParallelStrategy\n"
                                       "HINT: save the whole state; filter when exporting it.")  # fmt: skip
         path = self.broadcast(str(path))  # every rank writes its shards into one checkpoint
-        converted = {k: (v.state_dict() if _stateful(v) else v) for k, v in state.items()}
+        converted = {k: (v.state_dict() if is_stateful(v) else v) for k, v in state.items()}
         converted.update(_sharded_states(state))
         with io.fabric_state(stateful_keys(state)):
             io.save_checkpoint(checkpoint=converted, path=path, storage_options=storage_options)
@@ -99,7 +88,7 @@ def install(strategy: Any, io: ShardedAsyncCheckpointIO) -> None:
                 set_model_state_dict(value, checkpoint.pop(key), options=options)
             elif isinstance(value, Optimizer):
                 set_optimizer_state_dict(module, value, optim_state_dict=checkpoint.pop(key), options=options)
-            elif _stateful(value):
+            elif is_stateful(value):
                 value.load_state_dict(checkpoint.pop(key))
             else:
                 state[key] = checkpoint.pop(key)

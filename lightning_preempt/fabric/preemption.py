@@ -1,11 +1,8 @@
 """``Preemption``: a hand-written Fabric loop mapped onto the engine (engine/engine.py).
 
-The policy (when and where to save, which checkpoint to resume, the agreement of all ranks
-at step boundaries, the emergency snapshot and the exit for requeue, retention, the lease,
-two tiers, notices) is the engine's, exactly as for ``PreemptionCallback``; the options are
-the same :class:`~lightning_preempt.engine.config.PreemptionConfig`. What is Fabric's stays
-here: the plugin on Fabric's strategy, ``fabric.save``/``fabric.load`` of the loop's
-``state`` dict, and the loop's data position (fabric/data.py).
+The policy is the engine's, as for ``PreemptionCallback``, with the same options
+(:class:`~lightning_preempt.engine.config.PreemptionConfig`). Fabric's part stays here: the
+plugin on its strategy, ``fabric.save``/``fabric.load`` of ``state``, the data position.
 
 The map (docs/fabric.md)::
 
@@ -64,14 +61,9 @@ class Preemption:
             when it has Lightning's default ``CheckpointIO``.
         step_key: the key of ``state`` that counts optimizer steps (the loop increments it).
 
-    Every other argument is :class:`~lightning_preempt.PreemptionCallback`'s, with the same
-    meaning and validation (:class:`~lightning_preempt.engine.config.PreemptionConfig`), except
-    ``global_batch``: validated, but a Fabric loop owns its accumulation. A mid-epoch resume
-    at another world size reshards the rest of the epoch among the ranks of now, as the
-    Trainer's does (docs/elastic.md "Data at a resize").
-    ``log_metrics`` logs through ``fabric.log_dict`` (the loggers given to ``Fabric``, rank 0):
-    each committed save's figures and the run's so far, at the next step boundary after its
-    commit and at :meth:`finish`, and ``preempt/resumed_from_step`` after a resume.
+    Every other argument is :class:`~lightning_preempt.PreemptionCallback`'s (docs/options.md),
+    except ``global_batch``: validated, but a Fabric loop owns its accumulation.
+    ``log_metrics`` logs through ``fabric.log_dict`` (docs/fabric.md).
     """
 
     def __init__(

@@ -1,13 +1,8 @@
-"""The checkpoint format: every name rule, the manifest, where files live, splitting
-Lightning's dict into DCP tensors and a per-rank skeleton, and unpickling it safely.
+"""The checkpoint format: name rules, the manifest, the split into DCP tensors and a per-rank
+skeleton, safe unpickling. Nothing here writes; the torch-free modules import no torch.
 
-Nothing here writes. Modules that need no torch (names, manifest, layout, pickle_scan,
-allowlists, state_replay, metadata_scan, fast_guard)
-import none, so the operator CLI can read checkpoints without it.
-
-:class:`TensorRef` is defined in this package's ``__init__`` on purpose: every
-checkpoint's skeleton pickles it as ``lightning_preempt.format.TensorRef``. Never move
-or rename it.
+:class:`TensorRef` lives here on purpose: every skeleton pickles it as
+``lightning_preempt.format.TensorRef``. Never move or rename it.
 """
 
 from __future__ import annotations
@@ -23,10 +18,8 @@ class TensorRef:
     key: str
 
     def __reduce__(self) -> tuple[type[TensorRef], tuple[str]]:
-        # One REDUCE instead of NEWOBJ + BUILD of a state dict: fewer objects for
-        # torch.save to visit (the skeleton is pickled while training waits) and one
-        # allow-list check instead of two in weights_only loading, per tensor. Old
-        # checkpoints (NEWOBJ + BUILD) load as before.
+        # one REDUCE, not NEWOBJ + BUILD: fewer objects to pickle while training waits, one
+        # allow-list check per tensor (old NEWOBJ + BUILD checkpoints still load)
         return (TensorRef, (self.key,))
 
 
@@ -40,14 +33,9 @@ INLINE_TENSOR_DTYPES = frozenset(
 
 
 def tensor_from_bytes(dtype: str, shape: tuple[int, ...], data: str) -> Any:
-    """A small dense CPU tensor the skeleton kept inline (an RNG state, a score):
-    ``torch.<dtype>`` of ``shape`` from its raw bytes, given as ``latin-1`` text (what
-    pickle protocol 2 makes of bytes anyway, without the ``_codecs.encode`` global).
-
-    Pickled by name as ``lightning_preempt.format.tensor_from_bytes`` (never move or rename
-    it). Its arguments come from storage others may write: each is checked before use, and
-    the tensor owns a copy of ``data``.
-    """
+    """A small CPU tensor kept inline in the skeleton, from ``latin-1`` text (what protocol 2
+    makes of bytes, without the ``_codecs.encode`` global). Pickled by name: never move it.
+    Its arguments come from storage, so each is checked."""
     import torch  # not at import time: the operator CLI imports this package without torch
 
     if not (isinstance(dtype, str) and dtype in INLINE_TENSOR_DTYPES):

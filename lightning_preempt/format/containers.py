@@ -1,11 +1,6 @@
-"""Rebuilding a container with new items as the exact type it was.
-
-The skeleton split, its merge on load and the device mapping of a loaded checkpoint walk
-dicts, lists and tuples and rebuild them with new items (placeholders, tensors, moved
-tensors). What a checkpoint holds must come back as the type it was: a ``torch.Size`` is
-not a ``tuple`` (``.numel()``), a namedtuple keeps its fields, an ``OrderedDict`` state dict
-keeps its ``_metadata`` (module versions ``load_state_dict`` reads), a ``defaultdict`` its
-factory. One rule, used by every walker: :func:`rebuild`.
+"""Rebuilding a container with new items as the exact type it was (:func:`rebuild`): a
+``torch.Size`` is not a ``tuple``, an ``OrderedDict`` keeps ``_metadata``, a ``defaultdict``
+its factory, a namedtuple its fields.
 """
 
 from __future__ import annotations
@@ -20,13 +15,8 @@ def is_namedtuple(value: Any) -> bool:
 
 
 def rebuild(original: Any, items: Any) -> Any:
-    """``items`` (a dict for a mapping, a list for a sequence) as ``original``'s exact type.
-
-    Subclasses are copied and refilled (instance attributes such as a state dict's
-    ``_metadata`` and a ``defaultdict``'s factory stay); a namedtuple is made from its
-    fields; any other tuple subclass (``torch.Size``) from its items. A type that cannot be
-    rebuilt this way falls back to the plain container.
-    """
+    """``items`` (a dict or a list) as ``original``'s exact type; subclasses are copied and
+    refilled, so instance attributes stay. Anything not rebuildable falls back to the plain type."""
     kind = type(original)
     if kind is dict or kind is list:
         return items

@@ -1,8 +1,5 @@
-"""Every private torch.distributed.checkpoint / torch.serialization name the package uses.
-
-Private names move between releases; keeping them in one module makes a torch upgrade a
-matter of reading one file (docs/compat.md). Checked with torch 2.7.0 (the floor) and
-2.13.0 by tests/unit/test_exact_compat.py.
+"""Every private torch.distributed.checkpoint / torch.serialization name the package uses, so a
+torch upgrade means reading one file (docs/compat.md; torch 2.7.0-2.13.0).
 """
 
 from __future__ import annotations
@@ -34,12 +31,8 @@ __all__ = [
 def dcp_save_tensors(
     tensors: dict[str, Any], *, storage_writer: Any, planner: Any, process_group: Any, no_dist: bool
 ) -> Any:
-    """``dcp.save`` of a flat ``{key: tensor | DTensor}`` dict, without its per-entry
-    ``Stateful`` pass: ``dcp.save`` wraps a logged call around every entry (two debug
-    records into torch's null handler and a runtime-protocol ``isinstance``: ~80 us per
-    tensor), and tensors are never ``Stateful``. ``no_dist`` as ``dcp.save`` takes it
-    (also when torch.distributed is unavailable or uninitialised). Private:
-    ``state_dict_saver._save_state_dict`` (same arguments in torch 2.7-2.13)."""
+    """``dcp.save`` of a flat tensor dict without its per-entry ``Stateful`` pass (~80 us per
+    tensor; tensors are never ``Stateful``). Private: ``state_dict_saver._save_state_dict``."""
     import torch.distributed as dist
 
     no_dist = no_dist or not (dist.is_available() and dist.is_initialized())
@@ -66,10 +59,8 @@ _SINGLE_PROCESS_QUIETED = False
 
 
 def quiet_single_process_warning() -> None:
-    """``dcp.save``/``dcp.load`` without a process group (``no_dist``) warn on every call that
-    they assume a single process: that is our intent, and the line would follow every save.
-    The filter matches that message only and is added the first time we call DCP that way
-    (never at import: an application that never saves alone keeps its warnings untouched)."""
+    """Silence DCP's per-call "assuming a single process" warning under ``no_dist`` (our intent);
+    added on first use, never at import, and for that message only."""
     global _SINGLE_PROCESS_QUIETED
     if not _SINGLE_PROCESS_QUIETED:
         warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized")

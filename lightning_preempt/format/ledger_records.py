@@ -1,41 +1,22 @@
 """The goodput ledger's records: what one is, how it is encoded, how a read one is checked.
 
-A run's ledger lives under ``<dirpath>/.lp-ledger/<run id>/`` (format/names.py), one small
-JSON object per file, created once and never rewritten (create-only on local disk, GCS and
-S3 alike: a torn or lost write loses one record, never another's). Records of one process
-(one *restart* of the run) are numbered ``seq`` 0, 1, 2… Many records of a restart may later
-be folded into one *compacted* file (``kind: "compact"``) holding the records it kept and
-the totals of the save records it dropped; a reader then ignores the single files the
-compacted one covers.
+A run's ledger is ``<dirpath>/.lp-ledger/<run id>/``, one small JSON object per file,
+created once, never rewritten (a torn or lost write loses one record, never another's).
+Records of one process (one *restart*) are numbered ``seq`` 0, 1, 2…; a *compacted* file
+may later fold many in (the records it kept, totals of the saves it dropped), and a reader
+then ignores the single files it covers.
 
-Kinds and their fields (besides ``format``, ``kind``, ``run``, ``restart``, ``seq`` and
-``t``, the wall time the record was made, Unix seconds):
+:data:`FIELDS` lists each kind's fields and types (besides ``run``, ``restart``, ``seq`` and
+``t``, wall time in Unix seconds). What they mean where the name does not say:
 
-* ``start``: ``resumed_step`` (0: fresh), ``resumed_from``, ``process_start_t``, ``startup_s``
-  (process start to the first step), ``world_size``, ``every_n_train_steps``,
-  ``every_n_seconds``, ``grace_period_s``, ``host``, ``pid``;
-* ``save``: ``save_kind`` (periodic, notice, emergency, final; ``tier0``: a copy to host memory),
-  ``step``, ``blocking_s``, ``committed_s`` (``None``: it failed), ``bytes``, ``tier``
-  (``dirpath``, ``local``, or ``memory`` for a tier-0 copy), ``error``;
-* ``progress``: ``step`` (the last step seen; what a SIGKILL's steps lost are inferred from);
-* ``preemption``: ``source`` (``SIGTERM``, ``gce``…), ``received_t``, ``step`` (agreed),
-  ``snapshot_step`` (the newest committed step at exit), ``committed``, ``to_exit_s`` (from the
-  signal to the decision to exit, raising ``Preempted``: the process's teardown comes after and
-  no record of its own can see it), ``steps_lost``;
-* ``error``: ``step``, ``error`` (the agreed error's first line);
-* ``finish``: ``step``;
-* ``drain`` (two tiers: the upload of a locally committed checkpoint to ``dirpath``): ``step``,
-  ``drained_s`` (``None``: not uploaded), ``bytes``, ``skipped`` (``superseded``, ``already
-  there``), ``error``;
-* ``failure``: an unannounced loss the heartbeats detected (docs/failure-detection.md), written by
-  the lowest surviving rank just before every survivor exits: ``lost`` (the silent ranks, e.g.
-  ``"1,3"``), ``survivors``, ``world_size``, ``step`` (the last step the writer saw),
-  ``agreed_step`` (the newest step every survivor holds), ``silent_s`` (how long the lost
-  ranks were silent at the verdict), ``quorum``, ``agreed``, ``writer_rank``. Its ``seq`` is
-  :data:`FAILURE_SEQ` (one per restart, create-only: the fence against two sides of a partition).
-
-Optional fields (absent in records of older versions): ``start.resumed_tier`` (``dirpath``,
-``local``, ``memory``, or ``None``: fresh).
+* ``save``: ``save_kind`` periodic/notice/emergency/final/tier0; ``committed_s`` ``None``:
+  it failed; ``tier``: ``dirpath``, ``local`` or ``memory``;
+* ``progress``: the last step seen (what a SIGKILL's lost steps are inferred from);
+* ``preemption``: ``snapshot_step``, the newest committed step at exit; ``to_exit_s``, signal
+  to raising ``Preempted`` (the teardown after it no record can see);
+* ``drain``: the upload of a local commit to ``dirpath``; ``drained_s`` ``None``: not uploaded;
+* ``failure``: an unannounced loss the heartbeats found (docs/failure-detection.md), written by
+  the lowest survivor; its ``seq`` is :data:`FAILURE_SEQ` (create-only: the partition fence).
 
 Everything read back is untrusted (docs/security.md): JSON only, sizes bounded, every field
 type-checked; a record that fails is skipped by the reader with a note.

@@ -1,14 +1,8 @@
-"""The manifest: a versioned JSON file that makes a checkpoint exist.
+"""The manifest: a versioned JSON file, written last, that makes a checkpoint exist.
 
-A checkpoint directory without ``manifest.json`` does not exist, for resume and for
-retention alike. The manifest is written last, atomically, after every rank's files
-are durable; it lists every file with its size and CRC32C so corruption is detected
-before any byte is handed to Lightning. No pickle: any tool can read it.
-
-Storage is shared with other writers, so a manifest is *untrusted input* (docs/security.md):
-:meth:`Manifest.from_json` checks every field's type and range, and
-:func:`parse_manifest` also checks that every file name is one this package writes.
-A manifest that fails is *corrupt*; only a well-formed, larger ``version`` is *newer*.
+It lists every file with its size and CRC32C. It is untrusted input (docs/security.md):
+:meth:`Manifest.from_json` checks every field, :func:`parse_manifest` every file name. One
+that fails is *corrupt*; only a well-formed, larger ``version`` is *newer*.
 """
 
 from __future__ import annotations
@@ -24,20 +18,14 @@ from lightning_preempt.errors import CorruptCheckpointError, UnsupportedFormatEr
 from lightning_preempt.format.names import is_checkpoint_file, is_safe_file_name
 
 FORMAT_NAME = "lightning_preempt.checkpoint"
-#: 2: state files may hold inline tensors (``lightning_preempt.format.tensor_from_bytes``,
-#: 0.2.0). A reader of 1 would refuse those files as untrusted; the version makes it say
-#: "too new, upgrade" instead. Version 1 checkpoints (no inline tensors) still load.
+#: 2: state files may hold inline tensors (0.2.0), so a reader of 1 says "too new", not
+#: "untrusted". Version 1 checkpoints still load.
 FORMAT_VERSION = 2
 
 #: Larger manifests are refused unread (a 4096-rank checkpoint's is well under 1 MiB).
 MAX_MANIFEST_BYTES = 32 << 20
-#: Most files one manifest may list. A manifest lists files, not tensors (the tensors of a
-#: sharded state live inside the DCP shards and ``.metadata``): each rank writes
-#: ``thread_count`` shard files and one ``state-rank*.pt``, so 2**18 entries hold a job of
-#: 131,072 ranks at the default one writer thread (8x the 16k GPUs of Llama 3 405B's
-#: run) or 32,768 ranks at 7 threads. Parsing that many takes ~2.5 s on a busy 2-core
-#: machine; past it a manifest is refused in well under a second (a crafted one of 430k
-#: entries took 8.8 s and 310 MB in ``ls`` before this limit, 0.6 s and 60 MB after).
+#: Most files one manifest may list: 131,072 ranks at one writer thread each (~2.5 s to
+#: parse); a crafted 430k-entry one took 8.8 s and 310 MB in ``ls`` before this limit.
 MAX_MANIFEST_FILES = 1 << 18
 
 _CRC_RE = re.compile(r"[0-9a-f]{8}")
@@ -103,14 +91,8 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes, *, path: str) -> Manifest:
-        """Parse and type-check a manifest.
-
-        Raises :class:`CorruptCheckpointError` (with a HINT) for garbage, a foreign format,
-        a missing, unknown or ill-typed field, a non-finite time or a file name that is not
-        a plain name, and :class:`UnsupportedFormatError` only for a well-formed version
-        newer than this build reads. File names are checked against this package's own
-        patterns by :func:`parse_manifest` (what every read from storage uses).
-        """
+        """Parse and type-check a manifest: :class:`CorruptCheckpointError` for anything
+        wrong, :class:`UnsupportedFormatError` only for a well-formed newer version."""
         if len(data) > MAX_MANIFEST_BYTES:
             raise _corrupt(f"manifest is {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} allowed", path)
         # Before json.loads builds anything: every entry our writer makes has this literal

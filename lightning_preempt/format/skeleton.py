@@ -15,6 +15,7 @@ for the same tensor; the skeleton, not the key, records where a tensor goes back
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
@@ -59,7 +60,7 @@ def _extract(value: Any, prefix: str, out: dict[str, torch.Tensor]) -> Any:
 
     def walk(node: Any, path: str) -> Any:
         kind = type(node)
-        if kind is dict:
+        if kind is dict or kind is OrderedDict:  # (Module.state_dict(): an OrderedDict)
             walked = {}
             for k, v in node.items():  # (a state_dict: thousands of tensors, one level)
                 if type(v) in _LEAF_TENSORS:  # extract() inlined: one call less per tensor
@@ -73,7 +74,12 @@ def _extract(value: Any, prefix: str, out: dict[str, torch.Tensor]) -> Any:
                     walked[k] = walk(v, f"{path}/{k}")
                 else:
                     walked[k] = v
-            return walked
+            if kind is dict:
+                return walked
+            # rebuild()'s copy of an OrderedDict, without copying thousands of entries first
+            ordered = OrderedDict(walked)
+            ordered.__dict__.update(vars(node))  # _metadata: the module versions load_state_dict reads
+            return ordered
         if kind is list:
             return [walk(v, f"{path}/{i}") if type(v) in _INLINE or isinstance(v, _CONTAINERS) else v
                     for i, v in enumerate(node)]  # fmt: skip
@@ -85,7 +91,7 @@ def _extract(value: Any, prefix: str, out: dict[str, torch.Tensor]) -> Any:
 
 
 #: walked by :func:`_extract` itself (a tensor is a leaf it extracts; a Parameter, a subclass)
-_INLINE = frozenset({dict, list, torch.Tensor, torch.nn.Parameter})
+_INLINE = frozenset({dict, OrderedDict, list, torch.Tensor, torch.nn.Parameter})
 _CONTAINERS = (dict, list, tuple, torch.Tensor)
 _LEAF_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 
@@ -118,4 +124,3 @@ def tensor_refs(skeleton: Any) -> list[str]:
 
     walk(skeleton)
     return found
-

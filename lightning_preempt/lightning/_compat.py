@@ -1,11 +1,5 @@
-"""Every use of a private Lightning API that lightning_preempt makes goes through here.
-
-Private names move between releases; keeping them in one module makes the minimum-versions
-job (``scripts/test_min_versions.sh``) and a Lightning upgrade a matter of reading one
-file. Each shim says what happens when the private name is missing. docs/compat.md lists
-every private use, including those below the front-ends (format/dcp_compat.py for torch's,
-resume/metrics.py for torchmetrics').
-
+"""Every use of a private Lightning API goes through here, so an upgrade means reading one
+file; each shim says what happens when the name is missing (all private uses: docs/compat.md).
 Checked with Lightning 2.5.0 (the floor) and 2.6.6 by tests/unit/test_exact_compat.py.
 """
 
@@ -20,11 +14,6 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-# ---- DCP and torch.serialization internals ---------------------------------------------
-# They live below the front-ends, in format/dcp_compat.py (the CLI reads checkpoints without
-# Lightning). Checked by tests/unit/test_exact_compat.py.
-
-
 # ---- Trainer(enable_checkpointing=False) --------------------------------------------------
 _ALLOWED: list[type] = []
 
@@ -32,14 +21,10 @@ _ALLOWED: list[type] = []
 def allow_with_disabled_checkpointing(callback_type: type) -> None:
     """Let ``Trainer(enable_checkpointing=False, callbacks=[callback_type(...)])`` work.
 
-    Users pass ``enable_checkpointing=False`` to get no default ``ModelCheckpoint``.
-    Lightning refuses every ``Checkpoint`` callback then, with a message about a
-    ``ModelCheckpoint`` they never added, and ``callback_type`` must stay a ``Checkpoint``
-    (an ``OnExceptionCheckpoint``: it is how ``fit()`` finds the checkpoint to resume,
-    docs/design.md). When every checkpoint callback is a ``callback_type``, we configure as
-    Lightning does with checkpointing enabled and checkpoint callbacks given: nothing is
-    added, so that callback's checkpoints are the only ones. With another checkpoint
-    callback (a ``ModelCheckpoint``) Lightning's error stays: it is then accurate.
+    Lightning refuses every ``Checkpoint`` callback then, and ours must stay one (it is how
+    ``fit()`` finds the checkpoint to resume). When every checkpoint callback is a
+    ``callback_type``, configure as with checkpointing on: nothing is added. With a
+    ``ModelCheckpoint`` too, Lightning's error stays: it is then accurate.
 
     Private: ``_CallbackConnector._configure_checkpoint_callbacks`` (Lightning 2.5-2.6).
     Without it Lightning's refusal stays.
@@ -153,10 +138,8 @@ def training_results(trainer: Any) -> Any | None:
 
 def refresh_train_batches(trainer: Any) -> None:
     """Count the training batches per epoch again (Lightning counts them once, at set-up, in
-    ``FitLoop.setup_data``): after a resharded epoch's loaders changed length, and when that
-    epoch is over. The per-loader limits (``limit_train_batches`` of each length), the live
-    iterator's copy of them, ``max_batches`` and, for a fractional ``val_check_interval``,
-    ``val_check_batch``, all as Lightning computes them."""
+    ``FitLoop.setup_data``) after a resharded epoch's loaders changed length, and when that
+    epoch is over: the limits, ``max_batches`` and ``val_check_batch``, as Lightning does."""
     from lightning.fabric.utilities.data import sized_len
     from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
     from lightning.pytorch.trainer.states import RunningStage
@@ -196,14 +179,9 @@ def restores_after_setup(trainer: Any) -> bool:
 
 
 def restore_late(trainer: Any, path: str) -> None:
-    """Load ``path`` for this ``fit`` although Lightning's ``ckpt_path`` was ``None``.
-
-    Lightning chooses ``ckpt_path`` before any hook; the lease is taken in ``setup``, and a
-    job that waited for it must resume what the previous holder committed meanwhile. Called
-    in ``setup`` (``on_fit_start`` when the strategy restores after its set-up), that is
-    before Lightning's ``_restore_modules_and_callbacks(None)``, which keeps the checkpoint
-    loaded here (its ``resume_start(None)`` returns at once), restores the model and callbacks
-    from it, then the loops and optimizers (``restore_training_state``).
+    """Load ``path`` for this ``fit`` although Lightning's ``ckpt_path`` was ``None`` (a job
+    that waited for the lease resumes what the previous holder committed meanwhile). Called
+    before Lightning's ``_restore_modules_and_callbacks(None)``, which then restores from it.
 
     Private: ``trainer._checkpoint_connector.resume_start`` (Lightning 2.5-2.6). Without it
     the run refuses to start from step 0 silently: a clear error says to restart it.

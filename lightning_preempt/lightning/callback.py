@@ -1,9 +1,7 @@
 """The Lightning Trainer front-end: maps the Trainer's hooks onto the engine (engine/engine.py).
 
-Policy and bookkeeping live in the engine; the mechanism in the plugin and the layers below
-it. What is Lightning's alone stays here: the route into ``fit``'s checkpoint resolution
-(docs/design.md, "Auto-resume"), installing the plugin, routing the strategies' saves,
-staging ahead of the first save, exact resume of the Trainer's loops, and the loggers.
+Only what is Lightning's alone lives here: the route into ``fit``'s checkpoint resolution
+(docs/design.md, "Auto-resume"), the plugin, the strategies' saves, and the loggers.
 """
 
 from __future__ import annotations
@@ -51,8 +49,8 @@ class PreemptionCallback(OnExceptionCheckpoint):
 
     Add it with :class:`ShardedAsyncCheckpointIO` to the ``Trainer`` (it installs the plugin
     when none is configured); ``trainer.fit(model)`` then resumes from the newest valid
-    checkpoint in ``dirpath`` on every (re)start. Every argument is validated here
-    (:class:`~lightning_preempt.engine.config.PreemptionConfig`).
+    checkpoint in ``dirpath`` on every (re)start. Every option is validated here
+    (:class:`~lightning_preempt.engine.config.PreemptionConfig`); the long form: docs/options.md.
 
     Args:
         dirpath: where checkpoints go (any fsspec URL: local path, ``gs://``, ``s3://``…).
@@ -60,69 +58,33 @@ class PreemptionCallback(OnExceptionCheckpoint):
         every_n_seconds: save when this much wall time passed since the last save.
         keep_last_n: committed checkpoints to keep (older ones are deleted after a newer commit).
         signals: signals that mean "preempted" (SLURM can send ``SIGUSR1`` earlier).
-        grace_period_s: time between the signal and SIGKILL; bounds the drain and requeue
-            and is used to warn when a snapshot is projected not to fit.
-        exit_code: process exit code after a preemption (143 = 128 + SIGTERM), whatever the
-            snapshot did (the log says which step is safe).
-        requeue: run ``scontrol requeue`` on rank 0 as the last act before exiting; ``None``: when
-            under SLURM (under ``python -m lightning_preempt.torchrun`` the agent of the reclaimed
-            node requeues instead). ``False`` under SLURM: a preempted job is recorded FAILED.
-        requeue_timeout_s: the longest ``scontrol`` may take (also bounded by the grace period).
-        agree_every_n_steps: how often ranks agree on the signal flag: every N optimizer steps,
-            or ``"auto"``: every step while timing the first steps, then about every
-            ``agree_interval_s`` (tiny steps would otherwise pay ~1 ms per step for it).
-        agree_interval_s: the target time between agreements with ``"auto"`` (default 1 s: an
-            exchange costs 1-5 ms on a busy CPU, ~0.5% of the run at this interval; a signal
-            waits at most this long + one step, out of a grace period of tens of seconds).
-        overlap_agreement: run the agreement collective while the next step computes and act
-            on it one step later (hides its cost; see docs/design.md).
+        grace_period_s: time between the signal and SIGKILL; bounds the drain and requeue.
+        exit_code: process exit code after a preemption (143 = 128 + SIGTERM).
+        requeue: ``scontrol requeue`` on rank 0 before exiting; ``None``: when under SLURM.
+        requeue_timeout_s: the longest ``scontrol`` may take.
+        agree_every_n_steps: how often ranks agree on the signal flag (``"auto"``: by time).
+        agree_interval_s: the target time between agreements with ``"auto"``.
+        overlap_agreement: run the agreement while the next step computes (acts one step later).
         resume: resume from the newest valid checkpoint when ``fit`` gets no ``ckpt_path``.
         save_on_train_end: save the final step when training ends normally.
         storage_options: fsspec options for ``dirpath``.
-        local_dirpath: two-tier mode (docs/two-tier.md): commit each checkpoint to this
-            node-local directory first and drain it to ``dirpath`` in the background.
-        list_retries: attempts to list ``dirpath`` on start before failing (never "start
-            fresh" because a listing failed).
+        local_dirpath: two-tier mode: commit to this node-local directory, drain to ``dirpath``.
+        list_retries: attempts to list ``dirpath`` on start before failing.
         list_backoff_s: the first retry delay (doubles per attempt).
         lease: hold a lease on ``dirpath`` so a second live job cannot write into it.
         lease_timeout_s: a lease whose heartbeat has not advanced for this long is taken over.
-        probe_storage: at ``setup``, check that every rank can write and list ``dirpath``
-            (and ``local_dirpath``) and fail before step 1 if not.
-        notices: cloud preemption notices to watch (docs/notices.md): any of ``"aws"``,
-            ``"gce"``, ``"azure"`` (``"aws-interruption"``: AWS without rebalance
-            recommendations), or ``"auto"`` (probe which metadata server answers). Local rank
-            0 of each node watches; the notice reaches every rank like a signal. ``None``: off.
-        on_notice: ``"continue"``: on a notice (from ``notices`` or ``sources``), snapshot at
-            the next agreed step and train on until the signal (whose snapshot then costs only
-            the steps since); ``"exit"``: snapshot and exit with ``exit_code`` at once.
-        global_batch: at a resize (elastic runs, docs/elastic.md): ``"per_rank"`` keeps each
-            rank's batch, so the global batch follows the world size (logged); ``"keep"`` keeps
-            the global batch by scaling ``accumulate_grad_batches`` by saved ranks / ranks now
-            where that is a whole number (logged; otherwise as ``"per_rank"``).
-        sources: extra preemption sources (:class:`~lightning_preempt.preemption.sources.PreemptionSource`).
-        ledger: rank 0 records every start, save, preemption, agreed error and finish in
-            ``dirpath/.lp-ledger/`` (small JSON files, written off the training thread; a failed
-            write only warns) for ``lightning-preempt report``.
-        log_metrics: log each committed save's figures (blocking time, time to commit, bytes)
-            and the run's so far (preemptions, steps lost, goodput) through the Trainer's
-            loggers, on rank 0 at the save steps (no collective, no sync).
-        detect_failures: heartbeats between the ranks on a side channel (UDP, docs/failure-detection.md):
-            a rank or node lost without a signal is noticed within ``heartbeat_timeout_s``, the
-            survivors agree, record it in the ledger and exit with ``failure_exit_code`` so the
-            launcher restarts the job. ``None``: on whenever the job has more than one rank.
-        heartbeat_timeout_s: a rank not heard from for this long is lost (survivors exit about
-            2 s later).
-        failure_exit_code: the exit code of every survivor after a loss (distinct from
-            ``exit_code``; ``torchrun --max-restarts`` restarts on any non-zero code).
-        tier0_every_n_steps: tier 0 (docs/tier0.md): every K optimizer steps each rank also
-            commits its share to ``memory_dirpath`` (node-local host memory, a tmpfs), which
-            outlives the process: a restart on the same node resumes from there when it is the
-            newest valid checkpoint. Its newest is kept. On several nodes each copy also goes to
-            the next node's memory, and a replaced node gets it back from there. ``"auto"``: K
-            chosen from the measured copy and step times so that tier 0 costs at most 1 % of the
-            step time. ``None``: no tier 0, unless ``memory_dirpath`` is given (then ``"auto"``).
-        memory_dirpath: tier 0's directory; ``None``: ``/dev/shm/lightning_preempt/<dirpath's
-            name>-<hash>`` (the same on every restart) when ``tier0_every_n_steps`` is set.
+        probe_storage: at ``setup``, check every rank can write and list ``dirpath``.
+        notices: cloud preemption notices to watch (``"aws"``, ``"gce"``, ``"azure"``, ``"auto"``).
+        on_notice: ``"continue"``: snapshot and train on until the signal; ``"exit"``: at once.
+        global_batch: at a resize, ``"per_rank"`` keeps each rank's batch, ``"keep"`` the global one.
+        sources: extra :class:`~lightning_preempt.preemption.sources.PreemptionSource` objects.
+        ledger: rank 0 records the run in ``dirpath/.lp-ledger/`` for ``lightning-preempt report``.
+        log_metrics: log each committed save's figures and goodput through the Trainer's loggers.
+        detect_failures: heartbeats between ranks; a rank lost without a signal ends the job.
+        heartbeat_timeout_s: a rank not heard from for this long is lost.
+        failure_exit_code: every survivor's exit code after a loss.
+        tier0_every_n_steps: tier 0: every K steps also commit to host memory (``"auto"``: K by cost).
+        memory_dirpath: tier 0's directory (a tmpfs).
     """
 
     def __init__(

@@ -1,15 +1,9 @@
-"""Exact resume for the Trainer: the per-rank state Lightning does not put in its checkpoints
-(docs/exact-resume.md): RNG states and the loaders' generators, a plain ``DataLoader``'s
-position in the epoch, ``torchmetrics`` states and ``self.log``'s running aggregates.
+"""Exact resume for the Trainer (docs/exact-resume.md): RNG states and the loaders' generators,
+a plain ``DataLoader``'s position, ``torchmetrics`` states and ``self.log``'s aggregates.
 
-:class:`ExactResume` drives the framework-neutral pieces in ``resume/`` (loaders,
-exact_state, rng, samplers, metrics): it captures the state at a save (into each rank's
-skeleton file, never the DCP shards) and restores it at ``on_train_start``, the last hook
-before a resumed run's first fetch (on a mid-epoch restart Lightning calls neither
-``on_train_epoch_start`` nor ``iter(dataloader)`` again, and nothing in between draws random
-numbers; after a save that ended an epoch the next epoch's iterator is made again, as the
-uninterrupted run made it). What stays here is Lightning's: the fit loop's loaders, fetcher
-and counters (through ``_compat``), the ``self.log`` aggregates, ``set_epoch``, the hooks.
+:class:`ExactResume` drives ``resume/``: it captures the state at a save (each rank's skeleton
+file) and restores it at ``on_train_start``, the last hook before a resumed run's first fetch.
+What stays here is Lightning's: the fit loop's loaders and counters, ``set_epoch``, the hooks.
 """
 
 from __future__ import annotations
@@ -92,15 +86,10 @@ def _iterator_maker(trainer: pl.Trainer) -> Callable[[], object] | None:
 class ExactResume:
     """Captures and restores what an exact resume needs; driven by :class:`PreemptionCallback`.
 
-    Set :attr:`enabled` to ``False`` to turn it off (the samplers are then left alone and
-    nothing extra is saved).
-
-    Worker processes draw their own random numbers (augmentations in ``__getitem__``) from
-    a seed made when the epoch's iterator is made, and each draw moves them on. A mid-epoch
-    resume gives the workers the same seed, but they have not drawn for the batches already
-    trained. With :attr:`replay_worker_draws` the workers load those batches again (and we
-    drop them), so their draws match an uninterrupted run bit for bit; it costs reading that
-    part of the epoch again. Off by default: a warning says when it would matter.
+    :attr:`enabled` ``False`` turns it off (samplers left alone, nothing extra saved). With
+    :attr:`replay_worker_draws` a mid-epoch resume has the workers load the trained batches
+    again (and drops them), so random draws inside workers match an uninterrupted run bit for
+    bit, at the cost of reading that part of the epoch again (docs/exact-resume.md).
     """
 
     def __init__(self, enabled: bool = True, replay_worker_draws: bool = False, global_batch: str = "per_rank") -> None:

@@ -1,22 +1,10 @@
 """Fabric's saves through our plugin on every rank, with the modules' and optimizers' states sharded.
 
-``fabric.save(path, state)`` reaches ``Strategy.save_checkpoint`` of Fabric's strategy on
-every rank (it must be called on all of them). The base implementation, used by
-``SingleDeviceStrategy``, ``DDPStrategy`` (``ddp``, ``ddp_spawn``, ``ddp_fork``,
-``ddp_notebook``) and ``DataParallelStrategy``, turns the modules and optimizers in
-``state`` into state dicts and hands the result to the ``CheckpointIO`` on global rank 0
-alone, which then writes every byte while the other ranks wait at Fabric's barrier.
-
-With our plugin installed on the strategy, every rank hands its state to the plugin
-instead: the replicated tensors are split between the ranks (each writes ~1/N, DCP), the
-per-rank rest stays per rank, and the manifest commits the checkpoint once all ranks'
-files are durable. Which top-level keys held a module or an optimizer is known here, before
-the conversion; those keys are sharded without the user naming them in ``sharded_keys``.
-
-Installed once per process by the plugin's constructor (a class-level wrap of Fabric's
-base ``Strategy.save_checkpoint``, ``_compat.route_fabric_saves``); a strategy with another
-``CheckpointIO`` keeps Lightning's behaviour. Strategies that override ``save_checkpoint``
-(FSDP, ModelParallel, DeepSpeed, XLA) are not affected: they write with their own code.
+Fabric's base ``Strategy.save_checkpoint`` (single device, DDP, DP) hands the state to the
+``CheckpointIO`` on rank 0 alone. With our plugin every rank hands its state to it, so the
+replicated tensors are split between the ranks (DCP) and the keys that held a module or
+optimizer are sharded without naming them. Installed once per process by the plugin
+(``_compat.route_fabric_saves``); strategies that override ``save_checkpoint`` are unaffected.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """What Lightning logs about our checkpoints: its messages that our auto-resume route and
 exact resume make untrue are filtered, and its "Restoring states from …" lines name the real
-checkpoint instead of the resume pointer (docs/design.md, "Auto-resume").
-
-Lightning's "`weights_only` was not set" line is not filtered: the engine's saves pass
-``weights_only=False`` (callback.py), so Lightning has nothing to say. A user's own
-``trainer.save_checkpoint(path)`` still logs it: that is true there."""
+checkpoint instead of the resume pointer (docs/design.md, "Auto-resume")."""
 
 from __future__ import annotations
 
@@ -15,22 +11,14 @@ from collections.abc import Iterator
 from typing import cast
 
 NOT_RESUMABLE_LOADER = r"You're resuming from a checkpoint that ended before the epoch ended"
-"""Lightning's ``PossibleUserWarning`` (``TrainingEpochLoop.reset``, rank 0) on a mid-epoch
-restart when a training loader has no ``state_dict`` ("… and your dataloader is not
-resumable. This can cause unreliable results …"): untrue once exact resume has put every
-loader at its saved position and order (:attr:`ExactResume.positions_restored`). Matched by
-its start (older releases worded the rest differently)."""
+"""Lightning's warning on a mid-epoch restart that a loader is not resumable: untrue once exact
+resume put every loader back (:attr:`ExactResume.positions_restored`). Matched by its start."""
 
 
 class QuietWarning:
-    """One of Lightning's warnings, not shown while installed: an ``"ignore"`` entry for that
-    message (and category) alone at the front of ``warnings.filters``.
-
-    For warnings raised between two of our hooks (install in the first, remove in the
-    second), or inside one Lightning call: no ``catch_warnings`` block spans two hooks, and
-    exiting one would also undo filters others added meanwhile. :meth:`remove` takes out our entry only (found by
-    identity; an equal entry someone else added replaced ours and is left alone).
-    """
+    """One of Lightning's warnings, not shown while installed: our own ``"ignore"`` entry at the
+    front of ``warnings.filters``, removed by identity (no ``catch_warnings`` block spans two
+    hooks, and exiting one would undo filters others added meanwhile)."""
 
     def __init__(self, message: str, category: type[Warning] = Warning) -> None:
         self.message = message
@@ -63,16 +51,13 @@ AUTO_RESUME_WARNINGS = (
     r".*ckpt_path=None\)` was called without a model",
     r".*ckpt_path=\"last\"\) is set, but there is no last checkpoint",
 )
-"""Lightning's warnings about "last" checkpoints, raised while it chooses ``fit``'s checkpoint
-path (``_parse_ckpt_path``) whenever an ``OnExceptionCheckpoint`` is present and ``fit()``
-gets no ``ckpt_path``: that is exactly our auto-resume route, so the text misleads."""
+"""Lightning's warnings about "last" checkpoints when ``fit()`` gets no ``ckpt_path`` and an
+``OnExceptionCheckpoint`` is present: exactly our auto-resume route, so the text misleads."""
 
 
 @contextlib.contextmanager
 def quiet_auto_resume_warnings() -> Iterator[None]:
-    """:data:`AUTO_RESUME_WARNINGS` not shown inside the block: around Lightning's choice of
-    ``fit``'s checkpoint path for a Trainer holding our callback (``_compat.quiet_ckpt_path_choice``;
-    they are raised before any hook of ours runs). Other Trainers still show them."""
+    """:data:`AUTO_RESUME_WARNINGS` not shown inside the block (``_compat.quiet_ckpt_path_choice``)."""
     quiet = [QuietWarning(message) for message in AUTO_RESUME_WARNINGS]
     for q in quiet:
         q.install()
@@ -84,10 +69,8 @@ def quiet_auto_resume_warnings() -> Iterator[None]:
 
 
 class PointerNames(logging.Filter):
-    """While installed, Lightning's rank-zero log lines that name the resume pointer name the
-    checkpoint it stands for ("Restoring states from the checkpoint path at …", "Restored all
-    states from the checkpoint at …"). Lightning formats those lines itself (f-strings), so
-    the pointer's path is replaced in the record's message."""
+    """While installed, Lightning's rank-zero log lines ("Restoring states from …") name the
+    checkpoint the resume pointer stands for (the path is replaced in the record's message)."""
 
     def __init__(self) -> None:
         super().__init__()

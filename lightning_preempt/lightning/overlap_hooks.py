@@ -1,14 +1,8 @@
-"""Overlapped staging under the Trainer: what Lightning's run adds to staging/overlap.py.
-
-The mechanism is framework-neutral; this module only tells it which tensors only an
-optimizer step changes (the module's parameters, the optimizers' state) and settles the
-copy in flight at the Trainer's hooks where code other than the optimizer may change
-them: before each optimizer step (also settled by the optimizer hook; here explicitly,
-for Lightning's manual optimization and any strategy), when validation starts (Lightning's
-``WeightAveraging`` swaps weights in place there), at the end of an epoch and of training.
-:class:`OverlapGate` is put first among the Trainer's callbacks, so that it settles before
-another callback's hook of the same name runs (Lightning moves checkpoint callbacks, and so
-:class:`~lightning_preempt.PreemptionCallback`, to the end).
+"""Overlapped staging under the Trainer (staging/overlap.py): which tensors only an optimizer
+step changes, and the hooks where other code may change them, where the copy in flight is
+settled: before each optimizer step, at validation start (``WeightAveraging`` swaps weights
+there), at epoch and training end. :class:`OverlapGate` goes first among the callbacks so it
+settles before another callback's hook of the same name runs.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
-"""Lightning wiring of the peer replica (:mod:`lightning_preempt.tiers.peer`).
+"""Lightning wiring of the peer replica (:mod:`lightning_preempt.tiers.peer`, docs/peer-replica.md).
 
 ``Trainer(callbacks=[PreemptionCallback(..., local_dirpath=...), PeerReplica()])``: after a
-preemption snapshot committed on the node-local tiers, every rank copies its share to a
-rank on another node before the process exits, so the survivors hold the snapshot even
-when the leaving node's disk goes and its upload did not finish (docs/peer-replica.md).
-
-Where it runs: the engine of :class:`PreemptionCallback` calls its ``snapshot_hooks`` on
-every rank after the emergency snapshot committed and *before* the drain to the bucket gets
-the rest of the grace period; this callback registers there in ``setup``. (Without that
-engine, the replica runs in ``on_exception`` of the :class:`~lightning_preempt.Preempted`
-every rank raises: Lightning calls the hooks of non-checkpoint callbacks first, so the
-groups still exist; the drain has then used its budget already.)
+preemption snapshot committed on the node-local tier, every rank copies its share to a rank
+on another node, in the engine's ``snapshot_hooks`` (before the drain gets the rest of the
+grace period); without that engine, in ``on_exception`` of :class:`~lightning_preempt.Preempted`.
 """
 
 from __future__ import annotations

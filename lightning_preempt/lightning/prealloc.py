@@ -1,12 +1,6 @@
-"""Staging buffers ready before the first save: what the callback calls, and when.
-
-The first save used to allocate its staging buffers itself: first touch of fresh host
-memory cost ~12x the copy (and pinning a large shard with CUDA seconds more), inside the
-step, or inside the grace period when the first save is the emergency one. The callback
-calls :func:`prepare_staging` at ``on_train_start`` (model and restored optimizer state
-exist) and again after the first optimizer step (optimizers such as Adam create their
-state lazily there); buffers that already fit are kept, so the second call only adds
-what the first step created.
+"""Staging buffers ready before the first save (first touch of fresh host memory costs ~12x
+the copy, inside a step or the grace period). Called at ``on_train_start`` and again after
+the first optimizer step (Adam creates its state there); buffers that fit are kept.
 """
 
 from __future__ import annotations
@@ -24,11 +18,8 @@ log = logging.getLogger(__name__)
 
 
 def checkpoint_like(trainer: pl.Trainer) -> dict[str, Any] | None:
-    """The tensor part of the checkpoint ``trainer.save_checkpoint`` would write now,
-    as references (no copy): the same calls Lightning's ``dump_checkpoint`` makes, so
-    the keys are those of the real save. ``None`` where that would copy the state
-    (``ModelParallelStrategy`` offloads its sharded state dict to CPU to build it).
-    """
+    """The tensor part of the checkpoint ``trainer.save_checkpoint`` would write now, as
+    references (``dump_checkpoint``'s calls); ``None`` where that would copy the state."""
     strategy = trainer.strategy
     if isinstance(strategy, ModelParallelStrategy) or trainer.lightning_module is None:
         return None

@@ -1,19 +1,11 @@
-"""Making Lightning strategies save and load through our plugin on every rank (and
-installing the plugin where the Trainer has Lightning's default one).
+"""Lightning strategies saving and loading through our plugin on every rank (docs/design.md).
 
-* DDP (and any strategy using the base ``Strategy.save_checkpoint``): Lightning calls the
-  ``CheckpointIO`` on global rank 0 only. We rebind ``save_checkpoint`` on the strategy
-  *instance* so every rank calls the plugin; DCP splits the replicated tensors so each
-  rank writes ~1/N of the bytes, and the commit protocol needs every rank anyway. Loading
-  needs nothing: every rank reads the full state (it is replicated).
-* ``ModelParallelStrategy`` (FSDP2 / TP) bypasses ``CheckpointIO``: it calls DCP itself
-  and writes ``meta.pt`` with no commit protocol. We rebind ``save_checkpoint`` to give
-  its sharded state dict (``DTensor``s) to the plugin on every rank, and
-  ``load_checkpoint`` to load our checkpoints into the current model and optimizers in
-  place, resharding to the current world size (any other path goes to Lightning).
+* DDP and any strategy with the base ``Strategy.save_checkpoint`` (which calls the plugin on
+  rank 0 only): ``save_checkpoint`` rebound on the instance, so every rank writes ~1/N.
+* ``ModelParallelStrategy`` (bypasses ``CheckpointIO``, no commit): ``save_checkpoint`` gives
+  its sharded state dict to the plugin, ``load_checkpoint`` loads ours in place, resharded.
 
-Other strategies that save by themselves (FSDP1, DeepSpeed) are left alone with a
-warning. See docs/design.md.
+Other strategies that save by themselves (FSDP1, DeepSpeed) are left alone with a warning.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""The preemption controller: framework-neutral policy for "are we being reclaimed, and
-what do we do about it".
-
-It owns the preemption sources (signals, cloud notices), the agreement schedule, the
-timeline, and the emergency sequence. It knows nothing about Lightning: the callback hands
-it the step, and callables that snapshot, drain and say which step is safe.
-
-The emergency sequence is unconditional (a scheduler must always see a preemption as one):
-whatever the snapshot does — commits, fails, or the storage is gone — the controller logs
-the step that is safe, requeues when configured (bounded by the grace period), and raises
-:class:`Preempted` with ``exit_code``.
+"""The preemption controller: framework-neutral policy for "are we being reclaimed, and what
+now". It owns the sources, the agreement schedule, the timeline and the emergency sequence,
+which is unconditional (a scheduler must always see a preemption as one): whatever the
+snapshot does, it logs the safe step, requeues when configured and raises :class:`Preempted`.
 """
 
 from __future__ import annotations
@@ -76,16 +69,9 @@ def _noted(signum: signal.Signals) -> None:
 
 
 class PreemptionController:
-    """Sources -> agreement -> decisions; and the emergency sequence.
-
-    Args:
-        config: the settings (validated by the caller).
-        sources: extra preemption sources (cloud notices); a :class:`SignalFlag` for
-            ``config.signals`` is always the first.
-        on_notice: what a notice from ``sources`` does: ``"exit"``: preempt at once, like a
-            signal; ``"continue"``: snapshot once at the next agreed step and keep training
-            until a signal comes (that snapshot then costs only the steps since).
-    """
+    """Sources -> agreement -> decisions; and the emergency sequence. A :class:`SignalFlag`
+    is always the first source. ``on_notice="continue"``: a notice snapshots once and training
+    goes on until a signal; ``"exit"``: a notice preempts like a signal."""
 
     def __init__(
         self, config: ControllerSettings, sources: Sequence[PreemptionSource] = (), *, on_notice: str = "exit"
@@ -101,6 +87,7 @@ class PreemptionController:
         self.notice: Notice | None = None
         self._warned_requeue_off = False
         self.preempted = False  # the emergency sequence ran (the exit is under way)
+        self._requeued = False  # ... and the SLURM job is requeued (by this rank or another)
 
     # ---- sources ----------------------------------------------------------------------
     def bind(self, group: ProcessGroup | None) -> None:
@@ -129,18 +116,14 @@ class PreemptionController:
                 source.stop()
             except Exception as err:  # one broken source must not keep the others running
                 log.warning("lightning_preempt: stopping preemption source %s failed: %s", source.name, err)
-        if self.preempted:
-            # The exit with exit_code is under way, but the teardown still runs (the saver's
-            # threads, the ledger, the lease: seconds under load) with the default action back.
-            # SLURM's SIGTERM after another rank's requeue can come that late: only note it, or
-            # it kills this rank and srun says "Terminated" (issue 32, seen in CI).
+        if self.preempted and self._requeued:
+            # the teardown still takes seconds; SLURM's SIGTERM after a requeue can come that
+            # late and would kill this rank (issue 32): only note it. No requeue, nothing expected
             late_signals.take_over(self.config.signals, _noted)
 
     def after_training(self, *, leader: bool, safe_step: Callable[[], str]) -> None:
-        """Training ended normally (after :meth:`stop`): from now on, a configured signal
-        whose handler is the default action exits the process with ``exit_code`` (and
-        requeues, as a preemption does) instead of killing it (preemption/late_signals.py).
-        Nothing is saved: what training committed is what a restart resumes."""
+        """After :meth:`stop`: a configured signal still at its default action now exits with
+        ``exit_code`` (and requeues) instead of killing the process; nothing more is saved."""
 
         def exit_now(signum: signal.Signals) -> None:
             self._exit_after_training(signum, leader=leader, safe_step=safe_step)
@@ -266,15 +249,8 @@ class PreemptionController:
         safe_step: Callable[[], str],
         leader: bool,
     ) -> NoReturn:
-        """Snapshot, drain, requeue and exit — the exit happens whatever the others do.
-
-        Args:
-            step: the step all ranks agreed to stop at.
-            snapshot: save and wait for the commit (raises on failure).
-            drain: two tiers: drain for at most the given seconds; returns "held by …".
-            safe_step: describes the newest committed step (for the exit log).
-            leader: this rank requeues the job (global rank 0).
-        """
+        """Snapshot, drain, requeue and exit: the exit happens whatever the others do.
+        ``leader`` (global rank 0) requeues."""
         self.preempted = True
         self.mark(f"ranks agreed to preempt at step {step}")
         self.flush()
@@ -291,21 +267,17 @@ class PreemptionController:
         except Exception as err:
             self.mark(f"the drain failed ({err}); exiting anyway")
         requeued = self._requeue_job()
+        self._requeued = requeued is not None
         job = requeued if leader else None
         then = f"; requeueing SLURM job {job} last (SLURM then ends this run at once)" if job is not None else ""
         self.mark(f"exiting with code {self.config.exit_code}; safe to resume from: {safe_step()}{held}{then}")
         if job is None and requeued is not None:
-            # Another rank requeues the job; SLURM's SIGTERM then reaches every task of the
-            # step, this one included: absorb it here too, or it kills this rank in its
-            # teardown and SLURM records the requeued job FAILED (issue 32).
+            # another rank requeues: absorb SLURM's SIGTERM too, or the job is recorded FAILED
             self.mark(absorb_requeue_term(requeued, min(_SETTLE_S, self.budget()), flush=flush_logs))
         if job is not None:
-            # The last act: SLURM's kill follows `scontrol requeue` within milliseconds, so
-            # every line above is out (and flushed) before it (docs: "Exit semantics").
+            # the last act: SLURM's kill follows `scontrol requeue` within milliseconds
             self.mark(requeue_slurm(job, max(1.0, min(self.config.requeue_timeout_s, self.budget())),
                                     flush=flush_logs, settle_s=min(_SETTLE_S, self.budget())))  # fmt: skip
-        # The framework's and the user's exception handling still run; the interpreter's own
-        # teardown (1-5 s) does not when this ends the program (preemption/quick_exit.py).
         raise quick_exit.armed(Preempted(self.config.exit_code), self.config.exit_code, flush_logs)
 
     def _requeue_job(self) -> str | None:
@@ -321,9 +293,7 @@ class PreemptionController:
         return job
 
 
-#: After a successful ``scontrol requeue``, wait at most this long for SLURM's SIGTERM, so it
-#: is absorbed here and the process still exits with ``exit_code`` (SIGKILL only follows
-#: after SLURM's ``KillWait``, 30 s by default).
+#: How long to wait for (and absorb) SLURM's SIGTERM after a requeue (SIGKILL: ``KillWait`` later).
 _SETTLE_S = 3.0
 
 

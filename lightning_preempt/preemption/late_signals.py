@@ -1,15 +1,9 @@
 """Signals after training ended: an exit with ``exit_code``, not death by the signal.
 
-While training runs, :class:`~lightning_preempt.preemption.signals.SignalFlag` turns the
-configured signals into a preemption. When training ends it puts back what was there
-before, usually the default action: a SIGTERM during the program's own work after
-``trainer.fit`` returned (an evaluation, an upload, waiting for a test set) killed the
-process (-15), which SLURM records as FAILED (issue 32). :class:`LateSignals` takes over
-those of the signals whose handler is still the default action (a handler of the user's
-is left alone): the first one calls ``on_signal`` (which exits with ``exit_code``), any
-later one (SLURM signals every task again after a requeue) is only noted, since the exit
-is under way. :func:`hand_back` gives the default action back before training starts again
-(any trainer's: there is one set of handlers per process, so :data:`LATE` is the one instance).
+A SIGTERM after ``trainer.fit`` returned killed the process (-15), which SLURM records as
+FAILED. :class:`LateSignals` takes the signals whose handler is still the default: the first
+calls ``on_signal``, later ones are noted. :func:`hand_back` restores the default before
+training again (one set of handlers per process, so :data:`LATE` is the one instance).
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""After a preemption, leave at once: the interpreter's own teardown is grace the next job lacks
-(issue 32: 1-5 s of CPython collecting every module; what still runs: docs/guide.md).
+"""After a preemption, leave at once: CPython's teardown (1-5 s) is grace the next job lacks.
 
-Everything registered still runs as :class:`~lightning_preempt.Preempted` unwinds (the
-framework's ``on_exception`` and teardown, the user's ``finally``, non-daemon thread joins,
-``atexit``). :func:`armed` then makes the interpreter's finalization an ``os._exit``, but only
-when the ``Preempted`` really ends the program: it watches the outermost frame
-(``sys.settrace``) and arms when that frame is left by this exception. The ``atexit`` handler
-it registers (so it runs first) runs every other handler itself, flushes logging and the
-standard streams and calls ``os._exit(exit_code)``. It stands aside when the program catches
-the ``Preempted`` and goes on, under an installed tracer (debugger, coverage), and off the
-main thread.
+Everything registered still runs as :class:`~lightning_preempt.Preempted` unwinds;
+:func:`armed` arms only when that exception leaves the outermost frame (``sys.settrace``),
+then its ``atexit`` handler runs the others, flushes and ``os._exit(exit_code)``. It stands
+aside when the program catches ``Preempted``, under another tracer, and off the main thread.
 """
 
 from __future__ import annotations

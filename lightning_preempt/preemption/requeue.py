@@ -1,19 +1,9 @@
-"""Requeueing the job with the scheduler (SLURM's ``scontrol``), bounded in time.
+"""Requeueing the job with SLURM's ``scontrol``, bounded in time (measured: SLURM 22.05).
 
-Measured under SLURM 22.05 (tests/e2e/test_slurm.py): ``scontrol requeue`` of the job a
-process runs in makes SLURM end that run at once (SIGCONT, SIGTERM to every task, SIGKILL
-after ``KillWait``). So the requeue is the emergency sequence's last act, after its log lines
-are flushed, and the SIGTERM it brings is absorbed here (a handler that only notes it) for a
-few seconds, so the process still exits with its own code (143) and SLURM records that, not
-"killed by signal 15" in the middle of the teardown (releasing the lease, the saver's threads).
-
-SLURM also requeues a job that already ended, a cancelled one included: a plain ``scancel``
-(SIGTERM to the steps, the job ``CANCELLED``) followed by our requeue brought the cancelled job
-back. So a job SLURM is ending before its time limit is not requeued (:func:`ended_by_slurm`).
-
-Under ``python -m lightning_preempt.torchrun`` (an elastic job: one SLURM job per node) the
-workers' global rank 0 may run on another node than the one reclaimed: there the agent that
-received the signal requeues its own job, and the workers do not (:data:`AGENT_REQUEUES`).
+``scontrol requeue`` ends the run at once (SIGTERM to every task), so it is the emergency
+sequence's last act and the SIGTERM it brings is absorbed for a few seconds: the process
+still exits with its own code. SLURM requeues even a cancelled job, so one SLURM is ending
+is not requeued (:func:`ended_by_slurm`). Under our torchrun the agent requeues instead.
 """
 
 from __future__ import annotations
@@ -42,12 +32,8 @@ def _seconds(duration: str) -> int | None:
 
 
 def ended_by_slurm(job: str, timeout_s: float) -> str | None:
-    """Why SLURM is already ending ``job`` for good, or ``None`` (running, or unknown).
-
-    SLURM 22.05's ``scontrol show job`` (and ``squeue``, even ``-t CANCELLED``) shows a
-    cancelled job as ``COMPLETING`` while its processes stop, like one whose batch shell died
-    or that reached its time limit; only the run time tells the limit apart (a job killed at
-    its limit is requeued: with ``--signal=TERM@60`` it never gets there)."""
+    """Why SLURM is already ending ``job`` for good, or ``None``. A cancelled job shows as
+    ``COMPLETING`` like one at its time limit; only the run time tells them apart."""
     try:
         result = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True,
                                 timeout=timeout_s, check=False)  # fmt: skip
@@ -67,15 +53,8 @@ def ended_by_slurm(job: str, timeout_s: float) -> str | None:
 def requeue_slurm(
     job: str, timeout_s: float, *, flush: Callable[[], None] | None = None, settle_s: float = 0.0
 ) -> str:
-    """``scontrol requeue JOB``, bounded; returns what happened (never raises).
-
-    Args:
-        job: the SLURM job id (``$SLURM_JOB_ID``).
-        timeout_s: the longest ``scontrol`` may take.
-        flush: called right before the requeue (flush the logs: SLURM's kill follows).
-        settle_s: after a successful requeue, wait up to this long for SLURM's SIGTERM, with a
-            handler that only notes it (main thread only; elsewhere nothing is waited for).
-    """
+    """``scontrol requeue JOB``, bounded; returns what happened (never raises). ``flush`` runs
+    just before (SLURM's kill follows); ``settle_s``: then absorb SLURM's SIGTERM (main thread)."""
     if shutil.which("scontrol") is None:
         return "requeue requested but `scontrol` is not on PATH; the scheduler decides"
     begun = time.monotonic()
@@ -116,10 +95,8 @@ def requeue_slurm(
 
 
 def absorb_requeue_term(job: str, settle_s: float, *, flush: Callable[[], None] | None = None) -> str:
-    """On a rank that does not requeue: wait up to ``settle_s`` for the SIGTERM SLURM sends every
-    task after another rank's ``scontrol requeue``, with a handler that only notes it, so this
-    process too exits with its own code (main thread only). Not waited for when SLURM is
-    already ending the job for good (no requeue follows: :func:`ended_by_slurm`)."""
+    """On a rank that does not requeue: absorb, up to ``settle_s``, the SIGTERM another rank's
+    requeue brings (main thread; not when :func:`ended_by_slurm`)."""
     if settle_s <= 0 or threading.current_thread() is not threading.main_thread():
         return "not waiting for SLURM's SIGTERM (no time left, or not the main thread)"
     came: list[float] = []

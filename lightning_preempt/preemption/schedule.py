@@ -1,17 +1,10 @@
 """When ranks agree on "preempt now?" (and "a time-based save is due?").
 
-Policy on top of :class:`lightning_preempt.dist.FlagAgreement` (the mechanism). Ranks
-exchange ``[signalled, time_due, stop, proposed_k, tier0]`` with MAX at optimizer-step
-boundaries (``tier0``: a rank's vote for an auto-K tier-0 copy, :attr:`AgreementSchedule.tier0`):
-
-* every ``k`` boundaries, on a schedule all ranks count alike — a rank-local condition
-  never decides whether a rank enters the collective (the others would wait forever);
-* ``k="auto"``: agree every step while timing the first steps, then each rank proposes
-  ``k ~ interval_s / step time`` in the same exchange and all switch to the MAX together.
-  Measured here: one exchange costs ~1 ms on gloo, which is 27% of a 3.5 ms CPU step but
-  well under 1% of a typical GPU step; ``auto`` keeps it near 1% with bounded latency;
-* ``overlap``: the collective runs while the next step computes and is read one boundary
-  later (every rank still acts at the same boundary).
+Policy over :class:`lightning_preempt.dist.FlagAgreement`: ranks MAX-reduce
+``[signalled, time_due, stop, proposed_k, tier0]`` every ``k`` step boundaries, counted
+alike on all ranks (a rank-local condition never decides who enters the collective).
+``k="auto"`` proposes ``k ~ interval_s / step time`` in the same exchange (one costs ~1 ms
+on gloo); ``overlap`` reads the collective one boundary later.
 """
 
 from __future__ import annotations

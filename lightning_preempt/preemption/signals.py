@@ -1,12 +1,7 @@
-"""Signal handlers that only set a flag.
+"""Signal handlers that only set a flag: no I/O, locks or collectives in a handler.
 
-Nothing else is safe inside a handler: no I/O, no locks, no collectives (Lightning's
-handler broadcasts from rank 0 inside its handler and hangs DDP when only rank 1 is
-signalled). The training loop reads the flag at a step boundary and ranks agree on it.
-
-Handlers chain to the handler that was installed before ours (a user's), and are
-restored afterwards. A handler of ours that outlives its owner (Lightning restores the
-handlers it found, which may be ours) behaves like the one it replaced.
+Ranks agree on the flag at a step boundary. Handlers chain to the one installed before and
+are restored afterwards; one that outlives its owner behaves like the one it replaced.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """Preemption sources: anything that can announce "this node is being reclaimed".
 
-A source is polled from the training thread at step boundaries, so :meth:`poll` must be
-cheap and never block (a source that talks to a server does so on its own thread and
-only reads a field here). What one rank's source announces reaches every rank through the
-controller's collective agreement, exactly like a signal.
-
-Call order (the controller's): ``start()`` once training starts (main thread), ``poll()``
-at boundaries, ``stop()`` when training ends, fails or is preempted (idempotent).
+Call order (the controller's): ``start()`` on the main thread, ``poll()`` at step
+boundaries (cheap, never blocks), ``stop()`` at the end (idempotent).
 """
 
 from __future__ import annotations
@@ -15,25 +10,14 @@ import dataclasses
 import time
 from typing import Protocol, runtime_checkable
 
-# The furthest ahead a notice's deadline may lie. Real ones are 30 s (GCE) to 15 min (Azure
-# Terminate); a server's "year 9999" would make every wait on it overflow (``threading``
-# refuses timeouts past ``TIMEOUT_MAX``: the drain was cancelled at once) or hang for ever.
+# Real deadlines are 30 s to 15 min; a server's "year 9999" would overflow ``threading`` waits.
 MAX_NOTICE_HORIZON_S = 3600.0
 
 
 @dataclasses.dataclass(frozen=True)
 class Notice:
-    """One announced reclaim.
-
-    Attributes:
-        source: who announced it (``"SIGTERM"``, ``"aws"``, ``"gce"``…).
-        reason: a short human-readable reason for the logs.
-        received_at: ``time.monotonic()`` when this process learnt of it.
-        deadline: ``time.monotonic()`` by which the node is gone, when the source knows it
-            (a signal's deadline is ``received_at + grace_period_s``, set by the controller).
-            Clamped to at most :data:`MAX_NOTICE_HORIZON_S` after ``received_at``: the one
-            place every source's deadline passes through.
-    """
+    """One announced reclaim; times are ``time.monotonic()``. ``deadline`` (when known) is
+    clamped here to :data:`MAX_NOTICE_HORIZON_S` after ``received_at``, for every source."""
 
     source: str
     reason: str

@@ -1,14 +1,8 @@
-"""Data loader worker processes that outlive the preemption signal their trainer handles.
+"""Data loader workers that outlive the preemption signal their trainer handles.
 
-A scheduler signals a whole process group, or every process of a job step: torchrun's agent
-forwards SIGTERM with ``killpg`` to each worker's group, SLURM signals every process of the
-step. A ``DataLoader`` worker is in that group, and torch's own SIGTERM handler in workers
-ends the worker at once unless the parent sent it; the trainer then fails at its next fetch
-("DataLoader worker ... is killed by signal: Terminated") instead of taking the snapshot the
-signal asked for. Only the trainer acts on the signal: in its workers the preemption
-signals are ignored (:class:`IgnoreSignals`, chained before the user's ``worker_init_fn``).
-The workers still end with their loader: the loader shuts them down (Lightning does at
-teardown, also after a preemption), and a worker whose trainer is gone exits by itself.
+torchrun and SLURM signal every process of the group, and torch's SIGTERM handler ends a
+worker at once, so the trainer failed at its next fetch instead of snapshotting. In workers
+the preemption signals are ignored (:class:`IgnoreSignals`); the loader still ends them.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """One ``torch.save`` archive (a DCP tensor record) read straight into its tensor.
 
-DCP writes every tensor chunk as a small ``torch.save`` zip archive inside a shard file;
-its ``.metadata`` says where each archive sits and the chunk's dtype and size. Only the
-archive's zip local headers are parsed (no unpickling): the head (``data.pkl`` and the
-other small records, well under :data:`_HEAD_BYTES`) goes to scratch, the ``*/data/0``
-record's bytes are read straight into a new tensor of exactly the chunk's size, and the
-zip data descriptor after them confirms the record's size. An archive laid out otherwise
-(never written by us) falls back to ``torch.load(weights_only=True)``.
+Only the zip local headers are parsed (no unpickling): the head goes to scratch, the data
+record into a tensor of the chunk's size, the data descriptor confirms it. Any other layout
+falls back to ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
@@ -49,13 +45,8 @@ _DESCRIPTOR = b"PK\x07\x08"
 def read_archive(
     f: IO[bytes], item: TensorItem, crc: Cursor, out: torch.Tensor | None = None
 ) -> tuple[torch.Tensor | None, int]:
-    """Read one ``torch.save`` archive of ``item.length`` bytes from ``f``: its head into
-    scratch, the tensor data straight into a new tensor of exactly the chunk's size (its
-    own storage: nothing else is kept alive by it, and it saves and pickles like any
-    tensor), the rest into scratch. Returns ``(tensor, bytes read)``; ``None`` for a
-    short read. An archive laid out otherwise than our stager writes it is handed to
-    ``torch.load(weights_only=True)`` (one copy of that tensor).
-    """
+    """Read one archive of ``item.length`` bytes from ``f`` into a tensor of its own storage.
+    Returns ``(tensor, bytes read)``; ``None`` for a short read."""
     head = memoryview(bytearray(min(item.length, _HEAD_BYTES)))
     got = read_into(f, head, crc)
     if got < head.nbytes:
@@ -87,13 +78,9 @@ def read_archive(
 def archive_in_memory(
     archive: memoryview, item: TensorItem, layouts: dict[tuple[int, int], int], out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The tensor of one archive already read into memory (``archive``: exactly its
-    ``item.length`` bytes), copied into a new tensor of its own. Small archives are read
-    many at once (read/tensors.py): one read and one copy each beat three reads each.
-    ``layouts`` (the caller's, for one file) remembers where the data record's header sat
-    in an archive of the same size and data size: it is checked there first, and the
-    headers are walked only when it is not. Raises :class:`Unparsable` when torch cannot
-    read a record laid out otherwise."""
+    """The tensor of one archive already in memory, copied into a tensor of its own.
+    ``layouts`` remembers where the data header sat for archives of the same sizes, so the
+    headers are walked only on a miss. :class:`Unparsable` when torch cannot read it."""
     nbytes = item.dtype.itemsize
     for size in item.chunk_sizes:
         nbytes *= size

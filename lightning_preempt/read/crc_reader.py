@@ -1,12 +1,8 @@
 """Reading a file range by range with its CRC32C computed on the way.
 
-A range is read through :func:`hashing_reader`: a buffered reader over the file whose
-every read from storage (a buffer fill of :data:`READ_BUFFER_BYTES`, or a read straight
-into a large tensor) is hashed as it arrives, on the reading thread. Thousands of small
-tensor records then cost a few large reads and CRC32C updates, not several each (the
-parser above asks for a record's head, data and tail separately). Ranges of one file
-are read and hashed at once by different threads (``readinto`` and ``crc32c`` release
-the GIL), and their CRCs combined in file order (:func:`file_digest`).
+:func:`hashing_reader` hashes each storage read as it arrives, so thousands of small records
+cost a few large reads. Ranges are hashed by several threads (the GIL is released) and
+combined in file order (:func:`file_digest`).
 """
 
 from __future__ import annotations
@@ -24,10 +20,8 @@ READ_BUFFER_BYTES = 1 << 20
 
 
 class OrderedCrc:
-    """CRC32C of one range of a file, starting at ``start``: each piece read is queued
-    under its file offset and hashed in order by a helper task (``crc32c`` releases the
-    GIL, so hashing overlaps the reads). Ranges read at once are hashed at once too, and
-    their CRCs combined (:meth:`Crc32c.extend`)."""
+    """CRC32C of one range from ``start``: pieces are queued by offset and hashed in order by
+    a helper task, overlapping the reads."""
 
     def __init__(self, pool: ThreadPoolExecutor | None, start: int = 0) -> None:
         self.crc = Crc32c()
@@ -146,8 +140,6 @@ class _HashingRaw(io.RawIOBase):
 
 
 def hashing_reader(inner: IO[bytes], crc: OrderedCrc | None, offset: int, end: int | None = None) -> IO[bytes]:
-    """A buffered reader over ``inner`` (positioned at ``offset``) that hands every byte
-    it reads from ``inner`` to ``crc`` (``OrderedCrc(None, offset)``: hashed inline), and
-    reads nothing at or past ``end`` (``None``: to the end of the file). Reads of at
-    least :data:`READ_BUFFER_BYTES` go straight into the caller's memory."""
+    """A buffered reader over ``inner`` from ``offset`` to ``end`` that hands every byte read to
+    ``crc``; reads of :data:`READ_BUFFER_BYTES` or more go straight into the caller's memory."""
     return cast(IO[bytes], io.BufferedReader(_HashingRaw(inner, crc, offset, end), READ_BUFFER_BYTES))

@@ -41,11 +41,8 @@ def dcp_reader(store: Store, manifest: Manifest | None = None) -> _compat.Fsspec
 
 
 def load_all_tensors(store: Store, *, manifest: Manifest | None = None) -> dict[str, Any]:
-    """Every tensor of the shards, full (unsharded), on CPU, in this process alone.
-
-    ``dcp.load`` needs a template; with none we use the empty-state-dict planner the way
-    DCP's own ``format_utils.dcp_to_torch_save`` does.
-    """
+    """Every tensor of the shards, unsharded, on CPU, in this process alone (no template:
+    the empty-state-dict planner, as DCP's ``dcp_to_torch_save`` does)."""
     tensors: dict[str, Any] = {}
     _compat.dcp_load_state_dict(
         tensors, storage_reader=dcp_reader(store, manifest), planner=_compat.EmptyStateDictLoadPlanner(), no_dist=True

@@ -34,10 +34,7 @@ def read_manifest(store: Store) -> Manifest:
 def verify_checkpoint(
     store: Store, manifest: Manifest | None = None, *, progress: Callable[[int], None] | None = None
 ) -> Manifest:
-    """Check that every file the manifest lists exists with its size and CRC32C.
-
-    ``progress`` is called with the bytes read so far (for progress bars).
-    """
+    """Every listed file exists with its size and CRC32C; ``progress(bytes read so far)``."""
     manifest = manifest or read_manifest(store)
     files = data_store(store, manifest)  # a replaced checkpoint's files live in its generation dir
     for name, entry in sorted(manifest.files.items()):
@@ -70,23 +67,16 @@ def verify_checkpoint(
 _CORRUPT_HINT = "This checkpoint is damaged; resume from an older one (auto-resume skips it)."
 
 
-#: How much a candidate is checked before it is chosen: ``True`` reads every file for
-#: its CRC32C, ``"sizes"`` only lists the files (existence and size; the CRC32C is then
-#: checked by the one-pass load itself), ``False`` checks nothing beyond the manifest.
+#: How much a candidate is checked before it is chosen (catalog/newest.py).
 Verify = bool | Literal["sizes"]
 
-#: ``fallback(excluded)``: the next checkpoint to try after those in ``excluded`` failed
-#: their check while loading, or ``None`` when none is left (catalog/newest.py makes them,
-#: read/load.py's ``load_agreed`` calls them).
+#: ``fallback(excluded)``: the next checkpoint to try, or ``None`` (catalog/newest.py).
 Fallback = Callable[[list[str]], "str | None"]
 
 
 def check_sizes(store: Store, manifest: Manifest | None = None) -> Manifest:
-    """Every file the manifest lists exists with its size: one listing, no data read.
-
-    The cheap check for choosing a resume target; a truncated or missing file is the
-    common damage (a copy that stopped), a flipped bit is caught later by the load.
-    """
+    """Every listed file exists with its size: one listing, no data read (a flipped bit is
+    the load's to catch)."""
     manifest = manifest or read_manifest(store)
     store = data_store(store, manifest)  # a replaced checkpoint's files live in its generation dir
     sizes = {e.name: e.size for e in store.entries()}

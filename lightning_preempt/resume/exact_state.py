@@ -1,15 +1,13 @@
 """The exact-resume state one rank saves, and the checks and restores any front-end makes with it.
 
-The state is a plain dict under :data:`STATE_KEY` in the rank's own checkpoint file (never
-in shared shards: every rank has its own RNG states and data position)::
+A plain dict under :data:`STATE_KEY` in the rank's own checkpoint file (never in shared
+shards)::
 
     {"version": 1, "rank": int, "world_size": int, "epoch": int, "global_step": int,
      "batches_in_epoch": int, "rng": capture_rng(), "loaders": ResumableLoaders.capture(),
-     "metrics": metric_states(), "results": front-end specific (Lightning: self.log aggregates),
-     "accumulate": int (gradient accumulation at the save; absent before issue 22)}
+     "metrics": metric_states(), "results": front-end specific, "accumulate": int (optional)}
 
-Checkpoints written since version 1 restore with these keys; a change of their meaning
-bumps :data:`FORMAT_VERSION` (an older state is then ignored, with a warning).
+A change of their meaning bumps :data:`FORMAT_VERSION` (an older state is then ignored).
 """
 
 from __future__ import annotations

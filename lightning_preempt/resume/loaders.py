@@ -2,12 +2,9 @@
 
 :class:`ResumableLoaders` knows which loaders it wrapped (a :class:`ResumableSampler`
 installed), which save their own position (``"stateful"``: a torchdata
-``StatefulDataLoader``) and which it cannot resume; it notes the RNG states each epoch's
-iterators are made from, captures one saved entry per loader and puts positions,
-generators and iterators back. It never touches a training loop: a front-end passes the
-loaders (always the same list, in the same order, as its loop iterates them), the epoch
-number and small callables (make the loop's iterators again; Lightning's per-epoch
-``set_epoch``). ``lightning/exact.py`` is the Trainer's front-end.
+``StatefulDataLoader``) and which it cannot resume. It never touches a training loop: a
+front-end passes the loaders (the same list, in its loop's order), the epoch and small
+callables (remake the loop's iterators; the per-epoch ``set_epoch``).
 
 Call order (one process, per rank):
 
@@ -32,10 +29,8 @@ Call order (one process, per rank):
      :meth:`~ResumableLoaders.make_next_epoch_iterators`;
    * no state, or another rank's: :meth:`~ResumableLoaders.remake_iterators`.
 
-The restore assumes the loop made its iterators before it (Lightning does, before
-``on_train_start``; a StatefulDataLoader after loading its position) and makes them again
-only where they depend on the restored states. A loop that makes an iterator *after* the
-restore draws its worker base seed from the states of the save, not of the epoch start.
+The restore assumes the loop made its iterators before it (Lightning does) and makes them
+again only where they depend on the restored states.
 """
 
 from __future__ import annotations
@@ -156,13 +151,8 @@ class ResumableLoaders:
     # -- resharding (another world size, or an epoch already split another way) --
     def reshard(self, loaders: Sequence[Any], saved: list[dict[str, Any]], epoch: int, batches_in_epoch: int) -> set[int]:
         """Mid-epoch: give every loader whose saved epoch was split among another number of
-        ranks (or already resharded) this rank's share of the rest of that epoch
-        (:class:`~lightning_preempt.resume.reshard.ReshardedSampler`); returns their indices.
-
-        Call before :meth:`restore_positions` (pass it the result), then
-        :meth:`remake_resharded`. Loaders whose order is defined otherwise now (dataset
-        length, seed, shuffle, ``drop_last``) are warned about and left as they are.
-        """
+        ranks (or already resharded) this rank's share of the rest of that epoch; returns their
+        indices. Loaders whose order is defined otherwise now are warned about and left."""
         if len(saved) != len(self._samplers):
             return set()
         done: set[int] = set()
@@ -218,12 +208,8 @@ class ResumableLoaders:
         self, saved: list[dict[str, Any]], mid_epoch: bool, batches_in_epoch: int = 0, resharded: set[int] | None = None
     ) -> bool:
         """Mid-epoch: make each wrapped sampler's next epoch replay the saved order and skip
-        ``batches_in_epoch`` batches (warned for loaders whose position is not saved).
-
-        Returns whether, mid-epoch, every loader goes on at its saved position in its saved
-        order: each is wrapped now and was when saved (its order replays), or saves its own
-        position (``"stateful"``, restored by the loop) now and then. ``False`` otherwise
-        (nothing to restore at an epoch end)."""
+        ``batches_in_epoch`` batches (warned for loaders whose position is not saved). Returns
+        whether every loader goes on at its saved position in its saved order."""
         if len(saved) != len(self._samplers):
             if mid_epoch:
                 log.warning(
@@ -286,18 +272,12 @@ class ResumableLoaders:
     ) -> dict[int, int]:
         """Make the loop's iterators again where needed; returns {loader index: batches to drop}.
 
-        Needed for worker loaders (we wrapped their sampler: their workers asked the original
-        for indices as soon as the loop made them; any kind: workers started before the
-        front-end set their ``worker_init_fn``, e.g. ``preemption/workers.py``); mid-epoch, for a StatefulDataLoader whose
-        sampler takes ``set_epoch`` (torchdata made the resumed epoch's indices before the
-        loop set the epoch: we set it and hand the loader its own position again); and for a
-        StatefulDataLoader that replays its sampler (:func:`replays_sampler`): in a fresh
-        process its first iterator is made again here, after the states it is made from are
-        noted, so that a mid-epoch resume can make it from the same states.
-
-        ``make_iterators`` makes every loader's iterator again (``None``: the loop has none
-        yet, nothing is remade). With ``replay_worker_draws`` the workers of wrapped loaders
-        load the trained batches again: the caller drops them (:func:`drop_replayed`).
+        Needed for worker loaders (started before the front-end set them up, and fed by the
+        original sampler), mid-epoch for a StatefulDataLoader whose sampler takes ``set_epoch``
+        (torchdata made the epoch's indices before the epoch was set), and for one that
+        replays its sampler (:func:`replays_sampler`: remade after its states are noted).
+        ``make_iterators`` ``None``: the loop has none yet. With ``replay_worker_draws`` the
+        workers load the trained batches again: the caller drops them (:func:`drop_replayed`).
         """
         pairs = list(zip(loaders, self._samplers, strict=True))
         kinds = self.kinds
@@ -337,13 +317,8 @@ class ResumableLoaders:
         make_iterators: Callable[[], object] | None,
         set_sampler_epoch: SetSamplerEpoch,
     ) -> None:
-        """After restoring a save that ended an epoch: make the next epoch's iterators again.
-
-        The uninterrupted run made them after the save (drawing a worker base seed, and for
-        torchdata's samplers the epoch's seed); the resumed loop made them before the
-        restore. We set the sampler epoch the way the loop is about to, note the states and
-        make them again (``make_iterators`` ``None``: the loop has none, nothing is made).
-        """
+        """After restoring a save that ended an epoch: make the next epoch's iterators again,
+        from the restored states, as the uninterrupted run made them after its save."""
         for dl in loaders:
             set_sampler_epoch(dl)
         if make_iterators is not None:

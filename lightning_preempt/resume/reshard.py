@@ -1,14 +1,9 @@
 """Sample-exact resharding: an epoch begun at world size W goes on at world size M
 (docs/elastic.md, "Data at a resize").
 
-A ``DistributedSampler`` splits one epoch order W ways (rank r takes positions r, r+W, …),
-so after k batches of b samples per rank the world has consumed exactly the first k·b·W
-positions, whatever W was. That count and what defines the order (:func:`order_record`)
-are saved per loader; the resume takes the order again, drops what was consumed and splits
-the rest among the M ranks now (:func:`share`): every index once, plus at most M-1 of
-padding per resize. :class:`ReshardedSampler` yields one rank's share for the rest of that
-epoch (its ``len`` counts the batches already trained, so Lightning ends the epoch where
-the share ends) and puts the original sampler back at ``set_epoch``.
+After k batches of b samples per rank a ``DistributedSampler`` world has consumed exactly the
+first k·b·W positions of the epoch order, whatever W was: the resume drops those and splits
+the rest among the M ranks now (:func:`share`; every index once, at most M-1 of padding).
 """
 
 from __future__ import annotations

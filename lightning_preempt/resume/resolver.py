@@ -1,18 +1,10 @@
 """Which checkpoint a restarted job resumes from — decided once, for every rank.
 
-Two phases, because Lightning asks before the process group exists:
-
-1. :meth:`ResumeResolver.peek` (every rank, before any collective is possible): does
-   ``dirpath`` (or the local tier) hold a committed checkpoint? A listing error is retried
-   with backoff and, if it persists, remembered: never taken for "nothing there" (training
-   would start from step 0 and retention delete the previous run's checkpoints).
-2. :meth:`ResumeResolver.choose` / :meth:`ResumeResolver.target` (every rank, in ``setup``,
-   collective): ranks agree on their peeks, then rank 0 picks the newest checkpoint that
-   verifies and every rank gets it or the same error (:func:`agree.decide`).
-
-A manifest that cannot be read fails the listing (docs/design.md, '"Could not tell" is never
-"absent"'): resuming then fails on every rank with :class:`ListingError` and its HINT. A
-candidate is passed over only for what it *is* (uncommitted, damaged).
+Two phases, because Lightning asks before the process group exists: :meth:`ResumeResolver.peek`
+(every rank, no collective; a listing error is retried, then remembered, never taken for
+"nothing there") and :meth:`ResumeResolver.choose` / :meth:`ResumeResolver.target` (every
+rank, collective: rank 0 picks the newest checkpoint that verifies, every rank gets it or the
+same error). A candidate is passed over only for what it *is* (uncommitted, damaged).
 """
 
 from __future__ import annotations

@@ -94,14 +94,9 @@ class _RewindingSampler(Sampler[Any]):
 
 @contextlib.contextmanager
 def rewound_sampler(loader: Any, pre_iter: dict[str, Any]) -> Iterator[None]:
-    """While a resumed StatefulDataLoader's iterator is made, make its sampler's draws
-    repeat those of the epoch's start (``pre_iter``: :func:`snapshot_iter_rng`).
-
-    torchdata iterates a sampler without ``state_dict`` up to three times while it makes a
-    resumed iterator (then skips what was yielded); each ``iter()`` of Lightning's
-    ``DistributedSamplerWrapper`` draws a new permutation, so the one used would be the
-    third from the epoch-start states instead of the first (see :class:`_RewindingSampler`).
-    """
+    """While a resumed StatefulDataLoader's iterator is made, make its sampler's draws repeat
+    those of the epoch's start (torchdata iterates such a sampler up to three times then, and
+    each ``iter()`` of a ``DistributedSamplerWrapper`` draws a new permutation)."""
     batch_sampler: Any = getattr(loader, "batch_sampler", None)
     inner = getattr(batch_sampler, "sampler", None)
     if batch_sampler is None or inner is None:
@@ -209,25 +204,22 @@ def has_set_epoch(loader: Any) -> bool:
     return any(callable(getattr(s, "set_epoch", None)) for s in samplers)
 
 
-def _stateful(loader: Any) -> bool:
-    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+def is_stateful(value: Any) -> bool:
+    """``value`` has ``state_dict`` and ``load_state_dict`` (a StatefulDataLoader, a sampler, a module…)."""
+    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
 
 
 def replays_sampler(loader: Any) -> bool:
     """A ``StatefulDataLoader`` that resumes by iterating its sampler again from the start.
 
-    torchdata saves the position of a sampler that has ``state_dict`` (its ``RandomSampler``
-    iterator saves its generator state too). Any other sampler it fast-forwards: it makes a
-    new iterator and skips the samples already yielded, so whatever that sampler draws
-    (each ``iter()`` of Lightning's ``DistributedSamplerWrapper`` draws the wrapped
-    sampler's whole permutation) comes from the generators' states at the moment of the
-    resume, not from those the epoch started with. Sequential and plain distributed
-    samplers draw nothing.
+    torchdata fast-forwards a sampler without ``state_dict`` (a new iterator, skipping what
+    was yielded), so what it draws comes from the states at the resume, not the epoch start.
+    Sequential and plain distributed samplers draw nothing.
     """
     batch_sampler = getattr(loader, "batch_sampler", None)
     sampler = getattr(batch_sampler, "sampler", None) if batch_sampler is not None else None
     sampler = sampler if sampler is not None else getattr(loader, "sampler", None)
-    if sampler is None or _stateful(sampler):
+    if sampler is None or is_stateful(sampler):
         return False
     if type(sampler).__module__.startswith("torchdata."):  # its samplers' iterators save their state
         return False
@@ -249,7 +241,7 @@ def wrap_loader(loader: Any) -> tuple[str, ResumableSampler | None]:
     Returns ``(kind, sampler)`` with kind ``"stateful"`` (Lightning saves its state),
     ``"sampler"`` (wrapped) or ``"unsupported"`` (position cannot be resumed).
     """
-    if _stateful(loader):
+    if is_stateful(loader):
         return "stateful", None
     if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
         return "unsupported", None

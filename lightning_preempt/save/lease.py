@@ -1,15 +1,10 @@
 """One writer per dirpath: a create-only, heartbeated lease (docs/design.md, "One writer per dirpath").
 
-After a requeue the old job may not be dead yet; two jobs writing one dirpath would each be
-told "committed" while the other overwrote or deleted its files. So rank 0 takes a lease at
-``setup`` (every rank gets the outcome through :func:`agree.decide`): the highest generation
-of ``.lp-lease-<generation>.json`` holds it, and a new holder *creates* the next one, so of
-two jobs taking over at once exactly one wins. The holder rewrites its file every
-``timeout_s / 4`` and marks it released when it exits. A lease is stale (taken over) when
-released, when its holder is a dead process on this host, or when its heartbeat has not
-advanced for ``timeout_s`` (watched here, so clock skew does not matter); otherwise
-:class:`LeaseHeldError`. A newer generation appearing sets :attr:`lost`: training stops
-with :class:`LeaseLostError` at the next agreed step.
+After a requeue the old job may not be dead yet. Rank 0 takes the lease at ``setup``: the
+highest generation of ``.lp-lease-<generation>.json`` holds it, and a new holder *creates*
+the next one, so of two jobs exactly one wins. A lease is stale when released, its holder
+dead on this host, or its heartbeat unchanged for ``timeout_s`` (watched here: clock skew
+does not matter). A newer generation sets :attr:`lost`: training stops at the next agreed step.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""What a storage error means: the one place that classifies storage errors.
-
-:func:`classify` sorts an error into one :data:`ErrorKind` from one table of words; worth
-retrying (:func:`is_transient`) and what the user should set or install
-(:func:`storage_hint`) both derive from that kind. :func:`describe` gives an error's first
-line with secrets redacted (:func:`redact`), for messages and logs.
+"""The one place that classifies storage errors: :func:`classify` sorts an error into an
+:data:`ErrorKind` from one table of words; :func:`is_transient` and :func:`storage_hint`
+derive from it; :func:`describe` gives its first line, secrets redacted.
 """
 
 from __future__ import annotations

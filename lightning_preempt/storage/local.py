@@ -1,12 +1,5 @@
-"""Local disk: the one durable write, the one ``fsync`` of a directory, the one delete, and
-reads that refuse anything but a regular file.
-
-Every durable local write in this package goes through :func:`write_atomic` (commits,
-plain Lightning files, the peer replica's copies, ``export``): a temporary file in the
-same directory, ``fdatasync``, then ``os.replace`` (or ``os.link``, which is create-only), then
-``fsync`` of the directory, so after a crash the name holds the old bytes or all of the
-new ones, never a torn file.
-"""
+"""Local disk: the one durable write (:func:`write_atomic`), directory fsync, delete, and
+reads that refuse anything but a regular file."""
 
 from __future__ import annotations
 
@@ -21,8 +14,7 @@ from typing import IO
 
 from lightning_preempt.storage.owned import Owned, require
 
-#: What :func:`write_atomic` and :func:`write_durable` write: bytes, or a function that
-#: writes them into the open file (``torch.save``).
+#: Bytes, or a function that writes them into the open file (``torch.save``).
 Payload = bytes | bytearray | memoryview | Callable[[IO[bytes]], None]
 
 
@@ -35,10 +27,7 @@ class NotRegularFileError(OSError):
 
 
 def fsync_dir(directory: str) -> None:
-    """Make a rename or unlink in ``directory`` durable (POSIX needs the directory fsynced).
-
-    Best effort: some file systems cannot open or fsync a directory; the data itself is
-    already durable then (it was fsynced before the rename)."""
+    """Make a rename or unlink in ``directory`` durable; best effort (some file systems cannot)."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:
@@ -52,15 +41,12 @@ def fsync_dir(directory: str) -> None:
 
 
 def sync_data(fd: int) -> None:
-    """Make a file's bytes durable: ``fdatasync`` (the data and the size needed to read it
-    back, without the timestamps ``fsync`` also journals), ``fsync`` where it is missing."""
+    """``fdatasync`` (skips the timestamps ``fsync`` journals), ``fsync`` where it is missing."""
     (getattr(os, "fdatasync", None) or os.fsync)(fd)
 
 
 def write_durable(path: str, data: Payload, *, durable: bool = True) -> None:
-    """Write ``data`` to ``path`` (created or truncated) and sync it (unless ``durable`` is
-    false). Not atomic: only for names nobody reads yet (temporary files); a failure removes
-    the partial file."""
+    """Write and sync ``data`` to ``path``; not atomic (temporary files); a failure removes it."""
     try:
         with open(path, "wb") as f:
             if callable(data):
@@ -85,19 +71,11 @@ def write_atomic(
     check: Callable[[str], None] | None = None,
     durable: bool = True,
 ) -> None:
-    """Put a file holding ``data`` at ``path``: readers see the old entry or all of the new
-    file, and after this returns the new file survives a crash (with ``durable``).
+    """Put ``data`` at ``path`` atomically: temp file, sync, link/replace, fsync the directory.
 
-    Args:
-        exclusive: create-only: raise ``FileExistsError`` (nothing changed) when ``path``
-            exists; the caller decides what that means (the same bytes may count as success).
-        tmp_name: the temporary file's name in ``path``'s directory (a name the caller's
-            clean-up recognises); default ``.{name}.{32 hex}.tmp``.
-        check: called with the temporary file's path once it is durable and before it gets
-            its name (``export`` scans the pickle there); raising aborts the write.
-        durable: ``False`` skips both syncs: still atomic and create-only for the processes
-            running now, but a crash may lose the file (the writer claim: a lost claim is as
-            good as a stale one, write/replace.py).
+    ``exclusive``: create-only (``FileExistsError``). ``tmp_name``: a name the caller's
+    clean-up recognises. ``check(tmp)`` runs before the rename; raising aborts.
+    ``durable=False`` skips both syncs (a crash may lose the file).
     """
     directory = os.path.dirname(path)
     tmp = os.path.join(directory, tmp_name or f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
@@ -128,13 +106,8 @@ def _publish(tmp: str, path: str, *, exclusive: bool) -> None:
 
 
 def remove_local(path: str, *, first: str | None = None, owned: Owned | None = None) -> None:
-    """Delete a local file, a symlink (only the link) or a directory tree, then fsync the parent.
-
-    A directory is deleted only with ``owned``, the ownership verdict for ``path``
-    (storage/owned.py); without it :class:`UncheckedRemoveError` is raised, nothing deleted.
-    ``first``: a name inside a directory deleted before anything else (a commit marker:
-    the directory then never looks committed while half deleted).
-    """
+    """Delete a file, symlink or tree (only with ``owned``), then fsync the parent.
+    ``first`` (a commit marker) goes before the rest, so a half-deleted tree never looks committed."""
     if os.path.islink(path) or os.path.isfile(path):
         os.unlink(path)
     elif os.path.isdir(path):
@@ -151,14 +124,8 @@ def _remove_tree(path: str, first: str | None) -> None:
 
 
 def replace_entry(path: str, new: str, aside: str, *, first: str | None = None, owned: Owned | None = None) -> None:
-    """Put the entry at ``new`` (same file system) at ``path``, whatever kind of entry each is
-    (a plain file replaced by a checkpoint directory, or the other way round).
-
-    Two renames: the old entry moves to ``aside``, the new one moves in, the directory is
-    fsynced, then the old one is deleted (``first`` first, see :func:`remove_local`). At every
-    moment a complete entry exists, at ``path`` or at ``aside``. An old *directory* is
-    replaced only with ``owned``, its ownership verdict; checked before anything moves.
-    """
+    """Put ``new`` at ``path``, file or directory either way: old moves to ``aside``, new moves
+    in, then old is deleted, so a complete entry always exists. An old directory needs ``owned``."""
     had_old = os.path.lexists(path)
     old_is_tree = had_old and not os.path.islink(path) and os.path.isdir(path)
     if old_is_tree:
@@ -175,12 +142,7 @@ def replace_entry(path: str, new: str, aside: str, *, first: str | None = None, 
 
 
 def open_regular(path: str) -> IO[bytes]:
-    """Open ``path`` for reading only if it is a regular file, not through a symlink.
-
-    ``O_NOFOLLOW | O_NONBLOCK`` and ``fstat`` on the open descriptor (no race): a symlink,
-    FIFO (which would block the open), socket or device raises
-    :class:`NotRegularFileError`. A missing file raises ``FileNotFoundError``.
-    """
+    """Open ``path`` only if it is a regular file; ``O_NONBLOCK`` so a FIFO cannot hang, no race."""
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(path, flags)
@@ -200,10 +162,8 @@ def open_regular(path: str) -> IO[bytes]:
 
 
 def scan(path: str) -> list[tuple[str, str, int | None]]:
-    """``(name, kind, size)`` of every entry directly in ``path``, symlinks not followed;
-    ``kind``: ``"file"`` (regular), ``"dir"``, ``"link"`` or ``"other"``; ``size`` for
-    regular files. Empty when ``path`` does not exist or is not a directory. An entry
-    deleted while it is listed (another rank's probe file) is left out, never the listing."""
+    """``(name, kind, size)`` directly in ``path``, symlinks not followed; an entry deleted
+    while listed (another rank's probe) is left out."""
     try:
         with os.scandir(path) as it:
             found = [(e.name, kind) for e in it if (kind := _kind_and_size(e)) is not None]
@@ -212,16 +172,13 @@ def scan(path: str) -> list[tuple[str, str, int | None]]:
     return sorted((name, *kind) for name, kind in found)
 
 
-#: ``stat`` errors that mean "nothing is there": no such entry, a parent that is not a
-#: directory, a symlink that resolves to nothing (or loops). Any other error (EIO on NFS or
-#: FUSE, EACCES, ESTALE…) means "could not tell" and is raised: taken for "absent" it makes
-#: a committed checkpoint look partial (resume from step 0, retention deleting it).
+#: Only these mean "absent"; EIO, EACCES… are raised: taken for absent, a committed
+#: checkpoint would look partial.
 _ABSENT_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.ENAMETOOLONG})
 
 
 def stat_entry(path: str) -> tuple[str, int | None] | None:
-    """``(kind, size)`` of ``path`` through symlinks (see :func:`scan`), or ``None`` when
-    nothing is there. An error that does not say "absent" (EIO, EACCES…) is raised."""
+    """``(kind, size)`` of ``path`` through symlinks, ``None`` when absent."""
     try:
         st = os.stat(path)
     except ValueError:  # a NUL in the path: no entry can have that name
@@ -234,8 +191,6 @@ def stat_entry(path: str) -> tuple[str, int | None] | None:
 
 
 def regular_size(path: str) -> int:
-    """The size of the regular file ``path``, not through a symlink (no data read);
-    :class:`NotRegularFileError` for anything else, ``FileNotFoundError`` when missing."""
     mode, size = (st := os.lstat(path)).st_mode, st.st_size
     if not stat.S_ISREG(mode):
         raise NotRegularFileError(path, describe_mode(mode))
@@ -243,7 +198,6 @@ def regular_size(path: str) -> int:
 
 
 def _kind_and_size(entry: os.DirEntry[str]) -> tuple[str, int | None] | None:
-    """``(kind, size)``, or ``None`` when the entry is gone by the time it is looked at."""
     try:
         if entry.is_symlink():
             return "link", None
@@ -265,7 +219,6 @@ def _mode_kind(mode: int) -> str:
 
 
 def describe_mode(mode: int) -> str:
-    """What a non-regular entry is, for messages ("a FIFO")."""
     if stat.S_ISLNK(mode):
         return "a symbolic link"
     if stat.S_ISFIFO(mode):

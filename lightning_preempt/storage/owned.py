@@ -1,13 +1,8 @@
 """The verdict every recursive delete needs: proof that the tree was checked as ours.
 
-Storage cannot tell what this package wrote (names and manifests are ``format/`` and
-``catalog/`` knowledge), so it cannot check ownership itself. Instead every recursive
-delete in storage (:meth:`Store.rm_tree <lightning_preempt.storage.store.Store.rm_tree>`,
-:func:`local.remove_local` of a directory, :func:`local.replace_entry` over a directory)
-demands an :class:`Owned` for exactly the path it deletes. The one issuer is
-:func:`lightning_preempt.catalog.ownership.check_owned` (docs/security.md): a directory
-whose every entry is one this package writes, or an empty one. A delete without one, or
-with one for another path, raises before anything is touched.
+Storage cannot tell what this package wrote, so every recursive delete demands an
+:class:`Owned` for exactly its path; the one issuer is
+:func:`lightning_preempt.catalog.ownership.check_owned`. Without one, it raises first.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """Which URLs the storage can open: a protocol fsspec knows, whose driver is installed.
-
-Checked when an option is validated (engine/config.py), so ``dirpath="gs://…"`` without
-gcsfs, or a mistyped ``htps://…``, fails when the object is constructed, not at ``fit``
-after the listing retries. The same texts are the HINTs of :func:`storage.diagnose.storage_hint`
-when such an error surfaces later (the CLI, a plugin save to a URL).
+Checked when options are validated, so ``gs://…`` without gcsfs fails at construction,
+not at ``fit``; the same texts are :func:`storage.diagnose.storage_hint`'s HINTs.
 """
 
 from __future__ import annotations
@@ -67,9 +64,8 @@ def unknown_hint(protocol: str) -> str:
 
 
 def check_driver(url: str, *, name: str = "the URL") -> None:
-    """Raise when ``url`` cannot be opened whatever the credentials: ``ValueError`` ("unknown
-    protocol") or ``ImportError`` (the driver is not installed), each ending with a HINT line.
-    ``name`` says which option holds ``url``. Imports the driver (as opening the URL would)."""
+    """``ValueError`` (unknown protocol) or ``ImportError`` (no driver) with a HINT when ``url``
+    cannot be opened whatever the credentials; ``name``: the option that holds it."""
     for protocol in protocols_in(url):
         try:
             fsspec.get_filesystem_class(protocol)

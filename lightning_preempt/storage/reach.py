@@ -1,17 +1,10 @@
 """Fail fast where a cloud driver would spend minutes: credentials it can find, a host name
 that resolves.
 
-Without credentials, gcsfs tries the GCE metadata server (google-auth: 5 attempts with
-backoff, ~15 s when the host is no VM), falls back to anonymous access, and then retries
-every request 6 times (~33 s) when the endpoint does not resolve; a listing retried by the
-caller multiplied that to minutes and a screen of tracebacks. Both questions have an answer
-within seconds (the environment, a few files, one metadata ping, one DNS lookup), asked once
-per process before the driver is built
-(:func:`require_reachable`, from ``Store.__init__``). Inconclusive answers pass: the driver
-then tells.
-
-S3 needs nothing here: botocore raises ``NoCredentialsError`` at once, and
-storage/diagnose.py classifies it (and an unknown host) as not worth a retry.
+Without credentials gcsfs probes the metadata server (~15 s off a VM), then retries each
+request (~33 s) when the host does not resolve. :func:`require_reachable` (from
+``Store.__init__``) answers both in seconds; inconclusive answers pass. S3 needs nothing:
+botocore fails at once and diagnose.py says it is not worth a retry.
 """
 
 from __future__ import annotations
@@ -38,9 +31,8 @@ class StorageUnreachableError(CheckpointError):
 
 
 def require_reachable(protocol: str, options: dict[str, Any], url: str) -> None:
-    """Raise :class:`StorageUnreachableError` with a HINT when ``url`` on Google Cloud Storage
-    has no credentials to find or no endpoint to resolve; pass otherwise (other protocols,
-    explicit ``token`` or ``endpoint_url``, an emulator, an inconclusive answer)."""
+    """Raise :class:`StorageUnreachableError` when a GCS ``url`` has no credentials to find or
+    no endpoint to resolve; anything else or inconclusive passes."""
     if protocol not in GCS_PROTOCOLS or "token" in options or "endpoint_url" in options or os.environ.get(_EMULATOR_ENV):
         return
     key = (protocol, os.environ.get("GOOGLE_APPLICATION_CREDENTIALS", ""))

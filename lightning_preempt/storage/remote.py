@@ -55,9 +55,8 @@ def info_entry(info: dict[str, Any]) -> tuple[str, int | None]:
 
 
 def crc32c_of(info: dict[str, Any], protocol: str) -> str | None:
-    """The CRC32C (8 hex digits) the store keeps for an object, from its ``info()``, or
-    ``None``. GCS keeps one for every object (base64, big-endian); for other stores
-    computing it would mean reading the object."""
+    """The CRC32C (hex) GCS keeps for an object, from its ``info()`` (base64, big-endian), or
+    ``None``."""
     if protocol not in GCS_PROTOCOLS:
         return None
     value = info.get("crc32c")
@@ -71,10 +70,8 @@ def crc32c_of(info: dict[str, Any], protocol: str) -> str | None:
 
 
 def require_bucket(fs: fsspec.AbstractFileSystem, protocol: str, root: str, options: dict[str, Any], url: str) -> None:
-    """Raise :class:`CheckpointWriteError` with a HINT when the bucket of ``root`` does not
-    exist. Inconclusive answers (no permission to look) pass: the writes themselves then tell.
-    A bucket is never created: fsspec's ``makedirs`` would make one (with default ACL,
-    region and billing) for a mistyped URL."""
+    """Raise :class:`CheckpointWriteError` when ``root``'s bucket does not exist (inconclusive
+    answers pass). Never created: ``makedirs`` would make one for a mistyped URL."""
     bucket = root.split("/", 1)[0]
     key = (protocol, bucket, repr(sorted(options.items())))
     if not bucket or key in _BUCKETS_SEEN:
@@ -106,11 +103,8 @@ def require_bucket(fs: fsspec.AbstractFileSystem, protocol: str, root: str, opti
 
 
 class BoundedWrites(io.RawIOBase):
-    """Splits each ``write`` into pieces of at most ``chunk`` bytes.
-
-    fsspec's buffered files copy a whole ``write()`` into their buffer before uploading:
-    DCP writing a 10 GB tensor would otherwise cost a second 10 GB in memory.
-    """
+    """Splits each ``write`` into ``chunk`` pieces: fsspec buffers a whole ``write()`` (a
+    second 10 GB for a 10 GB tensor)."""
 
     def __init__(self, inner: Any, chunk: int) -> None:
         super().__init__()

@@ -1,10 +1,6 @@
-"""The one retry loop: attempts with exponential backoff, for storage that fails for a while.
-
-Used by the drain (copying, then committing the manifest) and by the resume peek (listing
-``dirpath`` before the process group exists). Who retries decides *what* is worth it
-(``transient``) and *until when* (``give_up``, e.g. a grace-period deadline); in a collective
-the decision is rank 0's for every rank (``decide``), so no rank retries into the next
-attempt's collectives while another gives up.
+"""The one retry loop: attempts with exponential backoff. The caller decides what is worth it
+(``transient``) and until when (``give_up``); in a collective rank 0 decides for every rank
+(``decide``), so no rank retries into collectives another has given up on.
 """
 
 from __future__ import annotations
@@ -28,15 +24,8 @@ def _never(delay: float) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Backoff:
-    """How often and how patiently to retry.
-
-    Args:
-        attempts: calls in all (1 = no retry).
-        backoff_s: the wait before the second attempt; it doubles before each next one.
-        transient: whether an error is worth another attempt.
-        give_up: called with the next wait; ``True`` stops now (a deadline would pass).
-        sleep: how to wait (tests pass a recorder).
-    """
+    """``attempts`` calls in all; ``backoff_s`` doubles after each; ``give_up(next wait)``
+    stops early (a deadline would pass)."""
 
     attempts: int = 1
     backoff_s: float = 1.0
@@ -62,16 +51,9 @@ def retry(
     retry_on: tuple[type[Exception], ...] = (Exception,),
 ) -> T:
     """``fn(attempt)`` (1-based) until it returns, re-raising its last error when
-    ``policy`` says to stop.
-
-    Args:
-        on_retry: called with the error, the failed attempt and the wait before the next
-            one (the log line).
-        decide: runs ``policy.should_retry`` and returns its answer; a collective caller
-            passes ``lambda q: agree.decide(q, group)`` so rank 0 decides for every rank
-            (``fn`` must then fail alike on every rank, e.g. after gathering failures).
-        retry_on: the errors considered at all; any other propagates at once (in a
-            collective: one that did not fail alike on every rank).
+    ``policy`` says to stop. ``decide``: a collective caller passes
+    ``lambda q: agree.decide(q, group)`` (``fn`` must then fail alike on every rank);
+    errors outside ``retry_on`` propagate at once.
     """
     attempt = 1
     while True:

@@ -1,16 +1,8 @@
 """Storage: the only module that talks to fsspec (docs/object-stores.md).
 
-Paths stay ``str`` URLs (``gs://bucket/run`` is not a ``pathlib.Path``). A :class:`Store`
-is rooted at one URL; every other path it takes is relative to that root, with ``/``.
-A few primitives, the rest derived from them (fsspec's way): :meth:`Store.entries`,
-:meth:`Store.stat` and :meth:`Store.info` answer what exists; :meth:`Store.open_read`,
-:meth:`Store.open_write` and :meth:`Store.commit_bytes` (one small file, atomically,
-create-only where the store can) move bytes; :meth:`Store.rm_file`, :meth:`Store.rm_tree`,
-:meth:`Store.makedirs`. Every answer is fresh (fsspec's listing cache is invalidated first).
-
-Durable means fsynced on local disk (storage/local.py), a completed upload on object
-stores, where writes stream in blocks of :data:`UPLOAD_BLOCK_SIZE`, a failed write aborts
-its upload, and nothing is ever renamed (``mv`` there is copy + delete).
+A :class:`Store` is rooted at one ``str`` URL (``gs://…`` is not a ``Path``); other paths
+are relative to it. A few primitives, the rest derived; every answer is fresh. On object
+stores nothing is ever renamed (``mv`` there is copy + delete).
 """
 
 from __future__ import annotations
@@ -34,26 +26,19 @@ from lightning_preempt.storage.retry import Backoff, retry
 
 log = logging.getLogger(__name__)
 
-#: Bytes per upload request (GCS resumable chunk / S3 part). S3 allows 10,000 parts, so
-#: one file can hold up to ~312 GiB at this size.
+#: Bytes per upload request (GCS chunk / S3 part): 10,000 S3 parts hold ~312 GiB.
 UPLOAD_BLOCK_SIZE = 32 << 20
-#: Bytes per step when a file is streamed: read for its CRC32C, copied by the drain, read
-#: into tensors by the one-pass loader, sent to the peer replica. Large enough that the
-#: per-call cost vanishes, small enough to stay in the CPU caches while it is hashed.
+#: Bytes per step when a file is streamed: per-call cost vanishes, still cache-sized for hashing.
 CHUNK_BYTES = 8 << 20
 
 Kind = Literal["file", "dir", "link", "other"]
 
-#: Attempts of one :meth:`Store.stat` that failed with something else than "absent": a
-#: short blip (an NFS server failing over, a 503) passes, a lasting failure is raised
-#: within a fraction of a second for the caller's own policy (resume retries its listing).
+#: A short blip (NFS failover, a 503) passes; a lasting failure is raised within a fraction of a second.
 STAT_BACKOFF = Backoff(attempts=3, backoff_s=0.1, transient=is_transient)
 
 
 class Entry(NamedTuple):
-    """One entry of a store: ``kind`` is ``"file"`` (a regular file or object), ``"dir"``,
-    ``"link"`` (local symlink, never followed) or ``"other"`` (FIFO, socket, device);
-    ``size`` is known for files only."""
+    """One entry: ``"link"`` is a local symlink (never followed); ``size`` for files only."""
 
     name: str
     kind: Kind
@@ -61,11 +46,7 @@ class Entry(NamedTuple):
 
 
 class Store:
-    """A directory-like place addressed by URL: local disk, ``memory://``, ``gs://``, ``s3://``…
-
-    ``storage_options`` go to fsspec unchanged (credentials, ``endpoint_url``…); they are
-    never logged.
-    """
+    """A directory-like place addressed by URL; ``storage_options`` go to fsspec, never to logs."""
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         self.url = str(url).rstrip("/") or str(url)
@@ -80,54 +61,38 @@ class Store:
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
 
-    # ---- paths and kind of store -------------------------------------------------------
     def path(self, rel: str = "") -> str:
-        """The filesystem-native path of ``rel`` (an OS path on local disk)."""
         return posixpath.join(self.root, rel) if rel else self.root
 
     def url_of(self, rel: str = "") -> str:
-        """The URL of ``rel``, in the same form as :attr:`url`."""
         return f"{self.url}/{rel}" if rel else self.url
 
     def child(self, rel: str) -> Store:
-        """The store rooted at ``rel`` (of this class: a subclass's behaviour carries over)."""
+        """The store rooted at ``rel``, of this class (a subclass's behaviour carries over)."""
         return type(self)(self.url_of(rel), self.storage_options)
 
     def parent(self) -> Store:
-        """The store of the directory that holds this one (siblings of a path live there)."""
         return type(self)(posixpath.dirname(self.url.rstrip("/")), self.storage_options)
 
     @property
     def is_object_store(self) -> bool:
-        """``gs://``, ``s3://``: "directories" are prefixes, so an object ``P`` and objects
-        under ``P/`` can coexist (file systems, ``memory://`` included, cannot); no rename
-        (``mv`` is copy + delete); create-only PUTs."""
+        """``gs://``, ``s3://``: directories are prefixes (``P`` and ``P/x`` can coexist), no rename."""
         return not self.is_local and self.protocol in remote.OBJECT_STORES
 
     def dcp_filesystem(self) -> fsspec.AbstractFileSystem:
-        """The fsspec filesystem under this store, for DCP's ``FsspecReader`` / ``FsspecWriter``
-        only (they take a filesystem object). Nothing else may use it: every other access goes
-        through the methods of this class."""
+        """The fsspec filesystem, for DCP's ``FsspecReader`` / ``FsspecWriter`` only."""
         return self._fs
 
-    # ---- primitives: what exists ---------------------------------------------------------
     def entries(self, rel: str = "") -> list[Entry]:
-        """Every entry directly in ``rel``, by name (empty when ``rel`` does not exist). On
-        local disk a symlink is listed as ``"link"`` and never followed: reading or deleting
-        through it would leave ``rel``. On object stores directories are the common prefixes."""
+        """Every entry directly in ``rel``, by name (empty when missing); symlinks never followed."""
         found = local.scan(self.path(rel)) if self.is_local else remote.listing(self._fs, self.path(rel))
         return [Entry(name, cast(Kind, kind), size) for name, kind, size in found]
 
     def stat(self, rel: str = "") -> Entry | None:
-        """The entry at ``rel`` (through symlinks on local disk, as ``os.path.exists`` looks),
-        or ``None`` when nothing is there.
+        """The entry at ``rel`` (through local symlinks), or ``None`` when the store says absent.
 
-        "Absent" is only ever the store's own answer (``ENOENT``, "not found"). Any other
-        error (EIO on NFS or FUSE, a 503 from a bucket) is "could not tell": retried a few
-        times (:data:`STAT_BACKOFF`, errors a retry cannot fix at once), then raised; never
-        ``None``, which would make a committed checkpoint look partial. So :meth:`exists`,
-        :meth:`isdir` and :meth:`is_file` raise too; fsspec's own ``exists()``, which
-        answers ``False`` on any error, is never used."""
+        Any other error is retried (:data:`STAT_BACKOFF`), then raised, never ``None``: that
+        would make a committed checkpoint look partial (why fsspec's ``exists()`` is unused)."""
         name = posixpath.basename(self.path(rel).rstrip("/"))
 
         def look(attempt: int) -> Entry | None:
@@ -143,12 +108,10 @@ class Store:
         return retry(look, STAT_BACKOFF, on_retry=functools.partial(_stat_retrying, self, rel))
 
     def info(self, rel: str = "") -> dict[str, Any]:
-        """The store's own metadata of ``rel`` (fsspec's ``info``: size, type, ETag, crc32c…),
-        fresh from the server. ``FileNotFoundError`` when missing."""
+        """fsspec's ``info`` of ``rel``, fresh from the server."""
         self._fs.invalidate_cache(self.path(rel))
         return dict(self._fs.info(self.path(rel)))
 
-    # ---- derived: what exists ------------------------------------------------------------
     def exists(self, rel: str = "") -> bool:
         return self.stat(rel) is not None
 
@@ -157,7 +120,6 @@ class Store:
         return entry is not None and entry.kind == "dir"
 
     def is_file(self, rel: str = "") -> bool:
-        """A regular file (an object) is at ``rel`` (through symlinks on local disk)."""
         entry = self.stat(rel)
         return entry is not None and entry.kind == "file"
 
@@ -168,15 +130,12 @@ class Store:
         return int(entry.size) if entry.size is not None else int(self.info(rel).get("size", 0))
 
     def children(self, rel: str = "") -> list[tuple[str, str]]:
-        """``(name, kind)`` of every entry directly in ``rel`` (see :meth:`entries`)."""
         return [(e.name, e.kind) for e in self.entries(rel)]
 
     def list_dirs(self, rel: str = "") -> list[str]:
-        """Names of the sub-directories of ``rel`` (never a symlink; empty when ``rel`` does not exist)."""
         return [e.name for e in self.entries(rel) if e.kind == "dir"]
 
     def list_files(self, rel: str = "") -> list[str]:
-        """Relative paths (with ``/``) of every file below ``rel``, at any depth."""
         out = []
         for e in self.entries(rel):
             if e.kind == "file":
@@ -186,23 +145,16 @@ class Store:
         return sorted(out)
 
     def remote_crc32c(self, rel: str, info: dict[str, Any] | None = None) -> str | None:
-        """The CRC32C (8 hex digits) the store itself keeps for ``rel`` (GCS), else ``None``."""
+        """The CRC32C (hex) the store keeps for ``rel`` (GCS), else ``None``."""
         if self.protocol not in remote.GCS_PROTOCOLS:
             return None
         return remote.crc32c_of(info if info is not None else self.info(rel), self.protocol)
 
-    # ---- primitives: reading -------------------------------------------------------------
-    # Checkpoints are untrusted input (docs/security.md).
     def open_read(self, rel: str) -> IO[bytes]:
-        """Open ``rel`` for reading only if it is a regular file, not through a symlink.
-
-        On local disk a symlink, FIFO (which would block the open), socket or device raises
-        :class:`CorruptCheckpointError` (:func:`local.open_regular`, no race). Object stores
-        hold only plain objects. Raises ``FileNotFoundError`` when ``rel`` is missing.
-        """
+        """Open ``rel`` only if it is a regular file (checkpoints are untrusted input);
+        else :class:`CorruptCheckpointError`."""
         if not self.is_local:
-            # The listing cache may hold the size of an object since replaced (a manifest
-            # swap); gcsfs 2024.12 then reads that many bytes of the new one. Ask afresh.
+            # a cached size of a replaced object makes gcsfs 2024.12 read that many bytes
             self._fs.invalidate_cache(self.path(rel))
             return self._fs.open(self.path(rel), "rb")  # type: ignore[no-any-return]
         try:
@@ -210,15 +162,12 @@ class Store:
         except local.NotRegularFileError as err:
             raise _not_regular(self, rel, err.what) from None
 
-    # ---- derived: reading ----------------------------------------------------------------
     def read_bytes(self, rel: str) -> bytes:
-        """All of ``rel`` (a regular file, see :meth:`open_read`)."""
         with self.open_read(rel) as f:
             return f.read()
 
     def read_regular(self, rel: str, max_bytes: int) -> bytes:
-        """All of ``rel`` (see :meth:`open_read`); more than ``max_bytes`` raises
-        :class:`CorruptCheckpointError` without reading the rest."""
+        """All of ``rel``; more than ``max_bytes`` raises without reading the rest."""
         with self.open_read(rel) as f:
             data = f.read(max_bytes + 1)
         if len(data) > max_bytes:
@@ -230,8 +179,7 @@ class Store:
         return data  # type: ignore[no-any-return]
 
     def check_regular(self, rel: str, size: int) -> None:
-        """Cheap check (no data read) that ``rel`` is a regular file of ``size`` bytes and
-        not a symlink: what loading without verification still insists on locally."""
+        """Locally, without reading data: ``rel`` is a regular file of ``size`` bytes."""
         if not self.is_local:
             return
         try:
@@ -245,23 +193,17 @@ class Store:
                 hint="This checkpoint is damaged; resume from an older one (auto-resume skips it).",
             )
 
-    # ---- primitives: writing -------------------------------------------------------------
     def makedirs(self, rel: str = "") -> None:
-        """Create ``rel`` and its parents on local disk; on object stores only check that
-        the bucket exists (a bucket is never created, :func:`remote.require_bucket`)."""
+        """Create ``rel`` and its parents; on object stores only check that the bucket exists."""
         if not self.is_object_store:
             self._fs.makedirs(self.path(rel), exist_ok=True)
             return
-        # object stores have no directories: a prefix exists once an object is under it
         remote.require_bucket(self._fs, self.protocol, self.root, self.storage_options, self.url)
 
     @contextlib.contextmanager
     def open_write(self, rel: str) -> Iterator[IO[bytes]]:
-        """A binary stream whose bytes are durable once the ``with`` block exits cleanly.
-
-        A failed block removes the partial file (and aborts an object-store upload) so it
-        can never be mistaken for data. Not atomic: for names nobody reads before the commit.
-        """
+        """A stream durable once the block exits cleanly; a failure removes the partial file.
+        Not atomic: for names nobody reads before the commit."""
         path = self.path(rel)
         if self.is_local:
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -281,15 +223,11 @@ class Store:
             raise
 
     def commit_bytes(self, rel: str, data: bytes, *, exclusive: bool = True, durable: bool = True) -> None:
-        """Create ``rel`` holding ``data`` atomically: readers see all of it or nothing.
+        """Create ``rel`` holding ``data`` atomically (one PUT on object stores).
 
-        Local disk: :func:`local.write_atomic` (temp file, fsync, hard link or rename, fsync
-        the directory). Object stores: a single small PUT is atomic by itself; we never
-        rename there. With ``exclusive`` the write is create-only where the store supports a
-        conditional write (local disk, GCS, S3): if ``rel`` already holds different bytes
-        :class:`CheckpointExistsError` is raised. The same bytes count as success (a PUT
-        retried after its answer was lost). ``durable=False`` (local disk): no syncs, a crash
-        may lose the file; only for names whose loss is harmless (the writer claim).
+        ``exclusive``: create-only; different bytes already there raise
+        :class:`CheckpointExistsError`, the same bytes count as success (a retried PUT).
+        ``durable=False`` (local disk): no syncs, for names whose loss is harmless.
         """
         path = self.path(rel)
         try:
@@ -298,8 +236,7 @@ class Store:
             elif not exclusive:
                 self._fs.pipe_file(path, data)
             else:
-                # Cheap pre-check; the conditional PUT below is what makes it race-free (the
-                # GCS emulator ignores ifGenerationMatch, real GCS and S3 honour it).
+                # the emulator ignores ifGenerationMatch; real GCS and S3 honour the PUT below
                 if self.exists(rel):
                     raise FileExistsError(path)
                 self._fs.pipe_file(path, data, mode="create")
@@ -323,9 +260,7 @@ class Store:
         )
 
     def rm_file(self, rel: str = "", *, durable: bool = True) -> None:
-        """Delete the file (object, or local symlink itself) ``rel``; a missing one is fine.
-        ``durable=False`` (local disk): the directory is not synced, a crash may bring the
-        file back (only for names whose return is harmless: the writer claim)."""
+        """Delete the file (or local symlink) ``rel``, if there; ``durable=False``: no dir sync."""
         with contextlib.suppress(FileNotFoundError):
             self._fs.rm_file(self.path(rel))
         if not self.is_local:
@@ -334,10 +269,8 @@ class Store:
             local.fsync_dir(os.path.dirname(self.path(rel)))
 
     def rm_tree(self, rel: str = "", *, owned: Owned) -> None:
-        """Delete ``rel`` and everything below it (a local symlink: only the link); a missing
-        one is fine. ``owned``: the ownership verdict for ``rel`` (storage/owned.py), without
-        which nothing is deleted. Remote paths with glob characters (``[``, ``*``) are read as
-        patterns by fsspec's recursive delete: our names never have them."""
+        """Delete ``rel`` and all below it, only with its ownership verdict (storage/owned.py).
+        fsspec reads ``[``/``*`` in remote paths as globs: our names never have them."""
         if self.is_local:
             local.remove_local(self.path(rel), owned=owned)
             return
@@ -346,10 +279,7 @@ class Store:
             self._fs.rm(self.path(rel), recursive=True)
         self._fs.invalidate_cache()
 
-    # ---- derived: writing ----------------------------------------------------------------
     def copy_file(self, src: str, dst: str) -> None:
-        """Copy the file ``src`` to ``dst`` (both relative to this store), streamed; ``dst``
-        is complete once this returns (see :meth:`open_write`)."""
         with self.open_read(src) as reader, self.open_write(dst) as writer:
             while chunk := reader.read(CHUNK_BYTES):
                 writer.write(chunk)

@@ -133,11 +133,11 @@ def test_model_parallel_fsdp2_on_cpu_preempts_resumes_and_ends_bit_identical(tmp
 
 
 def _resize_phase(tmp: Path, phase: str, devices: int, *extra: str, expect: int = 0) -> list[dict[str, Any]]:
-    """One run of fabric_resize_script.py (its own status folder); each rank's trained lines."""
+    """One ``fabric_script.py --indices`` run (its own status folder); each rank's trained lines."""
     st = tmp / phase
     st.mkdir()
-    proc = launch("fabric_resize_script.py", tmp, "--dirpath", str(tmp / "ck"), "--status", str(st),
-                  "--devices", str(devices), *extra)  # fmt: skip
+    proc = launch("fabric_script.py", tmp, "--indices", "--dirpath", str(tmp / "ck"), "--status", str(st),
+                  "--devices", str(devices), "--signal-rank", "0", *extra)  # fmt: skip
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == expect, out[-4000:]
     assert [read(st / f"rank{r}.exit") for r in range(devices)] == [str(expect)] * devices, out[-4000:]
@@ -154,7 +154,7 @@ def test_a_loop_resized_from_3_to_2_ranks_trains_every_sample_of_the_epoch_once(
     after = _resize_phase(tmp_path, "at2", 2)
     epoch0 = Counter(i for line in before if line["step"] <= newest.step for i in line["indices"])
     epoch0.update(i for line in after if line["epoch"] == 0 for i in line["indices"])
-    n = 96  # fabric_resize_script.N
+    n = 96  # fabric_script.N
     twice = {i: c for i, c in epoch0.items() if c > 1}
     assert set(epoch0) == set(range(n)) and not twice, f"missing {sorted(set(range(n)) - set(epoch0))}, twice {twice}"
     epoch1 = Counter(i for line in after if line["epoch"] == 1 for i in line["indices"])

@@ -5,6 +5,10 @@ shuffled plain ``DataLoader`` (a ``DistributedSampler`` under DDP). Writes per r
 ``--status``: ``rank{R}.pid``, ``rank{R}.step`` after every step, ``rank{R}.exit`` (the exit
 code) and ``rank{R}.result.json`` (start step, final step, a digest of the weights).
 ``--signal-at N``: rank ``--signal-rank`` sends itself SIGTERM after step N.
+
+``--indices`` (the resize test): ``Linear(1, 1)`` over ``TensorDataset(arange(N))`` instead,
+so every batch names its samples; each rank also appends one JSON line per optimizer step
+to ``rank{R}.trained`` (``{"step", "epoch", "indices"}``).
 """
 
 from __future__ import annotations
@@ -22,13 +26,15 @@ import lightning as L
 import torch
 from lightning.fabric.strategies import ModelParallelStrategy
 from torch.distributed.tensor import DTensor
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_preempt import ShardedAsyncCheckpointIO
 from lightning_preempt.fabric import Preemption
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from fabric_train import TinyGPT, synthetic_tokens
+
+N = 96  # --indices: samples, in batches of 4
 
 
 def shard(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
@@ -57,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--signal-at", type=int, default=None)
     p.add_argument("--signal-rank", type=int, default=1)
+    p.add_argument("--indices", action="store_true")
     args = p.parse_args(argv)
     status = Path(args.status)
     status.mkdir(parents=True, exist_ok=True)
@@ -73,31 +80,42 @@ def main(argv: list[str] | None = None) -> int:
     (status / f"rank{rank}.pid").write_text(str(os.getpid()))
     code = 0
     try:
-        fabric.seed_everything(1234)
-        model = TinyGPT()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        fabric.seed_everything(7 if args.indices else 1234)
+        model = torch.nn.Linear(1, 1) if args.indices else TinyGPT()
+        optimizer = (torch.optim.SGD(model.parameters(), lr=1e-3) if args.indices
+                     else torch.optim.AdamW(model.parameters(), lr=3e-3))  # fmt: skip
         if model_parallel:
             model = fabric.setup_module(model)
             optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3))
         else:
             model, optimizer = fabric.setup(model, optimizer)
-        loader = fabric.setup_dataloaders(DataLoader(synthetic_tokens(), batch_size=4, shuffle=True))
+        data = TensorDataset(torch.arange(N)) if args.indices else synthetic_tokens()
+        loader = fabric.setup_dataloaders(DataLoader(data, batch_size=4, shuffle=True))
         preempt = Preemption(fabric, dirpath=args.dirpath, every_n_train_steps=args.every, grace_period_s=60,
                              lease_timeout_s=5)  # fmt: skip
-        state = {"model": model, "optimizer": optimizer, "step": 0, "loader": loader}
+        state = {"model": model, "optimizer": optimizer, "step": 0}
+        if not args.indices:
+            state["loader"] = loader
         preempt.resume(state)
         start = state["step"]
-        for i, (x, y) in enumerate(preempt.iterate(loader, state, max_epochs=args.epochs)):
+        for i, batch in enumerate(preempt.iterate(loader, state, max_epochs=args.epochs)):
             last = (i + 1) % args.accumulate == 0
             with fabric.no_backward_sync(model, enabled=not last):
-                logits = model(x)
-                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+                if args.indices:
+                    loss = model(batch[0].float().unsqueeze(1)).sum()
+                else:
+                    logits = model(batch[0])
+                    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[1].reshape(-1))
                 fabric.backward(loss / args.accumulate)
             if last:
                 optimizer.step()
                 optimizer.zero_grad()
                 state["step"] += 1
                 (status / f"rank{rank}.step").write_text(str(state["step"]))
+                if args.indices:
+                    line = {"step": state["step"], "epoch": preempt.epoch, "indices": batch[0].tolist()}
+                    with open(status / f"rank{rank}.trained", "a") as trained:
+                        trained.write(json.dumps(line) + "\n")
                 if state["step"] == args.signal_at and rank == args.signal_rank:
                     os.kill(os.getpid(), signal.SIGTERM)
         preempt.finish(state)

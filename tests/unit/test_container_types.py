@@ -91,3 +91,23 @@ def test_the_inline_split_is_the_generic_walk() -> None:
     assert list(tensors) == list(expected) and all(tensors[k] is expected[k] for k in expected)
     assert skeleton == generic
     assert type(skeleton["state_dict"]) is OrderedDict and skeleton["state_dict"]._metadata == {"": {"version": 2}}
+
+
+def test_a_module_state_dict_is_split_inline_and_restored() -> None:
+    """A ``Module.state_dict()`` (an ``OrderedDict``) is walked inline (issue 33: 16 -> 2.5 ms
+    at 4000 tensors): its values, order and ``_metadata`` come back, the original untouched."""
+    from lightning_preempt.format.skeleton import merge_checkpoint
+
+    module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    weights = module.state_dict()
+    tensors, skeleton = split_checkpoint({"state_dict": weights, "epoch": 1})
+    assert type(skeleton["state_dict"]) is OrderedDict and skeleton["state_dict"] is not weights
+    assert list(tensors) == [f"state_dict/{k}" for k in weights]
+    assert all(isinstance(v, torch.Tensor) for v in weights.values())  # the original keeps its tensors
+    restored = merge_checkpoint(skeleton, {k: v.clone() for k, v in tensors.items()})["state_dict"]
+    assert type(restored) is OrderedDict and list(restored) == list(weights)
+    assert restored._metadata == weights._metadata  # type: ignore[attr-defined]
+    assert all(torch.equal(restored[k], weights[k]) for k in weights)
+    fresh = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    fresh.load_state_dict(restored)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), weights.values(), strict=True))

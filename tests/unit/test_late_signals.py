@@ -63,14 +63,14 @@ def test_after_a_preemption_a_signal_in_the_teardown_is_only_noted() -> None:
     try:
         ctl = PreemptionController(PreemptionConfig(dirpath="unused", signals=(SIG,), overlap_agreement=False))
         ctl.start()
-        ctl.preempted = True  # the emergency sequence ran
+        ctl.preempted = ctl._requeued = True  # the emergency sequence ran and the job is requeued
         ctl.stop()  # the sources put the default action back; the late handler takes over
         assert signal.getsignal(SIG) == late_signals.LATE._handle
         _deliver()  # would kill the process with the default action
         assert late_signals.LATE.fired == SIG
         ctl.start()  # training again (same process): the signal is a preemption's again
         assert signal.getsignal(SIG) != late_signals.LATE._handle
-        ctl.preempted = False
+        ctl._requeued = False  # preempted without a requeue: no late SIGTERM is expected
         ctl.stop()
         assert signal.getsignal(SIG) == signal.SIG_DFL
     finally:

@@ -1,6 +1,5 @@
-"""``lightning-preempt plan``: how often to save (Young/Daly) and whether the SIGTERM
-snapshot fits the grace period. The math is cli/plan.py; here are its inputs (flags, a
-checkpoint's manifest, a measured write) and the printed plan. Needs no torch.
+"""``lightning-preempt plan``: its inputs (flags, a manifest, a measured write) and the printed
+plan; the math is cli/plan.py.
 """
 
 from __future__ import annotations

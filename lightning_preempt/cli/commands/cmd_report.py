@@ -1,6 +1,5 @@
-"""``lightning-preempt report URL``: what preemption cost a run, from its goodput ledger.
-The figures are cli/report.py's; the plot cli/timeline.py's (matplotlib, the ``[plot]``
-extra, imported only for ``--plot``). Needs no torch.
+"""``lightning-preempt report URL``: what preemption cost a run (figures: cli/report.py; the
+``--plot``: cli/timeline.py, matplotlib imported only then).
 """
 
 from __future__ import annotations

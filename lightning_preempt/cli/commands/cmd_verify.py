@@ -1,6 +1,5 @@
 """``lightning-preempt verify URL [STEP]``: the manifest, every file's size and CRC32C, and
-that the state loads without ``trust_checkpoints``. Needs no torch: the last check replays
-what the loader's unpickling would accept (format/pickles/state_replay.py, format/pickles/metadata_scan.py) instead of loading.
+that the state loads without ``trust_checkpoints`` (replayed, without torch).
 """
 
 from __future__ import annotations
@@ -75,13 +74,8 @@ def _report(store: Store, manifest: Manifest, elapsed: float, *, as_json: bool, 
 
 
 def check_loadable(store: Store, manifest: Manifest) -> None:
-    """Raise :class:`UntrustedCheckpointError` (naming the global) unless every rank's
-    state and DCP's ``.metadata`` would load with the allow-list only.
-
-    Nothing is unpickled with real classes and torch is not imported: the pickles are
-    replayed against the loader's allow-lists (format/pickles/allowlists.py), which raise what
-    the load would raise (tests/unit/test_pickle_replay.py compares the two).
-    """
+    """Raise :class:`UntrustedCheckpointError` unless every pickle would load with the
+    allow-list only; replayed without torch (format/pickles/state_replay.py)."""
     files = data_store(store, manifest)  # a replaced checkpoint's files live in its generation dir
     try:
         for name in sorted(n for n in manifest.files if STATE_RE.fullmatch(n)):  # every rank's

@@ -1,16 +1,6 @@
-"""The static allow-lists of format/pickles/unpickle.py's loaders, as qualified names, for the
-torch-free checks (format/pickles/state_replay.py, format/pickles/metadata_scan.py).
-
-They are written out rather than read from torch so that ``lightning-preempt verify`` needs
-neither torch nor NumPy; the NumPy names follow the installed NumPy's major version, read
-from its package metadata. Guard tests (tests/unit/test_pickle_replay.py) require each list
-to be exactly what the installed torch and NumPy allow.
-
-* :data:`STATE_GLOBALS`: what a per-rank state file may import (``load_state_bytes``).
-* :data:`METADATA_GLOBALS`: what DCP's ``.metadata`` may import (``_MetadataUnpickler``),
-  split into :data:`METADATA_CLASSES`, :data:`METADATA_FUNCTIONS` and dtype values.
-* :func:`py2_rename`, :data:`BLOCKED_MODULES`: how torch's weights-only unpickler reads a
-  global's name before it consults the allow-list.
+"""The loaders' allow-lists as qualified names, for the torch-free checks (state_replay,
+metadata_scan), so ``verify`` needs neither torch nor NumPy. Guard tests
+(tests/unit/test_pickle_replay.py) require each to equal what installed torch/NumPy allow.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
-"""The opcode check the fast unpickler (format/pickles/fast_unpickle.py) runs before C ``pickle``
-(issue 32; the rules and why: docs/security.md).
+"""The opcode check run before C ``pickle`` (rules and why: docs/security.md).
 
-``find_class`` does not bound what C ``pickle`` does: ``BUILD`` sets attributes on whatever
-lies on its stack (an allowed global too, for the whole process), and a memo index of 1e8
-in a 100-byte file allocates 1.6 GB. So the pickle is walked first, nothing built, and
-:func:`check_fast_pickle` allows only the opcodes torch's weights-only unpickler reads
-(from ``PROTO 2``), ``GLOBAL`` of exactly the allowed names, ``REDUCE``/``NEWOBJ`` only of
-an allowed callable on a tuple, ``BUILD`` only on what such a call returned and the
-weights-only loader builds too, ``SETITEM(S)`` on dicts and ``APPEND(S)`` on lists, and memo
-indices no larger than the values memoized so far. Anything else raises
-:class:`FastRefused`: the weights-only loader then decides and words the error. No torch here.
+``find_class`` does not bound C ``pickle`` (``BUILD`` on an allowed global, a huge memo
+index), so the pickle is walked first: only what torch's weights-only unpickler reads is
+allowed, else :class:`FastRefused` and the weights-only loader decides. No torch here.
 """
 
 from __future__ import annotations

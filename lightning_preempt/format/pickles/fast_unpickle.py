@@ -1,13 +1,8 @@
-"""The fast path for the per-rank state files: C ``pickle`` with a tight ``find_class``
-(issue 26; why it accepts a subset of ``weights_only``, never more: docs/security.md).
+"""The fast path for state files: C ``pickle`` with a tight ``find_class`` (docs/security.md).
 
-``torch.load(weights_only=True)`` interprets the pickle in Python: ~0.12 s for a skeleton of
-4000 placeholders, as long as reading 256 MiB of tensors. Here the same ``torch.load`` runs
-with the C unpickler, whose ``find_class`` resolves a small fixed set the weights-only path
-also allows (:func:`fast_globals`). Anything else raises :class:`OffFastPath` and the caller
-loads the bytes again through ``weights_only`` (format/pickles/unpickle.py), which decides
-and words the error. Before C pickle runs, the opcodes are checked
-(:func:`~lightning_preempt.format.pickles.fast_guard.check_fast_pickle`, issue 32).
+The weights-only unpickler runs in Python (~0.12 s for 4000 placeholders). Here C pickle
+resolves a small set weights-only also allows (:func:`fast_globals`), after the opcode check;
+anything else raises :class:`OffFastPath` and the caller loads through ``weights_only``.
 """
 
 from __future__ import annotations
@@ -68,11 +63,8 @@ def fast_globals(with_numpy: bool) -> dict[tuple[str, str], Any]:
 
 
 def _numpy_fast_globals() -> dict[tuple[str, str], Any]:
-    """NumPy arrays of the allowed dtypes (an RNG state), no scalars (those, and anything
-    else, take the weights-only path). The weights-only unpickler checks the type of every
-    object it BUILDs; C pickle does not, so the two callables whose result is BUILT later
-    are wrapped to check it when they return: only an ``ndarray`` and a dtype of an
-    allowed class ever reach ``__setstate__``."""
+    """NumPy arrays of the allowed dtypes, no scalars. C pickle does not type-check what it
+    BUILDs, so the two callables whose result is BUILT are wrapped to check it."""
     import numpy as np
 
     names = {(g.__module__, g.__qualname__): g for g in numpy_globals()}

@@ -1,13 +1,6 @@
-"""Would reading DCP's ``.metadata`` (``read_dcp_metadata`` in format/pickles/unpickle.py) accept
-it? Answered without torch, for the operator CLI's ``verify``.
-
-* :func:`check_metadata_pickle`: ``.metadata`` through an unpickler whose ``find_class``
-  returns recording stand-ins for
-  :data:`~lightning_preempt.format.pickles.allowlists.METADATA_GLOBALS` only, then
-* :func:`check_dcp_structure`: the structural check, written once for real DCP objects
-  (the load path) and stand-ins alike.
-
-tests/unit/test_pickle_replay.py runs both paths on the same bytes.
+"""Would ``read_dcp_metadata`` accept DCP's ``.metadata``? Answered without torch, for ``verify``:
+:func:`check_metadata_pickle` with recording stand-ins for the allowed globals, then
+:func:`check_dcp_structure`, the one structural check (tests/unit/test_pickle_replay.py).
 """
 
 from __future__ import annotations

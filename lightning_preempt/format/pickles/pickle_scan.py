@@ -1,10 +1,5 @@
-"""Which globals a pickle imports, read from its opcodes without running it (and without
-torch): :func:`pickle_globals` for a pickle's bytes, :func:`pickled_globals` for the
-``data.pkl`` inside a ``torch.save`` file.
-
-Whether a checkpoint's pickles load without ``trust_checkpoints`` is another question,
-answered by format/pickles/state_replay.py (per-rank state) and format/pickles/metadata_scan.py (DCP's
-``.metadata``) against the static allow-lists of format/pickles/allowlists.py.
+"""Which globals a pickle imports, read from its opcodes without running it or torch
+(whether it would *load* is state_replay.py's and metadata_scan.py's question).
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""Would ``load_state_bytes`` (format/pickles/unpickle.py) accept this ``state-rankNNNNN.pt``?
-Answered without torch, for the operator CLI's ``verify``.
-
-:func:`check_state_pickle` opens the ``torch.save`` zip as torch's reader does and replays
-its ``data.pkl`` through the rules of ``torch.load(weights_only=True)`` with
-:data:`~lightning_preempt.format.pickles.allowlists.STATE_GLOBALS` allowed: the same opcodes, the
-same refusals, with inert stand-ins where torch builds tensors and arrays. It raises the
-:class:`UntrustedCheckpointError` or :class:`CorruptCheckpointError` the load would raise;
-tests/unit/test_pickle_replay.py runs both on the same bytes.
+"""Would ``load_state_bytes`` accept this state file? Answered without torch, for ``verify``:
+``data.pkl`` is replayed under ``weights_only`` rules with inert stand-ins, raising the error
+the load would (tests/unit/test_pickle_replay.py runs both on the same bytes).
 """
 
 from __future__ import annotations
@@ -65,12 +59,7 @@ class _Refused(Exception):
 
 # ---- the per-rank state: a replay of torch.load(weights_only=True) ---------------------------
 def check_state_pickle(data: bytes, *, path: str) -> None:
-    """Raise what ``load_state_bytes(data, path=path)`` would raise, without torch.
-
-    :class:`UntrustedCheckpointError` (naming the global, when one is to blame) for what
-    the allow-list refuses; :class:`CorruptCheckpointError` when ``data`` is not a
-    ``torch.save`` archive or its pickle does not hold together.
-    """
+    """Raise what ``load_state_bytes(data, path=path)`` would raise, without torch."""
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as archive:
             prefix, info = _archive_pickle(archive, path)
@@ -89,10 +78,8 @@ def check_state_pickle(data: bytes, *, path: str) -> None:
 
 
 def archived_pickle(data: bytes) -> bytes:
-    """The ``data.pkl`` bytes torch's reader would unpickle from the ``torch.save`` archive
-    ``data``, for the fast path's opcode check (format/pickles/fast_guard.py). Raises (any error)
-    when the archive is not one both readers are sure to read alike: a name listed twice
-    (zipfile takes the last, torch's reader may take another) counts as such."""
+    """The ``data.pkl`` bytes torch's reader would unpickle from ``data``; raises when the two
+    readers may differ (a name listed twice: zipfile takes the last)."""
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
         names = archive.namelist()
         if len(set(names)) != len(names):

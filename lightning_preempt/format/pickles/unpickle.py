@@ -1,14 +1,8 @@
-"""Unpickling what storage hands us without running code from it (docs/security.md: what is
-allowed, and why).
+"""Unpickling what storage hands us without running code from it (docs/security.md).
 
-Both pickles of a checkpoint come from storage other principals may write. Each rank's
-``state-rankNNNNN.pt`` is loaded with ``torch.load(weights_only=True)`` and an allow-list
-scoped to that one call (``torch.serialization.safe_globals``, never the process-wide
-``add_safe_globals``); anything else raises :class:`UntrustedCheckpointError` naming the
-global and the opt-in (``trust_checkpoints=True``, ``export --trust``). DCP's ``.metadata``
-goes through :class:`_MetadataUnpickler` (DCP's metadata classes, ``torch.Size``, dtypes,
-layouts only; byte-IO entries refused; every ``relative_path`` one of our listed shard files
-and every byte range inside it). DCP reads the tensor records with ``weights_only=True``.
+State files load with ``torch.load(weights_only=True)`` and an allow-list scoped to that one
+call (never ``add_safe_globals``); anything else raises :class:`UntrustedCheckpointError`
+naming the opt-in. DCP's ``.metadata`` goes through :class:`_MetadataUnpickler`.
 """
 
 from __future__ import annotations
@@ -46,21 +40,13 @@ _GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
 
 # ---- the per-rank state files -------------------------------------------------------------
 def skeleton_safe_globals() -> list[Any]:
-    """The allow-list for the per-rank state files, on top of ``weights_only``'s defaults
-    (tensors, dtypes, ``OrderedDict``…): this package's :class:`TensorRef`, its inline
-    tensors (:func:`~lightning_preempt.format.tensor_from_bytes`, which checks its arguments)
-    and NumPy arrays and scalars (exact-resume RNG states). That is all a ``Trainer.fit``
-    puts there: Lightning stores hyper-parameters as a plain ``dict`` (measured with Lightning 2.6)."""
+    """On top of ``weights_only``'s defaults: :class:`TensorRef`, inline tensors and NumPy
+    (RNG states); all a ``Trainer.fit`` puts there (Lightning 2.6)."""
     return [TensorRef, tensor_from_bytes, *numpy_globals()]
 
 
 def load_state_bytes(data: bytes, *, path: str, trusted: bool = False, map_location: Any = None) -> Any:
-    """Unpickle one ``state-rankNNNNN.pt`` (see the module docstring).
-
-    ``trusted``: full unpickling (the user opted in; a payload in the file runs).
-    Raises :class:`UntrustedCheckpointError` when the state needs a global outside the
-    allow-list, :class:`CorruptCheckpointError` when it is not a ``torch.save`` file.
-    """
+    """Unpickle one state file; ``trusted``: full unpickling (the user opted in)."""
     state = _load_state(data, path=path, trusted=trusted, map_location=map_location)
     if map_location is not None and _INLINE in data:  # inline tensors are made on the CPU
         state = apply_map_location(state, map_location)
@@ -79,10 +65,8 @@ def _load_state(data: bytes, *, path: str, trusted: bool, map_location: Any) -> 
         return fast_load_state(data, location)  # the common case, ~10x faster (format/pickles/fast_unpickle.py)
     except OffFastPath:
         pass  # weights_only decides (it allows a superset) and words any error
-    # NumPy's globals only when the pickle can name them (their module's name is in its
-    # bytes, as text): torch's weights_only loader rebuilds a dict of the allowed globals
-    # for every object it makes, so a shorter list is faster per tensor placeholder.
-    # Fewer globals allowed is never less safe; a skeleton without them loads the same.
+    # NumPy's globals only when the bytes name them: weights_only rebuilds the allowed dict
+    # per object, so a shorter list is faster (and never less safe)
     allowed: list[Any] = skeleton_safe_globals() if b"numpy" in data else [TensorRef, tensor_from_bytes]
     try:
         with torch.serialization.safe_globals(allowed):  # scoped to this call

@@ -1,10 +1,5 @@
-"""Cloud preemption notices: earlier warning than SIGTERM, as preemption sources.
-
-``make_sources(["aws", "gce", "azure"])`` or ``make_sources("auto")`` builds the sources
-that :mod:`lightning_preempt.sources` describes; the controller polls them at step
-boundaries and agrees on them across ranks like a signal. Only local rank 0 of each node
-watches (one light daemon thread per watched key); other local ranks get no-op sources.
-Per-cloud details, what each notice gives in time, and the endpoints: docs/notices.md.
+"""Cloud preemption notices: earlier warning than SIGTERM, as preemption sources. Only local
+rank 0 of each node watches; per-cloud details and endpoints: docs/notices.md.
 """
 
 from __future__ import annotations
@@ -78,18 +73,10 @@ def make_sources(
     endpoints: Mapping[str, str] | None = None,
     options: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> list[PreemptionSource]:
-    """The notice sources for ``notices`` (names as in :data:`NAMES`), not yet started.
-
-    Args:
-        notices: ``None`` (nothing is polled), a name, a comma-separated string, a list of
-            names, or ``"auto"``.
-        local_rank: this process's rank on its node (default ``$LOCAL_RANK``, else 0);
-            ranks other than 0 get :class:`NoopSource` s (rank 0 watches for the node).
-        endpoints: per-cloud base URLs (``{"aws": "http://127.0.0.1:8080"}``); default:
-            ``$LP_NOTICES_AWS_ENDPOINT`` / ``$LP_NOTICES_GCE_ENDPOINT`` /
-            ``$LP_NOTICES_AZURE_ENDPOINT``, else ``http://169.254.169.254``.
-        options: per-cloud constructor keyword arguments (``{"aws": {"interval_s": 5}}``);
-            ``$LP_NOTICES_INTERVAL_S`` sets every source's ``interval_s`` unless given here.
+    """The notice sources for ``notices`` (``None``, names as in :data:`NAMES`, comma-separated,
+    or ``"auto"``), not yet started. Local ranks other than 0 get :class:`NoopSource` s.
+    ``endpoints``/``options``: per cloud (``{"aws": {"interval_s": 5}}``); ``$LP_NOTICES_INTERVAL_S``
+    sets every ``interval_s`` not given.
     """
     names = parse_names(notices)
     if local_rank is None:

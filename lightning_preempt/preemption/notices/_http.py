@@ -1,8 +1,5 @@
-"""The one HTTP helper the notice sources use: plain ``http.client``, bounded in time and size.
-
-Why not ``urllib``: it honours ``HTTP_PROXY``/``http_proxy``, and a metadata server must be
-reached directly (a proxy would answer for *its* host, or not at all). Why not
-``requests``: not a dependency, and four verbs on loopback/link-local need nothing more.
+"""The notice sources' HTTP helper: plain ``http.client``, bounded in time and size (``urllib``
+honours ``HTTP_PROXY``, and a metadata server must be reached directly).
 """
 
 from __future__ import annotations
@@ -27,13 +24,8 @@ REQUEST_FAILURES: tuple[type[BaseException], ...] = (OSError, http.client.HTTPEx
 
 
 class _DeadlineSocket(socket.socket):
-    """A connected socket whose every read and write ends by one monotonic ``deadline``.
-
-    A socket timeout bounds each read, not the request: a server trickling one byte a
-    second (slow-loris) would hold ``http.client``'s header loop for ever. Each call here
-    gets only the time left, and none once it is gone (:class:`TimeoutError`, an ``OSError``
-    the poller counts as a failed request).
-    """
+    """A socket whose every read and write ends by one ``deadline``: a socket timeout bounds
+    each read, not the request, and a server trickling bytes (slow-loris) would hold it for ever."""
 
     deadline = 0.0
 

@@ -1,10 +1,5 @@
-"""``notices="auto"``: find out in the background which cloud's metadata server answers.
-
-All three clouds serve metadata at ``169.254.169.254``; each answers only its own protocol
-(AWS: the IMDSv2 token ``PUT``; GCE: ``Metadata-Flavor: Google``; Azure: ``Metadata: true``
-and its JSON). The probes run on a daemon thread with a short timeout each, so
-:meth:`AutoSource.start` returns at once: off any cloud nothing waits for them, and after
-the probes nothing is polled at all.
+"""``notices="auto"``: find out in the background which cloud's metadata server answers (each
+answers only its own protocol at ``169.254.169.254``); :meth:`AutoSource.start` never waits.
 """
 
 from __future__ import annotations
@@ -30,14 +25,7 @@ CLOUDS: dict[str, tuple[Callable[[str, float], bool], Callable[..., MetadataSour
 
 
 class AutoSource:
-    """Probes every cloud, then runs the source of each one that answered.
-
-    Args:
-        endpoints: per-cloud endpoint overrides (``{"aws": "http://127.0.0.1:8080"}``);
-            otherwise each source's own default (environment variable or link-local).
-        probe_timeout_s: per-probe timeout; the probes run in parallel.
-        options: per-cloud constructor keyword arguments for the sources.
-    """
+    """Probes every cloud in parallel, then runs the source of each one that answered."""
 
     name = "auto"
 

@@ -1,8 +1,5 @@
-"""AWS EC2 Spot: the interruption notice and the rebalance recommendation, over IMDSv2
-(a session token fetched with ``PUT /latest/api/token``, fetched again on a 401).
-``spot/instance-action`` answers 200 about two minutes before the interruption, with its
-deadline; ``events/recommendations/rebalance`` is advisory (no deadline), replaced by the
-interruption notice when that comes. The protocol and its sources: docs/notices.md.
+"""AWS EC2 Spot over IMDSv2: the interruption notice (~2 min, with its deadline) and the
+advisory rebalance recommendation. Protocol and sources: docs/notices.md.
 """
 
 from __future__ import annotations
@@ -29,17 +26,9 @@ TOKEN_HEADER = "X-aws-ec2-metadata-token"
 
 
 class AWSSpotSource(MetadataSource):
-    """Watches the EC2 instance metadata service (IMDSv2) for a Spot interruption.
-
-    Args:
-        endpoint: IMDS base URL; default ``$LP_NOTICES_AWS_ENDPOINT``, else
-            ``$AWS_EC2_METADATA_SERVICE_ENDPOINT`` (the AWS SDKs' variable), else
-            ``http://169.254.169.254``.
-        rebalance: also report rebalance recommendations (advisory, no deadline).
-        interval_s: time between checks (each check is one or two local GETs).
-        timeout_s: per-request timeout.
-        token_ttl_s: lifetime asked for the IMDSv2 token (max 21600).
-    """
+    """Watches IMDSv2 for a Spot interruption (``rebalance``: also the advisory recommendation).
+    ``endpoint`` default: ``$LP_NOTICES_AWS_ENDPOINT``, ``$AWS_EC2_METADATA_SERVICE_ENDPOINT``,
+    link-local."""
 
     name = "aws"
     endpoint_env = (ENV_ENDPOINT, "AWS_EC2_METADATA_SERVICE_ENDPOINT")

@@ -1,10 +1,6 @@
-"""Azure Scheduled Events (Instance Metadata Service): ``Preempt`` for Spot VMs (at least 30 s
-ahead), and ``Terminate``/``Reboot``/``Redeploy``, which also end the VM's processes
-(``Freeze`` does not). Only events whose ``Resources`` name this VM count (events of an
-availability set reach all of it). The first request may take two minutes (it enables the
-service). :class:`AzureSource` acknowledges an event (it may then start before
-``NotBefore``) only with ``acknowledge=True``, in :meth:`stop`, after the snapshot. The
-document format, the times and their sources: docs/notices.md.
+"""Azure Scheduled Events: ``Preempt``/``Terminate``/``Reboot``/``Redeploy`` naming this VM
+(an availability set's events reach all of it). Acknowledged only with ``acknowledge=True``,
+in :meth:`AzureSource.stop`. Format, times, sources: docs/notices.md.
 """
 
 from __future__ import annotations
@@ -37,16 +33,8 @@ FIRST_TIMEOUT_S = 130.0  # "expect a delayed response in your first call of up t
 
 
 class AzureSource(MetadataSource):
-    """Polls Azure Scheduled Events for an event that ends this VM.
-
-    Args:
-        endpoint: IMDS base URL; default ``$LP_NOTICES_AZURE_ENDPOINT``, else
-            ``http://169.254.169.254``.
-        event_types: the ``EventType`` values that count as a reclaim.
-        acknowledge: in :meth:`stop`, approve the events we acted on (``StartRequests``).
-        interval_s: time between polls.
-        timeout_s: per-request timeout (the very first poll allows two minutes).
-    """
+    """Polls Azure Scheduled Events for an event that ends this VM (``endpoint`` default:
+    ``$LP_NOTICES_AZURE_ENDPOINT``, else link-local); the first poll allows two minutes."""
 
     name = "azure"
     endpoint_env = (ENV_ENDPOINT,)

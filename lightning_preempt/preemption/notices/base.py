@@ -1,15 +1,8 @@
 """What every cloud notice source shares: daemon watcher threads, backoff, one WARNING.
 
-A source's threads only talk HTTP to the node's metadata server and store a
-:class:`~lightning_preempt.sources.Notice`; :meth:`MetadataSource.poll` (training thread)
-reads that field and never blocks. A server that is slow, answers garbage or vanishes
-costs the watcher thread time, never the training loop: the first failure is logged at
-WARNING (once per start), later ones at DEBUG, and the thread backs off exponentially.
-Every exception of one answer counts as a failed request, not just the expected ones (an
-answer that breaks a parser in a way nobody foresaw must not end the watcher: a real
-notice served later would never be seen); each request is bounded in total time
-(``_http.request``); the server's text reaches the log escaped and cut
-(:func:`~lightning_preempt._log.untrusted_text`).
+Watcher threads talk HTTP and store a :class:`~lightning_preempt.sources.Notice`;
+:meth:`MetadataSource.poll` never blocks. Any exception of one answer counts as a failed
+request (a parser broken unforeseen must not end the watcher and miss a later notice).
 """
 
 from __future__ import annotations
@@ -69,15 +62,9 @@ def parse_http_date(text: str) -> float:
 
 
 class MetadataSource:
-    """Base for the cloud sources; implements the ``PreemptionSource`` protocol.
-
-    Subclasses set :attr:`name` and return their watchers from :meth:`watchers` (one
-    daemon thread each: a long-poll blocks its thread, so GCE's two keys need two).
-    A watcher's notice is kept; a notice with a deadline ends that watcher (nothing more
-    to learn), one without (advisory, e.g. AWS's rebalance recommendation) does not, and
-    a later notice with a deadline replaces it, so :meth:`poll` always returns the most
-    definite announcement seen.
-    """
+    """Base for the cloud sources: subclasses set :attr:`name` and give :meth:`watchers` (a
+    daemon thread each). A notice with a deadline ends its watcher and replaces an advisory
+    one, so :meth:`poll` returns the most definite announcement seen."""
 
     name = "metadata"
     #: Environment variables that name the endpoint when none is given (first set wins).

@@ -1,8 +1,5 @@
 """Google Compute Engine: ``instance/preempted`` and ``instance/maintenance-event``, each
-watched by a long-poll on its ``ETag`` (a change is seen at once, nothing missed between
-requests). ``preempted`` ``TRUE`` (~30 s left) and ``TERMINATE_ON_HOST_MAINTENANCE`` (~60 s)
-are notices; ``MIGRATE_ON_HOST_MAINTENANCE`` (live migration) is only logged. The protocol,
-the times and their sources: docs/notices.md.
+long-polled on its ``ETag``; live migration is only logged. Protocol and times: docs/notices.md.
 """
 
 from __future__ import annotations
@@ -29,16 +26,9 @@ _MAINTENANCE_VALUES = ("NONE", "MIGRATE_ON_HOST_MAINTENANCE", "TERMINATE_ON_HOST
 class GCESource(MetadataSource):
     """Long-polls the GCE metadata server for preemption and host maintenance.
 
-    Args:
-        endpoint: metadata server base URL; default ``$LP_NOTICES_GCE_ENDPOINT``, else
-            ``$GCE_METADATA_HOST`` (Google's client libraries' variable), else
-            ``http://169.254.169.254`` (= ``metadata.google.internal``).
-        maintenance: also watch ``maintenance-event``.
-        wait_s: the server-side long-poll timeout (``timeout_sec``).
-        timeout_s: added to ``wait_s`` for the client-side socket timeout.
-        interval_s: pause between two requests, also after a long-poll returned (a server
-            that ignores ``wait_for_change`` must not make this thread spin; no change is
-            missed meanwhile: the next long-poll passes the last ETag).
+    ``endpoint`` default: ``$LP_NOTICES_GCE_ENDPOINT``, ``$GCE_METADATA_HOST``, link-local.
+    ``interval_s`` also follows a returned long-poll, so a server ignoring
+    ``wait_for_change`` cannot make the thread spin (the ETag means nothing is missed).
     """
 
     name = "gce"
