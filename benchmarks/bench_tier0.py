@@ -9,7 +9,9 @@
   alone (the ``fit`` call to the first step: set-up, choice, load). The disk tier warm (its
   pages still in the page cache, as after a SIGKILL on a host with memory to spare) and cold
   (the checkpoint's pages evicted with ``posix_fadvise(DONTNEED)``, as on a host whose cache
-  was reclaimed). Target <= 0.5x.
+  was reclaimed). Target <= 0.5x. The tier-0 copy is sealed after it commits (read/seal.py),
+  so its resume skips the second CRC32C pass; the disk checkpoint is checked in full. The
+  fair comparison for a process lost without a signal is tier 0 against the disk cold.
 * **Memory**: tier 0's tmpfs use (sampled every 20 ms while the tier-0 fit runs: peak and at
   the end) and the process's peak RSS, against the budget of tier 0 on one node: its own copy
   plus one peer's (2 x one copy's bytes).

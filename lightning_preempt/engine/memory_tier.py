@@ -30,8 +30,11 @@ from lightning_preempt.catalog.retention import retain
 from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.format.names import MANIFEST_NAME, checkpoint_name
+from lightning_preempt.read.seal import seal
+from lightning_preempt.read.verify import read_manifest
 from lightning_preempt.save.history import SaveRecord
 from lightning_preempt.save.saver import Saver
+from lightning_preempt.storage.store import Store
 from lightning_preempt.tiers.peer import WIRE_MAX_BYTES, replicate
 from lightning_preempt.tiers.tier0 import KEEP_LAST_N, AutoEvery, committed_steps
 from lightning_preempt.tiers.tier0_peer import memory_nodes, prune, restore
@@ -160,7 +163,12 @@ class MemoryTier:
         root, keep = self.root, self.keep
         if not self.replicating:
             if leader:
-                saver.submit(lambda: retain(root, keep, {}, run_id=run_id))
+
+                def seal_and_retain() -> None:
+                    seal_copy(path)
+                    retain(root, keep, {}, run_id=run_id)
+
+                saver.submit(seal_and_retain)
             return
         group, node = self._peer_group, self.nodes[pdist.rank(self._peer_group)]
         first = self.nodes.index(node) == pdist.rank(self._peer_group)
@@ -176,6 +184,7 @@ class MemoryTier:
                 log.debug("lightning_preempt: peer copy of %s: %d B sent, %d B received in %.3fs", path,
                           report.bytes_sent, report.bytes_received, report.seconds)  # fmt: skip
             if first:
+                seal_copy(path)
                 prune(root, keep, run_id)
 
         self._peer_job = saver.submit(peer_copy)
@@ -227,6 +236,17 @@ class MemoryTier:
     def held(self) -> list[int]:
         """The steps committed in tier 0 (for ``Engine.held_steps``: the failure verdict)."""
         return committed_steps(self.root) if self.enabled else []
+
+
+def seal_copy(path: str) -> bool:
+    """Seal the committed copy at ``path`` (read/seal.py: CRC32C-verified here, so a resume on
+    this node need not hash it again); whether it was sealed. Never raises: a copy that failed
+    has no manifest, and an unsealed copy is only verified in full at the load."""
+    try:
+        return seal(path, read_manifest(Store(path)))
+    except Exception as err:  # best effort: the load then checks every byte
+        log.debug("lightning_preempt: tier-0 copy %s not sealed (%s)", path, err)
+        return False
 
 
 def _why_not(errors: list[str], nodes: list[str] | None, *, can_group: bool) -> str | None:

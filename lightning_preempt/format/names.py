@@ -37,6 +37,9 @@ MARKER_NAME = ".lightning_preempt"
 #: Created create-only by the one save that writes its files directly into a checkpoint
 #: path; a concurrent save to the same path finds it and writes a generation of its own.
 CLAIM_NAME = ".lightning_preempt.writer"
+#: A tier-0 copy's seal (read/seal.py), and its temporary name while written.
+SEAL_NAME = ".lightning_preempt.seal"
+_SEAL_RE = re.compile(r"\.lightning_preempt\.seal(?:\.[0-9a-f]{8}\.tmp)?")
 #: Every name this package gives an entry directly under a checkpoint root starts with it,
 #: except the checkpoints themselves.
 HIDDEN_PREFIX = ".lp-"
@@ -78,7 +81,10 @@ def is_our_file(name: str) -> bool:
     """A file this package writes directly in a checkpoint directory (listed in the
     manifest or not: the manifest itself, the marker, what a killed save leaves)."""
     return (
-        name in (MANIFEST_NAME, MARKER_NAME, CLAIM_NAME) or is_checkpoint_file(name) or _LEFTOVER_RE.fullmatch(name) is not None
+        name in (MANIFEST_NAME, MARKER_NAME, CLAIM_NAME)
+        or is_checkpoint_file(name)
+        or _LEFTOVER_RE.fullmatch(name) is not None
+        or _SEAL_RE.fullmatch(name) is not None
     )
 
 

@@ -25,6 +25,7 @@ from lightning_preempt.format.pickles.unpickle import (
 )
 from lightning_preempt.format.skeleton import merge_checkpoint, tensor_refs
 from lightning_preempt.read.dcp import load_all_tensors, load_tensors_into
+from lightning_preempt.read.seal import sealed
 from lightning_preempt.read.tensors import read_tensors, read_verified_bytes, tensor_items
 from lightning_preempt.read.verify import _CORRUPT_HINT, Fallback, check_files, read_manifest, verify_checkpoint
 from lightning_preempt.storage.store import Store
@@ -167,6 +168,8 @@ def gc_paused() -> Iterator[None]:
 
 def _load_full(store: Store, *, rank: int, verify: bool, trusted: bool, map_location: Any) -> dict[str, Any]:
     manifest = read_manifest(store)
+    if verify and store.is_local and sealed(data_store(store, manifest).path(), manifest):
+        verify = False  # verified on this node since it last changed (read/seal.py); sizes still checked
     if not verify:
         check_files(data_store(store, manifest), manifest)
     skeleton = load_skeleton(store, manifest, rank, verify=verify, trusted=trusted, map_location=map_location)

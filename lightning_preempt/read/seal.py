@@ -1,0 +1,154 @@
+"""A tier-0 copy's seal: its files were CRC32C-verified on this node since they last changed.
+
+A resume from tier 0 reads from tmpfs at memory speed, and its time is the CPU's: the CRC32C
+of every byte is a third of it (docs/tier0.md, "The seal"). The seal lets the load skip that
+check, soundly, for files nothing has touched since they were verified here:
+
+* **Written after a full check.** On the saver's job thread, after the copy (and on several
+  nodes the peer copy) committed, each file the manifest lists is opened, ``fstat``-ed, read
+  through and hashed, and ``fstat``-ed again; only a file whose CRC32C and size match the
+  manifest and whose status did not change during the read is sealed. The seal records, per
+  file, the manifest's (size, CRC32C) and the inode's identity and times
+  (``st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns``), the boot id, and is written
+  atomically (temporary file, ``rename``) after the manifest. A copy killed mid-write has no
+  manifest and so no seal; a seal torn by a kill does not parse: the load verifies in full.
+* **Any change breaks it.** Every write, truncation, ``fallocate``, rename over the file,
+  ``chmod`` or ``utime`` sets the inode's ctime to the current time, and ctime cannot be set
+  back by any system call. A file changed after its seal therefore has a ctime (or inode)
+  the seal does not hold. The ctime clock is coarse (a tick), so a file whose ctime is within
+  ``FRESH_NS`` of the sealing time is not sealed: a write in the same tick could leave it
+  unchanged.
+* **Only tmpfs, only this boot.** The seal is used only where the directory is on a tmpfs
+  (``/proc/self/mounts``) and ``/proc/sys/kernel/random/boot_id`` is the sealing one: a tmpfs
+  holds its bytes in RAM and has no media of its own to rot; a disk directory (a
+  ``memory_dirpath`` on a disk) is always verified in full.
+* **All or nothing.** The load skips the CRC32C pass only when every file the manifest lists
+  is sealed and matches; otherwise (a peer-received file not sealed yet, one changed file) it
+  checks every byte as before. The sizes are always checked.
+
+What it does not cover: a RAM error in the tmpfs pages (the same risk the live model in RAM
+has; ECC memory is the guard), and a process writing through a shared mapping it held
+before the seal (none of this package's writers map files).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+import uuid
+from typing import Any
+
+from lightning_preempt.format.manifest import Manifest
+from lightning_preempt.format.names import SEAL_NAME
+from lightning_preempt.storage.checksum import Crc32c
+
+log = logging.getLogger(__name__)
+
+FRESH_NS = 50_000_000  # a ctime this close to the sealing time is not trusted (coarse clock)
+_CHUNK = 8 << 20
+
+
+def boot_id() -> str | None:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def on_tmpfs(path: str) -> bool:
+    """Whether ``path`` lies on a tmpfs mount (the longest mount point above it)."""
+    real = os.path.realpath(path)
+    best, kind = "", ""
+    try:
+        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                point = parts[1].replace("\\040", " ")
+                inside = real == point or real.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best):
+                    best, kind = point, parts[2]
+    except OSError:
+        return False
+    return kind == "tmpfs"
+
+
+def _ident(st: os.stat_result) -> list[int]:
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def _verify_file(path: str, size: int, crc32c: str) -> list[int] | None:
+    """The file's identity if its bytes match (size, CRC32C) and it did not change while read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        before = os.fstat(fd)
+        if before.st_size != size or time.time_ns() - before.st_ctime_ns < FRESH_NS:
+            return None
+        crc = Crc32c()
+        with os.fdopen(os.dup(fd), "rb", buffering=0) as f:
+            while chunk := f.read(_CHUNK):
+                crc.update(chunk)
+        after = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if crc.nbytes != size or crc.hexdigest() != crc32c or _ident(before) != _ident(after):
+        return None
+    return _ident(after)
+
+
+def seal(step_dir: str, manifest: Manifest) -> bool:
+    """Verify every file of ``manifest`` under ``step_dir`` and write the seal; whether it was
+    written (not on a non-tmpfs directory, nor when a file fails or is too fresh)."""
+    boot = boot_id()
+    if boot is None or not on_tmpfs(step_dir):
+        return False
+    time.sleep(FRESH_NS / 1e9)  # the files just written leave the ctime clock's tick
+    files: dict[str, Any] = {}
+    for name, entry in manifest.files.items():
+        ident = _verify_file(os.path.join(step_dir, name), entry.size, entry.crc32c)
+        if ident is None:
+            log.debug("lightning_preempt: tier-0 seal of %s: %s not sealed", step_dir, name)
+            return False
+        files[name] = {"size": entry.size, "crc32c": entry.crc32c, "ident": ident}
+    tmp = os.path.join(step_dir, f"{SEAL_NAME}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"version": 1, "boot_id": boot, "files": files}, f)
+        os.replace(tmp, os.path.join(step_dir, SEAL_NAME))
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        log.debug("lightning_preempt: tier-0 seal of %s not written (%s)", step_dir, err)
+        return False
+    return True
+
+
+def sealed(step_dir: str, manifest: Manifest) -> bool:
+    """Whether every file of ``manifest`` under ``step_dir`` is as it was when sealed on this
+    node since this boot (then its CRC32C need not be computed again). Never raises."""
+    try:
+        with open(os.path.join(step_dir, SEAL_NAME), encoding="utf-8") as f:
+            data = json.load(f)
+        boot = boot_id()
+        if not isinstance(data, dict) or data.get("version") != 1 or boot is None or data.get("boot_id") != boot:
+            return False
+        files = data.get("files")
+        if not isinstance(files, dict) or set(files) != set(manifest.files) or not on_tmpfs(step_dir):
+            return False
+        for name, entry in manifest.files.items():
+            rec = files[name]
+            if not isinstance(rec, dict) or rec.get("size") != entry.size or rec.get("crc32c") != entry.crc32c:
+                return False
+            if _ident(os.lstat(os.path.join(step_dir, name))) != rec.get("ident"):
+                return False
+    except (OSError, ValueError, TypeError, KeyError):
+        return False
+    return True
