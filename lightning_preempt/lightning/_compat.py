@@ -8,6 +8,8 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import threading
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -244,9 +246,6 @@ def tolerate_preempted_children(exit_code: int, wait_s: float) -> int:
     Private: ``_ChildProcessObserver`` (``_run``, ``_child_processes``; Lightning 2.5-2.6).
     Without it nothing changes.
     """
-    import threading
-    import time
-
     adapted = 0
     for thread in threading.enumerate():
         if type(thread).__name__ != "_ChildProcessObserver" or getattr(thread, "_lp_tolerant", False):
