@@ -61,14 +61,12 @@ class Outcome:
     @classmethod
     def from_wire(cls, body: object) -> Outcome:
         """The outcome :meth:`to_wire` sent; a field of the wrong type is refused, not trusted."""
-        fields = {f.name for f in dataclasses.fields(cls)}
-        if not isinstance(body, dict) or set(body) != fields:
-            raise errors.CheckpointError(f"a rank's outcome arrived malformed: {str(body)[:200]!r}")
-        text = ("error_type", "message")
         if (
-            not isinstance(body["ok"], bool)
+            not isinstance(body, dict)
+            or set(body) != {f.name for f in dataclasses.fields(cls)}
+            or not isinstance(body["ok"], bool)
             or not isinstance(body["rank"], int)
-            or not all(isinstance(body[k], str) for k in text)
+            or not all(isinstance(body[k], str) for k in ("error_type", "message"))
             or not all(body[k] is None or isinstance(body[k], str) for k in ("hint", "path"))
         ):
             raise errors.CheckpointError(f"a rank's outcome arrived malformed: {str(body)[:200]!r}")

@@ -39,15 +39,10 @@ class FlagAgreement:
             return self.exchange_now(flags)
         if not self.active:
             return [int(v) for v in flags]
+        previous = self.flush()  # (started a step ago: done by now, in the common case)
         local = torch.tensor(flags, dtype=torch.int32)
-        previous = self._pending
-        work = dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        self._pending = (work, local)
-        if previous is None:
-            return [0] * self.width
-        prev_work, prev_tensor = previous
-        prev_work.wait()
-        return [int(v) for v in prev_tensor.tolist()]
+        self._pending = (dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group, async_op=True), local)
+        return previous
 
     def exchange_now(self, flags: list[int]) -> list[int]:
         """Complete a pending exchange and agree on ``flags`` right now."""

@@ -60,13 +60,13 @@ def all_gather_objects(obj: Any, group: ProcessGroup | None) -> list[Any]:
     return out
 
 
-def broadcast_object(obj: Any, group: ProcessGroup | None, src_rank: int = 0) -> Any:
-    """Rank ``src_rank``'s ``obj`` on every rank of ``group`` (pickled: only for values this
-    job made itself; what was read from storage goes by :func:`broadcast_json`)."""
+def broadcast_object(obj: Any, group: ProcessGroup | None) -> Any:
+    """Rank 0's ``obj`` on every rank of ``group`` (pickled: only for values this job made
+    itself; what was read from storage goes by :func:`broadcast_json`)."""
     if group is None or not is_distributed():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, src_rank), group=group)
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
     return box[0]
 
 
@@ -95,24 +95,24 @@ def _too_large(size: int, max_bytes: int, rank: int) -> WireError:
     )
 
 
-def broadcast_bytes(data: bytes | None, group: ProcessGroup | None, *, max_bytes: int, src_rank: int = 0) -> bytes:
-    """Rank ``src_rank``'s ``data`` on every rank of ``group``: its length (one int64) first,
-    checked against ``max_bytes`` on every rank before a buffer is allocated, then the bytes
-    as a uint8 tensor. Nothing is unpickled. Collective: every rank calls it (``data`` is
-    read on ``src_rank`` only). Raises :class:`WireError` on every rank alike."""
+def broadcast_bytes(data: bytes | None, group: ProcessGroup | None, *, max_bytes: int) -> bytes:
+    """Rank 0's ``data`` on every rank of ``group``: its length (one int64) first, checked
+    against ``max_bytes`` on every rank before a buffer is allocated, then the bytes as a
+    uint8 tensor. Nothing is unpickled. Collective: every rank calls it (``data`` is read on
+    rank 0 only). Raises :class:`WireError` on every rank alike."""
     if group is None or not is_distributed():
         out = bytes(data or b"")
         if len(out) > max_bytes:
-            raise _too_large(len(out), max_bytes, src_rank)
+            raise _too_large(len(out), max_bytes, 0)
         return out
-    src = dist.get_global_rank(group, src_rank)
-    sender = dist.get_rank(group) == src_rank
+    src = dist.get_global_rank(group, 0)
+    sender = dist.get_rank(group) == 0
     payload = bytes(data or b"") if sender else b""
     size = torch.tensor([len(payload)], dtype=torch.int64)
     dist.broadcast(size, src=src, group=group)
     n = int(size.item())
     if not 0 <= n <= max_bytes:
-        raise _too_large(n, max_bytes, src_rank)
+        raise _too_large(n, max_bytes, 0)
     if n == 0:
         return b""
     buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if sender else torch.empty(n, dtype=torch.uint8)
@@ -141,12 +141,12 @@ def all_gather_bytes(data: bytes, group: ProcessGroup | None, *, max_bytes: int)
     return [b.numpy().tobytes()[:n] for b, n in zip(bufs, lengths, strict=True)]
 
 
-def broadcast_json(obj: Any, group: ProcessGroup | None, *, max_bytes: int, src_rank: int = 0) -> Any:
-    """Rank ``src_rank``'s ``obj`` (JSON-serialisable) on every rank, as UTF-8 JSON bytes
+def broadcast_json(obj: Any, group: ProcessGroup | None, *, max_bytes: int) -> Any:
+    """Rank 0's ``obj`` (JSON-serialisable) on every rank, as UTF-8 JSON bytes
     (:func:`broadcast_bytes`), never pickled: what came from storage cannot run code on a
     receiver. Tuples arrive as lists. Collective."""
-    sender = group is None or not is_distributed() or dist.get_rank(group) == src_rank
-    return _decode(broadcast_bytes(_encode(obj) if sender else None, group, max_bytes=max_bytes, src_rank=src_rank))
+    sender = group is None or not is_distributed() or dist.get_rank(group) == 0
+    return _decode(broadcast_bytes(_encode(obj) if sender else None, group, max_bytes=max_bytes))
 
 
 def all_gather_json(obj: Any, group: ProcessGroup | None, *, max_bytes: int) -> list[Any]:

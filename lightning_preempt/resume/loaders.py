@@ -1,37 +1,8 @@
-"""Per-loader bookkeeping of exact resume, for any loop that iterates a list of training loaders.
-
-:class:`ResumableLoaders` knows which loaders it wrapped (a :class:`ResumableSampler`
-installed), which save their own position (``"stateful"``: a torchdata
-``StatefulDataLoader``) and which it cannot resume. It never touches a training loop: a
-front-end passes the loaders (the same list, in its loop's order), the epoch and small
-callables (remake the loop's iterators; the per-epoch ``set_epoch``).
-
-Call order (one process, per rank):
-
-1. :meth:`~ResumableLoaders.wrap` once the loaders exist, before the first epoch's iterators
-   are made where the loop allows; again whenever the loop replaces them
-   (:meth:`~ResumableLoaders.is_current` is ``False``), followed then by
-   :meth:`~ResumableLoaders.note_pre_iter`.
-2. :meth:`~ResumableLoaders.note_epoch_start` at every epoch start, just before the epoch's
-   iterators are made (a ``ResumableSampler`` notes its own in ``set_epoch``).
-3. :meth:`~ResumableLoaders.capture` at a save: the ``"loaders"`` entries of the state.
-4. At the restore, after :meth:`~ResumableLoaders.wrap` and before the first batch is fetched,
-   with the saved entries: :meth:`~ResumableLoaders.restore_positions`; then
-
-   * mid-epoch in an epoch split among another number of ranks (or already resharded):
-     :meth:`~ResumableLoaders.reshard` before ``restore_positions`` (give it the result), then
-     ``set_pre_iter_rng``, :meth:`~ResumableLoaders.remake_resharded`, ``restore_rng``,
-     ``restore_generators`` (docs/elastic.md, "Data at a resize");
-   * mid-epoch: :meth:`~ResumableLoaders.set_pre_iter_rng`,
-     :meth:`~ResumableLoaders.remake_iterators` (``mid_epoch=True``), :func:`drop_replayed`,
-     ``restore_rng`` (the states of the save), :meth:`~ResumableLoaders.restore_generators`;
-   * the save ended an epoch: ``restore_rng``, :meth:`~ResumableLoaders.restore_generators`,
-     :meth:`~ResumableLoaders.make_next_epoch_iterators`;
-   * no state, or another rank's: :meth:`~ResumableLoaders.remake_iterators`.
-
-The restore assumes the loop made its iterators before it (Lightning does) and makes them
-again only where they depend on the restored states.
-"""
+"""Per-loader bookkeeping of exact resume, for any loop that iterates a list of training loaders:
+which loaders are wrapped (a :class:`ResumableSampler`), which save their own position
+(``"stateful"``: a torchdata ``StatefulDataLoader``) and which cannot resume. It never
+touches a training loop: a front-end passes the loaders, the epoch and small callables
+(docs/design.md, "Exact resume: the loaders' call order")."""
 
 from __future__ import annotations
 

@@ -12,7 +12,6 @@ from typing import Any
 import torch
 
 
-# ---- torchmetrics internals (the module docstring says which) ---------------------------
 def metric_state_names(metric: Any) -> list[str] | None:
     """The state attributes of a torchmetrics ``Metric`` (``None``: not one we know)."""
     defaults = getattr(metric, "_defaults", None)
@@ -30,7 +29,6 @@ def set_metric_update_count(metric: Any, count: int) -> None:
     metric._computed = None
 
 
-# ---- metrics -----------------------------------------------------------------------------
 def cpu_copy(value: Any) -> Any:
     """A detached CPU copy of a state value (tensor, list of tensors, anything else deep-copied)."""
     if isinstance(value, torch.Tensor):

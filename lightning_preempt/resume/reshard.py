@@ -18,16 +18,10 @@ from torch.utils.data import Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 from lightning_preempt.resume.rng import set_generator_states, snapshot_iter_rng
+from lightning_preempt.resume.samplers import ResumableSampler, distributed_wrapped_sampler
 
 ORDER_KEYS = ("n", "shuffle", "seed", "drop_last", "wrapped")
 """What defines an epoch's order besides its number; a resume with other values cannot reshard."""
-
-
-def _wrapped(sampler: Any) -> Any | None:
-    # Lightning's DistributedSamplerWrapper (by name: this layer runs without Lightning)
-    if type(sampler).__name__ != "DistributedSamplerWrapper":
-        return None
-    return getattr(getattr(sampler, "dataset", None), "_sampler", None)
 
 
 def distributed_sampler(sampler: Any) -> DistributedSampler[Any] | None:
@@ -36,11 +30,11 @@ def distributed_sampler(sampler: Any) -> DistributedSampler[Any] | None:
     inside our ``ResumableSampler`` or :class:`ReshardedSampler`)."""
     if isinstance(sampler, ReshardedSampler):
         sampler = sampler.original
-    if type(sampler).__name__ == "ResumableSampler":  # samplers.py (which imports this module)
+    if isinstance(sampler, ResumableSampler):
         sampler = sampler.inner
     if not isinstance(sampler, DistributedSampler):
         return None
-    if _wrapped(sampler) is not None:
+    if distributed_wrapped_sampler(sampler) is not None:
         return sampler
     if type(sampler).__iter__ is not DistributedSampler.__iter__:  # a subclass with its own order
         return None
@@ -61,11 +55,11 @@ def order_record(
         "shuffle": bool(sampler.shuffle),
         "seed": int(sampler.seed),
         "drop_last": bool(sampler.drop_last),
-        "wrapped": _wrapped(sampler) is not None,
+        "wrapped": distributed_wrapped_sampler(sampler) is not None,
         "num_replicas": int(sampler.num_replicas),
         "consumed": int(consumed),
         "resharded": resharded,  # this epoch was already split another way than the sampler's own
-        "drawn_from": drawn_from if _wrapped(sampler) is not None else None,
+        "drawn_from": drawn_from if distributed_wrapped_sampler(sampler) is not None else None,
     }
 
 
@@ -83,7 +77,7 @@ def epoch_order(
     whole.num_samples = whole.total_size = len(sampler.dataset)  # type: ignore[arg-type]
     whole.epoch = epoch
     positions = list(DistributedSampler.__iter__(whole))
-    inner = _wrapped(sampler)
+    inner = distributed_wrapped_sampler(sampler)
     if inner is None:
         return positions
     now = snapshot_iter_rng(generators)

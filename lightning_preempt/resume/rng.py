@@ -7,21 +7,17 @@ import logging
 import random
 from typing import Any
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
 
 
-# ---- RNG ---------------------------------------------------------------------------------
 def capture_rng() -> dict[str, Any]:
     """The RNG states of this process: Python, NumPy (if installed), torch CPU and CUDA."""
+    # (numpy: the package reads tensors' bytes through it, and torchmetrics requires it)
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    try:
-        import numpy as np
-
-        state["numpy"] = np.random.get_state()
-    except ImportError:  # pragma: no cover - numpy is a torch dependency in practice
-        pass
+    state["numpy"] = np.random.get_state()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -32,12 +28,7 @@ def restore_rng(state: dict[str, Any]) -> None:
     if "python" in state:
         random.setstate(state["python"])
     if "numpy" in state:
-        try:
-            import numpy as np
-
-            np.random.set_state(state["numpy"])
-        except ImportError:  # pragma: no cover
-            pass
+        np.random.set_state(state["numpy"])
     if "torch" in state:
         torch.set_rng_state(state["torch"])
     cuda = state.get("cuda")
@@ -46,11 +37,8 @@ def restore_rng(state: dict[str, Any]) -> None:
         if len(cuda) != n:
             log.warning(
                 "lightning_preempt: the checkpoint has CUDA RNG states for %d devices, this process sees %d; "
-                "restoring the first %d",
-                len(cuda),
-                n,
-                min(n, len(cuda)),
-            )
+                "restoring the first %d", len(cuda), n, min(n, len(cuda)),
+            )  # fmt: skip
         for device, s in enumerate(cuda[:n]):
             torch.cuda.set_rng_state(s, device)
 
@@ -66,12 +54,7 @@ def derive_seed(state: dict[str, Any], rank: int) -> int:
 def seed_all(seed: int) -> None:
     """Seed Python, NumPy and torch (CPU and every CUDA device) with ``seed``."""
     random.seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed % (1 << 32))
-    except ImportError:  # pragma: no cover
-        pass
+    np.random.seed(seed % (1 << 32))
     torch.manual_seed(seed)
 
 

@@ -130,17 +130,9 @@ class Lease:
         return _valid_record(data)
 
     def _record(self, heartbeat: float, released: bool = False) -> bytes:
-        return json.dumps(
-            {
-                "token": self.token,
-                "job": _job_id(),
-                "host": socket.gethostname(),
-                "pid": os.getpid(),
-                "heartbeat_unix": heartbeat,
-                "released": released,
-            },
-            sort_keys=True,
-        ).encode()
+        record = {"token": self.token, "job": _job_id(), "host": socket.gethostname(), "pid": os.getpid(),
+                  "heartbeat_unix": heartbeat, "released": released}  # fmt: skip
+        return json.dumps(record, sort_keys=True).encode()
 
     # ---- taking it --------------------------------------------------------------------
     def acquire(self, *, poll_s: float = 1.0) -> None:
@@ -171,7 +163,10 @@ class Lease:
             if stale:
                 log.info("lightning_preempt: taking over the lease on %s (%s)", self.store.url, why)
                 if self._try_create(top + 1):
-                    self._cleanup_older(top + 1)
+                    for old in self._generations():
+                        if old <= top:
+                            with contextlib.suppress(Exception):
+                                self.store.rm_file(lease_name(old))
                     return
                 continue  # another job took it first: look at theirs
             if watched is not None and watched[0] == top and watched[1] != current.get("heartbeat_unix"):
@@ -225,12 +220,6 @@ class Lease:
             return False
         self.generation = generation
         return True
-
-    def _cleanup_older(self, generation: int) -> None:
-        for old in self._generations():
-            if old < generation:
-                with contextlib.suppress(Exception):
-                    self.store.rm_file(lease_name(old))
 
     # ---- holding it -------------------------------------------------------------------
     def beat(self) -> None:

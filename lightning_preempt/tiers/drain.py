@@ -110,14 +110,32 @@ def drain_files(
     world = pdist.world_size(group) if group is not None else 1
     mine = [n for n in manifest.files if group is None or writer_of(n) % world == rank]
 
-    def copy() -> None:
-        # a replaced checkpoint's files live in its generation dir (write/replace.py), same name at dst
-        copy_files(data_store(src, manifest), data_store(dst, manifest), manifest, max_workers=max_workers,
-                   progress=progress, chunk_size=chunk_size, names=mine)  # fmt: skip
+    def attempt(number: int) -> None:
+        outcome.attempts = number
+        failure: tuple[bool, str] | None = None
+        local_error: Exception | None = None
+        try:
+            dst.makedirs()
+            # a replaced checkpoint's files live in its generation dir (write/replace.py), same name at dst
+            copy_files(data_store(src, manifest), data_store(dst, manifest), manifest, max_workers=max_workers,
+                       progress=progress, chunk_size=chunk_size, names=mine)  # fmt: skip
+        except Exception as err:
+            failure, local_error = (policy.transient(err), say(err)), err
+        failures = [(r, f) for r, f in enumerate(pdist.all_gather_objects(failure, group)) if f is not None]
+        if failures:  # raised alike on every rank, so every rank takes the same branch
+            raise _RanksFailed(failures, local_error)
+
+    def retrying(err: BaseException, number: int, delay: float) -> None:
+        log.warning("lightning_preempt: drain to %s, attempt %d failed (%s); retrying in %.1fs",
+                    dst.url, number, err, delay)  # fmt: skip
 
     policy = Backoff(retries, backoff_s, transient=transient, give_up=give_up)
+    # Clocks and deadlines are rank-local: rank 0 decides for all, so no rank retries (and
+    # enters the next attempt's collectives) while another gives up.
+    every_rank = dataclasses.replace(policy, transient=lambda err: getattr(err, "all_transient", False))
     try:
-        _copy_agreed(copy, dst, group, policy, say, outcome)
+        retry(attempt, every_rank, on_retry=retrying, decide=lambda question: agree.decide(question, group),
+              retry_on=(_RanksFailed,))  # fmt: skip
     except _RanksFailed as failed:
         if rank == 0:
             _remove_partial(dst)
@@ -131,48 +149,14 @@ def drain_files(
     return outcome
 
 
-def _copy_agreed(
-    copy: Callable[[], None],
-    dst: Store,
-    group: pdist.ProcessGroup | None,
-    policy: Backoff,
-    say: Callable[[BaseException], str],
-    outcome: DrainOutcome,
-) -> None:
-    """Every rank runs ``copy`` until every rank's copy succeeded, retrying as ``policy`` says;
-    raises :class:`_RanksFailed` alike on every rank when rank 0 decides to stop."""
-
-    def attempt(number: int) -> None:
-        outcome.attempts = number
-        failure: tuple[bool, str] | None = None
-        local_error: Exception | None = None
-        try:
-            dst.makedirs()
-            copy()
-        except Exception as err:
-            failure, local_error = (policy.transient(err), say(err)), err
-        failures = [(r, f) for r, f in enumerate(pdist.all_gather_objects(failure, group)) if f is not None]
-        if failures:  # raised alike on every rank, so every rank takes the same branch
-            raise _RanksFailed(failures, local_error)
-
-    def retrying(err: BaseException, number: int, delay: float) -> None:
-        log.warning("lightning_preempt: drain to %s, attempt %d failed (%s); retrying in %.1fs",
-                    dst.url, number, err, delay)  # fmt: skip
-
-    # Clocks and deadlines are rank-local: rank 0 decides for all, so no rank retries (and
-    # enters the next attempt's collectives) while another gives up.
-    every_rank = dataclasses.replace(policy, transient=lambda err: getattr(err, "all_transient", False))
-    retry(attempt, every_rank, on_retry=retrying, decide=lambda question: agree.decide(question, group),
-          retry_on=(_RanksFailed,))  # fmt: skip
-
-
 def _commit(dst: Store, manifest_bytes: bytes, policy: Backoff, say: Callable[[BaseException], str], hint: str) -> None:
     """Rank 0: the commit, last, one small create-only PUT (retried while worth it); a failure
     removes the partial copy. :class:`CheckpointExistsError` is never retried nor cleaned up:
     someone else committed a different checkpoint there, and their files are left alone."""
-    worth_it = dataclasses.replace(
-        policy, transient=lambda err: not isinstance(err, CheckpointExistsError) and policy.transient(err), give_up=_never
-    )
+    worth_it = dataclasses.replace(  # the commit retries without a deadline, as it always has
+        policy, transient=lambda err: not isinstance(err, CheckpointExistsError) and policy.transient(err),
+        give_up=lambda delay: False,
+    )  # fmt: skip
     try:
         retry(lambda attempt: dst.commit_bytes(MANIFEST_NAME, manifest_bytes), worth_it)
     except CheckpointExistsError:
@@ -184,10 +168,6 @@ def _commit(dst: Store, manifest_bytes: bytes, policy: Backoff, say: Callable[[B
             path=dst.url,
             hint=hint,
         ) from err
-
-
-def _never(delay: float) -> bool:
-    return False  # the commit retries without a deadline, as it always has
 
 
 def drain_checkpoint(

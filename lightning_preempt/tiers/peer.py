@@ -1,19 +1,7 @@
-"""Peer replica: every rank's share of a committed node-local checkpoint also on another node.
-
-In two-tier mode across nodes (docs/two-tier.md) a checkpoint is complete only in the
-bucket: each node's local tier holds its own ranks' files. When a node is reclaimed and
-its drain cannot finish within the grace period, its share is gone with its disk. Here
-each rank sends the files it holds of one checkpoint to its *buddy*, a rank on the next
-node (a ring over nodes), over a gloo group; the buddy checks each file's CRC32C against
-the checkpoint's manifest and writes it into its own local tier, with the manifest. With
-two nodes either survivor then holds the whole checkpoint and resumes from its own disk
-(its upload-on-start drains it to the bucket: the drain runs from the survivor). With more
-nodes the union of the survivors' tiers holds every file (docs/peer-replica.md: what is
-left to build for that case).
-
-Collective: every rank of ``group`` calls :func:`replicate` with the same checkpoint.
-Nothing here imports Lightning (``replica_callback.py`` wires it into a Trainer).
-"""
+"""Peer replica: every rank's share of a committed node-local checkpoint also on another node
+(docs/peer-replica.md): each rank sends its files to its *buddy* on the next node (a ring),
+which checks them against the manifest and commits them in its own local tier. Collective:
+every rank of ``group`` calls :func:`replicate` with the same checkpoint. No Lightning here."""
 
 from __future__ import annotations
 
@@ -60,10 +48,6 @@ class Placement:
     node_of: list[str]
     buddy: list[int | None]  # None: a single node, no other node to hold a copy
 
-    @property
-    def nodes(self) -> list[str]:
-        return list(dict.fromkeys(self.node_of))
-
 
 def node_id() -> str:
     """This process's node: torchrun's ``GROUP_RANK`` (one agent per node), else the host name."""
@@ -78,13 +62,10 @@ def placement(node_of: list[str]) -> Placement:
     order of first appearance), so a copy never sits on its original's node."""
     nodes = list(dict.fromkeys(node_of))
     members = {n: [r for r, m in enumerate(node_of) if m == n] for n in nodes}
-    buddy: list[int | None] = []
-    for r, n in enumerate(node_of):
-        if len(nodes) < 2:
-            buddy.append(None)
-            continue
+    buddy: list[int | None] = [None] * len(node_of)
+    for r, n in enumerate(node_of if len(nodes) > 1 else []):
         nxt = members[nodes[(nodes.index(n) + 1) % len(nodes)]]
-        buddy.append(nxt[members[n].index(r) % len(nxt)])
+        buddy[r] = nxt[members[n].index(r) % len(nxt)]
     return Placement(node_of=list(node_of), buddy=buddy)
 
 
@@ -128,14 +109,8 @@ def replicate(local_dir: str, group: dist.ProcessGroup | None, *, node: str | No
     ``manifest.json``). Collective over ``group``; a failure on any rank raises
     :class:`ReplicaError` on every rank (the transfer is agreed, never half-assumed).
     ``node``: this rank's node for the placement (default :func:`node_id`; tier 0 passes
-    the ranks that share its directory, tiers/tier0_peer.py).
-
-    The local tier is untrusted input like any storage (docs/security.md): the manifest is
-    read size-capped, not through a symlink, validated on rank 0 and sent as its JSON bytes
-    (never a pickle), validated again by every receiver before anything is written; a file
-    is read only when it is a regular file of its manifest size (no symlink, FIFO, device),
-    by every sender *before* any transfer starts, so a refusal fails every rank at once
-    instead of leaving a buddy waiting in a receive.
+    the ranks that share its directory, tiers/tier0_peer.py). The local tier is untrusted
+    input like any storage: what is checked, and when (docs/peer-replica.md, "Transfer").
     """
     start = time.monotonic()
     me, world = pdist.rank(group), pdist.world_size(group)
@@ -350,8 +325,7 @@ def complete_from_peers(
     remote = Store(remote_url, remote_options)
 
     def remote_floor() -> int:
-        committed = [c.step for c in list_checkpoints(remote_url, remote_options) if c.committed]
-        return max(committed, default=-1)
+        return max((c.step for c in list_checkpoints(remote_url, remote_options) if c.committed), default=-1)
 
     floor = agree.decide(remote_floor, group, what="listing the remote tier", json_max_bytes=WIRE_MAX_BYTES)
     plan = plan_union(gather_holdings(local_root, floor, group))

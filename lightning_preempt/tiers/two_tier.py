@@ -1,15 +1,8 @@
 """Two-tier checkpoints: commit to fast node-local storage, drain to a bucket in the background
-(docs/two-tier.md: saves, SIGTERM, resume, retention, failures, ranks and nodes).
-
-A save addressed to ``<remote_root>/<name>`` is committed to ``<local_dirpath>/<name>``
-first; a drain job on a second thread then streams the committed local files to the remote
-tier and commits them there (manifest last, create-only) — never a second in-memory copy.
-With collective saves each rank uploads the files it wrote and rank 0 writes the remote
-manifest once every rank's uploads landed (the drain thread's own gloo group), so each node
-may have its own disk; resuming from the local tier needs every file on rank 0's disk (one
-host only). A failed drain is logged with a HINT and training goes on; a failed local write
-falls back to the remote tier, and only when both fail does the save raise.
-"""
+(docs/two-tier.md: saves, SIGTERM, resume, retention, failures, ranks and nodes). A drain job
+on its own thread streams the committed local files to the remote tier and commits them there
+(manifest last, create-only); a failed drain is logged with a HINT and training goes on, a
+failed local write falls back to the remote tier, and only when both fail does the save raise."""
 
 from __future__ import annotations
 
@@ -150,10 +143,6 @@ class TwoTier:
         if self.remote_root is None or not url.startswith(self.local_root + "/"):
             return None
         return join_url(self.remote_root, url[len(self.local_root) + 1 :])
-
-    def options_for(self, url: str) -> dict[str, Any]:
-        url = str(url)
-        return {} if url == self.local_root or url.startswith(self.local_root + "/") else self.remote_options
 
     # ---- saving ------------------------------------------------------------------------
     def save(
@@ -298,15 +287,14 @@ class TwoTier:
         self._deadline = deadline
         with self._lock:
             futures = list(self._futures)
-        if futures and any(not f.done() for f in futures):
-            log.info(
-                "lightning_preempt: waiting for %d drain(s) to the remote tier", sum(not f.done() for f in futures)
-            )
+        running = sum(not f.done() for f in futures)
+        if running:
+            log.info("lightning_preempt: waiting for %d drain(s) to the remote tier", running)
         try:
             for fut in futures:
-                remaining = None if deadline is None else max(0.0, deadline - time.monotonic() + 0.5)
-                if remaining is not None:  # a far deadline overflows the lock's wait (OverflowError)
-                    remaining = min(remaining, threading.TIMEOUT_MAX)
+                # (a far deadline overflows the lock's wait: OverflowError)
+                left = None if deadline is None else max(0.0, deadline - time.monotonic() + 0.5)
+                remaining = None if left is None else min(left, threading.TIMEOUT_MAX)
                 with contextlib.suppress(Exception):  # errors were logged by the job
                     fut.exception(timeout=remaining)
             finished = all(f.done() for f in futures)
@@ -324,7 +312,8 @@ class TwoTier:
     # ---- discovery across tiers --------------------------------------------------------
     def committed(self, url: str) -> bool:
         """Whether ``url`` holds a manifest; an error that does not say "absent" is raised."""
-        return Store(url, self.options_for(url)).exists(MANIFEST_NAME)
+        local = url == self.local_root or url.startswith(self.local_root + "/")
+        return Store(url, {} if local else self.remote_options).exists(MANIFEST_NAME)
 
     def holders(self, remote_url: str) -> list[str]:
         """Which tiers hold a committed copy of ``remote_url`` (``["local", "remote"]``…)."""

@@ -1,17 +1,6 @@
-"""The shard files' layout of one save plan, replayed while the plan holds.
-
-Writing a DCP plan item by item costs ~40 us per tensor in Python besides the bytes
-(finding the tensor, checking it can take a template, the template, ``WriteResult`` and
-``_StorageInfo`` objects, two ``tell`` calls). A save whose local plan was reused
-(write/planning.py: the same staging buffers, dtypes, shapes and strides as last time) and
-whose items are the same writes every record at the same place as last time. So the first
-save of a plan records, per file, each item's key, template and length
-(:class:`RecordLayout`); later saves of that plan write ``head + the tensor's bytes + tail``
-per item in the same order, and reuse the ``WriteResult`` lists. A record written by
-``torch.save`` (no template) is written that way again and its length compared; should it
-differ, the results are rebuilt from the lengths written. The bytes are those the item by
-item path writes.
-"""
+"""The shard files' layout of one save plan, replayed while the plan holds: each item's key,
+template and length, recorded by the first save of a plan (docs/design.md, "The writer's
+fast paths"). The bytes are those the item by item path writes."""
 
 from __future__ import annotations
 

@@ -1,22 +1,6 @@
-"""DCP tensor records written without a ``torch.save`` call per tensor.
-
-DCP stores every tensor chunk as a small ``torch.save`` zip archive inside a shard file.
-``torch.save`` costs ~0.3 ms per call whatever the tensor's size (a zip writer, a pickler,
-~40 small writes), so a state of thousands of small tensors paid more per tensor than per
-byte. With the zip CRC-32 off (``dcp_writer._skip_zip_crc32``: our CRC32C covers the
-file) the archive of a contiguous tensor that owns its storage is the same bytes for
-every tensor of that dtype and shape, except the tensor's own bytes. So the archive is
-built once per (dtype, shape), by ``torch.save`` itself, cut around the data record, and
-every later tensor of that kind is written as ``head + its bytes + tail``: three writes.
-
-A template is used only after checking it: two ``torch.save`` archives of the same shape
-filled with different bytes must differ exactly in the data record (else, e.g. a torch
-whose archives carry a CRC or a random id, that kind falls back to ``torch.save``).
-Tensors that are views, subclasses, need grad, or are larger than
-:data:`TEMPLATE_MAX_BYTES` (their per-call cost is noise) take ``torch.save`` as before;
-either way the bytes are a valid ``torch.save`` archive that ``torch.load`` and
-``dcp.load`` read.
-"""
+"""DCP tensor records written without a ``torch.save`` call per tensor: per (dtype, shape), a
+template cut from ``torch.save``'s own archive around the data record, checked before use
+(docs/design.md, "The writer's fast paths"); the bytes are a valid ``torch.save`` archive."""
 
 from __future__ import annotations
 
@@ -72,8 +56,7 @@ def _build(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[bytes, bytes] | 
 def _template(tensor: torch.Tensor) -> tuple[bytes, bytes] | None:
     # Keyed on the zip CRC-32 setting too: with it on, archives differ by data and no
     # template holds (a None cached then must not outlive the setting).
-    crc_on = getattr(torch.serialization, "get_crc32_options", lambda: True)()
-    key = (bool(crc_on), tensor.dtype, tuple(tensor.shape))
+    key = (bool(torch.serialization.get_crc32_options()), tensor.dtype, tuple(tensor.shape))
     with _lock:
         if key in _templates:
             _templates.move_to_end(key)
