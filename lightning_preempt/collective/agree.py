@@ -26,9 +26,7 @@ _HINT_MARK = "\nHINT: "
 class RankFailedError(errors.CheckpointError):
     """A rank failed with an error that is not one of ours; raised alike on every rank."""
 
-    def __init__(self, message: str, *, path: str | None = None, hint: str | None = None, error_type: str = "") -> None:
-        super().__init__(message, path=path, hint=hint)
-        self.error_type = error_type
+    error_type = ""  # the failed rank's "module.QualName" (set by Outcome.to_error)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +153,9 @@ def decide(
         outcome, local_error = Outcome.of(fn, rank)
     if group is not None and pdist.is_distributed() and json_max_bytes is not None:
         sent = outcome.to_wire() if outcome is not None else None
-        if sent is not None and not _json_ready(sent):  # fail on every rank, not on rank 0 alone
+        try:
+            json.dumps(sent, allow_nan=False)
+        except (TypeError, ValueError, RecursionError):  # fail on every rank, not on rank 0 alone
             sent = Outcome.failure(TypeError(f"{what or 'the result'} is not JSON-serialisable"), rank).to_wire()
         outcome = Outcome.from_wire(pdist.broadcast_json(sent, group, max_bytes=json_max_bytes))
     elif group is not None and pdist.is_distributed():
@@ -164,14 +164,6 @@ def decide(
     if outcome.ok:
         return outcome.value  # type: ignore[no-any-return]
     _raise(outcome.to_error(what, foreign=foreign, hint=hint), local_error)
-
-
-def _json_ready(body: dict[str, Any]) -> bool:
-    try:
-        json.dumps(body, allow_nan=False)
-    except (TypeError, ValueError, RecursionError):
-        return False
-    return True
 
 
 def agree(

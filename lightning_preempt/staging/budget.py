@@ -5,6 +5,7 @@ rest from the training state, and the save blocks until they are written."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import operator
@@ -49,13 +50,10 @@ def check_budget(name: str, value: Any) -> int | float | None:
 
 def mem_available(meminfo: str = "/proc/meminfo") -> int | None:
     """``MemAvailable`` in bytes, or ``None`` where the kernel does not say (not Linux)."""
-    try:
-        with open(meminfo) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
+    with contextlib.suppress(OSError, ValueError, IndexError), open(meminfo) as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
     return None
 
 
@@ -86,16 +84,15 @@ def resolve(host: int | float | None, pinned: int | float | None, *, held_bytes:
     avail = mem_available() if available is None else available
     base = None if avail is None else avail + held_bytes
 
-    def of(value: int | float | None, default_fraction: float) -> int | None:
+    def of(value: int | float | None) -> int | None:
         if isinstance(value, int):
             return value
         if base is None:
             return None
-        fraction = default_fraction if value is None else value
-        return int(base * fraction / (local_ranks() if value is None else 1))
+        return int(base * value) if value is not None else int(base * DEFAULT_FRACTION / local_ranks())
 
-    host_bytes = of(host, DEFAULT_FRACTION)
-    pinned_bytes = host_bytes if pinned is None else of(pinned, 1.0)
+    host_bytes = of(host)
+    pinned_bytes = host_bytes if pinned is None else of(pinned)
     if host_bytes is not None and pinned_bytes is not None:
         pinned_bytes = min(pinned_bytes, host_bytes)
     return Budget(host_bytes, pinned_bytes)

@@ -71,7 +71,7 @@ def drain_files(
     backoff_s: float = 1.0,
     transient: Callable[[BaseException], bool] = lambda err: True,
     give_up: Callable[[float], bool] = lambda delay: False,
-    describe: Callable[[BaseException], str] | None = None,
+    describe: Callable[[BaseException], str] = describe_error,
     hint: str = _HINT,
 ) -> DrainOutcome:
     """The one drain implementation: copy the committed checkpoint ``src`` to ``dst`` and
@@ -89,7 +89,6 @@ def drain_files(
         describe: one line for an error in messages (e.g. with secrets redacted).
         hint: the HINT of the error raised when the drain fails.
     """
-    say = describe or describe_error
     rank = pdist.rank(group) if group is not None else 0
 
     def prepare() -> tuple[bytes, bool]:
@@ -120,7 +119,7 @@ def drain_files(
             copy_files(data_store(src, manifest), data_store(dst, manifest), manifest, max_workers=max_workers,
                        progress=progress, chunk_size=chunk_size, names=mine)  # fmt: skip
         except Exception as err:
-            failure, local_error = (policy.transient(err), say(err)), err
+            failure, local_error = (policy.transient(err), describe(err)), err
         failures = [(r, f) for r, f in enumerate(pdist.all_gather_objects(failure, group)) if f is not None]
         if failures:  # raised alike on every rank, so every rank takes the same branch
             raise _RanksFailed(failures, local_error)
@@ -145,7 +144,8 @@ def drain_files(
             path=dst.url,
             hint=hint,
         ) from failed.local_error
-    agree.decide(lambda: _commit(dst, manifest_bytes, policy, say, hint), group, what="committing the drained manifest")
+    agree.decide(lambda: _commit(dst, manifest_bytes, policy, describe, hint), group,
+                 what="committing the drained manifest")  # fmt: skip
     return outcome
 
 

@@ -34,8 +34,7 @@ from lightning_preempt.storage.checksum import Crc32c
 from lightning_preempt.storage.store import Store
 from lightning_preempt.write.dcp_exchange import SentResults, new_token, unwrap_metadata
 from lightning_preempt.write.planning import PlanCache
-from lightning_preempt.write.record_layout import Entry, RecordLayout, entry, replay_file, results_of
-from lightning_preempt.write.records import write_tensor_record
+from lightning_preempt.write.records import Entry, RecordLayout, entry, replay_file, results_of, write_tensor_record
 
 _thread_state = threading.local()
 #: Writes smaller than this are gathered into one write (and one CRC32C update). 1 MiB
@@ -271,7 +270,7 @@ class ChecksummingWriter(_compat.FsspecWriter):
         return _run_files(lambda i: write(names[i], buckets[i], files[i]), len(buckets), remember)
 
     def _replay(self, layout: RecordLayout, state_dict: dict[str, Any]) -> Future[list[WriteResult]]:
-        """:meth:`write_data` of a plan written before (write/record_layout.py)."""
+        """:meth:`write_data` of a plan written before (write/records.py: RecordLayout)."""
 
         moved: list[int] = []
 

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 from lightning_preempt.write.dcp_exchange import KeptMetadata, ResultsKept
 from lightning_preempt.write.dcp_metadata import MetadataPickles
-from lightning_preempt.write.record_layout import RecordLayout
+from lightning_preempt.write.records import RecordLayout
 
 
 @dataclasses.dataclass
@@ -33,7 +33,7 @@ class PlanCache:
     all_tokens: list[str | None] | None = None
     final_plan: SavePlan | None = None  # this rank's plan as DCP finished it last time
     hits: dict[str, int] = dataclasses.field(default_factory=lambda: {"local": 0, "global": 0, "unsent": 0})
-    #: the shard files the plan above wrote, to write again (write/record_layout.py)
+    #: the shard files the plan above wrote, to write again (write/records.py)
     records: RecordLayout | None = dataclasses.field(default=None, repr=False, compare=False)
     #: ``.metadata`` pickled for the plan above (write/dcp_metadata.py)
     metadata_pickles: MetadataPickles = dataclasses.field(default_factory=MetadataPickles, repr=False, compare=False)

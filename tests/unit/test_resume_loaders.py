@@ -421,7 +421,7 @@ def test_a_rank_without_saved_state_is_seeded_from_the_saving_ranks(caplog: pyte
 def test_metric_states_are_restored_and_missing_ones_named(caplog: pytest.LogCaptureFixture) -> None:
     import torchmetrics
 
-    from lightning_preempt.resume.metrics import metric_states
+    from lightning_preempt.resume.exact_state import metric_states
 
     trained, fresh = torchmetrics.MeanSquaredError(), torchmetrics.MeanSquaredError()
     trained(torch.ones(2), torch.zeros(2))
