@@ -157,17 +157,11 @@ def all_gather_json(obj: Any, group: ProcessGroup | None, *, max_bytes: int) -> 
 
 
 class FlagAgreement:
-    """All ranks learn, at the same step boundary, whether any rank raised a flag.
-
-    :meth:`exchange` all-reduces a small int tensor with MAX on a gloo group (no device
-    sync, no traffic on the training group). With ``overlap=True`` the reduction started at
-    one boundary is read at the next, so the collective runs while the step computes;
-    every rank still acts on the same result at the same boundary, one step later. Flags
-    raised before the previous exchange are never lost: an overlapped result is OR-ed in.
-    :meth:`exchange_now` completes any pending exchange and agrees synchronously.
-
-    Every rank must make the same sequence of calls.
-    """
+    """All ranks learn, at the same step boundary, whether any rank raised a flag: a MAX
+    all-reduce of a small int tensor on a gloo group. With ``overlap=True`` the reduction
+    started at one boundary is read at the next (it runs while the step computes; every rank
+    acts on the same result, one step later, and a pending result is OR-ed in by
+    :meth:`exchange_now`). Every rank must make the same sequence of calls."""
 
     def __init__(self, group: ProcessGroup | None, width: int) -> None:
         self.group = group

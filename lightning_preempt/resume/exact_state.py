@@ -8,20 +8,22 @@ shards)::
      "metrics": metric_states(), "results": front-end specific, "accumulate": int (optional)}
 
 A change of their meaning bumps :data:`FORMAT_VERSION` (an older state is then ignored).
-torchmetrics states are saved here too (``state_dict`` does not hold them), through its 1.x
-internals: ``Metric._defaults`` names the state attributes, ``_update_count`` counts updates
+Here too: the RNG states (captured, restored, derived for a rank that had none) and the
+torchmetrics states (``state_dict`` does not hold them), through torchmetrics 1.x internals:
+``Metric._defaults`` names the state attributes, ``_update_count`` counts updates
 (``compute()`` warns at 0) and ``_computed`` caches ``compute()``'s result.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
+import random
 from typing import Any
 
+import numpy as np
 import torch
-
-from lightning_preempt.resume.rng import capture_rng, derive_seed, seed_all
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +31,51 @@ STATE_KEY = "lightning_preempt"
 """Top-level checkpoint key of the exact-resume state (stays in the per-rank skeleton)."""
 
 FORMAT_VERSION = 1
+
+
+def capture_rng() -> dict[str, Any]:
+    """The RNG states of this process: Python, NumPy, torch CPU and CUDA."""
+    # (numpy: the package reads tensors' bytes through it, and torchmetrics requires it)
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    state["numpy"] = np.random.get_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Set the RNG states captured by :func:`capture_rng` (missing parts are left alone)."""
+    if "python" in state:
+        random.setstate(state["python"])
+    if "numpy" in state:
+        np.random.set_state(state["numpy"])
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
+    cuda = state.get("cuda")
+    if cuda and torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        if len(cuda) != n:
+            log.warning(
+                "lightning_preempt: the checkpoint has CUDA RNG states for %d devices, this process sees %d; "
+                "restoring the first %d", len(cuda), n, min(n, len(cuda)),
+            )  # fmt: skip
+        for device, s in enumerate(cuda[:n]):
+            torch.cuda.set_rng_state(s, device)
+
+
+def derive_seed(state: dict[str, Any], rank: int) -> int:
+    """A seed for ``rank`` derived from another rank's saved RNG state (deterministic)."""
+    digest = hashlib.sha256()
+    digest.update(bytes(state["torch"].numpy().tobytes()) if "torch" in state else b"")
+    digest.update(rank.to_bytes(4, "little"))
+    return int.from_bytes(digest.digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def seed_all(seed: int) -> None:
+    """Seed Python, NumPy and torch (CPU and every CUDA device) with ``seed``."""
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+    torch.manual_seed(seed)
 
 
 def make_state(

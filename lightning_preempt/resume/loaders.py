@@ -22,7 +22,6 @@ from lightning_preempt.resume.reshard import (
     order_record,
     share,
 )
-from lightning_preempt.resume.rng import set_generator_states, snapshot_iter_rng
 from lightning_preempt.resume.samplers import (
     ResumableSampler,
     describe_loader,
@@ -31,6 +30,8 @@ from lightning_preempt.resume.samplers import (
     loader_generators,
     replays_sampler,
     rewound_sampler,
+    set_generator_states,
+    snapshot_iter_rng,
     wrap_loader,
 )
 

@@ -9,6 +9,7 @@ the rest among the M ranks now (:func:`share`; every index once, at most M-1 of 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -17,8 +18,12 @@ import torch
 from torch.utils.data import Sampler
 from torch.utils.data.distributed import DistributedSampler
 
-from lightning_preempt.resume.rng import set_generator_states, snapshot_iter_rng
-from lightning_preempt.resume.samplers import ResumableSampler, distributed_wrapped_sampler
+from lightning_preempt.resume.samplers import (
+    ResumableSampler,
+    distributed_wrapped_sampler,
+    set_generator_states,
+    snapshot_iter_rng,
+)
 
 ORDER_KEYS = ("n", "shuffle", "seed", "drop_last", "wrapped")
 """What defines an epoch's order besides its number; a resume with other values cannot reshard."""
@@ -104,6 +109,7 @@ def share(order: list[int], consumed: int, num_replicas: int, rank: int, drop_la
     return rest[rank::num_replicas]
 
 
+@dataclasses.dataclass(eq=False, repr=False)
 class ReshardedSampler(Sampler[int]):
     """One rank's share of the rest of epoch ``epoch`` (see the module docstring).
 
@@ -113,19 +119,16 @@ class ReshardedSampler(Sampler[int]):
     ``drawn_from`` the states the order was drawn from (saved again with the next record).
     """
 
-    def __init__(
-        self, original: Any, batch_sampler: Any, indices: list[int], *, epoch: int, lead: int, consumed: int,
-        batches: int, num_replicas: int, drawn_from: dict[str, Any] | None = None,
-    ) -> None:  # fmt: skip
-        self.drawn_from = drawn_from
-        self.original = original
-        self.batch_sampler = batch_sampler
-        self.indices = indices
-        self.epoch = epoch
-        self.lead = lead
-        self.consumed = consumed  # by the whole world, when this share began...
-        self.batches = batches  # ... at this batch of the epoch (every rank's count)
-        self.num_replicas = num_replicas
+    original: Any
+    batch_sampler: Any
+    indices: list[int]
+    _: dataclasses.KW_ONLY
+    epoch: int
+    lead: int
+    consumed: int  # by the whole world, when this share began...
+    batches: int  # ... at this batch of the epoch (every rank's count)
+    num_replicas: int
+    drawn_from: dict[str, Any] | None = None
 
     def __len__(self) -> int:
         return self.lead + len(self.indices)

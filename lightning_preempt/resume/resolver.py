@@ -57,6 +57,7 @@ class ResumeTarget:
     skipped: tuple[str, ...] = ()
 
 
+@dataclasses.dataclass(eq=False, repr=False)
 class ResumeResolver:
     """Peek, agree and choose the resume target for one ``dirpath``.
 
@@ -72,29 +73,19 @@ class ResumeResolver:
         sleep: how to wait between attempts (tests pass a recorder).
     """
 
-    def __init__(
-        self,
-        dirpath: str,
-        storage_options: dict[str, Any],
-        local_dirpath: str | None = None,
-        *,
-        memory_dirpath: str | None = None,
-        retries: int = 4,
-        backoff_s: float = 1.0,
-        sleep: Callable[[float], None] = time.sleep,
-    ) -> None:
-        self.dirpath = dirpath
-        self.storage_options = storage_options
-        self.local_dirpath = local_dirpath
-        self.memory_dirpath = memory_dirpath
-        #: whether tier 0 can be resumed from. Before the group exists: every rank on this host
-        #: by torchrun's environment; the engine sets it in set-up (engine/memory_tier.py:
-        #: one shared directory, or several nodes with the peer copy and no failed restore).
-        self.memory_usable = _one_host_by_environment()
-        self.retries = retries
-        self.backoff_s = backoff_s
-        self.sleep = sleep
-        self.peeked: Peek | None = None
+    dirpath: str
+    storage_options: dict[str, Any]
+    local_dirpath: str | None = None
+    _: dataclasses.KW_ONLY
+    memory_dirpath: str | None = None
+    retries: int = 4
+    backoff_s: float = 1.0
+    sleep: Callable[[float], None] = time.sleep
+    #: whether tier 0 can be resumed from. Before the group exists: every rank on this host
+    #: by torchrun's environment; the engine sets it in set-up (engine/memory_tier.py:
+    #: one shared directory, or several nodes with the peer copy and no failed restore).
+    memory_usable: bool = dataclasses.field(init=False, default_factory=lambda: _one_host_by_environment())
+    peeked: Peek | None = dataclasses.field(init=False, default=None)
 
     # ---- phase 1: before the process group ---------------------------------------------
     def peek(self) -> Peek:

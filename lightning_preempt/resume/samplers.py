@@ -1,6 +1,5 @@
 """A ``DataLoader``'s position and order for exact resume: samplers that replay an epoch's
-order and skip what was trained, and the generators that decide it.
-"""
+order and skip what was trained, and the generators (and RNG states) that decide it."""
 
 from __future__ import annotations
 
@@ -14,7 +13,19 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from lightning_preempt.resume.rng import set_generator_states, snapshot_iter_rng
+
+def snapshot_iter_rng(generators: list[torch.Generator]) -> dict[str, Any]:
+    """The RNG states that ``iter(loader)`` draws from: the global torch RNG and ``generators``."""
+    return {"torch": torch.get_rng_state(), "generators": [g.get_state() for g in generators]}
+
+
+def set_generator_states(generators: list[torch.Generator], states: list[Any]) -> bool:
+    """Set each generator to its saved state; ``False`` (nothing set) when the counts differ."""
+    if len(generators) != len(states):
+        return False
+    for g, state in zip(generators, states, strict=True):
+        g.set_state(state)
+    return True
 
 
 def _is_plain(sampler: Any, cls: type) -> bool:

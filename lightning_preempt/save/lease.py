@@ -115,12 +115,9 @@ class Lease:
         return sorted(g for g in found if g is not None)
 
     def _read(self, generation: int) -> dict[str, Any] | None:
-        """The record of ``generation`` with only its well-formed fields (``{}``: damaged,
-        treated as a lease whose heartbeat never advances), or ``None`` when it is gone.
-
-        Lease files are written by other processes, maybe not ours (docs/security.md): read
-        through the storage's size-bounded regular-file read (no FIFO, symlink or 8 GiB
-        file), and every field checked before it is used."""
+        """The record of ``generation`` with only its well-formed fields (``{}``: damaged, a
+        heartbeat that never advances), or ``None`` when it is gone. Other processes' input
+        (docs/security.md): a size-bounded regular-file read, every field checked."""
         try:
             data = json.loads(self.store.read_regular(lease_name(generation), MAX_LEASE_BYTES))
         except FileNotFoundError:
@@ -152,7 +149,15 @@ class Lease:
                 continue
             top = gens[-1]
             if top >= LEASE_GENERATION_MAX:
-                raise self._exhausted(top)
+                # The next generation's name would have 11 digits: invisible to every job, so a
+                # second job would start again at generation 1 while this one holds the lease.
+                raise LeaseHeldError(
+                    f"the lease in this dirpath is at generation {top}, the last one its file names allow "
+                    "(a damaged or planted lease file)",
+                    path=self.store.url,
+                    hint=f"If no other job writes to this dirpath, delete its {LEASE_PREFIX}*.json files and "
+                    "restart; otherwise give this run its own dirpath.",
+                )
             current = self._read(top)
             if current is None:  # deleted under us: look again
                 continue
@@ -200,17 +205,6 @@ class Lease:
             hint="Two jobs must not share a dirpath: wait for the other job to end (a requeued job's "
             "predecessor releases the lease when it exits), stop it, or give this run its own dirpath. "
             "PreemptionCallback(lease=False) turns the check off.",
-        )
-
-    def _exhausted(self, top: int) -> LeaseHeldError:
-        # The next generation's name would have 11 digits: invisible to every job, so a
-        # second job would start again at generation 1 while this one holds the lease.
-        return LeaseHeldError(
-            f"the lease in this dirpath is at generation {top}, the last one its file names allow "
-            "(a damaged or planted lease file)",
-            path=self.store.url,
-            hint=f"If no other job writes to this dirpath, delete its {LEASE_PREFIX}*.json files and restart; "
-            "otherwise give this run its own dirpath.",
         )
 
     def _try_create(self, generation: int) -> bool:

@@ -169,13 +169,10 @@ def _pinned(keys: list[str], costs: dict[str, int], budget: Budget, pin: bool) -
 
 
 class Streamed:
-    """The tensors of one save that the writer reads from the training state.
-
-    The save blocks in :meth:`wait` until the writer called :meth:`release` (all of them
-    written) or the write job ended. After that the training changes them, so a second
-    write attempt of the same save (the two-tier fallback) must not read them: it fails in
-    :meth:`check` instead of committing a mix of two steps.
-    """
+    """The tensors of one save that the writer reads from the training state. The save blocks
+    in :meth:`wait` until the writer :meth:`release` s them; after that training changes them,
+    so a second write attempt (the two-tier fallback) fails in :meth:`check` instead of
+    committing a mix of two steps."""
 
     def __init__(self, keys: list[str], chunk: ChunkBuffer | None) -> None:
         self.keys = frozenset(keys)

@@ -56,17 +56,11 @@ class HostStager:
 
     def prepare(self, tensors: dict[str, torch.Tensor], *, background: bool = True,
                 pinned: set[str] | None = None) -> Future[int]:  # fmt: skip
-        """Allocate and touch the buffers ``stage(tensors)`` will use, so that it only copies.
-
-        Only shapes and dtypes are read from ``tensors`` (on the calling thread; no data is
-        copied). A buffer that already fits is kept; one whose shape changed is replaced
-        (the state grew, e.g. optimizer state created by the first step); buffers of keys
-        not in ``tensors`` are freed, as :meth:`stage` would. With
-        ``background`` a daemon thread does the work (allocation and the memset release
-        the GIL); a ``stage`` meanwhile waits for it rather than allocating the same memory
-        twice. The Future holds the bytes newly allocated. ``pinned``: the keys to pin
-        (default: all when :attr:`pin_memory`).
-        """
+        """Allocate and touch the buffers ``stage(tensors)`` will use (from shapes and dtypes
+        only), so that it only copies; buffers are kept, replaced or freed as :meth:`stage`
+        would. With ``background`` a daemon thread does the work (allocation and the memset
+        release the GIL) and a ``stage`` meanwhile waits for it. The Future holds the bytes
+        newly allocated. ``pinned``: the keys to pin (default: all when :attr:`pin_memory`)."""
         specs = {key: (local_of(t).shape, local_of(t).dtype) for key, t in tensors.items()}
         self._wait_prepared()
         fut: Future[int] = Future()

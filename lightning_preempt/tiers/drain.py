@@ -8,6 +8,7 @@ A failed drain leaves no manifest at the destination, so it never counts as a ch
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -35,6 +36,9 @@ _HINT = (
     "the source checkpoint is untouched. Check that the destination is reachable and writable "
     "(credentials, bucket, endpoint) and run the drain again."
 )
+
+
+_ONE_ATTEMPT = Backoff()  # no retries
 
 
 class _Cancelled(Exception):
@@ -67,10 +71,7 @@ def drain_files(
     max_workers: int = 4,
     chunk_size: int = CHUNK_BYTES,
     progress: Callable[[int], None] | None = None,
-    retries: int = 1,
-    backoff_s: float = 1.0,
-    transient: Callable[[BaseException], bool] = lambda err: True,
-    give_up: Callable[[float], bool] = lambda delay: False,
+    policy: Backoff = _ONE_ATTEMPT,
     describe: Callable[[BaseException], str] = describe_error,
     hint: str = _HINT,
 ) -> DrainOutcome:
@@ -84,8 +85,8 @@ def drain_files(
 
     Args:
         progress: called with each chunk's byte count; may raise to stop the copy.
-        retries: attempts for the copy and the commit (1 = no retry), while ``transient``
-            says the errors are worth it and ``give_up(next_delay)`` (rank 0's) says no.
+        policy: attempts for the copy and the commit (default: no retry), while its
+            ``transient`` says the errors are worth it and its ``give_up`` (rank 0's) says no.
         describe: one line for an error in messages (e.g. with secrets redacted).
         hint: the HINT of the error raised when the drain fails.
     """
@@ -94,8 +95,14 @@ def drain_files(
     def prepare() -> tuple[bytes, bool]:
         read_manifest(src)  # NotACheckpointError / CorruptCheckpointError with a HINT
         data = src.read_bytes(MANIFEST_NAME)  # committed manifests never change: copied verbatim
-        if _already_there(dst, data):
-            return data, True
+        with contextlib.suppress(FileNotFoundError):
+            if dst.read_bytes(MANIFEST_NAME) == data:
+                return data, True
+            raise CheckpointExistsError(
+                "the destination already holds a different committed checkpoint",
+                path=dst.url,
+                hint="Drain into a new path (e.g. one directory per step), or remove the destination checkpoint first.",
+            )
         if dst.exists():  # uncommitted leftovers of an earlier attempt; never anyone else's files
             remove_if_ours(dst, why="uncommitted leftover of an earlier drain")
         return data, False
@@ -128,7 +135,6 @@ def drain_files(
         log.warning("lightning_preempt: drain to %s, attempt %d failed (%s); retrying in %.1fs",
                     dst.url, number, err, delay)  # fmt: skip
 
-    policy = Backoff(retries, backoff_s, transient=transient, give_up=give_up)
     # Clocks and deadlines are rank-local: rank 0 decides for all, so no rank retries (and
     # enters the next attempt's collectives) while another gives up.
     every_rank = dataclasses.replace(policy, transient=lambda err: getattr(err, "all_transient", False))
@@ -210,20 +216,6 @@ def drain_checkpoint(
     return outcome.manifest
 
 
-def _already_there(dst: Store, manifest_bytes: bytes) -> bool:
-    try:
-        existing = dst.read_bytes(MANIFEST_NAME)
-    except FileNotFoundError:
-        return False
-    if existing == manifest_bytes:
-        return True
-    raise CheckpointExistsError(
-        "the destination already holds a different committed checkpoint",
-        path=dst.url,
-        hint="Drain into a new path (e.g. one directory per step), or remove the destination checkpoint first.",
-    )
-
-
 def copy_files(
     src: Store,
     dst: Store,
@@ -291,11 +283,7 @@ def _copy_one(
                 path=src.url,
                 hint="The source checkpoint is damaged; drain an older one.",
             )
-    _check_landed(dst, name, entry)
-
-
-def _check_landed(dst: Store, name: str, entry: FileEntry) -> None:
-    """The destination's own view of ``name``: size always, CRC32C where it is free (GCS)."""
+    # The destination's own view of ``name``: size always, CRC32C where it is free (GCS).
     info = dst.info(name)  # fresh from the server
     size = int(info.get("size", -1))
     if size != entry.size:

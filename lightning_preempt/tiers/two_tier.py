@@ -32,6 +32,7 @@ from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.format.names import MANIFEST_NAME
 from lightning_preempt.read.verify import Verify
 from lightning_preempt.storage.diagnose import describe, is_transient, redact
+from lightning_preempt.storage.retry import Backoff
 from lightning_preempt.storage.store import Store, join_url
 from lightning_preempt.tiers.drain import drain_files
 from lightning_preempt.write.jobs import JobQueue
@@ -235,9 +236,10 @@ class TwoTier:
         def give_up(delay: float) -> bool:
             return self._deadline is not None and time.monotonic() + delay > self._deadline
 
+        policy = Backoff(self.retries, self.backoff_s, transient=lambda err: is_transient(err, (DrainCancelled,)),
+                         give_up=give_up)  # fmt: skip
         outcome = drain_files(
-            src, dst, group=group, max_workers=self.max_workers, progress=check_deadline,
-            retries=self.retries, backoff_s=self.backoff_s, transient=lambda err: is_transient(err, (DrainCancelled,)), give_up=give_up,
+            src, dst, group=group, max_workers=self.max_workers, progress=check_deadline, policy=policy,
             describe=lambda err: describe(err, self.remote_options),
             hint=_DRAIN_HINT.format(local=record.local_url, remote=record.remote_url),
         )  # fmt: skip

@@ -43,12 +43,9 @@ WRITE_BUFFER_BYTES = 1 << 20
 
 
 def _install_zip_crc32_switch() -> None:
-    """Wrap ``torch.serialization.get_crc32_options`` once so a thread can opt out.
-
-    torch.save reads the (process-global) option when it opens its zip writer; the
-    wrapper answers ``False`` only inside :func:`_skip_zip_crc32` on the current thread,
-    so torch.save calls in other threads (training, user code) are unaffected.
-    """
+    """Wrap the process-global ``torch.serialization.get_crc32_options`` once: it answers
+    ``False`` only inside :func:`_skip_zip_crc32` on the current thread, so torch.save calls
+    in other threads (training, user code) are unaffected."""
     original = torch.serialization.get_crc32_options
     if getattr(original, "_lightning_preempt", False):
         return

@@ -155,7 +155,8 @@ class CachingSavePlanner(DefaultSavePlanner):
                 cache.all_plans is not None
                 and cache.global_plans is not None
                 and cache.metadata is not None
-                and _same_plans(all_plans, cache.all_plans)
+                and len(all_plans) == len(cache.all_plans)
+                and all(x is y or x == y for x, y in zip(all_plans, cache.all_plans, strict=True))
             ):
                 cache.hits["global"] += 1
                 cache.all_tokens = tokens if self._unsent else None
@@ -187,7 +188,3 @@ class _Token:
     """Names one rank's cached local plan (see the module docstring)."""
 
     value: str
-
-
-def _same_plans(a: list[SavePlan], b: list[SavePlan]) -> bool:
-    return len(a) == len(b) and all(x is y or x == y for x, y in zip(a, b, strict=True))

@@ -96,11 +96,8 @@ def _templatable(tensor: torch.Tensor) -> bool:
 
 def write_tensor_record(stream: IO[bytes], tensor: torch.Tensor) -> tuple[bytes, bytes] | None:
     """Write ``tensor`` to ``stream`` as the ``torch.save`` archive DCP stores per chunk;
-    returns the template's ``(head, tail)`` used, ``None`` when ``torch.save`` wrote it.
-
-    The caller has turned the zip CRC-32 off (``dcp_writer._skip_zip_crc32``); templates
-    are built (and checked) under the same setting.
-    """
+    returns the template's ``(head, tail)`` used, ``None`` when ``torch.save`` wrote it. The
+    caller has turned the zip CRC-32 off; templates are built and checked under that setting."""
     parts = _template(tensor) if _templatable(tensor) else None
     if parts is None:
         torch.save(tensor, stream)

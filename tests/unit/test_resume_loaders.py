@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSamp
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_preempt.resume import exact_state
+from lightning_preempt.resume.exact_state import capture_rng, derive_seed, restore_rng
 from lightning_preempt.resume.loaders import ResumableLoaders, drop_replayed
-from lightning_preempt.resume.rng import capture_rng, derive_seed, restore_rng
 from lightning_preempt.resume.samplers import ResumableSampler, loader_generators
 
 N, BATCH = 40, 4
