@@ -52,13 +52,9 @@ class Outcome:
         except BaseException as err:  # DCP raises CheckpointException, a BaseException
             return cls.failure(err, rank), err
 
-    def to_wire(self) -> dict[str, Any]:
-        """The outcome as a JSON object (``value`` must be JSON-serialisable)."""
-        return dataclasses.asdict(self)
-
     @classmethod
     def from_wire(cls, body: object) -> Outcome:
-        """The outcome :meth:`to_wire` sent; a field of the wrong type is refused, not trusted."""
+        """The outcome sent as ``dataclasses.asdict``; a field of the wrong type is refused, not trusted."""
         if (
             not isinstance(body, dict)
             or set(body) != {f.name for f in dataclasses.fields(cls)}
@@ -152,11 +148,12 @@ def decide(
     if rank == 0:
         outcome, local_error = Outcome.of(fn, rank)
     if group is not None and pdist.is_distributed() and json_max_bytes is not None:
-        sent = outcome.to_wire() if outcome is not None else None
+        sent = dataclasses.asdict(outcome) if outcome is not None else None
         try:
             json.dumps(sent, allow_nan=False)
         except (TypeError, ValueError, RecursionError):  # fail on every rank, not on rank 0 alone
-            sent = Outcome.failure(TypeError(f"{what or 'the result'} is not JSON-serialisable"), rank).to_wire()
+            unfit = TypeError(f"{what or 'the result'} is not JSON-serialisable")
+            sent = dataclasses.asdict(Outcome.failure(unfit, rank))
         outcome = Outcome.from_wire(pdist.broadcast_json(sent, group, max_bytes=json_max_bytes))
     elif group is not None and pdist.is_distributed():
         outcome = pdist.broadcast_object(outcome, group)

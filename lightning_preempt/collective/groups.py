@@ -200,4 +200,3 @@ class FlagAgreement:
         self._pending = None
         work.wait()
         return [int(v) for v in tensor.tolist()]
-

@@ -9,9 +9,7 @@ shards)::
 
 A change of their meaning bumps :data:`FORMAT_VERSION` (an older state is then ignored).
 Here too: the RNG states (captured, restored, derived for a rank that had none) and the
-torchmetrics states (``state_dict`` does not hold them), through torchmetrics 1.x internals:
-``Metric._defaults`` names the state attributes, ``_update_count`` counts updates
-(``compute()`` warns at 0) and ``_computed`` caches ``compute()``'s result.
+torchmetrics states, which ``state_dict`` does not hold (its internals used: docs/compat.md).
 """
 
 from __future__ import annotations

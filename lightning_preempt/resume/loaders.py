@@ -84,7 +84,6 @@ class ResumableLoaders:
         """``loaders`` are the very objects :meth:`wrap` saw (a reload makes new ones)."""
         return len(loaders) == len(self._wrapped) and all(a is b for a, b in zip(loaders, self._wrapped, strict=True))
 
-    # -- notes of the states each epoch's iterators are made from --
     def note_epoch_start(self, loaders: Sequence[Any], epoch: int) -> None:
         """Note, for stateful loaders not yet noted this epoch, the states their iterator is made from."""
         for i, (dl, kind) in enumerate(zip(loaders, self.kinds, strict=True)):
@@ -100,7 +99,6 @@ class ResumableLoaders:
             elif kind == "stateful":
                 self._stateful_pre_iter[i] = (epoch, snapshot_iter_rng(loader_generators(dl)))
 
-    # -- saving --
     def capture(self, loaders: Sequence[Any], epoch: int, batches_in_epoch: int = 0) -> list[dict[str, Any]]:
         """One saved entry per loader: its kind, its epoch's order, its generators' states,
         the states its ``epoch`` iterator was made from (``None`` if not noted this epoch) and,
@@ -120,7 +118,6 @@ class ResumableLoaders:
             )
         return entries
 
-    # -- resharding (another world size, or an epoch already split another way) --
     def reshard(self, loaders: Sequence[Any], saved: list[dict[str, Any]], epoch: int, batches_in_epoch: int) -> set[int]:
         """Mid-epoch: give every loader whose saved epoch was split among another number of
         ranks (or already resharded) this rank's share of the rest of that epoch; returns their
@@ -175,7 +172,6 @@ class ResumableLoaders:
         if make_iterators is not None:
             make_iterators()
 
-    # -- restoring --
     def restore_positions(
         self, saved: list[dict[str, Any]], mid_epoch: bool, batches_in_epoch: int = 0, resharded: set[int] | None = None
     ) -> bool:

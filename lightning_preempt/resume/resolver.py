@@ -117,31 +117,24 @@ class ResumeResolver:
         """``fn()`` with the listing's retries; an error that persists (or is not worth
         retrying) becomes :class:`ListingError`. Damage (a :class:`CheckpointError`) is an
         answer, not a failure to look: it passes unchanged."""
+        attempts = [1]
 
         def retrying(err: BaseException, attempt: int, delay: float) -> None:
+            attempts[0] = attempt + 1
             log.warning(
                 "lightning_preempt: listing %s failed (%s); attempt %d of %d, retrying in %.1fs",
                 self.dirpath, describe(err, self.storage_options), attempt, self.retries, delay,
             )  # fmt: skip
 
-        def transient(err: BaseException) -> bool:
+        def transient(err: BaseException) -> bool:  # a missing driver, credentials, unknown host: at once
             return not isinstance(err, CheckpointError) and is_transient(err)
 
-        # Only what a retry can fix: a missing driver, credentials or an unknown host fail at once.
-        policy = Backoff(self.retries, self.backoff_s, transient=transient, sleep=self.sleep)
-        attempts = [0]
-
-        def attempt(n: int) -> T:
-            attempts[0] = n
-            return fn()
-
         try:
-            return retry(attempt, policy, on_retry=retrying)
-        except StorageUnreachableError as err:  # could not look (credentials, DNS): not damage
-            raise _listing_error(self.dirpath, err, attempts[0], self.storage_options) from err
-        except CheckpointError:
-            raise
-        except Exception as err:
+            return retry(lambda n: fn(), Backoff(self.retries, self.backoff_s, transient=transient, sleep=self.sleep),
+                         on_retry=retrying)  # fmt: skip
+        except Exception as err:  # (StorageUnreachableError: could not look, credentials, DNS: not damage)
+            if isinstance(err, CheckpointError) and not isinstance(err, StorageUnreachableError):
+                raise
             raise _listing_error(self.dirpath, err, attempts[0], self.storage_options) from err
 
     # ---- phase 2: in setup, collective ---------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import itertools
 from collections.abc import Iterator
 from typing import Any
@@ -64,16 +65,16 @@ def loader_generators(loader: Any) -> list[torch.Generator]:
     return found
 
 
+@dataclasses.dataclass(eq=False, repr=False)
 class _RewindingSampler(Sampler[Any]):
     """``inner``, whose every ``iter()`` after the first runs from the states ``pre_iter`` and
     leaves the RNG states as it found them: what ``inner`` draws when iterated comes from the
     epoch-start states, and draws made between the calls (the worker base seed) are kept."""
 
-    def __init__(self, inner: Any, generators: list[torch.Generator], pre_iter: dict[str, Any]) -> None:
-        self.inner = inner
-        self.generators = generators
-        self.pre_iter: dict[str, Any] | None = pre_iter
-        self.calls = 0
+    inner: Any
+    generators: list[torch.Generator]
+    pre_iter: dict[str, Any] | None
+    calls: int = 0
 
     def __len__(self) -> int:
         return len(self.inner)

@@ -108,7 +108,6 @@ class Lease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    # ---- reading ----------------------------------------------------------------------
     def _generations(self) -> list[int]:
         """The lease generations present in dirpath, oldest first (a fresh listing)."""
         found = (lease_generation(e.name) for e in self.store.entries() if e.kind == "file")
@@ -131,7 +130,6 @@ class Lease:
                   "heartbeat_unix": heartbeat, "released": released}  # fmt: skip
         return json.dumps(record, sort_keys=True).encode()
 
-    # ---- taking it --------------------------------------------------------------------
     def acquire(self, *, poll_s: float = 1.0) -> None:
         """Take the lease, waiting at most ``timeout_s`` for a silent holder to go stale.
 
@@ -215,7 +213,6 @@ class Lease:
         self.generation = generation
         return True
 
-    # ---- holding it -------------------------------------------------------------------
     def beat(self) -> None:
         """Refresh the heartbeat; sets :attr:`lost` when a newer generation exists."""
         if self.generation is None:

@@ -166,16 +166,15 @@ class Overlap:
         if not self.active or self.stable is None:
             return set()
         stable = {_storage(t) for t in self.stable() if isinstance(t, torch.Tensor) and t.numel()}
-        keys = set()
-        for key, tensor in tensors.items():
-            t = local_of(tensor).detach()
-            if t.numel() * t.element_size() < MIN_DEFERRED_BYTES or (t.device.type == "cuda" and key not in pinned):
-                continue
-            if t.device.type not in ("cpu", "cuda") or not t.is_contiguous():
-                continue
-            if _storage(t) in stable:
-                keys.add(key)
-        return keys
+        local = ((key, local_of(tensor)) for key, tensor in tensors.items())
+        return {
+            key
+            for key, t in local
+            if t.numel() * t.element_size() >= MIN_DEFERRED_BYTES
+            and (t.device.type == "cpu" or (t.device.type == "cuda" and key in pinned))
+            and t.is_contiguous()
+            and _storage(t) in stable
+        }
 
     def start(self, pairs: Pairs) -> InFlightCopy:
         """Start the deferred copies of one save; the gate waits for them from now on."""

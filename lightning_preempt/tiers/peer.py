@@ -128,7 +128,8 @@ def replicate(local_dir: str, group: dist.ProcessGroup | None, *, node: str | No
     except (OSError, CheckpointError) as exc:
         err = f"{type(exc).__name__}: {exc}"
     shares = pdist.all_gather_json({"node": node or node_id(), "own": own, "error": err}, group, max_bytes=WIRE_MAX_BYTES)
-    _raise_failed([s["error"] for s in shares], manifest.step, local_dir, "Nothing was sent; ")
+    _raise_failed([s["error"] for s in shares], f"the peer replica of step {manifest.step}", local_dir,
+                  f"Nothing was sent; {_STAYS}")  # fmt: skip
     where = placement([str(s["node"]) for s in shares])
     held: list[list[str]] = [[n for n in s["own"] if n in manifest.files] for s in shares]
     claimed: set[str] = set()  # a file two ranks of one node hold (a shared local tier) is sent once
@@ -141,7 +142,8 @@ def replicate(local_dir: str, group: dist.ProcessGroup | None, *, node: str | No
                 claimed.add(key)
                 plan.append((sender, buddy, name))
     sent, received, err = transfer(local_dir, manifest, data, plan, me, group)
-    _raise_failed(pdist.all_gather_json(err, group, max_bytes=WIRE_MAX_BYTES), manifest.step, local_dir, "")
+    errors = pdist.all_gather_json(err, group, max_bytes=WIRE_MAX_BYTES)
+    _raise_failed(errors, f"the peer replica of step {manifest.step}", local_dir, _STAYS)
     if me != 0 and received:
         write_durable(os.path.join(local_dir, MANIFEST_NAME), raw)  # last: the files are durable
     holders: dict[str, list[str]] = {}
@@ -198,14 +200,15 @@ def read_own(store: Store, manifest: Manifest, names: list[str]) -> dict[str, by
     return out
 
 
-def _raise_failed(errors: list[object], step: int, local_dir: str, done: str) -> None:
+_STAYS = ("The checkpoint stays committed where it was; only the copy on a peer node is missing. Check the "
+          "local tier's files and free space.")
+
+
+def _raise_failed(errors: list[object], what: str, path: str, hint: str) -> None:
     """Raise :class:`ReplicaError` on every rank when any rank reported an error."""
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
-        rank, why = failed[0]
-        raise ReplicaError(f"the peer replica of step {step} failed on rank {rank}: {why}", path=local_dir,
-                           hint=f"{done}The checkpoint stays committed where it was; only the copy on a peer "
-                           "node is missing. Check the local tier's files and free space.")  # fmt: skip
+        raise ReplicaError(f"{what} failed on rank {failed[0][0]}: {failed[0][1]}", path=path, hint=hint)
 
 
 def transfer(
@@ -255,11 +258,14 @@ def transfer(
 
 
 # ---- after a resize: the survivors complete the checkpoint in the bucket ----------------------
-def _local_holdings(local_root: str, floor: int) -> dict[str, dict[str, object]]:
-    """This rank's view of its local tier, as JSON values: for each of our checkpoint dirs
-    newer than ``floor``, the manifest's text (if here and valid) and the sizes of the
-    checkpoint files here (regular files only: a symlink or FIFO is held by nobody)."""
-    out: dict[str, dict[str, object]] = {}
+def gather_holdings(local_root: str, floor: int, group: dist.ProcessGroup | None) -> list[dict[str, dict[str, Any]]]:
+    """Every rank's holdings under ``local_root`` (checkpoints newer than ``floor``), on every
+    rank, as :func:`plan_union` takes them (each manifest as bytes, or ``None``). Collective.
+
+    Each rank sends, as JSON values, for each of our checkpoint dirs newer than ``floor``, the
+    manifest's text (if here and valid) and the sizes of the checkpoint files here (regular
+    files only: a symlink or FIFO is held by nobody)."""
+    mine: dict[str, dict[str, object]] = {}
     root = Store(local_root)
     for entry in root.entries():
         step = dir_step(entry.name)
@@ -274,14 +280,8 @@ def _local_holdings(local_root: str, floor: int) -> dict[str, dict[str, object]]
                 parse_manifest(raw, path=ckpt.url)  # validated before it is sent (UTF-8 then too)
         except (CheckpointError, UnicodeDecodeError):  # not a regular file, too large, damaged: untrusted
             manifest = None
-        out[entry.name] = {"step": step, "manifest": manifest, "files": files}
-    return out
-
-
-def gather_holdings(local_root: str, floor: int, group: dist.ProcessGroup | None) -> list[dict[str, dict[str, Any]]]:
-    """Every rank's holdings under ``local_root`` (checkpoints newer than ``floor``), on every
-    rank, as :func:`plan_union` takes them (each manifest as bytes, or ``None``). Collective."""
-    gathered = pdist.all_gather_json(_local_holdings(local_root, floor), group, max_bytes=_HOLDINGS_MAX_BYTES)
+        mine[entry.name] = {"step": step, "manifest": manifest, "files": files}
+    gathered = pdist.all_gather_json(mine, group, max_bytes=_HOLDINGS_MAX_BYTES)
     for holding in gathered:  # the manifests travelled as JSON text; plan_union takes their bytes
         for held in holding.values():
             held["manifest"] = held["manifest"].encode("utf-8") if isinstance(held["manifest"], str) else None
@@ -342,11 +342,8 @@ def complete_from_peers(
         copy_files(src, dst, manifest, names=mine)
     except Exception as exc:
         err = f"{type(exc).__name__}: {exc}"
-    errors = pdist.all_gather_json(err, group, max_bytes=WIRE_MAX_BYTES)
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-    if failed:
-        raise ReplicaError(f"uploading {name} from the survivors failed on rank {failed[0][0]}: {failed[0][1]}",
-                           path=dst.url, hint="Nothing was committed there; the local copies stay.")  # fmt: skip
+    _raise_failed(pdist.all_gather_json(err, group, max_bytes=WIRE_MAX_BYTES), f"uploading {name} from the survivors",
+                  dst.url, "Nothing was committed there; the local copies stay.")  # fmt: skip
     agree.decide(lambda: dst.commit_bytes(MANIFEST_NAME, raw), group, what="committing the survivors' upload",
                  json_max_bytes=WIRE_MAX_BYTES)  # fmt: skip
     log.warning("lightning_preempt: %s (step %d) completed in %s from the survivors' local tiers",

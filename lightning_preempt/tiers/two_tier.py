@@ -73,6 +73,7 @@ class DrainRecord:
     error: str | None = None
 
 
+@dataclasses.dataclass(eq=False, repr=False)
 class TwoTier:
     """Tier bookkeeping and the drain thread for one :class:`ShardedAsyncCheckpointIO`.
 
@@ -84,21 +85,17 @@ class TwoTier:
         backoff_s: first retry delay; doubles each time.
     """
 
-    def __init__(
-        self,
-        local_root: str,
-        remote_options: dict[str, Any],
-        *,
-        max_workers: int = 4,
-        retries: int = 4,
-        backoff_s: float = 1.0,
-    ) -> None:
-        self.local_root = str(local_root).rstrip("/") or str(local_root)
+    local_root: str
+    remote_options: dict[str, Any]
+    _: dataclasses.KW_ONLY
+    max_workers: int = 4
+    retries: int = 4
+    backoff_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        self.local_root = str(self.local_root).rstrip("/") or str(self.local_root)
+        self.retries = max(1, self.retries)
         self.remote_root: str | None = None
-        self.remote_options = remote_options
-        self.max_workers = max_workers
-        self.retries = max(1, retries)
-        self.backoff_s = backoff_s
         self.keep_last_n: int | None = None
         self.run_id: str | None = None  # retention spares other runs' checkpoints
         self.group: pdist.ProcessGroup | None = None
