@@ -69,13 +69,6 @@ def derive_seed(state: dict[str, Any], rank: int) -> int:
     return int.from_bytes(digest.digest()[:8], "little") & ((1 << 63) - 1)
 
 
-def seed_all(seed: int) -> None:
-    """Seed Python, NumPy and torch (CPU and every CUDA device) with ``seed``."""
-    random.seed(seed)
-    np.random.seed(seed % (1 << 32))
-    torch.manual_seed(seed)
-
-
 def make_state(
     *,
     rank: int,
@@ -205,7 +198,9 @@ def restore_metrics(module: torch.nn.Module, state: dict[str, Any]) -> None:
 def seed_from_saved_rank(state: dict[str, Any], rank: int) -> None:
     """Seed every RNG of a rank that has no saved state from the saving rank's (deterministic; warned)."""
     seed = derive_seed(state["rng"], rank)
-    seed_all(seed)
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+    torch.manual_seed(seed)  # (CPU and every CUDA device)
     log.warning(
         "lightning_preempt: rank %d has no saved RNG state (the checkpoint had %s ranks); seeding it with %d, "
         "derived from rank %s's state",

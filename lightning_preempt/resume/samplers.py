@@ -213,8 +213,7 @@ def replays_sampler(loader: Any) -> bool:
     was yielded), so what it draws comes from the states at the resume, not the epoch start.
     Sequential and plain distributed samplers draw nothing.
     """
-    batch_sampler = getattr(loader, "batch_sampler", None)
-    sampler = getattr(batch_sampler, "sampler", None) if batch_sampler is not None else None
+    sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
     sampler = sampler if sampler is not None else getattr(loader, "sampler", None)
     if sampler is None or is_stateful(sampler):
         return False

@@ -162,7 +162,6 @@ class ChecksummingWriter(_compat.FsspecWriter):
         self._checksumming_fs = _ChecksummingFileSystem(store, self.entries)
         self.fs = self._checksumming_fs  # type: ignore[assignment]
         self.path = store.path()
-        self._store = store
         self.streamed = streamed
         #: plans, ``.metadata`` and file layouts of the previous saves (write/planning.py)
         self.plan_cache = plan_cache
