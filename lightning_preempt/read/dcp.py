@@ -14,8 +14,9 @@ from lightning_preempt.storage.store import Store
 
 
 class _CheckedReader(_compat.FsspecReader):
-    """DCP's reader with ``.metadata`` read through :func:`safe_load.read_dcp_metadata`:
-    a restricted unpickler and a check that it names only tensors in our shard files."""
+    """DCP's reader for the shards of a checkpoint directory, with ``.metadata`` read through
+    ``read_dcp_metadata``: a restricted unpickler and a check that it names only tensors in
+    our shard files (``manifest``: the files it may refer to)."""
 
     def __init__(self, store: Store, manifest: Manifest | None) -> None:
         super().__init__(store.url, **store.storage_options)
@@ -34,18 +35,12 @@ class _CheckedReader(_compat.FsspecReader):
         return metadata  # type: ignore[no-any-return]
 
 
-def dcp_reader(store: Store, manifest: Manifest | None = None) -> _compat.FsspecReader:
-    """A DCP reader for the shards of a checkpoint directory (``manifest``: the files its
-    ``.metadata`` may refer to)."""
-    return _CheckedReader(store, manifest)
-
-
 def load_all_tensors(store: Store, *, manifest: Manifest | None = None) -> dict[str, Any]:
     """Every tensor of the shards, unsharded, on CPU, in this process alone (no template:
     the empty-state-dict planner, as DCP's ``dcp_to_torch_save`` does)."""
     tensors: dict[str, Any] = {}
     _compat.dcp_load_state_dict(
-        tensors, storage_reader=dcp_reader(store, manifest), planner=_compat.EmptyStateDictLoadPlanner(), no_dist=True
+        tensors, storage_reader=_CheckedReader(store, manifest), planner=_compat.EmptyStateDictLoadPlanner(), no_dist=True
     )
     return tensors
 
@@ -61,5 +56,5 @@ def load_tensors_into(
     distributed = dist.is_available() and dist.is_initialized()
     if not distributed:
         _compat.quiet_single_process_warning()
-    dcp.load(tensors, storage_reader=dcp_reader(store, manifest), process_group=process_group, no_dist=not distributed)
+    dcp.load(tensors, storage_reader=_CheckedReader(store, manifest), process_group=process_group, no_dist=not distributed)
 

@@ -17,17 +17,12 @@ from lightning_preempt.errors import CorruptCheckpointError
 from lightning_preempt.format.generations import data_store
 from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.format.names import DCP_METADATA_NAME, state_file
-from lightning_preempt.format.pickles.metadata_scan import check_dcp_structure
-from lightning_preempt.format.pickles.unpickle import (
-    apply_map_location,
-    load_state_bytes,
-    unpickle_dcp_metadata,
-)
+from lightning_preempt.format.pickles.unpickle import apply_map_location, dcp_metadata, load_state_bytes
 from lightning_preempt.format.skeleton import merge_checkpoint, tensor_refs
 from lightning_preempt.read.dcp import load_all_tensors, load_tensors_into
 from lightning_preempt.read.seal import sealed
 from lightning_preempt.read.tensors import read_tensors, read_verified_bytes, tensor_items
-from lightning_preempt.read.verify import _CORRUPT_HINT, Fallback, check_files, read_manifest, verify_checkpoint
+from lightning_preempt.read.verify import CORRUPT_HINT, Fallback, check_files, read_manifest, verify_checkpoint
 from lightning_preempt.storage.store import Store
 
 log = logging.getLogger(__name__)
@@ -119,7 +114,7 @@ def verify_shared(store: Store, manifest: Manifest, group: pdist.ProcessGroup) -
         error = str(err).splitlines()[0]
     errors = [e for e in pdist.all_gather_objects(error, group) if e is not None]
     if errors:
-        raise CorruptCheckpointError(errors[0], path=store.url, hint=_CORRUPT_HINT)
+        raise CorruptCheckpointError(errors[0], path=store.url, hint=CORRUPT_HINT)
 
 
 class _FallbackDict(dict):  # type: ignore[type-arg]
@@ -182,7 +177,7 @@ def _load_full(store: Store, *, rank: int, verify: bool, trusted: bool, map_loca
         raise CorruptCheckpointError(
             f"{len(missing)} tensors referenced by the state are not in the shards (e.g. {sorted(missing)[0]!r})",
             path=store.url,
-            hint=_CORRUPT_HINT,
+            hint=CORRUPT_HINT,
         )
     result = merge_checkpoint(skeleton, tensors)
     assert isinstance(result, dict)
@@ -193,20 +188,12 @@ def _load_all_tensors_verified(store: Store, manifest: Manifest, *, verify: bool
     """Every tensor of the shards, each shard file read once (CRC32C on the way)."""
     files = data_store(store, manifest)
     data = read_verified_bytes(files, DCP_METADATA_NAME, manifest.files.get(DCP_METADATA_NAME), verify=verify)
-    items = tensor_items(_dcp_metadata_from_bytes(data, store, manifest))
+    items = tensor_items(dcp_metadata(data, path=store.url, manifest=manifest))
     if items is None:  # not a layout the one-pass reader knows: DCP's reader, verified first
         if verify:
             verify_checkpoint(store, manifest)
         return load_all_tensors(files, manifest=manifest)
     return read_tensors(files, items, manifest.files, verify=verify)
-
-
-def _dcp_metadata_from_bytes(data: bytes, store: Store, manifest: Manifest) -> Any:
-    """DCP's ``.metadata`` (a pickled ``Metadata``) through the restricted unpickler, checked
-    to describe only tensors in byte ranges of the manifest's shard files (docs/security.md)."""
-    metadata = unpickle_dcp_metadata(data, path=store.url)
-    check_dcp_structure(metadata, path=store.url, manifest=manifest)
-    return metadata
 
 
 def load_agreed(
@@ -247,7 +234,7 @@ def load_agreed(
             else f"rank(s) {[r for r, f in enumerate(failed) if f]} found it damaged"
         )
         if fallback is None:
-            raise error or CorruptCheckpointError(reason, path=target, hint=_CORRUPT_HINT)
+            raise error or CorruptCheckpointError(reason, path=target, hint=CORRUPT_HINT)
         excluded.append(target)
         log.warning(
             "lightning_preempt: %s failed its check while loading (%s); trying an older checkpoint", target, reason

@@ -24,6 +24,7 @@ from lightning_preempt.errors import CorruptCheckpointError
 from lightning_preempt.format.manifest import FileEntry
 from lightning_preempt.read.archive import TensorItem, Unparsable, archive_in_memory, read_archive
 from lightning_preempt.read.crc_reader import Cursor, OrderedCrc, file_digest, hashing_reader, read_into
+from lightning_preempt.read.verify import CORRUPT_HINT, check_entry, missing_file
 from lightning_preempt.storage.checksum import Crc32c
 from lightning_preempt.storage.store import Store
 
@@ -40,8 +41,6 @@ SPLIT_MIN_RECORD_BYTES = 1 << 20
 #: and copied out of that buffer; larger ones are read straight into their tensors.
 SMALL_RECORD_BYTES = 1 << 20
 BATCH_BYTES = 4 << 20
-
-_CORRUPT_HINT = "This checkpoint is damaged; resume from an older one (auto-resume skips it)."
 
 
 def tensor_items(metadata: Any) -> list[TensorItem] | None:
@@ -216,9 +215,7 @@ def _read_file(
         ]
         results = [f.result() for f in futures]
     except FileNotFoundError as err:
-        raise CorruptCheckpointError(
-            f"file {name!r} listed in the manifest is missing", path=store.url, hint=_CORRUPT_HINT
-        ) from err
+        raise missing_file(name, store) from err
     tensors = [t for got, _, _ in results for t in got]
     errors = [e for _, _, errs in results for e in errs]
     sizes = [n for _, n, _ in results]
@@ -234,29 +231,11 @@ def _read_file(
         raise CorruptCheckpointError(
             f"file {name!r} holds a tensor record that cannot be read: {type(errors[0]).__name__}: {errors[0]}",
             path=store.url,
-            hint=_CORRUPT_HINT,
+            hint=CORRUPT_HINT,
         ) from errors[0]
     if len(tensors) != len(items):  # a short read, reported by check_entry unless the manifest is short too
-        raise CorruptCheckpointError(f"file {name!r} ends inside a tensor", path=store.url, hint=_CORRUPT_HINT)
+        raise CorruptCheckpointError(f"file {name!r} ends inside a tensor", path=store.url, hint=CORRUPT_HINT)
     return tensors
-
-
-def check_entry(store: Store, name: str, entry: FileEntry | None, size: int, crc: str | None) -> None:
-    """Raise :class:`CorruptCheckpointError` when ``size``/``crc`` disagree with ``entry``."""
-    if entry is None:
-        raise CorruptCheckpointError(
-            f"file {name!r} holds tensors but is not listed in the manifest", path=store.url, hint=_CORRUPT_HINT
-        )
-    if size != entry.size:
-        raise CorruptCheckpointError(
-            f"file {name!r} has {size} bytes, the manifest says {entry.size} (truncated?)",
-            path=store.url,
-            hint=_CORRUPT_HINT,
-        )
-    if crc is not None and crc != entry.crc32c:
-        raise CorruptCheckpointError(
-            f"file {name!r} fails its CRC32C check ({crc} != {entry.crc32c})", path=store.url, hint=_CORRUPT_HINT
-        )
 
 
 def read_verified_bytes(store: Store, name: str, entry: FileEntry | None, *, verify: bool) -> bytes:
@@ -264,15 +243,8 @@ def read_verified_bytes(store: Store, name: str, entry: FileEntry | None, *, ver
     try:
         data = store.read_bytes(name)
     except FileNotFoundError as err:
-        raise CorruptCheckpointError(
-            f"file {name!r} listed in the manifest is missing", path=store.url, hint=_CORRUPT_HINT
-        ) from err
-    crc = None
-    if verify:
-        c = Crc32c()
-        c.update(data)
-        crc = c.hexdigest()
-    check_entry(store, name, entry, len(data), crc)
+        raise missing_file(name, store) from err
+    check_entry(store, name, entry, len(data), Crc32c(data).hexdigest() if verify else None)
     return data
 
 

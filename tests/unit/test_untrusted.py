@@ -36,10 +36,11 @@ from lightning_preempt.errors import (
     CheckpointWriteError,
     CorruptCheckpointError,
     UnsupportedFormatError,
+    UntrustedCheckpointError,
 )
 from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.format.names import MANIFEST_NAME, checkpoint_name
-from lightning_preempt.format.pickles.unpickle import UntrustedCheckpointError, unpickle_dcp_metadata
+from lightning_preempt.format.pickles.unpickle import unpickle_dcp_metadata
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.read.verify import read_manifest, verify_checkpoint
 from lightning_preempt.storage.checksum import Crc32c
