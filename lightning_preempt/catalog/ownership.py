@@ -89,11 +89,6 @@ def remove_if_ours(store: Store, *, why: str) -> None:
     log.info("lightning_preempt: deleted %s (%s)", store.url, why)
 
 
-def remove_checkpoint_dir(store: Store) -> None:
-    """Delete our checkpoint directory ``store`` (:func:`remove_if_ours`)."""
-    remove_if_ours(store, why="removal requested")
-
-
 def remove_path(store: Store) -> None:
     """Delete what is at ``store``'s path: our checkpoint directory (only if it holds nothing
     foreign), a plain checkpoint file, a symlink (never what it points to). Logs, never raises
@@ -102,7 +97,7 @@ def remove_path(store: Store) -> None:
         if store.is_local and (os.path.islink(store.path()) or os.path.isfile(store.path())):
             local.remove_local(store.path(), first=MANIFEST_NAME)  # a link goes, never what it points to
         elif store.exists(MANIFEST_NAME) or store.isdir():
-            remove_checkpoint_dir(store)  # manifest first: never half-deleted yet committed
+            remove_if_ours(store, why="removal requested")  # manifest first: never half-deleted yet committed
         elif store.exists():
             store.rm_file("")
         else:

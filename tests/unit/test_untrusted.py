@@ -376,7 +376,7 @@ def test_removing_a_directory_with_user_files_raises_with_a_hint(tmp_path: Path)
     ckpt = root / checkpoint_name(1)
     (ckpt / "precious.txt").write_text("x")
     with pytest.raises(CheckpointExistsError, match=r"precious\.txt") as info:
-        ownership.remove_checkpoint_dir(Store(str(ckpt)))
+        ownership.remove_if_ours(Store(str(ckpt)), why="removal requested")
     assert "HINT:" in str(info.value)
     assert (ckpt / MANIFEST_NAME).exists() and (ckpt / "precious.txt").exists()
 

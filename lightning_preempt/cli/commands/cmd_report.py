@@ -10,7 +10,7 @@ from typing import Any
 
 from lightning_preempt._text import untrusted_text
 from lightning_preempt.cli.options import EXIT_OK, PROG, UsageError, parse_storage_options
-from lightning_preempt.cli.output import print_note, print_table, utc
+from lightning_preempt.cli.output import dash, print_note, print_table, utc
 from lightning_preempt.cli.plan import format_bytes, format_duration
 from lightning_preempt.cli.report import build_report
 from lightning_preempt.cli.resolve import nothing_here, storage_call
@@ -109,11 +109,11 @@ def print_report(r: dict[str, Any], url: str) -> None:
     if drains.get("count"):
         rows.append(("uploads (two tiers)", str(drains["uploaded"]),
                      f"to dirpath, {drains['bytes'] / 1e6:.1f} MB in {_d(drains['drained_s'])}; newest step "
-                     f"{_or_dash(drains['newest_step'])}; {drains['skipped']} skipped, {drains['failed']} failed"))  # fmt: skip
+                     f"{dash(drains['newest_step'])}; {drains['skipped']} skipped, {drains['failed']} failed"))  # fmt: skip
     tier0 = r.get("tier0") or {}
     if tier0.get("count"):
         rows.append(("tier-0 copies", str(tier0["committed"]),
-                     f"to host memory, newest step {_or_dash(tier0['newest_step'])}, {_d(tier0['committed_s'])} each "
+                     f"to host memory, newest step {dash(tier0['newest_step'])}, {_d(tier0['committed_s'])} each "
                      f"(median), {_d(tier0['blocking_s'])} blocked; {tier0['failed']} failed"))  # fmt: skip
     width = max(len(a) for a, _, _ in rows)
     for name, value, how in rows:
@@ -123,9 +123,9 @@ def print_report(r: dict[str, Any], url: str) -> None:
         table = [["#", "PROCESS", "SOURCE", "STEP", "SNAPSHOT", "RESUMED AT", "STEPS LOST", "TO EXIT CALL", "DOWN"]]
         for i, p in enumerate(r["preemptions"], 1):
             snap = "-" if p["committed"] is None else "committed" if p["committed"] else "not committed"
-            lost = _or_dash(p["steps_lost"])
+            lost = dash(p["steps_lost"])
             lost = f">={lost}" if p["steps_lost_at_least"] and p["steps_lost"] is not None else lost
-            resumed = _or_dash(p["resumed_step"])
+            resumed = dash(p["resumed_step"])
             tier = p.get("resumed_tier")
             resumed = f"{resumed} ({str(tier)[:12]})" if tier and p["resumed_step"] is not None else resumed
             table.append([str(i), str(p["restart"]), p["source"], str(p["step"]), snap, resumed,
@@ -152,7 +152,3 @@ def print_report(r: dict[str, Any], url: str) -> None:
             line += (f"; on demand at {cost['on_demand_price']:g}: {cost['on_demand_cost']:.4g} "
                      f"(saved {cost['saved']:.4g})")  # fmt: skip
         print(line)
-
-
-def _or_dash(value: Any) -> str:
-    return "-" if value is None else str(value)
