@@ -1,7 +1,5 @@
-"""The newest valid checkpoint, under one root or across a local and a remote tier.
-
-The one place that picks (resume, loading a directory, the fall-back after damage, the
-CLI). A candidate counts when committed, not in ``exclude``, and passing ``verify``:
+"""The newest valid checkpoint, under one root or across a local and a remote tier: the one
+place that picks. A candidate counts when committed, not in ``exclude``, and passing ``verify``:
 ``True`` every byte's CRC32C, ``"sizes"`` one listing (the load checks CRC32C), ``False``
 the manifest only. A newer format version raises :class:`UnsupportedFormatError` rather
 than falling back past the progress it holds.

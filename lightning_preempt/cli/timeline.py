@@ -27,7 +27,7 @@ def _unit(span_s: float) -> tuple[float, str]:
 
 
 def plot_timeline(report: dict[str, Any], path: str, *, title: str = "") -> None:
-    """Draw ``report`` (cli/report.py's, from a ledger) into the PNG file ``path``."""
+    """Draw ``report`` (cli/commands/cmd_report.py's, from a ledger) into the PNG file ``path``."""
     try:
         import matplotlib
 

@@ -1,15 +1,8 @@
-"""One pass over the bytes on load: read each shard file once, straight into the memory the
-tensors will live in, and compute its CRC32C on the way (docs/resume-speed.md: how, and
-what was measured).
-
-``dcp.load`` copies every tensor three times and verification read every byte once more.
-Here each file is read front to back from the offsets DCP's ``.metadata`` gives: a large
-archive's data with ``readinto`` into a new tensor of exactly its size (each tensor owns its
-storage: optimizer state often stays the very tensor loaded), small archives in batches;
-every read is hashed as it arrives (:func:`crc_reader.hashing_reader`); files are read in
-parallel (up to :data:`MAX_PARALLEL_FILES`); a file whose size or CRC32C disagrees with the
-manifest raises :class:`CorruptCheckpointError` before any tensor is returned. This module
-plans the reads and checks the files; ``read/archive.py`` parses one tensor record.
+"""One pass over the bytes on load (docs/resume-speed.md): each shard file read once, front to
+back from the offsets DCP's ``.metadata`` gives, a large archive straight into a tensor of its
+own storage, small ones in batches, every read hashed as it arrives (read/crc_reader.py); a
+file whose size or CRC32C disagrees with the manifest raises :class:`CorruptCheckpointError`
+before any tensor is returned. read/archive.py parses one tensor record.
 """
 
 from __future__ import annotations
@@ -87,10 +80,6 @@ def tensor_items(metadata: Any) -> list[TensorItem] | None:
 def _worth_splitting(items: list[TensorItem]) -> bool:
     total = sum(i.length for i in items)
     return total >= SPLIT_BYTES and total >= SPLIT_MIN_RECORD_BYTES * len(items)
-
-
-def _by_offset(items: list[TensorItem]) -> list[TensorItem]:
-    return sorted(items, key=lambda i: i.offset)
 
 
 def _ranges(items: list[TensorItem], parts: int) -> list[list[TensorItem]]:
@@ -303,7 +292,7 @@ def read_tensors(
     """Every tensor of ``items`` as a full CPU tensor, each file read once (and verified
     against ``files`` when ``verify``). Raises :class:`CorruptCheckpointError`."""
     per_file: dict[str, list[TensorItem]] = {}
-    for item in items:
+    for item in sorted(items, key=lambda i: i.offset):
         per_file.setdefault(item.file, []).append(item)
     # Largest first: the longest read starts at once. A large file is read in two ranges
     # at once (page faults on fresh memory, not the disk, bound a warm read here).
@@ -323,21 +312,13 @@ def read_tensors(
     ):
         futures = {
             name: files_pool.submit(
-                _read_file,
-                store,
-                name,
-                _by_offset(per_file[name]),
-                files.get(name),
-                verify,
-                readers,
-                parts[name],
+                _read_file, store, name, per_file[name], files.get(name), verify, readers, parts[name]
             )
             for name in order
         }
         for name, fut in futures.items():
-            tensors = fut.result()
+            chunks += fut.result()
             if progress is not None:
                 progress(name)
-            ordered_items += _by_offset(per_file[name])
-            chunks += tensors
+            ordered_items += per_file[name]
     return assemble(ordered_items, chunks)

@@ -19,12 +19,12 @@ import torch
 from lightning_preempt.errors import CorruptCheckpointError
 from lightning_preempt.format import TensorRef, tensor_from_bytes
 from lightning_preempt.format import dcp_compat as _compat
-from lightning_preempt.format.containers import map_leaves
 from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.format.names import DCP_METADATA_NAME
 from lightning_preempt.format.pickles.fast_unpickle import OffFastPath, fast_load_state, numpy_globals
 from lightning_preempt.format.pickles.metadata_scan import check_dcp_structure, unpickle_metadata
 from lightning_preempt.format.pickles.state_replay import corrupt_state_error, untrusted_state_error
+from lightning_preempt.format.skeleton import map_leaves
 from lightning_preempt.storage.store import Store
 
 #: ``.metadata`` larger than this is refused unread when the manifest does not bound it.
