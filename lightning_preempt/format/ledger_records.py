@@ -158,9 +158,7 @@ _MISSING = object()
 def _check_value(name: str, value: Any, types: tuple[type, ...]) -> None:
     if value is _MISSING:
         raise LedgerRecordError(f"field {name!r} is missing")
-    if isinstance(value, bool) and bool not in types:
-        raise LedgerRecordError(f"field {name!r} has the wrong type")
-    if not isinstance(value, types):
+    if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
         raise LedgerRecordError(f"field {name!r} has the wrong type")
     if isinstance(value, float) and not math.isfinite(value):
         raise LedgerRecordError(f"field {name!r} is not finite")

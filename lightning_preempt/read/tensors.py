@@ -114,14 +114,13 @@ def _read_range(
     name: str,
     items: list[TensorItem],
     start: int,
-    end: int,
-    last: bool,
+    end: int | None,
     entry: FileEntry | None,
     crc: OrderedCrc | None,
     outs: list[torch.Tensor],
 ) -> tuple[list[torch.Tensor], int, list[Exception]]:
-    """Read ``items`` (a run of archives starting at file offset ``start``; the last run
-    also the file's trailing bytes). Every tensor's data goes straight into a tensor of
+    """Read ``items`` (a run of archives starting at file offset ``start``; the last run,
+    ``end`` ``None``, also the file's trailing bytes). Every tensor's data goes straight into a tensor of
     exactly its size (:func:`_read_archive`). Returns the tensors, the bytes read, and the
     errors of archives torch could not parse (the caller's CRC check says whether the
     bytes are damaged)."""
@@ -132,7 +131,7 @@ def _read_range(
     with store.open_read(name) as raw:
         if start:
             raw.seek(start)
-        f = hashing_reader(raw, crc, start, None if last else end)
+        f = hashing_reader(raw, crc, start, end)
         scratch: memoryview | None = None
         layouts: dict[tuple[int, int], int] = {}  # archive_in_memory's per-file memo
         i = 0
@@ -166,7 +165,7 @@ def _read_range(
             if tensor is None:
                 return tensors, cursor.offset - start, errors
             tensors.append(tensor)
-        if last:
+        if end is None:
             rest = (entry.size - cursor.offset) if entry is not None else 0
             if rest > 0:  # trailing bytes the manifest counts but no archive covers
                 read_into(f, memoryview(bytearray(rest)), cursor)
@@ -189,17 +188,13 @@ def _read_file(
     runs = _ranges(items, parts)
     # Every tensor allocated here, on the file's thread, as torch.load does; the readers
     # fill them (and fault their pages in, in parallel when there are several ranges).
-    outs = [torch.empty(item.chunk_sizes, dtype=item.dtype) for item in items]
-    firsts = [0]
-    for run in runs[:-1]:
-        firsts.append(firsts[-1] + len(run))
+    outs = [[torch.empty(item.chunk_sizes, dtype=item.dtype) for item in run] for run in runs]
     starts = [0] + [run[0].offset for run in runs[1:]]
-    ends = [*starts[1:], -1]  # the last range reads to the end of the file
+    ends: list[int | None] = [*starts[1:], None]  # the last range reads to the end of the file
     crcs = [OrderedCrc(None, start) if verify else None for start in starts]  # hashed by each reader
     try:
         futures = [
-            pool.submit(_read_range, store, name, run, start, ends[i], i == len(runs) - 1, entry, crcs[i],
-                        outs[firsts[i] : firsts[i] + len(run)])
+            pool.submit(_read_range, store, name, run, start, ends[i], entry, crcs[i], outs[i])
             for i, (run, start) in enumerate(zip(runs, starts, strict=True))
         ]
         results = [f.result() for f in futures]
@@ -208,14 +203,9 @@ def _read_file(
     tensors = [t for got, _, _ in results for t in got]
     errors = [e for _, _, errs in results for e in errs]
     sizes = [n for _, n, _ in results]
-    total = sum(sizes)
-    contiguous = all(n == (starts[i + 1] - starts[i]) for i, n in enumerate(sizes[:-1]))
-    digest = file_digest(crcs) if verify else None
-    if not contiguous:  # a run stopped short: report the size the reads found
-        total = next(
-            starts[i] + n for i, n in enumerate(sizes) if i == len(sizes) - 1 or n != starts[i + 1] - starts[i]
-        )
-    check_entry(store, name, entry, total, digest)
+    # the size the reads found: where the first run that stopped short (or the last) ended
+    total = next(starts[i] + n for i, n in enumerate(sizes) if i == len(sizes) - 1 or n != starts[i + 1] - starts[i])
+    check_entry(store, name, entry, total, file_digest(crcs) if verify else None)
     if errors:  # the bytes are as written (or unverified), yet torch cannot read them
         raise CorruptCheckpointError(
             f"file {name!r} holds a tensor record that cannot be read: {type(errors[0]).__name__}: {errors[0]}",

@@ -67,10 +67,8 @@ def _numpy_fast_globals() -> dict[tuple[str, str], Any]:
     BUILDs, so the two callables whose result is BUILT are wrapped to check it."""
     import numpy as np
 
-    names = {(g.__module__, g.__qualname__): g for g in numpy_globals()}
-    dtype_types = tuple(g for g in names.values() if isinstance(g, type) and issubclass(g, np.dtype) and g is not np.dtype)
-    reconstruct = next(g for g in names.values() if getattr(g, "__name__", "") == "_reconstruct")
-    scalar = next(g for g in names.values() if getattr(g, "__name__", "") == "scalar")
+    reconstruct, _scalar, _ndarray, _dtype, *dtype_classes = numpy_globals()
+    dtype_types = tuple(dtype_classes)
 
     def dtype(obj: Any, align: bool = False, copy: bool = False) -> Any:
         # Always a copy: np.dtype("f8", False, False) is NumPy's shared float64 descriptor,
@@ -88,15 +86,9 @@ def _numpy_fast_globals() -> dict[tuple[str, str], Any]:
             raise OffFastPath("numpy _reconstruct made something other than an ndarray")
         return made
 
-    fast: dict[tuple[str, str], Any] = {}
-    for key, g in names.items():
-        if g is np.dtype:
-            fast[key] = dtype
-        elif g is reconstruct:
-            fast[key] = _reconstruct
-        elif g is not scalar and g not in dtype_types:  # ndarray (an argument of _reconstruct)
-            fast[key] = g
-    return fast
+    # ndarray only as an argument of _reconstruct; no scalars, no dtype classes
+    fast = ((np.ndarray, np.ndarray), (np.dtype, dtype), (reconstruct, _reconstruct))
+    return {(g.__module__, g.__qualname__): f for g, f in fast}
 
 
 class _Unpickler(pickle.Unpickler):
