@@ -49,7 +49,6 @@ def newest_in_tiers(
 ) -> CheckpointInfo | None:
     """The newest valid checkpoint across a local and a remote tier (local wins a tie; remote
     looked at only when it may be newer). ``local_usable``: every rank runs on this host."""
-    report = on_skip or _warn_skip
     local = None
     if local_usable:
         complete = {c.name for c in complete_local_checkpoints(local_root)}
@@ -57,7 +56,7 @@ def newest_in_tiers(
         def usable(info: CheckpointInfo) -> str | None:
             return None if info.name in complete else "files missing on this node's disk"
 
-        local = first_valid(list_checkpoints(local_root, {}), {}, verify=verify, on_skip=report, exclude=exclude,
+        local = first_valid(list_checkpoints(local_root, {}), {}, verify=verify, on_skip=on_skip, exclude=exclude,
                             usable=usable)  # fmt: skip
     if remote_root is None:
         return local
@@ -65,7 +64,7 @@ def newest_in_tiers(
     remote_infos = list_checkpoints(remote_root, remote_options)
     if not any(c.committed and c.step > floor and c.path not in exclude for c in remote_infos):
         return local
-    remote = first_valid(remote_infos, remote_options, verify=verify, on_skip=report, exclude=exclude)
+    remote = first_valid(remote_infos, remote_options, verify=verify, on_skip=on_skip, exclude=exclude)
     if remote is None or (local is not None and local.step >= remote.step):
         return local
     return remote

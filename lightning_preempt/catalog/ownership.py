@@ -37,7 +37,7 @@ def foreign_entries(store: Store) -> list[str]:
     if store.is_local and os.path.islink(store.path()):
         return [f"{store.path()} (a symlink)"]
     foreign = _foreign_in(store, "")
-    for name, kind in store.children():
+    for name, kind, _ in store.entries():
         if kind == "dir" and is_generation(name):
             foreign.extend(_foreign_in(store, name, nested=False))
     return foreign
@@ -46,7 +46,7 @@ def foreign_entries(store: Store) -> list[str]:
 def _foreign_in(store: Store, rel: str, *, nested: bool = True) -> list[str]:
     """The foreign entries directly in ``rel`` (generation directories allowed if ``nested``)."""
     foreign = []
-    for name, kind in store.children(rel):
+    for name, kind, _ in store.entries(rel):
         path = f"{rel}/{name}" if rel else name
         if kind == "file" and is_our_file(name):
             if name == MANIFEST_NAME and not _is_our_manifest(store, path):

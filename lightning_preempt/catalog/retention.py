@@ -128,7 +128,7 @@ def _warn_foreign(url: str, storage_options: dict[str, Any] | None, infos: list[
     if url in _WARNED_FOREIGN:
         return
     try:
-        names = [n for n, _ in Store(url, storage_options).children()]
+        names = [e.name for e in Store(url, storage_options).entries()]
     except Exception:
         return
     foreign = sorted(n for n in names if not is_our_dir_name(n) and not n.startswith(HIDDEN_PREFIX))

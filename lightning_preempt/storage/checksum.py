@@ -3,11 +3,7 @@ buffer without a copy, GIL released."""
 
 from __future__ import annotations
 
-import base64
-
 import crc32c as _crc32c
-
-ALGORITHM = "crc32c"
 
 
 class Crc32c:
@@ -33,10 +29,6 @@ class Crc32c:
 
     def hexdigest(self) -> str:
         return f"{self._crc:08x}"
-
-    def base64(self) -> str:
-        """The big-endian base64 form GCS reports in ``info()["crc32c"]``."""
-        return base64.b64encode(self._crc.to_bytes(4, "big")).decode("ascii")
 
 
 _POLY = 0x82F63B78  # CRC32C (Castagnoli), reflected

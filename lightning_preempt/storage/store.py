@@ -144,9 +144,6 @@ class Store:
             raise FileNotFoundError(self.url_of(rel))
         return int(entry.size) if entry.size is not None else int(self.info(rel).get("size", 0))
 
-    def children(self, rel: str = "") -> list[tuple[str, str]]:
-        return [(e.name, e.kind) for e in self.entries(rel)]
-
     def list_dirs(self, rel: str = "") -> list[str]:
         return [e.name for e in self.entries(rel) if e.kind == "dir"]
 

@@ -56,21 +56,17 @@ def run(args: argparse.Namespace) -> int:
             bar.close()
     if not args.trust:
         storage_call(store.url, lambda: check_loadable(store, manifest))
-    _report(store, manifest, time.perf_counter() - started, as_json=args.json, trusted=args.trust)
-    return EXIT_OK
-
-
-def _report(store: Store, manifest: Manifest, elapsed: float, *, as_json: bool, trusted: bool) -> None:
-    total = manifest.total_bytes
-    if as_json:
+    elapsed, total = time.perf_counter() - started, manifest.total_bytes
+    if args.json:
         fields = {"ok": True, "path": store.url, "step": manifest.step, "files": len(manifest.files)}
         print(json.dumps({**fields, "bytes": total, "seconds": elapsed}))
-        return
-    print(
-        f"OK step {manifest.step} ({untrusted_text(store.url, None)}): manifest v{manifest.version}, {len(manifest.files)} "
-        f"files, {format_bytes(total)}, sizes and CRC32C match"
-        f"{'' if trusted else ', loads without trust_checkpoints'} ({elapsed:.2f}s)"
-    )
+    else:
+        print(
+            f"OK step {manifest.step} ({untrusted_text(store.url, None)}): manifest v{manifest.version}, "
+            f"{len(manifest.files)} files, {format_bytes(total)}, sizes and CRC32C match"
+            f"{'' if args.trust else ', loads without trust_checkpoints'} ({elapsed:.2f}s)"
+        )
+    return EXIT_OK
 
 
 def check_loadable(store: Store, manifest: Manifest) -> None:

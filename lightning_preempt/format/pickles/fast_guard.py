@@ -12,7 +12,6 @@ from collections.abc import Collection, Set
 
 #: What a value on the walked stack is; globals and what calling them returns are strings.
 _OTHER, _TUPLE, _LIST, _DICT = 0, 1, 2, 3
-_MARK = object()
 
 
 class FastRefused(Exception):
