@@ -17,12 +17,9 @@ _UNANNOUNCED = ("killed", "node lost")
 
 
 def _unit(span_s: float) -> tuple[float, str]:
-    if span_s >= 2 * 86400:
-        return 86400.0, "days"
-    if span_s >= 2 * 3600:
-        return 3600.0, "hours"
-    if span_s >= 120:
-        return 60.0, "minutes"
+    for size, name in ((86400.0, "days"), (3600.0, "hours"), (60.0, "minutes")):
+        if span_s >= 2 * size:
+            return size, name
     return 1.0, "seconds"
 
 

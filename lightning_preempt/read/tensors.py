@@ -291,10 +291,8 @@ def read_tensors(
     workers = max(1, min(max_parallel_files, sum(parts.values())))
     ordered_items: list[TensorItem] = []
     chunks: list[torch.Tensor] = []
-    # One range in all (a single process's checkpoint): read on this thread, nothing to
-    # overlap. Measured on repeated loads in one process, a reader thread made the loads
-    # slower and bimodal (4000 tensors 0.22-0.29 s vs 0.12-0.14 s here; 400: 0.15 vs 0.05):
-    # memory touched by a fresh thread is not what the freed tensors of the last load left.
+    # One range in all (a single process's checkpoint): read on this thread, nothing to overlap
+    # (a reader thread measured slower and bimodal: 4000 tensors 0.22-0.29 s vs 0.12-0.14 s).
     inline = sum(parts.values()) == 1
     with (
         _Inline() if inline else ThreadPoolExecutor(workers, thread_name_prefix="lp-read") as readers,

@@ -28,16 +28,12 @@ class NotRegularFileError(OSError):
 
 def fsync_dir(directory: str) -> None:
     """Make a rename or unlink in ``directory`` durable; best effort (some file systems cannot)."""
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def sync_data(fd: int) -> None:
@@ -210,23 +206,14 @@ def _kind_and_size(entry: os.DirEntry[str]) -> tuple[str, int | None] | None:
     return "other", None
 
 
+_KINDS = {stat.S_IFREG: "file", stat.S_IFDIR: "dir", stat.S_IFLNK: "link"}
+_WHAT = {stat.S_IFLNK: "a symbolic link", stat.S_IFIFO: "a FIFO", stat.S_IFDIR: "a directory",
+         stat.S_IFCHR: "a device", stat.S_IFBLK: "a device", stat.S_IFSOCK: "a socket"}  # fmt: skip
+
+
 def _mode_kind(mode: int) -> str:
-    if stat.S_ISREG(mode):
-        return "file"
-    if stat.S_ISDIR(mode):
-        return "dir"
-    return "link" if stat.S_ISLNK(mode) else "other"
+    return _KINDS.get(stat.S_IFMT(mode), "other")
 
 
 def describe_mode(mode: int) -> str:
-    if stat.S_ISLNK(mode):
-        return "a symbolic link"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    return "not a regular file"
+    return _WHAT.get(stat.S_IFMT(mode), "not a regular file")

@@ -63,10 +63,8 @@ class _Refused(Exception):
 def check_state_pickle(data: bytes, *, path: str) -> None:
     """Raise what ``load_state_bytes(data, path=path)`` would raise, without torch."""
     try:
-        with zipfile.ZipFile(io.BytesIO(data)) as archive:
-            prefix, info = _archive_pickle(archive, path)
-            pkl = _record_bytes(archive, info, data)
-            records = set(archive.namelist())
+        prefix, pkl, names = _pickle_of(data, path)
+        records = set(names)
     except CheckpointError:
         raise
     except Exception as err:  # not a zip, a record failing its CRC, an unknown compression...
@@ -82,12 +80,17 @@ def check_state_pickle(data: bytes, *, path: str) -> None:
 def archived_pickle(data: bytes) -> bytes:
     """The ``data.pkl`` bytes torch's reader would unpickle from ``data``; raises when the two
     readers may differ (a name listed twice: zipfile takes the last)."""
+    _, pkl, names = _pickle_of(data, "")
+    if len(set(names)) != len(names):
+        raise ValueError("a record name appears twice")
+    return pkl
+
+
+def _pickle_of(data: bytes, path: str) -> tuple[str, bytes, list[str]]:
+    """The archive's directory name, its ``data.pkl`` bytes and every record's name."""
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
-        names = archive.namelist()
-        if len(set(names)) != len(names):
-            raise ValueError("a record name appears twice")
-        _, info = _archive_pickle(archive, "")
-        return _record_bytes(archive, info, data)
+        prefix, info = _archive_pickle(archive, path)
+        return prefix, _record_bytes(archive, info, data), archive.namelist()
 
 
 def _archive_pickle(archive: zipfile.ZipFile, path: str) -> tuple[str, zipfile.ZipInfo]:
