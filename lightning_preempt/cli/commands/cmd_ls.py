@@ -19,7 +19,6 @@ HEADER = ["STEP", "EPOCH", "CREATED (UTC)", "SIZE", "WORLD", "TIER", "COMMITTED"
 
 
 def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
-    """Register ``ls`` on the sub-command parser ``sub``."""
     p = sub.add_parser("ls", parents=parents, help="list checkpoints, newest first")
     p.add_argument("url", metavar="URL", help="directory of checkpoints (or one checkpoint directory)")
     p.add_argument("--verify", action="store_true", help="also check every file's size and CRC32C")

@@ -34,7 +34,6 @@ MEASURE_BYTES = 256 << 20
 
 
 def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
-    """Register ``plan`` on the sub-command parser ``sub``."""
     p = sub.add_parser(
         "plan", parents=parents, help="optimal checkpoint interval (Young/Daly) and whether the SIGTERM snapshot fits"
     )

@@ -30,7 +30,6 @@ from lightning_preempt.format.names import LEDGER_RUN_RE
 
 
 def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
-    """Register ``report`` on the sub-command parser ``sub``."""
     p = sub.add_parser("report", parents=parents, help="what preemption cost a run: goodput, steps lost, time down")
     p.add_argument("url", metavar="URL", help="the callback's dirpath (local path or bucket URL)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")

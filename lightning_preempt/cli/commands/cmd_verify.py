@@ -28,7 +28,6 @@ PROGRESS_MIN_BYTES = 64 << 20  # on a TTY, smaller checkpoints verify too fast t
 
 
 def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
-    """Register ``verify`` on the sub-command parser ``sub``."""
     p = sub.add_parser("verify", parents=parents, help="check a checkpoint's manifest, sizes and CRC32C")
     p.add_argument("url", metavar="URL", help="a checkpoint directory, or a directory of checkpoints")
     p.add_argument("step", metavar="STEP", nargs="?", type=int, help="step to verify (default: newest committed)")
