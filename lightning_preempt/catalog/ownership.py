@@ -2,7 +2,7 @@
 
 A directory is ours only when its name is one we give (when chosen by name) and everything in
 it is a file we write (:func:`foreign_entries` empty). :func:`check_owned` returns the
-:class:`~lightning_preempt.storage.owned.Owned` verdict every recursive delete demands.
+:class:`~lightning_preempt.storage.local.Owned` verdict every recursive delete demands.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from lightning_preempt.errors import CheckpointExistsError
 from lightning_preempt.format.manifest import MAX_MANIFEST_BYTES, declares_our_format
 from lightning_preempt.format.names import MANIFEST_NAME, is_generation, is_our_file
 from lightning_preempt.storage import local
-from lightning_preempt.storage.owned import Owned
+from lightning_preempt.storage.local import Owned
 from lightning_preempt.storage.store import Store
 
 log = logging.getLogger(__name__)

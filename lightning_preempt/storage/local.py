@@ -1,21 +1,48 @@
 """Local disk: the one durable write (:func:`write_atomic`), directory fsync, delete, and
-reads that refuse anything but a regular file."""
+reads that refuse anything but a regular file. Every recursive delete, here or in
+storage/store.py, demands an :class:`Owned` for exactly its path (storage cannot tell what
+this package wrote); the one issuer is :func:`lightning_preempt.catalog.ownership.check_owned`.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import os
+import posixpath
 import shutil
 import stat
 import uuid
 from collections.abc import Callable
 from typing import IO
 
-from lightning_preempt.storage.owned import Owned, require
-
 #: Bytes, or a function that writes them into the open file (``torch.save``).
 Payload = bytes | bytearray | memoryview | Callable[[IO[bytes]], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Owned:
+    """A directory checked as this package's (``path``: the store's native path)."""
+
+    path: str
+
+
+class UncheckedRemoveError(PermissionError):
+    """A recursive delete was asked for without the ownership check of that path (a bug)."""
+
+
+def require(owned: Owned | None, path: str) -> None:
+    """Raise :class:`UncheckedRemoveError` unless ``owned`` vouches for ``path``."""
+    if owned is None or _norm(owned.path) != _norm(path):
+        raise UncheckedRemoveError(
+            f"refusing to delete the directory {path}: its ownership was not checked"
+            + (f" (the check was for {owned.path})" if owned is not None else "")
+        )
+
+
+def _norm(path: str) -> str:
+    return posixpath.normpath(path.replace("\\", "/")) if path else path
 
 
 class NotRegularFileError(OSError):

@@ -31,7 +31,6 @@ from lightning_preempt.errors import (
 )
 from lightning_preempt.storage import local, reach
 from lightning_preempt.storage.diagnose import describe, is_transient
-from lightning_preempt.storage.owned import Owned, require
 from lightning_preempt.storage.protocols import GCS_PROTOCOLS, OBJECT_STORES
 from lightning_preempt.storage.retry import Backoff, retry
 
@@ -314,13 +313,13 @@ class Store:
         elif durable:
             local.fsync_dir(os.path.dirname(self.path(rel)))
 
-    def rm_tree(self, rel: str = "", *, owned: Owned) -> None:
-        """Delete ``rel`` and all below it, only with its ownership verdict (storage/owned.py).
+    def rm_tree(self, rel: str = "", *, owned: local.Owned) -> None:
+        """Delete ``rel`` and all below it, only with its ownership verdict (:class:`local.Owned`).
         fsspec reads ``[``/``*`` in remote paths as globs: our names never have them."""
         if self.is_local:
             local.remove_local(self.path(rel), owned=owned)
             return
-        require(owned, self.path(rel))
+        local.require(owned, self.path(rel))
         with contextlib.suppress(FileNotFoundError):
             self._fs.rm(self.path(rel), recursive=True)
         self._fs.invalidate_cache()

@@ -11,7 +11,7 @@ import pytest
 
 from lightning_preempt.errors import CheckpointExistsError, CorruptCheckpointError
 from lightning_preempt.storage import local
-from lightning_preempt.storage.owned import Owned
+from lightning_preempt.storage.local import Owned
 from lightning_preempt.storage.store import Entry, Store
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from lightning_preempt._text import untrusted_text
 from lightning_preempt.catalog.goodput import summarize
-from lightning_preempt.catalog.ledger_reader import LedgerRead, read_ledger
+from lightning_preempt.catalog.ledger_reader import read_ledger
 from lightning_preempt.catalog.listing import list_checkpoints
 from lightning_preempt.cli.options import EXIT_OK, PROG, UsageError, parse_storage_options
 from lightning_preempt.cli.output import dash, print_note, print_table, utc
@@ -93,7 +93,7 @@ def build_report(url: str, options: dict[str, Any], *, run: str | None = None, g
         notes.insert(0, f"{why}: figures from the retained checkpoints' manifests only")
         report["notes"] = notes
         return report
-    chosen = _newest_run(read)
+    chosen = max(read.runs, key=lambda r: max(rec["t"] for rec in read.runs[r].records))  # the newest
     others = sorted(set(read.runs) - {chosen})
     if others:
         notes.append(f"{len(others)} other run(s) in this ledger ({', '.join(others[:5])}); --run ID reports one")
@@ -116,10 +116,6 @@ def timeline_points(records: list[dict[str, Any]]) -> dict[str, list[list[Any]]]
              for r in records if r["kind"] in ("start", "progress", "save", "preemption", "finish")]  # fmt: skip
     saves = [[r["t"], r["step"], r["save_kind"], r["blocking_s"], r["committed_s"]] for r in records if r["kind"] == "save"]
     return {"steps": sorted(steps), "saves": saves}
-
-
-def _newest_run(read: LedgerRead) -> str:
-    return max(read.runs, key=lambda r: max(rec["t"] for rec in read.runs[r].records))
 
 
 def plan_from(summary: dict[str, Any]) -> dict[str, Any] | None:

@@ -26,13 +26,9 @@ def check_fast_pickle(
     buildable: Collection[str],
     dict_like: Collection[str],
 ) -> None:
-    """Walk ``pkl`` (a protocol-2 pickle) and raise :class:`FastRefused` unless every
-    opcode is one the fast path allows (see the module docstring).
-
-    ``globals_allowed``: ``"module.name"`` a ``GLOBAL`` may name; ``callables``: those
-    ``REDUCE``/``NEWOBJ`` may call; ``buildable``: those whose result ``BUILD`` may set
-    state on; ``dict_like``: those whose result ``SETITEM(S)`` may fill.
-    """
+    """Raise :class:`FastRefused` unless every opcode of ``pkl`` (protocol 2) is one the fast
+    path allows: a ``GLOBAL`` of ``globals_allowed`` (``"module.name"``), ``REDUCE``/``NEWOBJ``
+    of ``callables``, ``BUILD`` on what ``buildable`` made, ``SETITEM(S)`` on a ``dict_like``'s."""
     try:
         _walk(pkl, *map(frozenset, (globals_allowed, callables, buildable, dict_like)))
     except FastRefused:

@@ -91,19 +91,15 @@ def _numpy_fast_globals() -> dict[tuple[str, str], Any]:
     return {(g.__module__, g.__qualname__): f for g, f in fast}
 
 
-class _Unpickler(pickle.Unpickler):
-    allowed: dict[tuple[str, str], Any] = {}
-
-    def find_class(self, module: str, name: str) -> Any:
-        found = self.allowed.get((module, name))
-        if found is None:
-            raise OffFastPath(f"{module}.{name}")
-        return found
-
-
 def _module(with_numpy: bool) -> types.SimpleNamespace:
     allowed = fast_globals(with_numpy)
-    unpickler = type("_Unpickler", (_Unpickler,), {"allowed": allowed})
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            found = allowed.get((module, name))
+            if found is None:
+                raise OffFastPath(f"{module}.{name}")
+            return found
 
     def load(*_: Any, **__: Any) -> Any:  # torch's legacy (non-zip) format: not ours
         raise OffFastPath("not a torch.save zip file")
@@ -121,7 +117,7 @@ def _module(with_numpy: bool) -> types.SimpleNamespace:
         "buildable": frozenset(buildable),
         "dict_like": frozenset({"collections.OrderedDict"}),
     }
-    return types.SimpleNamespace(Unpickler=unpickler, load=load, __name__=__name__, guard=guard)
+    return types.SimpleNamespace(Unpickler=Unpickler, load=load, __name__=__name__, guard=guard)
 
 
 _MODULES = {False: _module(False), True: _module(True)}
@@ -150,13 +146,8 @@ def fast_load_state(data: bytes, map_location: Any) -> Any:
         raise OffFastPath(str(err)) from None
     except Exception as err:  # not an archive both zip readers read alike
         raise OffFastPath(f"{type(err).__name__}") from err
-    try:
-        return torch.load(
-            io.BytesIO(data),
-            map_location=map_location,
-            weights_only=False,  # the restriction: the opcode check above and _Unpickler.find_class
-            pickle_module=module,
-        )
+    try:  # weights_only=False: the restriction is the opcode check above and Unpickler.find_class
+        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=False, pickle_module=module)
     except OffFastPath:
         raise
     except Exception as err:  # damaged, truncated…: weights_only gives the error its words
