@@ -41,9 +41,8 @@ from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.engine import tier_policy
 from lightning_preempt.engine.config import PreemptionConfig
-from lightning_preempt.engine.emergency import committed_steps, emergency, report_notice_snapshot, safe_step
 from lightning_preempt.engine.failures import FailureDetector, start_detector
-from lightning_preempt.engine.ledger_writer import Ledger, record_drain, record_save, start_fields
+from lightning_preempt.engine.ledger_writer import Ledger, record_drain, record_preemption, record_save, start_fields
 from lightning_preempt.engine.memory_tier import MEMORY_HINT, MemoryTier
 from lightning_preempt.engine.runtime import (
     Runtime,
@@ -53,11 +52,13 @@ from lightning_preempt.engine.runtime import (
     warn_about_newer_checkpoints,
     warn_without_periodic_saves,
 )
+from lightning_preempt.errors import CheckpointError
 from lightning_preempt.preemption.controller import Preempted, PreemptionController
 from lightning_preempt.preemption.deadline import GraceCheck
 from lightning_preempt.preemption.notices import make_sources
 from lightning_preempt.preemption.sources import PreemptionSource
 from lightning_preempt.resume.resolver import ResumeResolver, ResumeTarget
+from lightning_preempt.save.history import SaveRecord
 from lightning_preempt.save.saver import Saver
 
 log = logging.getLogger(__name__)
@@ -200,7 +201,7 @@ class Engine:
     def _held(self) -> list[int]:
         """The steps this rank can resume from: its committed saves, the step it resumed from,
         and what the other sources (``held_steps``) report. Called on the heartbeat thread."""
-        steps = {r.step for r in committed_steps(self.saver.history)}
+        steps = {r.step for r in _committed(self.saver.history)}
         if self.resumed_from is not None and self.last_saved_step is not None:
             steps.add(self.last_saved_step)
         for source in list(self.held_steps):
@@ -246,19 +247,19 @@ class Engine:
         if decision.stop:
             self._stop()
         if decision.preempt:
-            emergency(self, step)  # the snapshot, its drain, Preempted (engine/emergency.py)
+            self._emergency(step)
         every_n = self.config.every_n_train_steps
         if (every_n is not None and step % every_n == 0) or decision.save_due:
             self.save(step, kind="notice" if decision.notice_snapshot else "periodic")
             if decision.notice_snapshot:
-                report_notice_snapshot(self.controller, self.saver, step)
+                self._report_notice_snapshot(step)
         elif self.memory is not None and (self.memory.due(step) or self.memory.agreed(decision.tier0)):
             self.save_memory(step)
 
     def check(self, step: int) -> None:
         """Every rank, at boundaries other than training steps: agree now, act on preemption."""
         if self.controller.schedule.bound and self.controller.now().preempt:
-            emergency(self, step)  # the snapshot, its drain, Preempted (engine/emergency.py)
+            self._emergency(step)
 
     def _must_stop(self) -> bool:
         """This rank's reason to stop training: its save failed, or the lease was lost."""
@@ -352,7 +353,62 @@ class Engine:
         record_drain(self.ledger, drain)
 
     def _safe_step(self) -> str:
-        return safe_step(self.saver.history, self.resumed_from, self.last_saved_step)
+        """The newest step this run can be resumed from, for the exit log."""
+        done = _committed(self.saver.history)
+        if done:
+            return f"step {done[-1].step} ({done[-1].path})"
+        if self.resumed_from is not None:
+            return f"step {self.last_saved_step} ({self.resumed_from}, the checkpoint this run resumed from)"
+        return "no checkpoint of this run committed (the newest in dirpath, if any)"
+
+    # ---- an agreed preemption ------------------------------------------------------------------
+    def _emergency(self, step: int) -> None:
+        """Every rank: the snapshot of ``step`` and its drain, inside the controller's unconditional
+        sequence (preemption/controller.py). Raises ``Preempted`` (recorded in the ledger)."""
+        controller = self.controller
+
+        def snapshot() -> None:
+            try:
+                self.wait()  # an in-flight periodic save is not lost: let it commit first
+            except CheckpointError as err:
+                log.error("lightning_preempt: the in-flight save failed (%s); snapshotting anyway", err)
+                self.last_saved_step = None
+            if step in (self.last_saved_step, 0):
+                controller.mark(f"step {step} is already committed; no snapshot needed")
+                return
+            self.save(step, kind="emergency")
+            controller.mark(f"staged step {step}")
+            self.wait()
+            controller.mark(f"committed step {step}")
+            for hook in list(self.snapshot_hooks):
+                hook(step)
+
+        def drain(budget: float) -> str:
+            path = self.last_saved_path
+            saved = (path, self.last_saved_step) if self.leader and path is not None else None
+            return tier_policy.drain_within_grace(self.saver, dirpath=self.config.dirpath, step=step, budget=budget,
+                                                  mark=controller.mark, saved=saved)  # fmt: skip
+
+        try:
+            controller.emergency(step, snapshot=snapshot, drain=drain, safe_step=self._safe_step, leader=self.leader)
+        except Preempted:
+            record_preemption(self.ledger, controller, self.saver, step=step)
+            raise
+
+    def _report_notice_snapshot(self, step: int) -> None:
+        """Log the snapshot a notice asked for (``on_notice="continue"``: training does not wait
+        for it) and, from the job thread behind the save, whether it committed."""
+        controller, history = self.controller, self.saver.history
+        source = controller.notice.source if controller.notice is not None else "a"
+        controller.mark(f"{source} notice: snapshot of step {step} staged; training goes on until the signal")
+
+        def committed() -> None:
+            rec = next((r for r in reversed(history) if r.step == step), None)
+            ok = rec is not None and rec.committed_s is not None and rec.error is None
+            controller.mark(f"committed step {step} (the {source} notice's snapshot)" if ok else
+                            f"the {source} notice's snapshot of step {step} did not commit")  # fmt: skip
+
+        self.saver.submit(committed)
 
     # ---- 5./6. the end ---------------------------------------------------------------------------
     def finish(self, step: int) -> None:
@@ -388,3 +444,8 @@ class Engine:
         if self._runtime is not None:
             self._runtime.release()
             self._runtime = None
+
+
+def _committed(history: Sequence[SaveRecord]) -> list[SaveRecord]:
+    """The saves of this process that committed, oldest first."""
+    return [r for r in list(history) if r.committed_s is not None and r.error is None]

@@ -14,7 +14,6 @@ import logging
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -28,6 +27,7 @@ from lightning_preempt.engine.ledger_writer import Ledger
 from lightning_preempt.errors import CheckpointError, CheckpointExistsError
 from lightning_preempt.format import ledger_records as fmt
 from lightning_preempt.format.names import LEDGER_COMPACT_RE, LEDGER_RECORD_RE, ledger_record_name
+from lightning_preempt.preemption.controller import flush_logs
 
 log = logging.getLogger(__name__)
 
@@ -131,12 +131,7 @@ class FailureDetector:
             threading.Thread(target=write, name="lightning_preempt-failure-record", daemon=True).start()
             if not done.wait(RECORD_BUDGET_S):
                 log.error("lightning_preempt: the failure record did not complete within %.0f s", RECORD_BUDGET_S)
-        for handler in logging.getLogger().handlers + log.handlers:
-            with contextlib.suppress(Exception):  # a closed stream: the exit matters more
-                handler.flush()
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
+        flush_logs()
         self._acted.set()
         self._exit(self.exit_code)
 

@@ -114,7 +114,7 @@ class Preemption:
         self.data = LoopData()
         self._state: dict[str, Any] | None = None
         self._io: ShardedAsyncCheckpointIO | None = None
-        self._reporter = SaveReporter(self._figures)  # the engine's ledger is replaced at setup: look it up late
+        self._reporter = SaveReporter(self.engine)
 
     # ---- views --------------------------------------------------------------------------
     @property
@@ -165,9 +165,9 @@ class Preemption:
             self.data.load(remainder.pop(STATE_KEY, None))
             remainder.pop(STEP_KEY, None)
             remainder.pop(EPOCH_KEY, None)
-        self.engine.start(self._step(state), loaded_from=io.loaded_from if target is not None else None)
+        step = self._current(state)[1]
+        self.engine.start(step, loaded_from=io.loaded_from if target is not None else None)
         if target is not None and self.config.log_metrics and fabric.is_global_zero:
-            step = self._step(state)
             fabric.log_dict({"preempt/resumed_from_step": float(step)}, step=step)
         return remainder
 
@@ -195,18 +195,14 @@ class Preemption:
         """Every rank, after each batch's work (optimizer step included): a periodic save,
         or the emergency sequence (raises :class:`~lightning_preempt.Preempted`), or an
         agreed stop. Mid gradient accumulation (``state[step_key]`` unchanged) it does nothing."""
-        if state is not None:
-            self._state = state
         self._report()
-        self.engine.step_end(self._step(self._current_state()))
+        self.engine.step_end(self._current(state)[1])
 
     # ---- 5./6. the end -----------------------------------------------------------------------
     def finish(self, state: dict[str, Any] | None = None) -> None:
         """Every rank, when training ends normally: the final save, every commit (and with two
         tiers every upload to ``dirpath``) waited for, then the engine released."""
-        if state is not None:
-            self._state = state
-        self.engine.finish(self._step(self._current_state()))
+        self.engine.finish(self._current(state)[1])
         if self._io is not None and self._io.tiers is not None:
             # Fabric never tears the plugin down (the Trainer does): without this the last
             # checkpoint's upload to dirpath could still be running when the process exits.
@@ -230,9 +226,6 @@ class Preemption:
             self.close(finish_saves=True)
 
     # ---- internals ------------------------------------------------------------------------------
-    def _figures(self) -> dict[str, float]:
-        return self.engine.ledger.figures()
-
     def _report(self) -> None:
         """The saves committed since the last boundary, through ``fabric.log_dict`` (rank 0;
         no collective: the history is this rank's plugin's)."""
@@ -243,31 +236,30 @@ class Preemption:
 
     def _save(self, path: str) -> None:
         """The engine's save: ``fabric.save`` of the loop's state (every rank)."""
-        state = self._current_state()
+        state, step = self._current()
         fabric = self.fabric
-        step = self._step(state)
         saved = _saved_part(state)
         saved[STATE_KEY] = self.data.capture(rank=fabric.global_rank, world_size=fabric.world_size, step=step)
         saved[STEP_KEY], saved[EPOCH_KEY] = step, self.data.epoch
         fabric.save(path, saved)
 
-    def _current_state(self) -> dict[str, Any]:
+    def _current(self, state: dict[str, Any] | None = None) -> tuple[dict[str, Any], int]:
+        """The loop's state (``state``, kept for later calls, else the one given before) and its step."""
+        if state is not None:
+            self._state = state
         if self._state is None:
             raise RuntimeError(
                 "lightning_preempt: Preemption has no training state yet\n"
                 "HINT: call preempt.resume(state) once before the loop (every rank)."
             )
-        return self._state
-
-    def _step(self, state: dict[str, Any]) -> int:
-        step = state.get(self.step_key)
+        step = self._state.get(self.step_key)
         if isinstance(step, bool) or not isinstance(step, int):
             raise TypeError(
                 f"lightning_preempt: state[{self.step_key!r}] must be the int count of optimizer steps, got {step!r}\n"
                 f"HINT: keep state[{self.step_key!r}] = 0 in the state and add 1 after every optimizer step "
                 "(or pass step_key= the key your loop counts in)."
             )
-        return step
+        return self._state, step
 
 
 def _saved_part(state: dict[str, Any]) -> dict[str, Any]:

@@ -129,7 +129,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
         self.exact = ExactResume(global_batch=config.global_batch)  # RNG, data position, metric states; `.enabled = False` turns it off
         _compat.allow_with_disabled_checkpointing(PreemptionCallback)  # Trainer(enable_checkpointing=False) works
         _compat.quiet_ckpt_path_choice(PreemptionCallback, quiet_auto_resume_warnings)  # only for our Trainers
-        self._reporter = SaveReporter(self._ledger_figures)  # a bound method: the callback pickles (ddp_spawn)
+        self._reporter = SaveReporter(self.engine)
         self._pointer: str | None = None
         self._late_pointer: str | None = None  # a target chosen after Lightning asked (the lease)
         self._names = PointerNames()  # Lightning's log names the checkpoint, not the pointer
@@ -157,9 +157,6 @@ class PreemptionCallback(OnExceptionCheckpoint):
     def resumed_from(self) -> str | None:
         """The checkpoint this ``fit`` resumed from (after any fall-back), if any."""
         return self.engine.resumed_from
-
-    def _ledger_figures(self) -> dict[str, float]:
-        return self.engine.ledger.figures()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -43,9 +43,6 @@ class QuietWarning:
                 del filters[i]
                 return
 
-    def __getstate__(self) -> dict[str, object]:
-        return {"message": self.message, "category": self.category, "_entry": None}  # one fit's
-
 
 AUTO_RESUME_WARNINGS = (
     r".*ckpt_path=None\)` was called without a model",
@@ -97,9 +94,3 @@ class PointerNames(logging.Filter):
         if names is not None and isinstance(record.msg, str) and names[0] in record.msg:
             record.msg = record.msg.replace(*names)
         return True
-
-    def __getstate__(self) -> dict[str, object]:
-        return {}  # belongs to one fit (the logger holds it while installed)
-
-    def __setstate__(self, state: dict[str, object]) -> None:
-        self.__init__()  # type: ignore[misc]

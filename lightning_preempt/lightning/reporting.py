@@ -4,22 +4,23 @@ resume skipped and lost. Runs on the training thread (loggers are not thread-saf
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+
+from lightning_preempt.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 
 
 class SaveReporter:
     """Logs each finished save once: blocking time, time to commit, bytes, throughput, and
-    the run's figures so far (``figures``: preemptions, steps lost, goodput from the ledger).
-    Rank 0 only, ``logger.log_metrics`` directly: no collective, no sync."""
+    the run's figures so far (preemptions, steps lost, goodput from ``engine``'s ledger, looked
+    up late: set-up replaces it). Rank 0 only, ``logger.log_metrics`` directly: no collective."""
 
-    def __init__(self, figures: Callable[[], dict[str, float]] | None = None) -> None:
+    def __init__(self, engine: Engine | None = None) -> None:
         self._last_started = float("-inf")  # the plugin trims its history: remember by time, not index
-        self._figures = figures
+        self._engine = engine
 
     def report(self, trainer: pl.Trainer, history: list[Any]) -> None:
         for metrics, step in self.collect(history, is_global_zero=trainer.is_global_zero):
@@ -46,7 +47,7 @@ class SaveReporter:
                 "checkpoint/throughput_MBps": (record.throughput_bps or 0.0) / 1e6,
             }
             if run is None:
-                run = self._figures() if self._figures is not None else {}
+                run = self._engine.ledger.figures() if self._engine is not None else {}
             metrics.update(run)
             out.append((metrics, max(record.step, 0)))
         return out

@@ -4,15 +4,16 @@ advisory rebalance recommendation. Protocol and sources: docs/notices.md.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 
-from lightning_preempt.preemption.notices._http import GarbageResponse, join, request
 from lightning_preempt.preemption.notices.base import (
+    GarbageResponse,
     MetadataSource,
     Watcher,
+    json_object,
     parse_iso8601,
+    request,
     wall_to_monotonic,
 )
 from lightning_preempt.preemption.sources import Notice
@@ -62,14 +63,14 @@ class AWSSpotSource(MetadataSource):
         return None
 
     def _interruption(self, body: str) -> Notice:
-        doc = _json_object(body, ACTION_PATH)
+        doc = json_object(body, ACTION_PATH)
         action, when = doc.get("action"), doc.get("time")
         if not isinstance(action, str) or not isinstance(when, str):
             raise GarbageResponse(f"{ACTION_PATH} lacks 'action'/'time': {body[:200]!r}")
         return Notice.now("aws", f"spot instance-action {action!r} at {when}", deadline=wall_to_monotonic(parse_iso8601(when)))
 
     def _recommendation(self, body: str) -> Notice:
-        when = _json_object(body, REBALANCE_PATH).get("noticeTime")
+        when = json_object(body, REBALANCE_PATH).get("noticeTime")
         if not isinstance(when, str):
             raise GarbageResponse(f"{REBALANCE_PATH} lacks 'noticeTime': {body[:200]!r}")
         parse_iso8601(when)  # validate only: it says when AWS noticed, not when the node goes
@@ -78,12 +79,7 @@ class AWSSpotSource(MetadataSource):
     # ---- IMDSv2 ------------------------------------------------------------------------
     def _get(self, path: str) -> tuple[int, str]:
         for attempt in (0, 1):
-            resp = request(
-                "GET",
-                join(self.endpoint, path),
-                headers={TOKEN_HEADER: self._session_token()},
-                timeout_s=self.timeout_s,
-            )
+            resp = self.request("GET", path, {TOKEN_HEADER: self._session_token()})
             if resp.status == 401 and attempt == 0:
                 self._token = None  # expired or revoked: one fresh token, then give up
                 continue
@@ -93,37 +89,18 @@ class AWSSpotSource(MetadataSource):
     def _session_token(self) -> str:
         now = time.monotonic()
         if self._token is None or now >= self._token_expires:
-            resp = request(
-                "PUT",
-                join(self.endpoint, TOKEN_PATH),
-                headers={TTL_HEADER: str(self.token_ttl_s)},
-                timeout_s=self.timeout_s,
-            )
+            resp = self.request("PUT", TOKEN_PATH, {TTL_HEADER: str(self.token_ttl_s)})
             token = resp.text.strip()
             # It goes back in a header: printable ASCII only (CR/LF or non-ASCII would make
             # http.client raise ValueError/UnicodeEncodeError on every later request).
-            if resp.status != 200 or not token or len(token) > 4096 or not _is_header_safe(token):
+            if resp.status != 200 or not token or len(token) > 4096 or not (token.isascii() and token.isprintable()):
                 raise GarbageResponse(f"HTTP {resp.status} from PUT {TOKEN_PATH} (no IMDSv2 token)")
             self._token = token
             self._token_expires = now + max(self.token_ttl_s - 60, self.token_ttl_s / 2)  # renew early
         return self._token
 
 
-def _is_header_safe(value: str) -> bool:
-    return value.isascii() and value.isprintable()
-
-
-def _json_object(body: str, path: str) -> dict[str, object]:
-    try:
-        doc = json.loads(body)
-    except (ValueError, RecursionError) as err:  # RecursionError: '[[[[…' nested past the C stack
-        raise GarbageResponse(f"{path} is not JSON: {body[:200]!r}") from err
-    if not isinstance(doc, dict):
-        raise GarbageResponse(f"{path} is not a JSON object: {body[:200]!r}")
-    return doc
-
-
 def probe(endpoint: str, timeout_s: float) -> bool:
     """Does an IMDSv2 server answer at ``endpoint``? (the token PUT; for ``notices="auto"``)"""
-    resp = request("PUT", join(endpoint, TOKEN_PATH), headers={TTL_HEADER: "60"}, timeout_s=timeout_s)
+    resp = request("PUT", endpoint + TOKEN_PATH, headers={TTL_HEADER: "60"}, timeout_s=timeout_s)
     return resp.status == 200 and 0 < len(resp.body) <= 4096

@@ -11,11 +11,14 @@ import threading
 import time
 
 from lightning_preempt._text import untrusted_text
-from lightning_preempt.preemption.notices._http import REQUEST_FAILURES, GarbageResponse, join, request
 from lightning_preempt.preemption.notices.base import (
+    REQUEST_FAILURES,
+    GarbageResponse,
     MetadataSource,
     Watcher,
+    json_object,
     parse_http_date,
+    request,
     wall_to_monotonic,
 )
 from lightning_preempt.preemption.sources import Notice
@@ -67,17 +70,13 @@ class AzureSource(MetadataSource):
     # ---- one poll ----------------------------------------------------------------------
     def _check(self, stop: threading.Event) -> Notice | None:
         timeout = self.timeout_s if self._answered else max(self.timeout_s, FIRST_TIMEOUT_S)
-        resp = request("GET", join(self.endpoint, EVENTS_PATH), headers=HEADERS, timeout_s=timeout)
+        resp = self.request("GET", EVENTS_PATH, HEADERS, timeout_s=timeout)
         if resp.status != 200:
             raise GarbageResponse(f"HTTP {resp.status} from {EVENTS_PATH}")
         self._answered = True
-        try:
-            doc = json.loads(resp.text)
-            events = doc["Events"]
-            if not isinstance(events, list):
-                raise TypeError("Events is not a list")
-        except (ValueError, KeyError, TypeError, RecursionError) as err:  # RecursionError: deep nesting
-            raise GarbageResponse(f"not a Scheduled Events document: {resp.text[:200]!r}") from err
+        events = json_object(resp.text, EVENTS_PATH).get("Events")
+        if not isinstance(events, list):
+            raise GarbageResponse(f"not a Scheduled Events document: {resp.text[:200]!r}")
         mine = [e for e in events if self._concerns_us(e)]
         if not mine:
             return None
@@ -109,7 +108,7 @@ class AzureSource(MetadataSource):
     def _name(self) -> str | None:
         if self._vm_name is None:
             try:
-                resp = request("GET", join(self.endpoint, NAME_PATH), headers=HEADERS, timeout_s=self.timeout_s)
+                resp = self.request("GET", NAME_PATH, HEADERS)
                 name = resp.text.strip() if resp.status == 200 else ""
             except REQUEST_FAILURES as err:
                 log.debug("lightning_preempt: azure: cannot read this VM's name (%s)", untrusted_text(err))
@@ -122,13 +121,7 @@ class AzureSource(MetadataSource):
     def _acknowledge(self, event_ids: list[str]) -> None:
         body = json.dumps({"StartRequests": [{"EventId": i} for i in event_ids]}).encode()
         try:
-            resp = request(
-                "POST",
-                join(self.endpoint, EVENTS_PATH),
-                headers={**HEADERS, "Content-Type": "application/json"},
-                body=body,
-                timeout_s=self.timeout_s,
-            )
+            resp = self.request("POST", EVENTS_PATH, {**HEADERS, "Content-Type": "application/json"}, body=body)
         except REQUEST_FAILURES as err:
             log.warning("lightning_preempt: azure: could not acknowledge %s (%s)", untrusted_text(event_ids), untrusted_text(err))
             return
@@ -142,11 +135,5 @@ class AzureSource(MetadataSource):
 def probe(endpoint: str, timeout_s: float) -> bool:
     """Does Azure IMDS answer at ``endpoint``? (``/metadata/instance``: fast, unlike the first
     Scheduled Events call; for ``notices="auto"``)"""
-    resp = request("GET", join(endpoint, INSTANCE_PATH), headers=HEADERS, timeout_s=timeout_s)
-    if resp.status != 200:
-        return False
-    try:
-        doc = json.loads(resp.text)
-    except (ValueError, RecursionError):
-        return False
-    return isinstance(doc, dict) and "compute" in doc
+    resp = request("GET", endpoint + INSTANCE_PATH, headers=HEADERS, timeout_s=timeout_s)
+    return resp.status == 200 and "compute" in json_object(resp.text, INSTANCE_PATH)

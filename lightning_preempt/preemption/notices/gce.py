@@ -9,8 +9,7 @@ import threading
 from urllib.parse import urlencode
 
 from lightning_preempt._text import untrusted_text
-from lightning_preempt.preemption.notices._http import GarbageResponse, join, request
-from lightning_preempt.preemption.notices.base import MetadataSource, Watcher
+from lightning_preempt.preemption.notices.base import GarbageResponse, MetadataSource, Watcher, request
 from lightning_preempt.preemption.sources import Notice
 
 log = logging.getLogger(__name__)
@@ -76,8 +75,8 @@ class GCESource(MetadataSource):
         """The current value at first, then the next *changed* value (long-poll)."""
         etag = self._etags.get(key)
         params = {"wait_for_change": "true", "last_etag": etag, "timeout_sec": str(self.wait_s)} if etag else {}
-        url = join(self.endpoint, BASE + key) + (f"?{urlencode(params)}" if params else "")
-        resp = request("GET", url, headers=HEADERS, timeout_s=self.wait_s + self.timeout_s if etag else self.timeout_s)
+        path = BASE + key + (f"?{urlencode(params)}" if params else "")
+        resp = self.request("GET", path, HEADERS, timeout_s=self.wait_s + self.timeout_s if etag else self.timeout_s)
         if resp.status != 200:
             raise GarbageResponse(f"HTTP {resp.status} from {BASE}{key}")
         new_etag = resp.headers.get("etag")
@@ -90,5 +89,5 @@ class GCESource(MetadataSource):
 
 def probe(endpoint: str, timeout_s: float) -> bool:
     """Does a GCE metadata server answer at ``endpoint``? (for ``notices="auto"``)"""
-    resp = request("GET", join(endpoint, BASE + "preempted"), headers=HEADERS, timeout_s=timeout_s)
+    resp = request("GET", endpoint + BASE + "preempted", headers=HEADERS, timeout_s=timeout_s)
     return resp.status == 200 and resp.headers.get("metadata-flavor") == "Google"
