@@ -2,7 +2,7 @@
 ``lightning.fabric.Fabric`` (docs/fabric.md).
 
 ``fabric.save``/``fabric.load`` through :class:`~lightning_preempt.ShardedAsyncCheckpointIO`
-need nothing from here (lightning/fabric_routing.py). :class:`Preemption` maps a loop onto
+need nothing from here (lightning/checkpoint_io.py ``wrap_save``). :class:`Preemption` maps a loop onto
 the engine (engine/engine.py) the way ``PreemptionCallback`` maps the Trainer's hooks.
 """
 

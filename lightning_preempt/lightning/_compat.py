@@ -202,7 +202,7 @@ def restore_late(trainer: Any, path: str) -> None:
     resume_start(path)
 
 
-# ---- Fabric: fabric.save through our plugin on every rank (lightning/fabric_routing.py) ----
+# ---- Fabric: fabric.save through our plugin on every rank (checkpoint_io.wrap_save) ----
 def route_fabric_saves(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
     """Wrap Fabric's base ``Strategy.save_checkpoint`` once per process (public method, so
     this only names the class's module). Missing: rank 0 writes alone, as Lightning does."""

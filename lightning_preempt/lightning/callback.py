@@ -21,23 +21,21 @@ from typing_extensions import override
 
 from lightning_preempt.engine.config import PreemptionConfig, from_arguments
 from lightning_preempt.engine.engine import Engine
-from lightning_preempt.lightning import _compat
+from lightning_preempt.lightning import _compat, staging_hooks
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.lightning.exact import STATE_KEY, ExactResume
 from lightning_preempt.lightning.logs import (
     NOT_RESUMABLE_LOADER,
     PointerNames,
     QuietWarning,
+    SaveReporter,
     quiet_auto_resume_warnings,
+    report_resume,
 )
-from lightning_preempt.lightning.overlap_hooks import install as install_overlap
-from lightning_preempt.lightning.prealloc import prepare_staging
-from lightning_preempt.lightning.reporting import SaveReporter, report_resume
 from lightning_preempt.lightning.strategies import ensure_plugin, install_collective_saves
 from lightning_preempt.preemption.controller import Preempted
-from lightning_preempt.preemption.signals import SignalFlag
+from lightning_preempt.preemption.signals import SignalFlag, shield_workers
 from lightning_preempt.preemption.sources import PreemptionSource
-from lightning_preempt.preemption.workers import shield_workers
 
 __all__ = ["Preempted", "PreemptionCallback"]
 
@@ -254,8 +252,8 @@ class PreemptionCallback(OnExceptionCheckpoint):
         io = self._plugin(trainer)
         # Staging buffers allocated and touched in the background now: the first (maybe the
         # emergency) save only copies. Again after the first step: optimizer state appears there.
-        self._prepare_after = trainer.global_step if prepare_staging(trainer, io) is not None else None
-        install_overlap(trainer, io)  # parameters and optimizer state may be copied while the next step runs
+        self._prepare_after = trainer.global_step if staging_hooks.prepare_staging(trainer, io) is not None else None
+        staging_hooks.install(trainer, io)  # parameters and optimizer state may be copied while the next step runs
         report_resume(trainer, self._restored_state, log_metrics=self.config.log_metrics)
         # The checkpoint is loaded: the pointer has served. Removed now, not at teardown,
         # which a preempted process never reaches (one file in /tmp per preemption).
@@ -291,7 +289,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
             self._reporter.report(trainer, io.history)
         if self._prepare_after is not None and trainer.global_step > self._prepare_after:
             self._prepare_after = None
-            prepare_staging(trainer, io)
+            staging_hooks.prepare_staging(trainer, io)
         self.engine.step_end(trainer.global_step)
 
     @override
