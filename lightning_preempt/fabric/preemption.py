@@ -270,11 +270,7 @@ class Preemption:
 def _saved_part(state: dict[str, Any]) -> dict[str, Any]:
     """What ``fabric.save`` gets of the loop's state: all but data loaders (their position is
     saved by fabric/data.py; a loader object is no checkpoint content)."""
-    return {k: v for k, v in state.items() if not _is_loader(v)}
-
-
-def _is_loader(value: Any) -> bool:
-    return isinstance(value, DataLoader) or type(value).__name__ == "_FabricDataLoader"
+    return {k: v for k, v in state.items() if not isinstance(v, DataLoader) and type(v).__name__ != "_FabricDataLoader"}
 
 
 def _ensure_plugin(strategy: Strategy, storage_options: dict[str, Any], local_dirpath: str | None) -> ShardedAsyncCheckpointIO:

@@ -130,10 +130,17 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         Raises:
             CheckpointWriteError: the previous save failed (raised once).
         """
-        if self._fabric_keys is not None:
-            self._save_fabric_state(checkpoint, path, storage_options, self._fabric_keys)
-            return
         url, options = str(path), self._options(storage_options)
+        if self._fabric_keys is not None:
+            # fabric.save, on every rank (:func:`wrap_save`): asynchronous and sharded, the keys that
+            # held a module or an optimizer to the DCP shards. Without a group from Preemption the
+            # first save makes the writer's (collective: fabric.save runs on every rank).
+            if self.saver.group is None and pdist.world_size() > 1:
+                self.saver.enable_collective(pdist.new_gloo_group())
+            elif self.saver.closed:  # after Fabric's teardown: saves stay asynchronous and sharded
+                self.saver.enable_collective(self.saver.group)
+            self.saver.save(checkpoint, url, options, sharded_keys=self._fabric_keys)
+            return
         outside_fit = self.saver.closed or not _training_started(checkpoint)
         if outside_fit and not _holds_dtensors(checkpoint):
             self.saver.save_plain(checkpoint, url, options)
@@ -151,24 +158,6 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
             yield
         finally:
             self._fabric_keys = None
-
-    def _save_fabric_state(
-        self, state: dict[str, Any], path: Any, storage_options: Any, sharded_keys: tuple[str, ...]
-    ) -> None:
-        """``fabric.save``, on every rank (:func:`wrap_save`): an asynchronous sharded
-        save of the converted ``state``, whose module and optimizer states (``sharded_keys``)
-        go to the DCP shards. Under more than one process every rank writes its share; the
-        first save makes the writer's gloo group when no :class:`Preemption` gave one
-        (collective: ``fabric.save`` runs on every rank).
-
-        Raises:
-            CheckpointWriteError: the previous save failed (raised once).
-        """
-        if self.saver.group is None and pdist.world_size() > 1:
-            self.saver.enable_collective(pdist.new_gloo_group())
-        elif self.saver.closed:  # after Fabric's teardown: saves stay asynchronous and sharded
-            self.saver.enable_collective(self.saver.group)
-        self.saver.save(state, str(path), self._options(storage_options), sharded_keys=sharded_keys)
 
     @override
     def load_checkpoint(

@@ -125,23 +125,20 @@ class PreemptionController:
         """After :meth:`stop`: a configured signal still at its default action now exits with
         ``exit_code`` (and requeues) instead of killing the process; nothing more is saved."""
 
-        def exit_now(signum: signal.Signals) -> None:
-            self._exit_after_training(signum, leader=leader, safe_step=safe_step)
+        def exit_now(signum: signal.Signals) -> NoReturn:
+            code = self.config.exit_code
+            job = self._requeue_job() if leader else None
+            then = f"; requeueing SLURM job {job} last" if job is not None else ""
+            log.warning("lightning_preempt: [preemption] %s after training ended; exiting with code %d; safe to "
+                        "resume from: %s%s", signum.name, code, safe_step(), then)  # fmt: skip
+            if job is not None:
+                log.warning("lightning_preempt: [preemption] %s", requeue_slurm(
+                    job, self.config.requeue_timeout_s, flush=flush_logs, settle_s=_SETTLE_S))  # fmt: skip
+            flush_logs()
+            raise quick_exit.armed(Preempted(code), code, flush_logs)
 
         if not self.preempted:  # (else the exit with exit_code is under way)
             take_over(self.config.signals, exit_now)
-
-    def _exit_after_training(self, signum: signal.Signals, *, leader: bool, safe_step: Callable[[], str]) -> NoReturn:
-        code = self.config.exit_code
-        job = self._requeue_job() if leader else None
-        then = f"; requeueing SLURM job {job} last" if job is not None else ""
-        log.warning("lightning_preempt: [preemption] %s after training ended; exiting with code %d; safe to resume "
-                    "from: %s%s", signum.name, code, safe_step(), then)  # fmt: skip
-        if job is not None:
-            log.warning("lightning_preempt: [preemption] %s", requeue_slurm(
-                job, self.config.requeue_timeout_s, flush=flush_logs, settle_s=_SETTLE_S))  # fmt: skip
-        flush_logs()
-        raise quick_exit.armed(Preempted(code), code, flush_logs)
 
     def local_notice(self) -> Notice | None:
         """The earliest notice any local source has seen (cheap: reads fields); an advisory
