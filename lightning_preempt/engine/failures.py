@@ -162,25 +162,15 @@ def _collective_error(error: BaseException) -> bool:
     return any(w in text for w in ("dist", "gloo", "nccl", "connection", "peer", "timeout", "timed out", "socket"))
 
 
-def ledger_restart(store: Any, known: int | None) -> int:
-    """The restart number of this process in the run's ledger: the leader's own when it knows
-    it, else the highest restart with a record (the leader wrote this process's start record)."""
-    if known is not None:
-        return known
-    best = 0
-    for entry in store.entries():
-        match = LEDGER_RECORD_RE.fullmatch(entry.name) or LEDGER_COMPACT_RE.fullmatch(entry.name)
-        if match is not None:
-            best = max(best, int(match[1]))
-    return best
-
-
 def write_failure_record(dirpath: str, storage_options: dict[str, Any], run_id: str, verdict: Verdict, *,
                          step: int, restart: int | None) -> bool:  # fmt: skip
     """The ``failure`` record of ``verdict`` (create-only, ``seq`` :data:`~lightning_preempt.format.ledger_records.FAILURE_SEQ`):
     whether this rank wrote it (``False``: the other side of a partition did first)."""
     store = ledger_store(dirpath, storage_options).child(run_id)
-    number = ledger_restart(store, restart)
+    number = restart  # the leader's own; else the highest restart with a record (the leader wrote our start)
+    if number is None:
+        matches = (LEDGER_RECORD_RE.fullmatch(e.name) or LEDGER_COMPACT_RE.fullmatch(e.name) for e in store.entries())
+        number = max((int(m[1]) for m in matches if m is not None), default=0)
     record = fmt.make(
         "failure", run=run_id, restart=number, seq=fmt.FAILURE_SEQ, t=time.time(),
         lost=",".join(map(str, verdict.lost)), survivors=len(verdict.survivors), world_size=verdict.world,

@@ -42,6 +42,8 @@ def resolve_signal(sig: str | int | signal.Signals) -> signal.Signals:
 class SignalFlag:
     """Records the first of ``signals`` to arrive; :meth:`install` / :meth:`restore` manage handlers."""
 
+    name = "signal"
+
     def __init__(self, signals: Sequence[str | int | signal.Signals]) -> None:
         self.signums: tuple[signal.Signals, ...] = tuple(resolve_signal(s) for s in signals)
         self.received: signal.Signals | None = None
@@ -55,10 +57,6 @@ class SignalFlag:
         return self.received is not None
 
     # ---- PreemptionSource (lightning_preempt.sources) ---------------------------------
-    @property
-    def name(self) -> str:
-        return "signal"
-
     def start(self) -> None:
         self.install()
 

@@ -12,11 +12,15 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from lightning_preempt.preemption.notices import aws, azure, gce
-from lightning_preempt.preemption.notices.aws import AWSSpotSource
-from lightning_preempt.preemption.notices.azure import AzureSource
 from lightning_preempt.preemption.notices.base import MetadataSource, NoopSource
-from lightning_preempt.preemption.notices.gce import GCESource
+from lightning_preempt.preemption.notices.clouds import (
+    AWSSpotSource,
+    AzureSource,
+    GCESource,
+    probe_aws,
+    probe_azure,
+    probe_gce,
+)
 from lightning_preempt.preemption.sources import Notice, PreemptionSource
 
 __all__ = [
@@ -34,9 +38,9 @@ log = logging.getLogger(__name__)
 
 # cloud -> (probe(endpoint, timeout) -> bool, source factory)
 CLOUDS: dict[str, tuple[Callable[[str, float], bool], Callable[..., MetadataSource]]] = {
-    "aws": (aws.probe, AWSSpotSource),
-    "gce": (gce.probe, GCESource),
-    "azure": (azure.probe, AzureSource),
+    "aws": (probe_aws, AWSSpotSource),
+    "gce": (probe_gce, GCESource),
+    "azure": (probe_azure, AzureSource),
 }
 # name -> (cloud, fixed keyword arguments)
 _BUILDERS: dict[str, tuple[str, dict[str, Any]]] = {
