@@ -233,11 +233,8 @@ def exit_code_for(exc: BaseException) -> int:
     if isinstance(exc, SignalException):
         return 128 + int(exc.sigval)
     if isinstance(exc, ChildFailedError):
-        _, failure = exc.get_first_failure()
-        code = int(failure.exitcode)
-        if code < 0:
-            return 128 + (-code)
-        return code if 0 < code < 256 else 1
+        code = int(exc.get_first_failure()[1].exitcode)
+        return 128 - code if code < 0 else code if 0 < code < 256 else 1
     return 1
 
 

@@ -120,16 +120,11 @@ class FailureDetector:
         )  # fmt: skip
         # A tie (half the world on each side) tries too: the create-only record lets one side win.
         if 2 * len(verdict.survivors) >= verdict.world and verdict.rank == verdict.writer:
-            done = threading.Event()
-
-            def write() -> None:
-                try:
-                    self._record(verdict)
-                finally:
-                    done.set()
-
-            threading.Thread(target=write, name="lightning_preempt-failure-record", daemon=True).start()
-            if not done.wait(RECORD_BUDGET_S):
+            writer = threading.Thread(target=self._record, args=(verdict,), name="lightning_preempt-failure-record",
+                                      daemon=True)  # fmt: skip
+            writer.start()
+            writer.join(RECORD_BUDGET_S)
+            if writer.is_alive():
                 log.error("lightning_preempt: the failure record did not complete within %.0f s", RECORD_BUDGET_S)
         flush_logs()
         self._acted.set()

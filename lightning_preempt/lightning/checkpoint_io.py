@@ -277,13 +277,8 @@ def _training_started(checkpoint: dict[str, Any]) -> bool:
 
 
 def _holds_dtensors(obj: Any) -> bool:
-    if isinstance(obj, DTensor):
-        return True
-    if isinstance(obj, dict):
-        return any(_holds_dtensors(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return any(_holds_dtensors(v) for v in obj)
-    return False
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    return isinstance(obj, DTensor) or any(_holds_dtensors(v) for v in items)
 
 
 # ---- fabric.save through the plugin on every rank ----------------------------------------------

@@ -183,7 +183,7 @@ class AutoSource:
             except Exception:  # REQUEST_FAILURES, or an answer that breaks the parser: not that cloud
                 answered[name] = False
 
-        probes = [threading.Thread(target=one, args=(n,), daemon=True) for n in candidates]
+        probes = [threading.Thread(target=one, args=(n,), daemon=True) for n in candidates]  # daemons: never delay an exit
         for t in probes:
             t.start()
         for t in probes:
@@ -191,9 +191,8 @@ class AutoSource:
         if self._stop.is_set():
             self.probed.set()
             return
-        for name in CLOUDS:  # stable order
-            if answered.get(name):
-                source = candidates[name]
+        for name, source in candidates.items():  # stable order
+            if answered[name]:
                 source.start()
                 self.found.append(source)
         if self.found:
