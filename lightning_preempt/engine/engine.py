@@ -106,9 +106,7 @@ class Engine:
 
     def __getstate__(self) -> dict[str, Any]:
         # Process groups, the lease thread, the saver and the save function belong to one run.
-        state = self.__dict__.copy()
-        state.update(_runtime=None, _saver=None, _save=None, ledger=Ledger.off(), detector=None)
-        return state
+        return {**self.__dict__, "_runtime": None, "_saver": None, "_save": None, "ledger": Ledger.off(), "detector": None}
 
     # ---- 1. before the process group ----------------------------------------------------
     def peek(self) -> bool:

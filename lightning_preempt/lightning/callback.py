@@ -157,11 +157,8 @@ class PreemptionCallback(OnExceptionCheckpoint):
         return self.engine.resumed_from
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_pointer"] = state["_late_pointer"] = None  # belongs to one fit
-        state["_names"] = PointerNames()
-        state["_quiet_loader"] = QuietWarning(NOT_RESUMABLE_LOADER, PossibleUserWarning)
-        return state
+        fresh = {"_pointer": None, "_late_pointer": None, "_names": PointerNames()}  # they belong to one fit
+        return {**self.__dict__, **fresh, "_quiet_loader": QuietWarning(NOT_RESUMABLE_LOADER, PossibleUserWarning)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

@@ -142,9 +142,7 @@ class AutoSource:
         self._thread: threading.Thread | None = None
 
     def __getstate__(self) -> dict[str, object]:
-        state = self.__dict__.copy()
-        state.update(probed=None, _stop=None, _thread=None, found=[])
-        return state
+        return {**self.__dict__, "probed": None, "_stop": None, "_thread": None, "found": []}
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)

@@ -48,12 +48,11 @@ class _DeadlineSocket(socket.socket):
 
     deadline = 0.0
 
-    def _left(self) -> float:
+    def _left(self) -> None:
         left = self.deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("the request ran past its time bound")
         self.settimeout(left)
-        return left
 
     def recv_into(self, *args: object, **kwargs: object) -> int:  # type: ignore[override]
         self._left()
@@ -196,9 +195,7 @@ class MetadataSource:
 
     def __getstate__(self) -> dict[str, object]:
         # A callback is pickled for ddp_spawn: threads and locks stay behind (not started there).
-        state = self.__dict__.copy()
-        state.update(_lock=None, _stop=None, _threads=[])
-        return state
+        return {**self.__dict__, "_lock": None, "_stop": None, "_threads": []}
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
