@@ -103,10 +103,7 @@ class HostStager:
 
     def _wait_prepared(self) -> None:
         prep, self._prep = self._prep, None
-        if prep is None:
-            return
-        err = prep.exception()
-        if err is not None:
+        if prep is not None and (err := prep.exception()) is not None:
             log.warning("lightning_preempt: preallocating staging buffers failed (%s); the save allocates them", err)
 
     def stage(self, tensors: dict[str, torch.Tensor], pinned: set[str] | None = None, *,

@@ -241,8 +241,7 @@ def copy_files(
             pool.submit(_copy_one, src, dst, name, manifest.files[name], cancel, report) for name in names
         ]
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-        failed = [f for f in done if f.exception() is not None]
-        if failed:
+        if any(f.exception() is not None for f in done):
             cancel.set()
             for f in futures:
                 f.cancel()

@@ -23,11 +23,7 @@ from lightning_preempt.catalog.ownership import remove_if_ours
 from lightning_preempt.catalog.retention import retain
 from lightning_preempt.catalog.verified import mark_verified
 from lightning_preempt.collective import groups as pdist
-from lightning_preempt.errors import (
-    CheckpointError,
-    CheckpointExistsError,
-    CheckpointWriteError,
-)
+from lightning_preempt.errors import CheckpointError, CheckpointWriteError
 from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.format.names import MANIFEST_NAME
 from lightning_preempt.read.verify import Verify
@@ -131,10 +127,8 @@ class TwoTier:
         url = str(remote_url).rstrip("/")
         if url.startswith(self.local_root + "/") or url == self.local_root:
             return None  # already a local path
-        root = self.remote_root if self.remote_root is not None else posixpath.dirname(url)
-        if not url.startswith(root.rstrip("/") + "/"):
-            return None
-        return join_url(self.local_root, url[len(root.rstrip("/")) + 1 :])
+        root = (self.remote_root if self.remote_root is not None else posixpath.dirname(url)).rstrip("/")
+        return join_url(self.local_root, url[len(root) + 1 :]) if url.startswith(root + "/") else None
 
     def remote_twin(self, local_url: str) -> str | None:
         url = str(local_url).rstrip("/")
@@ -152,9 +146,7 @@ class TwoTier:
         """
         try:
             manifest = write(local_url, {})
-        except CheckpointExistsError:
-            raise
-        except CheckpointWriteError as local_err:
+        except CheckpointWriteError as local_err:  # (not CheckpointExistsError: raised as it is)
             log.error(
                 "lightning_preempt: local commit of %s failed (%s); writing %s directly\nHINT: %s",
                 local_url,
@@ -337,7 +329,7 @@ class TwoTier:
         """Local committed checkpoints newer than the newest remote one (oldest first)."""
         if self.remote_root is None or not self.single_host:
             return []
-        remote = [c.step for c in list_checkpoints(self.remote_root, self.remote_options) if c.committed]
-        floor = max(remote, default=-1)
+        remote = list_checkpoints(self.remote_root, self.remote_options)
+        floor = max((c.step for c in remote if c.committed), default=-1)
         return sorted((c for c in complete_local_checkpoints(self.local_root) if c.step > floor), key=lambda c: c.step)
 
