@@ -211,19 +211,16 @@ class HostStager:
             self._drop(key)
 
 
-_SHAPE = operator.attrgetter("shape")
-_DTYPE = operator.attrgetter("dtype")
-_DEVICE = operator.attrgetter("device")
-
-
 def _signature(values: list[torch.Tensor], with_devices: bool) -> tuple[list[Any], ...]:
     """What must not change for :class:`_StagePlan` to be reused: each tensor's type, shape
     and dtype (a copy would broadcast or convert silently) and, where pinning routes CUDA
     tensors apart, its device. C-level passes: ~0.2 ms each for 4000 tensors."""
     types = list(map(type, values))
-    shapes = list(map(_SHAPE, values))
-    dtypes = list(map(_DTYPE, values))
-    return (types, shapes, dtypes, list(map(_DEVICE, values))) if with_devices else (types, shapes, dtypes)
+    shapes = list(map(operator.attrgetter("shape"), values))
+    dtypes = list(map(operator.attrgetter("dtype"), values))
+    if with_devices:
+        return (types, shapes, dtypes, list(map(operator.attrgetter("device"), values)))
+    return (types, shapes, dtypes)
 
 
 @dataclasses.dataclass(frozen=True)
