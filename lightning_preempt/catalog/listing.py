@@ -72,14 +72,9 @@ def _describe(root: Store, name: str) -> CheckpointInfo | None:
     except CheckpointError as err:
         if not ours and _foreign_manifest(err):
             return None  # a manifest.json of some other tool
-        return CheckpointInfo(
-            store.url,
-            name,
-            name_step if name_step is not None else -1,
-            committed=False,
-            problem=str(err).splitlines()[0],
-            newer_format=isinstance(err, UnsupportedFormatError),
-        )
+        step = name_step if name_step is not None else -1
+        return CheckpointInfo(store.url, name, step, committed=False, problem=str(err).splitlines()[0],
+                              newer_format=isinstance(err, UnsupportedFormatError))  # fmt: skip
     return CheckpointInfo.committed_one(store.url, name, m)
 
 

@@ -3,6 +3,7 @@ reader (resharding) with ``.metadata`` through the restricted unpickler."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import gc
@@ -93,8 +94,8 @@ def load_sharded_checkpoint(
             hint="Resume with the model and optimizers that wrote this checkpoint.",
         )
     load_tensors_into(data_store(store, manifest), templates, process_group=process_group, manifest=manifest)
-    loaded = dict(templates)
-    result = merge_checkpoint(skeleton, _FallbackDict(loaded))
+    # refs the model did not ask for (e.g. dropped parameters) resolve to None
+    result = merge_checkpoint(skeleton, collections.defaultdict[str, Any](lambda: None, templates))
     assert isinstance(result, dict)
     return result
 
@@ -119,13 +120,6 @@ def verify_shared(store: Store, manifest: Manifest, group: pdist.ProcessGroup) -
     errors = [e for e in pdist.all_gather_objects(error, group) if e is not None]
     if errors:
         raise CorruptCheckpointError(errors[0], path=store.url, hint=CORRUPT_HINT)
-
-
-class _FallbackDict(dict):  # type: ignore[type-arg]
-    """Refs the model did not ask for (e.g. dropped parameters) resolve to ``None``."""
-
-    def __missing__(self, key: str) -> None:
-        return None
 
 
 def load_full_checkpoint(
