@@ -27,8 +27,7 @@ class ProgressBar:
     def update(self, nbytes: int) -> None:
         """Count ``nbytes`` more (the ``progress`` callback of verify_checkpoint)."""
         self.done += nbytes
-        now = time.perf_counter()
-        if now - self._drawn >= 0.1:
+        if time.perf_counter() - self._drawn >= 0.1:
             self._draw()
 
     def close(self) -> None:
