@@ -39,9 +39,7 @@ class AgreementSchedule:
         self.tier0 = 0
 
     def __getstate__(self) -> dict[str, object]:
-        state = self.__dict__.copy()
-        state["_flags"] = None  # a process group belongs to one fit; setup binds again
-        return state
+        return {**self.__dict__, "_flags": None}  # a process group belongs to one fit; setup binds again
 
     def bind(self, group: ProcessGroup | None) -> None:
         """Use ``group`` (a gloo group of its own; ``None`` without torch.distributed)."""

@@ -250,7 +250,7 @@ class ResumableLoaders:
         pairs = list(zip(loaders, self._samplers, strict=True))
         kinds = self.kinds
         # Worker loaders of both kinds: their workers were started before the front-end could
-        # set them up (preemption/workers.py), and a wrapped sampler's were fed by the original.
+        # set them up (preemption/signals.py), and a wrapped sampler's were fed by the original.
         wrapped_workers = [i for i, dl in enumerate(loaders) if kinds[i] in ("sampler", "stateful") and has_workers(dl)]
         epoch_samplers = [i for i, dl in enumerate(loaders) if kinds[i] == "stateful" and has_set_epoch(dl)]
         replaying = [i for i, dl in enumerate(loaders) if kinds[i] == "stateful" and replays_sampler(dl)]
