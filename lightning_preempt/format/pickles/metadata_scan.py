@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import pickle
 from collections import OrderedDict
@@ -56,11 +57,11 @@ class _StubFunction:
         return self.result(*args)
 
 
+@dataclasses.dataclass(eq=False)
 class _StubValue:
     """An allowed value (a dtype such as ``torch.float32``): neither callable nor a class."""
 
-    def __init__(self, qualified: str) -> None:
-        self.qualified = qualified
+    qualified: str
 
 
 _STUB_CLASSES: dict[str, type[_Stub]] = {}

@@ -6,6 +6,7 @@ globals a pickle imports (:func:`pickle_globals`, for ``export``), read without 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import pickletools
 import re
@@ -128,22 +129,22 @@ def _record_bytes(archive: zipfile.ZipFile, info: zipfile.ZipInfo, data: bytes) 
     return data[start : start + info.file_size]
 
 
+@dataclasses.dataclass(eq=False)
 class _Global:
     """An allowed global on the replay's stack (torch pushes the real class or function)."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    name: str
 
     def __repr__(self) -> str:
         return self.name
 
 
+@dataclasses.dataclass(eq=False)
 class _Made:
     """What calling an allowed torch or NumPy global returns (a tensor, an array, a Size...)."""
 
-    def __init__(self, maker: str, args: Any) -> None:
-        self.maker = maker
-        self.args = args
+    maker: str
+    args: Any
 
     def buildable(self) -> bool:
         """Whether torch lets BUILD set its state: its type must be on the allow-list."""
