@@ -7,7 +7,6 @@ combined in file order (:func:`file_digest`).
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -61,12 +60,12 @@ class OrderedCrc:
         return None if self._pending else self.crc
 
 
-@dataclasses.dataclass(eq=False)
 class Cursor:
     """Where one reading thread is in the file; hands each piece it reads to the CRC."""
 
-    crc: OrderedCrc | None
-    offset: int
+    def __init__(self, crc: OrderedCrc | None, offset: int) -> None:
+        self.crc = crc
+        self.offset = offset
 
     def update(self, view: memoryview) -> None:
         if self.crc is not None:

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import pickle
 from collections import OrderedDict
@@ -57,11 +56,11 @@ class _StubFunction:
         return self.result(*args)
 
 
-@dataclasses.dataclass(eq=False)
 class _StubValue:
     """An allowed value (a dtype such as ``torch.float32``): neither callable nor a class."""
 
-    qualified: str
+    def __init__(self, qualified: str) -> None:
+        self.qualified = qualified
 
 
 _STUB_CLASSES: dict[str, type[_Stub]] = {}

@@ -6,7 +6,6 @@ globals a pickle imports (:func:`pickle_globals`, for ``export``), read without 
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import pickletools
 import re
@@ -129,22 +128,22 @@ def _record_bytes(archive: zipfile.ZipFile, info: zipfile.ZipInfo, data: bytes) 
     return data[start : start + info.file_size]
 
 
-@dataclasses.dataclass(eq=False)
 class _Global:
     """An allowed global on the replay's stack (torch pushes the real class or function)."""
 
-    name: str
+    def __init__(self, name: str) -> None:
+        self.name = name
 
     def __repr__(self) -> str:
         return self.name
 
 
-@dataclasses.dataclass(eq=False)
 class _Made:
     """What calling an allowed torch or NumPy global returns (a tensor, an array, a Size...)."""
 
-    maker: str
-    args: Any
+    def __init__(self, maker: str, args: Any) -> None:
+        self.maker = maker
+        self.args = args
 
     def buildable(self) -> bool:
         """Whether torch lets BUILD set its state: its type must be on the allow-list."""
