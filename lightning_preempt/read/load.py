@@ -18,8 +18,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.errors import CorruptCheckpointError
 from lightning_preempt.format import dcp_compat as _compat
-from lightning_preempt.format.generations import data_store
-from lightning_preempt.format.manifest import Manifest
+from lightning_preempt.format.manifest import Manifest, data_store
 from lightning_preempt.format.names import DCP_METADATA_NAME, state_file
 from lightning_preempt.format.pickles.unpickle import (
     apply_map_location,
