@@ -114,11 +114,10 @@ def _read_range(
     crc: OrderedCrc | None,
     outs: list[torch.Tensor],
 ) -> tuple[list[torch.Tensor], int, list[Exception]]:
-    """Read ``items`` (a run of archives starting at file offset ``start``; the last run,
-    ``end`` ``None``, also the file's trailing bytes). Every tensor's data goes straight into a tensor of
-    exactly its size (:func:`_read_archive`). Returns the tensors, the bytes read, and the
-    errors of archives torch could not parse (the caller's CRC check says whether the
-    bytes are damaged)."""
+    """Read ``items``, a run of archives from file offset ``start`` (to ``end``; ``None``: the
+    last run, with the file's trailing bytes), each into its tensor in ``outs``. Returns the
+    tensors, the bytes read, and the errors of archives torch could not parse (the caller's CRC
+    check says whether the bytes are damaged)."""
     tensors: list[torch.Tensor] = []
     errors: list[Exception] = []
     cursor = Cursor(None, start)  # offsets only: hashing_reader hashes what storage returns
