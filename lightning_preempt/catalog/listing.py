@@ -91,9 +91,8 @@ def complete_local_checkpoints(local_root: str) -> list[CheckpointInfo]:
     for info in list_checkpoints(local_root, {}):
         if not info.committed or info.manifest is None:
             continue
-        base = info.path
         try:
-            if all(os.path.getsize(os.path.join(base, n)) == e.size for n, e in info.manifest.files.items()):
+            if all(os.path.getsize(os.path.join(info.path, n)) == e.size for n, e in info.manifest.files.items()):
                 out.append(info)
         except (FileNotFoundError, NotADirectoryError):
             continue  # any other error is "could not tell" and raised: never "incomplete" on an EIO

@@ -66,15 +66,11 @@ def load_sharded_checkpoint(
     trusted: bool = False,
     verify_group: pdist.ProcessGroup | None = None,
 ) -> dict[str, Any]:
-    """Load into ``templates`` (flat ``{key: tensor | DTensor}``, as :func:`split_checkpoint`
-    makes them from the *current* model and optimizers) in place, resharding to the current
-    world size, and return the Lightning checkpoint dict around them.
-
-    Collective: every rank of ``process_group`` calls it. ``trusted``: see :func:`load_skeleton`.
-    ``verify_group``: a gloo group of the same ranks; each rank then reads only its share of
-    the files for their CRC32C (every byte is checked once in all, not once per rank) and
-    the ranks agree on the outcome before loading.
-    """
+    """Load into ``templates`` (flat ``{key: tensor | DTensor}`` of the *current* model and
+    optimizers, as :func:`split_checkpoint` makes them) in place, resharding, and return the
+    Lightning checkpoint dict around them. Collective over ``process_group``. ``verify_group``:
+    a gloo group of the same ranks; each rank then CRC-checks only its share of the files and
+    the ranks agree on the outcome before loading."""
     if verify_group is not None and pdist.world_size(verify_group) > 1:
         manifest = read_manifest(store)
         # Ranks may differ (rank 0 verified while choosing): all take part if any wants it.
