@@ -112,14 +112,16 @@ class Batches:
             yield self.x
 
 
-def clock(warm_until: int, steps: int, least: int, window_s: float) -> Any:
+def clock(warm_until: int, steps: int, least: int, window_s: float, warm_save: Any = None) -> Any:
     """A callback timing ``steps`` steps from ``on_train_batch_start`` of step ``warm_until + 1``
     to ``on_train_batch_start`` of the step after them, so every hook of the last timed step,
     the saves included, lies inside the window. A window longer than ``window_s`` closes
     after ``least`` steps (one whole save interval or more) and stops the fit: a row of a
     few seconds a step (DCP at 4000 tensors, every step) would take minutes. ``timed``: the
     steps in the window. Every rank decides alike: the ranks reduce "over time?" once, at
-    step ``least`` (not every step: that would add a collective to the rows only)."""
+    step ``least`` (not every step: that would add a collective to the rows only).
+    ``warm_save(trainer, module)``: the method's one untimed save after step 1 (its plans,
+    buffers and threads built), so a fit saving every 100 steps needs no 100 warm-up steps."""
     import time as _time
 
     import lightning as L
@@ -141,6 +143,10 @@ def clock(warm_until: int, steps: int, least: int, window_s: float) -> Any:
             over = _time.perf_counter() - self.t0 > window_s
             return bool(trainer.strategy.reduce_boolean_decision(over, all=False))
 
+        def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+            if warm_save is not None and trainer.global_step == 1:
+                warm_save(trainer, pl_module)
+
     return Clock()
 
 
@@ -160,12 +166,13 @@ def dcp_callback(dirpath: str, every: int, group: Any) -> Any:
                 self.pending = None
 
         def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-            if trainer.global_step % every:
-                return
+            if trainer.global_step % every == 0:
+                self.save(trainer, pl_module, os.path.join(dirpath, f"step-{trainer.global_step}"))
+
+        def save(self, trainer: L.Trainer, pl_module: L.LightningModule, path: str) -> None:
             self._wait()  # at most one in flight: the next save waits for the previous one
             if len(self.dirs) >= 2 and trainer.is_global_zero:  # keep the last two, like ours
                 shutil.rmtree(self.dirs.pop(0), ignore_errors=True)
-            path = os.path.join(dirpath, f"step-{trainer.global_step}")
             self.dirs.append(path)
             state = {"model": pl_module.state_dict(), "optim": trainer.optimizers[0].state_dict()}
             self.pending = dcp.async_save(state, checkpoint_id=path, process_group=group)
@@ -177,13 +184,13 @@ def dcp_callback(dirpath: str, every: int, group: Any) -> Any:
 
 
 def warm_up(every: int) -> int:
-    """Untimed steps of a fit: its first save done (``every + 1``), and from 10 steps on also
-    the agreement's calibration (an exchange every step while it times them; at every step
-    the saves outweigh it, and 20 saved warm-up steps would triple the fit). The baseline
-    (``every == 0``) warms up past the calibration steps too."""
+    """Untimed steps of a fit: its first save done (every step: step 1's; else the warm-up
+    save after step 1, :func:`clock`), and from 10 steps on also the agreement's calibration
+    (an exchange every step while it times them; at every step the saves outweigh it, and 20
+    saved warm-up steps would triple the fit). The baseline (``every == 0``) warms up alike."""
     from lightning_preempt.preemption.schedule import CALIBRATION_STEPS
 
-    return every + 1 if every == 1 else max(every + 1, CALIBRATION_STEPS + 1)
+    return 2 if every == 1 else CALIBRATION_STEPS + 1
 
 
 def window(every: int, args: argparse.Namespace) -> int:
@@ -213,18 +220,22 @@ def one_fit(
     steps = window(every, args) if method != "none" else max(window(e, args) for e in args.every)
     dirpath = os.path.join(root, f"{method}-{every}-{n_tensors}-{time.monotonic_ns()}")
     least = max(2, min(every * args.saves, steps)) if every else steps
-    probe = clock(warm_until, steps, least, args.window_s)
-    callbacks: list[Any] = [probe]
+    warm_path = os.path.join(f"{dirpath}-warm", "warm.ckpt")
+    callbacks: list[Any] = []
     plugins: list[Any] = []
+    warm_save: Any = lambda trainer, _: trainer.save_checkpoint(warm_path)  # noqa: E731
     if method in ("torch_io", "async_io"):
         callbacks.append(ModelCheckpoint(dirpath=dirpath, every_n_train_steps=every, save_top_k=1))
         if method == "async_io":
             plugins.append(AsyncCheckpointIO())
     elif method == "dcp_async":
-        callbacks.append(dcp_callback(dirpath, every, group))
+        callbacks.append(dcp := dcp_callback(dirpath, every, group))
+        warm_save = lambda trainer, module: dcp.save(trainer, module, warm_path)  # noqa: E731
     elif method in ("ours", "ours_overlap"):
         callbacks.append(PreemptionCallback(dirpath, every_n_train_steps=every, keep_last_n=2))
         plugins.append(ShardedAsyncCheckpointIO(overlap_staging=method == "ours_overlap"))
+    probe = clock(warm_until, steps, least, args.window_s, warm_save if method != "none" and every > 1 else None)
+    callbacks.insert(0, probe)
     trainer = L.Trainer(
         max_steps=warm_until + steps + 1,
         accelerator="gpu" if args.device == "cuda" else "cpu",
@@ -243,6 +254,7 @@ def one_fit(
         trainer.fit(build(args.width, n_tensors, args.step_ms), Batches(args.width, args.batch, args.device))
     if trainer.is_global_zero:
         shutil.rmtree(dirpath, ignore_errors=True)
+        shutil.rmtree(f"{dirpath}-warm", ignore_errors=True)
     blocked: list[float] = []
     if plugins and isinstance(plugins[0], ShardedAsyncCheckpointIO):
         blocked = [
@@ -404,10 +416,15 @@ def report(results: dict[int, dict[str, Any]], args: argparse.Namespace, took: f
                                          f"{over['ours_overlap']:+.1f}% vs off {over['ours']:+.1f}%: "
                                          f"{'on is better' if better else 'off is better or equal'}")  # fmt: skip
                 target = {1: 10.0, 10: 2.0}.get(every)
+                # the blocking floor of a save as overhead: a rank copies ~1/N of the state under DDP
+                floor_pct = 100 * floor / world * median(base) / every
                 for m in ours:
                     line = f"- {world} rank(s), {n} tensors, every {every}: {m} {over[m]:+.1f}%"
                     if target is not None:
                         line += f" (target <= {target:g}%: {'met' if over[m] <= target else 'MISSED'})"
+                    line += f"; copy floor {1e3 * floor / world:.1f} ms a rank = {floor_pct:.1f}% of {every} step(s)"
+                    if target is not None and floor_pct > target:
+                        line += " (the floor alone exceeds the target: out of reach on this machine)"
                     if others:
                         best = min(others, key=lambda o: over[o])
                         ahead = all(over[m] < over[o] for o in others)
