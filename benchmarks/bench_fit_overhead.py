@@ -15,18 +15,19 @@ the same ``Trainer``, five ways to checkpoint:
 Rows: save intervals 1, 10, 100 steps; 24 tensors (6 ``Linear`` layers + SGD momentum) and
 4000 tensors (the same layers + 3976 small buffers, about the same bytes); 1 and 2 ranks
 (real DDP over gloo; each rank a process started here with Lightning's environment variables,
-so one process runs every fit of its world). Each fit warms up until its first save is done
-(plans, buffers, threads) and, at intervals of 10 steps and more, past the agreement's
-calibration steps (``CALIBRATION_STEPS``: every step while it times them); so does the
-baseline, whose window is the longest of any row's (it was 40 steps right after the start
-against 300 for every-100 rows: a different part of the run). Then ``--steps``-many steps are
-timed (at least ``--saves`` saves); the rows of one world are interleaved and their order
+so one process runs every fit of its world). Each fit's first save is untimed (plans,
+buffers, threads: every step, step 1's; else one warm-up save after step 1) and, at intervals
+of 10 steps and more, the agreement's calibration steps too (``CALIBRATION_STEPS``: every step
+while it times them); so is the baseline's, whose window is the longest of any row's. Then
+``--steps``-many steps are timed (at least ``--saves`` saves, an every-100 row's window 100
+steps with 1 save; a row that would pass ``--window-s`` stops after one interval, 3 steps at
+least); the rows of one world are interleaved and their order
 reversed every other round. The figure is the median over rounds; overhead = median over
 rounds of (baseline rate / row rate - 1). Saves still in flight when the window closes are
 not counted (they finish after training).
 
-    python benchmarks/bench_fit_overhead.py              # the whole table, 1 round: <= 5 min on 2 busy cores
-    python benchmarks/bench_fit_overhead.py --full       # 3 rounds, longer windows (~15 min)
+    python benchmarks/bench_fit_overhead.py              # the whole table, 1 round (time: docs/benchmarks.md)
+    python benchmarks/bench_fit_overhead.py --full       # 3 rounds, 40-step windows, 3 saves (~20 min)
     python benchmarks/bench_fit_overhead.py --quick      # tiny sizes, 1 round: the code paths
     python benchmarks/bench_fit_overhead.py --device cuda   # on a GPU (2 ranks need 2 GPUs)
 """
@@ -115,9 +116,10 @@ class Batches:
 def clock(warm_until: int, steps: int, least: int, window_s: float, warm_save: Any = None) -> Any:
     """A callback timing ``steps`` steps from ``on_train_batch_start`` of step ``warm_until + 1``
     to ``on_train_batch_start`` of the step after them, so every hook of the last timed step,
-    the saves included, lies inside the window. A window longer than ``window_s`` closes
-    after ``least`` steps (one whole save interval or more) and stops the fit: a row of a
-    few seconds a step (DCP at 4000 tensors, every step) would take minutes. ``timed``: the
+    the saves included, lies inside the window. A window that would last longer than
+    ``window_s`` at the pace of its first ``least`` steps (one whole save interval or more)
+    closes there and stops the fit: a row of a few seconds a step (DCP at 4000 tensors, every
+    step) would take minutes. ``timed``: the
     steps in the window. Every rank decides alike: the ranks reduce "over time?" once, at
     step ``least`` (not every step: that would add a collective to the rows only).
     ``warm_save(trainer, module)``: the method's one untimed save after step 1 (its plans,
@@ -140,7 +142,7 @@ def clock(warm_until: int, steps: int, least: int, window_s: float, warm_save: A
                 trainer.should_stop = True
 
         def _long(self, trainer: L.Trainer) -> bool:
-            over = _time.perf_counter() - self.t0 > window_s
+            over = (_time.perf_counter() - self.t0) * steps / least > window_s
             return bool(trainer.strategy.reduce_boolean_decision(over, all=False))
 
         def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
@@ -219,7 +221,7 @@ def one_fit(
     warm_until = warm_up(every)
     steps = window(every, args) if method != "none" else max(window(e, args) for e in args.every)
     dirpath = os.path.join(root, f"{method}-{every}-{n_tensors}-{time.monotonic_ns()}")
-    least = max(2, min(every * args.saves, steps)) if every else steps
+    least = max(3, min(every, steps)) if every else steps  # one save interval (3 steps at least)
     warm_path = os.path.join(f"{dirpath}-warm", "warm.ckpt")
     callbacks: list[Any] = []
     plugins: list[Any] = []
@@ -327,7 +329,7 @@ def worker(args: argparse.Namespace) -> int:
     rows = rows_of(args)
     started = time.perf_counter()
     for n in args.tensors:  # a process's first fit pays one-time costs (lazy imports, first touches)
-        one_fit("none", 0, argparse.Namespace(**{**vars(args), "steps": 3, "every": [0]}), n, root, group)
+        one_fit("none", 1, argparse.Namespace(**{**vars(args), "steps": 3, "every": [0]}), n, root, group)
     for rnd in range(args.rounds):
         for method, every, n in rows if rnd % 2 == 0 else list(reversed(rows)):
             t0 = time.perf_counter()
@@ -478,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-window", type=int, default=100,
                    help="timed steps a fit, at most, once it holds one save (default 100)")  # fmt: skip
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads a rank (default 1, as torchrun)")
-    p.add_argument("--steps", type=int, default=20, help="timed steps a fit, at least (default 20; --full 40)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps a fit, at least (default 10; --full 40)")
     p.add_argument("--saves", type=int, default=2, help="timed saves a fit, at least (default 2; --full 3)")
     p.add_argument("--rounds", type=int, default=1, help="rounds (default 1; --full 3)")
     p.add_argument("--window-s", type=float, default=4.0,
