@@ -358,12 +358,12 @@ class Saver:
         """Take back the save in flight when it failed, so that it is never raised later (a
         best-effort tier's copy: docs/tier0.md). ``wait``: wait for it to finish first.
         Returns its error, or ``None`` (none in flight, still running, or it succeeded)."""
-        inflight = [f for f in (self._committing, self._pending) if f is not None]
-        if not inflight or (not wait and not all(f.done() for f in inflight)):
+        pending = self._pending  # (not the save before it: its failure is raised as usual)
+        if pending is None or (not wait and not pending.done()):
             return None
-        err = next((e for f in inflight if (e := f.exception()) is not None), None)  # waits for them
-        if err is not None:
-            self._committing = self._pending = self._written = None
+        err = pending.exception()  # waits when it is still running
+        if err is not None and self._pending is pending:
+            self._pending = None
         return err
 
     def wait(self) -> Manifest | None:
