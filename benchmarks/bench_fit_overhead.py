@@ -27,7 +27,7 @@ rounds of (baseline rate / row rate - 1). Saves still in flight when the window 
 not counted (they finish after training).
 
     python benchmarks/bench_fit_overhead.py              # the whole table, 1 round (time: docs/benchmarks.md)
-    python benchmarks/bench_fit_overhead.py --full       # 3 rounds, 40-step windows, 3 saves (~20 min)
+    python benchmarks/bench_fit_overhead.py --full       # 3 rounds, 40-step windows, 3 saves (not timed: > 3x the default)
     python benchmarks/bench_fit_overhead.py --quick      # tiny sizes, 1 round: the code paths
     python benchmarks/bench_fit_overhead.py --device cuda   # on a GPU (2 ranks need 2 GPUs)
 """
