@@ -15,8 +15,8 @@ from typing import Any
 
 from lightning_preempt.lightning import _compat
 from lightning_preempt.resume import exact_state
+from lightning_preempt.resume.exact_state import restore_rng
 from lightning_preempt.resume.loaders import ResumableLoaders
-from lightning_preempt.resume.rng import restore_rng
 from lightning_preempt.resume.samplers import is_stateful
 
 log = logging.getLogger(__name__)

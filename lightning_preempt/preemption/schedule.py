@@ -1,6 +1,6 @@
 """When ranks agree on "preempt now?" (and "a time-based save is due?").
 
-Policy over :class:`lightning_preempt.dist.FlagAgreement`: ranks MAX-reduce
+Policy over :class:`lightning_preempt.collective.groups.FlagAgreement`: ranks MAX-reduce
 ``[signalled, time_due, stop, proposed_k, tier0]`` every ``k`` step boundaries, counted
 alike on all ranks (a rank-local condition never decides who enters the collective).
 ``k="auto"`` proposes ``k ~ interval_s / step time`` in the same exchange (one costs ~1 ms
@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from lightning_preempt.collective.flags import FlagAgreement
-from lightning_preempt.collective.groups import ProcessGroup
+from lightning_preempt.collective.groups import FlagAgreement, ProcessGroup
 
 CALIBRATION_STEPS = 20
 MAX_K = 1000
