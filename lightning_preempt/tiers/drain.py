@@ -20,8 +20,7 @@ from lightning_preempt.catalog.ownership import remove_if_ours
 from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.errors import CheckpointExistsError, CheckpointWriteError, CorruptCheckpointError
-from lightning_preempt.format.generations import data_store
-from lightning_preempt.format.manifest import FileEntry, Manifest, parse_manifest
+from lightning_preempt.format.manifest import FileEntry, Manifest, data_store, parse_manifest
 from lightning_preempt.format.names import MANIFEST_NAME, writer_of
 from lightning_preempt.read.verify import read_manifest
 from lightning_preempt.storage.checksum import Crc32c

@@ -14,8 +14,7 @@ from typing import Literal
 
 from lightning_preempt.catalog.ownership import check_owned
 from lightning_preempt.errors import CheckpointError, CheckpointExistsError
-from lightning_preempt.format.generations import DATA_DIR_KEY, generation_of
-from lightning_preempt.format.manifest import MAX_MANIFEST_BYTES, parse_manifest
+from lightning_preempt.format.manifest import DATA_DIR_KEY, MAX_MANIFEST_BYTES, generation_of, parse_manifest
 from lightning_preempt.format.names import (
     CLAIM_NAME,
     MANIFEST_NAME,
