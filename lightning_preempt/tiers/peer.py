@@ -255,7 +255,6 @@ def transfer(
     return sent, sorted(incoming), None
 
 
-# ---- after a resize: the survivors complete the checkpoint in the bucket ----------------------
 def gather_holdings(local_root: str, floor: int, group: dist.ProcessGroup | None) -> list[dict[str, dict[str, Any]]]:
     """Every rank's holdings under ``local_root`` (checkpoints newer than ``floor``), on every
     rank, as :func:`plan_union` takes them (each manifest as bytes, or ``None``). Collective.

@@ -109,7 +109,6 @@ class TwoTier:
         self._deadline: float | None = None
         self._cancel = threading.Event()
 
-    # ---- wiring ------------------------------------------------------------------------
     def configure(self, remote_root: str | None, keep_last_n: int | None, group: pdist.ProcessGroup | None) -> None:
         """Set the remote root and retention; ``group`` (a gloo group only the drain thread
         uses) makes drains collective. Collective when ``group`` is given."""
@@ -136,7 +135,6 @@ class TwoTier:
             return None
         return join_url(self.remote_root, url[len(self.local_root) + 1 :])
 
-    # ---- saving ------------------------------------------------------------------------
     def save(
         self, write: Callable[[str, dict[str, Any]], Manifest], remote_url: str, local_url: str, step: int
     ) -> Manifest:
@@ -266,7 +264,6 @@ class TwoTier:
                 with contextlib.suppress(Exception):  # CheckpointExistsError: holds files not ours
                     remove_if_ours(Store(join_url(self.local_root, name)), why="retention (rank 0's decision)")
 
-    # ---- waiting -----------------------------------------------------------------------
     def pending(self) -> int:
         with self._lock:
             return sum(not f.done() for f in self._futures)
@@ -300,7 +297,6 @@ class TwoTier:
         self._writer.close()
         self._cancel.clear()
 
-    # ---- discovery across tiers --------------------------------------------------------
     def committed(self, url: str) -> bool:
         """Whether ``url`` holds a manifest; an error that does not say "absent" is raised."""
         local = url == self.local_root or url.startswith(self.local_root + "/")
