@@ -1,30 +1,8 @@
 """The engine: preemption safety for a training loop, whatever framework runs it.
 
 It owns the policy (when and where to save, what to resume, the agreement of the ranks, the
-emergency snapshot and exit, retention, the lease); the mechanism is below it. A front-end
-maps its hooks onto these calls and hands over a function that saves the state at a path.
-
-Call order (and which ranks call):
-
-1. (every rank; torch.distributed may not exist yet) :meth:`Engine.peek`: does ``dirpath``
-   hold a committed checkpoint? A listing that keeps failing is remembered, never taken
-   for "nothing there".
-2. (every rank, collective) :meth:`Engine.setup`: process groups, the saver's wiring and
-   tiers, the agreed resume decision, the storage probe, the lease, the run id. Returns the
-   :class:`ResumeTarget` every rank loads (the same on every rank), or ``None``. The target
-   is chosen after the lease is taken: when :meth:`Engine.peek` saw nothing but a job whose
-   lease this one waited for committed meanwhile, the target is that checkpoint (the
-   front-end must then load it although it asked "is there one?" before: the callback does).
-3. (every rank) :meth:`Engine.start` once the state is loaded, just before the first step:
-   reconciles what was loaded, acts on a signal that came during start-up.
-4. (every rank, at every optimizer-step boundary) :meth:`Engine.step_end`: what every rank
-   does now — a periodic save, the emergency sequence (raises
-   :class:`~lightning_preempt.Preempted`, a ``SystemExit`` with ``exit_code``), or an agreed
-   stop (raises the error of the rank whose save failed or whose lease was lost).
-   :meth:`Engine.check` at other boundaries (validation batches) acts on preemption only.
-5. (every rank) :meth:`Engine.finish` when training ends normally: the final save, and
-   every rank waits until it is committed.
-6. (every rank) :meth:`Engine.close` after training or after an exception.
+emergency snapshot and exit, retention, the lease); the mechanism is below it. Call order:
+docs/design.md "The engine's call order".
 """
 
 from __future__ import annotations
@@ -126,7 +104,7 @@ class Engine:
         local_rank: int = 0,
         verify_on_load: bool = True,
     ) -> ResumeTarget | None:
-        """Collective set-up (see the module docstring).
+        """Collective set-up (docs/design.md "The engine's call order").
 
         Args:
             saver: the process's save pipeline (the plugin's).

@@ -1,31 +1,6 @@
 """The save pipeline of one process: stage, queue, write, commit. Framework-neutral.
 
-:meth:`Saver.save` blocks only while the tensors are copied into reusable host buffers
-(``staging/stager.py``), within the host-memory budget (``staging/budget.py``: a share
-that does not fit is partly written before the save returns); with overlapped staging only
-the eager part, the rest is copied while the next step computes (``staging/overlap.py``); a
-background job (``write/jobs.py``) writes them through DCP and
-commits the checkpoint by writing its manifest last (``write/commit.py``). The next save
-first waits until the previous one's tensors are written (its staging buffers are in use until
-then); on one rank its commit may still run while the next save stages (two in flight, committed
-in order: one job thread). Across ranks, and with two tiers, the next save waits for the commit
-(the share agreement's gather runs on the job thread's group; a tier's fallback rereads the
-buffers). Deletes and other jobs queue behind the saves, so a delete never overtakes
-a write. With a node-local tier (``tiers/two_tier.py``) the commit goes to the local disk and a
-drain uploads it afterwards.
-
-Call order (the ranks that call):
-
-1. (every rank, once the process group exists) :meth:`Saver.enable_collective` with a gloo
-   group reserved for the job thread: every rank then calls :meth:`save` for every
-   checkpoint and writes its share (DDP: its replicated tensors' share; FSDP/TP: its shards).
-   Without it (one process, or a strategy where rank 0 saves alone) the calling rank writes all.
-2. (the ranks that save, training thread) :meth:`save` (async) or :meth:`save_plain`
-   (a synchronous single ``torch.save`` file, outside training), :meth:`remove`,
-   :meth:`submit` for jobs that must run after the pending saves (retention).
-3. (same ranks) :meth:`wait` / :meth:`pending_failed` at step boundaries.
-4. (every rank) :meth:`close` at the end of training: waits, then stops the threads; from then
-   on :meth:`submit` runs jobs at once on the calling thread.
+How the steps overlap, and the call order: docs/design.md "The save pipeline".
 """
 
 from __future__ import annotations
@@ -64,7 +39,7 @@ from lightning_preempt.write.skeleton_bytes import skeleton_bytes
 log = logging.getLogger(__name__)
 
 class Saver:
-    """Sharded, staged, asynchronous, committed saves (see the module docstring).
+    """Sharded, staged, asynchronous, committed saves (docs/design.md "The save pipeline").
 
     Args:
         storage_options: fsspec options for every path (merged with per-save options).
@@ -134,8 +109,7 @@ class Saver:
         save is addressed (``storage_options`` apply there)."""
         self._tier_args = {"local_root": local_root, "max_workers": max_workers, "retries": retries,
                            "backoff_s": backoff_s}  # fmt: skip
-        self.tiers = TwoTier(local_root, self.storage_options, max_workers=max_workers, retries=retries,
-                             backoff_s=backoff_s)  # fmt: skip
+        self.tiers = TwoTier(remote_options=self.storage_options, **self._tier_args)
 
     # ---- wiring ------------------------------------------------------------------------
     def enable_collective(self, group: pdist.ProcessGroup | None) -> None:
@@ -199,7 +173,16 @@ class Saver:
         record.waited_s = time.perf_counter() - started
         local_url = self.tiers.local_twin(url) if self.tiers is not None else None
         if self.rank == 0:
-            self._ensure_exists(url, options, local_url)
+            # ``url`` exists when save returns: Lightning's ``ModelCheckpoint`` looks for it right
+            # after saving (``-v1`` versioning, ``save_last="link"``). With two tiers the training
+            # thread touches only the local disk (a remote outage must not stall a step).
+            try:
+                ensure_exists(Store(url, options) if local_url is None else Store(local_url))
+            except Exception as err:
+                # Never raise on rank 0 alone here: the other ranks would enter the job's
+                # collectives and wait until the group times out. The write job meets the same
+                # failure and raises it on every rank (write/commit.py's agreement).
+                log.warning("lightning_preempt: could not create %s yet (%s); the save reports it", url, err)
         with gc_paused():  # thousands of tensors: no full collections while training waits
             tensors, skeleton = split_checkpoint(checkpoint, self.sharded_keys + sharded_keys)
             tensors = self._my_share(tensors)
@@ -244,19 +227,6 @@ class Saver:
             self.budget.warn_once(plan, record.blocking_s, staged_s)
         if wait:
             self._wait_pending()
-
-    @staticmethod
-    def _ensure_exists(url: str, options: dict[str, Any], local_url: str | None) -> None:
-        """``url`` exists when :meth:`save` returns: Lightning's ``ModelCheckpoint`` looks for
-        it right after saving (``-v1`` versioning, ``save_last="link"``). With two tiers the
-        training thread touches only the local disk (a remote outage must not stall a step)."""
-        try:
-            ensure_exists(Store(url, options) if local_url is None else Store(local_url))
-        except Exception as err:
-            # Never raise on rank 0 alone here: the other ranks would enter the job's
-            # collectives and wait until the group times out. The write job meets the same
-            # failure and raises it on every rank (write/commit.py's agreement).
-            log.warning("lightning_preempt: could not create %s yet (%s); the save reports it", url, err)
 
     def _write(self, request: SaveRequest, record: SaveRecord, copying: InFlightCopy | None = None) -> Manifest:
         try:
@@ -380,7 +350,7 @@ class Saver:
         return self.tiers.wait(timeout_s) if self.tiers is not None else True
 
     def close(self) -> None:
-        """Wait for pending saves, jobs and drains, then stop the threads (see the module docstring)."""
+        """Wait for pending saves, jobs and drains, then stop the threads."""
         try:
             self.wait()
         finally:

@@ -1,23 +1,4 @@
-"""Writing one checkpoint directory, ending with the commit.
-
-Protocol (every rank, in the writer thread, on the writer's own gloo group):
-
-1. rank 0 decides where the files go (:func:`~lightning_preempt.write.replace.plan_write`):
-   into the path, or into a new generation when it holds a committed checkpoint, and creates
-   that directory; every rank follows its decision (the others' writes create their
-   directories themselves, ``Store.open_write``: no second collective before DCP's);
-2. ``dcp.save`` writes each rank's share of the tensors (DCP raises per-rank failures on
-   every rank); then :attr:`SaveRequest.written` is set: the staged tensors are no longer read;
-3. every rank writes its own ``state-rankNNNNN.pt`` (the non-tensor skeleton);
-4. all ranks exchange their file entries or error; if any rank failed, no rank commits
-   and every rank raises the same :class:`CheckpointWriteError`;
-5. rank 0 writes ``manifest.json`` atomically — commit metadata only after all ranks
-   completed writing — and tells the others whether the commit itself succeeded;
-6. rank 0 deletes what the new checkpoint replaced (:func:`~lightning_preempt.write.replace.finish_write`).
-
-Of two saves to one path at the same moment the create-only manifest picks the winner
-(write/replace.py); every rank of the loser raises :class:`CheckpointExistsError`.
-"""
+"""Writing one checkpoint directory, ending with the commit (docs/design.md "Commit protocol")."""
 
 from __future__ import annotations
 
@@ -103,13 +84,7 @@ def write_checkpoint(
     tensor_bytes = sum(_nbytes(t) for t in request.tensors.values())  # before the buffers are free
 
     def write_files() -> dict[str, FileEntry]:
-        entries: dict[str, FileEntry] = {}
-        writer = ChecksummingWriter(
-            store,
-            thread_count=thread_count,
-            streamed=request.streamed,
-            plan_cache=plan_cache,
-        )
+        writer = ChecksummingWriter(store, thread_count=thread_count, streamed=request.streamed, plan_cache=plan_cache)
         try:
             dcp_save_tensors(
                 request.tensors,
@@ -126,10 +101,10 @@ def write_checkpoint(
             ) from err
         if request.written is not None:
             request.written.set()
-        entries.update(writer.entries)
         name = state_file(rank)
-        entries[name] = _write_hashed(store, name, request.skeleton)
-        return entries
+        with store.open_write(name) as f:
+            f.write(request.skeleton)
+        return {**writer.entries, name: FileEntry(len(request.skeleton), Crc32c(request.skeleton).hexdigest())}
 
     written: list[dict[str, FileEntry]] = []
     try:
@@ -213,23 +188,10 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.nbytes if type(tensor) is torch.Tensor else tensor.numel() * tensor.element_size()
 
 
-def _write_hashed(store: Store, name: str, data: bytes) -> FileEntry:
-    crc = Crc32c()
-    crc.update(data)
-    with store.open_write(name) as f:
-        f.write(data)
-    return FileEntry(len(data), crc.hexdigest())
-
-
 def _on_every_rank(fn: Callable[[], T], group: pdist.ProcessGroup | None, root: Store, what: str) -> list[T]:
     """Every rank runs ``fn`` (its share of the work); every rank returns every rank's result,
-    or raises the same :class:`CheckpointWriteError` naming each failed rank and its error.
-
-    :func:`agree.gather` (type, message, HINT travel as :class:`agree.Outcome` fields), worded
-    for a write: it always says that nothing was committed and lists every failed rank's
-    error, not only the first one's. The HINT is the first failed rank's own (an error of
-    ours already says what to do, e.g. "the bucket does not exist").
-    """
+    or raises the same :class:`CheckpointWriteError`: nothing was committed, every failed rank's
+    error, and the first failed rank's own HINT (an error of ours already says what to do)."""
     outcomes, local_error = agree.gather(fn, group)
     failed = [o for o in outcomes if not o.ok]
     if not failed:

@@ -1,22 +1,6 @@
 """What DCP sends between ranks after the shard files are written, cut to what changed.
 
-After every rank has written, DCP's ``_save_state_dict`` gathers each rank's
-``WriteResult`` list to the coordinator (one per tensor: index, size, file, offset) and
-broadcasts the coordinator's whole ``Metadata`` back (one entry per tensor). With 4000
-tensors on 2 gloo ranks that is ~60-80 ms of pickling, sending and unpickling per save,
-while nothing in either message changed since the last save: the plan was reused
-(write/planning.py) and every record went to the same place (write/records.py).
-
-* :class:`SentResults`: a rank's results on their way to the coordinator. The first save
-  of a file layout sends them in full with the layout's token; while the layout is replayed
-  unchanged, only the token travels (``same``), and the coordinator uses the list it kept
-  for that rank and token (:meth:`ResultsKept.resolve`). A token the coordinator does not
-  hold raises rather than guess; a failed save clears every rank's caches (save/saver.py),
-  so the next one sends everything again.
-* :class:`KeptMetadata`: the coordinator's ``Metadata`` as DCP's planner returns it. The
-  coordinator's writer unwraps it to write ``.metadata``; pickled for DCP's broadcast it is
-  ``None``: no rank uses the broadcast value (each rank's files are its own; the commit
-  reads the coordinator's manifest, write/commit.py).
+How (:class:`SentResults`, :class:`KeptMetadata`): docs/design.md "The writer's fast paths".
 """
 
 from __future__ import annotations

@@ -1,24 +1,6 @@
 """DCP's ``.metadata`` pickled once per plan, not once per save.
 
-``.metadata`` is one pickle of DCP's ``Metadata``: an entry per tensor (properties, sizes,
-chunks, where its record lies). Pickling 4000 entries costs ~0.1 s (``torch.Size`` and
-dataclass reduces, in C), more than the disk needs for the bytes those tensors fill. While
-DCP's plan is reused (write/planning.py) and every record keeps its place in the shard
-files, all of it is the same save after save except ``storage_meta`` (this save's path and
-id) and ``version``.
-
-So the pickle (protocol 4, as ``pickle.dump`` writes it here) holds two parts, in one
-``FRAME`` (a reader of a file object fetches it in one read, not one per opcode):
-
-1. ``Metadata`` without those two fields (``NEWOBJ`` + ``BUILD`` of its state, no ``STOP``):
-   cached in :class:`MetadataPickles` and reused while the metadata object and the record
-   places are the same;
-2. a second ``BUILD`` of ``{"storage_meta": ..., "version": ...}``, pickled afresh every save
-   without a memo (``Pickler.fast``) so its opcodes never refer to part 1's memo, then ``STOP``.
-
-Unpickling applies both ``BUILD`` s (``Metadata`` has no ``__setstate__``: each updates its
-``__dict__``), so every reader (``pickle.load`` in ``dcp.load``, our restricted unpicklers)
-gets the same ``Metadata`` as from ``pickle.dump(metadata)``.
+The pickle's two parts: docs/design.md "The writer's fast paths".
 """
 
 from __future__ import annotations
@@ -39,7 +21,7 @@ _BUILD, _STOP, _FRAME = pickle.BUILD, pickle.STOP, pickle.FRAME
 
 
 class MetadataPickles:
-    """Part 1 of the last ``.metadata`` (see the module docstring), keyed on what it holds."""
+    """Part 1 of the last ``.metadata`` (docs/design.md), keyed on what it holds."""
 
     def __init__(self) -> None:
         #: (metadata, its entries, its planner data, the result lists, their places) of the last save
@@ -118,19 +100,11 @@ def _opcodes(data: bytes) -> bytes:
         pos += 9 + size
     if pos < len(data):  # unframed opcodes (e.g. a large string): the slow, exact way
         rest = data[pos:]
-        if any(op.name == "FRAME" for op, _, _ in pickletools.genops(rest)):
-            return b"".join(p for p in _walk_frames(data))
+        if any(op.name == "FRAME" for op, _, _ in pickletools.genops(rest)):  # walk every opcode
+            ops = list(pickletools.genops(data))
+            ends = [start for _, _, start in ops[1:]] + [len(data)]
+            return b"".join(data[start:end] for (op, _, start), end in zip(ops, ends, strict=True)
+                            if op.name not in ("PROTO", "FRAME", "STOP"))  # fmt: skip
         parts.append(rest)
     return b"".join(parts)[:-1]
 
-
-def _walk_frames(data: bytes) -> list[bytes]:
-    """``data``'s opcodes without ``PROTO``, ``FRAME`` s and ``STOP``, by walking every opcode."""
-    out: list[bytes] = []
-    ops = list(pickletools.genops(data))
-    for i, (op, _, pos) in enumerate(ops):
-        if op.name in ("PROTO", "FRAME", "STOP"):
-            continue
-        end = ops[i + 1][2] if i + 1 < len(ops) else len(data)
-        out.append(data[pos:end])
-    return out

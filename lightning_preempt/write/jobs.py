@@ -1,22 +1,6 @@
 """The job queue: one background thread that runs save and delete jobs in order.
 
-Jobs run strictly in submission order, so a delete never overtakes a pending write.
-The thread never touches the training process group: save jobs get their own gloo
-group from the caller. A job's exception is delivered through its Future.
-
-The thread, its queue and its lock are runtime state: they are created on the first
-:meth:`JobQueue.submit` and dropped by pickling (``ddp_spawn`` pickles the
-plugin into its workers; ``deepcopy`` of a trainer copies it), so a copy starts idle.
-
-Pending jobs are finished on every way a process ends normally. ``atexit`` is not enough:
-a worker started by ``multiprocessing`` with ``fork`` (Lightning's ``ddp_fork`` and
-``ddp_notebook``) leaves through ``os._exit`` once its function returns, and ``atexit``
-never runs there; the daemon thread would die with its save half written. A
-``multiprocessing.util.Finalize`` with an exit priority runs in all of them: in a
-``multiprocessing`` child (fork or spawn) when its target returns or raises
-(``SystemExit`` included), and in the main process from ``multiprocessing``'s own
-``atexit`` hook. Registered once per process (a forked child registers its own: the
-parent's registry is cleared in the child).
+Why its exit drain is a ``multiprocessing`` finalizer: docs/design.md "Threads and process groups".
 """
 
 from __future__ import annotations
@@ -43,9 +27,6 @@ class JobQueue:
 
     def __init__(self, name: str = "lightning_preempt-writer") -> None:
         self._name = name
-        self._init_runtime()
-
-    def _init_runtime(self) -> None:
         self._queue: queue.Queue[tuple[Callable[[], Any], Future[Any]] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -53,14 +34,10 @@ class JobQueue:
         self._exit_hook: mp_util.Finalize | None = None
         self._exit_hook_pid = 0
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __reduce__(self) -> tuple[type[JobQueue], tuple[str]]:
         # Threads, locks, queues and futures cannot be pickled, and a copy must not share
         # them: a copy is an idle writer with the same name.
-        return {"_name": self._name}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self._name = state["_name"]
-        self._init_runtime()
+        return JobQueue, (self._name,)
 
     @property
     def running(self) -> bool:
@@ -72,7 +49,7 @@ class JobQueue:
         fut: Future[Any] = Future()
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
-                # A daemon thread plus an exit drain (module docstring): every way out
+                # A daemon thread plus an exit drain (docs/design.md): every way out
                 # waits for pending commits, yet an idle writer never keeps a process alive.
                 self._thread = _Worker(self)
                 self._thread.start()
@@ -124,10 +101,8 @@ class JobQueue:
 
 
 class _Worker(threading.Thread):
-    """The queue's daemon thread. ``stop()`` (:meth:`JobQueue.close`) finishes the queued jobs
-    and ends it; a later ``submit`` starts a new one. Tools that reap daemon threads call
-    ``stop()``: Lightning's own test suite does after every test, and fails one that leaves a
-    daemon thread without it."""
+    """The queue's daemon thread; ``stop()`` (:meth:`JobQueue.close`) is what tools that reap
+    daemon threads call (Lightning's test suite does after every test, failing one without it)."""
 
     def __init__(self, jobs: JobQueue) -> None:
         super().__init__(target=jobs._run, name=jobs._name, daemon=True)
