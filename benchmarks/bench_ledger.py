@@ -106,7 +106,7 @@ def _timed(owner: Any, name: str, into: list[float]) -> None:
 
 def run(args: argparse.Namespace) -> str:
     from lightning_preempt.engine.ledger_writer import Ledger
-    from lightning_preempt.lightning.reporting import SaveReporter
+    from lightning_preempt.lightning.logs import SaveReporter
 
     for method in ("add", "progress"):
         _timed(Ledger, method, ON_THREAD["ledger (records queued)"])

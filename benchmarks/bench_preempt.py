@@ -153,7 +153,7 @@ def _agreement_worker(rank: int, world: int, port: int, steps: int, rounds: int,
     import torch.distributed as dist
 
     from lightning_preempt.collective import groups as pdist
-    from lightning_preempt.collective.flags import FlagAgreement
+    from lightning_preempt.collective.groups import FlagAgreement
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

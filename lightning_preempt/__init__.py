@@ -12,9 +12,26 @@ manifests. The folders are layers (docs/design.md; import-linter keeps them); ``
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING, Any
 
-from lightning_preempt import _log  # noqa: F401  (first: handler for our INFO lines)
+
+def _show_our_info_lines() -> None:
+    """Our INFO lines (resume, commits, the preemption timeline) shown by default, as Lightning
+    does for its own logger: when neither the root logger nor ours has a handler, ours gets a
+    plain stream handler at INFO. ``propagate`` is left alone, so an application that configures
+    logging later still receives our records (and may remove the handler)."""
+    log = logging.getLogger("lightning_preempt")
+    if log.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log.addHandler(handler)
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.INFO)
+
+
+_show_our_info_lines()
 
 if TYPE_CHECKING:
     from lightning_preempt.catalog.listing import CheckpointInfo, list_checkpoints

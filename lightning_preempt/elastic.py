@@ -233,11 +233,8 @@ def exit_code_for(exc: BaseException) -> int:
     if isinstance(exc, SignalException):
         return 128 + int(exc.sigval)
     if isinstance(exc, ChildFailedError):
-        _, failure = exc.get_first_failure()
-        code = int(failure.exitcode)
-        if code < 0:
-            return 128 + (-code)
-        return code if 0 < code < 256 else 1
+        code = int(exc.get_first_failure()[1].exitcode)
+        return 128 - code if code < 0 else code if 0 < code < 256 else 1
     return 1
 
 
@@ -286,14 +283,9 @@ def serve_store(host: str, port: int, *, ready_file: str | None = None) -> None:
     ``--rdzv-endpoint=HOST:PORT --rdzv-conf is_host=false``. ``ready_file`` is written once
     it listens, on ``host``'s address only: whoever connects can run code in the agents."""
     store = bound_tcp_store(host, port, wait_for_workers=False, multi_tenant=True)
-    stop = False
-
-    def _stop(signum: int, frame: object) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+    stop: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.append(signum))
     if ready_file:
         with open(ready_file + ".tmp", "w") as f:
             f.write(str(store.port))

@@ -24,8 +24,9 @@ if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$VENV/.floors" 2>/dev/null)" != "$PI
   # The pins go in as constraints, so pip fails loudly when a floor cannot be installed
   # together with the rest; --no-cache-dir would re-download 3 GB each time: keep the cache.
   echo "$PINS" | tr ' ' '\n' > "$VENV/constraints.txt"
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check \
-    -c "$VENV/constraints.txt" $PINS -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
+  source scripts/_install.sh
+  install_torch "$VENV" "$(echo "$PINS" | tr ' ' '\n' | sed -n 's/^torch==//p')"
+  install_rest "$VENV" -c "$VENV/constraints.txt" $PINS -e ".[test]"
   echo "$PINS" > "$VENV/.floors"
 fi
 "$VENV/bin/python" - <<'EOF'

@@ -1,14 +1,7 @@
-"""What a run's ledger says it cost: restarts, time training and down, steps lost, goodput.
-
-Pure computation over checked records; no I/O, no torch. Seconds, wall clock:
-
-* a *segment* is one process (one restart), from its start to its preemption or finish
-  record (killed without warning: its last record); ``wall``: first start to last end;
-* ``training``: sum of segment end minus first step; ``startup``: start to first step;
-  ``down``: an end to the next start;
-* ``steps_lost``: last step seen minus the step the next segment resumed from (a lower
-  bound after a SIGKILL); ``lost``: steps lost times the mean step time;
-* ``useful = training - checkpoint blocking - lost``; ``goodput = useful / wall``.
+"""What a run's ledger says it cost: restarts, time training and down, steps lost, goodput
+(each figure: docs/goodput.md, "The report"). Pure computation over checked records, no I/O,
+no torch; seconds, wall clock. A *segment* is one process (one restart), from its start to its
+preemption or finish record (killed without warning: its last record).
 """
 
 from __future__ import annotations

@@ -8,11 +8,7 @@ import dataclasses
 import os
 from typing import Any
 
-from lightning_preempt.errors import (
-    CheckpointError,
-    CorruptCheckpointError,
-    UnsupportedFormatError,
-)
+from lightning_preempt.errors import CheckpointError, CorruptCheckpointError, UnsupportedFormatError
 from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.format.names import MANIFEST_NAME, dir_step, foreign_step, is_our_dir_name
 from lightning_preempt.read.verify import read_manifest
@@ -35,6 +31,11 @@ class CheckpointInfo:
     problem: str | None = None
     newer_format: bool = False
 
+    @classmethod
+    def committed_one(cls, path: str, name: str, m: Manifest) -> CheckpointInfo:
+        """The committed checkpoint at ``path`` whose manifest is ``m``."""
+        return cls(path, name, m.step, True, m.epoch, m.created_unix, m.total_bytes, m.world_size, m)
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d.pop("manifest")
@@ -46,11 +47,7 @@ def list_checkpoints(url: str, storage_options: dict[str, Any] | None = None) ->
     holding our manifest (``epoch=0-step=100.ckpt/``). ``committed``: the manifest parses and
     names the step its directory carries."""
     root = Store(url, storage_options)
-    found: list[CheckpointInfo] = []
-    for name in root.list_dirs():
-        found_info = _describe(root, name)
-        if found_info is not None:
-            found.append(found_info)
+    found = [info for name in root.list_dirs() if (info := _describe(root, name)) is not None]
     found.sort(key=lambda c: (c.step, c.committed, c.created_unix or 0.0, c.name), reverse=True)
     return found
 
@@ -83,17 +80,7 @@ def _describe(root: Store, name: str) -> CheckpointInfo | None:
             problem=str(err).splitlines()[0],
             newer_format=isinstance(err, UnsupportedFormatError),
         )
-    return CheckpointInfo(
-        path=store.url,
-        name=name,
-        step=m.step,
-        committed=True,
-        epoch=m.epoch,
-        created_unix=m.created_unix,
-        size_bytes=m.total_bytes,
-        world_size=m.world_size,
-        manifest=m,
-    )
+    return CheckpointInfo.committed_one(store.url, name, m)
 
 
 def _foreign_manifest(err: CheckpointError) -> bool:

@@ -1,7 +1,5 @@
-"""The newest valid checkpoint, under one root or across a local and a remote tier.
-
-The one place that picks (resume, loading a directory, the fall-back after damage, the
-CLI). A candidate counts when committed, not in ``exclude``, and passing ``verify``:
+"""The newest valid checkpoint, under one root or across a local and a remote tier: the one
+place that picks. A candidate counts when committed, not in ``exclude``, and passing ``verify``:
 ``True`` every byte's CRC32C, ``"sizes"`` one listing (the load checks CRC32C), ``False``
 the manifest only. A newer format version raises :class:`UnsupportedFormatError` rather
 than falling back past the progress it holds.
@@ -51,7 +49,6 @@ def newest_in_tiers(
 ) -> CheckpointInfo | None:
     """The newest valid checkpoint across a local and a remote tier (local wins a tie; remote
     looked at only when it may be newer). ``local_usable``: every rank runs on this host."""
-    report = on_skip or _warn_skip
     local = None
     if local_usable:
         complete = {c.name for c in complete_local_checkpoints(local_root)}
@@ -59,7 +56,7 @@ def newest_in_tiers(
         def usable(info: CheckpointInfo) -> str | None:
             return None if info.name in complete else "files missing on this node's disk"
 
-        local = first_valid(list_checkpoints(local_root, {}), {}, verify=verify, on_skip=report, exclude=exclude,
+        local = first_valid(list_checkpoints(local_root, {}), {}, verify=verify, on_skip=on_skip, exclude=exclude,
                             usable=usable)  # fmt: skip
     if remote_root is None:
         return local
@@ -67,7 +64,7 @@ def newest_in_tiers(
     remote_infos = list_checkpoints(remote_root, remote_options)
     if not any(c.committed and c.step > floor and c.path not in exclude for c in remote_infos):
         return local
-    remote = first_valid(remote_infos, remote_options, verify=verify, on_skip=report, exclude=exclude)
+    remote = first_valid(remote_infos, remote_options, verify=verify, on_skip=on_skip, exclude=exclude)
     if remote is None or (local is not None and local.step >= remote.step):
         return local
     return remote

@@ -2,7 +2,7 @@
 
 A directory is ours only when its name is one we give (when chosen by name) and everything in
 it is a file we write (:func:`foreign_entries` empty). :func:`check_owned` returns the
-:class:`~lightning_preempt.storage.owned.Owned` verdict every recursive delete demands.
+:class:`~lightning_preempt.storage.local.Owned` verdict every recursive delete demands.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from lightning_preempt.errors import CheckpointExistsError
 from lightning_preempt.format.manifest import MAX_MANIFEST_BYTES, declares_our_format
 from lightning_preempt.format.names import MANIFEST_NAME, is_generation, is_our_file
 from lightning_preempt.storage import local
-from lightning_preempt.storage.owned import Owned
+from lightning_preempt.storage.local import Owned
 from lightning_preempt.storage.store import Store
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ def foreign_entries(store: Store) -> list[str]:
     if store.is_local and os.path.islink(store.path()):
         return [f"{store.path()} (a symlink)"]
     foreign = _foreign_in(store, "")
-    for name, kind in store.children():
+    for name, kind, _ in store.entries():
         if kind == "dir" and is_generation(name):
             foreign.extend(_foreign_in(store, name, nested=False))
     return foreign
@@ -46,7 +46,7 @@ def foreign_entries(store: Store) -> list[str]:
 def _foreign_in(store: Store, rel: str, *, nested: bool = True) -> list[str]:
     """The foreign entries directly in ``rel`` (generation directories allowed if ``nested``)."""
     foreign = []
-    for name, kind in store.children(rel):
+    for name, kind, _ in store.entries(rel):
         path = f"{rel}/{name}" if rel else name
         if kind == "file" and is_our_file(name):
             if name == MANIFEST_NAME and not _is_our_manifest(store, path):
@@ -89,11 +89,6 @@ def remove_if_ours(store: Store, *, why: str) -> None:
     log.info("lightning_preempt: deleted %s (%s)", store.url, why)
 
 
-def remove_checkpoint_dir(store: Store) -> None:
-    """Delete our checkpoint directory ``store`` (:func:`remove_if_ours`)."""
-    remove_if_ours(store, why="removal requested")
-
-
 def remove_path(store: Store) -> None:
     """Delete what is at ``store``'s path: our checkpoint directory (only if it holds nothing
     foreign), a plain checkpoint file, a symlink (never what it points to). Logs, never raises
@@ -102,7 +97,7 @@ def remove_path(store: Store) -> None:
         if store.is_local and (os.path.islink(store.path()) or os.path.isfile(store.path())):
             local.remove_local(store.path(), first=MANIFEST_NAME)  # a link goes, never what it points to
         elif store.exists(MANIFEST_NAME) or store.isdir():
-            remove_checkpoint_dir(store)  # manifest first: never half-deleted yet committed
+            remove_if_ours(store, why="removal requested")  # manifest first: never half-deleted yet committed
         elif store.exists():
             store.rm_file("")
         else:

@@ -1,18 +1,22 @@
 """Retention: keep the newest ``keep_last_n`` sound checkpoints and delete older ones, only
-ever what this package wrote (catalog/ownership.py).
+ever what this package wrote (catalog/ownership.py). Old runs' ledgers follow: once none of
+a run's checkpoints is left, its ledger goes too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+from collections.abc import Iterable
 from typing import Any
 
-from lightning_preempt.catalog.ledger_retention import prune_ledgers
+from lightning_preempt.catalog.ledger_reader import ledger_store, run_ids
 from lightning_preempt.catalog.listing import CheckpointInfo, list_checkpoints
 from lightning_preempt.catalog.ownership import remove_if_ours
 from lightning_preempt.catalog.verified import is_verified, mark_verified
 from lightning_preempt.errors import CheckpointError
-from lightning_preempt.format.names import HIDDEN_PREFIX, is_our_dir_name
+from lightning_preempt.format.names import HIDDEN_PREFIX, LEDGER_COMPACT_RE, LEDGER_RECORD_RE, is_our_dir_name
 from lightning_preempt.read.verify import check_checkpoint
 from lightning_preempt.storage.diagnose import describe
 from lightning_preempt.storage.store import Store
@@ -82,18 +86,11 @@ def apply_retention(
     return removed
 
 
-def retain(
-    url: str,
-    keep_last_n: int,
-    storage_options: dict[str, Any] | None = None,
-    *,
-    protect: frozenset[str] = frozenset(),
-    run_id: str | None = None,
-) -> list[str]:
-    """:func:`apply_retention` for background jobs: a failure is logged, never raised (the
-    next commit tries again)."""
+def retain(url: str, keep_last_n: int, storage_options: dict[str, Any] | None = None, **kwargs: Any) -> list[str]:
+    """:func:`apply_retention` (the same arguments) for background jobs: a failure is logged,
+    never raised (the next commit tries again)."""
     try:
-        return apply_retention(url, keep_last_n, storage_options, protect=protect, run_id=run_id)
+        return apply_retention(url, keep_last_n, storage_options, **kwargs)
     except Exception as err:
         log.warning(
             "lightning_preempt: retention in %s failed (%s)\nHINT: nothing was deleted; check that the storage "
@@ -131,7 +128,7 @@ def _warn_foreign(url: str, storage_options: dict[str, Any] | None, infos: list[
     if url in _WARNED_FOREIGN:
         return
     try:
-        names = [n for n, _ in Store(url, storage_options).children()]
+        names = [e.name for e in Store(url, storage_options).entries()]
     except Exception:
         return
     foreign = sorted(n for n in names if not is_our_dir_name(n) and not n.startswith(HIDDEN_PREFIX))
@@ -145,3 +142,33 @@ def _warn_foreign(url: str, storage_options: dict[str, Any] | None, infos: list[
             shown,
         )
 
+
+def prune_ledgers(
+    url: str, storage_options: dict[str, Any] | None, *, run_id: str, remaining: Iterable[CheckpointInfo]
+) -> list[str]:
+    """Delete the ledgers of runs other than ``run_id`` that no checkpoint in ``remaining``
+    (what retention left under ``url``) belongs to; nothing while any checkpoint's run cannot
+    be told. Returns the run ids whose ledger went."""
+    runs: set[str] = {run_id}
+    for info in remaining:
+        owner = info.manifest.run_id if info.manifest is not None else None
+        if owner is None:
+            return []  # a checkpoint whose run cannot be told: it may be any old run's
+        runs.add(owner)
+    store = ledger_store(url, storage_options)
+    if not store.isdir():
+        return []
+    gone = []
+    for run in run_ids(store):
+        if run in runs:
+            continue
+        run_store = store.child(run)
+        for name in run_store.list_files():
+            if LEDGER_RECORD_RE.fullmatch(name) or LEDGER_COMPACT_RE.fullmatch(name):
+                run_store.rm_file(name)
+        if run_store.is_local:
+            with contextlib.suppress(OSError):  # not empty (a file that is not ours): left there
+                os.rmdir(run_store.path())
+        log.info("lightning_preempt: retention removed the ledger of run %s: none of its checkpoints is left", run)
+        gone.append(run)
+    return gone

@@ -75,7 +75,3 @@ def build_parser() -> argparse.ArgumentParser:
     for command in COMMANDS:
         command.add_parser(sub, parents)
     return parser
-
-
-if __name__ == "__main__":
-    sys.exit(main())

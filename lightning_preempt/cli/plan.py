@@ -14,25 +14,11 @@ from lightning_preempt.preemption.deadline import grace_margin
 DEFAULT_COPY_BANDWIDTH = 10e9  # bytes/s, device or host memory -> host staging buffer
 DEFAULT_GRACE_S = 30.0
 
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "m": 10**6,
-    "mb": 10**6,
-    "g": 10**9,
-    "gb": 10**9,
-    "t": 10**12,
-    "tb": 10**12,
-    "p": 10**15,
-    "pb": 10**15,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-    "pib": 2**50,
-}
+_SIZE_UNITS = (
+    {"": 1, "b": 1}
+    | {f"{p}{unit}": 1000 ** (i + 1) for i, p in enumerate("kmgtp") for unit in ("", "b")}
+    | {f"{p}ib": 1024 ** (i + 1) for i, p in enumerate("kmgtp")}
+)
 _TIME_UNITS = {"": 1.0, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 _NUMBER = r"(\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?"
 

@@ -66,8 +66,7 @@ def list_or_self(url: str, options: dict[str, Any]) -> list[CheckpointInfo]:
         m = read_manifest(store)
     except CheckpointError as err:
         return [CheckpointInfo(store.url, name, -1, committed=False, problem=str(err).splitlines()[0])]
-    info = CheckpointInfo(store.url, name, m.step, True, m.epoch, m.created_unix, m.total_bytes, m.world_size, m)
-    return [info]
+    return [CheckpointInfo.committed_one(store.url, name, m)]
 
 
 def resolve_checkpoint(url: str, step: int | None, options: dict[str, Any]) -> tuple[Store, Manifest]:

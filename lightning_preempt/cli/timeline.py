@@ -17,17 +17,14 @@ _UNANNOUNCED = ("killed", "node lost")
 
 
 def _unit(span_s: float) -> tuple[float, str]:
-    if span_s >= 2 * 86400:
-        return 86400.0, "days"
-    if span_s >= 2 * 3600:
-        return 3600.0, "hours"
-    if span_s >= 120:
-        return 60.0, "minutes"
+    for size, name in ((86400.0, "days"), (3600.0, "hours"), (60.0, "minutes")):
+        if span_s >= 2 * size:
+            return size, name
     return 1.0, "seconds"
 
 
 def plot_timeline(report: dict[str, Any], path: str, *, title: str = "") -> None:
-    """Draw ``report`` (cli/report.py's, from a ledger) into the PNG file ``path``."""
+    """Draw ``report`` (cli/commands/cmd_report.py's, from a ledger) into the PNG file ``path``."""
     try:
         import matplotlib
 
@@ -62,8 +59,7 @@ def plot_timeline(report: dict[str, Any], path: str, *, title: str = "") -> None
     for t, _step, kind, _blocking, committed in saves:
         began = t - (committed or 0.0)
         top.plot([x(began)] * 2, [0.32, 0.5], color=_SAVE if kind != "emergency" else "#9467bd", lw=1.4)
-    top.set_yticks([])
-    top.set_ylim(-0.45, 1.15)
+    top.set(yticks=[], ylim=(-0.45, 1.15))
     top.legend(handles=[Patch(color=_START, label="starting (process start to first step)"),
                         Patch(color=_TRAIN, label="training (process #)"),
                         Patch(color=_DOWN, alpha=0.35, label="down (last record to next start)"),
@@ -95,12 +91,9 @@ def plot_timeline(report: dict[str, Any], path: str, *, title: str = "") -> None
         what = "SIGKILL?" if p["kind"] == "killed" else untrusted_text(p["source"], 20)
         label = f"{what}\nstep {p['step']}\n{at_least}{lost} lost"
         bottom.annotate(label, (when, p["step"]), xytext=(4, 6), textcoords="offset points", fontsize=8, color=color)
-    bottom.set_xlabel(f"{unit} since the first start")
-    bottom.set_ylabel("global step")
-    bottom.set_xlim(left=0)
+    bottom.set(xlabel=f"{unit} since the first start", ylabel="global step", xlim=(0, None), ylim=(0, None))
     bottom.grid(alpha=0.3)
     bottom.legend(loc="lower right", fontsize=8)
-    bottom.set_ylim(bottom=0)
     goodput = report["goodput"]
     head = (f"goodput {goodput:.0%}" if goodput is not None else "goodput -") + (
         f"  |  {len(report['preemptions'])} preemptions, {report['steps_lost']} steps lost, "

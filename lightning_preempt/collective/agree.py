@@ -26,9 +26,7 @@ _HINT_MARK = "\nHINT: "
 class RankFailedError(errors.CheckpointError):
     """A rank failed with an error that is not one of ours; raised alike on every rank."""
 
-    def __init__(self, message: str, *, path: str | None = None, hint: str | None = None, error_type: str = "") -> None:
-        super().__init__(message, path=path, hint=hint)
-        self.error_type = error_type
+    error_type = ""  # the failed rank's "module.QualName" (set by Outcome.to_error)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,21 +52,15 @@ class Outcome:
         except BaseException as err:  # DCP raises CheckpointException, a BaseException
             return cls.failure(err, rank), err
 
-    def to_wire(self) -> dict[str, Any]:
-        """The outcome as a JSON object (``value`` must be JSON-serialisable)."""
-        return dataclasses.asdict(self)
-
     @classmethod
     def from_wire(cls, body: object) -> Outcome:
-        """The outcome :meth:`to_wire` sent; a field of the wrong type is refused, not trusted."""
-        fields = {f.name for f in dataclasses.fields(cls)}
-        if not isinstance(body, dict) or set(body) != fields:
-            raise errors.CheckpointError(f"a rank's outcome arrived malformed: {str(body)[:200]!r}")
-        text = ("error_type", "message")
+        """The outcome sent as ``dataclasses.asdict``; a field of the wrong type is refused, not trusted."""
         if (
-            not isinstance(body["ok"], bool)
+            not isinstance(body, dict)
+            or set(body) != {f.name for f in dataclasses.fields(cls)}
+            or not isinstance(body["ok"], bool)
             or not isinstance(body["rank"], int)
-            or not all(isinstance(body[k], str) for k in text)
+            or not all(isinstance(body[k], str) for k in ("error_type", "message"))
             or not all(body[k] is None or isinstance(body[k], str) for k in ("hint", "path"))
         ):
             raise errors.CheckpointError(f"a rank's outcome arrived malformed: {str(body)[:200]!r}")
@@ -156,9 +148,12 @@ def decide(
     if rank == 0:
         outcome, local_error = Outcome.of(fn, rank)
     if group is not None and pdist.is_distributed() and json_max_bytes is not None:
-        sent = outcome.to_wire() if outcome is not None else None
-        if sent is not None and not _json_ready(sent):  # fail on every rank, not on rank 0 alone
-            sent = Outcome.failure(TypeError(f"{what or 'the result'} is not JSON-serialisable"), rank).to_wire()
+        sent = dataclasses.asdict(outcome) if outcome is not None else None
+        try:
+            json.dumps(sent, allow_nan=False)
+        except (TypeError, ValueError, RecursionError):  # fail on every rank, not on rank 0 alone
+            unfit = TypeError(f"{what or 'the result'} is not JSON-serialisable")
+            sent = dataclasses.asdict(Outcome.failure(unfit, rank))
         outcome = Outcome.from_wire(pdist.broadcast_json(sent, group, max_bytes=json_max_bytes))
     elif group is not None and pdist.is_distributed():
         outcome = pdist.broadcast_object(outcome, group)
@@ -166,14 +161,6 @@ def decide(
     if outcome.ok:
         return outcome.value  # type: ignore[no-any-return]
     _raise(outcome.to_error(what, foreign=foreign, hint=hint), local_error)
-
-
-def _json_ready(body: dict[str, Any]) -> bool:
-    try:
-        json.dumps(body, allow_nan=False)
-    except (TypeError, ValueError, RecursionError):
-        return False
-    return True
 
 
 def agree(

@@ -1,4 +1,5 @@
-"""Rank agreement helpers. Collectives that report errors instead of hanging.
+"""Rank agreement helpers. Collectives that report errors instead of hanging, and the
+overlapped flag exchange at step boundaries (:class:`FlagAgreement`).
 
 Every helper takes an explicit process group so the background writer can use its own
 gloo group and never touch the training group (mixing threads on one group deadlocks).
@@ -60,13 +61,13 @@ def all_gather_objects(obj: Any, group: ProcessGroup | None) -> list[Any]:
     return out
 
 
-def broadcast_object(obj: Any, group: ProcessGroup | None, src_rank: int = 0) -> Any:
-    """Rank ``src_rank``'s ``obj`` on every rank of ``group`` (pickled: only for values this
-    job made itself; what was read from storage goes by :func:`broadcast_json`)."""
+def broadcast_object(obj: Any, group: ProcessGroup | None) -> Any:
+    """Rank 0's ``obj`` on every rank of ``group`` (pickled: only for values this job made
+    itself; what was read from storage goes by :func:`broadcast_json`)."""
     if group is None or not is_distributed():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, src_rank), group=group)
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
     return box[0]
 
 
@@ -95,24 +96,24 @@ def _too_large(size: int, max_bytes: int, rank: int) -> WireError:
     )
 
 
-def broadcast_bytes(data: bytes | None, group: ProcessGroup | None, *, max_bytes: int, src_rank: int = 0) -> bytes:
-    """Rank ``src_rank``'s ``data`` on every rank of ``group``: its length (one int64) first,
-    checked against ``max_bytes`` on every rank before a buffer is allocated, then the bytes
-    as a uint8 tensor. Nothing is unpickled. Collective: every rank calls it (``data`` is
-    read on ``src_rank`` only). Raises :class:`WireError` on every rank alike."""
+def broadcast_bytes(data: bytes | None, group: ProcessGroup | None, *, max_bytes: int) -> bytes:
+    """Rank 0's ``data`` on every rank of ``group``: its length (one int64) first, checked
+    against ``max_bytes`` on every rank before a buffer is allocated, then the bytes as a
+    uint8 tensor. Nothing is unpickled. Collective: every rank calls it (``data`` is read on
+    rank 0 only). Raises :class:`WireError` on every rank alike."""
     if group is None or not is_distributed():
         out = bytes(data or b"")
         if len(out) > max_bytes:
-            raise _too_large(len(out), max_bytes, src_rank)
+            raise _too_large(len(out), max_bytes, 0)
         return out
-    src = dist.get_global_rank(group, src_rank)
-    sender = dist.get_rank(group) == src_rank
+    src = dist.get_global_rank(group, 0)
+    sender = dist.get_rank(group) == 0
     payload = bytes(data or b"") if sender else b""
     size = torch.tensor([len(payload)], dtype=torch.int64)
     dist.broadcast(size, src=src, group=group)
     n = int(size.item())
     if not 0 <= n <= max_bytes:
-        raise _too_large(n, max_bytes, src_rank)
+        raise _too_large(n, max_bytes, 0)
     if n == 0:
         return b""
     buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if sender else torch.empty(n, dtype=torch.uint8)
@@ -141,15 +142,61 @@ def all_gather_bytes(data: bytes, group: ProcessGroup | None, *, max_bytes: int)
     return [b.numpy().tobytes()[:n] for b, n in zip(bufs, lengths, strict=True)]
 
 
-def broadcast_json(obj: Any, group: ProcessGroup | None, *, max_bytes: int, src_rank: int = 0) -> Any:
-    """Rank ``src_rank``'s ``obj`` (JSON-serialisable) on every rank, as UTF-8 JSON bytes
+def broadcast_json(obj: Any, group: ProcessGroup | None, *, max_bytes: int) -> Any:
+    """Rank 0's ``obj`` (JSON-serialisable) on every rank, as UTF-8 JSON bytes
     (:func:`broadcast_bytes`), never pickled: what came from storage cannot run code on a
     receiver. Tuples arrive as lists. Collective."""
-    sender = group is None or not is_distributed() or dist.get_rank(group) == src_rank
-    return _decode(broadcast_bytes(_encode(obj) if sender else None, group, max_bytes=max_bytes, src_rank=src_rank))
+    sender = group is None or not is_distributed() or dist.get_rank(group) == 0
+    return _decode(broadcast_bytes(_encode(obj) if sender else None, group, max_bytes=max_bytes))
 
 
 def all_gather_json(obj: Any, group: ProcessGroup | None, *, max_bytes: int) -> list[Any]:
     """``[obj of rank 0, obj of rank 1, …]`` on every rank, as JSON bytes
     (:func:`all_gather_bytes`), never pickled. Collective."""
     return [_decode(b) for b in all_gather_bytes(_encode(obj), group, max_bytes=max_bytes)]
+
+
+class FlagAgreement:
+    """All ranks learn, at the same step boundary, whether any rank raised a flag: a MAX
+    all-reduce of a small int tensor on a gloo group. With ``overlap=True`` the reduction
+    started at one boundary is read at the next (it runs while the step computes; every rank
+    acts on the same result, one step later, and a pending result is OR-ed in by
+    :meth:`exchange_now`). Every rank must make the same sequence of calls."""
+
+    def __init__(self, group: ProcessGroup | None, width: int) -> None:
+        self.group = group
+        self.width = width
+        self._pending: tuple[Any, torch.Tensor] | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.group is not None and is_distributed()
+
+    def exchange(self, flags: list[int], overlap: bool = False) -> list[int]:
+        """Agree on ``flags`` (MAX over ranks); overlapped: returns the previous boundary's result."""
+        if not overlap:
+            return self.exchange_now(flags)
+        if not self.active:
+            return [int(v) for v in flags]
+        previous = self.flush()  # (started a step ago: done by now, in the common case)
+        local = torch.tensor(flags, dtype=torch.int32)
+        self._pending = (dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group, async_op=True), local)
+        return previous
+
+    def exchange_now(self, flags: list[int]) -> list[int]:
+        """Complete a pending exchange and agree on ``flags`` right now."""
+        earlier = self.flush()
+        if not self.active:
+            return [max(a, int(b)) for a, b in zip(earlier, flags, strict=True)]
+        local = torch.tensor(flags, dtype=torch.int32)
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)
+        return [max(a, int(b)) for a, b in zip(earlier, local.tolist(), strict=True)]
+
+    def flush(self) -> list[int]:
+        """Wait for an overlapped exchange (every rank, before leaving the loop)."""
+        if self._pending is None:
+            return [0] * self.width
+        work, tensor = self._pending
+        self._pending = None
+        work.wait()
+        return [int(v) for v in tensor.tolist()]

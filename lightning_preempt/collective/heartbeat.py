@@ -110,7 +110,6 @@ class Heartbeat:
         self._decided = threading.Event()
         self._seq = 0
 
-    # ---- lifecycle -------------------------------------------------------------------------
     def start(self, peers: dict[int, tuple[str, int]]) -> None:
         """Start heartbeating to ``peers`` (rank -> address, this rank's own entry ignored)."""
         self._peers = {int(r): (str(a[0]), int(a[1])) for r, a in peers.items() if int(r) != self.rank}
@@ -138,7 +137,6 @@ class Heartbeat:
         """Some peer is still watched (not every other rank left cleanly)."""
         return any(r not in self._gone for r in self._peers)
 
-    # ---- the wire ----------------------------------------------------------------------------
     def _send(self, extra: dict[str, Any]) -> None:
         self._seq += 1
         body = json.dumps({"r": self.rank, "n": self._seq, **extra}, separators=(",", ":")).encode()
@@ -179,7 +177,6 @@ class Heartbeat:
             if self._detected is None:
                 self._detected = time.monotonic()  # another rank saw a loss: settle with it
 
-    # ---- the loop ----------------------------------------------------------------------------
     def _survivors(self, now: float) -> tuple[int, ...]:
         heard = [r for r, t in self._last.items() if r not in self._gone and now - t < self.timeout_s]
         return tuple(sorted({self.rank, *heard}))
@@ -204,9 +201,7 @@ class Heartbeat:
             self._receive()
             now = time.monotonic()
             survivors = self._survivors(now)
-            watched = [r for r in self._peers if r not in self._gone]
-            lost_now = [r for r in watched if r not in survivors]
-            if self._detected is None and lost_now:
+            if self._detected is None and any(r not in survivors and r not in self._gone for r in self._peers):
                 self._detected = now
             if self._detected is not None and self._maybe_decide(now, survivors):
                 return

@@ -163,7 +163,7 @@ class PreemptionConfig:
         for name in ("overlap_agreement", "resume", "save_on_train_end", "lease", "probe_storage", "ledger", "log_metrics"):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, getattr(self, name), "True or False", f"e.g. {name}=True")
-        object.__setattr__(self, "storage_options", check_storage_options(self.storage_options, optional=True))
+        object.__setattr__(self, "storage_options", check_storage_options(self.storage_options))
         object.__setattr__(self, "local_dirpath", check_local_dirpath(self.local_dirpath))
         check_int("list_retries", self.list_retries, minimum=1)
         check_seconds("list_backoff_s", self.list_backoff_s, positive=False)
@@ -217,7 +217,7 @@ class CheckpointIOConfig:
     overlap_staging: bool | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "storage_options", check_storage_options(self.storage_options, optional=True))
+        object.__setattr__(self, "storage_options", check_storage_options(self.storage_options))
         if self.pin_memory is not None and not isinstance(self.pin_memory, bool):
             raise _fail("pin_memory", self.pin_memory, "True, False or None", "None pins when CUDA is available.")
         if self.overlap_staging is not None and not isinstance(self.overlap_staging, bool):
@@ -238,13 +238,12 @@ class CheckpointIOConfig:
         check_seconds("drain_backoff_s", self.drain_backoff_s, positive=False, hint="the first retry delay, e.g. 1.0.")
 
 
-def check_storage_options(value: Any, *, optional: bool) -> dict[str, Any]:
-    """A copy of a dict of fsspec options (``None`` allowed when ``optional``: no options)."""
-    if value is None and optional:
+def check_storage_options(value: Any) -> dict[str, Any]:
+    """A copy of a dict of fsspec options (``None``: no options)."""
+    if value is None:
         return {}
     if not isinstance(value, dict):
-        want = "a dict or None" if optional else "a dict"
-        raise _fail("storage_options", value, want, "e.g. storage_options={'token': 'anon'}")
+        raise _fail("storage_options", value, "a dict or None", "e.g. storage_options={'token': 'anon'}")
     return dict(value)
 
 

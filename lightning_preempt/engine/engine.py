@@ -33,31 +33,29 @@ import contextlib
 import logging
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from lightning_preempt.catalog.listing import list_checkpoints
 from lightning_preempt.catalog.retention import retain
 from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.engine import tier_policy
 from lightning_preempt.engine.config import PreemptionConfig
-from lightning_preempt.engine.emergency import committed_steps, emergency, report_notice_snapshot, safe_step
 from lightning_preempt.engine.failures import FailureDetector, start_detector
-from lightning_preempt.engine.ledger_writer import Ledger, record_drain, record_save, start_fields
+from lightning_preempt.engine.ledger_writer import Ledger, record_drain, record_preemption, record_save, start_fields
 from lightning_preempt.engine.memory_tier import MEMORY_HINT, MemoryTier
-from lightning_preempt.engine.runtime import (
-    Runtime,
-    newest_manifest,
-    preflight,
-    take_lease,
-    warn_about_newer_checkpoints,
-    warn_without_periodic_saves,
-)
+from lightning_preempt.errors import CheckpointError
+from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.preemption.controller import Preempted, PreemptionController
 from lightning_preempt.preemption.deadline import GraceCheck
 from lightning_preempt.preemption.notices import make_sources
 from lightning_preempt.preemption.sources import PreemptionSource
 from lightning_preempt.resume.resolver import ResumeResolver, ResumeTarget
+from lightning_preempt.save.history import SaveRecord
+from lightning_preempt.save.lease import Lease
+from lightning_preempt.save.preflight import check_writable
 from lightning_preempt.save.saver import Saver
 
 log = logging.getLogger(__name__)
@@ -108,9 +106,7 @@ class Engine:
 
     def __getstate__(self) -> dict[str, Any]:
         # Process groups, the lease thread, the saver and the save function belong to one run.
-        state = self.__dict__.copy()
-        state.update(_runtime=None, _saver=None, _save=None, ledger=Ledger.off(), detector=None)
-        return state
+        return {**self.__dict__, "_runtime": None, "_saver": None, "_save": None, "ledger": Ledger.off(), "detector": None}
 
     # ---- 1. before the process group ----------------------------------------------------
     def peek(self) -> bool:
@@ -166,7 +162,7 @@ class Engine:
         if config.probe_storage:
             preflight(config.dirpath, config.storage_options, self.local_dirpath, group)
         if config.lease:
-            take_lease(rt, config, leader=leader)
+            rt.take_lease(config, leader=leader)
             if config.resume and not resuming:
                 # The peek was made before the lease was ours: the job that held it may have
                 # committed since (a requeued job waiting for its predecessor to let go). Not
@@ -180,7 +176,7 @@ class Engine:
         self.run_id = saver.run_id = agree.decide(lambda: continued or uuid.uuid4().hex, group)
         if saver.tiers is not None:
             saver.tiers.run_id = self.run_id
-            saver.tiers.on_drain = self._drained  # the ledger is looked up late: replaced just below
+            saver.tiers.on_drain = lambda drain: record_drain(self.ledger, drain)  # ledger looked up late: replaced below
             if leader:
                 tier_policy.upload_local_only(saver.tiers, config.dirpath)
         self.ledger.close()
@@ -200,7 +196,7 @@ class Engine:
     def _held(self) -> list[int]:
         """The steps this rank can resume from: its committed saves, the step it resumed from,
         and what the other sources (``held_steps``) report. Called on the heartbeat thread."""
-        steps = {r.step for r in committed_steps(self.saver.history)}
+        steps = {r.step for r in _committed(self.saver.history)}
         if self.resumed_from is not None and self.last_saved_step is not None:
             steps.add(self.last_saved_step)
         for source in list(self.held_steps):
@@ -246,19 +242,19 @@ class Engine:
         if decision.stop:
             self._stop()
         if decision.preempt:
-            emergency(self, step)  # the snapshot, its drain, Preempted (engine/emergency.py)
+            self._emergency(step)
         every_n = self.config.every_n_train_steps
         if (every_n is not None and step % every_n == 0) or decision.save_due:
             self.save(step, kind="notice" if decision.notice_snapshot else "periodic")
             if decision.notice_snapshot:
-                report_notice_snapshot(self.controller, self.saver, step)
+                self._report_notice_snapshot(step)
         elif self.memory is not None and (self.memory.due(step) or self.memory.agreed(decision.tier0)):
             self.save_memory(step)
 
     def check(self, step: int) -> None:
         """Every rank, at boundaries other than training steps: agree now, act on preemption."""
         if self.controller.schedule.bound and self.controller.now().preempt:
-            emergency(self, step)  # the snapshot, its drain, Preempted (engine/emergency.py)
+            self._emergency(step)
 
     def _must_stop(self) -> bool:
         """This rank's reason to stop training: its save failed, or the lease was lost."""
@@ -347,12 +343,63 @@ class Engine:
             log.error("lightning_preempt: the tier-0 copy to %s failed (%s); training goes on\nHINT: %s",
                       path, str(err).splitlines()[0] if str(err) else repr(err), MEMORY_HINT)  # fmt: skip
 
-    def _drained(self, drain: Any) -> None:
-        """Two tiers: each finished upload to ``dirpath`` into the ledger (drain thread)."""
-        record_drain(self.ledger, drain)
-
     def _safe_step(self) -> str:
-        return safe_step(self.saver.history, self.resumed_from, self.last_saved_step)
+        """The newest step this run can be resumed from, for the exit log."""
+        done = _committed(self.saver.history)
+        if done:
+            return f"step {done[-1].step} ({done[-1].path})"
+        if self.resumed_from is not None:
+            return f"step {self.last_saved_step} ({self.resumed_from}, the checkpoint this run resumed from)"
+        return "no checkpoint of this run committed (the newest in dirpath, if any)"
+
+    # ---- an agreed preemption ------------------------------------------------------------------
+    def _emergency(self, step: int) -> None:
+        """Every rank: the snapshot of ``step`` and its drain, inside the controller's unconditional
+        sequence (preemption/controller.py). Raises ``Preempted`` (recorded in the ledger)."""
+        controller = self.controller
+
+        def snapshot() -> None:
+            try:
+                self.wait()  # an in-flight periodic save is not lost: let it commit first
+            except CheckpointError as err:
+                log.error("lightning_preempt: the in-flight save failed (%s); snapshotting anyway", err)
+                self.last_saved_step = None
+            if step in (self.last_saved_step, 0):
+                controller.mark(f"step {step} is already committed; no snapshot needed")
+                return
+            self.save(step, kind="emergency")
+            controller.mark(f"staged step {step}")
+            self.wait()
+            controller.mark(f"committed step {step}")
+            for hook in list(self.snapshot_hooks):
+                hook(step)
+
+        def drain(budget: float) -> str:
+            path = self.last_saved_path
+            saved = (path, self.last_saved_step) if self.leader and path is not None else None
+            return tier_policy.drain_within_grace(self.saver, dirpath=self.config.dirpath, step=step, budget=budget,
+                                                  mark=controller.mark, saved=saved)  # fmt: skip
+
+        try:
+            controller.emergency(step, snapshot=snapshot, drain=drain, safe_step=self._safe_step, leader=self.leader)
+        except Preempted:
+            record_preemption(self.ledger, controller, self.saver, step=step)
+            raise
+
+    def _report_notice_snapshot(self, step: int) -> None:
+        """Log the snapshot a notice asked for (``on_notice="continue"``: training does not wait
+        for it) and, from the job thread behind the save, whether it committed."""
+        controller, history = self.controller, self.saver.history
+        source = controller.notice.source if controller.notice is not None else "a"
+        controller.mark(f"{source} notice: snapshot of step {step} staged; training goes on until the signal")
+
+        def committed() -> None:
+            rec = next((r for r in reversed(history) if r.step == step), None)
+            ok = rec is not None and rec.committed_s is not None and rec.error is None
+            controller.mark(f"committed step {step} (the {source} notice's snapshot)" if ok else
+                            f"the {source} notice's snapshot of step {step} did not commit")  # fmt: skip
+
+        self.saver.submit(committed)
 
     # ---- 5./6. the end ---------------------------------------------------------------------------
     def finish(self, step: int) -> None:
@@ -388,3 +435,105 @@ class Engine:
         if self._runtime is not None:
             self._runtime.release()
             self._runtime = None
+
+
+def _committed(history: Sequence[SaveRecord]) -> list[SaveRecord]:
+    """The saves of this process that committed, oldest first."""
+    return [r for r in list(history) if r.committed_s is not None and r.error is None]
+
+
+# ---- what one run holds and releases, and the checks it makes once at start-up ------------------
+class Runtime:
+    """The gloo groups and the lease of one run (never pickled; released by :meth:`release`)."""
+
+    def __init__(self) -> None:
+        self.groups: list[pdist.ProcessGroup] = []
+        self.agree_group: pdist.ProcessGroup | None = None
+        self.lease: Lease | None = None
+
+    def new_group(self) -> pdist.ProcessGroup | None:
+        """A gloo group of our own (collective: every rank calls it, in the same order)."""
+        group = pdist.new_gloo_group()
+        if group is not None:
+            self.groups.append(group)
+        return group
+
+    def take_lease(self, config: PreemptionConfig, *, leader: bool) -> None:
+        """Rank 0 takes the lease on ``dirpath`` (a heartbeat thread); every rank gets the outcome."""
+        lease = Lease(config.dirpath, config.storage_options, timeout_s=config.lease_timeout_s)
+        if leader:
+            self.lease = lease
+
+        def take() -> None:
+            lease.acquire()
+            lease.start_heartbeat()
+
+        agree.decide(take, self.agree_group, what="taking the lease on dirpath")
+
+    def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
+        for group in self.groups:
+            pdist.destroy_group(group)
+        self.groups.clear()
+        self.agree_group = None
+
+
+def preflight(dirpath: str, storage_options: dict[str, Any], local_dirpath: str | None, group: Any) -> None:
+    """Every rank writes, lists and deletes a probe file in ``dirpath``: fail before step 1, alike.
+
+    The local tier is probed too, but a failure there only warns: saves then go straight
+    to ``dirpath`` (docs/two-tier.md), which is slower but loses nothing."""
+    agree.agree(lambda: check_writable(dirpath, storage_options), group, what="probing the storage")
+    if local_dirpath is None:
+        return
+    try:
+        agree.agree(lambda: check_writable(local_dirpath, {}), group, what="probing the local tier")
+    except CheckpointError as err:
+        log.warning("lightning_preempt: %s\nSaves will be written directly to %s.", err, dirpath)
+
+
+def newest_manifest(config: PreemptionConfig) -> Manifest | None:
+    """The newest committed manifest in ``dirpath`` (for the grace projection only: a failure
+    here is logged, never fatal)."""
+    try:
+        newest = next((c for c in list_checkpoints(config.dirpath, config.storage_options) if c.committed), None)
+    except Exception as err:
+        log.warning("lightning_preempt: cannot read the newest manifest for the grace check: %s", err)
+        return None
+    return newest.manifest if newest is not None else None
+
+
+def warn_about_newer_checkpoints(config: PreemptionConfig, step: int) -> None:
+    """A run resumed from a path the user gave, at ``step``: warn when ``dirpath`` holds a
+    newer checkpoint (after a preemption auto-resume would take that one)."""
+    try:
+        newer = [c.step for c in list_checkpoints(config.dirpath, config.storage_options) if c.committed]
+    except Exception as err:  # a warning only: never let it stop training
+        log.warning("lightning_preempt: cannot list %s to compare steps: %s", config.dirpath, err)
+        return
+    if newer and max(newer) > step:
+        warnings.warn(
+            f"lightning_preempt: resumed from step {step} but {config.dirpath} holds a newer checkpoint "
+            f"(step {max(newer)}); after a preemption auto-resume takes the newest step.\n"
+            "HINT: use a fresh dirpath for a run that branches off an older checkpoint.",
+            stacklevel=3,  # the front-end hook that started training
+        )
+
+
+def warn_without_periodic_saves(config: PreemptionConfig, step: int) -> None:
+    """Warn when neither ``every_n_train_steps`` nor ``every_n_seconds`` is set: only the end of
+    training and a preemption signal save, so a SIGKILL loses everything since ``step``."""
+    if config.every_n_train_steps is not None or config.every_n_seconds is not None:
+        return
+    signals = "/".join(s.name for s in config.signals)
+    end = "the end of training and " if config.save_on_train_end else ""
+    warnings.warn(
+        f"lightning_preempt: no periodic saves (every_n_train_steps=None, every_n_seconds=None): {config.dirpath} "
+        f"gets a checkpoint only at {end}a preemption signal ({signals}, snapshot within grace_period_s="
+        f"{config.grace_period_s:g}); a SIGKILL, a crash or a preemption without grace loses every step since "
+        f"step {step}.\nHINT: set every_n_train_steps=N or every_n_seconds=S (every_n_seconds=1800 loses at most "
+        "30 minutes); `lightning-preempt plan --state-bytes SIZE --mtbf DURATION` suggests an interval.",
+        stacklevel=3,  # the front-end hook that started training
+    )

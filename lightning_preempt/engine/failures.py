@@ -14,7 +14,6 @@ import logging
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -28,6 +27,7 @@ from lightning_preempt.engine.ledger_writer import Ledger
 from lightning_preempt.errors import CheckpointError, CheckpointExistsError
 from lightning_preempt.format import ledger_records as fmt
 from lightning_preempt.format.names import LEDGER_COMPACT_RE, LEDGER_RECORD_RE, ledger_record_name
+from lightning_preempt.preemption.controller import flush_logs
 
 log = logging.getLogger(__name__)
 
@@ -120,23 +120,13 @@ class FailureDetector:
         )  # fmt: skip
         # A tie (half the world on each side) tries too: the create-only record lets one side win.
         if 2 * len(verdict.survivors) >= verdict.world and verdict.rank == verdict.writer:
-            done = threading.Event()
-
-            def write() -> None:
-                try:
-                    self._record(verdict)
-                finally:
-                    done.set()
-
-            threading.Thread(target=write, name="lightning_preempt-failure-record", daemon=True).start()
-            if not done.wait(RECORD_BUDGET_S):
+            writer = threading.Thread(target=self._record, args=(verdict,), name="lightning_preempt-failure-record",
+                                      daemon=True)  # fmt: skip
+            writer.start()
+            writer.join(RECORD_BUDGET_S)
+            if writer.is_alive():
                 log.error("lightning_preempt: the failure record did not complete within %.0f s", RECORD_BUDGET_S)
-        for handler in logging.getLogger().handlers + log.handlers:
-            with contextlib.suppress(Exception):  # a closed stream: the exit matters more
-                handler.flush()
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
+        flush_logs()
         self._acted.set()
         self._exit(self.exit_code)
 
@@ -167,25 +157,15 @@ def _collective_error(error: BaseException) -> bool:
     return any(w in text for w in ("dist", "gloo", "nccl", "connection", "peer", "timeout", "timed out", "socket"))
 
 
-def ledger_restart(store: Any, known: int | None) -> int:
-    """The restart number of this process in the run's ledger: the leader's own when it knows
-    it, else the highest restart with a record (the leader wrote this process's start record)."""
-    if known is not None:
-        return known
-    best = 0
-    for entry in store.entries():
-        match = LEDGER_RECORD_RE.fullmatch(entry.name) or LEDGER_COMPACT_RE.fullmatch(entry.name)
-        if match is not None:
-            best = max(best, int(match[1]))
-    return best
-
-
 def write_failure_record(dirpath: str, storage_options: dict[str, Any], run_id: str, verdict: Verdict, *,
                          step: int, restart: int | None) -> bool:  # fmt: skip
     """The ``failure`` record of ``verdict`` (create-only, ``seq`` :data:`~lightning_preempt.format.ledger_records.FAILURE_SEQ`):
     whether this rank wrote it (``False``: the other side of a partition did first)."""
     store = ledger_store(dirpath, storage_options).child(run_id)
-    number = ledger_restart(store, restart)
+    number = restart  # the leader's own; else the highest restart with a record (the leader wrote our start)
+    if number is None:
+        matches = (LEDGER_RECORD_RE.fullmatch(e.name) or LEDGER_COMPACT_RE.fullmatch(e.name) for e in store.entries())
+        number = max((int(m[1]) for m in matches if m is not None), default=0)
     record = fmt.make(
         "failure", run=run_id, restart=number, seq=fmt.FAILURE_SEQ, t=time.time(),
         lost=",".join(map(str, verdict.lost)), survivors=len(verdict.survivors), world_size=verdict.world,

@@ -72,13 +72,15 @@ class Ledger:
         self._seq = 0
         self._written: list[tuple[int, str]] = []  # (seq, name) of this restart's single files
         self._compacted: tuple[int, str] | None = None  # (first seq, name) of this restart's compacted file
+        self._totals = dict.fromkeys(fmt.SAVE_TOTALS, 0.0)  # of the saves compacted away
+        self._written_bytes = 0  # of the single files not compacted yet
         self._failures = 0
         self._store: Store | None = None
         self._last_progress = float("-inf")
         self._thread = threading.Thread(target=self._run, name="lightning_preempt-ledger", daemon=True)
         if enabled:
             self._thread.start()
-            self._put(self._open)
+            self._queue.put(self._open)
 
     @classmethod
     def off(cls) -> Ledger:
@@ -101,7 +103,7 @@ class Ledger:
             record = fmt.make(kind, run=self.run_id, restart=self.restart if self.restart is not None else 0,
                               seq=seq, t=time.time(), **fields)  # fmt: skip
             self.records.append(record)
-        self._put(lambda: self._write(record))
+        self._queue.put(lambda: self._write(record))
 
     def error(self, step: int, err: BaseException) -> None:
         """An error that stops training (its first line; once, though the engine and then the
@@ -131,20 +133,16 @@ class Ledger:
             self._last_progress = now
             self.add("progress", step=step)
 
-    def snapshot(self) -> list[dict[str, Any]]:
-        """This run's records so far: the earlier restarts' and this process's."""
-        with self._lock:
-            restart = self.restart if self.restart is not None else 0
-            return [*self.prior.records, *({**r, "restart": restart} for r in self.records)]
-
     def figures(self) -> dict[str, float]:
         """The run's figures so far, for the loggers: preemptions, restarts, steps lost, goodput
         (empty when nothing is recorded). Reads memory only."""
         if not self.enabled:
             return {}
-        with self._lock:
+        with self._lock:  # the earlier restarts' records and this process's
+            restart = self.restart if self.restart is not None else 0
+            records = [*self.prior.records, *({**r, "restart": restart} for r in self.records)]
             folded = dict(self.prior.folded_saves)
-        s = summarize(self.snapshot(), folded, running=True)
+        s = summarize(records, folded, running=True)
         out = {"preempt/preemptions": float(len(s["preemptions"])), "preempt/restarts": float(s["restarts"]),
                "preempt/steps_lost": float(s["steps_lost"])}  # fmt: skip
         if s["goodput"] is not None:
@@ -156,7 +154,7 @@ class Ledger:
         if not self.enabled or not self._thread.is_alive():
             return True
         done = threading.Event()
-        self._put(done.set)
+        self._queue.put(done.set)
         return done.wait(max(0.0, timeout_s))
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -168,9 +166,6 @@ class Ledger:
             self._queue.put(None)
             self._thread.join(timeout_s)
         self.enabled = False
-
-    def _put(self, job: Callable[[], None]) -> None:
-        self._queue.put(job)
 
     # ---- the writer thread ------------------------------------------------------------------
     def _run(self) -> None:
@@ -225,7 +220,7 @@ class Ledger:
         drains = [r for r in mine if r["kind"] == "drain"]  # the newest kept, like saves (no totals yet)
         kept = [r for r in mine if r["kind"] not in ("save", "progress", "drain")] + saves[-fmt.COMPACT_KEEPS_SAVES :]
         kept += progress[-1:] + drains[-fmt.COMPACT_KEEPS_SAVES :]
-        previous = self._compacted_totals()
+        previous = self._totals
         totals = {
             "count": previous["count"] + len(dropped),
             "blocking_s": previous["blocking_s"] + sum(r["blocking_s"] for r in dropped),
@@ -253,12 +248,6 @@ class Ledger:
                 store.rm_file(n)
             except Exception as err:
                 log.debug("lightning_preempt: ledger: could not delete %s after compacting: %s", n, err)
-
-    _totals: dict[str, float] | None = None
-    _written_bytes = 0  # of the single files not compacted yet
-
-    def _compacted_totals(self) -> dict[str, float]:
-        return self._totals if self._totals is not None else dict.fromkeys(fmt.SAVE_TOTALS, 0.0)
 
     def _failed(self, what: str, err: BaseException) -> None:
         self._failures += 1
@@ -319,8 +308,6 @@ def record_save(ledger: Ledger, saver: Any, before: list[Any], kind: str, *, tie
 def record_drain(ledger: Ledger, drain: Any) -> None:
     """The ``drain`` record of one finished upload to the remote tier (``drain``: the
     ``DrainRecord`` of tiers/two_tier.py; called on the drain thread, the ledger queues it)."""
-    if not ledger.enabled:
-        return
     error = drain.error.splitlines()[0] if drain.error else None
     done = drain.skipped is None and error is None
     ledger.add("drain", step=max(0, drain.step), drained_s=drain.drained_s if done else None, bytes=drain.bytes,
@@ -330,8 +317,6 @@ def record_drain(ledger: Ledger, drain: Any) -> None:
 def record_preemption(ledger: Ledger, controller: Any, saver: Any, *, step: int) -> None:
     """The ``preemption`` record, written before the process exits (within the grace period
     left). ``controller``: the engine's ``PreemptionController``; ``saver``: its ``Saver``."""
-    if not ledger.enabled:
-        return
     now_mono, now = time.monotonic(), time.time()
     origin = controller.origin
     notice = controller.notice

@@ -1,10 +1,5 @@
-"""The Fabric front-end: preemption safety for hand-written training loops on
-``lightning.fabric.Fabric`` (docs/fabric.md).
-
-``fabric.save``/``fabric.load`` through :class:`~lightning_preempt.ShardedAsyncCheckpointIO`
-need nothing from here (lightning/fabric_routing.py). :class:`Preemption` maps a loop onto
-the engine (engine/engine.py) the way ``PreemptionCallback`` maps the Trainer's hooks.
-"""
+"""The Fabric front-end (docs/fabric.md): :class:`Preemption` maps a hand-written loop on
+``lightning.fabric.Fabric`` onto the engine the way ``PreemptionCallback`` maps the Trainer's hooks."""
 
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ from typing import Any
 
 from lightning_preempt.lightning import _compat
 from lightning_preempt.resume import exact_state
+from lightning_preempt.resume.exact_state import restore_rng
 from lightning_preempt.resume.loaders import ResumableLoaders
-from lightning_preempt.resume.rng import restore_rng
 from lightning_preempt.resume.samplers import is_stateful
 
 log = logging.getLogger(__name__)
@@ -50,19 +50,11 @@ class LoopData:
 
     # -- loading --
     def load(self, state: dict[str, Any] | None) -> None:
-        """Keep a loaded state until the loop's next :meth:`iterate` (or :meth:`restore_rng_only`)."""
+        """Keep a loaded state until the loop's next :meth:`iterate`."""
         self._pending = exact_state.checked(state)
         if self._pending is not None:
             self.epoch = int(self._pending["epoch"])
             self.batches_in_epoch = int(self._pending["batches_in_epoch"])
-
-    def restore_rng_only(self, rank: int, world_size: int) -> None:
-        """A loop that iterates its data itself: restore the RNG states of the save now."""
-        state, self._pending = self._pending, None
-        if state is None:
-            return
-        exact_state.warn_world_size(state, world_size)
-        self._restore_rng(state, rank)
 
     def iterate(
         self, loader: Any, *, to_device: Callable[[Any], Any], max_epochs: int, rank: int, world_size: int,

@@ -15,23 +15,28 @@ The map (docs/fabric.md)::
 from __future__ import annotations
 
 import logging
+import types
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 from lightning.fabric.strategies import ModelParallelStrategy, Strategy
+from torch.nn import Module
+from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
+from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.engine.config import PreemptionConfig, from_arguments
 from lightning_preempt.engine.engine import Engine
-from lightning_preempt.fabric import model_parallel
 from lightning_preempt.fabric.data import LoopData
+from lightning_preempt.format.skeleton import split_checkpoint
 from lightning_preempt.lightning import _compat
-from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
-from lightning_preempt.lightning.reporting import SaveReporter
+from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO, stateful_keys
+from lightning_preempt.lightning.logs import SaveReporter
 from lightning_preempt.lightning.strategies import ensure_plugin
 from lightning_preempt.preemption.sources import PreemptionSource
 from lightning_preempt.resume.exact_state import STATE_KEY
+from lightning_preempt.resume.samplers import is_stateful
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +119,7 @@ class Preemption:
         self.data = LoopData()
         self._state: dict[str, Any] | None = None
         self._io: ShardedAsyncCheckpointIO | None = None
-        self._reporter = SaveReporter(self._figures)  # the engine's ledger is replaced at setup: look it up late
+        self._reporter = SaveReporter(self.engine)
 
     # ---- views --------------------------------------------------------------------------
     @property
@@ -165,9 +170,9 @@ class Preemption:
             self.data.load(remainder.pop(STATE_KEY, None))
             remainder.pop(STEP_KEY, None)
             remainder.pop(EPOCH_KEY, None)
-        self.engine.start(self._step(state), loaded_from=io.loaded_from if target is not None else None)
+        step = self._current(state)[1]
+        self.engine.start(step, loaded_from=io.loaded_from if target is not None else None)
         if target is not None and self.config.log_metrics and fabric.is_global_zero:
-            step = self._step(state)
             fabric.log_dict({"preempt/resumed_from_step": float(step)}, step=step)
         return remainder
 
@@ -195,18 +200,14 @@ class Preemption:
         """Every rank, after each batch's work (optimizer step included): a periodic save,
         or the emergency sequence (raises :class:`~lightning_preempt.Preempted`), or an
         agreed stop. Mid gradient accumulation (``state[step_key]`` unchanged) it does nothing."""
-        if state is not None:
-            self._state = state
         self._report()
-        self.engine.step_end(self._step(self._current_state()))
+        self.engine.step_end(self._current(state)[1])
 
     # ---- 5./6. the end -----------------------------------------------------------------------
     def finish(self, state: dict[str, Any] | None = None) -> None:
         """Every rank, when training ends normally: the final save, every commit (and with two
         tiers every upload to ``dirpath``) waited for, then the engine released."""
-        if state is not None:
-            self._state = state
-        self.engine.finish(self._step(self._current_state()))
+        self.engine.finish(self._current(state)[1])
         if self._io is not None and self._io.tiers is not None:
             # Fabric never tears the plugin down (the Trainer does): without this the last
             # checkpoint's upload to dirpath could still be running when the process exits.
@@ -230,9 +231,6 @@ class Preemption:
             self.close(finish_saves=True)
 
     # ---- internals ------------------------------------------------------------------------------
-    def _figures(self) -> dict[str, float]:
-        return self.engine.ledger.figures()
-
     def _report(self) -> None:
         """The saves committed since the last boundary, through ``fabric.log_dict`` (rank 0;
         no collective: the history is this rank's plugin's)."""
@@ -243,52 +241,48 @@ class Preemption:
 
     def _save(self, path: str) -> None:
         """The engine's save: ``fabric.save`` of the loop's state (every rank)."""
-        state = self._current_state()
+        state, step = self._current()
         fabric = self.fabric
-        step = self._step(state)
         saved = _saved_part(state)
         saved[STATE_KEY] = self.data.capture(rank=fabric.global_rank, world_size=fabric.world_size, step=step)
         saved[STEP_KEY], saved[EPOCH_KEY] = step, self.data.epoch
         fabric.save(path, saved)
 
-    def _current_state(self) -> dict[str, Any]:
+    def _current(self, state: dict[str, Any] | None = None) -> tuple[dict[str, Any], int]:
+        """The loop's state (``state``, kept for later calls, else the one given before) and its step."""
+        if state is not None:
+            self._state = state
         if self._state is None:
             raise RuntimeError(
                 "lightning_preempt: Preemption has no training state yet\n"
                 "HINT: call preempt.resume(state) once before the loop (every rank)."
             )
-        return self._state
-
-    def _step(self, state: dict[str, Any]) -> int:
-        step = state.get(self.step_key)
+        step = self._state.get(self.step_key)
         if isinstance(step, bool) or not isinstance(step, int):
             raise TypeError(
                 f"lightning_preempt: state[{self.step_key!r}] must be the int count of optimizer steps, got {step!r}\n"
                 f"HINT: keep state[{self.step_key!r}] = 0 in the state and add 1 after every optimizer step "
                 "(or pass step_key= the key your loop counts in)."
             )
-        return step
+        return self._state, step
 
 
 def _saved_part(state: dict[str, Any]) -> dict[str, Any]:
     """What ``fabric.save`` gets of the loop's state: all but data loaders (their position is
     saved by fabric/data.py; a loader object is no checkpoint content)."""
-    return {k: v for k, v in state.items() if not _is_loader(v)}
-
-
-def _is_loader(value: Any) -> bool:
-    return isinstance(value, DataLoader) or type(value).__name__ == "_FabricDataLoader"
+    return {k: v for k, v in state.items() if not isinstance(v, DataLoader) and type(v).__name__ != "_FabricDataLoader"}
 
 
 def _ensure_plugin(strategy: Strategy, storage_options: dict[str, Any], local_dirpath: str | None) -> ShardedAsyncCheckpointIO:
     """The strategy's :class:`ShardedAsyncCheckpointIO`; installed when it has Lightning's
     default ``CheckpointIO``. Another plugin is refused with a HINT. ``ModelParallelStrategy``
-    takes no plugin: it gets one of its own, routed by fabric/model_parallel.py."""
+    refuses a ``CheckpointIO`` and writes DCP shards with no commit: it gets one of its own,
+    routed by :func:`_install_model_parallel`."""
     if isinstance(strategy, ModelParallelStrategy):
         owned = getattr(strategy, "_lightning_preempt_io", None)
         if owned is None:
             owned = ShardedAsyncCheckpointIO(storage_options=storage_options, local_dirpath=local_dirpath)
-            model_parallel.install(strategy, owned)
+            _install_model_parallel(strategy, owned)
             strategy._lightning_preempt_io = owned  # type: ignore[attr-defined]
         return owned  # type: ignore[no-any-return]
     if type(strategy).save_checkpoint is not Strategy.save_checkpoint:
@@ -299,3 +293,81 @@ def _ensure_plugin(strategy: Strategy, storage_options: dict[str, Any], local_di
             "'ddp_notebook', a single device) or ModelParallelStrategy; see docs/fabric.md."
         )
     return ensure_plugin(strategy, storage_options, local_dirpath, user="Preemption", host="Fabric")
+
+
+# ---- Fabric's ModelParallelStrategy (FSDP2 ``fully_shard``, tensor parallel; works on CPU, gloo) ----
+def _module_of(state: dict[str, Any]) -> Module:
+    modules = [v for v in state.values() if isinstance(v, Module)]
+    if len(modules) != 1:
+        raise ValueError(
+            f"lightning_preempt: ModelParallelStrategy saves and loads a state with exactly one module, got "
+            f"{len(modules)}\nHINT: put the model set up with fabric.setup_module under one key, e.g. state['model']."
+        )
+    return modules[0]
+
+
+def _sharded_states(state: dict[str, Any]) -> dict[str, Any]:
+    """The modules' and optimizers' sharded state dicts, by the keys of ``state``."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    module = _module_of(state)
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, Module):
+            out[key] = get_model_state_dict(value)
+        elif isinstance(value, Optimizer):
+            out[key] = get_optimizer_state_dict(module, value)
+    return out
+
+
+def _install_model_parallel(strategy: Any, io: ShardedAsyncCheckpointIO) -> None:
+    """Route ``strategy``'s ``save_checkpoint``/``load_checkpoint`` through ``io`` (every rank):
+    every rank hands its sharded state dicts to the plugin; ours load in place, resharded, other
+    paths go to Lightning (as ``lightning/strategies.py`` does for the Trainer)."""
+    original_load = strategy.load_checkpoint
+
+    def save(self: Any, path: Any, state: dict[str, Any], storage_options: Any = None, filter: Any = None) -> None:
+        if filter is not None:
+            raise NotImplementedError("lightning_preempt: fabric.save(filter=...) with ModelParallelStrategy\n"
+                                      "HINT: save the whole state; filter when exporting it.")  # fmt: skip
+        path = self.broadcast(str(path))  # every rank writes its shards into one checkpoint
+        converted = {k: (v.state_dict() if is_stateful(v) else v) for k, v in state.items()}
+        converted.update(_sharded_states(state))
+        with io.fabric_state(stateful_keys(state)):
+            io.save_checkpoint(checkpoint=converted, path=path, storage_options=storage_options)
+
+    def load(self: Any, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None) -> Any:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        path = self.broadcast(str(path))
+        resolved = agree.decide(lambda: io.resolve(path), pdist.world_group(), what="resolving the checkpoint")
+        if resolved is None or not isinstance(state, dict) or not state:
+            return original_load(path, state, strict, weights_only)
+        templates = _sharded_states(state)
+        flat, _ = split_checkpoint(templates, tuple(templates))
+        checkpoint = io.load_sharded(resolved, flat)
+        missing = [k for k in state if k not in checkpoint]
+        if strict and missing:
+            raise KeyError(f"The requested state contains a key '{missing[0]}' that does not exist in the loaded "
+                           "checkpoint. To disable strict loading, set `strict=False`.")  # fmt: skip
+        module = _module_of(state)
+        options = StateDictOptions(strict=strict, cpu_offload=True)
+        for key, value in list(state.items()):
+            if key not in checkpoint:
+                continue
+            if isinstance(value, Module):
+                set_model_state_dict(value, checkpoint.pop(key), options=options)
+            elif isinstance(value, Optimizer):
+                set_optimizer_state_dict(module, value, optim_state_dict=checkpoint.pop(key), options=options)
+            elif is_stateful(value):
+                value.load_state_dict(checkpoint.pop(key))
+            else:
+                state[key] = checkpoint.pop(key)
+        return checkpoint
+
+    strategy.save_checkpoint = types.MethodType(save, strategy)
+    strategy.load_checkpoint = types.MethodType(load, strategy)

@@ -8,6 +8,7 @@ skeleton, safe unpickling. Nothing here writes; the torch-free modules import no
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 
@@ -45,9 +46,7 @@ def tensor_from_bytes(dtype: str, shape: tuple[int, ...], data: str) -> Any:
         raise ValueError(f"tensor_from_bytes: the shape {shape!r} is not a tuple of sizes")
     if not isinstance(data, str) or len(data) > INLINE_TENSOR_MAX_BYTES:
         raise ValueError("tensor_from_bytes: the data is not the text of an inline tensor's bytes")
-    numel = 1
-    for n in shape:
-        numel *= n
+    numel = math.prod(shape)
     if numel * kind.itemsize != len(data):
         raise ValueError(f"tensor_from_bytes: {len(data)} bytes for {numel} elements of {dtype}")
     if numel == 0:

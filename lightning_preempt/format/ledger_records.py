@@ -7,19 +7,9 @@ may later fold many in (the records it kept, totals of the saves it dropped), an
 then ignores the single files it covers.
 
 :data:`FIELDS` lists each kind's fields and types (besides ``run``, ``restart``, ``seq`` and
-``t``, wall time in Unix seconds). What they mean where the name does not say:
-
-* ``save``: ``save_kind`` periodic/notice/emergency/final/tier0; ``committed_s`` ``None``:
-  it failed; ``tier``: ``dirpath``, ``local`` or ``memory``;
-* ``progress``: the last step seen (what a SIGKILL's lost steps are inferred from);
-* ``preemption``: ``snapshot_step``, the newest committed step at exit; ``to_exit_s``, signal
-  to raising ``Preempted`` (the teardown after it no record can see);
-* ``drain``: the upload of a local commit to ``dirpath``; ``drained_s`` ``None``: not uploaded;
-* ``failure``: an unannounced loss the heartbeats found (docs/failure-detection.md), written by
-  the lowest survivor; its ``seq`` is :data:`FAILURE_SEQ` (create-only: the partition fence).
-
-Everything read back is untrusted (docs/security.md): JSON only, sizes bounded, every field
-type-checked; a record that fails is skipped by the reader with a note.
+``t``, wall time in Unix seconds; what they mean: docs/goodput.md, "The records"). Everything
+read back is untrusted (docs/security.md): JSON only, sizes bounded, every field type-checked;
+a record that fails is skipped by the reader with a note.
 """
 
 from __future__ import annotations
@@ -158,9 +148,7 @@ _MISSING = object()
 def _check_value(name: str, value: Any, types: tuple[type, ...]) -> None:
     if value is _MISSING:
         raise LedgerRecordError(f"field {name!r} is missing")
-    if isinstance(value, bool) and bool not in types:
-        raise LedgerRecordError(f"field {name!r} has the wrong type")
-    if not isinstance(value, types):
+    if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
         raise LedgerRecordError(f"field {name!r} has the wrong type")
     if isinstance(value, float) and not math.isfinite(value):
         raise LedgerRecordError(f"field {name!r} is not finite")

@@ -102,11 +102,7 @@ class Manifest:
         try:
             body = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
         except (UnicodeDecodeError, ValueError, RecursionError) as err:
-            raise CorruptCheckpointError(
-                f"manifest is not valid JSON ({err})",
-                path=path,
-                hint=_DAMAGED_HINT,
-            ) from err
+            raise _corrupt(f"manifest is not valid JSON ({err})", path) from err
         if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
             raise CorruptCheckpointError(
                 f"manifest does not declare format {FORMAT_NAME!r}",

@@ -1,28 +1,7 @@
-"""Every name this package gives a file or directory, and how to recognise one.
-
-The writer, the readers, retention, the drain, the peer replica and the ownership check
-must agree on what is ours, so this is the only module that spells a name or a pattern.
-
-In a checkpoint directory (any path: ``<dirpath>/step-0000000500/``, ``last.ckpt/``…)::
-
-    manifest.json                the commit marker, written last (MANIFEST_NAME)
-    __{rank}_{i}.distcp          DCP's shard files, written by ``rank``
-    .metadata                    DCP's metadata, written by rank 0
-    state-rank{rank:05d}.pt      each rank's non-tensor state (the skeleton)
-    v-{12 hex}/                  a generation: the files of a checkpoint replaced at its path
-    .lightning_preempt           zero-byte marker: the path exists before its commit (object stores)
-    .lightning_preempt.writer    the claim of the one save writing its files directly here (write/replace.py)
-    .manifest.json.{hex}.tmp     a local commit's temporary manifest (and ..lightning_preempt.writer.{hex}.tmp)
-
-Under a checkpoint root (``dirpath``)::
-
-    step-{step:010d}[-{8 hex}]   the callback's checkpoints (the suffix: a step reached again)
-    .lp-lease-{gen:010d}.json    the lease (save/lease.py)
-    .lp-probe-…                  the storage probe's file (save/preflight.py)
-    .lp-ledger/{run id}/         the goodput ledger: one small JSON record per file (format/ledger_records.py)
-
-Beside a path whose kind changes (a plain file replaced by a checkpoint directory, local
-disk): ``.{name}.lp-new-{12 hex}`` and ``.{name}.lp-old-{12 hex}`` (write/replace.py).
+"""Every name this package gives a file or directory, and how to recognise one: the only
+module that spells a name or a pattern, so the writer, the readers, retention, the drain, the
+peer replica and the ownership check agree on what is ours (the map: docs/design.md,
+"Checkpoint layout").
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""DDP: which rank stages and writes which replicated tensor (its share of the save).
-"""
+"""DDP: which rank stages and writes which replicated tensor (its share of the save)."""
 
 from __future__ import annotations
 
@@ -54,7 +53,6 @@ def own_share(tensors: dict[str, torch.Tensor], rank: int, world_size: int) -> d
         return tensors
     owners = replica_owners(tensors, world_size)
     return {k: t for k, t in tensors.items() if owners.get(k, rank) == rank}
-
 
 
 class ShareMemo:

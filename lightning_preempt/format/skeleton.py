@@ -1,28 +1,23 @@
-"""How a Lightning checkpoint dict is split between DCP and per-rank state.
-
-* Tensors under the *sharded keys* (``state_dict`` and ``optimizer_states`` by default) go
-  to torch.distributed.checkpoint as one flat ``{key: tensor}`` dict. These are the large,
-  replicated (DDP) or sharded (FSDP2 ``DTensor``) tensors: DCP de-duplicates replicas so
-  each rank writes ~1/N, and reshards on load.
-* Everything else (loops, callbacks, hparams, RNG states, any tensor a callback keeps)
-  stays in a *skeleton*: the original nesting with :class:`TensorRef` placeholders, saved
-  per rank with ``torch.save``. Per-rank state stays per rank.
-
-Flat keys are ``/``-joined paths. They only need to be unique and identical across ranks
-for the same tensor; the skeleton, not the key, records where a tensor goes back.
+"""How a Lightning checkpoint dict is split: tensors under the *sharded keys* (``state_dict``,
+``optimizer_states``) go to DCP as one flat ``{key: tensor}`` dict (replicas de-duplicated,
+resharded on load); everything else stays in a per-rank *skeleton*, the original nesting with
+:class:`TensorRef` placeholders. Flat keys are ``/``-joined paths, unique and identical across
+ranks for the same tensor; the skeleton, not the key, records where a tensor goes back.
+Containers are rebuilt as their exact types (:func:`rebuild`): a ``torch.Size`` is not a
+``tuple``, an ``OrderedDict`` keeps ``_metadata``, a ``defaultdict`` its factory.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from lightning_preempt.format import TensorRef
-from lightning_preempt.format.containers import map_leaves
 
 DEFAULT_SHARDED_KEYS: tuple[str, ...] = ("state_dict", "optimizer_states")
 
@@ -104,7 +99,7 @@ def _ref(key: str) -> TensorRef:
 
 def merge_checkpoint(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
     """Inverse of :func:`split_checkpoint`: put every referenced tensor back in place, every
-    container rebuilt as the exact type it was (format/containers.py)."""
+    container rebuilt as the exact type it was (:func:`rebuild`)."""
     return map_leaves(skeleton, lambda leaf, _: tensors[leaf.key] if isinstance(leaf, TensorRef) else leaf)
 
 
@@ -124,3 +119,43 @@ def tensor_refs(skeleton: Any) -> list[str]:
 
     walk(skeleton)
     return found
+
+
+# ---- rebuilding containers as their exact types -------------------------------------------
+def is_namedtuple(value: Any) -> bool:
+    return isinstance(value, tuple) and hasattr(type(value), "_fields")
+
+
+def rebuild(original: Any, items: Any) -> Any:
+    """``items`` (a dict or a list) as ``original``'s exact type; subclasses are copied and
+    refilled, so instance attributes stay. Anything not rebuildable falls back to the plain type."""
+    kind = type(original)
+    if kind is dict or kind is list:
+        return items
+    if kind is tuple:
+        return tuple(items)
+    if isinstance(original, tuple):
+        try:
+            return kind(*items) if is_namedtuple(original) else kind(items)
+        except Exception:
+            return tuple(items)
+    try:
+        new = copy.copy(original)
+        new.clear()
+        new.update(items) if isinstance(original, dict) else new.extend(items)
+        return new
+    except Exception:
+        return items
+
+
+def map_leaves(obj: Any, fn: Callable[[Any, str], Any], prefix: str = "", *, descend: Callable[[Any], bool] | None = None) -> Any:
+    """``obj`` with every non-container leaf replaced by ``fn(leaf, path)`` (paths ``/``-joined
+    from ``prefix``), every dict, list and tuple rebuilt as its exact type (:func:`rebuild`).
+    ``descend(container)`` may refuse to enter a container (it is then a leaf)."""
+    if descend is not None and isinstance(obj, (dict, list, tuple)) and not descend(obj):
+        return fn(obj, prefix)
+    if isinstance(obj, dict):
+        return rebuild(obj, {k: map_leaves(v, fn, f"{prefix}/{k}", descend=descend) for k, v in obj.items()})
+    if isinstance(obj, (list, tuple)):
+        return rebuild(obj, [map_leaves(v, fn, f"{prefix}/{i}", descend=descend) for i, v in enumerate(obj)])
+    return fn(obj, prefix)

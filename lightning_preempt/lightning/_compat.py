@@ -64,7 +64,7 @@ def _wrap_once(module: str, cls_name: str, method: str, wrap: Callable[[Callable
 
 
 # ---- fit()'s checkpoint path (the auto-resume route, docs/design.md) ---------------------
-_QUIET_CHOICE: list[tuple[type, Callable[[], AbstractContextManager[object]]]] = []
+_QUIET_CHOICE: dict[type, Callable[[], AbstractContextManager[object]]] = {}
 
 
 def quiet_ckpt_path_choice(callback_type: type, quiet: Callable[[], AbstractContextManager[object]]) -> None:
@@ -75,15 +75,14 @@ def quiet_ckpt_path_choice(callback_type: type, quiet: Callable[[], AbstractCont
     Private: ``_CheckpointConnector._parse_ckpt_path`` (Lightning 2.5-2.6), called with the
     Trainer's state already set. Without it the warnings are shown.
     """
-    if all(t is not callback_type for t, _ in _QUIET_CHOICE):
-        _QUIET_CHOICE.append((callback_type, quiet))
+    _QUIET_CHOICE.setdefault(callback_type, quiet)
 
     def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
         def parse(self: Any, *args: Any, **kwargs: Any) -> Any:
             trainer = self.trainer
             fitting = getattr(trainer.state, "fn", None) == "fit"  # TrainerFn is a str enum
             callbacks = list(getattr(trainer, "callbacks", []))
-            for callback_type, quiet in _QUIET_CHOICE:
+            for callback_type, quiet in _QUIET_CHOICE.items():
                 if fitting and any(isinstance(cb, callback_type) for cb in callbacks):
                     with quiet():
                         return original(self, *args, **kwargs)
@@ -202,7 +201,7 @@ def restore_late(trainer: Any, path: str) -> None:
     resume_start(path)
 
 
-# ---- Fabric: fabric.save through our plugin on every rank (lightning/fabric_routing.py) ----
+# ---- Fabric: fabric.save through our plugin on every rank (checkpoint_io.wrap_save) ----
 def route_fabric_saves(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
     """Wrap Fabric's base ``Strategy.save_checkpoint`` once per process (public method, so
     this only names the class's module). Missing: rank 0 writes alone, as Lightning does."""
@@ -235,13 +234,11 @@ def fabric_loader_parts(loader: Any) -> tuple[Any, Any]:
 def tolerate_preempted_children(exit_code: int, wait_s: float) -> int:
     """Let Lightning's child-process observer accept a child's preemption exit.
 
-    With the subprocess launcher (``devices=N`` without torchrun/SLURM) a thread of the main
-    process (rank 0) SIGKILLs every process once any child exits non-zero. After a preemption
-    the ranks exit with ``exit_code`` one by one, so rank 0 was killed (-9) whenever rank 1 left
-    first (seen under load): its log lines, ledger record and own exit code were lost. A child
-    exiting with ``exit_code`` now gives the others ``wait_s`` to exit by themselves; any other
-    non-zero code, or a process still running after that, gets Lightning's kill as before.
-    Returns how many observers were adapted (0 without the launcher).
+    With the subprocess launcher (``devices=N`` without torchrun/SLURM) a thread of rank 0
+    SIGKILLs every process once any child exits non-zero, so rank 0 was killed (-9) whenever a
+    preempted rank left first: its logs, ledger record and exit code were lost. A child exiting
+    with ``exit_code`` now gives the others ``wait_s`` to exit by themselves; any other code, or a
+    process still running after that, gets Lightning's kill. Returns how many observers changed.
 
     Private: ``_ChildProcessObserver`` (``_run``, ``_child_processes``; Lightning 2.5-2.6).
     Without it nothing changes.

@@ -21,23 +21,21 @@ from typing_extensions import override
 
 from lightning_preempt.engine.config import PreemptionConfig, from_arguments
 from lightning_preempt.engine.engine import Engine
-from lightning_preempt.lightning import _compat
+from lightning_preempt.lightning import _compat, staging_hooks
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.lightning.exact import STATE_KEY, ExactResume
 from lightning_preempt.lightning.logs import (
     NOT_RESUMABLE_LOADER,
     PointerNames,
     QuietWarning,
+    SaveReporter,
     quiet_auto_resume_warnings,
+    report_resume,
 )
-from lightning_preempt.lightning.overlap_hooks import install as install_overlap
-from lightning_preempt.lightning.prealloc import prepare_staging
-from lightning_preempt.lightning.reporting import SaveReporter, report_resume
 from lightning_preempt.lightning.strategies import ensure_plugin, install_collective_saves
 from lightning_preempt.preemption.controller import Preempted
-from lightning_preempt.preemption.signals import SignalFlag
+from lightning_preempt.preemption.signals import SignalFlag, shield_workers
 from lightning_preempt.preemption.sources import PreemptionSource
-from lightning_preempt.preemption.workers import shield_workers
 
 __all__ = ["Preempted", "PreemptionCallback"]
 
@@ -129,7 +127,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
         self.exact = ExactResume(global_batch=config.global_batch)  # RNG, data position, metric states; `.enabled = False` turns it off
         _compat.allow_with_disabled_checkpointing(PreemptionCallback)  # Trainer(enable_checkpointing=False) works
         _compat.quiet_ckpt_path_choice(PreemptionCallback, quiet_auto_resume_warnings)  # only for our Trainers
-        self._reporter = SaveReporter(self._ledger_figures)  # a bound method: the callback pickles (ddp_spawn)
+        self._reporter = SaveReporter(self.engine)
         self._pointer: str | None = None
         self._late_pointer: str | None = None  # a target chosen after Lightning asked (the lease)
         self._names = PointerNames()  # Lightning's log names the checkpoint, not the pointer
@@ -158,15 +156,9 @@ class PreemptionCallback(OnExceptionCheckpoint):
         """The checkpoint this ``fit`` resumed from (after any fall-back), if any."""
         return self.engine.resumed_from
 
-    def _ledger_figures(self) -> dict[str, float]:
-        return self.engine.ledger.figures()
-
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_pointer"] = state["_late_pointer"] = None  # belongs to one fit
-        state["_names"] = PointerNames()
-        state["_quiet_loader"] = QuietWarning(NOT_RESUMABLE_LOADER, PossibleUserWarning)
-        return state
+        fresh = {"_pointer": None, "_late_pointer": None, "_names": PointerNames()}  # they belong to one fit
+        return {**self.__dict__, **fresh, "_quiet_loader": QuietWarning(NOT_RESUMABLE_LOADER, PossibleUserWarning)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -257,8 +249,8 @@ class PreemptionCallback(OnExceptionCheckpoint):
         io = self._plugin(trainer)
         # Staging buffers allocated and touched in the background now: the first (maybe the
         # emergency) save only copies. Again after the first step: optimizer state appears there.
-        self._prepare_after = trainer.global_step if prepare_staging(trainer, io) is not None else None
-        install_overlap(trainer, io)  # parameters and optimizer state may be copied while the next step runs
+        self._prepare_after = trainer.global_step if staging_hooks.prepare_staging(trainer, io) is not None else None
+        staging_hooks.install(trainer, io)  # parameters and optimizer state may be copied while the next step runs
         report_resume(trainer, self._restored_state, log_metrics=self.config.log_metrics)
         # The checkpoint is loaded: the pointer has served. Removed now, not at teardown,
         # which a preempted process never reaches (one file in /tmp per preemption).
@@ -294,7 +286,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
             self._reporter.report(trainer, io.history)
         if self._prepare_after is not None and trainer.global_step > self._prepare_after:
             self._prepare_after = None
-            prepare_staging(trainer, io)
+            staging_hooks.prepare_staging(trainer, io)
         self.engine.step_end(trainer.global_step)
 
     @override

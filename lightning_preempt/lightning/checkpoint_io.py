@@ -5,12 +5,14 @@ decides which saves are asynchronous; the mechanism lives below (docs/design.md)
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from typing import Any
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from torch.distributed.tensor import DTensor
+from torch.nn import Module
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_preempt.catalog.loader import Loader
@@ -18,7 +20,6 @@ from lightning_preempt.collective import groups as pdist
 from lightning_preempt.engine.config import CheckpointIOConfig, from_arguments
 from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.lightning import _compat
-from lightning_preempt.lightning.fabric_routing import wrap_save
 from lightning_preempt.save.history import SaveRecord
 from lightning_preempt.save.saver import Saver
 from lightning_preempt.staging.overlap import resolve as resolve_overlap
@@ -44,7 +45,7 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
     before the first save they do as well. Neither starts a thread. The plugin pickles and
     deep-copies (``ddp_spawn``): threads, buffers and pending saves are not copied.
 
-    ``fabric.save`` with this plugin saves on every rank (lightning/fabric_routing.py).
+    ``fabric.save`` with this plugin saves on every rank (:func:`wrap_save`).
 
     Every option is validated here (:class:`~lightning_preempt.engine.config.CheckpointIOConfig`).
 
@@ -129,10 +130,17 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         Raises:
             CheckpointWriteError: the previous save failed (raised once).
         """
-        if self._fabric_keys is not None:
-            self._save_fabric_state(checkpoint, path, storage_options, self._fabric_keys)
-            return
         url, options = str(path), self._options(storage_options)
+        if self._fabric_keys is not None:
+            # fabric.save, on every rank (:func:`wrap_save`): asynchronous and sharded, the keys that
+            # held a module or an optimizer to the DCP shards. Without a group from Preemption the
+            # first save makes the writer's (collective: fabric.save runs on every rank).
+            if self.saver.group is None and pdist.world_size() > 1:
+                self.saver.enable_collective(pdist.new_gloo_group())
+            elif self.saver.closed:  # after Fabric's teardown: saves stay asynchronous and sharded
+                self.saver.enable_collective(self.saver.group)
+            self.saver.save(checkpoint, url, options, sharded_keys=self._fabric_keys)
+            return
         outside_fit = self.saver.closed or not _training_started(checkpoint)
         if outside_fit and not _holds_dtensors(checkpoint):
             self.saver.save_plain(checkpoint, url, options)
@@ -144,30 +152,12 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
     @contextlib.contextmanager
     def fabric_state(self, sharded_keys: tuple[str, ...]) -> Iterator[None]:
         """Within it, :meth:`save_checkpoint` takes ``fabric.save``'s converted state
-        (lightning/fabric_routing.py), sharding the keys that held a module or an optimizer."""
+        (:func:`wrap_save`), sharding the keys that held a module or an optimizer."""
         self._fabric_keys = sharded_keys
         try:
             yield
         finally:
             self._fabric_keys = None
-
-    def _save_fabric_state(
-        self, state: dict[str, Any], path: Any, storage_options: Any, sharded_keys: tuple[str, ...]
-    ) -> None:
-        """``fabric.save``, on every rank (lightning/fabric_routing.py): an asynchronous sharded
-        save of the converted ``state``, whose module and optimizer states (``sharded_keys``)
-        go to the DCP shards. Under more than one process every rank writes its share; the
-        first save makes the writer's gloo group when no :class:`Preemption` gave one
-        (collective: ``fabric.save`` runs on every rank).
-
-        Raises:
-            CheckpointWriteError: the previous save failed (raised once).
-        """
-        if self.saver.group is None and pdist.world_size() > 1:
-            self.saver.enable_collective(pdist.new_gloo_group())
-        elif self.saver.closed:  # after Fabric's teardown: saves stay asynchronous and sharded
-            self.saver.enable_collective(self.saver.group)
-        self.saver.save(state, str(path), self._options(storage_options), sharded_keys=sharded_keys)
 
     @override
     def load_checkpoint(
@@ -287,10 +277,37 @@ def _training_started(checkpoint: dict[str, Any]) -> bool:
 
 
 def _holds_dtensors(obj: Any) -> bool:
-    if isinstance(obj, DTensor):
-        return True
-    if isinstance(obj, dict):
-        return any(_holds_dtensors(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return any(_holds_dtensors(v) for v in obj)
-    return False
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    return isinstance(obj, DTensor) or any(_holds_dtensors(v) for v in items)
+
+
+# ---- fabric.save through the plugin on every rank ----------------------------------------------
+def stateful_keys(state: dict[str, Any]) -> tuple[str, ...]:
+    """The top-level keys of a ``fabric.save`` state that hold a module or an optimizer."""
+    return tuple(str(k) for k, v in state.items() if isinstance(v, (Module, Optimizer)))
+
+
+def wrap_save(original: Callable[..., None]) -> Callable[..., None]:
+    """Fabric's base ``Strategy.save_checkpoint`` (single device, DDP, DP: the plugin on rank 0
+    alone), routed to a plugin that offers ``fabric_state`` on every rank: the replicated tensors
+    are split between the ranks (DCP), the keys that held a module or optimizer are sharded.
+    Installed once per process by the plugin (``_compat.route_fabric_saves``)."""
+
+    def save_checkpoint(
+        self: Any, path: Any, state: dict[str, Any], storage_options: Any = None, filter: Any = None
+    ) -> None:
+        io = self.checkpoint_io
+        # Looked up on the class: a ``Mock()`` checkpoint_io (Lightning's own tests) grows any
+        # attribute, and must see Lightning's calls.
+        if getattr(type(io), "fabric_state", None) is None:
+            original(self, path, state, storage_options, filter)
+            return
+        sharded = stateful_keys(state)
+        converted = _compat.convert_fabric_state(self, state, filter or {})
+        if pdist.world_size() > 1 or self.is_global_zero:
+            # Through ``save_checkpoint``, the CheckpointIO contract (a subclass overriding it,
+            # or a test mocking it, sees the save); ``fabric_state`` says it is Fabric's.
+            with io.fabric_state(sharded):
+                io.save_checkpoint(checkpoint=converted, path=path, storage_options=storage_options)
+
+    return save_checkpoint

@@ -17,10 +17,8 @@ import lightning.pytorch as pl
 
 from lightning_preempt.lightning import _compat
 from lightning_preempt.resume import exact_state
-from lightning_preempt.resume.exact_state import STATE_KEY
+from lightning_preempt.resume.exact_state import STATE_KEY, cpu_copy, metric_states, restore_rng
 from lightning_preempt.resume.loaders import ResumableLoaders, drop_replayed
-from lightning_preempt.resume.metrics import cpu_copy, metric_states
-from lightning_preempt.resume.rng import restore_rng
 
 log = logging.getLogger(__name__)
 

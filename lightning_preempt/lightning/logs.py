@@ -1,6 +1,8 @@
-"""What Lightning logs about our checkpoints: its messages that our auto-resume route and
-exact resume make untrue are filtered, and its "Restoring states from …" lines name the real
-checkpoint instead of the resume pointer (docs/design.md, "Auto-resume")."""
+"""What the Trainer's logs say about our checkpoints: ours (each save's figures through its
+loggers, what a resume lost; on the training thread: loggers are not thread-safe) and
+Lightning's messages that our auto-resume route and exact resume make untrue, filtered, with its
+"Restoring states from …" lines naming the real checkpoint, not the resume pointer
+(docs/design.md, "Auto-resume")."""
 
 from __future__ import annotations
 
@@ -8,7 +10,13 @@ import contextlib
 import logging
 import warnings
 from collections.abc import Iterator
-from typing import cast
+from typing import Any, cast
+
+import lightning.pytorch as pl
+
+from lightning_preempt.engine.engine import Engine
+
+log = logging.getLogger(__name__)
 
 NOT_RESUMABLE_LOADER = r"You're resuming from a checkpoint that ended before the epoch ended"
 """Lightning's warning on a mid-epoch restart that a loader is not resumable: untrue once exact
@@ -42,9 +50,6 @@ class QuietWarning:
                 # No cache to reset: an "ignore" leaves no entry in the warning registries.
                 del filters[i]
                 return
-
-    def __getstate__(self) -> dict[str, object]:
-        return {"message": self.message, "category": self.category, "_entry": None}  # one fit's
 
 
 AUTO_RESUME_WARNINGS = (
@@ -98,8 +103,56 @@ class PointerNames(logging.Filter):
             record.msg = record.msg.replace(*names)
         return True
 
-    def __getstate__(self) -> dict[str, object]:
-        return {}  # belongs to one fit (the logger holds it while installed)
 
-    def __setstate__(self, state: dict[str, object]) -> None:
-        self.__init__()  # type: ignore[misc]
+class SaveReporter:
+    """Logs each finished save once: blocking time, time to commit, bytes, throughput, and
+    the run's figures so far (preemptions, steps lost, goodput from ``engine``'s ledger, looked
+    up late: set-up replaces it). Rank 0 only, ``logger.log_metrics`` directly: no collective."""
+
+    def __init__(self, engine: Engine | None = None) -> None:
+        self._last_started = float("-inf")  # the plugin trims its history: remember by time, not index
+        self._engine = engine
+
+    def report(self, trainer: pl.Trainer, history: list[Any]) -> None:
+        for metrics, step in self.collect(history, is_global_zero=trainer.is_global_zero):
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
+
+    def collect(self, history: list[Any], *, is_global_zero: bool) -> list[tuple[dict[str, float], int]]:
+        """The ``(metrics, step)`` of each save finished since the last call, in order (none on
+        ranks other than 0); the caller logs them (the Trainer's loggers, ``fabric.log_dict``)."""
+        out: list[tuple[dict[str, float], int]] = []
+        run: dict[str, float] | None = None
+        for record in history:
+            if record.started <= self._last_started:
+                continue
+            if record.committed_s is None and record.error is None:
+                break  # still in flight: report it later, in order
+            self._last_started = record.started
+            if record.error is not None or not is_global_zero:
+                continue
+            metrics = {
+                "checkpoint/blocking_s": record.blocking_s,
+                "checkpoint/commit_s": record.committed_s or 0.0,
+                "checkpoint/bytes": float(record.bytes),
+                "checkpoint/throughput_MBps": (record.throughput_bps or 0.0) / 1e6,
+            }
+            if run is None:
+                run = self._engine.ledger.figures() if self._engine is not None else {}
+            metrics.update(run)
+            out.append((metrics, max(record.step, 0)))
+        return out
+
+
+def report_resume(trainer: pl.Trainer, state: dict[str, Any] | None, *, log_metrics: bool = True) -> None:
+    """After a restore: the step, and whether steps were lost (from the saved callback state)."""
+    if state is None or not trainer.is_global_zero:
+        return
+    step = trainer.global_step
+    if state.get("kind") == "emergency":
+        how = f"the snapshot taken after {state.get('signal') or 'a signal'}: 0 steps lost"
+    else:
+        how = f"a {state.get('kind') or 'periodic'} checkpoint: steps trained after it (if any) are repeated"
+    log.info("lightning_preempt: resumed at step %d from %s", step, how)
+    for logger in trainer.loggers if log_metrics else ():
+        logger.log_metrics({"preempt/resumed_from_step": float(step)}, step=step)

@@ -45,11 +45,7 @@ class PeerReplica(Callback):
         self._done_step: int | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()  # the group and the registration belong to one fit
-        state["_group"] = None
-        state["_hooked"] = None
-        state["_hook"] = None
-        return state
+        return {**self.__dict__, "_group": None, "_hooked": None, "_hook": None}  # they belong to one fit
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -48,34 +48,25 @@ def ensure_plugin(
 
 def install_collective_saves(
     strategy: Strategy, io: ShardedAsyncCheckpointIO, writer_group: pdist.ProcessGroup | None
-) -> bool:
-    """Route ``strategy``'s saves (and sharded loads) through ``io`` on all ranks.
-
-    Returns whether every rank now writes its own share.
-    """
+) -> None:
+    """Route ``strategy``'s saves (and sharded loads) through ``io`` on all ranks, where it can."""
     if isinstance(strategy, ModelParallelStrategy):
         _install_model_parallel(strategy, io)
-        io.enable_collective_saves(writer_group)
-        return writer_group is not None
-    if writer_group is None or pdist.world_size() == 1:
-        io.enable_collective_saves(None)
-        return False
-    if type(strategy).save_checkpoint is not Strategy.save_checkpoint:
+    elif writer_group is None or pdist.world_size() == 1:
+        writer_group = None
+    elif type(strategy).save_checkpoint is not Strategy.save_checkpoint:
         log.warning(
             "lightning_preempt: %s saves checkpoints itself; rank 0 writes through the plugin alone",
             type(strategy).__name__,
         )
-        io.enable_collective_saves(None)
-        return False
-
-    def save_on_every_rank(
-        self: Strategy, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
-    ) -> None:
-        self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    strategy.save_checkpoint = types.MethodType(save_on_every_rank, strategy)  # type: ignore[method-assign]
+        writer_group = None
+    else:
+        strategy.save_checkpoint = types.MethodType(_save_on_every_rank, strategy)  # type: ignore[method-assign]
     io.enable_collective_saves(writer_group)
-    return True
+
+
+def _save_on_every_rank(self: Strategy, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+    self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
 
 def _install_model_parallel(strategy: ModelParallelStrategy, io: ShardedAsyncCheckpointIO) -> None:

@@ -17,11 +17,11 @@ from collections.abc import Callable, Sequence
 from typing import Literal, NoReturn, Protocol
 
 from lightning_preempt.collective.groups import ProcessGroup
-from lightning_preempt.preemption import late_signals, quick_exit
+from lightning_preempt.preemption import quick_exit
 from lightning_preempt.preemption.deadline import grace_margin
 from lightning_preempt.preemption.requeue import AGENT_REQUEUES, absorb_requeue_term, requeue_slurm
 from lightning_preempt.preemption.schedule import AgreementSchedule
-from lightning_preempt.preemption.signals import SignalFlag
+from lightning_preempt.preemption.signals import SignalFlag, hand_back, take_over
 from lightning_preempt.preemption.sources import Notice, PreemptionSource
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class ControllerSettings(Protocol):
 
 
 def _noted(signum: signal.Signals) -> None:
-    """A signal while the exit is under way: :data:`late_signals.LATE` counts it; nothing more."""
+    """A signal while the exit is under way: :data:`signals.LATE` counts it; nothing more."""
 
 
 class PreemptionController:
@@ -96,7 +96,7 @@ class PreemptionController:
 
     def start(self) -> None:
         """Start (or re-arm) every source; main thread."""
-        late_signals.hand_back()  # training (again, any trainer's): the signals are a preemption's again
+        hand_back()  # training (again, any trainer's): the signals are a preemption's again
         for source in self.sources:
             source.start()
         job = os.environ.get("SLURM_JOB_ID")
@@ -119,29 +119,26 @@ class PreemptionController:
         if self.preempted and self._requeued:
             # the teardown still takes seconds; SLURM's SIGTERM after a requeue can come that
             # late and would kill this rank (issue 32): only note it. No requeue, nothing expected
-            late_signals.take_over(self.config.signals, _noted)
+            take_over(self.config.signals, _noted)
 
     def after_training(self, *, leader: bool, safe_step: Callable[[], str]) -> None:
         """After :meth:`stop`: a configured signal still at its default action now exits with
         ``exit_code`` (and requeues) instead of killing the process; nothing more is saved."""
 
-        def exit_now(signum: signal.Signals) -> None:
-            self._exit_after_training(signum, leader=leader, safe_step=safe_step)
+        def exit_now(signum: signal.Signals) -> NoReturn:
+            code = self.config.exit_code
+            job = self._requeue_job() if leader else None
+            then = f"; requeueing SLURM job {job} last" if job is not None else ""
+            log.warning("lightning_preempt: [preemption] %s after training ended; exiting with code %d; safe to "
+                        "resume from: %s%s", signum.name, code, safe_step(), then)  # fmt: skip
+            if job is not None:
+                log.warning("lightning_preempt: [preemption] %s", requeue_slurm(
+                    job, self.config.requeue_timeout_s, flush=flush_logs, settle_s=_SETTLE_S))  # fmt: skip
+            flush_logs()
+            raise quick_exit.armed(Preempted(code), code, flush_logs)
 
         if not self.preempted:  # (else the exit with exit_code is under way)
-            late_signals.take_over(self.config.signals, exit_now)
-
-    def _exit_after_training(self, signum: signal.Signals, *, leader: bool, safe_step: Callable[[], str]) -> NoReturn:
-        code = self.config.exit_code
-        job = self._requeue_job() if leader else None
-        then = f"; requeueing SLURM job {job} last" if job is not None else ""
-        log.warning("lightning_preempt: [preemption] %s after training ended; exiting with code %d; safe to resume "
-                    "from: %s%s", signum.name, code, safe_step(), then)  # fmt: skip
-        if job is not None:
-            log.warning("lightning_preempt: [preemption] %s", requeue_slurm(
-                job, self.config.requeue_timeout_s, flush=flush_logs, settle_s=_SETTLE_S))  # fmt: skip
-        flush_logs()
-        raise quick_exit.armed(Preempted(code), code, flush_logs)
+            take_over(self.config.signals, exit_now)
 
     def local_notice(self) -> Notice | None:
         """The earliest notice any local source has seen (cheap: reads fields); an advisory

@@ -8,13 +8,13 @@ is not requeued (:func:`ended_by_slurm`). Under our torchrun the agent requeues 
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
-from types import FrameType
+from collections.abc import Callable, Iterator
 
 #: Set by ``lightning_preempt.torchrun`` under SLURM for its workers: the agent requeues the
 #: job of the node that received the signal, so ``requeue=None`` does not requeue in a worker.
@@ -64,14 +64,7 @@ def requeue_slurm(
     if flush is not None:
         flush()
     absorb = settle_s > 0 and threading.current_thread() is threading.main_thread()
-    came: list[float] = []
-
-    def note(signum: int, frame: FrameType | None) -> None:
-        came.append(time.monotonic())
-
-    previous = signal.signal(signal.SIGTERM, note) if absorb else None
-    start = time.monotonic()
-    try:
+    with _sigterm_noted(absorb) as wait:
         try:
             result = subprocess.run(
                 ["scontrol", "requeue", job], capture_output=True, text=True,
@@ -84,14 +77,10 @@ def requeue_slurm(
         done = f"scontrol requeue {job} -> exit {result.returncode} {result.stderr.strip()}".rstrip()
         if result.returncode != 0 or not absorb:
             return done
-        while not came and time.monotonic() - start < settle_s:
-            time.sleep(0.02)
-        if came:
-            return f"{done}; SLURM's SIGTERM came {came[0] - start:.2f}s later (absorbed: the process exits by itself)"
-        return f"{done}; no SIGTERM from SLURM within {settle_s:.1f}s"
-    finally:
-        if absorb:
-            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        came = wait(settle_s)
+    if came is not None:
+        return f"{done}; SLURM's SIGTERM came {came:.2f}s later (absorbed: the process exits by itself)"
+    return f"{done}; no SIGTERM from SLURM within {settle_s:.1f}s"
 
 
 def absorb_requeue_term(job: str, settle_s: float, *, flush: Callable[[], None] | None = None) -> str:
@@ -99,22 +88,33 @@ def absorb_requeue_term(job: str, settle_s: float, *, flush: Callable[[], None] 
     requeue brings (main thread; not when :func:`ended_by_slurm`)."""
     if settle_s <= 0 or threading.current_thread() is not threading.main_thread():
         return "not waiting for SLURM's SIGTERM (no time left, or not the main thread)"
-    came: list[float] = []
-
-    def note(signum: int, frame: FrameType | None) -> None:
-        came.append(time.monotonic())
-
-    previous = signal.signal(signal.SIGTERM, note)
-    start = time.monotonic()
-    try:
+    with _sigterm_noted() as wait:
         if shutil.which("scontrol") is not None and ended_by_slurm(job, min(2.0, settle_s)) is not None:
             return f"SLURM job {job} is ending for good: not waiting for a requeue's SIGTERM"
         if flush is not None:
             flush()
+        came = wait(settle_s)
+    if came is not None:
+        return f"SLURM's SIGTERM after the requeue came {came:.2f}s later (absorbed on this rank too)"
+    return f"no SIGTERM from SLURM within {settle_s:.1f}s on this rank"
+
+
+@contextlib.contextmanager
+def _sigterm_noted(active: bool = True) -> Iterator[Callable[[float], float | None]]:
+    """Inside the block a SIGTERM is only noted (main thread; nothing changes unless ``active``).
+    Yields ``wait(settle_s)``: the seconds from the block's start to the first SIGTERM, waiting
+    up to ``settle_s`` for one; ``None`` when none came."""
+    came: list[float] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: came.append(time.monotonic())) if active else None
+    start = time.monotonic()
+
+    def wait(settle_s: float) -> float | None:
         while not came and time.monotonic() - start < settle_s:
             time.sleep(0.02)
-        if came:
-            return f"SLURM's SIGTERM after the requeue came {came[0] - start:.2f}s later (absorbed on this rank too)"
-        return f"no SIGTERM from SLURM within {settle_s:.1f}s on this rank"
+        return came[0] - start if came else None
+
+    try:
+        yield wait
     finally:
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        if active:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)

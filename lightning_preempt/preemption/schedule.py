@@ -1,6 +1,6 @@
 """When ranks agree on "preempt now?" (and "a time-based save is due?").
 
-Policy over :class:`lightning_preempt.dist.FlagAgreement`: ranks MAX-reduce
+Policy over :class:`lightning_preempt.collective.groups.FlagAgreement`: ranks MAX-reduce
 ``[signalled, time_due, stop, proposed_k, tier0]`` every ``k`` step boundaries, counted
 alike on all ranks (a rank-local condition never decides who enters the collective).
 ``k="auto"`` proposes ``k ~ interval_s / step time`` in the same exchange (one costs ~1 ms
@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from lightning_preempt.collective.flags import FlagAgreement
-from lightning_preempt.collective.groups import ProcessGroup
+from lightning_preempt.collective.groups import FlagAgreement, ProcessGroup
 
 CALIBRATION_STEPS = 20
 MAX_K = 1000
@@ -40,9 +39,7 @@ class AgreementSchedule:
         self.tier0 = 0
 
     def __getstate__(self) -> dict[str, object]:
-        state = self.__dict__.copy()
-        state["_flags"] = None  # a process group belongs to one fit; setup binds again
-        return state
+        return {**self.__dict__, "_flags": None}  # a process group belongs to one fit; setup binds again
 
     def bind(self, group: ProcessGroup | None) -> None:
         """Use ``group`` (a gloo group of its own; ``None`` without torch.distributed)."""

@@ -8,6 +8,7 @@ falls back to ``torch.load(weights_only=True)``.
 from __future__ import annotations
 
 import io
+import math
 import sys
 from typing import IO, Any, NamedTuple, cast
 
@@ -51,13 +52,12 @@ def read_archive(
     got = read_into(f, head, crc)
     if got < head.nbytes:
         return None, got
-    numel = 1
-    for size in item.chunk_sizes:
-        numel *= size
-    nbytes = numel * item.dtype.itemsize
+    nbytes = math.prod(item.chunk_sizes) * item.dtype.itemsize
     start = data_start(head)
     if start is None or sys.byteorder != "little":
-        return _read_rest_and_load(f, item, head, crc)
+        rest = memoryview(bytearray(item.length - head.nbytes))
+        got += read_into(f, rest, crc)
+        return (_load_archive(bytes(head) + bytes(rest), item) if got == item.length else None), got
     tensor = out if out is not None else torch.empty(item.chunk_sizes, dtype=item.dtype)
     data = _bytes_of(tensor.view(-1).view(torch.uint8)) if nbytes else memoryview(bytearray())
     in_head = max(0, min(head.nbytes, start + nbytes) - start)
@@ -81,9 +81,7 @@ def archive_in_memory(
     """The tensor of one archive already in memory, copied into a tensor of its own.
     ``layouts`` remembers where the data header sat for archives of the same sizes, so the
     headers are walked only on a miss. :class:`Unparsable` when torch cannot read it."""
-    nbytes = item.dtype.itemsize
-    for size in item.chunk_sizes:
-        nbytes *= size
+    nbytes = math.prod(item.chunk_sizes) * item.dtype.itemsize
     shape = (archive.nbytes, nbytes)
     header = layouts.get(shape)
     start = _data_after(archive, header) if header is not None else None
@@ -145,16 +143,6 @@ def _descriptor_says(after: bytes, nbytes: int) -> bool:
     size32 = int.from_bytes(after[12:16], "little") if len(after) >= 16 else -1
     size64 = int.from_bytes(after[16:24], "little") if len(after) >= 24 else -1
     return nbytes in (size32, size64)
-
-
-def _read_rest_and_load(
-    f: IO[bytes], item: TensorItem, head: memoryview, crc: Cursor
-) -> tuple[torch.Tensor | None, int]:
-    rest = memoryview(bytearray(item.length - head.nbytes))
-    got = head.nbytes + read_into(f, rest, crc)
-    if got < item.length:
-        return None, got
-    return _load_archive(bytes(head) + bytes(rest), item), got
 
 
 class Unparsable(Exception):

@@ -76,20 +76,23 @@ class Cursor:
 def read_into(f: IO[bytes], view: memoryview, cursor: Cursor) -> int:
     """Fill ``view`` from ``f`` chunk by chunk, each chunk to the CRC; returns bytes read."""
     done = 0
-    readinto = getattr(f, "readinto", None)
     while done < view.nbytes:
         part = view[done : done + CHUNK_BYTES]
-        if readinto is not None:
-            n = readinto(part) or 0
-        else:  # a file object without readinto: one extra copy of this chunk
-            data = f.read(part.nbytes)
-            n = len(data)
-            part[:n] = data
+        n = _readinto(f, part)
         if n == 0:
             break
         cursor.update(part[:n])
         done += n
     return done
+
+
+def _readinto(f: IO[bytes], view: memoryview) -> int:
+    readinto = getattr(f, "readinto", None)
+    if readinto is not None:
+        return readinto(view) or 0
+    data = f.read(view.nbytes)  # a file object without readinto: one extra copy
+    view[: len(data)] = data
+    return len(data)
 
 
 def file_digest(crcs: list[OrderedCrc | None]) -> str:
@@ -126,13 +129,7 @@ class _HashingRaw(io.RawIOBase):
             view = view[: max(0, self._end - self.offset)]
         if not view.nbytes:
             return 0
-        readinto = getattr(self._inner, "readinto", None)
-        if readinto is not None:
-            n = readinto(view) or 0
-        else:  # a file object without readinto: one extra copy of this piece
-            data = self._inner.read(view.nbytes)
-            n = len(data)
-            view[:n] = data
+        n = _readinto(self._inner, view)
         if n and self._crc is not None:
             self._crc.update(self.offset, view[:n])
         self.offset += n

@@ -1,4 +1,5 @@
-"""Reading one checkpoint directory: manifest, verification, and the Lightning dict."""
+"""Reading one checkpoint directory: manifest, verification, and the Lightning dict; DCP's own
+reader (resharding) with ``.metadata`` through the restricted unpickler."""
 
 from __future__ import annotations
 
@@ -11,23 +12,24 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.errors import CorruptCheckpointError
+from lightning_preempt.format import dcp_compat as _compat
 from lightning_preempt.format.generations import data_store
 from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.format.names import DCP_METADATA_NAME, state_file
-from lightning_preempt.format.pickles.metadata_scan import check_dcp_structure
 from lightning_preempt.format.pickles.unpickle import (
     apply_map_location,
+    dcp_metadata,
     load_state_bytes,
-    unpickle_dcp_metadata,
+    read_dcp_metadata,
 )
 from lightning_preempt.format.skeleton import merge_checkpoint, tensor_refs
-from lightning_preempt.read.dcp import load_all_tensors, load_tensors_into
 from lightning_preempt.read.seal import sealed
 from lightning_preempt.read.tensors import read_tensors, read_verified_bytes, tensor_items
-from lightning_preempt.read.verify import _CORRUPT_HINT, Fallback, check_files, read_manifest, verify_checkpoint
+from lightning_preempt.read.verify import CORRUPT_HINT, Fallback, check_files, read_manifest, verify_checkpoint
 from lightning_preempt.storage.store import Store
 
 log = logging.getLogger(__name__)
@@ -43,11 +45,8 @@ def load_skeleton(
     map_location: Any = None,
 ) -> Any:
     """The non-tensor state saved by ``rank`` (rank 0's when this rank did not exist then).
-
-    ``verify``: check its size and CRC32C against the manifest in the same read.
-    Unpickled with ``weights_only=True`` and this package's allow-list unless ``trusted``
-    (:mod:`lightning_preempt.safe_load`); ``map_location`` as ``torch.load`` takes it.
-    """
+    ``verify``: size and CRC32C checked in the same read. Unpickled with the allow-list
+    unless ``trusted`` (format/pickles/unpickle.py)."""
     name = state_file(rank)
     if name not in manifest.files:
         name = state_file(0)
@@ -119,7 +118,7 @@ def verify_shared(store: Store, manifest: Manifest, group: pdist.ProcessGroup) -
         error = str(err).splitlines()[0]
     errors = [e for e in pdist.all_gather_objects(error, group) if e is not None]
     if errors:
-        raise CorruptCheckpointError(errors[0], path=store.url, hint=_CORRUPT_HINT)
+        raise CorruptCheckpointError(errors[0], path=store.url, hint=CORRUPT_HINT)
 
 
 class _FallbackDict(dict):  # type: ignore[type-arg]
@@ -132,31 +131,19 @@ class _FallbackDict(dict):  # type: ignore[type-arg]
 def load_full_checkpoint(
     store: Store, *, rank: int = 0, verify: bool = True, trusted: bool = False, map_location: Any = None
 ) -> dict[str, Any]:
-    """The complete Lightning checkpoint dict, with full (unsharded) tensors on CPU, or
-    where ``map_location`` (as ``torch.load`` takes it) sends them. ``trusted``: see
-    :func:`load_skeleton`.
-
-    One pass over the bytes (:mod:`lightning_preempt.fastload`): every file this rank
-    reads (its skeleton, ``.metadata``, the shards) is checked against the manifest's
-    size and CRC32C while it is read; files it does not read (other ranks' skeletons)
-    are not. Raises :class:`CorruptCheckpointError` on any mismatch, before returning
-    anything: the caller can fall back to an older checkpoint.
-    """
+    """The complete Lightning checkpoint dict, full tensors on CPU or where ``map_location``
+    (as ``torch.load`` takes it) sends them. Every file this rank reads is checked against
+    the manifest's size and CRC32C in the same pass (read/tensors.py); any mismatch raises
+    :class:`CorruptCheckpointError` before anything is returned."""
     with gc_paused():
         return _load_full(store, rank=rank, verify=verify, trusted=trusted, map_location=map_location)
 
 
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
-    """No cyclic garbage collection while a checkpoint is unpickled and read.
-
-    A state of thousands of tensors unpickles tens of thousands of objects (DCP's
-    ``.metadata``, the skeleton, the tensors): each allocation burst triggers full
-    collections that walk every object alive, measured 0.04 s -> 0.2 s for one
-    ``.metadata`` of 4000 tensors. A load creates no cycles worth collecting meanwhile.
-    A save pauses it too, only while training waits (save/saver.py: split, skeleton,
-    staging), never while it writes (that may take minutes while training runs).
-    """
+    """No cyclic garbage collection while a checkpoint is unpickled and read (or, in
+    save/saver.py, while training waits for a save): tens of thousands of new objects
+    trigger full collections, measured 0.04 s -> 0.2 s for one ``.metadata`` of 4000 tensors."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -182,7 +169,7 @@ def _load_full(store: Store, *, rank: int, verify: bool, trusted: bool, map_loca
         raise CorruptCheckpointError(
             f"{len(missing)} tensors referenced by the state are not in the shards (e.g. {sorted(missing)[0]!r})",
             path=store.url,
-            hint=_CORRUPT_HINT,
+            hint=CORRUPT_HINT,
         )
     result = merge_checkpoint(skeleton, tensors)
     assert isinstance(result, dict)
@@ -193,20 +180,12 @@ def _load_all_tensors_verified(store: Store, manifest: Manifest, *, verify: bool
     """Every tensor of the shards, each shard file read once (CRC32C on the way)."""
     files = data_store(store, manifest)
     data = read_verified_bytes(files, DCP_METADATA_NAME, manifest.files.get(DCP_METADATA_NAME), verify=verify)
-    items = tensor_items(_dcp_metadata_from_bytes(data, store, manifest))
+    items = tensor_items(dcp_metadata(data, path=store.url, manifest=manifest))
     if items is None:  # not a layout the one-pass reader knows: DCP's reader, verified first
         if verify:
             verify_checkpoint(store, manifest)
         return load_all_tensors(files, manifest=manifest)
     return read_tensors(files, items, manifest.files, verify=verify)
-
-
-def _dcp_metadata_from_bytes(data: bytes, store: Store, manifest: Manifest) -> Any:
-    """DCP's ``.metadata`` (a pickled ``Metadata``) through the restricted unpickler, checked
-    to describe only tensors in byte ranges of the manifest's shard files (docs/security.md)."""
-    metadata = unpickle_dcp_metadata(data, path=store.url)
-    check_dcp_structure(metadata, path=store.url, manifest=manifest)
-    return metadata
 
 
 def load_agreed(
@@ -247,7 +226,7 @@ def load_agreed(
             else f"rank(s) {[r for r, f in enumerate(failed) if f]} found it damaged"
         )
         if fallback is None:
-            raise error or CorruptCheckpointError(reason, path=target, hint=_CORRUPT_HINT)
+            raise error or CorruptCheckpointError(reason, path=target, hint=CORRUPT_HINT)
         excluded.append(target)
         log.warning(
             "lightning_preempt: %s failed its check while loading (%s); trying an older checkpoint", target, reason
@@ -273,3 +252,51 @@ def load_plain_file(store: Store, *, map_location: Any = None, trusted: bool = F
         store = Store(os.path.realpath(store.path()))
     with store.open_read("") as f:
         return torch.load(f, map_location=map_location or "cpu", weights_only=not trusted)  # type: ignore[no-any-return]
+
+
+# ---- DCP's reader (resharding, and layouts the one-pass reader does not know) ------------
+class _CheckedReader(_compat.FsspecReader):
+    """DCP's reader for the shards of a checkpoint directory, with ``.metadata`` read through
+    ``read_dcp_metadata``: a restricted unpickler and a check that it names only tensors in
+    our shard files (``manifest``: the files it may refer to)."""
+
+    def __init__(self, store: Store, manifest: Manifest | None) -> None:
+        super().__init__(store.url, **store.storage_options)
+        # the Store's own filesystem (its options: e.g. plain gcsfs against an emulator)
+        self.fs.fs = store.dcp_filesystem()  # type: ignore[attr-defined]
+        self._store = store
+        self._manifest = manifest
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        metadata = read_dcp_metadata(self._store, self._manifest)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata  # type: ignore[no-any-return]
+
+
+def load_all_tensors(store: Store, *, manifest: Manifest | None = None) -> dict[str, Any]:
+    """Every tensor of the shards, unsharded, on CPU, in this process alone (no template:
+    the empty-state-dict planner, as DCP's ``dcp_to_torch_save`` does)."""
+    tensors: dict[str, Any] = {}
+    _compat.dcp_load_state_dict(
+        tensors, storage_reader=_CheckedReader(store, manifest), planner=_compat.EmptyStateDictLoadPlanner(), no_dist=True
+    )
+    return tensors
+
+
+def load_tensors_into(
+    store: Store, tensors: dict[str, Any], *, process_group: Any = None, manifest: Manifest | None = None
+) -> None:
+    """Fill ``tensors`` (plain or ``DTensor``) in place from the shards, resharding as DCP
+    does. Collective over ``process_group`` when torch.distributed is initialised."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    distributed = dist.is_available() and dist.is_initialized()
+    if not distributed:
+        _compat.quiet_single_process_warning()
+    dcp.load(tensors, storage_reader=_CheckedReader(store, manifest), process_group=process_group, no_dist=not distributed)
+

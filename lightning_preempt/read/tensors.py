@@ -1,15 +1,8 @@
-"""One pass over the bytes on load: read each shard file once, straight into the memory the
-tensors will live in, and compute its CRC32C on the way (docs/resume-speed.md: how, and
-what was measured).
-
-``dcp.load`` copies every tensor three times and verification read every byte once more.
-Here each file is read front to back from the offsets DCP's ``.metadata`` gives: a large
-archive's data with ``readinto`` into a new tensor of exactly its size (each tensor owns its
-storage: optimizer state often stays the very tensor loaded), small archives in batches;
-every read is hashed as it arrives (:func:`crc_reader.hashing_reader`); files are read in
-parallel (up to :data:`MAX_PARALLEL_FILES`); a file whose size or CRC32C disagrees with the
-manifest raises :class:`CorruptCheckpointError` before any tensor is returned. This module
-plans the reads and checks the files; ``read/archive.py`` parses one tensor record.
+"""One pass over the bytes on load (docs/resume-speed.md): each shard file read once, front to
+back from the offsets DCP's ``.metadata`` gives, a large archive straight into a tensor of its
+own storage, small ones in batches, every read hashed as it arrives (read/crc_reader.py); a
+file whose size or CRC32C disagrees with the manifest raises :class:`CorruptCheckpointError`
+before any tensor is returned. read/archive.py parses one tensor record.
 """
 
 from __future__ import annotations
@@ -26,6 +19,7 @@ from lightning_preempt.errors import CorruptCheckpointError
 from lightning_preempt.format.manifest import FileEntry
 from lightning_preempt.read.archive import TensorItem, Unparsable, archive_in_memory, read_archive
 from lightning_preempt.read.crc_reader import Cursor, OrderedCrc, file_digest, hashing_reader, read_into
+from lightning_preempt.read.verify import CORRUPT_HINT, check_entry, missing_file
 from lightning_preempt.storage.checksum import Crc32c
 from lightning_preempt.storage.store import Store
 
@@ -42,8 +36,6 @@ SPLIT_MIN_RECORD_BYTES = 1 << 20
 #: and copied out of that buffer; larger ones are read straight into their tensors.
 SMALL_RECORD_BYTES = 1 << 20
 BATCH_BYTES = 4 << 20
-
-_CORRUPT_HINT = "This checkpoint is damaged; resume from an older one (auto-resume skips it)."
 
 _HUGE = 2 << 20  # a transparent huge page (x86-64, arm64 with 4 KiB pages)
 _madvise = ctypes.CDLL(None, use_errno=True).madvise if sys.platform == "linux" else None
@@ -106,10 +98,6 @@ def _worth_splitting(items: list[TensorItem]) -> bool:
     return total >= SPLIT_BYTES and total >= SPLIT_MIN_RECORD_BYTES * len(items)
 
 
-def _by_offset(items: list[TensorItem]) -> list[TensorItem]:
-    return sorted(items, key=lambda i: i.offset)
-
-
 def _ranges(items: list[TensorItem], parts: int) -> list[list[TensorItem]]:
     """``items`` (by offset) cut into at most ``parts`` runs of about equal bytes."""
     total = sum(i.length for i in items)
@@ -142,14 +130,13 @@ def _read_range(
     name: str,
     items: list[TensorItem],
     start: int,
-    end: int,
-    last: bool,
+    end: int | None,
     entry: FileEntry | None,
     crc: OrderedCrc | None,
     outs: list[torch.Tensor],
 ) -> tuple[list[torch.Tensor], int, list[Exception]]:
-    """Read ``items`` (a run of archives starting at file offset ``start``; the last run
-    also the file's trailing bytes). Every tensor's data goes straight into a tensor of
+    """Read ``items`` (a run of archives starting at file offset ``start``; the last run,
+    ``end`` ``None``, also the file's trailing bytes). Every tensor's data goes straight into a tensor of
     exactly its size (:func:`_read_archive`). Returns the tensors, the bytes read, and the
     errors of archives torch could not parse (the caller's CRC check says whether the
     bytes are damaged)."""
@@ -160,7 +147,7 @@ def _read_range(
     with store.open_read(name) as raw:
         if start:
             raw.seek(start)
-        f = hashing_reader(raw, crc, start, None if last else end)
+        f = hashing_reader(raw, crc, start, end)
         scratch: memoryview | None = None
         layouts: dict[tuple[int, int], int] = {}  # archive_in_memory's per-file memo
         i = 0
@@ -194,7 +181,7 @@ def _read_range(
             if tensor is None:
                 return tensors, cursor.offset - start, errors
             tensors.append(tensor)
-        if last:
+        if end is None:
             rest = (entry.size - cursor.offset) if entry is not None else 0
             if rest > 0:  # trailing bytes the manifest counts but no archive covers
                 read_into(f, memoryview(bytearray(rest)), cursor)
@@ -217,62 +204,33 @@ def _read_file(
     runs = _ranges(items, parts)
     # Every tensor allocated here, on the file's thread, as torch.load does; the readers
     # fill them (and fault their pages in, in parallel when there are several ranges).
-    outs = [new_tensor(item.chunk_sizes, item.dtype) for item in items]
-    firsts = [0]
-    for run in runs[:-1]:
-        firsts.append(firsts[-1] + len(run))
+    outs = [[new_tensor(item.chunk_sizes, item.dtype) for item in run] for run in runs]
     starts = [0] + [run[0].offset for run in runs[1:]]
-    ends = [*starts[1:], -1]  # the last range reads to the end of the file
+    ends: list[int | None] = [*starts[1:], None]  # the last range reads to the end of the file
     crcs = [OrderedCrc(None, start) if verify else None for start in starts]  # hashed by each reader
     try:
         futures = [
-            pool.submit(_read_range, store, name, run, start, ends[i], i == len(runs) - 1, entry, crcs[i],
-                        outs[firsts[i] : firsts[i] + len(run)])
+            pool.submit(_read_range, store, name, run, start, ends[i], entry, crcs[i], outs[i])
             for i, (run, start) in enumerate(zip(runs, starts, strict=True))
         ]
         results = [f.result() for f in futures]
     except FileNotFoundError as err:
-        raise CorruptCheckpointError(
-            f"file {name!r} listed in the manifest is missing", path=store.url, hint=_CORRUPT_HINT
-        ) from err
+        raise missing_file(name, store) from err
     tensors = [t for got, _, _ in results for t in got]
     errors = [e for _, _, errs in results for e in errs]
     sizes = [n for _, n, _ in results]
-    total = sum(sizes)
-    contiguous = all(n == (starts[i + 1] - starts[i]) for i, n in enumerate(sizes[:-1]))
-    digest = file_digest(crcs) if verify else None
-    if not contiguous:  # a run stopped short: report the size the reads found
-        total = next(
-            starts[i] + n for i, n in enumerate(sizes) if i == len(sizes) - 1 or n != starts[i + 1] - starts[i]
-        )
-    check_entry(store, name, entry, total, digest)
+    # the size the reads found: where the first run that stopped short (or the last) ended
+    total = next(starts[i] + n for i, n in enumerate(sizes) if i == len(sizes) - 1 or n != starts[i + 1] - starts[i])
+    check_entry(store, name, entry, total, file_digest(crcs) if verify else None)
     if errors:  # the bytes are as written (or unverified), yet torch cannot read them
         raise CorruptCheckpointError(
             f"file {name!r} holds a tensor record that cannot be read: {type(errors[0]).__name__}: {errors[0]}",
             path=store.url,
-            hint=_CORRUPT_HINT,
+            hint=CORRUPT_HINT,
         ) from errors[0]
     if len(tensors) != len(items):  # a short read, reported by check_entry unless the manifest is short too
-        raise CorruptCheckpointError(f"file {name!r} ends inside a tensor", path=store.url, hint=_CORRUPT_HINT)
+        raise CorruptCheckpointError(f"file {name!r} ends inside a tensor", path=store.url, hint=CORRUPT_HINT)
     return tensors
-
-
-def check_entry(store: Store, name: str, entry: FileEntry | None, size: int, crc: str | None) -> None:
-    """Raise :class:`CorruptCheckpointError` when ``size``/``crc`` disagree with ``entry``."""
-    if entry is None:
-        raise CorruptCheckpointError(
-            f"file {name!r} holds tensors but is not listed in the manifest", path=store.url, hint=_CORRUPT_HINT
-        )
-    if size != entry.size:
-        raise CorruptCheckpointError(
-            f"file {name!r} has {size} bytes, the manifest says {entry.size} (truncated?)",
-            path=store.url,
-            hint=_CORRUPT_HINT,
-        )
-    if crc is not None and crc != entry.crc32c:
-        raise CorruptCheckpointError(
-            f"file {name!r} fails its CRC32C check ({crc} != {entry.crc32c})", path=store.url, hint=_CORRUPT_HINT
-        )
 
 
 def read_verified_bytes(store: Store, name: str, entry: FileEntry | None, *, verify: bool) -> bytes:
@@ -280,15 +238,8 @@ def read_verified_bytes(store: Store, name: str, entry: FileEntry | None, *, ver
     try:
         data = store.read_bytes(name)
     except FileNotFoundError as err:
-        raise CorruptCheckpointError(
-            f"file {name!r} listed in the manifest is missing", path=store.url, hint=_CORRUPT_HINT
-        ) from err
-    crc = None
-    if verify:
-        c = Crc32c()
-        c.update(data)
-        crc = c.hexdigest()
-    check_entry(store, name, entry, len(data), crc)
+        raise missing_file(name, store) from err
+    check_entry(store, name, entry, len(data), Crc32c(data).hexdigest() if verify else None)
     return data
 
 
@@ -347,7 +298,7 @@ def read_tensors(
     """Every tensor of ``items`` as a full CPU tensor, each file read once (and verified
     against ``files`` when ``verify``). Raises :class:`CorruptCheckpointError`."""
     per_file: dict[str, list[TensorItem]] = {}
-    for item in items:
+    for item in sorted(items, key=lambda i: i.offset):
         per_file.setdefault(item.file, []).append(item)
     # Largest first: the longest read starts at once. A large file is read in two ranges
     # at once (page faults on fresh memory, not the disk, bound a warm read here).
@@ -356,10 +307,8 @@ def read_tensors(
     workers = max(1, min(max_parallel_files, sum(parts.values())))
     ordered_items: list[TensorItem] = []
     chunks: list[torch.Tensor] = []
-    # One range in all (a single process's checkpoint): read on this thread, nothing to
-    # overlap. Measured on repeated loads in one process, a reader thread made the loads
-    # slower and bimodal (4000 tensors 0.22-0.29 s vs 0.12-0.14 s here; 400: 0.15 vs 0.05):
-    # memory touched by a fresh thread is not what the freed tensors of the last load left.
+    # One range in all (a single process's checkpoint): read on this thread, nothing to overlap
+    # (a reader thread measured slower and bimodal: 4000 tensors 0.22-0.29 s vs 0.12-0.14 s).
     inline = sum(parts.values()) == 1
     with (
         _Inline() if inline else ThreadPoolExecutor(workers, thread_name_prefix="lp-read") as readers,
@@ -367,21 +316,13 @@ def read_tensors(
     ):
         futures = {
             name: files_pool.submit(
-                _read_file,
-                store,
-                name,
-                _by_offset(per_file[name]),
-                files.get(name),
-                verify,
-                readers,
-                parts[name],
+                _read_file, store, name, per_file[name], files.get(name), verify, readers, parts[name]
             )
             for name in order
         }
         for name, fut in futures.items():
-            tensors = fut.result()
+            chunks += fut.result()
             if progress is not None:
                 progress(name)
-            ordered_items += _by_offset(per_file[name])
-            chunks += tensors
+            ordered_items += per_file[name]
     return assemble(ordered_items, chunks)

@@ -9,7 +9,7 @@ from typing import Literal
 
 from lightning_preempt.errors import CorruptCheckpointError, NotACheckpointError
 from lightning_preempt.format.generations import data_store
-from lightning_preempt.format.manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
+from lightning_preempt.format.manifest import MAX_MANIFEST_BYTES, FileEntry, Manifest, parse_manifest
 from lightning_preempt.format.names import MANIFEST_NAME
 from lightning_preempt.storage.checksum import Crc32c
 from lightning_preempt.storage.store import CHUNK_BYTES, Store
@@ -46,25 +46,29 @@ def verify_checkpoint(
                     if progress is not None:
                         progress(len(chunk))
         except FileNotFoundError as err:
-            raise CorruptCheckpointError(
-                f"file {name!r} listed in the manifest is missing", path=store.url, hint=_CORRUPT_HINT
-            ) from err
-        if crc.nbytes != entry.size:
-            raise CorruptCheckpointError(
-                f"file {name!r} has {crc.nbytes} bytes, the manifest says {entry.size} (truncated?)",
-                path=store.url,
-                hint=_CORRUPT_HINT,
-            )
-        if crc.hexdigest() != entry.crc32c:
-            raise CorruptCheckpointError(
-                f"file {name!r} fails its CRC32C check ({crc.hexdigest()} != {entry.crc32c})",
-                path=store.url,
-                hint=_CORRUPT_HINT,
-            )
+            raise missing_file(name, store) from err
+        check_entry(store, name, entry, crc.nbytes, crc.hexdigest())
     return manifest
 
 
-_CORRUPT_HINT = "This checkpoint is damaged; resume from an older one (auto-resume skips it)."
+CORRUPT_HINT = "This checkpoint is damaged; resume from an older one (auto-resume skips it)."
+
+
+def missing_file(name: str, store: Store) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"file {name!r} listed in the manifest is missing", path=store.url, hint=CORRUPT_HINT)
+
+
+def check_entry(store: Store, name: str, entry: FileEntry | None, size: int, crc: str | None) -> None:
+    """Raise :class:`CorruptCheckpointError` when ``size``/``crc`` disagree with ``entry``."""
+    if entry is None:
+        problem = "holds tensors but is not listed in the manifest"
+    elif size != entry.size:
+        problem = f"has {size} bytes, the manifest says {entry.size} (truncated?)"
+    elif crc is not None and crc != entry.crc32c:
+        problem = f"fails its CRC32C check ({crc} != {entry.crc32c})"
+    else:
+        return
+    raise CorruptCheckpointError(f"file {name!r} {problem}", path=store.url, hint=CORRUPT_HINT)
 
 
 #: How much a candidate is checked before it is chosen (catalog/newest.py).
@@ -81,19 +85,10 @@ def check_sizes(store: Store, manifest: Manifest | None = None) -> Manifest:
     store = data_store(store, manifest)  # a replaced checkpoint's files live in its generation dir
     sizes = {e.name: e.size for e in store.entries()}
     for name, entry in sorted(manifest.files.items()):
-        size = sizes.get(name)
-        if size is None and name not in sizes:
-            raise CorruptCheckpointError(
-                f"file {name!r} listed in the manifest is missing", path=store.url, hint=_CORRUPT_HINT
-            )
-        if size is None:
-            size = store.size(name)
-        if int(size) != entry.size:
-            raise CorruptCheckpointError(
-                f"file {name!r} has {size} bytes, the manifest says {entry.size} (truncated?)",
-                path=store.url,
-                hint=_CORRUPT_HINT,
-            )
+        if name not in sizes:
+            raise missing_file(name, store)
+        size = sizes[name]
+        check_entry(store, name, entry, int(size if size is not None else store.size(name)), None)
     return manifest
 
 
@@ -113,7 +108,5 @@ def check_files(store: Store, manifest: Manifest) -> None:
         try:
             store.check_regular(name, entry.size)
         except FileNotFoundError as err:
-            raise CorruptCheckpointError(
-                f"file {name!r} listed in the manifest is missing", path=store.url, hint=_CORRUPT_HINT
-            ) from err
+            raise missing_file(name, store) from err
 

@@ -8,17 +8,20 @@ shards)::
      "metrics": metric_states(), "results": front-end specific, "accumulate": int (optional)}
 
 A change of their meaning bumps :data:`FORMAT_VERSION` (an older state is then ignored).
+Here too: the RNG states (captured, restored, derived for a rank that had none) and the
+torchmetrics states, which ``state_dict`` does not hold (its internals used: docs/compat.md).
 """
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import logging
+import random
 from typing import Any
 
+import numpy as np
 import torch
-
-from lightning_preempt.resume.metrics import load_metric_states
-from lightning_preempt.resume.rng import capture_rng, derive_seed, seed_all
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +29,51 @@ STATE_KEY = "lightning_preempt"
 """Top-level checkpoint key of the exact-resume state (stays in the per-rank skeleton)."""
 
 FORMAT_VERSION = 1
+
+
+def capture_rng() -> dict[str, Any]:
+    """The RNG states of this process: Python, NumPy, torch CPU and CUDA."""
+    # (numpy: the package reads tensors' bytes through it, and torchmetrics requires it)
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    state["numpy"] = np.random.get_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Set the RNG states captured by :func:`capture_rng` (missing parts are left alone)."""
+    if "python" in state:
+        random.setstate(state["python"])
+    if "numpy" in state:
+        np.random.set_state(state["numpy"])
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
+    cuda = state.get("cuda")
+    if cuda and torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        if len(cuda) != n:
+            log.warning(
+                "lightning_preempt: the checkpoint has CUDA RNG states for %d devices, this process sees %d; "
+                "restoring the first %d", len(cuda), n, min(n, len(cuda)),
+            )  # fmt: skip
+        for device, s in enumerate(cuda[:n]):
+            torch.cuda.set_rng_state(s, device)
+
+
+def derive_seed(state: dict[str, Any], rank: int) -> int:
+    """A seed for ``rank`` derived from another rank's saved RNG state (deterministic)."""
+    digest = hashlib.sha256()
+    digest.update(bytes(state["torch"].numpy().tobytes()) if "torch" in state else b"")
+    digest.update(rank.to_bytes(4, "little"))
+    return int.from_bytes(digest.digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def seed_all(seed: int) -> None:
+    """Seed Python, NumPy and torch (CPU and every CUDA device) with ``seed``."""
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+    torch.manual_seed(seed)
 
 
 def make_state(
@@ -88,9 +136,68 @@ def warn_world_size(state: dict[str, Any], world_size: int) -> None:
         )
 
 
+def metric_state_names(metric: Any) -> list[str] | None:
+    """The state attributes of a torchmetrics ``Metric`` (``None``: not one we know)."""
+    defaults = getattr(metric, "_defaults", None)
+    return list(defaults) if isinstance(defaults, dict) else None
+
+
+def metric_update_count(metric: Any) -> int:
+    """How many times ``metric`` was updated since its last reset."""
+    return int(getattr(metric, "_update_count", 0))
+
+
+def set_metric_update_count(metric: Any, count: int) -> None:
+    """Set the update count and drop the cached ``compute()`` result (it was for other states)."""
+    metric._update_count = count
+    metric._computed = None
+
+
+def cpu_copy(value: Any) -> Any:
+    """A detached CPU copy of a state value (tensor, list of tensors, anything else deep-copied)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone().cpu()
+    if isinstance(value, list):
+        return [cpu_copy(v) for v in value]
+    return copy.deepcopy(value)
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, list):
+        return [_to(v, device) for v in value]
+    return value
+
+
+def metric_states(module: torch.nn.Module) -> dict[str, dict[str, Any]]:
+    """States of every torchmetrics ``Metric`` in ``module`` (not saved by ``state_dict``)."""
+    from torchmetrics import Metric  # (a Lightning requirement; imported when first needed)
+
+    out: dict[str, dict[str, Any]] = {}
+    for name, m in module.named_modules():
+        names = metric_state_names(m) if isinstance(m, Metric) else None
+        if names is not None:
+            out[name] = {
+                "states": {attr: cpu_copy(getattr(m, attr)) for attr in names},
+                "update_count": metric_update_count(m),
+            }
+    return out
+
+
 def restore_metrics(module: torch.nn.Module, state: dict[str, Any]) -> None:
     """Put the saved torchmetrics states back into ``module`` (warned for metrics it lacks)."""
-    missing = load_metric_states(module, state.get("metrics", {}))
+    modules = dict(module.named_modules())
+    missing = []
+    for name, entry in state.get("metrics", {}).items():
+        m = modules.get(name)
+        if m is None or metric_state_names(m) is None:
+            missing.append(name)
+            continue
+        device = getattr(m, "device", torch.device("cpu"))
+        for attr, value in entry["states"].items():
+            setattr(m, attr, _to(value, device))
+        set_metric_update_count(m, entry["update_count"])
     if missing:
         log.warning("lightning_preempt: saved metric states not found in the model: %s", missing)
 

@@ -1,37 +1,8 @@
-"""Per-loader bookkeeping of exact resume, for any loop that iterates a list of training loaders.
-
-:class:`ResumableLoaders` knows which loaders it wrapped (a :class:`ResumableSampler`
-installed), which save their own position (``"stateful"``: a torchdata
-``StatefulDataLoader``) and which it cannot resume. It never touches a training loop: a
-front-end passes the loaders (the same list, in its loop's order), the epoch and small
-callables (remake the loop's iterators; the per-epoch ``set_epoch``).
-
-Call order (one process, per rank):
-
-1. :meth:`~ResumableLoaders.wrap` once the loaders exist, before the first epoch's iterators
-   are made where the loop allows; again whenever the loop replaces them
-   (:meth:`~ResumableLoaders.is_current` is ``False``), followed then by
-   :meth:`~ResumableLoaders.note_pre_iter`.
-2. :meth:`~ResumableLoaders.note_epoch_start` at every epoch start, just before the epoch's
-   iterators are made (a ``ResumableSampler`` notes its own in ``set_epoch``).
-3. :meth:`~ResumableLoaders.capture` at a save: the ``"loaders"`` entries of the state.
-4. At the restore, after :meth:`~ResumableLoaders.wrap` and before the first batch is fetched,
-   with the saved entries: :meth:`~ResumableLoaders.restore_positions`; then
-
-   * mid-epoch in an epoch split among another number of ranks (or already resharded):
-     :meth:`~ResumableLoaders.reshard` before ``restore_positions`` (give it the result), then
-     ``set_pre_iter_rng``, :meth:`~ResumableLoaders.remake_resharded`, ``restore_rng``,
-     ``restore_generators`` (docs/elastic.md, "Data at a resize");
-   * mid-epoch: :meth:`~ResumableLoaders.set_pre_iter_rng`,
-     :meth:`~ResumableLoaders.remake_iterators` (``mid_epoch=True``), :func:`drop_replayed`,
-     ``restore_rng`` (the states of the save), :meth:`~ResumableLoaders.restore_generators`;
-   * the save ended an epoch: ``restore_rng``, :meth:`~ResumableLoaders.restore_generators`,
-     :meth:`~ResumableLoaders.make_next_epoch_iterators`;
-   * no state, or another rank's: :meth:`~ResumableLoaders.remake_iterators`.
-
-The restore assumes the loop made its iterators before it (Lightning does) and makes them
-again only where they depend on the restored states.
-"""
+"""Per-loader bookkeeping of exact resume, for any loop that iterates a list of training loaders:
+which loaders are wrapped (a :class:`ResumableSampler`), which save their own position
+(``"stateful"``: a torchdata ``StatefulDataLoader``) and which cannot resume. It never
+touches a training loop: a front-end passes the loaders, the epoch and small callables
+(docs/design.md, "Exact resume: the loaders' call order")."""
 
 from __future__ import annotations
 
@@ -51,7 +22,6 @@ from lightning_preempt.resume.reshard import (
     order_record,
     share,
 )
-from lightning_preempt.resume.rng import set_generator_states, snapshot_iter_rng
 from lightning_preempt.resume.samplers import (
     ResumableSampler,
     describe_loader,
@@ -60,6 +30,8 @@ from lightning_preempt.resume.samplers import (
     loader_generators,
     replays_sampler,
     rewound_sampler,
+    set_generator_states,
+    snapshot_iter_rng,
     wrap_loader,
 )
 
@@ -112,7 +84,6 @@ class ResumableLoaders:
         """``loaders`` are the very objects :meth:`wrap` saw (a reload makes new ones)."""
         return len(loaders) == len(self._wrapped) and all(a is b for a, b in zip(loaders, self._wrapped, strict=True))
 
-    # -- notes of the states each epoch's iterators are made from --
     def note_epoch_start(self, loaders: Sequence[Any], epoch: int) -> None:
         """Note, for stateful loaders not yet noted this epoch, the states their iterator is made from."""
         for i, (dl, kind) in enumerate(zip(loaders, self.kinds, strict=True)):
@@ -128,7 +99,6 @@ class ResumableLoaders:
             elif kind == "stateful":
                 self._stateful_pre_iter[i] = (epoch, snapshot_iter_rng(loader_generators(dl)))
 
-    # -- saving --
     def capture(self, loaders: Sequence[Any], epoch: int, batches_in_epoch: int = 0) -> list[dict[str, Any]]:
         """One saved entry per loader: its kind, its epoch's order, its generators' states,
         the states its ``epoch`` iterator was made from (``None`` if not noted this epoch) and,
@@ -148,7 +118,6 @@ class ResumableLoaders:
             )
         return entries
 
-    # -- resharding (another world size, or an epoch already split another way) --
     def reshard(self, loaders: Sequence[Any], saved: list[dict[str, Any]], epoch: int, batches_in_epoch: int) -> set[int]:
         """Mid-epoch: give every loader whose saved epoch was split among another number of
         ranks (or already resharded) this rank's share of the rest of that epoch; returns their
@@ -203,7 +172,6 @@ class ResumableLoaders:
         if make_iterators is not None:
             make_iterators()
 
-    # -- restoring --
     def restore_positions(
         self, saved: list[dict[str, Any]], mid_epoch: bool, batches_in_epoch: int = 0, resharded: set[int] | None = None
     ) -> bool:
@@ -282,7 +250,7 @@ class ResumableLoaders:
         pairs = list(zip(loaders, self._samplers, strict=True))
         kinds = self.kinds
         # Worker loaders of both kinds: their workers were started before the front-end could
-        # set them up (preemption/workers.py), and a wrapped sampler's were fed by the original.
+        # set them up (preemption/signals.py), and a wrapped sampler's were fed by the original.
         wrapped_workers = [i for i, dl in enumerate(loaders) if kinds[i] in ("sampler", "stateful") and has_workers(dl)]
         epoch_samplers = [i for i, dl in enumerate(loaders) if kinds[i] == "stateful" and has_set_epoch(dl)]
         replaying = [i for i, dl in enumerate(loaders) if kinds[i] == "stateful" and replays_sampler(dl)]

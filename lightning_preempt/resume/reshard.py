@@ -9,6 +9,7 @@ the rest among the M ranks now (:func:`share`; every index once, at most M-1 of 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -17,17 +18,15 @@ import torch
 from torch.utils.data import Sampler
 from torch.utils.data.distributed import DistributedSampler
 
-from lightning_preempt.resume.rng import set_generator_states, snapshot_iter_rng
+from lightning_preempt.resume.samplers import (
+    ResumableSampler,
+    distributed_wrapped_sampler,
+    set_generator_states,
+    snapshot_iter_rng,
+)
 
 ORDER_KEYS = ("n", "shuffle", "seed", "drop_last", "wrapped")
 """What defines an epoch's order besides its number; a resume with other values cannot reshard."""
-
-
-def _wrapped(sampler: Any) -> Any | None:
-    # Lightning's DistributedSamplerWrapper (by name: this layer runs without Lightning)
-    if type(sampler).__name__ != "DistributedSamplerWrapper":
-        return None
-    return getattr(getattr(sampler, "dataset", None), "_sampler", None)
 
 
 def distributed_sampler(sampler: Any) -> DistributedSampler[Any] | None:
@@ -36,11 +35,11 @@ def distributed_sampler(sampler: Any) -> DistributedSampler[Any] | None:
     inside our ``ResumableSampler`` or :class:`ReshardedSampler`)."""
     if isinstance(sampler, ReshardedSampler):
         sampler = sampler.original
-    if type(sampler).__name__ == "ResumableSampler":  # samplers.py (which imports this module)
+    if isinstance(sampler, ResumableSampler):
         sampler = sampler.inner
     if not isinstance(sampler, DistributedSampler):
         return None
-    if _wrapped(sampler) is not None:
+    if distributed_wrapped_sampler(sampler) is not None:
         return sampler
     if type(sampler).__iter__ is not DistributedSampler.__iter__:  # a subclass with its own order
         return None
@@ -61,11 +60,11 @@ def order_record(
         "shuffle": bool(sampler.shuffle),
         "seed": int(sampler.seed),
         "drop_last": bool(sampler.drop_last),
-        "wrapped": _wrapped(sampler) is not None,
+        "wrapped": distributed_wrapped_sampler(sampler) is not None,
         "num_replicas": int(sampler.num_replicas),
         "consumed": int(consumed),
         "resharded": resharded,  # this epoch was already split another way than the sampler's own
-        "drawn_from": drawn_from if _wrapped(sampler) is not None else None,
+        "drawn_from": drawn_from if distributed_wrapped_sampler(sampler) is not None else None,
     }
 
 
@@ -83,7 +82,7 @@ def epoch_order(
     whole.num_samples = whole.total_size = len(sampler.dataset)  # type: ignore[arg-type]
     whole.epoch = epoch
     positions = list(DistributedSampler.__iter__(whole))
-    inner = _wrapped(sampler)
+    inner = distributed_wrapped_sampler(sampler)
     if inner is None:
         return positions
     now = snapshot_iter_rng(generators)
@@ -110,6 +109,7 @@ def share(order: list[int], consumed: int, num_replicas: int, rank: int, drop_la
     return rest[rank::num_replicas]
 
 
+@dataclasses.dataclass(eq=False, repr=False)
 class ReshardedSampler(Sampler[int]):
     """One rank's share of the rest of epoch ``epoch`` (see the module docstring).
 
@@ -119,19 +119,16 @@ class ReshardedSampler(Sampler[int]):
     ``drawn_from`` the states the order was drawn from (saved again with the next record).
     """
 
-    def __init__(
-        self, original: Any, batch_sampler: Any, indices: list[int], *, epoch: int, lead: int, consumed: int,
-        batches: int, num_replicas: int, drawn_from: dict[str, Any] | None = None,
-    ) -> None:  # fmt: skip
-        self.drawn_from = drawn_from
-        self.original = original
-        self.batch_sampler = batch_sampler
-        self.indices = indices
-        self.epoch = epoch
-        self.lead = lead
-        self.consumed = consumed  # by the whole world, when this share began...
-        self.batches = batches  # ... at this batch of the epoch (every rank's count)
-        self.num_replicas = num_replicas
+    original: Any
+    batch_sampler: Any
+    indices: list[int]
+    _: dataclasses.KW_ONLY
+    epoch: int
+    lead: int
+    consumed: int  # by the whole world, when this share began...
+    batches: int  # ... at this batch of the epoch (every rank's count)
+    num_replicas: int
+    drawn_from: dict[str, Any] | None = None
 
     def __len__(self) -> int:
         return self.lead + len(self.indices)

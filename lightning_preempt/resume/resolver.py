@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from lightning_preempt.catalog.listing import CheckpointInfo, complete_local_checkpoints, list_checkpoints
-from lightning_preempt.catalog.newest import OnSkip, first_valid, newest_valid
+from lightning_preempt.catalog.newest import first_valid, newest_valid
 from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.errors import CheckpointError, NotACheckpointError
@@ -46,25 +46,18 @@ class Peek:
 
 
 @dataclasses.dataclass(frozen=True)
-class Choice:
-    """The checkpoint every rank resumes from, and what was skipped to get there."""
-
-    path: str
-    step: int
-    skipped: tuple[str, ...] = ()
-    run_id: str | None = None  # the run that wrote it: a resumed run continues it
-
-
-@dataclasses.dataclass(frozen=True)
 class ResumeTarget:
-    """The checkpoint every rank loads, and the next one to try if the load finds it damaged."""
+    """The checkpoint every rank loads, the next one to try if the load finds it damaged, and
+    what was skipped to get there."""
 
     path: str
     step: int
     fallback: Fallback | None = None
     run_id: str | None = None  # the run that wrote it: a resumed run continues it
+    skipped: tuple[str, ...] = ()
 
 
+@dataclasses.dataclass(eq=False, repr=False)
 class ResumeResolver:
     """Peek, agree and choose the resume target for one ``dirpath``.
 
@@ -80,29 +73,19 @@ class ResumeResolver:
         sleep: how to wait between attempts (tests pass a recorder).
     """
 
-    def __init__(
-        self,
-        dirpath: str,
-        storage_options: dict[str, Any],
-        local_dirpath: str | None = None,
-        *,
-        memory_dirpath: str | None = None,
-        retries: int = 4,
-        backoff_s: float = 1.0,
-        sleep: Callable[[float], None] = time.sleep,
-    ) -> None:
-        self.dirpath = dirpath
-        self.storage_options = storage_options
-        self.local_dirpath = local_dirpath
-        self.memory_dirpath = memory_dirpath
-        #: whether tier 0 can be resumed from. Before the group exists: every rank on this host
-        #: by torchrun's environment; the engine sets it in set-up (engine/memory_tier.py:
-        #: one shared directory, or several nodes with the peer copy and no failed restore).
-        self.memory_usable = _one_host_by_environment()
-        self.retries = retries
-        self.backoff_s = backoff_s
-        self.sleep = sleep
-        self.peeked: Peek | None = None
+    dirpath: str
+    storage_options: dict[str, Any]
+    local_dirpath: str | None = None
+    _: dataclasses.KW_ONLY
+    memory_dirpath: str | None = None
+    retries: int = 4
+    backoff_s: float = 1.0
+    sleep: Callable[[float], None] = time.sleep
+    #: whether tier 0 can be resumed from. Before the group exists: every rank on this host
+    #: by torchrun's environment; the engine sets it in set-up (engine/memory_tier.py:
+    #: one shared directory, or several nodes with the peer copy and no failed restore).
+    memory_usable: bool = dataclasses.field(init=False, default_factory=lambda: _one_host_by_environment())
+    peeked: Peek | None = dataclasses.field(init=False, default=None)
 
     # ---- phase 1: before the process group ---------------------------------------------
     def peek(self) -> Peek:
@@ -134,31 +117,24 @@ class ResumeResolver:
         """``fn()`` with the listing's retries; an error that persists (or is not worth
         retrying) becomes :class:`ListingError`. Damage (a :class:`CheckpointError`) is an
         answer, not a failure to look: it passes unchanged."""
+        attempts = [1]
 
         def retrying(err: BaseException, attempt: int, delay: float) -> None:
+            attempts[0] = attempt + 1
             log.warning(
                 "lightning_preempt: listing %s failed (%s); attempt %d of %d, retrying in %.1fs",
                 self.dirpath, describe(err, self.storage_options), attempt, self.retries, delay,
             )  # fmt: skip
 
-        def transient(err: BaseException) -> bool:
+        def transient(err: BaseException) -> bool:  # a missing driver, credentials, unknown host: at once
             return not isinstance(err, CheckpointError) and is_transient(err)
 
-        # Only what a retry can fix: a missing driver, credentials or an unknown host fail at once.
-        policy = Backoff(self.retries, self.backoff_s, transient=transient, sleep=self.sleep)
-        attempts = [0]
-
-        def attempt(n: int) -> T:
-            attempts[0] = n
-            return fn()
-
         try:
-            return retry(attempt, policy, on_retry=retrying)
-        except StorageUnreachableError as err:  # could not look (credentials, DNS): not damage
-            raise _listing_error(self.dirpath, err, attempts[0], self.storage_options) from err
-        except CheckpointError:
-            raise
-        except Exception as err:
+            return retry(lambda n: fn(), Backoff(self.retries, self.backoff_s, transient=transient, sleep=self.sleep),
+                         on_retry=retrying)  # fmt: skip
+        except Exception as err:  # (StorageUnreachableError: could not look, credentials, DNS: not damage)
+            if isinstance(err, CheckpointError) and not isinstance(err, StorageUnreachableError):
+                raise
             raise _listing_error(self.dirpath, err, attempts[0], self.storage_options) from err
 
     # ---- phase 2: in setup, collective ---------------------------------------------------
@@ -188,7 +164,7 @@ class ResumeResolver:
                 raise dataclasses.replace(peeked.error, rank=rank).to_error(what="listing dirpath")
         return [p.has_checkpoint for p in peeks]
 
-    def choose(self, group: pdist.ProcessGroup | None, *, tiers: TwoTier | None, verify: Verify) -> Choice:
+    def choose(self, group: pdist.ProcessGroup | None, *, tiers: TwoTier | None, verify: Verify) -> ResumeTarget:
         """Rank 0 picks the newest valid checkpoint; every rank returns it or raises the same error.
 
         ``verify="sizes"`` checks manifests and file sizes only: the load then checks every
@@ -206,7 +182,7 @@ class ResumeResolver:
             "lightning_preempt: resuming from %s (step %d)%s",
             choice.path, choice.step, f"; skipped {list(choice.skipped)}" if choice.skipped else "",
         )  # fmt: skip
-        return ResumeTarget(choice.path, choice.step, fallback, choice.run_id)
+        return dataclasses.replace(choice, fallback=fallback)
 
     def fallback(self, group: pdist.ProcessGroup | None, *, tiers: TwoTier | None, verify: Verify) -> Fallback:
         """For ``io.alias(fallback=)``: the next checkpoint after the ``excluded`` ones (rank 0
@@ -223,7 +199,7 @@ class ResumeResolver:
 
         return next_one
 
-    def _pick(self, tiers: TwoTier | None, verify: Verify, exclude: tuple[str, ...]) -> Choice:
+    def _pick(self, tiers: TwoTier | None, verify: Verify, exclude: tuple[str, ...]) -> ResumeTarget:
         skipped: list[str] = []
 
         def note(info: CheckpointInfo, reason: str) -> None:
@@ -233,22 +209,24 @@ class ResumeResolver:
         def newest() -> CheckpointInfo | None:
             skipped.clear()
             if tiers is not None:  # newest across both tiers; local wins a tie
-                return tiers.newest(verify=verify, on_skip=note, exclude=exclude)
-            return newest_valid(self.dirpath, self.storage_options, verify=verify, on_skip=note, exclude=exclude)
-
-        def newest_with_memory() -> CheckpointInfo | None:
-            found = newest()
+                found = tiers.newest(verify=verify, on_skip=note, exclude=exclude)
+            else:
+                found = newest_valid(self.dirpath, self.storage_options, verify=verify, on_skip=note, exclude=exclude)
             root = self._memory_root()
             if root is None:
                 return found
-            memory = newest_in_memory(root, verify=verify, on_skip=note, exclude=exclude)
+            # a torn or truncated copy is passed over: the usual manifest and size/CRC checks
+            complete = {c.name for c in complete_local_checkpoints(root)}
+            missing = "files missing in this node's memory tier"
+            memory = first_valid(list_checkpoints(root, {}), {}, verify=verify, on_skip=note, exclude=exclude,
+                                 usable=lambda c: None if c.name in complete else missing)  # fmt: skip
             if memory is not None and (found is None or memory.step >= found.step):
                 return memory  # a tie goes to memory: nothing to read from disk
             return found
 
         # A candidate that cannot be judged (its manifest could not be statted or read) is
         # never skipped: skipping it would silently resume from older progress, or from none.
-        info = self._retrying(newest_with_memory)
+        info = self._retrying(newest)
         if info is None:
             raise NotACheckpointError(
                 "every checkpoint found is uncommitted or corrupt",
@@ -257,7 +235,7 @@ class ResumeResolver:
                 "(or pass ckpt_path explicitly) and restart.",
             )
         run_id = info.manifest.run_id if info.manifest is not None else None
-        return Choice(info.path, info.step, tuple(skipped), run_id)
+        return ResumeTarget(info.path, info.step, run_id=run_id, skipped=tuple(skipped))
 
     def _memory_root(self) -> str | None:
         """Tier 0's directory when it can be resumed from (on, usable, present)."""
@@ -272,17 +250,6 @@ def _one_host_by_environment() -> bool:
     if local is not None and world is not None and local != world:
         return False
     return os.environ.get("SLURM_NNODES", "1").strip() in ("", "1")
-
-
-def newest_in_memory(root: str, *, verify: Verify, on_skip: OnSkip, exclude: tuple[str, ...]) -> CheckpointInfo | None:
-    """The newest valid tier-0 checkpoint under ``root`` whose every file is on this node
-    (a torn or truncated copy is passed over: the usual manifest and size/CRC checks)."""
-    complete = {c.name for c in complete_local_checkpoints(root)}
-
-    def usable(info: CheckpointInfo) -> str | None:
-        return None if info.name in complete else "files missing in this node's memory tier"
-
-    return first_valid(list_checkpoints(root, {}), {}, verify=verify, on_skip=on_skip, exclude=exclude, usable=usable)
 
 
 def _listing_error(dirpath: str, err: BaseException, attempts: int, options: dict[str, Any]) -> ListingError:

@@ -1,11 +1,11 @@
 """A ``DataLoader``'s position and order for exact resume: samplers that replay an epoch's
-order and skip what was trained, and the generators that decide it.
-"""
+order and skip what was trained, and the generators (and RNG states) that decide it."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import itertools
 from collections.abc import Iterator
 from typing import Any
@@ -14,10 +14,21 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from lightning_preempt.resume.rng import set_generator_states, snapshot_iter_rng
+
+def snapshot_iter_rng(generators: list[torch.Generator]) -> dict[str, Any]:
+    """The RNG states that ``iter(loader)`` draws from: the global torch RNG and ``generators``."""
+    return {"torch": torch.get_rng_state(), "generators": [g.get_state() for g in generators]}
 
 
-# ---- data position -----------------------------------------------------------------------
+def set_generator_states(generators: list[torch.Generator], states: list[Any]) -> bool:
+    """Set each generator to its saved state; ``False`` (nothing set) when the counts differ."""
+    if len(generators) != len(states):
+        return False
+    for g, state in zip(generators, states, strict=True):
+        g.set_state(state)
+    return True
+
+
 def _is_plain(sampler: Any, cls: type) -> bool:
     """``sampler`` is ``cls`` or a subclass that does not change how it iterates."""
     return isinstance(sampler, cls) and getattr(type(sampler), "__iter__", None) is getattr(cls, "__iter__", None)
@@ -25,9 +36,8 @@ def _is_plain(sampler: Any, cls: type) -> bool:
 
 def distributed_wrapped_sampler(sampler: Any) -> Any | None:
     """The user's sampler inside Lightning's ``DistributedSamplerWrapper`` (``None`` if
-    ``sampler`` is not one). Lightning 2.5-2.6 (Trainer and Fabric) keep it in
-    ``sampler.dataset._sampler``. Recognised by its class name, so this layer runs without
-    Lightning; tests/unit/test_exact_compat.py checks the layout on every version CI runs."""
+    ``sampler`` is not one), recognised by its class name: this layer runs without Lightning
+    (tests/unit/test_exact_compat.py checks the layout on every version CI runs)."""
     if type(sampler).__name__ != "DistributedSamplerWrapper" or not isinstance(sampler, DistributedSampler):
         return None
     return getattr(sampler.dataset, "_sampler", None)
@@ -46,11 +56,8 @@ def loader_generators(loader: Any) -> list[torch.Generator]:
     # Under DDP Lightning wraps a sampler it cannot shard itself (torchdata's RandomSampler)
     # in a DistributedSamplerWrapper: the generator that shuffles is the wrapped sampler's.
     samplers += [distributed_wrapped_sampler(s) for s in samplers]
-    candidates = [getattr(loader, "generator", None)]
-    for sampler in samplers:
-        candidates.append(
-            getattr(sampler.inner if isinstance(sampler, ResumableSampler) else sampler, "generator", None)
-        )
+    unwrapped = [s.inner if isinstance(s, ResumableSampler) else s for s in samplers]
+    candidates = [getattr(loader, "generator", None)] + [getattr(s, "generator", None) for s in unwrapped]
     found: list[torch.Generator] = []
     for g in candidates:
         if isinstance(g, torch.Generator) and all(g is not f for f in found):
@@ -58,22 +65,16 @@ def loader_generators(loader: Any) -> list[torch.Generator]:
     return found
 
 
+@dataclasses.dataclass(eq=False, repr=False)
 class _RewindingSampler(Sampler[Any]):
-    """``inner``, whose every ``iter()`` after the first runs from the states ``pre_iter``.
+    """``inner``, whose every ``iter()`` after the first runs from the states ``pre_iter`` and
+    leaves the RNG states as it found them: what ``inner`` draws when iterated comes from the
+    epoch-start states, and draws made between the calls (the worker base seed) are kept."""
 
-    Each later ``iter()`` leaves the RNG states as it found them: what ``inner`` draws when
-    it is iterated (Lightning's ``DistributedSamplerWrapper`` draws the wrapped sampler's
-    whole permutation then) comes from the epoch-start states, and draws made between the
-    calls (the loader's worker base seed) are kept. A sampler that draws lazily, at its
-    first index, is not affected: its draw follows the first call's states, as it did when
-    the epoch started.
-    """
-
-    def __init__(self, inner: Any, generators: list[torch.Generator], pre_iter: dict[str, Any]) -> None:
-        self.inner = inner
-        self.generators = generators
-        self.pre_iter: dict[str, Any] | None = pre_iter
-        self.calls = 0
+    inner: Any
+    generators: list[torch.Generator]
+    pre_iter: dict[str, Any] | None
+    calls: int = 0
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -137,13 +138,9 @@ class ResumableSampler(Sampler[int]):
         return len(self.inner)  # type: ignore[arg-type]
 
     def set_epoch(self, epoch: int) -> None:
-        """Forward to ``inner`` (``DistributedSampler`` reshuffles per epoch); note the RNG states.
-
-        Lightning calls this at the start of every epoch, before it creates the epoch's
-        iterator (the first epoch of a process excepted: its iterator exists already, and
-        ``ResumableLoaders.note_pre_iter`` notes the states when it is made again). Only the
-        first call for an epoch counts: Lightning calls it twice (``DataLoader.sampler`` and ours).
-        """
+        """Forward to ``inner`` (``DistributedSampler`` reshuffles per epoch); note the RNG states
+        (before the epoch's iterator is made). Only the first call for an epoch counts:
+        Lightning calls it twice (``DataLoader.sampler`` and ours)."""
         set_epoch = getattr(self.inner, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(epoch)

@@ -108,19 +108,15 @@ class Lease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    # ---- reading ----------------------------------------------------------------------
     def _generations(self) -> list[int]:
         """The lease generations present in dirpath, oldest first (a fresh listing)."""
         found = (lease_generation(e.name) for e in self.store.entries() if e.kind == "file")
         return sorted(g for g in found if g is not None)
 
     def _read(self, generation: int) -> dict[str, Any] | None:
-        """The record of ``generation`` with only its well-formed fields (``{}``: damaged,
-        treated as a lease whose heartbeat never advances), or ``None`` when it is gone.
-
-        Lease files are written by other processes, maybe not ours (docs/security.md): read
-        through the storage's size-bounded regular-file read (no FIFO, symlink or 8 GiB
-        file), and every field checked before it is used."""
+        """The record of ``generation`` with only its well-formed fields (``{}``: damaged, a
+        heartbeat that never advances), or ``None`` when it is gone. Other processes' input
+        (docs/security.md): a size-bounded regular-file read, every field checked."""
         try:
             data = json.loads(self.store.read_regular(lease_name(generation), MAX_LEASE_BYTES))
         except FileNotFoundError:
@@ -130,19 +126,10 @@ class Lease:
         return _valid_record(data)
 
     def _record(self, heartbeat: float, released: bool = False) -> bytes:
-        return json.dumps(
-            {
-                "token": self.token,
-                "job": _job_id(),
-                "host": socket.gethostname(),
-                "pid": os.getpid(),
-                "heartbeat_unix": heartbeat,
-                "released": released,
-            },
-            sort_keys=True,
-        ).encode()
+        record = {"token": self.token, "job": _job_id(), "host": socket.gethostname(), "pid": os.getpid(),
+                  "heartbeat_unix": heartbeat, "released": released}  # fmt: skip
+        return json.dumps(record, sort_keys=True).encode()
 
-    # ---- taking it --------------------------------------------------------------------
     def acquire(self, *, poll_s: float = 1.0) -> None:
         """Take the lease, waiting at most ``timeout_s`` for a silent holder to go stale.
 
@@ -160,7 +147,15 @@ class Lease:
                 continue
             top = gens[-1]
             if top >= LEASE_GENERATION_MAX:
-                raise self._exhausted(top)
+                # The next generation's name would have 11 digits: invisible to every job, so a
+                # second job would start again at generation 1 while this one holds the lease.
+                raise LeaseHeldError(
+                    f"the lease in this dirpath is at generation {top}, the last one its file names allow "
+                    "(a damaged or planted lease file)",
+                    path=self.store.url,
+                    hint=f"If no other job writes to this dirpath, delete its {LEASE_PREFIX}*.json files and "
+                    "restart; otherwise give this run its own dirpath.",
+                )
             current = self._read(top)
             if current is None:  # deleted under us: look again
                 continue
@@ -171,7 +166,10 @@ class Lease:
             if stale:
                 log.info("lightning_preempt: taking over the lease on %s (%s)", self.store.url, why)
                 if self._try_create(top + 1):
-                    self._cleanup_older(top + 1)
+                    for old in self._generations():
+                        if old <= top:
+                            with contextlib.suppress(Exception):
+                                self.store.rm_file(lease_name(old))
                     return
                 continue  # another job took it first: look at theirs
             if watched is not None and watched[0] == top and watched[1] != current.get("heartbeat_unix"):
@@ -207,17 +205,6 @@ class Lease:
             "PreemptionCallback(lease=False) turns the check off.",
         )
 
-    def _exhausted(self, top: int) -> LeaseHeldError:
-        # The next generation's name would have 11 digits: invisible to every job, so a
-        # second job would start again at generation 1 while this one holds the lease.
-        return LeaseHeldError(
-            f"the lease in this dirpath is at generation {top}, the last one its file names allow "
-            "(a damaged or planted lease file)",
-            path=self.store.url,
-            hint=f"If no other job writes to this dirpath, delete its {LEASE_PREFIX}*.json files and restart; "
-            "otherwise give this run its own dirpath.",
-        )
-
     def _try_create(self, generation: int) -> bool:
         try:
             self.store.commit_bytes(lease_name(generation), self._record(self.clock()), exclusive=True)
@@ -226,13 +213,6 @@ class Lease:
         self.generation = generation
         return True
 
-    def _cleanup_older(self, generation: int) -> None:
-        for old in self._generations():
-            if old < generation:
-                with contextlib.suppress(Exception):
-                    self.store.rm_file(lease_name(old))
-
-    # ---- holding it -------------------------------------------------------------------
     def beat(self) -> None:
         """Refresh the heartbeat; sets :attr:`lost` when a newer generation exists."""
         if self.generation is None:

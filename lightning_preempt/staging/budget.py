@@ -1,17 +1,11 @@
 """The host-memory budget of staging: which tensors get host buffers, which are streamed
-(docs/host-memory.md: why, the options, what happens over the budget).
-
-``host_memory_budget`` is bytes, a fraction of the available memory, or (``None``)
-:data:`DEFAULT_FRACTION` of ``MemAvailable`` divided by the node's ranks, resolved once per
-process counting the buffers it already holds; ``pinned_memory_budget`` is the part that may
-be pinned. :func:`split` decides per save: a share that fits is staged whole; one that does
-not keeps as many tensors as fit in buffers (smallest first) and streams the rest from the
-training state (through one reusable host chunk for device tensors), and the save blocks
-until they are written. The bytes are the same; only the order of records differs.
-"""
+(docs/host-memory.md: why, the options, what happens over the budget). A share that fits is
+staged whole; one that does not keeps as many tensors as fit (smallest first) and streams the
+rest from the training state, and the save blocks until they are written."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import operator
@@ -22,10 +16,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from lightning_preempt.errors import CheckpointWriteError
-from lightning_preempt.staging.stager import HostStager, host_cost, nbytes
+from lightning_preempt.staging.stager import HostStager, host_cost, local_of, nbytes
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +50,10 @@ def check_budget(name: str, value: Any) -> int | float | None:
 
 def mem_available(meminfo: str = "/proc/meminfo") -> int | None:
     """``MemAvailable`` in bytes, or ``None`` where the kernel does not say (not Linux)."""
-    try:
-        with open(meminfo) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
+    with contextlib.suppress(OSError, ValueError, IndexError), open(meminfo) as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
     return None
 
 
@@ -94,16 +84,15 @@ def resolve(host: int | float | None, pinned: int | float | None, *, held_bytes:
     avail = mem_available() if available is None else available
     base = None if avail is None else avail + held_bytes
 
-    def of(value: int | float | None, default_fraction: float) -> int | None:
+    def of(value: int | float | None) -> int | None:
         if isinstance(value, int):
             return value
         if base is None:
             return None
-        fraction = default_fraction if value is None else value
-        return int(base * fraction / (local_ranks() if value is None else 1))
+        return int(base * value) if value is not None else int(base * DEFAULT_FRACTION / local_ranks())
 
-    host_bytes = of(host, DEFAULT_FRACTION)
-    pinned_bytes = host_bytes if pinned is None else of(pinned, 1.0)
+    host_bytes = of(host)
+    pinned_bytes = host_bytes if pinned is None else of(pinned)
     if host_bytes is not None and pinned_bytes is not None:
         pinned_bytes = min(pinned_bytes, host_bytes)
     return Budget(host_bytes, pinned_bytes)
@@ -142,7 +131,7 @@ def split(tensors: dict[str, torch.Tensor], budget: Budget, *, pin: bool) -> Spl
     if limit is None or sum(costs.values()) <= limit:
         keys = list(tensors)
         return Split(keys, _pinned(keys, costs, budget, pin), [], 0, total, total)
-    on_device = [key for key, t in tensors.items() if _device_type(t) != "cpu"]
+    on_device = [key for key, t in tensors.items() if local_of(t).device.type != "cpu"]
     # The chunk holds the largest streamed device tensor; reserved first, as any of the
     # largest ones may end up streamed. A tensor larger than the whole budget still needs it.
     chunk = max((costs[k] for k in on_device), default=0)
@@ -179,25 +168,16 @@ def _pinned(keys: list[str], costs: dict[str, int], budget: Budget, pin: bool) -
     return out
 
 
-def _device_type(tensor: torch.Tensor) -> str:
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    return local.device.type
-
-
 class Streamed:
-    """The tensors of one save that the writer reads from the training state.
-
-    The save blocks in :meth:`wait` until the writer called :meth:`release` (all of them
-    written) or the write job ended. After that the training changes them, so a second
-    write attempt of the same save (the two-tier fallback) must not read them: it fails in
-    :meth:`check` instead of committing a mix of two steps.
-    """
+    """The tensors of one save that the writer reads from the training state. The save blocks
+    in :meth:`wait` until the writer :meth:`release` s them; after that training changes them,
+    so a second write attempt (the two-tier fallback) fails in :meth:`check` instead of
+    committing a mix of two steps."""
 
     def __init__(self, keys: list[str], chunk: ChunkBuffer | None) -> None:
         self.keys = frozenset(keys)
         self._chunk = chunk
         self._event = threading.Event()
-        self._lock = threading.Lock()
         self._released = False
 
     def check(self) -> None:
@@ -217,8 +197,7 @@ class Streamed:
     def wait(self) -> None:
         """Training thread: block until :meth:`release`; from then on :meth:`check` fails."""
         self._event.wait()
-        with self._lock:
-            self._released = True
+        self._released = True
 
     @contextmanager
     def on_host(self, tensor: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -269,21 +248,14 @@ class StagingBudget:
                  pinned_memory_budget: int | float | None = None) -> None:  # fmt: skip
         self.host_option = check_budget("host_memory_budget", host_memory_budget)
         self.pinned_option = check_budget("pinned_memory_budget", pinned_memory_budget)
-        self._init_runtime()
-
-    def _init_runtime(self) -> None:
         self.budget: Budget | None = None
         self.last_split: Split | None = None
         self._chunk: ChunkBuffer | None = None
         self._warned = False
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __reduce__(self) -> tuple[type[StagingBudget], tuple[int | float | None, int | float | None]]:
         # Resolved per process (another host, another MemAvailable); the chunk is host memory.
-        return {"host_option": self.host_option, "pinned_option": self.pinned_option}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._init_runtime()
+        return (StagingBudget, (self.host_option, self.pinned_option))
 
     def split(self, tensors: dict[str, torch.Tensor], stager: HostStager) -> Split:
         """Which of ``tensors`` ``stager`` stages; frees the chunk when none is needed."""

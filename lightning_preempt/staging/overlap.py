@@ -1,15 +1,7 @@
 """Overlapped staging: a save returns before its large copies finish; the next step's
-forward and backward run while they do. Framework-neutral; the rules, and why the snapshot
-is exactly step k's, are in docs/staging.md.
-
-Deferred are the tensors the front-end declares only an optimizer step changes
-(:attr:`Overlap.stable`) of at least :data:`MIN_DEFERRED_BYTES`; they are copied on a side
-CUDA stream or a helper thread after ``save`` returns. Everything else is copied before it
-returns. :meth:`Overlap.settle` is what the first change of a deferred tensor waits for
-(every optimizer step, the next save, a wait, a load, the end of training). Host tensors
-are checked after their copy: one an in-place operation changed meanwhile (its version
-counter moved) fails the save with a HINT instead of committing a torn state.
-"""
+forward and backward run while they do (docs/staging.md: the rules, why the snapshot is
+exactly step k's). Deferred are the large tensors only an optimizer step changes
+(:attr:`Overlap.stable`); :meth:`Overlap.settle` is what their first change waits for."""
 
 from __future__ import annotations
 
@@ -22,11 +14,10 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from lightning_preempt.errors import CheckpointWriteError
-from lightning_preempt.staging.stager import copy_all
+from lightning_preempt.staging.stager import copy_all, local_of
 
 if TYPE_CHECKING:
     from lightning_preempt.staging.stager import HostStager
@@ -51,12 +42,8 @@ def resolve(option: bool | None) -> bool:
     return bool(option) if option is not None else AUTO_ON_CUDA and torch.cuda.is_available()
 
 
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach()
-
-
 def _storage(tensor: torch.Tensor) -> tuple[str, int]:
-    return str(tensor.device), local(tensor).untyped_storage().data_ptr()
+    return str(tensor.device), local_of(tensor).untyped_storage().data_ptr()
 
 
 def copy_on_thread(pairs: Pairs) -> None:
@@ -140,11 +127,10 @@ class Overlap:
         self._streams: dict[torch.device, Any] = {}
         self._hook: Any = None
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __reduce__(self) -> tuple[type[Overlap], tuple[bool]]:
         # A copy (ddp_spawn, deepcopy) has nothing in flight and no hook; the front-end
         # declares the stable tensors again in the process that trains.
-        return {"enabled": self.enabled, "stable": None, "_suspended": 0, "_inflight": None, "_streams": {},
-                "_hook": None}  # fmt: skip
+        return (Overlap, (self.enabled,))
 
     @property
     def active(self) -> bool:
@@ -180,16 +166,15 @@ class Overlap:
         if not self.active or self.stable is None:
             return set()
         stable = {_storage(t) for t in self.stable() if isinstance(t, torch.Tensor) and t.numel()}
-        keys = set()
-        for key, tensor in tensors.items():
-            t = local(tensor)
-            if t.numel() * t.element_size() < MIN_DEFERRED_BYTES or (t.device.type == "cuda" and key not in pinned):
-                continue
-            if t.device.type not in ("cpu", "cuda") or not t.is_contiguous():
-                continue
-            if _storage(t) in stable:
-                keys.add(key)
-        return keys
+        local = ((key, local_of(tensor)) for key, tensor in tensors.items())
+        return {
+            key
+            for key, t in local
+            if t.numel() * t.element_size() >= MIN_DEFERRED_BYTES
+            and (t.device.type == "cpu" or (t.device.type == "cuda" and key in pinned))
+            and t.is_contiguous()
+            and _storage(t) in stable
+        }
 
     def start(self, pairs: Pairs) -> InFlightCopy:
         """Start the deferred copies of one save; the gate waits for them from now on."""

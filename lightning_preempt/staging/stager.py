@@ -1,17 +1,10 @@
 """Staging: copy device tensors into reusable host buffers. No I/O here.
 
-Buffers are allocated on the first save and reused by every later save of the same
-shapes, so a steady-state save allocates no staging memory; that is also why at most
-one save may be in flight (the writer reads these buffers until it commits). Buffers
-are pinned when CUDA is present, so device-to-host copies run at full PCIe speed.
-Which tensors get a buffer, and which of those are pinned, is the host-memory budget's
-decision (``staging/budget.py``); :attr:`HostStager.peak_bytes` is the most staging memory this
-process held at once (buffers and the budget's chunk), for the budget's tests and benchmark.
-
-:meth:`HostStager.prepare` allocates and touches them ahead of time, on a background
-thread, from the shapes alone: first touch of fresh memory (and pinning a 13 GB shard)
-costs several times the copy itself, and the first save may be the emergency one.
-"""
+Buffers are reused by every later save of the same shapes (a steady-state save allocates
+nothing), so at most one save may be in flight: the writer reads them until it commits. They
+are pinned when CUDA is present; :meth:`HostStager.prepare` allocates and touches them ahead of
+time, on a thread (first touch and pinning cost several times the copy; the first save may be
+the emergency one). Which tensors get a buffer is the budget's decision (``staging/budget.py``)."""
 
 from __future__ import annotations
 
@@ -53,15 +46,8 @@ class HostStager:
     def __getstate__(self) -> dict[str, Any]:
         # Buffers are a cache of host memory (possibly pinned, possibly GBs): a pickled or
         # copied stager (ddp_spawn workers, deepcopy of a trainer) starts empty instead.
-        state = self.__dict__.copy()
-        state["_buffers"] = {}
-        state["_pinned"] = set()
-        state["_plan"] = None
-        state["allocated_bytes"] = 0
-        state["last_staged_bytes"] = 0
-        state["held_bytes"] = state["peak_bytes"] = 0
-        state["_prep"] = None
-        return state
+        return {**self.__dict__, "_buffers": {}, "_pinned": set(), "_plan": None, "_prep": None,
+                "allocated_bytes": 0, "last_staged_bytes": 0, "held_bytes": 0, "peak_bytes": 0}  # fmt: skip
 
     def account(self, delta: int) -> None:
         """Count ``delta`` more (or fewer) bytes of staging memory held (the budget's chunk)."""
@@ -70,18 +56,12 @@ class HostStager:
 
     def prepare(self, tensors: dict[str, torch.Tensor], *, background: bool = True,
                 pinned: set[str] | None = None) -> Future[int]:  # fmt: skip
-        """Allocate and touch the buffers ``stage(tensors)`` will use, so that it only copies.
-
-        Only shapes and dtypes are read from ``tensors`` (on the calling thread; no data is
-        copied). A buffer that already fits is kept; one whose shape changed is replaced
-        (the state grew, e.g. optimizer state created by the first step); buffers of keys
-        not in ``tensors`` are freed, as :meth:`stage` would. With
-        ``background`` a daemon thread does the work (allocation and the memset release
-        the GIL); a ``stage`` meanwhile waits for it rather than allocating the same memory
-        twice. The Future holds the bytes newly allocated. ``pinned``: the keys to pin
-        (default: all when :attr:`pin_memory`).
-        """
-        specs = {key: _spec(t) for key, t in tensors.items()}
+        """Allocate and touch the buffers ``stage(tensors)`` will use (from shapes and dtypes
+        only), so that it only copies; buffers are kept, replaced or freed as :meth:`stage`
+        would. With ``background`` a daemon thread does the work (allocation and the memset
+        release the GIL) and a ``stage`` meanwhile waits for it. The Future holds the bytes
+        newly allocated. ``pinned``: the keys to pin (default: all when :attr:`pin_memory`)."""
+        specs = {key: (local_of(t).shape, local_of(t).dtype) for key, t in tensors.items()}
         self._wait_prepared()
         fut: Future[int] = Future()
         if not background:
@@ -103,20 +83,11 @@ class HostStager:
         for stale in set(self._buffers) - set(specs):  # as stage() would: never old and new at once
             self._drop(stale)
         for key, (shape, dtype) in specs.items():
-            buf = self._buffers.get(key)
-            pin = self._pins(key, pinned)
-            if buf is not None and buf.shape == shape and buf.dtype == dtype and (key in self._pinned) == pin:
-                continue
-            self._drop(key)
-            buf = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin)
-            if pin:
-                self._pinned.add(key)
-            buf.zero_()  # touch every page now, not inside the first (emergency) save
-            self._buffers[key] = buf
-            self._plan = None
-            self.account(host_cost(nbytes(buf), pin))
-            added += nbytes(buf)
-        self.allocated_bytes += added
+            old = self._buffers.get(key)
+            buf = self._buffer_for(key, shape, dtype, self._pins(key, pinned))
+            if buf is not old:
+                buf.zero_()  # touch every page now, not inside the first (emergency) save
+                added += nbytes(buf)
         return added
 
     def _pins(self, key: str, pinned: set[str] | None) -> bool:
@@ -164,45 +135,44 @@ class HostStager:
             log.info("lightning_preempt: staging checkpoints in reusable %s", kind)
             self._announced = True
         staged: dict[str, torch.Tensor] = {}
-        copies: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # (buffers, sources)
-        async_copies: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # pinned, from a device
+        bufs: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
+        async_bufs: list[torch.Tensor] = []  # pinned, from a device
+        async_sources: list[torch.Tensor] = []
+        routed: list[int] = []  # the indices of the async ones
         total = 0
         buffers, pinned_keys, pin_any = self._buffers, self._pinned, self.pin_memory
-        bufs, sources = copies
-        keys = list(tensors)
-        for key, tensor in tensors.items():  # (per tensor: thousands of them while training waits)
-            local = tensor if type(tensor) is torch.Tensor else _local(tensor)
+        for i, (key, tensor) in enumerate(tensors.items()):  # (per tensor: thousands of them while training waits)
+            local = tensor if type(tensor) is torch.Tensor else local_of(tensor)
             pin = pin_any and (pinned is None or key in pinned)
             buf = buffers.get(key)
             if buf is None or buf.shape != local.shape or buf.dtype != local.dtype or (key in pinned_keys) != pin:
-                buf = self._buffer_for(key, local, pin)
+                buf = self._buffer_for(key, local.shape, local.dtype, pin)
             if pin and local.device.type == "cuda":
-                async_copies[0].append(buf)
-                async_copies[1].append(local)
+                async_bufs.append(buf)
+                async_sources.append(local)
+                routed.append(i)
             else:
                 bufs.append(buf)
                 sources.append(local)
             total += buf.nbytes
             staged[key] = buf if local is tensor else _like(tensor, buf)
-        copy_all(*copies)
-        copy_all(*async_copies, non_blocking=True)
-        if async_copies[0]:
+        copy_all(bufs, sources)
+        copy_all(async_bufs, async_sources, non_blocking=True)
+        if async_bufs:
             torch.cuda.synchronize()
         self.last_staged_bytes = total
         if all(kind is torch.Tensor for kind in signature[0]):  # (DTensors: their shards are looked up each time)
-            routed = [i for i, (key, tensor) in enumerate(tensors.items())
-                      if pin_any and (pinned is None or key in pinned) and tensor.device.type == "cuda"]  # fmt: skip
-            plan_async = set(routed)
-            sync = [i for i in range(len(keys)) if i not in plan_async]
+            is_async = set(routed)
             self._plan = _StagePlan(
-                keys=keys,
+                keys=list(tensors),
                 signature=signature,
                 pinned=None if pinned is None else frozenset(pinned),
                 keep=frozenset(keep),
-                staged={k: staged[k] for k in keys},
-                buffers=copies[0],
-                sync=sync,
-                async_buffers=async_copies[0],
+                staged=dict(staged),
+                buffers=bufs,
+                sync=[i for i in range(len(values)) if i not in is_async] if routed else [],
+                async_buffers=async_bufs,
                 async_=routed,
                 total=total,
             )
@@ -217,18 +187,18 @@ class HostStager:
         staged = self.stage({k: t for k, t in tensors.items() if k not in later}, pinned, keep=later)
         pairs = []
         for key, tensor in later.items():
-            source = (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach()
-            buf = self._buffer_for(key, source, self._pins(key, pinned))
+            source = local_of(tensor).detach()
+            buf = self._buffer_for(key, source.shape, source.dtype, self._pins(key, pinned))
             pairs.append((buf, source))
             staged[key] = _like(tensor, buf)
             self.last_staged_bytes += nbytes(buf)
         return {k: staged[k] for k in tensors}, pairs
 
-    def _buffer_for(self, key: str, local: torch.Tensor, pin: bool) -> torch.Tensor:
+    def _buffer_for(self, key: str, shape: torch.Size, dtype: torch.dtype, pin: bool) -> torch.Tensor:
         buf = self._buffers.get(key)
-        if buf is None or buf.shape != local.shape or buf.dtype != local.dtype or (key in self._pinned) != pin:
+        if buf is None or buf.shape != shape or buf.dtype != dtype or (key in self._pinned) != pin:
             self._drop(key)  # before allocating: never the old and the new buffer at once
-            buf = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=pin)
+            buf = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin)
             if pin:
                 self._pinned.add(key)
             self._buffers[key] = buf
@@ -286,19 +256,13 @@ class _StagePlan:
 
 def copy_all(buffers: list[torch.Tensor], sources: list[torch.Tensor], *, non_blocking: bool = False) -> None:
     """``buffer.copy_(source)`` for every pair, in one call: thousands of small tensors
-    then cost one dispatch, not one Python call each (torch's ``_foreach_copy_``, 2.1+)."""
-    if not buffers:
-        return
-    foreach = getattr(torch, "_foreach_copy_", None)
-    with torch.no_grad():  # (the sources may need grad; the buffers never do)
-        if foreach is not None:
-            foreach(buffers, sources, non_blocking=non_blocking)
-            return
-        for buf, source in zip(buffers, sources, strict=True):
-            buf.copy_(source, non_blocking=non_blocking)
+    then cost one dispatch, not one Python call each (torch's ``_foreach_copy_``)."""
+    if buffers:
+        with torch.no_grad():  # (the sources may need grad; the buffers never do)
+            torch._foreach_copy_(buffers, sources, non_blocking=non_blocking)
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_of(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
@@ -310,13 +274,8 @@ def host_cost(nbytes: int, pinned: bool) -> int:
 
 def nbytes(tensor: torch.Tensor) -> int:
     """Bytes of ``tensor``'s local data (a DTensor's own shard)."""
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    local = local_of(tensor)
     return local.numel() * local.element_size()
-
-
-def _spec(tensor: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    return local.shape, local.dtype
 
 
 def _like(original: torch.Tensor, host: torch.Tensor) -> Any:

@@ -3,11 +3,7 @@ buffer without a copy, GIL released."""
 
 from __future__ import annotations
 
-import base64
-
 import crc32c as _crc32c
-
-ALGORITHM = "crc32c"
 
 
 class Crc32c:
@@ -15,9 +11,10 @@ class Crc32c:
 
     __slots__ = ("_crc", "nbytes")
 
-    def __init__(self) -> None:
+    def __init__(self, data: bytes | bytearray | memoryview = b"") -> None:
         self._crc = 0
         self.nbytes = 0
+        self.update(data)
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
         view = memoryview(data).cast("B")
@@ -32,10 +29,6 @@ class Crc32c:
 
     def hexdigest(self) -> str:
         return f"{self._crc:08x}"
-
-    def base64(self) -> str:
-        """The big-endian base64 form GCS reports in ``info()["crc32c"]``."""
-        return base64.b64encode(self._crc.to_bytes(4, "big")).decode("ascii")
 
 
 _POLY = 0x82F63B78  # CRC32C (Castagnoli), reflected
@@ -62,18 +55,10 @@ def combine(crc1: int, crc2: int, len2: int) -> int:
         return crc1
     odd = [_POLY] + [1 << (n - 1) for n in range(1, 32)]  # one zero bit
     even = _gf2_square(odd)  # two zero bits
-    odd = _gf2_square(even)  # four zero bits
-    while True:
-        even = _gf2_square(odd)
+    op = _gf2_square(even)  # four zero bits
+    while len2:
+        op = _gf2_square(op)  # then one zero byte, two, four...: one bit of len2 each
         if len2 & 1:
-            crc1 = _gf2_times(even, crc1)
+            crc1 = _gf2_times(op, crc1)
         len2 >>= 1
-        if not len2:
-            break
-        odd = _gf2_square(even)
-        if len2 & 1:
-            crc1 = _gf2_times(odd, crc1)
-        len2 >>= 1
-        if not len2:
-            break
     return crc1 ^ crc2

@@ -1,21 +1,48 @@
 """Local disk: the one durable write (:func:`write_atomic`), directory fsync, delete, and
-reads that refuse anything but a regular file."""
+reads that refuse anything but a regular file. Every recursive delete, here or in
+storage/store.py, demands an :class:`Owned` for exactly its path (storage cannot tell what
+this package wrote); the one issuer is :func:`lightning_preempt.catalog.ownership.check_owned`.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import os
+import posixpath
 import shutil
 import stat
 import uuid
 from collections.abc import Callable
 from typing import IO
 
-from lightning_preempt.storage.owned import Owned, require
-
 #: Bytes, or a function that writes them into the open file (``torch.save``).
 Payload = bytes | bytearray | memoryview | Callable[[IO[bytes]], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Owned:
+    """A directory checked as this package's (``path``: the store's native path)."""
+
+    path: str
+
+
+class UncheckedRemoveError(PermissionError):
+    """A recursive delete was asked for without the ownership check of that path (a bug)."""
+
+
+def require(owned: Owned | None, path: str) -> None:
+    """Raise :class:`UncheckedRemoveError` unless ``owned`` vouches for ``path``."""
+    if owned is None or _norm(owned.path) != _norm(path):
+        raise UncheckedRemoveError(
+            f"refusing to delete the directory {path}: its ownership was not checked"
+            + (f" (the check was for {owned.path})" if owned is not None else "")
+        )
+
+
+def _norm(path: str) -> str:
+    return posixpath.normpath(path.replace("\\", "/")) if path else path
 
 
 class NotRegularFileError(OSError):
@@ -28,16 +55,12 @@ class NotRegularFileError(OSError):
 
 def fsync_dir(directory: str) -> None:
     """Make a rename or unlink in ``directory`` durable; best effort (some file systems cannot)."""
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def sync_data(fd: int) -> None:
@@ -210,23 +233,14 @@ def _kind_and_size(entry: os.DirEntry[str]) -> tuple[str, int | None] | None:
     return "other", None
 
 
+_KINDS = {stat.S_IFREG: "file", stat.S_IFDIR: "dir", stat.S_IFLNK: "link"}
+_WHAT = {stat.S_IFLNK: "a symbolic link", stat.S_IFIFO: "a FIFO", stat.S_IFDIR: "a directory",
+         stat.S_IFCHR: "a device", stat.S_IFBLK: "a device", stat.S_IFSOCK: "a socket"}  # fmt: skip
+
+
 def _mode_kind(mode: int) -> str:
-    if stat.S_ISREG(mode):
-        return "file"
-    if stat.S_ISDIR(mode):
-        return "dir"
-    return "link" if stat.S_ISLNK(mode) else "other"
+    return _KINDS.get(stat.S_IFMT(mode), "other")
 
 
 def describe_mode(mode: int) -> str:
-    if stat.S_ISLNK(mode):
-        return "a symbolic link"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    return "not a regular file"
+    return _WHAT.get(stat.S_IFMT(mode), "not a regular file")

@@ -11,6 +11,10 @@ import fsspec
 from fsspec.core import split_protocol
 from fsspec.registry import known_implementations, registry
 
+#: Protocols of object stores: an object ``P`` and objects under ``P/`` can coexist, a
+#: "directory" is a prefix, and ``mv`` is copy + delete (never commit by renaming there).
+OBJECT_STORES = frozenset({"gs", "gcs", "s3", "s3a"})
+GCS_PROTOCOLS = frozenset({"gs", "gcs"})
 #: The package's extras that install a protocol's driver (pyproject.toml).
 _EXTRAS = {"gs": "gcs", "gcs": "gcs", "s3": "s3", "s3a": "s3"}
 #: Drivers of other common protocols, by package name.

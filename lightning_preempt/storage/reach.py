@@ -1,10 +1,7 @@
-"""Fail fast where a cloud driver would spend minutes: credentials it can find, a host name
-that resolves.
-
-Without credentials gcsfs probes the metadata server (~15 s off a VM), then retries each
-request (~33 s) when the host does not resolve. :func:`require_reachable` (from
-``Store.__init__``) answers both in seconds; inconclusive answers pass. S3 needs nothing:
-botocore fails at once and diagnose.py says it is not worth a retry.
+"""Fail fast where a cloud driver would spend minutes: without credentials gcsfs probes the
+metadata server (~15 s off a VM), then retries each request (~33 s) when the host does not
+resolve; :func:`require_reachable` answers both in seconds (inconclusive answers pass). S3
+needs nothing: botocore fails at once and diagnose.py says it is not worth a retry.
 """
 
 from __future__ import annotations
@@ -15,7 +12,7 @@ from typing import Any
 
 from lightning_preempt.errors import CheckpointError
 from lightning_preempt.storage.diagnose import describe, storage_hint
-from lightning_preempt.storage.remote import GCS_PROTOCOLS
+from lightning_preempt.storage.protocols import GCS_PROTOCOLS
 
 #: What gcsfs reads besides ``storage_options``: an emulator, a proxy, its browser-token cache.
 _EMULATOR_ENV = "STORAGE_EMULATOR_HOST"

@@ -14,14 +14,6 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def _always(err: BaseException) -> bool:
-    return True
-
-
-def _never(delay: float) -> bool:
-    return False
-
-
 @dataclasses.dataclass(frozen=True)
 class Backoff:
     """``attempts`` calls in all; ``backoff_s`` doubles after each; ``give_up(next wait)``
@@ -29,8 +21,8 @@ class Backoff:
 
     attempts: int = 1
     backoff_s: float = 1.0
-    transient: Callable[[BaseException], bool] = _always
-    give_up: Callable[[float], bool] = _never
+    transient: Callable[[BaseException], bool] = lambda err: True
+    give_up: Callable[[float], bool] = lambda delay: False
     sleep: Callable[[float], None] = time.sleep
 
     def delay(self, attempt: int) -> float:

@@ -8,6 +8,7 @@ A failed drain leaves no manifest at the destination, so it never counts as a ch
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -35,6 +36,9 @@ _HINT = (
     "the source checkpoint is untouched. Check that the destination is reachable and writable "
     "(credentials, bucket, endpoint) and run the drain again."
 )
+
+
+_ONE_ATTEMPT = Backoff()  # no retries
 
 
 class _Cancelled(Exception):
@@ -67,11 +71,8 @@ def drain_files(
     max_workers: int = 4,
     chunk_size: int = CHUNK_BYTES,
     progress: Callable[[int], None] | None = None,
-    retries: int = 1,
-    backoff_s: float = 1.0,
-    transient: Callable[[BaseException], bool] = lambda err: True,
-    give_up: Callable[[float], bool] = lambda delay: False,
-    describe: Callable[[BaseException], str] | None = None,
+    policy: Backoff = _ONE_ATTEMPT,
+    describe: Callable[[BaseException], str] = describe_error,
     hint: str = _HINT,
 ) -> DrainOutcome:
     """The one drain implementation: copy the committed checkpoint ``src`` to ``dst`` and
@@ -84,19 +85,24 @@ def drain_files(
 
     Args:
         progress: called with each chunk's byte count; may raise to stop the copy.
-        retries: attempts for the copy and the commit (1 = no retry), while ``transient``
-            says the errors are worth it and ``give_up(next_delay)`` (rank 0's) says no.
+        policy: attempts for the copy and the commit (default: no retry), while its
+            ``transient`` says the errors are worth it and its ``give_up`` (rank 0's) says no.
         describe: one line for an error in messages (e.g. with secrets redacted).
         hint: the HINT of the error raised when the drain fails.
     """
-    say = describe or describe_error
     rank = pdist.rank(group) if group is not None else 0
 
     def prepare() -> tuple[bytes, bool]:
         read_manifest(src)  # NotACheckpointError / CorruptCheckpointError with a HINT
         data = src.read_bytes(MANIFEST_NAME)  # committed manifests never change: copied verbatim
-        if _already_there(dst, data):
-            return data, True
+        with contextlib.suppress(FileNotFoundError):
+            if dst.read_bytes(MANIFEST_NAME) == data:
+                return data, True
+            raise CheckpointExistsError(
+                "the destination already holds a different committed checkpoint",
+                path=dst.url,
+                hint="Drain into a new path (e.g. one directory per step), or remove the destination checkpoint first.",
+            )
         if dst.exists():  # uncommitted leftovers of an earlier attempt; never anyone else's files
             remove_if_ours(dst, why="uncommitted leftover of an earlier drain")
         return data, False
@@ -110,47 +116,17 @@ def drain_files(
     world = pdist.world_size(group) if group is not None else 1
     mine = [n for n in manifest.files if group is None or writer_of(n) % world == rank]
 
-    def copy() -> None:
-        # a replaced checkpoint's files live in its generation dir (write/replace.py), same name at dst
-        copy_files(data_store(src, manifest), data_store(dst, manifest), manifest, max_workers=max_workers,
-                   progress=progress, chunk_size=chunk_size, names=mine)  # fmt: skip
-
-    policy = Backoff(retries, backoff_s, transient=transient, give_up=give_up)
-    try:
-        _copy_agreed(copy, dst, group, policy, say, outcome)
-    except _RanksFailed as failed:
-        if rank == 0:
-            _remove_partial(dst)
-        raise CheckpointWriteError(
-            f"draining {src.url} to {dst.url} failed after {outcome.attempts} attempt(s), nothing was committed "
-            f"there ({failed})",
-            path=dst.url,
-            hint=hint,
-        ) from failed.local_error
-    agree.decide(lambda: _commit(dst, manifest_bytes, policy, say, hint), group, what="committing the drained manifest")
-    return outcome
-
-
-def _copy_agreed(
-    copy: Callable[[], None],
-    dst: Store,
-    group: pdist.ProcessGroup | None,
-    policy: Backoff,
-    say: Callable[[BaseException], str],
-    outcome: DrainOutcome,
-) -> None:
-    """Every rank runs ``copy`` until every rank's copy succeeded, retrying as ``policy`` says;
-    raises :class:`_RanksFailed` alike on every rank when rank 0 decides to stop."""
-
     def attempt(number: int) -> None:
         outcome.attempts = number
         failure: tuple[bool, str] | None = None
         local_error: Exception | None = None
         try:
             dst.makedirs()
-            copy()
+            # a replaced checkpoint's files live in its generation dir (write/replace.py), same name at dst
+            copy_files(data_store(src, manifest), data_store(dst, manifest), manifest, max_workers=max_workers,
+                       progress=progress, chunk_size=chunk_size, names=mine)  # fmt: skip
         except Exception as err:
-            failure, local_error = (policy.transient(err), say(err)), err
+            failure, local_error = (policy.transient(err), describe(err)), err
         failures = [(r, f) for r, f in enumerate(pdist.all_gather_objects(failure, group)) if f is not None]
         if failures:  # raised alike on every rank, so every rank takes the same branch
             raise _RanksFailed(failures, local_error)
@@ -162,17 +138,31 @@ def _copy_agreed(
     # Clocks and deadlines are rank-local: rank 0 decides for all, so no rank retries (and
     # enters the next attempt's collectives) while another gives up.
     every_rank = dataclasses.replace(policy, transient=lambda err: getattr(err, "all_transient", False))
-    retry(attempt, every_rank, on_retry=retrying, decide=lambda question: agree.decide(question, group),
-          retry_on=(_RanksFailed,))  # fmt: skip
+    try:
+        retry(attempt, every_rank, on_retry=retrying, decide=lambda question: agree.decide(question, group),
+              retry_on=(_RanksFailed,))  # fmt: skip
+    except _RanksFailed as failed:
+        if rank == 0:
+            _remove_partial(dst)
+        raise CheckpointWriteError(
+            f"draining {src.url} to {dst.url} failed after {outcome.attempts} attempt(s), nothing was committed "
+            f"there ({failed})",
+            path=dst.url,
+            hint=hint,
+        ) from failed.local_error
+    agree.decide(lambda: _commit(dst, manifest_bytes, policy, describe, hint), group,
+                 what="committing the drained manifest")  # fmt: skip
+    return outcome
 
 
 def _commit(dst: Store, manifest_bytes: bytes, policy: Backoff, say: Callable[[BaseException], str], hint: str) -> None:
     """Rank 0: the commit, last, one small create-only PUT (retried while worth it); a failure
     removes the partial copy. :class:`CheckpointExistsError` is never retried nor cleaned up:
     someone else committed a different checkpoint there, and their files are left alone."""
-    worth_it = dataclasses.replace(
-        policy, transient=lambda err: not isinstance(err, CheckpointExistsError) and policy.transient(err), give_up=_never
-    )
+    worth_it = dataclasses.replace(  # the commit retries without a deadline, as it always has
+        policy, transient=lambda err: not isinstance(err, CheckpointExistsError) and policy.transient(err),
+        give_up=lambda delay: False,
+    )  # fmt: skip
     try:
         retry(lambda attempt: dst.commit_bytes(MANIFEST_NAME, manifest_bytes), worth_it)
     except CheckpointExistsError:
@@ -184,10 +174,6 @@ def _commit(dst: Store, manifest_bytes: bytes, policy: Backoff, say: Callable[[B
             path=dst.url,
             hint=hint,
         ) from err
-
-
-def _never(delay: float) -> bool:
-    return False  # the commit retries without a deadline, as it always has
 
 
 def drain_checkpoint(
@@ -228,20 +214,6 @@ def drain_checkpoint(
             time.perf_counter() - started,
         )  # fmt: skip
     return outcome.manifest
-
-
-def _already_there(dst: Store, manifest_bytes: bytes) -> bool:
-    try:
-        existing = dst.read_bytes(MANIFEST_NAME)
-    except FileNotFoundError:
-        return False
-    if existing == manifest_bytes:
-        return True
-    raise CheckpointExistsError(
-        "the destination already holds a different committed checkpoint",
-        path=dst.url,
-        hint="Drain into a new path (e.g. one directory per step), or remove the destination checkpoint first.",
-    )
 
 
 def copy_files(
@@ -311,11 +283,7 @@ def _copy_one(
                 path=src.url,
                 hint="The source checkpoint is damaged; drain an older one.",
             )
-    _check_landed(dst, name, entry)
-
-
-def _check_landed(dst: Store, name: str, entry: FileEntry) -> None:
-    """The destination's own view of ``name``: size always, CRC32C where it is free (GCS)."""
+    # The destination's own view of ``name``: size always, CRC32C where it is free (GCS).
     info = dst.info(name)  # fresh from the server
     size = int(info.get("size", -1))
     if size != entry.size:

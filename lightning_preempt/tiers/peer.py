@@ -1,19 +1,7 @@
-"""Peer replica: every rank's share of a committed node-local checkpoint also on another node.
-
-In two-tier mode across nodes (docs/two-tier.md) a checkpoint is complete only in the
-bucket: each node's local tier holds its own ranks' files. When a node is reclaimed and
-its drain cannot finish within the grace period, its share is gone with its disk. Here
-each rank sends the files it holds of one checkpoint to its *buddy*, a rank on the next
-node (a ring over nodes), over a gloo group; the buddy checks each file's CRC32C against
-the checkpoint's manifest and writes it into its own local tier, with the manifest. With
-two nodes either survivor then holds the whole checkpoint and resumes from its own disk
-(its upload-on-start drains it to the bucket: the drain runs from the survivor). With more
-nodes the union of the survivors' tiers holds every file (docs/peer-replica.md: what is
-left to build for that case).
-
-Collective: every rank of ``group`` calls :func:`replicate` with the same checkpoint.
-Nothing here imports Lightning (``replica_callback.py`` wires it into a Trainer).
-"""
+"""Peer replica: every rank's share of a committed node-local checkpoint also on another node
+(docs/peer-replica.md): each rank sends its files to its *buddy* on the next node (a ring),
+which checks them against the manifest and commits them in its own local tier. Collective:
+every rank of ``group`` calls :func:`replicate` with the same checkpoint. No Lightning here."""
 
 from __future__ import annotations
 
@@ -60,10 +48,6 @@ class Placement:
     node_of: list[str]
     buddy: list[int | None]  # None: a single node, no other node to hold a copy
 
-    @property
-    def nodes(self) -> list[str]:
-        return list(dict.fromkeys(self.node_of))
-
 
 def node_id() -> str:
     """This process's node: torchrun's ``GROUP_RANK`` (one agent per node), else the host name."""
@@ -78,13 +62,10 @@ def placement(node_of: list[str]) -> Placement:
     order of first appearance), so a copy never sits on its original's node."""
     nodes = list(dict.fromkeys(node_of))
     members = {n: [r for r, m in enumerate(node_of) if m == n] for n in nodes}
-    buddy: list[int | None] = []
-    for r, n in enumerate(node_of):
-        if len(nodes) < 2:
-            buddy.append(None)
-            continue
+    buddy: list[int | None] = [None] * len(node_of)
+    for r, n in enumerate(node_of if len(nodes) > 1 else []):
         nxt = members[nodes[(nodes.index(n) + 1) % len(nodes)]]
-        buddy.append(nxt[members[n].index(r) % len(nxt)])
+        buddy[r] = nxt[members[n].index(r) % len(nxt)]
     return Placement(node_of=list(node_of), buddy=buddy)
 
 
@@ -128,14 +109,8 @@ def replicate(local_dir: str, group: dist.ProcessGroup | None, *, node: str | No
     ``manifest.json``). Collective over ``group``; a failure on any rank raises
     :class:`ReplicaError` on every rank (the transfer is agreed, never half-assumed).
     ``node``: this rank's node for the placement (default :func:`node_id`; tier 0 passes
-    the ranks that share its directory, tiers/tier0_peer.py).
-
-    The local tier is untrusted input like any storage (docs/security.md): the manifest is
-    read size-capped, not through a symlink, validated on rank 0 and sent as its JSON bytes
-    (never a pickle), validated again by every receiver before anything is written; a file
-    is read only when it is a regular file of its manifest size (no symlink, FIFO, device),
-    by every sender *before* any transfer starts, so a refusal fails every rank at once
-    instead of leaving a buddy waiting in a receive.
+    the ranks that share its directory, tiers/tier0_peer.py). The local tier is untrusted
+    input like any storage: what is checked, and when (docs/peer-replica.md, "Transfer").
     """
     start = time.monotonic()
     me, world = pdist.rank(group), pdist.world_size(group)
@@ -153,7 +128,8 @@ def replicate(local_dir: str, group: dist.ProcessGroup | None, *, node: str | No
     except (OSError, CheckpointError) as exc:
         err = f"{type(exc).__name__}: {exc}"
     shares = pdist.all_gather_json({"node": node or node_id(), "own": own, "error": err}, group, max_bytes=WIRE_MAX_BYTES)
-    _raise_failed([s["error"] for s in shares], manifest.step, local_dir, "Nothing was sent; ")
+    _raise_failed([s["error"] for s in shares], f"the peer replica of step {manifest.step}", local_dir,
+                  f"Nothing was sent; {_STAYS}")  # fmt: skip
     where = placement([str(s["node"]) for s in shares])
     held: list[list[str]] = [[n for n in s["own"] if n in manifest.files] for s in shares]
     claimed: set[str] = set()  # a file two ranks of one node hold (a shared local tier) is sent once
@@ -166,7 +142,8 @@ def replicate(local_dir: str, group: dist.ProcessGroup | None, *, node: str | No
                 claimed.add(key)
                 plan.append((sender, buddy, name))
     sent, received, err = transfer(local_dir, manifest, data, plan, me, group)
-    _raise_failed(pdist.all_gather_json(err, group, max_bytes=WIRE_MAX_BYTES), manifest.step, local_dir, "")
+    errors = pdist.all_gather_json(err, group, max_bytes=WIRE_MAX_BYTES)
+    _raise_failed(errors, f"the peer replica of step {manifest.step}", local_dir, _STAYS)
     if me != 0 and received:
         write_durable(os.path.join(local_dir, MANIFEST_NAME), raw)  # last: the files are durable
     holders: dict[str, list[str]] = {}
@@ -223,14 +200,15 @@ def read_own(store: Store, manifest: Manifest, names: list[str]) -> dict[str, by
     return out
 
 
-def _raise_failed(errors: list[object], step: int, local_dir: str, done: str) -> None:
+_STAYS = ("The checkpoint stays committed where it was; only the copy on a peer node is missing. Check the "
+          "local tier's files and free space.")
+
+
+def _raise_failed(errors: list[object], what: str, path: str, hint: str) -> None:
     """Raise :class:`ReplicaError` on every rank when any rank reported an error."""
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
-        rank, why = failed[0]
-        raise ReplicaError(f"the peer replica of step {step} failed on rank {rank}: {why}", path=local_dir,
-                           hint=f"{done}The checkpoint stays committed where it was; only the copy on a peer "
-                           "node is missing. Check the local tier's files and free space.")  # fmt: skip
+        raise ReplicaError(f"{what} failed on rank {failed[0][0]}: {failed[0][1]}", path=path, hint=hint)
 
 
 def transfer(
@@ -280,11 +258,14 @@ def transfer(
 
 
 # ---- after a resize: the survivors complete the checkpoint in the bucket ----------------------
-def _local_holdings(local_root: str, floor: int) -> dict[str, dict[str, object]]:
-    """This rank's view of its local tier, as JSON values: for each of our checkpoint dirs
-    newer than ``floor``, the manifest's text (if here and valid) and the sizes of the
-    checkpoint files here (regular files only: a symlink or FIFO is held by nobody)."""
-    out: dict[str, dict[str, object]] = {}
+def gather_holdings(local_root: str, floor: int, group: dist.ProcessGroup | None) -> list[dict[str, dict[str, Any]]]:
+    """Every rank's holdings under ``local_root`` (checkpoints newer than ``floor``), on every
+    rank, as :func:`plan_union` takes them (each manifest as bytes, or ``None``). Collective.
+
+    Each rank sends, as JSON values, for each of our checkpoint dirs newer than ``floor``, the
+    manifest's text (if here and valid) and the sizes of the checkpoint files here (regular
+    files only: a symlink or FIFO is held by nobody)."""
+    mine: dict[str, dict[str, object]] = {}
     root = Store(local_root)
     for entry in root.entries():
         step = dir_step(entry.name)
@@ -299,14 +280,8 @@ def _local_holdings(local_root: str, floor: int) -> dict[str, dict[str, object]]
                 parse_manifest(raw, path=ckpt.url)  # validated before it is sent (UTF-8 then too)
         except (CheckpointError, UnicodeDecodeError):  # not a regular file, too large, damaged: untrusted
             manifest = None
-        out[entry.name] = {"step": step, "manifest": manifest, "files": files}
-    return out
-
-
-def gather_holdings(local_root: str, floor: int, group: dist.ProcessGroup | None) -> list[dict[str, dict[str, Any]]]:
-    """Every rank's holdings under ``local_root`` (checkpoints newer than ``floor``), on every
-    rank, as :func:`plan_union` takes them (each manifest as bytes, or ``None``). Collective."""
-    gathered = pdist.all_gather_json(_local_holdings(local_root, floor), group, max_bytes=_HOLDINGS_MAX_BYTES)
+        mine[entry.name] = {"step": step, "manifest": manifest, "files": files}
+    gathered = pdist.all_gather_json(mine, group, max_bytes=_HOLDINGS_MAX_BYTES)
     for holding in gathered:  # the manifests travelled as JSON text; plan_union takes their bytes
         for held in holding.values():
             held["manifest"] = held["manifest"].encode("utf-8") if isinstance(held["manifest"], str) else None
@@ -350,8 +325,7 @@ def complete_from_peers(
     remote = Store(remote_url, remote_options)
 
     def remote_floor() -> int:
-        committed = [c.step for c in list_checkpoints(remote_url, remote_options) if c.committed]
-        return max(committed, default=-1)
+        return max((c.step for c in list_checkpoints(remote_url, remote_options) if c.committed), default=-1)
 
     floor = agree.decide(remote_floor, group, what="listing the remote tier", json_max_bytes=WIRE_MAX_BYTES)
     plan = plan_union(gather_holdings(local_root, floor, group))
@@ -368,11 +342,8 @@ def complete_from_peers(
         copy_files(src, dst, manifest, names=mine)
     except Exception as exc:
         err = f"{type(exc).__name__}: {exc}"
-    errors = pdist.all_gather_json(err, group, max_bytes=WIRE_MAX_BYTES)
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-    if failed:
-        raise ReplicaError(f"uploading {name} from the survivors failed on rank {failed[0][0]}: {failed[0][1]}",
-                           path=dst.url, hint="Nothing was committed there; the local copies stay.")  # fmt: skip
+    _raise_failed(pdist.all_gather_json(err, group, max_bytes=WIRE_MAX_BYTES), f"uploading {name} from the survivors",
+                  dst.url, "Nothing was committed there; the local copies stay.")  # fmt: skip
     agree.decide(lambda: dst.commit_bytes(MANIFEST_NAME, raw), group, what="committing the survivors' upload",
                  json_max_bytes=WIRE_MAX_BYTES)  # fmt: skip
     log.warning("lightning_preempt: %s (step %d) completed in %s from the survivors' local tiers",

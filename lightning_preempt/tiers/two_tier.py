@@ -1,15 +1,8 @@
 """Two-tier checkpoints: commit to fast node-local storage, drain to a bucket in the background
-(docs/two-tier.md: saves, SIGTERM, resume, retention, failures, ranks and nodes).
-
-A save addressed to ``<remote_root>/<name>`` is committed to ``<local_dirpath>/<name>``
-first; a drain job on a second thread then streams the committed local files to the remote
-tier and commits them there (manifest last, create-only) — never a second in-memory copy.
-With collective saves each rank uploads the files it wrote and rank 0 writes the remote
-manifest once every rank's uploads landed (the drain thread's own gloo group), so each node
-may have its own disk; resuming from the local tier needs every file on rank 0's disk (one
-host only). A failed drain is logged with a HINT and training goes on; a failed local write
-falls back to the remote tier, and only when both fail does the save raise.
-"""
+(docs/two-tier.md: saves, SIGTERM, resume, retention, failures, ranks and nodes). A drain job
+on its own thread streams the committed local files to the remote tier and commits them there
+(manifest last, create-only); a failed drain is logged with a HINT and training goes on, a
+failed local write falls back to the remote tier, and only when both fail does the save raise."""
 
 from __future__ import annotations
 
@@ -39,6 +32,7 @@ from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.format.names import MANIFEST_NAME
 from lightning_preempt.read.verify import Verify
 from lightning_preempt.storage.diagnose import describe, is_transient, redact
+from lightning_preempt.storage.retry import Backoff
 from lightning_preempt.storage.store import Store, join_url
 from lightning_preempt.tiers.drain import drain_files
 from lightning_preempt.write.jobs import JobQueue
@@ -79,6 +73,7 @@ class DrainRecord:
     error: str | None = None
 
 
+@dataclasses.dataclass(eq=False, repr=False)
 class TwoTier:
     """Tier bookkeeping and the drain thread for one :class:`ShardedAsyncCheckpointIO`.
 
@@ -90,21 +85,17 @@ class TwoTier:
         backoff_s: first retry delay; doubles each time.
     """
 
-    def __init__(
-        self,
-        local_root: str,
-        remote_options: dict[str, Any],
-        *,
-        max_workers: int = 4,
-        retries: int = 4,
-        backoff_s: float = 1.0,
-    ) -> None:
-        self.local_root = str(local_root).rstrip("/") or str(local_root)
+    local_root: str
+    remote_options: dict[str, Any]
+    _: dataclasses.KW_ONLY
+    max_workers: int = 4
+    retries: int = 4
+    backoff_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        self.local_root = str(self.local_root).rstrip("/") or str(self.local_root)
+        self.retries = max(1, self.retries)
         self.remote_root: str | None = None
-        self.remote_options = remote_options
-        self.max_workers = max_workers
-        self.retries = max(1, retries)
-        self.backoff_s = backoff_s
         self.keep_last_n: int | None = None
         self.run_id: str | None = None  # retention spares other runs' checkpoints
         self.group: pdist.ProcessGroup | None = None
@@ -150,10 +141,6 @@ class TwoTier:
         if self.remote_root is None or not url.startswith(self.local_root + "/"):
             return None
         return join_url(self.remote_root, url[len(self.local_root) + 1 :])
-
-    def options_for(self, url: str) -> dict[str, Any]:
-        url = str(url)
-        return {} if url == self.local_root or url.startswith(self.local_root + "/") else self.remote_options
 
     # ---- saving ------------------------------------------------------------------------
     def save(
@@ -246,9 +233,10 @@ class TwoTier:
         def give_up(delay: float) -> bool:
             return self._deadline is not None and time.monotonic() + delay > self._deadline
 
+        policy = Backoff(self.retries, self.backoff_s, transient=lambda err: is_transient(err, (DrainCancelled,)),
+                         give_up=give_up)  # fmt: skip
         outcome = drain_files(
-            src, dst, group=group, max_workers=self.max_workers, progress=check_deadline,
-            retries=self.retries, backoff_s=self.backoff_s, transient=lambda err: is_transient(err, (DrainCancelled,)), give_up=give_up,
+            src, dst, group=group, max_workers=self.max_workers, progress=check_deadline, policy=policy,
             describe=lambda err: describe(err, self.remote_options),
             hint=_DRAIN_HINT.format(local=record.local_url, remote=record.remote_url),
         )  # fmt: skip
@@ -298,15 +286,14 @@ class TwoTier:
         self._deadline = deadline
         with self._lock:
             futures = list(self._futures)
-        if futures and any(not f.done() for f in futures):
-            log.info(
-                "lightning_preempt: waiting for %d drain(s) to the remote tier", sum(not f.done() for f in futures)
-            )
+        running = sum(not f.done() for f in futures)
+        if running:
+            log.info("lightning_preempt: waiting for %d drain(s) to the remote tier", running)
         try:
             for fut in futures:
-                remaining = None if deadline is None else max(0.0, deadline - time.monotonic() + 0.5)
-                if remaining is not None:  # a far deadline overflows the lock's wait (OverflowError)
-                    remaining = min(remaining, threading.TIMEOUT_MAX)
+                # (a far deadline overflows the lock's wait: OverflowError)
+                left = None if deadline is None else max(0.0, deadline - time.monotonic() + 0.5)
+                remaining = None if left is None else min(left, threading.TIMEOUT_MAX)
                 with contextlib.suppress(Exception):  # errors were logged by the job
                     fut.exception(timeout=remaining)
             finished = all(f.done() for f in futures)
@@ -324,7 +311,8 @@ class TwoTier:
     # ---- discovery across tiers --------------------------------------------------------
     def committed(self, url: str) -> bool:
         """Whether ``url`` holds a manifest; an error that does not say "absent" is raised."""
-        return Store(url, self.options_for(url)).exists(MANIFEST_NAME)
+        local = url == self.local_root or url.startswith(self.local_root + "/")
+        return Store(url, {} if local else self.remote_options).exists(MANIFEST_NAME)
 
     def holders(self, remote_url: str) -> list[str]:
         """Which tiers hold a committed copy of ``remote_url`` (``["local", "remote"]``…)."""

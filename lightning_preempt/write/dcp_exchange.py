@@ -5,7 +5,7 @@ After every rank has written, DCP's ``_save_state_dict`` gathers each rank's
 broadcasts the coordinator's whole ``Metadata`` back (one entry per tensor). With 4000
 tensors on 2 gloo ranks that is ~60-80 ms of pickling, sending and unpickling per save,
 while nothing in either message changed since the last save: the plan was reused
-(write/planning.py) and every record went to the same place (write/record_layout.py).
+(write/planning.py) and every record went to the same place (write/records.py).
 
 * :class:`SentResults`: a rank's results on their way to the coordinator. The first save
   of a file layout sends them in full with the layout's token; while the layout is replayed

@@ -56,7 +56,7 @@ class MetadataPickles:
         ``results``)."""
         # The same objects (the PlanCache hands out the same metadata while the plan holds;
         # held here, so never a new object at an old address) and the same record places:
-        # the same result lists (a replayed layout, write/record_layout.py) or equal places.
+        # the same result lists (a replayed layout, write/records.py) or equal places.
         with self._lock:
             last = self._key
         same_lists = last is not None and len(results) == len(last[3]) and all(

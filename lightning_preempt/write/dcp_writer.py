@@ -1,24 +1,16 @@
 """Our extension of DCP's storage layer: checksums while writing, no rename to commit.
 
-DCP's file format stays (``__{rank}_{i}.distcp`` + pickled ``.metadata``: plain
-``torch.distributed.checkpoint`` reads the shards); only how bytes reach storage changes:
-
-* every file goes through :meth:`Store.open_write` (durable on close) with a CRC32C computed
-  as the bytes stream by; the manifest, written after DCP finishes, is the commit marker,
-  so ``.metadata`` is written directly, never renamed (copy + delete on object stores);
-* the zip CRC-32 ``torch.save`` computes per record (~0.55 s per GiB, never checked by
-  ``torch.load``) is skipped (:func:`_skip_zip_crc32`): the manifest's CRC32C covers the
-  same bytes;
-* tensor records come from per-shape templates (write/records.py) through a buffered
-  stream, ``.metadata`` is pickled once per plan (write/dcp_metadata.py);
-* tensors the host-memory budget streams are written first, and the save is released as
-  soon as they are: the files differ only in the order of their records.
-"""
+DCP's file format stays; every file goes through :meth:`Store.open_write` (durable on close)
+with a CRC32C computed as the bytes stream by, the zip CRC-32 ``torch.save`` computes per
+record (~0.55 s per GiB, never checked by ``torch.load``) is skipped, tensor records come
+from per-shape templates through a buffered stream, and tensors the host-memory budget
+streams are written first, so the save is released as soon as they are."""
 
 from __future__ import annotations
 
 import contextlib
 import io
+import math
 import os
 import pickle
 import posixpath
@@ -42,8 +34,7 @@ from lightning_preempt.storage.checksum import Crc32c
 from lightning_preempt.storage.store import Store
 from lightning_preempt.write.dcp_exchange import SentResults, new_token, unwrap_metadata
 from lightning_preempt.write.planning import PlanCache
-from lightning_preempt.write.record_layout import Entry, RecordLayout, entry, replay_file, results_of
-from lightning_preempt.write.records import write_tensor_record
+from lightning_preempt.write.records import Entry, RecordLayout, entry, replay_file, results_of, write_tensor_record
 
 _thread_state = threading.local()
 #: Writes smaller than this are gathered into one write (and one CRC32C update). 1 MiB
@@ -52,14 +43,11 @@ WRITE_BUFFER_BYTES = 1 << 20
 
 
 def _install_zip_crc32_switch() -> None:
-    """Wrap ``torch.serialization.get_crc32_options`` once so a thread can opt out.
-
-    torch.save reads the (process-global) option when it opens its zip writer; the
-    wrapper answers ``False`` only inside :func:`_skip_zip_crc32` on the current thread,
-    so torch.save calls in other threads (training, user code) are unaffected.
-    """
-    original = getattr(torch.serialization, "get_crc32_options", None)
-    if original is None or getattr(original, "_lightning_preempt", False):
+    """Wrap the process-global ``torch.serialization.get_crc32_options`` once: it answers
+    ``False`` only inside :func:`_skip_zip_crc32` on the current thread, so torch.save calls
+    in other threads (training, user code) are unaffected."""
+    original = torch.serialization.get_crc32_options
+    if getattr(original, "_lightning_preempt", False):
         return
 
     def get_crc32_options() -> bool:
@@ -279,7 +267,7 @@ class ChecksummingWriter(_compat.FsspecWriter):
         return _run_files(lambda i: write(names[i], buckets[i], files[i]), len(buckets), remember)
 
     def _replay(self, layout: RecordLayout, state_dict: dict[str, Any]) -> Future[list[WriteResult]]:
-        """:meth:`write_data` of a plan written before (write/record_layout.py)."""
+        """:meth:`write_data` of a plan written before (write/records.py: RecordLayout)."""
 
         moved: list[int] = []
 
@@ -345,12 +333,7 @@ def _file_names(prefix: str, items: int, thread_count: int) -> list[str]:
 
 def _item_bytes(item: WriteItem) -> int:
     data = item.tensor_data
-    if data is None:
-        return 0
-    numel = 1
-    for size in data.size:
-        numel *= size
-    return numel * data.properties.dtype.itemsize
+    return 0 if data is None else math.prod(data.size) * data.properties.dtype.itemsize
 
 
 def _split_by_size(items: list[WriteItem], parts: int) -> list[list[WriteItem]]:

@@ -1,35 +1,6 @@
-"""DCP save plans made once and reused while the state's structure is unchanged.
-
-DCP plans every save from scratch: one write item per tensor (``TensorProperties``
-asks each tensor whether it is pinned: ~40-80 us), then the coordinator's global plan
-(de-duplication, metadata, validation), ~0.1 ms per tensor in all. Our staged tensors
-are the stager's buffers, reused save after save, so the plans of consecutive saves are
-the same. :class:`CachingSavePlanner` is DCP's ``DefaultSavePlanner`` that reuses them:
-
-* the local plan when every tensor is a plain ``torch.Tensor`` and the same buffer as
-  last time (same key, storage address, dtype, shape, stride, ``requires_grad``): the
-  stager replaces a buffer whose shape changed, so any change of structure misses;
-  ``DTensor`` states are planned every time;
-* the global plan and metadata when the local plans it is given equal the last ones
-  (compared field by field, as gathered from every rank);
-* beside them, what the writer derives from a plan: the shard files' layout
-  (write/record_layout.py) and the pickled ``.metadata`` (write/dcp_metadata.py).
-
-Across ranks (``collective=True``) the plans need not travel either: DCP gathers every
-rank's local plan to the coordinator and scatters the global plans back, pickles of one
-item per tensor (4000 tensors on 2 gloo ranks: ~0.5 s of a ~1 s save). A rank whose local
-plan is reused sends ``SavePlan([], usable=False)`` carrying the token of the plan it
-reuses; when every rank does and the coordinator holds those very plans (the tokens match),
-each rank gets ``SavePlan([], usable=False)`` back and writes its cached final plan. That
-is DCP's own protocol (``usable``, 2.6+). A token the coordinator does not hold raises
-rather than guess (a save that fails clears every rank's cache: save/saver.py), so the
-next save plans afresh everywhere.
-
-DCP (2.6+) has its own ``enable_plan_caching``; it keys its process-wide cache on the
-planner's class name alone, so two savers in one process (a collective one and a
-single-process one) would share it. This cache lives in one :class:`PlanCache` per
-:class:`~lightning_preempt.save.saver.Saver`.
-"""
+"""DCP save plans made once and reused while the state's structure is unchanged, and between
+ranks not even sent (DCP's ``usable=False`` protocol, a token per rank's plan that the
+coordinator checks). Why and when: docs/design.md, "The writer's fast paths"."""
 
 from __future__ import annotations
 
@@ -45,7 +16,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 from lightning_preempt.write.dcp_exchange import KeptMetadata, ResultsKept
 from lightning_preempt.write.dcp_metadata import MetadataPickles
-from lightning_preempt.write.record_layout import RecordLayout
+from lightning_preempt.write.records import RecordLayout
 
 
 @dataclasses.dataclass
@@ -62,7 +33,7 @@ class PlanCache:
     all_tokens: list[str | None] | None = None
     final_plan: SavePlan | None = None  # this rank's plan as DCP finished it last time
     hits: dict[str, int] = dataclasses.field(default_factory=lambda: {"local": 0, "global": 0, "unsent": 0})
-    #: the shard files the plan above wrote, to write again (write/record_layout.py)
+    #: the shard files the plan above wrote, to write again (write/records.py)
     records: RecordLayout | None = dataclasses.field(default=None, repr=False, compare=False)
     #: ``.metadata`` pickled for the plan above (write/dcp_metadata.py)
     metadata_pickles: MetadataPickles = dataclasses.field(default_factory=MetadataPickles, repr=False, compare=False)
@@ -101,7 +72,7 @@ class CachingSavePlanner(DefaultSavePlanner):
         super().__init__()
         self._plan_cache = cache
         #: plans travel between ranks: unchanged ones are not sent (module docstring)
-        self._unsent = collective and _HAS_USABLE
+        self._unsent = collective
         self._collective = collective
         #: the state is plain tensors (its plans are cached) / this save reused the local plan:
         #: the same buffers as the last save (the writer replays that save's files then)
@@ -161,7 +132,7 @@ class CachingSavePlanner(DefaultSavePlanner):
     def _global_plan_reused(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         cache = self._plan_cache
         tokens = [p.storage_data.value if isinstance(p.storage_data, _Token) else None for p in all_plans]
-        if any(not getattr(p, "usable", True) for p in all_plans):
+        if any(not p.usable for p in all_plans):
             with cache.lock:
                 held = cache.all_tokens
                 if held is None or cache.all_plans is None or len(held) != len(all_plans) or any(
@@ -179,14 +150,27 @@ class CachingSavePlanner(DefaultSavePlanner):
         # (the tokens ride in storage_data, where the writer puts each rank's file prefix next)
         all_plans = [dataclasses.replace(p, storage_data=None) if isinstance(p.storage_data, _Token) else p
                      for p in all_plans]  # fmt: skip
-        global_plans, metadata = self._global_plan(all_plans)
         with cache.lock:
+            if (
+                cache.all_plans is not None
+                and cache.global_plans is not None
+                and cache.metadata is not None
+                and len(all_plans) == len(cache.all_plans)
+                and all(x is y or x == y for x, y in zip(all_plans, cache.all_plans, strict=True))
+            ):
+                cache.hits["global"] += 1
+                cache.all_tokens = tokens if self._unsent else None
+                self.global_plan, self.metadata = cache.global_plans, cache.metadata
+                return list(self.global_plan), self.metadata
+        global_plans, metadata = super().create_global_plan(all_plans)
+        with cache.lock:
+            cache.all_plans, cache.global_plans, cache.metadata = list(all_plans), list(global_plans), metadata
             cache.all_tokens = tokens if self._unsent else None
         return global_plans, metadata
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         cache = self._plan_cache
-        if not getattr(new_plan, "usable", True):
+        if not new_plan.usable:
             with cache.lock:
                 final = cache.final_plan
             if final is None:  # (the coordinator checked the token: cannot happen)
@@ -198,29 +182,9 @@ class CachingSavePlanner(DefaultSavePlanner):
             cache.final_plan = plan if self._plan_cache.local_key is not None else None
         return plan
 
-    def _global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        cache = self._plan_cache
-        with cache.lock:
-            hit = cache.all_plans is not None and cache.global_plans is not None and cache.metadata is not None
-            if hit and _same_plans(all_plans, cache.all_plans):  # type: ignore[arg-type]
-                cache.hits["global"] += 1
-                self.global_plan, self.metadata = cache.global_plans, cache.metadata  # type: ignore[assignment]
-                return list(self.global_plan), self.metadata
-        global_plans, metadata = super().create_global_plan(all_plans)
-        with cache.lock:
-            cache.all_plans, cache.global_plans, cache.metadata = list(all_plans), list(global_plans), metadata
-        return global_plans, metadata
-
-
-_HAS_USABLE = "usable" in {f.name for f in dataclasses.fields(SavePlan)}  # torch 2.6+
-
 
 @dataclasses.dataclass(frozen=True)
 class _Token:
     """Names one rank's cached local plan (see the module docstring)."""
 
     value: str
-
-
-def _same_plans(a: list[SavePlan], b: list[SavePlan]) -> bool:
-    return len(a) == len(b) and all(x is y or x == y for x, y in zip(a, b, strict=True))

@@ -1,33 +1,25 @@
-"""DCP tensor records written without a ``torch.save`` call per tensor.
-
-DCP stores every tensor chunk as a small ``torch.save`` zip archive inside a shard file.
-``torch.save`` costs ~0.3 ms per call whatever the tensor's size (a zip writer, a pickler,
-~40 small writes), so a state of thousands of small tensors paid more per tensor than per
-byte. With the zip CRC-32 off (``dcp_writer._skip_zip_crc32``: our CRC32C covers the
-file) the archive of a contiguous tensor that owns its storage is the same bytes for
-every tensor of that dtype and shape, except the tensor's own bytes. So the archive is
-built once per (dtype, shape), by ``torch.save`` itself, cut around the data record, and
-every later tensor of that kind is written as ``head + its bytes + tail``: three writes.
-
-A template is used only after checking it: two ``torch.save`` archives of the same shape
-filled with different bytes must differ exactly in the data record (else, e.g. a torch
-whose archives carry a CRC or a random id, that kind falls back to ``torch.save``).
-Tensors that are views, subclasses, need grad, or are larger than
-:data:`TEMPLATE_MAX_BYTES` (their per-call cost is noise) take ``torch.save`` as before;
-either way the bytes are a valid ``torch.save`` archive that ``torch.load`` and
-``dcp.load`` read.
-"""
+"""DCP tensor records written without a ``torch.save`` call per tensor: per (dtype, shape), a
+template cut from ``torch.save``'s own archive around the data record, checked before use
+(docs/design.md, "The writer's fast paths"); the bytes are a valid ``torch.save`` archive.
+And the shard files' layout of one save plan (:class:`RecordLayout`: each item's key, template
+and length), recorded by a plan's first save and replayed while the plan holds."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import threading
 from collections import OrderedDict
-from typing import IO, Any, cast
+from typing import IO, Any, NamedTuple, cast
 
 import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import WriteItem
+from torch.distributed.checkpoint.storage import WriteResult
 
+from lightning_preempt.format import dcp_compat as _compat
 from lightning_preempt.read.archive import data_start
+from lightning_preempt.write.dcp_exchange import new_token
 
 #: Tensors up to this size are written from a template (the template's allocation is
 #: transient and per shape); larger ones by ``torch.save`` (one call per many MiB).
@@ -72,8 +64,7 @@ def _build(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[bytes, bytes] | 
 def _template(tensor: torch.Tensor) -> tuple[bytes, bytes] | None:
     # Keyed on the zip CRC-32 setting too: with it on, archives differ by data and no
     # template holds (a None cached then must not outlive the setting).
-    crc_on = getattr(torch.serialization, "get_crc32_options", lambda: True)()
-    key = (bool(crc_on), tensor.dtype, tuple(tensor.shape))
+    key = (bool(torch.serialization.get_crc32_options()), tensor.dtype, tuple(tensor.shape))
     with _lock:
         if key in _templates:
             _templates.move_to_end(key)
@@ -105,11 +96,8 @@ def _templatable(tensor: torch.Tensor) -> bool:
 
 def write_tensor_record(stream: IO[bytes], tensor: torch.Tensor) -> tuple[bytes, bytes] | None:
     """Write ``tensor`` to ``stream`` as the ``torch.save`` archive DCP stores per chunk;
-    returns the template's ``(head, tail)`` used, ``None`` when ``torch.save`` wrote it.
-
-    The caller has turned the zip CRC-32 off (``dcp_writer._skip_zip_crc32``); templates
-    are built (and checked) under the same setting.
-    """
+    returns the template's ``(head, tail)`` used, ``None`` when ``torch.save`` wrote it. The
+    caller has turned the zip CRC-32 off; templates are built and checked under that setting."""
     parts = _template(tensor) if _templatable(tensor) else None
     if parts is None:
         torch.save(tensor, stream)
@@ -125,3 +113,77 @@ def clear_templates() -> None:
     """Forget every template (tests; a process that changed torch's serialization options)."""
     with _lock:
         _templates.clear()
+
+
+class Entry(NamedTuple):
+    """One record: the tensor's key, its template (``None``: ``torch.save``), its length."""
+
+    fqn: str
+    where: MetadataIndex  # the item's index in the plan
+    head: bytes | None
+    tail: bytes
+    length: int
+    as_numpy: bool  # numpy has the dtype: the bytes without a uint8 view
+
+
+@dataclasses.dataclass
+class RecordLayout:
+    """The files one plan wrote (see the module docstring), to write again while it holds."""
+
+    items: list[WriteItem]
+    names: list[str]
+    files: list[list[Entry]]
+    results: list[list[WriteResult]]
+    #: every file's results in one list (what DCP gets; the same object while nothing moved)
+    flat: list[WriteResult] = dataclasses.field(default_factory=list)
+    #: names ``flat`` as the coordinator received it (write/dcp_exchange.py); new when it changes
+    token: str = dataclasses.field(default_factory=new_token)
+
+    def __post_init__(self) -> None:
+        self.flat = [r for part in self.results for r in part]
+
+    def fits(self, items: list[WriteItem], names: list[str]) -> bool:
+        return names == self.names and (items is self.items or items == self.items)
+
+
+def entry(item: WriteItem, tensor: torch.Tensor, parts: tuple[bytes, bytes] | None, length: int) -> Entry:
+    """What :func:`replay_file` needs of one record just written (``parts``: its template)."""
+    try:
+        tensor.numpy()
+        as_numpy = True
+    except (TypeError, RuntimeError):  # bfloat16, float8: no numpy dtype
+        as_numpy = False
+    head, tail = parts if parts is not None else (None, b"")
+    return Entry(item.index.fqn, item.index, head, tail, length, as_numpy)
+
+
+def replay_file(stream: IO[bytes], entries: list[Entry], state_dict: dict[str, Any]) -> dict[int, int]:
+    """Write ``entries``' records of the tensors in ``state_dict`` to ``stream``; returns the
+    lengths of the ``torch.save`` records (by position) that differ from last time."""
+    write = stream.write
+    changed: dict[int, int] = {}
+    for position, (fqn, _, head, tail, length, as_numpy) in enumerate(entries):
+        tensor = state_dict[fqn]
+        if head is None:
+            start = stream.tell()
+            write_tensor_record(stream, tensor.detach())
+            if stream.tell() - start != length:
+                changed[position] = stream.tell() - start
+            continue
+        data = tensor.numpy() if as_numpy else tensor.reshape(-1).view(torch.uint8).numpy()
+        write(head)
+        write(memoryview(cast(Any, data)).cast("B"))
+        write(tail)
+    return changed
+
+
+def results_of(name: str, entries: list[Entry], changed: dict[int, int]) -> list[WriteResult]:
+    """The ``WriteResult`` s of a file whose record lengths ``changed`` (by position)."""
+    results: list[WriteResult] = []
+    offset = 0
+    for position, record in enumerate(entries):
+        length = changed.get(position, record.length)
+        info = _compat.DcpStorageInfo(name, offset, length)
+        results.append(WriteResult(index=record.where, size_in_bytes=length, storage_data=info))
+        offset += length
+    return results

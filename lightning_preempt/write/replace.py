@@ -1,26 +1,7 @@
-"""Where a checkpoint's files live under its path, and replacing a checkpoint there
-(docs/design.md, "Checkpoint layout").
-
-The first save to ``P`` writes into ``P``. A save over a committed checkpoint (Lightning
-saves over paths by design: ``last.ckpt``, re-runs) must never tear it, and object stores
-cannot rename a directory, so it writes a fresh generation ``P/v-<12 hex>/``, replaces
-``P/manifest.json`` in one atomic write (the manifest names its generation in
-``extra["data_dir"]``), and only then deletes the old files. A crash before the manifest
-leaves the old checkpoint, after it the new one. Two saves to one path at once never share
-a file: the one that creates ``P/.lightning_preempt.writer`` writes into ``P``, the other
-into its own generation; the create-only manifest decides, the loser deletes only what it
-wrote (:func:`abandon`). A plain Lightning file at ``P`` is replaced the same way, or on
-local disk committed beside it and swapped in with two renames (:func:`swap_in`).
-
-The claim is created and removed without syncs (a lost or resurrected claim only changes
-where the next save writes). A local commit syncs each data file (``fdatasync``), the
-temporary manifest, then the directory once after the manifest's hard link: a manifest is
-durable only after every byte it names (docs/design.md, "Commit protocol").
-
-Only names this package writes are deleted, a directory only with
-:func:`~lightning_preempt.catalog.ownership.check_owned`'s verdict. Readers find a
-manifest's files with :func:`data_store`.
-"""
+"""Where a checkpoint's files live under its path, and replacing a checkpoint there without
+tearing it: a fresh generation ``P/v-<12 hex>/`` and one atomic manifest write, a create-only
+claim between concurrent saves, a swap on local disk for a plain file (docs/design.md,
+"Replacing a checkpoint at its path", "Commit protocol")."""
 
 from __future__ import annotations
 
@@ -139,7 +120,7 @@ def _claim(root: Store, *, remove_file: bool) -> WritePlan:
         # commit came before its release, so a claim won after the release sees its manifest.
         root.rm_file(CLAIM_NAME, durable=False)
         return WritePlan("generation", new_generation(), replace=True, replaced=_live_or_none(root))
-    remove_stale(root)  # an earlier save's partial files (never the claim: it is ours now)
+    _remove_ours(root, CLAIM_NAME)  # an earlier save's partial files (never the claim: it is ours now)
     return WritePlan("in_place", remove_file=remove_file)
 
 
@@ -158,32 +139,27 @@ def finish_write(root: Store, plan: WritePlan) -> None:
             root.rm_file(CLAIM_NAME, durable=False)  # a claim back after a crash is only stale
         elif plan.mode == "generation" and live_generation(root) == plan.name:
             # (another writer may have replaced this checkpoint since: its files are not stale)
-            remove_replaced(root, plan)
+            _remove_ours(root, plan.name, plan.replaced)
         if not root.is_object_store:
             remove_stale_siblings(root)
     except Exception as err:  # the new checkpoint is committed; leftovers go next time
         log.warning("lightning_preempt: could not delete the replaced checkpoint's files at %s: %s", root.url, err)
 
 
-def remove_replaced(root: Store, plan: WritePlan) -> list[str]:
-    """After a commit into the generation ``plan.name``: delete the files of ours directly in
-    ``root`` (the replaced checkpoint's, a killed or losing in-place save's, the claim) and
-    the generation the replaced manifest named. Never any other generation: it may be a
-    concurrent save's, still being written, that a delete would tear once it commits (a
-    killed save's generation stays, unreferenced, until the checkpoint is deleted)."""
-    removed = []
+def _remove_ours(root: Store, skip: str, replaced: str | None = None) -> None:
+    """Delete the files of ours directly in ``root`` (a killed or losing save's partial files,
+    the replaced checkpoint's), except the manifest, the marker, ``skip`` and commits in
+    flight, and the generation ``replaced`` (the one the replaced manifest named). Never any
+    other generation: it may be a concurrent save's, still being written, that a delete would
+    tear once it commits (a killed save's stays, unreferenced, until the path is deleted)."""
     for entry in root.entries():
         name = entry.name
-        if name in (MANIFEST_NAME, MARKER_NAME, plan.name) or is_commit_temp(name):
+        if name in (MANIFEST_NAME, MARKER_NAME, skip) or is_commit_temp(name):
             continue  # (a concurrent save's commit in flight: its writer deletes the temporary file)
-        if entry.kind == "dir" and name == plan.replaced:
+        if entry.kind == "dir" and name == replaced:
             _delete(root, name, is_dir=True)
-        elif entry.kind == "file" and is_our_file(name):
+        elif entry.kind == "file" and is_our_file(name):  # (a symlink: never here)
             root.rm_file(name)
-        else:
-            continue
-        removed.append(name)
-    return removed
 
 
 def _live_or_none(root: Store) -> str | None:
@@ -212,39 +188,13 @@ def abandon(root: Store, plan: WritePlan, names: Iterable[str]) -> None:
             root.rm_file(name)
 
 
-def remove_stale(root: Store) -> list[str]:
-    """The save that won the claim on an uncommitted path: delete the files of ours directly
-    under ``root`` (a killed save's partial files) except the marker, the claim and commits
-    in flight. Never a generation: a concurrent save that found our claim may have just
-    started writing its own (a killed save's stays, unreferenced, until the path is deleted)."""
-    removed = []
-    for entry in root.entries():
-        name = entry.name
-        if name in (MANIFEST_NAME, MARKER_NAME, CLAIM_NAME) or is_commit_temp(name):
-            continue
-        if entry.kind == "file" and is_our_file(name):  # (a symlink or a directory: never here)
-            root.rm_file(name)
-            removed.append(name)
-    return removed
-
-
-def remove_stale_siblings(root: Store) -> list[str]:
+def remove_stale_siblings(root: Store) -> None:
     """File systems: delete ``.NAME.lp-new-…``/``.NAME.lp-old-…`` left beside the path by
     a change of kind that a crash interrupted (the path itself is complete now)."""
     parent, base = root.parent(), _base(root)
-    removed = []
     for entry in parent.entries():
         if is_sibling_of(entry.name, base) and entry.kind in ("file", "dir"):
             _delete(parent, entry.name, is_dir=entry.kind == "dir")
-            removed.append(entry.name)
-    return removed
-
-
-def _quietly_remove_stale_siblings(store: Store) -> None:
-    try:
-        remove_stale_siblings(store)
-    except Exception as err:  # the new file is in place; leftovers go next time
-        log.warning("lightning_preempt: could not delete leftovers beside %s: %s", store.url, err)
 
 
 def _base(store: Store) -> str:
@@ -300,7 +250,17 @@ def write_file_atomic(store: Store, data: bytes) -> None:
     new file, never a partial one (local: temp + fsync + rename; object stores: one PUT)."""
     parent, base = store.parent(), _base(store)
     if store.is_object_store:
-        _replace_on_object_store(store, data)
+        committed = store.exists(MANIFEST_NAME)
+        if committed:
+            check_owned(store, doing="replace")  # the objects under P/ are deleted below
+        store.commit_bytes("", data, exclusive=False)
+        if committed:
+            # An object store holds the new file and the old directory side by side: uncommit
+            # the directory (loading then takes the file), then delete its objects one by one
+            # (a recursive delete of the prefix would take the file with it).
+            store.rm_file(MANIFEST_NAME)
+            for rel in store.list_files():
+                store.rm_file(rel)
         return
     tmp = sibling_name(base, "new")
     parent.makedirs()
@@ -318,23 +278,12 @@ def write_file_atomic(store: Store, data: bytes) -> None:
         except BaseException:
             parent.rm_file(tmp)
             raise
-    _quietly_remove_stale_siblings(store)
+    try:
+        remove_stale_siblings(store)
+    except Exception as err:  # the new file is in place; leftovers go next time
+        log.warning("lightning_preempt: could not delete leftovers beside %s: %s", store.url, err)
 
 
 def _is_real_dir(parent: Store, name: str) -> bool:
     """A directory, not a symlink to one, is at ``name`` (a symlink is replaced as a file)."""
     return any(e.name == name and e.kind == "dir" for e in parent.entries())
-
-
-def _replace_on_object_store(store: Store, data: bytes) -> None:
-    committed = store.exists(MANIFEST_NAME)
-    if committed:
-        check_owned(store, doing="replace")  # the objects under P/ are deleted below
-    store.commit_bytes("", data, exclusive=False)
-    if committed:
-        # An object store holds the new file and the old directory side by side: uncommit
-        # the directory (loading then takes the file), then delete its objects one by one
-        # (a recursive delete of the prefix would take the file with it).
-        store.rm_file(MANIFEST_NAME)
-        for rel in store.list_files():
-            store.rm_file(rel)

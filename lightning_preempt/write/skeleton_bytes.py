@@ -1,15 +1,9 @@
 """The skeleton's ``torch.save`` archive, without a Python call per pickled object.
 
-``torch.save``'s ``persistent_id`` (a Python method) runs for *every* pickled object: ~25 ms
-of training's wait for a skeleton of 4000 placeholders that holds few storages or none.
-:func:`skeleton_bytes` first pickles with a plain C pickler whose ``reducer_override`` only
-sees non-builtin objects; small, dense CPU tensors (RNG states, ``ModelCheckpoint``'s
-scores) are pickled inline as ``lightning_preempt.format.tensor_from_bytes(...)`` (issue 33).
-Any other tensor or a bare storage gives up, and the object is pickled again the way
-``torch.save`` does. The archive is ``torch.save``'s either way (exactly, without tensors),
-which every loader of this package reads and ``torch.load(weights_only=True)`` reads once
-``tensor_from_bytes`` is allowed; tests/unit/test_skeleton_bytes.py checks both.
-"""
+``torch.save``'s ``persistent_id`` runs for *every* pickled object (~25 ms for 4000
+placeholders), so a plain C pickler goes first: small, dense CPU tensors are pickled inline as
+``lightning_preempt.format.tensor_from_bytes(...)``; any other tensor or storage gives up, and
+the object is pickled again as ``torch.save`` does. The archive is ``torch.save``'s either way."""
 
 from __future__ import annotations
 

@@ -216,8 +216,7 @@ def test_rewound_sampler_repeats_the_epoch_start_draw_however_often_torchdata_it
     from torch.utils.data import TensorDataset
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from lightning_preempt.resume.rng import snapshot_iter_rng
-    from lightning_preempt.resume.samplers import rewound_sampler
+    from lightning_preempt.resume.samplers import rewound_sampler, snapshot_iter_rng
 
     g = torch.Generator().manual_seed(7)
     loader = StatefulDataLoader(TensorDataset(torch.arange(16)), sampler=cls(16, g), batch_size=4, generator=g)

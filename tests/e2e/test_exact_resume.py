@@ -332,7 +332,7 @@ def test_rng_capture_restore_and_derived_seeds() -> None:
 
     import numpy as np
 
-    from lightning_preempt.resume.rng import capture_rng, derive_seed, restore_rng
+    from lightning_preempt.resume.exact_state import capture_rng, derive_seed, restore_rng
 
     torch.manual_seed(1)
     random.seed(1)

@@ -25,7 +25,7 @@ import pytest
 from ckpts import committed
 from jobs import launch, read
 
-from lightning_preempt.cli.report import build_report
+from lightning_preempt.cli.commands.cmd_report import build_report
 from lightning_preempt.tiers.tier0 import WARMUP_STEPS
 
 pytestmark = pytest.mark.multiproc

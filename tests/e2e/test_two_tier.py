@@ -23,7 +23,7 @@ from jobs import launch
 from lightning.pytorch.callbacks import Callback
 from trainers import Fit, fit
 
-from lightning_preempt.catalog.ownership import remove_checkpoint_dir
+from lightning_preempt.catalog.ownership import remove_if_ours
 from lightning_preempt.format.names import MANIFEST_NAME, writer_of
 from lightning_preempt.storage.diagnose import redact
 from lightning_preempt.storage.store import Store
@@ -79,7 +79,7 @@ def test_resume_prefers_local_and_uploads_local_only_checkpoints_on_start(tmp_pa
     assert committed(remote.url, remote.storage_options) == [7, 6]
 
     # The bucket lost step 7 (it was never uploaded: e.g. preempted mid-drain): local is newer.
-    remove_checkpoint_dir(Store(remote.join(_name(7)), remote.storage_options))
+    remove_if_ours(Store(remote.join(_name(7)), remote.storage_options), why="removal requested")
     assert committed(remote.url, remote.storage_options) == [6]
     run = _fit(remote.url, remote.storage_options, local, max_steps=9, seed=2)
     assert run.callback.resumed_from == str(local / _name(7)) and run.probe.start_step == 7

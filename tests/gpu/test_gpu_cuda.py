@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lightning_preempt.read.load import load_full_checkpoint
-from lightning_preempt.resume.rng import capture_rng, restore_rng
+from lightning_preempt.resume.exact_state import capture_rng, restore_rng
 from lightning_preempt.save.saver import Saver
 from lightning_preempt.storage.store import Store
 

@@ -1,4 +1,4 @@
-"""When ranks agree, across 2 real gloo ranks (preemption/schedule.py, collective/flags.py):
+"""When ranks agree, across 2 real gloo ranks (preemption/schedule.py, collective/groups.py):
 every rank acts at the same boundary, ``auto`` switches k on every rank together after the
 calibration steps, ``overlap`` acts one exchange later, and a flag one rank raised between
 exchanges is never lost. Each rank writes what the schedule told it at every boundary; the

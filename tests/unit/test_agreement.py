@@ -1,4 +1,4 @@
-"""When ranks agree (preemption/schedule.py on collective/flags.py), in one process: without
+"""When ranks agree (preemption/schedule.py on collective/groups.py), in one process: without
 a process group the schedule degrades to local decisions. The same schedule across 2 real
 gloo ranks: tests/multiproc/test_agreement_multirank.py."""
 
@@ -8,7 +8,7 @@ import pickle
 
 import pytest
 
-from lightning_preempt.collective.flags import FlagAgreement
+from lightning_preempt.collective.groups import FlagAgreement
 from lightning_preempt.preemption.schedule import CALIBRATION_STEPS, AgreementSchedule
 
 

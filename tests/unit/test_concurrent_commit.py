@@ -18,7 +18,7 @@ from concurrent_saves import run_trials
 from lightning_preempt.errors import CheckpointExistsError
 from lightning_preempt.format.generations import data_store
 from lightning_preempt.format.names import CLAIM_NAME, MANIFEST_NAME
-from lightning_preempt.read.dcp import load_all_tensors
+from lightning_preempt.read.load import load_all_tensors
 from lightning_preempt.read.verify import verify_checkpoint
 from lightning_preempt.storage.store import Store
 from lightning_preempt.write import commit

@@ -69,7 +69,7 @@ def test_the_inline_split_is_the_generic_walk() -> None:
     """split_checkpoint walks plain dicts and lists itself (speed, issue 26): the same keys
     in the same order and the same skeleton as the generic map_leaves walk."""
     from lightning_preempt.format import TensorRef
-    from lightning_preempt.format.containers import map_leaves
+    from lightning_preempt.format.skeleton import map_leaves
 
     t = torch.ones(2)
     state = _state()

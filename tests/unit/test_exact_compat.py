@@ -75,7 +75,7 @@ def test_trainer_internals_used_by_exact_resume(tmp_path: Path) -> None:
 def test_torchmetrics_internals_used_by_exact_resume() -> None:
     import torchmetrics
 
-    from lightning_preempt.resume import metrics
+    from lightning_preempt.resume import exact_state as metrics
 
     metric = torchmetrics.MeanSquaredError()
     assert metrics.metric_state_names(metric) == ["sum_squared_error", "total"]

@@ -1,4 +1,4 @@
-"""Signals after training (preemption/late_signals.py): taken over only where the default
+"""Signals after training (preemption/signals.py, LateSignals): taken over only where the default
 action stands, the first one acted on, later ones absorbed, handed back before training."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import signal
 import time
 from types import FrameType
 
-from lightning_preempt.preemption import late_signals
+from lightning_preempt.preemption import signals
 
 SIG = signal.SIGUSR2
 
@@ -22,15 +22,15 @@ def test_the_first_signal_is_acted_on_later_ones_absorbed_then_handed_back() -> 
     seen: list[signal.Signals] = []
     previous = signal.signal(SIG, signal.SIG_DFL)
     try:
-        late_signals.take_over([SIG], seen.append)
-        assert signal.getsignal(SIG) == late_signals.LATE._handle
+        signals.take_over([SIG], seen.append)
+        assert signal.getsignal(SIG) == signals.LATE._handle
         _deliver()
         _deliver()  # SLURM signals again after a requeue: the exit is under way
-        assert seen == [SIG] and late_signals.LATE.later == 1
-        late_signals.hand_back()  # training starts again
+        assert seen == [SIG] and signals.LATE.later == 1
+        signals.hand_back()  # training starts again
         assert signal.getsignal(SIG) == signal.SIG_DFL
     finally:
-        late_signals.hand_back()
+        signals.hand_back()
         signal.signal(SIG, previous)
 
 
@@ -42,14 +42,14 @@ def test_a_handler_of_the_users_is_left_alone() -> None:
 
     previous = signal.signal(SIG, users)
     try:
-        late_signals.take_over([SIG], lambda s: (_ for _ in ()).throw(AssertionError("took over")))
+        signals.take_over([SIG], lambda s: (_ for _ in ()).throw(AssertionError("took over")))
         assert signal.getsignal(SIG) is users
         _deliver()
         assert got == [SIG]
-        late_signals.hand_back()
+        signals.hand_back()
         assert signal.getsignal(SIG) is users
     finally:
-        late_signals.hand_back()
+        signals.hand_back()
         signal.signal(SIG, previous)
 
 
@@ -65,14 +65,14 @@ def test_after_a_preemption_a_signal_in_the_teardown_is_only_noted() -> None:
         ctl.start()
         ctl.preempted = ctl._requeued = True  # the emergency sequence ran and the job is requeued
         ctl.stop()  # the sources put the default action back; the late handler takes over
-        assert signal.getsignal(SIG) == late_signals.LATE._handle
+        assert signal.getsignal(SIG) == signals.LATE._handle
         _deliver()  # would kill the process with the default action
-        assert late_signals.LATE.fired == SIG
+        assert signals.LATE.fired == SIG
         ctl.start()  # training again (same process): the signal is a preemption's again
-        assert signal.getsignal(SIG) != late_signals.LATE._handle
+        assert signal.getsignal(SIG) != signals.LATE._handle
         ctl._requeued = False  # preempted without a requeue: no late SIGTERM is expected
         ctl.stop()
         assert signal.getsignal(SIG) == signal.SIG_DFL
     finally:
-        late_signals.hand_back()
+        signals.hand_back()
         signal.signal(SIG, previous)

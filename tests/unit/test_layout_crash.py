@@ -27,9 +27,9 @@ from crash_fs import CrashFileSystem, SimulatedCrash
 from lightning_preempt.errors import CheckpointError
 from lightning_preempt.format.generations import data_store
 from lightning_preempt.format.names import is_generation
-from lightning_preempt.read.dcp import load_all_tensors
+from lightning_preempt.read.load import load_all_tensors
 from lightning_preempt.read.verify import verify_checkpoint
-from lightning_preempt.storage.owned import Owned
+from lightning_preempt.storage.local import Owned
 from lightning_preempt.storage.store import Store
 from lightning_preempt.write import commit
 from lightning_preempt.write.commit import SaveRequest, write_checkpoint

@@ -18,7 +18,7 @@ from lightning_preempt.format.names import (
     new_generation,
     state_file,
 )
-from lightning_preempt.storage.owned import Owned
+from lightning_preempt.storage.local import Owned
 from lightning_preempt.storage.store import Store
 
 OURS = {

@@ -10,7 +10,7 @@ import torch
 
 from lightning_preempt.format.shares import own_share, replica_owners
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
-from lightning_preempt.lightning.prealloc import prepare_staging
+from lightning_preempt.lightning.staging_hooks import prepare_staging
 from lightning_preempt.read.load import load_full_checkpoint
 from lightning_preempt.staging.stager import HostStager
 from lightning_preempt.storage.store import Store

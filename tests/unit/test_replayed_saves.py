@@ -1,5 +1,5 @@
 """Saves of an unchanged structure replay the last plan's file layout and reuse its pickled
-``.metadata`` entries (write/record_layout.py, write/dcp_metadata.py): the same shard bytes
+``.metadata`` entries (write/records.py, write/dcp_metadata.py): the same shard bytes
 as a save made item by item, a ``.metadata`` every reader takes, the values of *this* save."""
 
 from __future__ import annotations

@@ -148,7 +148,7 @@ def test_loader_workers_outlive_the_preemption_signal() -> None:
 
     from torch.utils.data import DataLoader
 
-    from lightning_preempt.preemption.workers import IgnoreSignals, shield_workers
+    from lightning_preempt.preemption.signals import IgnoreSignals, shield_workers
 
     calls: list[int] = []
     loader = DataLoader(_SignalsItself(), batch_size=2, num_workers=1, worker_init_fn=calls.append)

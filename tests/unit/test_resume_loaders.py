@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSamp
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_preempt.resume import exact_state
+from lightning_preempt.resume.exact_state import capture_rng, derive_seed, restore_rng
 from lightning_preempt.resume.loaders import ResumableLoaders, drop_replayed
-from lightning_preempt.resume.rng import capture_rng, derive_seed, restore_rng
 from lightning_preempt.resume.samplers import ResumableSampler, loader_generators
 
 N, BATCH = 40, 4
@@ -421,7 +421,7 @@ def test_a_rank_without_saved_state_is_seeded_from_the_saving_ranks(caplog: pyte
 def test_metric_states_are_restored_and_missing_ones_named(caplog: pytest.LogCaptureFixture) -> None:
     import torchmetrics
 
-    from lightning_preempt.resume.metrics import metric_states
+    from lightning_preempt.resume.exact_state import metric_states
 
     trained, fresh = torchmetrics.MeanSquaredError(), torchmetrics.MeanSquaredError()
     trained(torch.ones(2), torch.zeros(2))

@@ -106,7 +106,7 @@ def test_memory_store_plain_save_keeps_a_users_directory(memory_url: str) -> Non
 
 def test_every_recursive_delete_demands_the_ownership_verdict(tmp_path: Path) -> None:
     from lightning_preempt.catalog.ownership import check_owned
-    from lightning_preempt.storage.owned import UncheckedRemoveError
+    from lightning_preempt.storage.local import UncheckedRemoveError
 
     users = _user_dir(tmp_path / "project")
     with pytest.raises(UncheckedRemoveError):

@@ -11,7 +11,7 @@ import pytest
 
 from lightning_preempt.errors import CheckpointExistsError, CorruptCheckpointError
 from lightning_preempt.storage import local
-from lightning_preempt.storage.owned import Owned
+from lightning_preempt.storage.local import Owned
 from lightning_preempt.storage.store import Entry, Store
 
 
@@ -31,7 +31,8 @@ def test_entries_name_kind_and_size_and_what_derives_from_them(store: Store) -> 
     assert store.exists() and store.isdir() and store.isdir("sub") and not store.isdir("a.bin")
     assert store.is_file("a.bin") and not store.is_file("sub") and not store.is_file("nope")
     assert store.size("sub/b.bin") == 2
-    assert store.list_dirs() == ["sub"] and store.children() == [("a.bin", "file"), ("sub", "dir")]
+    assert store.list_dirs() == ["sub"]
+    assert [(e.name, e.kind) for e in store.entries()] == [("a.bin", "file"), ("sub", "dir")]
     assert store.list_files() == ["a.bin", "sub/b.bin"]
     store.copy_file("sub/b.bin", "c.bin")
     assert store.read_bytes("c.bin") == b"xy"

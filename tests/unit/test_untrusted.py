@@ -36,10 +36,11 @@ from lightning_preempt.errors import (
     CheckpointWriteError,
     CorruptCheckpointError,
     UnsupportedFormatError,
+    UntrustedCheckpointError,
 )
 from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.format.names import MANIFEST_NAME, checkpoint_name
-from lightning_preempt.format.pickles.unpickle import UntrustedCheckpointError, unpickle_dcp_metadata
+from lightning_preempt.format.pickles.unpickle import unpickle_dcp_metadata
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.read.verify import read_manifest, verify_checkpoint
 from lightning_preempt.storage.checksum import Crc32c
@@ -375,7 +376,7 @@ def test_removing_a_directory_with_user_files_raises_with_a_hint(tmp_path: Path)
     ckpt = root / checkpoint_name(1)
     (ckpt / "precious.txt").write_text("x")
     with pytest.raises(CheckpointExistsError, match=r"precious\.txt") as info:
-        ownership.remove_checkpoint_dir(Store(str(ckpt)))
+        ownership.remove_if_ours(Store(str(ckpt)), why="removal requested")
     assert "HINT:" in str(info.value)
     assert (ckpt / MANIFEST_NAME).exists() and (ckpt / "precious.txt").exists()
 

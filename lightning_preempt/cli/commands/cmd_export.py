@@ -17,7 +17,6 @@ from lightning_preempt.cli.resolve import resolve_checkpoint, storage_call
 
 
 def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
-    """Register ``export`` on the sub-command parser ``sub``."""
     p = sub.add_parser(
         "export",
         parents=parents,

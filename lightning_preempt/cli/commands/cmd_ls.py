@@ -19,7 +19,6 @@ HEADER = ["STEP", "EPOCH", "CREATED (UTC)", "SIZE", "WORLD", "TIER", "COMMITTED"
 
 
 def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
-    """Register ``ls`` on the sub-command parser ``sub``."""
     p = sub.add_parser("ls", parents=parents, help="list checkpoints, newest first")
     p.add_argument("url", metavar="URL", help="directory of checkpoints (or one checkpoint directory)")
     p.add_argument("--verify", action="store_true", help="also check every file's size and CRC32C")
@@ -35,7 +34,9 @@ def run(args: argparse.Namespace) -> int:
         raise nothing_here(args.url, options)
     rows = []
     for info in infos:
-        row = info_to_dict(info)
+        row = info.to_dict()
+        row["created_utc"] = utc(info.created_unix) if info.created_unix is not None else None
+        row["tier"] = "primary"  # two-tier storage will report "local" / "remote" here
         if args.verify:
             row["verified"], row["verify_error"] = _verify_info(info, options)
         rows.append(row)
@@ -46,14 +47,6 @@ def run(args: argparse.Namespace) -> int:
         table += [_table_row(row, args.verify) for row in rows]
         print_table(table, right_aligned={0, 1, 3, 4})
     return EXIT_OK
-
-
-def info_to_dict(info: CheckpointInfo) -> dict[str, Any]:
-    """JSON-ready description of one listed checkpoint (``ls --json`` rows)."""
-    row = info.to_dict()
-    row["created_utc"] = utc(info.created_unix) if info.created_unix is not None else None
-    row["tier"] = "primary"  # two-tier storage will report "local" / "remote" here
-    return row
 
 
 def _table_row(row: dict[str, Any], verified: bool) -> list[str]:

@@ -34,7 +34,6 @@ MEASURE_BYTES = 256 << 20
 
 
 def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
-    """Register ``plan`` on the sub-command parser ``sub``."""
     p = sub.add_parser(
         "plan", parents=parents, help="optimal checkpoint interval (Young/Daly) and whether the SIGTERM snapshot fits"
     )
@@ -150,12 +149,8 @@ def _blocking(args: argparse.Namespace, manifest: Manifest | None, state_bytes: 
 
 def render_plan(plan: Plan, sources: dict[str, str]) -> str:
     """The human-readable plan: every input, every formula, the recommendation."""
-    return "\n".join([*_render_inputs(plan, sources), *_render_interval(plan), *_render_outcome(plan)])
-
-
-def _render_inputs(plan: Plan, sources: dict[str, str]) -> list[str]:
     i = plan.inputs
-    return [
+    lines = [
         "inputs",
         f"  S  state size            {format_bytes(i.state_bytes):>12}   ({sources['state_bytes']})",
         f"  B  write bandwidth       {format_bytes(i.write_bandwidth) + '/s':>12}   ({sources['write_bandwidth']})",
@@ -165,9 +160,6 @@ def _render_inputs(plan: Plan, sources: dict[str, str]) -> list[str]:
         f"  R  restart time          {format_duration(i.restart_s):>12}",
         f"     step time             {format_duration(i.step_time_s) if i.step_time_s else '-':>12}",
     ]
-
-
-def _render_interval(plan: Plan) -> list[str]:
     rec = f"  recommended: max(Daly, F)                       {format_duration(plan.interval_s):>10}"
     if plan.clamped:
         rec += "   (clamped to F: at most one save is in flight)"
@@ -178,7 +170,7 @@ def _render_interval(plan: Plan) -> list[str]:
         )
     else:
         hint = f"  -> PreemptionCallback(every_n_seconds={plan.interval_s:.0f})   (--step-time to convert to steps)"
-    return [
+    lines += [
         "interval",
         f"  F = S/B (flush one save)                        {format_duration(plan.flush_s):>10}",
         f"  Young: sqrt(2CM)                                {format_duration(plan.young_s):>10}",
@@ -186,12 +178,9 @@ def _render_interval(plan: Plan) -> list[str]:
         rec,
         hint,
     ]
-
-
-def _render_outcome(plan: Plan) -> list[str]:
     pct = "{:.2%}".format
     fits = "fits" if plan.snapshot_fits else "DOES NOT FIT"
-    lines = [
+    lines += [
         "SIGTERM snapshot",
         f"  C + F = {format_duration(plan.snapshot_s)}  vs  G - margin = {format_duration(plan.snapshot_budget_s)}"
         f"  -> {fits}",
@@ -205,7 +194,7 @@ def _render_outcome(plan: Plan) -> list[str]:
             "HINT: the emergency snapshot will be killed mid-write; the previous periodic save is used. "
             "Use faster storage, a longer grace period, or accept the hard-kill loss above."
         )
-    return lines
+    return "\n".join(lines)
 
 
 def measure_write_bandwidth(url: str, nbytes: int = MEASURE_BYTES, options: dict[str, Any] | None = None) -> float:

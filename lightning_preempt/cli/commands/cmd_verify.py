@@ -28,7 +28,6 @@ PROGRESS_MIN_BYTES = 64 << 20  # on a TTY, smaller checkpoints verify too fast t
 
 
 def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
-    """Register ``verify`` on the sub-command parser ``sub``."""
     p = sub.add_parser("verify", parents=parents, help="check a checkpoint's manifest, sizes and CRC32C")
     p.add_argument("url", metavar="URL", help="a checkpoint directory, or a directory of checkpoints")
     p.add_argument("step", metavar="STEP", nargs="?", type=int, help="step to verify (default: newest committed)")
@@ -56,21 +55,17 @@ def run(args: argparse.Namespace) -> int:
             bar.close()
     if not args.trust:
         storage_call(store.url, lambda: check_loadable(store, manifest))
-    _report(store, manifest, time.perf_counter() - started, as_json=args.json, trusted=args.trust)
-    return EXIT_OK
-
-
-def _report(store: Store, manifest: Manifest, elapsed: float, *, as_json: bool, trusted: bool) -> None:
-    total = manifest.total_bytes
-    if as_json:
+    elapsed, total = time.perf_counter() - started, manifest.total_bytes
+    if args.json:
         fields = {"ok": True, "path": store.url, "step": manifest.step, "files": len(manifest.files)}
         print(json.dumps({**fields, "bytes": total, "seconds": elapsed}))
-        return
-    print(
-        f"OK step {manifest.step} ({untrusted_text(store.url, None)}): manifest v{manifest.version}, {len(manifest.files)} "
-        f"files, {format_bytes(total)}, sizes and CRC32C match"
-        f"{'' if trusted else ', loads without trust_checkpoints'} ({elapsed:.2f}s)"
-    )
+    else:
+        print(
+            f"OK step {manifest.step} ({untrusted_text(store.url, None)}): manifest v{manifest.version}, "
+            f"{len(manifest.files)} files, {format_bytes(total)}, sizes and CRC32C match"
+            f"{'' if args.trust else ', loads without trust_checkpoints'} ({elapsed:.2f}s)"
+        )
+    return EXIT_OK
 
 
 def check_loadable(store: Store, manifest: Manifest) -> None:

@@ -95,7 +95,7 @@ METADATA_CLASSES = frozenset(
 )
 #: Allowed functions, and the class of what they return.
 METADATA_FUNCTIONS = {"torch.serialization._get_layout": "torch.layout"}
-#: Everything format/pickles/unpickle.py's ``_MetadataUnpickler`` resolves.
+#: Everything format/pickles/unpickle.py's ``unpickle_dcp_metadata`` resolves.
 METADATA_GLOBALS = (
     METADATA_CLASSES
     | set(METADATA_FUNCTIONS)

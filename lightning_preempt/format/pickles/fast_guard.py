@@ -8,11 +8,10 @@ allowed, else :class:`FastRefused` and the weights-only loader decides. No torch
 from __future__ import annotations
 
 import struct
-from collections.abc import Collection
+from collections.abc import Collection, Set
 
 #: What a value on the walked stack is; globals and what calling them returns are strings.
 _OTHER, _TUPLE, _LIST, _DICT = 0, 1, 2, 3
-_MARK = object()
 
 
 class FastRefused(Exception):
@@ -27,28 +26,19 @@ def check_fast_pickle(
     buildable: Collection[str],
     dict_like: Collection[str],
 ) -> None:
-    """Walk ``pkl`` (a protocol-2 pickle) and raise :class:`FastRefused` unless every
-    opcode is one the fast path allows (see the module docstring).
-
-    ``globals_allowed``: ``"module.name"`` a ``GLOBAL`` may name; ``callables``: those
-    ``REDUCE``/``NEWOBJ`` may call; ``buildable``: those whose result ``BUILD`` may set
-    state on; ``dict_like``: those whose result ``SETITEM(S)`` may fill.
-    """
+    """Raise :class:`FastRefused` unless every opcode of ``pkl`` (protocol 2) is one the fast
+    path allows: a ``GLOBAL`` of ``globals_allowed`` (``"module.name"``), ``REDUCE``/``NEWOBJ``
+    of ``callables``, ``BUILD`` on what ``buildable`` made, ``SETITEM(S)`` on a ``dict_like``'s."""
     try:
-        _walk(pkl, frozenset(globals_allowed), frozenset(callables), frozenset(buildable), frozenset(dict_like))
+        _walk(pkl, *map(frozenset, (globals_allowed, callables, buildable, dict_like)))
     except FastRefused:
         raise
     except (IndexError, KeyError, ValueError, struct.error, UnicodeDecodeError) as err:  # truncated, underflow…
         raise FastRefused(f"malformed pickle ({type(err).__name__})") from None
 
 
-def _walk(  # one dispatch loop, its branches ordered by how often torch.save writes each op
-    pkl: bytes,
-    globals_allowed: frozenset[str],
-    callables: frozenset[str],
-    buildable: frozenset[str],
-    dict_like: frozenset[str],
-) -> None:
+# one dispatch loop, its branches ordered by how often torch.save writes each op
+def _walk(pkl: bytes, globals_allowed: Set[str], callables: Set[str], buildable: Set[str], dict_like: Set[str]) -> None:
     if pkl[:2] != b"\x80\x02":
         raise FastRefused("not a protocol-2 pickle")
     unpack_i = struct.Struct("<I").unpack_from
@@ -75,11 +65,11 @@ def _walk(  # one dispatch loop, its branches ordered by how often torch.save wr
         elif op == 0x58:  # BINUNICODE
             pos += 4 + unpack_i(pkl, pos)[0]
             stack.append(_OTHER)
-        elif op == 0x52:  # REDUCE
+        elif op == 0x52 or op == 0x81:  # REDUCE, NEWOBJ
             args = stack.pop()
             func = stack[-1]
             if func not in callables or args is not _TUPLE:
-                raise FastRefused(f"REDUCE of {func!r}")
+                raise FastRefused(f"{'REDUCE' if op == 0x52 else 'NEWOBJ'} of {func!r}")
             stack[-1] = "=" + func  # type: ignore[operator]
         elif op == 0x85:  # TUPLE1
             stack[-1] = _TUPLE
@@ -141,12 +131,6 @@ def _walk(  # one dispatch loop, its branches ordered by how often torch.save wr
             if name not in globals_allowed:
                 raise FastRefused(f"GLOBAL {name}")
             stack.append(name)
-        elif op == 0x81:  # NEWOBJ
-            args = stack.pop()
-            cls = stack[-1]
-            if cls not in callables or args is not _TUPLE:
-                raise FastRefused(f"NEWOBJ of {cls!r}")
-            stack[-1] = "=" + cls  # type: ignore[operator]
         elif op == 0x62:  # BUILD
             stack.pop()
             inst = stack[-1]

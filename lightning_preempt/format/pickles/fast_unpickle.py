@@ -67,10 +67,8 @@ def _numpy_fast_globals() -> dict[tuple[str, str], Any]:
     BUILDs, so the two callables whose result is BUILT are wrapped to check it."""
     import numpy as np
 
-    names = {(g.__module__, g.__qualname__): g for g in numpy_globals()}
-    dtype_types = tuple(g for g in names.values() if isinstance(g, type) and issubclass(g, np.dtype) and g is not np.dtype)
-    reconstruct = next(g for g in names.values() if getattr(g, "__name__", "") == "_reconstruct")
-    scalar = next(g for g in names.values() if getattr(g, "__name__", "") == "scalar")
+    reconstruct, _scalar, _ndarray, _dtype, *dtype_classes = numpy_globals()
+    dtype_types = tuple(dtype_classes)
 
     def dtype(obj: Any, align: bool = False, copy: bool = False) -> Any:
         # Always a copy: np.dtype("f8", False, False) is NumPy's shared float64 descriptor,
@@ -88,30 +86,20 @@ def _numpy_fast_globals() -> dict[tuple[str, str], Any]:
             raise OffFastPath("numpy _reconstruct made something other than an ndarray")
         return made
 
-    fast: dict[tuple[str, str], Any] = {}
-    for key, g in names.items():
-        if g is np.dtype:
-            fast[key] = dtype
-        elif g is reconstruct:
-            fast[key] = _reconstruct
-        elif g is not scalar and g not in dtype_types:  # ndarray (an argument of _reconstruct)
-            fast[key] = g
-    return fast
-
-
-class _Unpickler(pickle.Unpickler):
-    allowed: dict[tuple[str, str], Any] = {}
-
-    def find_class(self, module: str, name: str) -> Any:
-        found = self.allowed.get((module, name))
-        if found is None:
-            raise OffFastPath(f"{module}.{name}")
-        return found
+    # ndarray only as an argument of _reconstruct; no scalars, no dtype classes
+    fast = ((np.ndarray, np.ndarray), (np.dtype, dtype), (reconstruct, _reconstruct))
+    return {(g.__module__, g.__qualname__): f for g, f in fast}
 
 
 def _module(with_numpy: bool) -> types.SimpleNamespace:
     allowed = fast_globals(with_numpy)
-    unpickler = type("_Unpickler", (_Unpickler,), {"allowed": allowed})
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            found = allowed.get((module, name))
+            if found is None:
+                raise OffFastPath(f"{module}.{name}")
+            return found
 
     def load(*_: Any, **__: Any) -> Any:  # torch's legacy (non-zip) format: not ours
         raise OffFastPath("not a torch.save zip file")
@@ -129,7 +117,7 @@ def _module(with_numpy: bool) -> types.SimpleNamespace:
         "buildable": frozenset(buildable),
         "dict_like": frozenset({"collections.OrderedDict"}),
     }
-    return types.SimpleNamespace(Unpickler=unpickler, load=load, __name__=__name__, guard=guard)
+    return types.SimpleNamespace(Unpickler=Unpickler, load=load, __name__=__name__, guard=guard)
 
 
 _MODULES = {False: _module(False), True: _module(True)}
@@ -158,13 +146,8 @@ def fast_load_state(data: bytes, map_location: Any) -> Any:
         raise OffFastPath(str(err)) from None
     except Exception as err:  # not an archive both zip readers read alike
         raise OffFastPath(f"{type(err).__name__}") from err
-    try:
-        return torch.load(
-            io.BytesIO(data),
-            map_location=map_location,
-            weights_only=False,  # the restriction: the opcode check above and _Unpickler.find_class
-            pickle_module=module,
-        )
+    try:  # weights_only=False: the restriction is the opcode check above and Unpickler.find_class
+        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=False, pickle_module=module)
     except OffFastPath:
         raise
     except Exception as err:  # damaged, truncated…: weights_only gives the error its words

@@ -72,24 +72,32 @@ def _stub_class(qualified: str) -> type[_Stub]:
     return _STUB_CLASSES[qualified]
 
 
-class _MetadataStubUnpickler(pickle.Unpickler):
-    """format/pickles/unpickle.py's ``_MetadataUnpickler`` with stand-ins in place of torch's classes."""
+def _stand_in(module: str, name: str) -> Any:
+    """The stand-in for an allowed global (``None``: not allowed)."""
+    full = f"{module}.{name}"
+    if full == "collections.OrderedDict":
+        return OrderedDict  # the loader uses the real one too
+    if full in METADATA_FUNCTIONS:
+        return _StubFunction(METADATA_FUNCTIONS[full])
+    if full in METADATA_CLASSES:
+        return _stub_class(full)
+    return _StubValue(full) if full in METADATA_GLOBALS else None
 
-    def __init__(self, file: Any, path: str) -> None:
+
+class MetadataUnpickler(pickle.Unpickler):
+    """DCP's ``.metadata`` unpickler: ``resolve(module, name)`` gives an allowed global or
+    ``None`` (real classes in format/pickles/unpickle.py, stand-ins here); nothing else."""
+
+    def __init__(self, file: Any, path: str, resolve: Callable[[str, str], Any]) -> None:
         super().__init__(file)
         self._path = path
+        self._resolve = resolve
 
     def find_class(self, module: str, name: str) -> Any:
-        full = f"{module}.{name}"
-        if full == "collections.OrderedDict":
-            return OrderedDict  # the loader uses the real one too
-        if full in METADATA_FUNCTIONS:
-            return _StubFunction(METADATA_FUNCTIONS[full])
-        if full in METADATA_CLASSES:
-            return _stub_class(full)
-        if full in METADATA_GLOBALS:
-            return _StubValue(full)
-        raise metadata_global_error(module, name, self._path)
+        found = self._resolve(module, name)
+        if found is None:
+            raise metadata_global_error(module, name, self._path)
+        return found
 
     def persistent_load(self, pid: Any) -> Any:
         raise CorruptCheckpointError("DCP metadata uses persistent ids", path=self._path)
@@ -113,10 +121,10 @@ def metadata_global_error(module: str, name: str, path: str) -> CheckpointError:
     )
 
 
-def check_metadata_pickle(data: bytes, *, path: str, manifest: Manifest | None) -> None:
-    """Raise what reading and checking DCP's ``.metadata`` (``read_dcp_metadata``) would raise."""
+def unpickle_metadata(data: bytes, path: str, resolve: Callable[[str, str], Any]) -> Any:
+    """``.metadata``'s object through :class:`MetadataUnpickler`; damage raises :class:`CorruptCheckpointError`."""
     try:
-        metadata = _MetadataStubUnpickler(io.BytesIO(data), path).load()
+        return MetadataUnpickler(io.BytesIO(data), path, resolve).load()
     except CheckpointError:
         raise
     except Exception as err:  # truncated, garbage, a class called the wrong way...
@@ -125,7 +133,11 @@ def check_metadata_pickle(data: bytes, *, path: str, manifest: Manifest | None) 
             path=path,
             hint="The checkpoint is damaged; resume from an older one.",
         ) from err
-    check_dcp_structure(metadata, path=path, manifest=manifest)
+
+
+def check_metadata_pickle(data: bytes, *, path: str, manifest: Manifest | None) -> None:
+    """Raise what reading and checking DCP's ``.metadata`` (``read_dcp_metadata``) would raise."""
+    check_dcp_structure(unpickle_metadata(data, path, _stand_in), path=path, manifest=manifest)
 
 
 def qualified_type(obj: Any) -> str:

@@ -1,6 +1,7 @@
 """Would ``load_state_bytes`` accept this state file? Answered without torch, for ``verify``:
 ``data.pkl`` is replayed under ``weights_only`` rules with inert stand-ins, raising the error
-the load would (tests/unit/test_pickle_replay.py runs both on the same bytes).
+the load would (tests/unit/test_pickle_replay.py runs both on the same bytes). Also: which
+globals a pickle imports (:func:`pickle_globals`, for ``export``), read without running it.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def untrusted_state_error(global_name: str | None, detail: str, path: str) -> Un
     )
 
 
-def _corrupt_state(detail: str, path: str) -> CorruptCheckpointError:
+def corrupt_state_error(detail: str, path: str) -> CorruptCheckpointError:
+    """The error ``load_state_bytes`` raises for a state file that is not readable."""
     return CorruptCheckpointError(
         f"the per-rank state is not a readable torch.save file ({detail})", path=path, hint=_STATE_CORRUPT_HINT
     )
@@ -61,31 +63,34 @@ class _Refused(Exception):
 def check_state_pickle(data: bytes, *, path: str) -> None:
     """Raise what ``load_state_bytes(data, path=path)`` would raise, without torch."""
     try:
-        with zipfile.ZipFile(io.BytesIO(data)) as archive:
-            prefix, info = _archive_pickle(archive, path)
-            pkl = _record_bytes(archive, info, data)
-            records = set(archive.namelist())
+        prefix, pkl, names = _pickle_of(data, path)
+        records = set(names)
     except CheckpointError:
         raise
     except Exception as err:  # not a zip, a record failing its CRC, an unknown compression...
-        raise _corrupt_state(f"not a readable zip archive: {type(err).__name__}: {str(err)[:200]}", path) from None
+        raise corrupt_state_error(f"not a readable zip archive: {type(err).__name__}: {str(err)[:200]}", path) from None
     try:
         _WeightsOnlyReplay(pkl, lambda key: f"{prefix}/data/{key}" in records).run()
     except _Refused as err:
         raise untrusted_state_error(err.global_name, str(err), path) from None
     except (ValueError, TypeError, KeyError, IndexError, EOFError) as err:
-        raise _corrupt_state(f"{type(err).__name__}: {str(err)[:200]}", path) from None
+        raise corrupt_state_error(f"{type(err).__name__}: {str(err)[:200]}", path) from None
 
 
 def archived_pickle(data: bytes) -> bytes:
     """The ``data.pkl`` bytes torch's reader would unpickle from ``data``; raises when the two
     readers may differ (a name listed twice: zipfile takes the last)."""
+    _, pkl, names = _pickle_of(data, "")
+    if len(set(names)) != len(names):
+        raise ValueError("a record name appears twice")
+    return pkl
+
+
+def _pickle_of(data: bytes, path: str) -> tuple[str, bytes, list[str]]:
+    """The archive's directory name, its ``data.pkl`` bytes and every record's name."""
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
-        names = archive.namelist()
-        if len(set(names)) != len(names):
-            raise ValueError("a record name appears twice")
-        _, info = _archive_pickle(archive, "")
-        return _record_bytes(archive, info, data)
+        prefix, info = _archive_pickle(archive, path)
+        return prefix, _record_bytes(archive, info, data), archive.namelist()
 
 
 def _archive_pickle(archive: zipfile.ZipFile, path: str) -> tuple[str, zipfile.ZipInfo]:
@@ -93,17 +98,17 @@ def _archive_pickle(archive: zipfile.ZipFile, path: str) -> tuple[str, zipfile.Z
     names = archive.namelist()
     prefix = names[0].split("/", 1)[0] if names else ""
     if not names or any(not n.startswith(prefix + "/") for n in names):
-        raise _corrupt_state("its records are not in one directory", path)
+        raise corrupt_state_error("its records are not in one directory", path)
     if f"{prefix}/constants.pkl" in names:
-        raise _corrupt_state("a TorchScript archive", path)
+        raise corrupt_state_error("a TorchScript archive", path)
     order = archive.NameToInfo.get(f"{prefix}/byteorder")
     if order is not None and archive.read(order) not in (b"little", b"big"):
-        raise _corrupt_state("unknown byte order", path)
+        raise corrupt_state_error("unknown byte order", path)
     info = archive.NameToInfo.get(f"{prefix}/data.pkl")
     if info is None:
-        raise _corrupt_state("no data.pkl", path)
+        raise corrupt_state_error("no data.pkl", path)
     if info.file_size > MAX_PICKLE_BYTES:
-        raise _corrupt_state(f"data.pkl holds {info.file_size} bytes", path)
+        raise corrupt_state_error(f"data.pkl holds {info.file_size} bytes", path)
     return prefix, info
 
 
@@ -160,6 +165,8 @@ _STDLIB_RESULTS: dict[str, Callable[[], Any]] = {
     "_codecs.encode": bytes,
 }
 _CONSTANTS = {"NONE": None, "NEWFALSE": False, "NEWTRUE": True, "EMPTY_TUPLE": ()}
+_EMPTY: dict[str, Callable[[], Any]] = {"EMPTY_LIST": list, "EMPTY_DICT": dict, "EMPTY_SET": set}
+_TUPLES = {"TUPLE1": 1, "TUPLE2": 2, "TUPLE3": 3}
 _VALUES = frozenset({"BININT", "BININT1", "BININT2", "BINFLOAT", "LONG1", "BINUNICODE", "SHORT_BINSTRING"})
 
 
@@ -192,6 +199,13 @@ class _WeightsOnlyReplay:
             self.stack.append(_CONSTANTS[name])
         elif name in _VALUES:
             self.stack.append(arg)
+        elif name in _EMPTY:
+            self.stack.append(_EMPTY[name]())
+        elif name in _TUPLES:
+            n = _TUPLES[name]
+            if len(self.stack) < n:
+                raise IndexError("list index out of range")  # as torch's stack[-n] raises
+            self.stack[-n:] = [tuple(self.stack[-n:])]
         else:
             handler = getattr(self, f"op_{name}", None)
             if handler is None:  # FRAME, MEMOIZE, STACK_GLOBAL...: torch.save writes protocol 2
@@ -283,24 +297,6 @@ class _WeightsOnlyReplay:
         items = self.pop_mark()  # first: it replaces self.stack
         self.stack.append(tuple(items))
 
-    def op_TUPLE1(self, arg: None) -> None:
-        self.stack[-1] = (self.stack[-1],)
-
-    def op_TUPLE2(self, arg: None) -> None:
-        self.stack[-2:] = [(self.stack[-2], self.stack[-1])]
-
-    def op_TUPLE3(self, arg: None) -> None:
-        self.stack[-3:] = [(self.stack[-3], self.stack[-2], self.stack[-1])]
-
-    def op_EMPTY_LIST(self, arg: None) -> None:
-        self.stack.append([])
-
-    def op_EMPTY_DICT(self, arg: None) -> None:
-        self.stack.append({})
-
-    def op_EMPTY_SET(self, arg: None) -> None:
-        self.stack.append(set())
-
     # -- memo
     def op_BINPUT(self, arg: int) -> None:
         self.memo[arg] = self.stack[-1]
@@ -315,3 +311,42 @@ class _WeightsOnlyReplay:
 
     def op_STOP(self, arg: None) -> None:
         self.stack.pop()
+
+
+# ---- which globals a pickle imports (whether it would load is the replay's question) ---------
+def pickled_globals(path: str) -> set[str]:
+    """Every ``module.qualname`` the pickle inside the ``torch.save`` file at ``path`` imports."""
+    with zipfile.ZipFile(path) as archive:
+        names = [n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
+        data = archive.read(names[0])
+    return pickle_globals(data)
+
+
+def pickle_globals(data: bytes) -> set[str]:
+    """Every ``module.qualname`` a pickle imports (``GLOBAL`` and ``STACK_GLOBAL``)."""
+    found: set[str] = set()
+    memo: dict[Any, Any] = {}
+    recent: list[Any] = []  # what each op pushed, as far as strings go
+    for op, arg, _ in pickletools.genops(data):
+        name = op.name
+        if name == "GLOBAL":
+            module, qualname = str(arg).split(" ", 1)
+            found.add(f"{module}.{qualname}")
+            recent.append(None)
+        elif name == "STACK_GLOBAL":
+            if len(recent) >= 2 and isinstance(recent[-2], str) and isinstance(recent[-1], str):
+                found.add(f"{recent[-2]}.{recent[-1]}")
+            else:
+                found.add("<unknown>.<unknown>")
+            recent.append(None)
+        elif "UNICODE" in name or "STRING" in name:
+            recent.append(arg)
+        elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
+            memo[arg] = recent[-1] if recent else None
+        elif name == "MEMOIZE":
+            memo[len(memo)] = recent[-1] if recent else None
+        elif name in ("GET", "BINGET", "LONG_BINGET"):
+            recent.append(memo.get(arg))
+        else:
+            recent.append(None)
+    return found

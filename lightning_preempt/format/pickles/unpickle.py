@@ -2,7 +2,7 @@
 
 State files load with ``torch.load(weights_only=True)`` and an allow-list scoped to that one
 call (never ``add_safe_globals``); anything else raises :class:`UntrustedCheckpointError`
-naming the opt-in. DCP's ``.metadata`` goes through :class:`_MetadataUnpickler`.
+naming the opt-in. DCP's ``.metadata`` goes through :func:`unpickle_dcp_metadata`.
 """
 
 from __future__ import annotations
@@ -16,22 +16,17 @@ from typing import Any
 
 import torch
 
-from lightning_preempt.errors import CheckpointError, CorruptCheckpointError, UntrustedCheckpointError
+from lightning_preempt.errors import CorruptCheckpointError
 from lightning_preempt.format import TensorRef, tensor_from_bytes
 from lightning_preempt.format import dcp_compat as _compat
-from lightning_preempt.format.containers import map_leaves
 from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.format.names import DCP_METADATA_NAME
 from lightning_preempt.format.pickles.fast_unpickle import OffFastPath, fast_load_state, numpy_globals
-from lightning_preempt.format.pickles.metadata_scan import check_dcp_structure
+from lightning_preempt.format.pickles.metadata_scan import check_dcp_structure, unpickle_metadata
+from lightning_preempt.format.pickles.state_replay import corrupt_state_error, untrusted_state_error
+from lightning_preempt.format.skeleton import map_leaves
 from lightning_preempt.storage.store import Store
 
-TRUST_HINT = (
-    "Load it only if you trust everyone who can write this storage: pass "
-    "ShardedAsyncCheckpointIO(trust_checkpoints=True) (or Trainer.fit(..., weights_only=False) for one load, "
-    "`lightning-preempt export --trust` on the command line). Better: keep plain types (dict, list, str, "
-    "numbers, tensors, NumPy arrays) in on_save_checkpoint / hyper-parameters. See docs/security.md."
-)
 #: ``.metadata`` larger than this is refused unread when the manifest does not bound it.
 MAX_METADATA_BYTES = 256 << 20
 
@@ -72,16 +67,12 @@ def _load_state(data: bytes, *, path: str, trusted: bool, map_location: Any) -> 
         with torch.serialization.safe_globals(allowed):  # scoped to this call
             return torch.load(io.BytesIO(data), map_location=location, weights_only=True)
     except pickle.UnpicklingError as err:
-        raise _untrusted(err, _unsupported_global(err), path) from None
+        raise untrusted_state_error(_unsupported_global(err), _refusal(err), path) from None
     except (RuntimeError, ValueError, TypeError, IndexError, EOFError, KeyError, OSError) as err:
         # (TypeError, IndexError: a hand-made pickle that BUILDs a tensor with a bad state,
         # or pops more than it pushed, inside torch's weights-only unpickler)
-        raise CorruptCheckpointError(
-            f"the per-rank state is not a readable torch.save file ({type(err).__name__}: "
-            f"{str(err).splitlines()[0] if str(err) else ''})",
-            path=path,
-            hint="The checkpoint is damaged or was not written by lightning_preempt; resume from an older one.",
-        ) from err
+        first = str(err).splitlines()[0] if str(err) else ""
+        raise corrupt_state_error(f"{type(err).__name__}: {first}", path) from err
 
 
 def _unsupported_global(err: BaseException) -> str | None:
@@ -92,20 +83,11 @@ def _unsupported_global(err: BaseException) -> str | None:
     return name if "." in name else f"builtins.{name}"  # torch names builtins without their module
 
 
-def _untrusted(err: BaseException, name: str | None, path: str) -> UntrustedCheckpointError:
-    if name is not None:
-        what = f"needs the global {name}, which is not on the allow-list of what lightning_preempt writes"
-    else:
-        lines = [line.strip() for line in str(err).splitlines()]
-        after = lines[lines.index("WeightsUnpickler error:") + 1 :] if "WeightsUnpickler error:" in lines else lines
-        detail = next((line for line in after if line and not line.startswith(("Weights only", "Please file"))), "")
-        what = f"uses something weights_only loading refuses ({detail or type(err).__name__})"
-    return UntrustedCheckpointError(
-        f"refusing to unpickle the checkpoint state: it {what}; unpickling it could run code",
-        global_name=name,
-        path=path,
-        hint=TRUST_HINT,
-    )
+def _refusal(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines()]
+    after = lines[lines.index("WeightsUnpickler error:") + 1 :] if "WeightsUnpickler error:" in lines else lines
+    detail = next((line for line in after if line and not line.startswith(("Weights only", "Please file"))), "")
+    return detail or type(err).__name__
 
 
 # ---- DCP's .metadata ----------------------------------------------------------------------
@@ -132,51 +114,25 @@ def _metadata_classes() -> dict[tuple[str, str], Any]:
     return allowed
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Resolves DCP's metadata classes, ``torch.Size``, dtypes and layouts; nothing else."""
-
-    def __init__(self, file: Any, allowed: dict[tuple[str, str], Any], path: str) -> None:
-        super().__init__(file)
-        self._allowed = allowed
-        self._path = path
-
-    def find_class(self, module: str, name: str) -> Any:
-        found = self._allowed.get((module, name))
-        if found is not None:
-            return found
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if name == "BytesStorageMetadata":
-            raise CorruptCheckpointError(
-                "DCP metadata declares byte-IO (pickled object) items; lightning_preempt writes tensors only",
-                path=self._path,
-                hint="This checkpoint was not written by lightning_preempt or was tampered with; do not load it.",
-            )
-        raise UntrustedCheckpointError(
-            f"refusing to unpickle DCP's .metadata: it needs the global {module}.{name}, not one of DCP's "
-            "metadata classes; unpickling it could run code",
-            global_name=f"{module}.{name}",
-            path=self._path,
-            hint="lightning_preempt never writes that: the checkpoint was tampered with or written by something "
-            "else. trust_checkpoints does not cover DCP metadata; delete the checkpoint (docs/security.md).",
-        )
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise CorruptCheckpointError("DCP metadata uses persistent ids", path=self._path)
-
-
 def unpickle_dcp_metadata(data: bytes, *, path: str) -> Any:
-    """DCP's ``Metadata`` from ``.metadata`` bytes, through the restricted unpickler."""
-    try:
-        metadata = _MetadataUnpickler(io.BytesIO(data), _metadata_classes(), path).load()
-    except CheckpointError:
-        raise
-    except Exception as err:  # truncated, garbage, wrong argument types for an allowed class…
-        raise CorruptCheckpointError(
-            f"DCP's .metadata cannot be read ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})",
-            path=path,
-            hint="The checkpoint is damaged; resume from an older one.",
-        ) from err
+    """DCP's ``Metadata`` from ``.metadata`` bytes, through the restricted unpickler: DCP's
+    metadata classes, ``torch.Size``, dtypes and layouts; nothing else."""
+    allowed = _metadata_classes()
+
+    def resolve(module: str, name: str) -> Any:
+        found = allowed.get((module, name))
+        if found is None and module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        return found
+
+    return unpickle_metadata(data, path, resolve)
+
+
+def dcp_metadata(data: bytes, *, path: str, manifest: Manifest | None) -> Any:
+    """:func:`unpickle_dcp_metadata`, checked to describe only tensors in byte ranges of the
+    manifest's shard files (docs/security.md)."""
+    metadata = unpickle_dcp_metadata(data, path=path)
+    check_dcp_structure(metadata, path=path, manifest=manifest)
     return metadata
 
 
@@ -192,9 +148,7 @@ def read_dcp_metadata(store: Store, manifest: Manifest | None = None) -> Any:
             path=store.url,
             hint="This checkpoint is damaged; resume from an older one (auto-resume skips it).",
         ) from err
-    metadata = unpickle_dcp_metadata(data, path=store.url)
-    check_dcp_structure(metadata, path=store.url, manifest=manifest)
-    return metadata
+    return dcp_metadata(data, path=store.url, manifest=manifest)
 
 
 # ---- map_location -------------------------------------------------------------------------

@@ -1,40 +1,141 @@
-"""What every cloud notice source shares: daemon watcher threads, backoff, one WARNING.
-
-Watcher threads talk HTTP and store a :class:`~lightning_preempt.sources.Notice`;
-:meth:`MetadataSource.poll` never blocks. Any exception of one answer counts as a failed
-request (a parser broken unforeseen must not end the watcher and miss a later notice).
+"""What every cloud notice source shares: one bounded HTTP request, daemon watcher threads,
+backoff, one WARNING. Requests use plain ``http.client`` (``urllib`` honours ``HTTP_PROXY``,
+and a metadata server must be reached directly). :meth:`MetadataSource.poll` never blocks;
+any exception of one answer counts as a failed request (a parser broken unforeseen must not
+end the watcher and miss a later notice).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import http.client
+import json
 import logging
 import os
+import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from email.utils import parsedate_to_datetime
+from urllib.parse import urlsplit
 
 from lightning_preempt._text import untrusted_text
-from lightning_preempt.preemption.notices._http import REQUEST_FAILURES, GarbageResponse
 from lightning_preempt.preemption.sources import Notice
 
 log = logging.getLogger(__name__)
 
 DEFAULT_ENDPOINT = "http://169.254.169.254"  # the link-local address all three clouds use
+MAX_BODY = 1 << 20  # metadata answers are tiny; more than this is garbage, not a notice
 
 # A watcher checks once (or long-polls once) and returns a notice or None. It may block
 # (bounded by its own timeouts); it gets the stop event to end a wait early.
 Watcher = Callable[[threading.Event], "Notice | None"]
 
 
-def resolve_endpoint(explicit: str | None, *env_names: str, default: str = DEFAULT_ENDPOINT) -> str:
-    """The constructor argument, else the first environment variable set, else ``default``.
+class GarbageResponse(ValueError):
+    """The server answered, but not in the documented format."""
 
-    A bare ``host[:port]`` (as ``GCE_METADATA_HOST`` holds) gets ``http://`` in front.
-    """
-    value = explicit or next((os.environ[n] for n in env_names if os.environ.get(n)), None) or default
-    return value if "://" in value else f"http://{value}"
+
+# Everything that means "this request failed" (and never a bug of ours): the poller
+# catches exactly these, logs once and backs off.
+REQUEST_FAILURES: tuple[type[BaseException], ...] = (OSError, http.client.HTTPException, GarbageResponse)
+
+
+class _DeadlineSocket(socket.socket):
+    """A socket whose every read and write ends by one ``deadline``: a socket timeout bounds
+    each read, not the request, and a server trickling bytes (slow-loris) would hold it for ever."""
+
+    deadline = 0.0
+
+    def _left(self) -> None:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request ran past its time bound")
+        self.settimeout(left)
+
+    def recv_into(self, *args: object, **kwargs: object) -> int:  # type: ignore[override]
+        self._left()
+        return super().recv_into(*args, **kwargs)  # type: ignore[arg-type]
+
+    def recv(self, *args: object, **kwargs: object) -> bytes:  # type: ignore[override]
+        self._left()
+        return super().recv(*args, **kwargs)  # type: ignore[arg-type]
+
+    def sendall(self, *args: object, **kwargs: object) -> None:  # type: ignore[override]
+        self._left()
+        super().sendall(*args, **kwargs)  # type: ignore[arg-type]
+
+
+class _BoundedConnection(http.client.HTTPConnection):
+    """``HTTPConnection`` whose whole exchange (connect, send, headers, body) ends by ``deadline``."""
+
+    def __init__(self, host: str, port: int, deadline: float) -> None:
+        super().__init__(host, port, timeout=max(0.001, deadline - time.monotonic()))
+        self.deadline = deadline
+
+    def connect(self) -> None:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request ran past its time bound")
+        raw = socket.create_connection((self.host, self.port), left)
+        bounded = _DeadlineSocket(raw.family, raw.type, raw.proto, fileno=raw.detach())
+        bounded.deadline = self.deadline
+        self.sock = bounded
+
+
+@dataclasses.dataclass(frozen=True)
+class Response:
+    status: int
+    headers: Mapping[str, str]  # lower-case names
+    body: bytes
+
+    @property
+    def text(self) -> str:
+        try:
+            return self.body.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise GarbageResponse(f"HTTP {self.status} body is not UTF-8") from err
+
+
+def request(
+    method: str,
+    url: str,
+    *,
+    headers: Mapping[str, str] | None = None,
+    body: bytes | None = None,
+    timeout_s: float,
+) -> Response:
+    """One request, no proxy, no redirects; ``timeout_s`` bounds the whole exchange (connect,
+    send, status line, headers, body), not just each read (:class:`_DeadlineSocket`)."""
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(
+            f"metadata endpoint must be an http:// URL, got {url!r}\n"
+            "HINT: e.g. 'http://169.254.169.254' (the default) or 'http://127.0.0.1:8080' for a fake server."
+        )
+    conn = _BoundedConnection(parts.hostname, parts.port or 80, time.monotonic() + timeout_s)
+    try:
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        conn.request(method, target, body=body, headers=dict(headers or {}))
+        resp = conn.getresponse()
+        data = resp.read(MAX_BODY + 1)
+        if len(data) > MAX_BODY:
+            raise GarbageResponse(f"HTTP {resp.status} body larger than {MAX_BODY} bytes")
+        return Response(resp.status, {k.lower(): v for k, v in resp.getheaders()}, data)
+    finally:
+        conn.close()
+
+
+def json_object(body: str, what: str) -> dict[str, object]:
+    """``body`` as a JSON object; :class:`GarbageResponse` otherwise."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError) as err:  # RecursionError: '[[[[…' nested past the C stack
+        raise GarbageResponse(f"{what} is not JSON: {body[:200]!r}") from err
+    if not isinstance(doc, dict):
+        raise GarbageResponse(f"{what} is not a JSON object: {body[:200]!r}")
+    return doc
 
 
 def wall_to_monotonic(wall: float) -> float:
@@ -78,7 +179,9 @@ class MetadataSource:
                 f"interval_s and timeout_s must be positive, got {interval_s!r} and {timeout_s!r}\n"
                 "HINT: the defaults (seconds) suit the real metadata servers."
             )
-        self.endpoint = resolve_endpoint(endpoint, *self.endpoint_env).rstrip("/")
+        value = endpoint or next((os.environ[n] for n in self.endpoint_env if os.environ.get(n)), DEFAULT_ENDPOINT)
+        # a bare ``host[:port]`` (as ``GCE_METADATA_HOST`` holds) gets ``http://`` in front
+        self.endpoint = (value if "://" in value else f"http://{value}").rstrip("/")
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.max_backoff_s = max(max_backoff_s, interval_s)
@@ -92,9 +195,7 @@ class MetadataSource:
 
     def __getstate__(self) -> dict[str, object]:
         # A callback is pickled for ddp_spawn: threads and locks stay behind (not started there).
-        state = self.__dict__.copy()
-        state.update(_lock=None, _stop=None, _threads=[])
-        return state
+        return {**self.__dict__, "_lock": None, "_stop": None, "_threads": []}
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
@@ -126,6 +227,11 @@ class MetadataSource:
     # ---- for subclasses ----------------------------------------------------------------
     def watchers(self) -> list[Watcher]:
         raise NotImplementedError
+
+    def request(self, method: str, path: str, headers: Mapping[str, str], *, timeout_s: float | None = None,
+                body: bytes | None = None) -> Response:  # fmt: skip
+        """:func:`request` of ``path`` on this source's endpoint (``timeout_s``: :attr:`timeout_s`)."""
+        return request(method, self.endpoint + path, headers=headers, body=body, timeout_s=timeout_s or self.timeout_s)
 
     def backoff_s(self, failures: int) -> float:
         """The pause after ``failures`` consecutive failures: exponential, capped (a vanished
