@@ -15,18 +15,19 @@ the same ``Trainer``, five ways to checkpoint:
 Rows: save intervals 1, 10, 100 steps; 24 tensors (6 ``Linear`` layers + SGD momentum) and
 4000 tensors (the same layers + 3976 small buffers, about the same bytes); 1 and 2 ranks
 (real DDP over gloo; each rank a process started here with Lightning's environment variables,
-so one process runs every fit of its world). Each fit warms up until its first save is done
-(plans, buffers, threads) and, at intervals of 10 steps and more, past the agreement's
-calibration steps (``CALIBRATION_STEPS``: every step while it times them); so does the
-baseline, whose window is the longest of any row's (it was 40 steps right after the start
-against 300 for every-100 rows: a different part of the run). Then ``--steps``-many steps are
-timed (at least ``--saves`` saves); the rows of one world are interleaved and their order
+so one process runs every fit of its world). Each fit's first save is untimed (plans,
+buffers, threads: every step, step 1's; else one warm-up save after step 1) and, at intervals
+of 10 steps and more, the agreement's calibration steps too (``CALIBRATION_STEPS``: every step
+while it times them); so is the baseline's, whose window is the longest of any row's. Then
+``--steps``-many steps are timed (at least ``--saves`` saves, an every-100 row's window 100
+steps with 1 save; a row that would pass ``--window-s`` stops after one interval, 3 steps at
+least); the rows of one world are interleaved and their order
 reversed every other round. The figure is the median over rounds; overhead = median over
 rounds of (baseline rate / row rate - 1). Saves still in flight when the window closes are
 not counted (they finish after training).
 
-    python benchmarks/bench_fit_overhead.py              # the whole table, 1 round: <= 5 min on 2 busy cores
-    python benchmarks/bench_fit_overhead.py --full       # 3 rounds, longer windows (~15 min)
+    python benchmarks/bench_fit_overhead.py              # the whole table, 1 round (time: docs/benchmarks.md)
+    python benchmarks/bench_fit_overhead.py --full       # 3 rounds, 40-step windows, 3 saves (not timed: > 3x the default)
     python benchmarks/bench_fit_overhead.py --quick      # tiny sizes, 1 round: the code paths
     python benchmarks/bench_fit_overhead.py --device cuda   # on a GPU (2 ranks need 2 GPUs)
 """
@@ -112,14 +113,17 @@ class Batches:
             yield self.x
 
 
-def clock(warm_until: int, steps: int, least: int, window_s: float) -> Any:
+def clock(warm_until: int, steps: int, least: int, window_s: float, warm_save: Any = None) -> Any:
     """A callback timing ``steps`` steps from ``on_train_batch_start`` of step ``warm_until + 1``
     to ``on_train_batch_start`` of the step after them, so every hook of the last timed step,
-    the saves included, lies inside the window. A window longer than ``window_s`` closes
-    after ``least`` steps (one whole save interval or more) and stops the fit: a row of a
-    few seconds a step (DCP at 4000 tensors, every step) would take minutes. ``timed``: the
+    the saves included, lies inside the window. A window that would last longer than
+    ``window_s`` at the pace of its first ``least`` steps (one whole save interval or more)
+    closes there and stops the fit: a row of a few seconds a step (DCP at 4000 tensors, every
+    step) would take minutes. ``timed``: the
     steps in the window. Every rank decides alike: the ranks reduce "over time?" once, at
-    step ``least`` (not every step: that would add a collective to the rows only)."""
+    step ``least`` (not every step: that would add a collective to the rows only).
+    ``warm_save(trainer, module)``: the method's one untimed save after step 1 (its plans,
+    buffers and threads built), so a fit saving every 100 steps needs no 100 warm-up steps."""
     import time as _time
 
     import lightning as L
@@ -138,8 +142,12 @@ def clock(warm_until: int, steps: int, least: int, window_s: float) -> Any:
                 trainer.should_stop = True
 
         def _long(self, trainer: L.Trainer) -> bool:
-            over = _time.perf_counter() - self.t0 > window_s
+            over = (_time.perf_counter() - self.t0) * steps / least > window_s
             return bool(trainer.strategy.reduce_boolean_decision(over, all=False))
+
+        def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+            if warm_save is not None and trainer.global_step == 1:
+                warm_save(trainer, pl_module)
 
     return Clock()
 
@@ -160,12 +168,13 @@ def dcp_callback(dirpath: str, every: int, group: Any) -> Any:
                 self.pending = None
 
         def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-            if trainer.global_step % every:
-                return
+            if trainer.global_step % every == 0:
+                self.save(trainer, pl_module, os.path.join(dirpath, f"step-{trainer.global_step}"))
+
+        def save(self, trainer: L.Trainer, pl_module: L.LightningModule, path: str) -> None:
             self._wait()  # at most one in flight: the next save waits for the previous one
             if len(self.dirs) >= 2 and trainer.is_global_zero:  # keep the last two, like ours
                 shutil.rmtree(self.dirs.pop(0), ignore_errors=True)
-            path = os.path.join(dirpath, f"step-{trainer.global_step}")
             self.dirs.append(path)
             state = {"model": pl_module.state_dict(), "optim": trainer.optimizers[0].state_dict()}
             self.pending = dcp.async_save(state, checkpoint_id=path, process_group=group)
@@ -177,13 +186,13 @@ def dcp_callback(dirpath: str, every: int, group: Any) -> Any:
 
 
 def warm_up(every: int) -> int:
-    """Untimed steps of a fit: its first save done (``every + 1``), and from 10 steps on also
-    the agreement's calibration (an exchange every step while it times them; at every step
-    the saves outweigh it, and 20 saved warm-up steps would triple the fit). The baseline
-    (``every == 0``) warms up past the calibration steps too."""
+    """Untimed steps of a fit: its first save done (every step: step 1's; else the warm-up
+    save after step 1, :func:`clock`), and from 10 steps on also the agreement's calibration
+    (an exchange every step while it times them; at every step the saves outweigh it, and 20
+    saved warm-up steps would triple the fit). The baseline (``every == 0``) warms up alike."""
     from lightning_preempt.preemption.schedule import CALIBRATION_STEPS
 
-    return every + 1 if every == 1 else max(every + 1, CALIBRATION_STEPS + 1)
+    return 2 if every == 1 else CALIBRATION_STEPS + 1
 
 
 def window(every: int, args: argparse.Namespace) -> int:
@@ -212,19 +221,23 @@ def one_fit(
     warm_until = warm_up(every)
     steps = window(every, args) if method != "none" else max(window(e, args) for e in args.every)
     dirpath = os.path.join(root, f"{method}-{every}-{n_tensors}-{time.monotonic_ns()}")
-    least = max(2, min(every * args.saves, steps)) if every else steps
-    probe = clock(warm_until, steps, least, args.window_s)
-    callbacks: list[Any] = [probe]
+    least = max(3, min(every, steps)) if every else steps  # one save interval (3 steps at least)
+    warm_path = os.path.join(f"{dirpath}-warm", "warm.ckpt")
+    callbacks: list[Any] = []
     plugins: list[Any] = []
+    warm_save: Any = lambda trainer, _: trainer.save_checkpoint(warm_path)  # noqa: E731
     if method in ("torch_io", "async_io"):
         callbacks.append(ModelCheckpoint(dirpath=dirpath, every_n_train_steps=every, save_top_k=1))
         if method == "async_io":
             plugins.append(AsyncCheckpointIO())
     elif method == "dcp_async":
-        callbacks.append(dcp_callback(dirpath, every, group))
+        callbacks.append(dcp := dcp_callback(dirpath, every, group))
+        warm_save = lambda trainer, module: dcp.save(trainer, module, warm_path)  # noqa: E731
     elif method in ("ours", "ours_overlap"):
         callbacks.append(PreemptionCallback(dirpath, every_n_train_steps=every, keep_last_n=2))
         plugins.append(ShardedAsyncCheckpointIO(overlap_staging=method == "ours_overlap"))
+    probe = clock(warm_until, steps, least, args.window_s, warm_save if method != "none" and every > 1 else None)
+    callbacks.insert(0, probe)
     trainer = L.Trainer(
         max_steps=warm_until + steps + 1,
         accelerator="gpu" if args.device == "cuda" else "cpu",
@@ -243,6 +256,7 @@ def one_fit(
         trainer.fit(build(args.width, n_tensors, args.step_ms), Batches(args.width, args.batch, args.device))
     if trainer.is_global_zero:
         shutil.rmtree(dirpath, ignore_errors=True)
+        shutil.rmtree(f"{dirpath}-warm", ignore_errors=True)
     blocked: list[float] = []
     if plugins and isinstance(plugins[0], ShardedAsyncCheckpointIO):
         blocked = [
@@ -315,7 +329,7 @@ def worker(args: argparse.Namespace) -> int:
     rows = rows_of(args)
     started = time.perf_counter()
     for n in args.tensors:  # a process's first fit pays one-time costs (lazy imports, first touches)
-        one_fit("none", 0, argparse.Namespace(**{**vars(args), "steps": 3, "every": [0]}), n, root, group)
+        one_fit("none", 1, argparse.Namespace(**{**vars(args), "steps": 3, "every": [0]}), n, root, group)
     for rnd in range(args.rounds):
         for method, every, n in rows if rnd % 2 == 0 else list(reversed(rows)):
             t0 = time.perf_counter()
@@ -404,10 +418,15 @@ def report(results: dict[int, dict[str, Any]], args: argparse.Namespace, took: f
                                          f"{over['ours_overlap']:+.1f}% vs off {over['ours']:+.1f}%: "
                                          f"{'on is better' if better else 'off is better or equal'}")  # fmt: skip
                 target = {1: 10.0, 10: 2.0}.get(every)
+                # the blocking floor of a save as overhead: a rank copies ~1/N of the state under DDP
+                floor_pct = 100 * floor / world * median(base) / every
                 for m in ours:
                     line = f"- {world} rank(s), {n} tensors, every {every}: {m} {over[m]:+.1f}%"
                     if target is not None:
                         line += f" (target <= {target:g}%: {'met' if over[m] <= target else 'MISSED'})"
+                    line += f"; copy floor {1e3 * floor / world:.1f} ms a rank = {floor_pct:.1f}% of {every} step(s)"
+                    if target is not None and floor_pct > target:
+                        line += " (the floor alone exceeds the target: out of reach on this machine)"
                     if others:
                         best = min(others, key=lambda o: over[o])
                         ahead = all(over[m] < over[o] for o in others)
@@ -461,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-window", type=int, default=100,
                    help="timed steps a fit, at most, once it holds one save (default 100)")  # fmt: skip
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads a rank (default 1, as torchrun)")
-    p.add_argument("--steps", type=int, default=20, help="timed steps a fit, at least (default 20; --full 40)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps a fit, at least (default 10; --full 40)")
     p.add_argument("--saves", type=int, default=2, help="timed saves a fit, at least (default 2; --full 3)")
     p.add_argument("--rounds", type=int, default=1, help="rounds (default 1; --full 3)")
     p.add_argument("--window-s", type=float, default=4.0,

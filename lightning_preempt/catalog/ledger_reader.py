@@ -56,9 +56,7 @@ def read_ledger(url: str, storage_options: dict[str, Any] | None = None, *, run:
         raise ValueError(f"not a run id: {run!r}")  # a path component: never "..", never "/"
     store = ledger_store(url, storage_options)
     notes: list[str] = []
-    runs: dict[str, RunLedger] = {}
-    for run_id in run_ids(store) if run is None else [run]:
-        runs[run_id] = read_run(store.child(run_id), run_id, notes)
+    runs = {r: read_run(store.child(r), r, notes) for r in (run_ids(store) if run is None else [run])}
     return LedgerRead({k: v for k, v in runs.items() if v.records}, notes)
 
 

@@ -72,14 +72,9 @@ def _describe(root: Store, name: str) -> CheckpointInfo | None:
     except CheckpointError as err:
         if not ours and _foreign_manifest(err):
             return None  # a manifest.json of some other tool
-        return CheckpointInfo(
-            store.url,
-            name,
-            name_step if name_step is not None else -1,
-            committed=False,
-            problem=str(err).splitlines()[0],
-            newer_format=isinstance(err, UnsupportedFormatError),
-        )
+        step = name_step if name_step is not None else -1
+        return CheckpointInfo(store.url, name, step, committed=False, problem=str(err).splitlines()[0],
+                              newer_format=isinstance(err, UnsupportedFormatError))  # fmt: skip
     return CheckpointInfo.committed_one(store.url, name, m)
 
 
@@ -96,9 +91,8 @@ def complete_local_checkpoints(local_root: str) -> list[CheckpointInfo]:
     for info in list_checkpoints(local_root, {}):
         if not info.committed or info.manifest is None:
             continue
-        base = info.path
         try:
-            if all(os.path.getsize(os.path.join(base, n)) == e.size for n, e in info.manifest.files.items()):
+            if all(os.path.getsize(os.path.join(info.path, n)) == e.size for n, e in info.manifest.files.items()):
                 out.append(info)
         except (FileNotFoundError, NotADirectoryError):
             continue  # any other error is "could not tell" and raised: never "incomplete" on an EIO

@@ -33,8 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_ERROR
     try:
-        result: int = args.func(args)
-        return result
+        return int(args.func(args))
     except CorruptCheckpointError as err:
         _fail("INVALID", err, args.debug)
         return EXIT_INVALID

@@ -27,8 +27,7 @@ class ProgressBar:
     def update(self, nbytes: int) -> None:
         """Count ``nbytes`` more (the ``progress`` callback of verify_checkpoint)."""
         self.done += nbytes
-        now = time.perf_counter()
-        if now - self._drawn >= 0.1:
+        if time.perf_counter() - self._drawn >= 0.1:
             self._draw()
 
     def close(self) -> None:
@@ -51,8 +50,8 @@ class ProgressBar:
 
 
 def print_error(label: str, err: BaseException) -> None:
-    """``lightning-preempt: LABEL: message`` on stderr (the message ends with its HINT),
-    escaped (:func:`~lightning_preempt._text.untrusted_text`): it may quote names and texts read from storage."""
+    """``lightning-preempt: LABEL: message`` (ending with its HINT) on stderr, escaped: it may
+    quote names and texts read from storage."""
     print(untrusted_text(f"{PROG}: {label}: {err}", None, keep_newlines=True), file=sys.stderr)
 
 

@@ -34,11 +34,7 @@ def parse_size(text: str) -> int:
 
 def parse_bandwidth(text: str) -> float:
     """Bytes per second in ``text``: ``2GB/s``, ``800MiB/s``, ``2GB`` (per second implied)."""
-    body = str(text).strip()
-    for suffix in ("/s", "ps", "/sec"):
-        if body.lower().endswith(suffix):
-            body = body[: -len(suffix)]
-            break
+    body = re.sub(r"(/s|ps|/sec)$", "", str(text).strip(), flags=re.IGNORECASE)
     try:
         value = float(parse_size(body))
     except ValueError:

@@ -71,7 +71,6 @@ def broadcast_object(obj: Any, group: ProcessGroup | None) -> Any:
     return box[0]
 
 
-# ---- JSON over the wire: for values read from storage (untrusted), never unpickled --------
 class WireError(CheckpointError):
     """Bytes sent over a collective were more than allowed, or not the JSON expected; a size
     is raised alike on every rank (the length travels first, every rank sees it)."""

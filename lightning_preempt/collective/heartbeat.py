@@ -60,8 +60,7 @@ def has_quorum(survivors: Sequence[int], world: int) -> bool:
 def agreed_step(held: Mapping[int, Sequence[int]], survivors: Sequence[int]) -> int | None:
     """The newest step every survivor holds: the largest in the intersection of their lists."""
     sets = [set(held.get(r, ())) for r in survivors]
-    common = set.intersection(*sets) if sets else set()
-    return max(common) if common else None
+    return max(set.intersection(*sets), default=None) if sets else None
 
 
 class Heartbeat:
@@ -113,8 +112,7 @@ class Heartbeat:
     def start(self, peers: dict[int, tuple[str, int]]) -> None:
         """Start heartbeating to ``peers`` (rank -> address, this rank's own entry ignored)."""
         self._peers = {int(r): (str(a[0]), int(a[1])) for r, a in peers.items() if int(r) != self.rank}
-        now = time.monotonic()
-        self._last = dict.fromkeys(self._peers, now)  # a peer never heard is lost after timeout_s
+        self._last = dict.fromkeys(self._peers, time.monotonic())  # a peer never heard is lost after timeout_s
         self._thread.start()
 
     def stop(self, *, bye: bool = True) -> None:

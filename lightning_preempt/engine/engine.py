@@ -93,7 +93,7 @@ class Engine:
         self._last_save_time = time.monotonic()
         self._last_seen_step: int | None = None
         self._notice_sources: list[PreemptionSource] = []
-        self._runtime: Runtime | None = None
+        self._runtime = Runtime()  # a fresh one per set-up
         self._saver: Saver | None = None
         self._save: Callable[[str], None] | None = None
         self._warned_no_interval = False
@@ -106,7 +106,8 @@ class Engine:
 
     def __getstate__(self) -> dict[str, Any]:
         # Process groups, the lease thread, the saver and the save function belong to one run.
-        return {**self.__dict__, "_runtime": None, "_saver": None, "_save": None, "ledger": Ledger.off(), "detector": None}
+        return {**self.__dict__, "_runtime": Runtime(), "_saver": None, "_save": None, "ledger": Ledger.off(),
+                "detector": None}  # fmt: skip
 
     # ---- 1. before the process group ----------------------------------------------------
     def peek(self) -> bool:
@@ -259,12 +260,12 @@ class Engine:
     def _must_stop(self) -> bool:
         """This rank's reason to stop training: its save failed, or the lease was lost."""
         self._forgive_memory_copy(wait=False)
-        lease = self._runtime.lease if self._runtime is not None else None
+        lease = self._runtime.lease
         return self.saver.pending_failed() or (lease is not None and lease.lost)
 
     def _stop(self) -> None:
         """Every rank raises the same error: the lease's, else the failed save's."""
-        lease = self._runtime.lease if self._runtime is not None else None
+        lease = self._runtime.lease
         with self.ledger.records_errors(self._last_seen_step or 0):
             agree.decide(lambda: lease.check() if lease is not None else None, self._group, what="holding the lease")
             self.wait()
@@ -277,7 +278,7 @@ class Engine:
 
     @property
     def _group(self) -> Any:
-        return self._runtime.agree_group if self._runtime is not None else None
+        return self._runtime.agree_group
 
     def wait(self) -> None:
         """Every rank: wait for pending saves; a failure on any rank raises on every rank."""
@@ -432,9 +433,7 @@ class Engine:
                 log.error("lightning_preempt: finishing the pending saves failed: %s", err)
         # bounded: a ledger that cannot be written never holds the exit (nor the grace period)
         self.ledger.close(min(10.0, self.controller.budget()) if self.controller.origin is not None else 10.0)
-        if self._runtime is not None:
-            self._runtime.release()
-            self._runtime = None
+        self._runtime.release()
 
 
 def _committed(history: Sequence[SaveRecord]) -> list[SaveRecord]:

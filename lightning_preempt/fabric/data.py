@@ -71,9 +71,12 @@ class LoopData:
         resharded = False
         if state is not None:
             exact_state.warn_world_size(state, world_size)
-            # Another split of the saved epoch first: this rank's batch count may be past the
-            # epoch's length at a larger world size while the world has not consumed it all.
-            resharded = self._reshard(dl, state)
+            # Another split of the saved epoch first (this rank's share of the rest of it, when it
+            # was split among another number of ranks, or already resharded): this rank's batch count
+            # may be past the epoch's length at a larger world size while the world has not consumed it all.
+            done = int(state["batches_in_epoch"])
+            resharded = state.get("epoch") == self.epoch and done > 0 and bool(
+                self.loaders.reshard([dl], state.get("loaders", []), self.epoch, done))  # fmt: skip
             if not resharded and state["batches_in_epoch"] >= n:  # the save ended its epoch: the next one starts
                 self.epoch, self.batches_in_epoch = int(state["epoch"]) + 1, 0
         while self.epoch < max_epochs:
@@ -87,13 +90,6 @@ class LoopData:
             self.batches_in_epoch = 0
 
     # -- internals --
-    def _reshard(self, dl: Any, state: dict[str, Any]) -> bool:
-        """Give ``dl`` this rank's share of the rest of the saved epoch if that epoch was split
-        among another number of ranks (or already resharded): ``ResumableLoaders.reshard``."""
-        if state.get("epoch") != self.epoch or state["batches_in_epoch"] <= 0:
-            return False
-        return bool(self.loaders.reshard([dl], state.get("loaders", []), self.epoch, int(state["batches_in_epoch"])))
-
     def _start_epoch(
         self, dl: Any, state: dict[str, Any] | None, n: float, rank: int, resharded: bool = False
     ) -> Iterator[Any]:

@@ -15,7 +15,8 @@ import time
 from typing import Any
 
 from lightning_preempt.errors import CorruptCheckpointError, UnsupportedFormatError
-from lightning_preempt.format.names import is_checkpoint_file, is_safe_file_name
+from lightning_preempt.format.names import is_checkpoint_file, is_generation, is_safe_file_name
+from lightning_preempt.storage.store import Store
 
 FORMAT_NAME = "lightning_preempt.checkpoint"
 #: 2: state files may hold inline tensors (0.2.0), so a reader of 1 says "too new", not
@@ -248,3 +249,32 @@ def _run_id_field(value: object) -> str | None:
     if not isinstance(value, str) or not 0 < len(value) <= _MAX_RUN_ID or not value.isprintable():
         raise ValueError(f"run_id must be a printable string of 1-{_MAX_RUN_ID} characters, got {value!r}")
     return value
+
+
+# ---- where a committed checkpoint's files live: beside its manifest, or in the generation ------
+# directory its manifest names (a checkpoint replaced at the same path, see write/replace.py)
+#: The manifest ``extra`` key naming the generation directory that holds the files.
+DATA_DIR_KEY = "data_dir"
+
+
+def generation_of(manifest: Manifest, *, path: str) -> str | None:
+    """The generation directory ``manifest`` names, or ``None`` (files are beside it)."""
+    value = manifest.extra.get(DATA_DIR_KEY)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not is_generation(value):
+        # Never follow an arbitrary path out of the checkpoint (``../..``).
+        raise CorruptCheckpointError(
+            f"manifest names an invalid data directory {value!r}",
+            path=path,
+            hint="The checkpoint is damaged or was not written by lightning_preempt; resume from an older one.",
+        )
+    return value
+
+
+def data_store(store: Store, manifest: Manifest) -> Store:
+    """The store under which the files ``manifest`` lists live: ``store`` itself or its
+    live generation directory. Every reader of a checkpoint's files resolves them here."""
+    generation = generation_of(manifest, path=store.url)
+    return store.child(generation) if generation else store
+

@@ -38,10 +38,8 @@ def split_checkpoint(
 
 
 def _extract(value: Any, prefix: str, out: dict[str, torch.Tensor]) -> Any:
-    """``map_leaves(value, extract, prefix)`` (tensors out, placeholders in), with plain
-    dicts and lists walked inline: a state of thousands of tensors is split while training
-    waits. Other containers (``OrderedDict``, tuples, namedtuples) go to :func:`map_leaves`,
-    which rebuilds them as their exact type; the keys and their order are the same."""
+    """``map_leaves(value, extract, prefix)`` (tensors out, placeholders in), with plain dicts
+    and lists walked inline (split while training waits); the keys and their order are the same."""
 
     def extract(leaf: Any, key: str) -> Any:
         if not isinstance(leaf, torch.Tensor):

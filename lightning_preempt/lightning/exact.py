@@ -270,7 +270,14 @@ class ExactResume:
     # -- internals --
     def _wrap(self, trainer: pl.Trainer) -> None:
         self._loaders.wrap(_compat.train_loaders(trainer))
-        self._check_prefetch(trainer)
+        fetcher = _compat.train_fetcher(trainer)
+        if "stateful" in self._loaders.kinds and fetcher is not None and getattr(fetcher, "length", 0) is None:
+            warnings.warn(
+                "lightning_preempt: the training data has no length, so Lightning fetches one batch ahead and the "
+                "saved StatefulDataLoader state is one batch past the last trained batch: a resume skips it.\n"
+                "HINT: give the dataset a __len__ (or resume from epoch ends).",
+                stacklevel=2,
+            )
 
     def _remake_iterators(self, trainer: pl.Trainer, mid_epoch: bool = False) -> dict[int, int]:
         """:meth:`ResumableLoaders.remake_iterators` with Lightning's fetcher and sampler epoch."""
@@ -294,14 +301,3 @@ class ExactResume:
                 "HINT: set PreemptionCallback(...).exact.replay_worker_draws = False with this Lightning version."
             )
         drop_replayed(iterators, replay)
-
-    def _check_prefetch(self, trainer: pl.Trainer) -> None:
-        fetcher = _compat.train_fetcher(trainer)
-        stateful = "stateful" in self._loaders.kinds
-        if stateful and fetcher is not None and getattr(fetcher, "length", 0) is None:
-            warnings.warn(
-                "lightning_preempt: the training data has no length, so Lightning fetches one batch ahead and the "
-                "saved StatefulDataLoader state is one batch past the last trained batch: a resume skips it.\n"
-                "HINT: give the dataset a __len__ (or resume from epoch ends).",
-                stacklevel=2,
-            )

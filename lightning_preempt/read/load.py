@@ -3,6 +3,7 @@ reader (resharding) with ``.metadata`` through the restricted unpickler."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import gc
@@ -17,8 +18,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.errors import CorruptCheckpointError
 from lightning_preempt.format import dcp_compat as _compat
-from lightning_preempt.format.generations import data_store
-from lightning_preempt.format.manifest import Manifest
+from lightning_preempt.format.manifest import Manifest, data_store
 from lightning_preempt.format.names import DCP_METADATA_NAME, state_file
 from lightning_preempt.format.pickles.unpickle import (
     apply_map_location,
@@ -66,15 +66,11 @@ def load_sharded_checkpoint(
     trusted: bool = False,
     verify_group: pdist.ProcessGroup | None = None,
 ) -> dict[str, Any]:
-    """Load into ``templates`` (flat ``{key: tensor | DTensor}``, as :func:`split_checkpoint`
-    makes them from the *current* model and optimizers) in place, resharding to the current
-    world size, and return the Lightning checkpoint dict around them.
-
-    Collective: every rank of ``process_group`` calls it. ``trusted``: see :func:`load_skeleton`.
-    ``verify_group``: a gloo group of the same ranks; each rank then reads only its share of
-    the files for their CRC32C (every byte is checked once in all, not once per rank) and
-    the ranks agree on the outcome before loading.
-    """
+    """Load into ``templates`` (flat ``{key: tensor | DTensor}`` of the *current* model and
+    optimizers, as :func:`split_checkpoint` makes them) in place, resharding, and return the
+    Lightning checkpoint dict around them. Collective over ``process_group``. ``verify_group``:
+    a gloo group of the same ranks; each rank then CRC-checks only its share of the files and
+    the ranks agree on the outcome before loading."""
     if verify_group is not None and pdist.world_size(verify_group) > 1:
         manifest = read_manifest(store)
         # Ranks may differ (rank 0 verified while choosing): all take part if any wants it.
@@ -93,8 +89,8 @@ def load_sharded_checkpoint(
             hint="Resume with the model and optimizers that wrote this checkpoint.",
         )
     load_tensors_into(data_store(store, manifest), templates, process_group=process_group, manifest=manifest)
-    loaded = dict(templates)
-    result = merge_checkpoint(skeleton, _FallbackDict(loaded))
+    # refs the model did not ask for (e.g. dropped parameters) resolve to None
+    result = merge_checkpoint(skeleton, collections.defaultdict[str, Any](lambda: None, templates))
     assert isinstance(result, dict)
     return result
 
@@ -119,13 +115,6 @@ def verify_shared(store: Store, manifest: Manifest, group: pdist.ProcessGroup) -
     errors = [e for e in pdist.all_gather_objects(error, group) if e is not None]
     if errors:
         raise CorruptCheckpointError(errors[0], path=store.url, hint=CORRUPT_HINT)
-
-
-class _FallbackDict(dict):  # type: ignore[type-arg]
-    """Refs the model did not ask for (e.g. dropped parameters) resolve to ``None``."""
-
-    def __missing__(self, key: str) -> None:
-        return None
 
 
 def load_full_checkpoint(

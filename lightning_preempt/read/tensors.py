@@ -93,11 +93,6 @@ def tensor_items(metadata: Any) -> list[TensorItem] | None:
 
 
 # ---- reading files, CRC on the way ---------------------------------------------------
-def _worth_splitting(items: list[TensorItem]) -> bool:
-    total = sum(i.length for i in items)
-    return total >= SPLIT_BYTES and total >= SPLIT_MIN_RECORD_BYTES * len(items)
-
-
 def _ranges(items: list[TensorItem], parts: int) -> list[list[TensorItem]]:
     """``items`` (by offset) cut into at most ``parts`` runs of about equal bytes."""
     total = sum(i.length for i in items)
@@ -135,11 +130,10 @@ def _read_range(
     crc: OrderedCrc | None,
     outs: list[torch.Tensor],
 ) -> tuple[list[torch.Tensor], int, list[Exception]]:
-    """Read ``items`` (a run of archives starting at file offset ``start``; the last run,
-    ``end`` ``None``, also the file's trailing bytes). Every tensor's data goes straight into a tensor of
-    exactly its size (:func:`_read_archive`). Returns the tensors, the bytes read, and the
-    errors of archives torch could not parse (the caller's CRC check says whether the
-    bytes are damaged)."""
+    """Read ``items``, a run of archives from file offset ``start`` (to ``end``; ``None``: the
+    last run, with the file's trailing bytes), each into its tensor in ``outs``. Returns the
+    tensors, the bytes read, and the errors of archives torch could not parse (the caller's CRC
+    check says whether the bytes are damaged)."""
     tensors: list[torch.Tensor] = []
     errors: list[Exception] = []
     cursor = Cursor(None, start)  # offsets only: hashing_reader hashes what storage returns
@@ -302,8 +296,9 @@ def read_tensors(
         per_file.setdefault(item.file, []).append(item)
     # Largest first: the longest read starts at once. A large file is read in two ranges
     # at once (page faults on fresh memory, not the disk, bound a warm read here).
-    order = sorted(per_file, key=lambda name: -sum(i.length for i in per_file[name]))
-    parts = {name: 2 if _worth_splitting(per_file[name]) else 1 for name in order}
+    total = {name: sum(i.length for i in items) for name, items in per_file.items()}
+    order = sorted(per_file, key=lambda name: -total[name])
+    parts = {n: 1 + (total[n] >= max(SPLIT_BYTES, SPLIT_MIN_RECORD_BYTES * len(per_file[n]))) for n in order}
     workers = max(1, min(max_parallel_files, sum(parts.values())))
     ordered_items: list[TensorItem] = []
     chunks: list[torch.Tensor] = []

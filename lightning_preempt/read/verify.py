@@ -8,8 +8,7 @@ from collections.abc import Callable
 from typing import Literal
 
 from lightning_preempt.errors import CorruptCheckpointError, NotACheckpointError
-from lightning_preempt.format.generations import data_store
-from lightning_preempt.format.manifest import MAX_MANIFEST_BYTES, FileEntry, Manifest, parse_manifest
+from lightning_preempt.format.manifest import MAX_MANIFEST_BYTES, FileEntry, Manifest, data_store, parse_manifest
 from lightning_preempt.format.names import MANIFEST_NAME
 from lightning_preempt.storage.checksum import Crc32c
 from lightning_preempt.storage.store import CHUNK_BYTES, Store

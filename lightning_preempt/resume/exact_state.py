@@ -18,6 +18,7 @@ import copy
 import hashlib
 import logging
 import random
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -55,8 +56,11 @@ def restore_rng(state: dict[str, Any]) -> None:
         if len(cuda) != n:
             log.warning(
                 "lightning_preempt: the checkpoint has CUDA RNG states for %d devices, this process sees %d; "
-                "restoring the first %d", len(cuda), n, min(n, len(cuda)),
-            )  # fmt: skip
+                "restoring the first %d",
+                len(cuda),
+                n,
+                min(n, len(cuda)),
+            )
         for device, s in enumerate(cuda[:n]):
             torch.cuda.set_rng_state(s, device)
 
@@ -67,13 +71,6 @@ def derive_seed(state: dict[str, Any], rank: int) -> int:
     digest.update(bytes(state["torch"].numpy().tobytes()) if "torch" in state else b"")
     digest.update(rank.to_bytes(4, "little"))
     return int.from_bytes(digest.digest()[:8], "little") & ((1 << 63) - 1)
-
-
-def seed_all(seed: int) -> None:
-    """Seed Python, NumPy and torch (CPU and every CUDA device) with ``seed``."""
-    random.seed(seed)
-    np.random.seed(seed % (1 << 32))
-    torch.manual_seed(seed)
 
 
 def make_state(
@@ -153,21 +150,16 @@ def set_metric_update_count(metric: Any, count: int) -> None:
     metric._computed = None
 
 
+def _mapped(value: Any, tensor: Callable[[torch.Tensor], Any], other: Callable[[Any], Any]) -> Any:
+    """``value`` (a tensor, a list of them, anything else) with ``tensor`` or ``other`` applied."""
+    if isinstance(value, list):
+        return [_mapped(v, tensor, other) for v in value]
+    return tensor(value) if isinstance(value, torch.Tensor) else other(value)
+
+
 def cpu_copy(value: Any) -> Any:
     """A detached CPU copy of a state value (tensor, list of tensors, anything else deep-copied)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone().cpu()
-    if isinstance(value, list):
-        return [cpu_copy(v) for v in value]
-    return copy.deepcopy(value)
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, list):
-        return [_to(v, device) for v in value]
-    return value
+    return _mapped(value, lambda t: t.detach().clone().cpu(), copy.deepcopy)
 
 
 def metric_states(module: torch.nn.Module) -> dict[str, dict[str, Any]]:
@@ -196,7 +188,7 @@ def restore_metrics(module: torch.nn.Module, state: dict[str, Any]) -> None:
             continue
         device = getattr(m, "device", torch.device("cpu"))
         for attr, value in entry["states"].items():
-            setattr(m, attr, _to(value, device))
+            setattr(m, attr, _mapped(value, lambda t: t.to(device), lambda v: v))  # noqa: B023 (used at once)
         set_metric_update_count(m, entry["update_count"])
     if missing:
         log.warning("lightning_preempt: saved metric states not found in the model: %s", missing)
@@ -205,7 +197,9 @@ def restore_metrics(module: torch.nn.Module, state: dict[str, Any]) -> None:
 def seed_from_saved_rank(state: dict[str, Any], rank: int) -> None:
     """Seed every RNG of a rank that has no saved state from the saving rank's (deterministic; warned)."""
     seed = derive_seed(state["rng"], rank)
-    seed_all(seed)
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+    torch.manual_seed(seed)  # (CPU and every CUDA device)
     log.warning(
         "lightning_preempt: rank %d has no saved RNG state (the checkpoint had %s ranks); seeding it with %d, "
         "derived from rank %s's state",

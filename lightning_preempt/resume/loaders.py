@@ -178,15 +178,14 @@ class ResumableLoaders:
         """Mid-epoch: make each wrapped sampler's next epoch replay the saved order and skip
         ``batches_in_epoch`` batches (warned for loaders whose position is not saved). Returns
         whether every loader goes on at its saved position in its saved order."""
-        if len(saved) != len(self._samplers):
-            if mid_epoch:
-                log.warning(
-                    "lightning_preempt: %d training loaders now, %d when saved: not resuming their positions",
-                    len(self._samplers),
-                    len(saved),
-                )
-            return False
         if not mid_epoch:
+            return False
+        if len(saved) != len(self._samplers):
+            log.warning(
+                "lightning_preempt: %d training loaders now, %d when saved: not resuming their positions",
+                len(self._samplers),
+                len(saved),
+            )
             return False
         exact = True
         for i, ((kind, sampler), entry) in enumerate(zip(self._samplers, saved, strict=True)):

@@ -39,11 +39,9 @@ def distributed_sampler(sampler: Any) -> DistributedSampler[Any] | None:
         sampler = sampler.inner
     if not isinstance(sampler, DistributedSampler):
         return None
-    if distributed_wrapped_sampler(sampler) is not None:
-        return sampler
-    if type(sampler).__iter__ is not DistributedSampler.__iter__:  # a subclass with its own order
-        return None
-    return sampler
+    # (a subclass with its own order is not one)
+    plain = type(sampler).__iter__ is DistributedSampler.__iter__
+    return sampler if plain or distributed_wrapped_sampler(sampler) is not None else None
 
 
 def order_record(

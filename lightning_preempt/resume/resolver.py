@@ -247,9 +247,8 @@ def _one_host_by_environment() -> bool:
     """Whether the launcher's environment allows that every rank runs on this host (torchrun:
     ``LOCAL_WORLD_SIZE`` vs ``WORLD_SIZE``; SLURM: ``SLURM_NNODES``)."""
     local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
-    if local is not None and world is not None and local != world:
-        return False
-    return os.environ.get("SLURM_NNODES", "1").strip() in ("", "1")
+    torchrun_one_host = local is None or world is None or local == world
+    return torchrun_one_host and os.environ.get("SLURM_NNODES", "1").strip() in ("", "1")
 
 
 def _listing_error(dirpath: str, err: BaseException, attempts: int, options: dict[str, Any]) -> ListingError:

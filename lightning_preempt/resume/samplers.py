@@ -58,11 +58,7 @@ def loader_generators(loader: Any) -> list[torch.Generator]:
     samplers += [distributed_wrapped_sampler(s) for s in samplers]
     unwrapped = [s.inner if isinstance(s, ResumableSampler) else s for s in samplers]
     candidates = [getattr(loader, "generator", None)] + [getattr(s, "generator", None) for s in unwrapped]
-    found: list[torch.Generator] = []
-    for g in candidates:
-        if isinstance(g, torch.Generator) and all(g is not f for f in found):
-            found.append(g)
-    return found
+    return list({id(g): g for g in candidates if isinstance(g, torch.Generator)}.values())  # each once, in order
 
 
 @dataclasses.dataclass(eq=False, repr=False)
@@ -213,8 +209,7 @@ def replays_sampler(loader: Any) -> bool:
     was yielded), so what it draws comes from the states at the resume, not the epoch start.
     Sequential and plain distributed samplers draw nothing.
     """
-    batch_sampler = getattr(loader, "batch_sampler", None)
-    sampler = getattr(batch_sampler, "sampler", None) if batch_sampler is not None else None
+    sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
     sampler = sampler if sampler is not None else getattr(loader, "sampler", None)
     if sampler is None or is_stateful(sampler):
         return False
@@ -227,8 +222,7 @@ def replays_sampler(loader: Any) -> bool:
 
 def describe_loader(loader: Any) -> str:
     """``Loader(sampler=..., batch_sampler=...)``: how warnings name a loader."""
-    sampler = getattr(loader, "sampler", None)
-    batch_sampler = getattr(loader, "batch_sampler", None)
+    sampler, batch_sampler = getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)
     return f"{type(loader).__name__}(sampler={type(sampler).__name__}, batch_sampler={type(batch_sampler).__name__})"
 
 

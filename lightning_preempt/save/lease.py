@@ -36,13 +36,6 @@ class LeaseLostError(CheckpointError):
     """Another job took over this job's lease while it was running."""
 
 
-def _job_id() -> str | None:
-    for var in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "JOB_COMPLETION_INDEX", "KUBERNETES_POD_NAME", "HOSTNAME"):
-        if os.environ.get(var):
-            return f"{var}={os.environ[var]}"
-    return None
-
-
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -58,6 +51,8 @@ MAX_LEASE_BYTES = 4096
 #: Process ids are below 2**22 on Linux (``pid_max``), lower elsewhere.
 MAX_PID = 2**22
 _TEXT_FIELDS = ("token", "job", "host")
+#: What names this job in a lease record (the first one set).
+_JOB_VARS = ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "JOB_COMPLETION_INDEX", "KUBERNETES_POD_NAME", "HOSTNAME")
 
 
 def _valid_record(data: Any) -> dict[str, Any]:
@@ -126,7 +121,8 @@ class Lease:
         return _valid_record(data)
 
     def _record(self, heartbeat: float, released: bool = False) -> bytes:
-        record = {"token": self.token, "job": _job_id(), "host": socket.gethostname(), "pid": os.getpid(),
+        job = next((f"{var}={os.environ[var]}" for var in _JOB_VARS if os.environ.get(var)), None)
+        record = {"token": self.token, "job": job, "host": socket.gethostname(), "pid": os.getpid(),
                   "heartbeat_unix": heartbeat, "released": released}  # fmt: skip
         return json.dumps(record, sort_keys=True).encode()
 

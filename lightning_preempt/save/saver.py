@@ -5,9 +5,12 @@
 that does not fit is partly written before the save returns); with overlapped staging only
 the eager part, the rest is copied while the next step computes (``staging/overlap.py``); a
 background job (``write/jobs.py``) writes them through DCP and
-commits the checkpoint by writing its manifest last (``write/commit.py``). At most one save
-is in flight: the next one first waits for the previous one (its staging buffers are in use
-until the commit). Deletes and other jobs queue behind the saves, so a delete never overtakes
+commits the checkpoint by writing its manifest last (``write/commit.py``). The next save
+first waits until the previous one's tensors are written (its staging buffers are in use until
+then); on one rank its commit may still run while the next save stages (two in flight, committed
+in order: one job thread). Across ranks, and with two tiers, the next save waits for the commit
+(the share agreement's gather runs on the job thread's group; a tier's fallback rereads the
+buffers). Deletes and other jobs queue behind the saves, so a delete never overtakes
 a write. With a node-local tier (``tiers/two_tier.py``) the commit goes to the local disk and a
 drain uploads it afterwards.
 
@@ -30,8 +33,10 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
+import threading
 import time
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_all
 from typing import Any
 
 import torch
@@ -103,12 +108,14 @@ class Saver:
         self.rank = 0  # this process's rank in ``group``
         self.closed = False
         self._pending: Future[Manifest] | None = None
+        self._written: threading.Event | None = None  # the pending save's tensors are written
+        self._committing: Future[Manifest] | None = None  # the save before it, maybe still committing
 
     def __getstate__(self) -> dict[str, Any]:
         """Configuration only: a copy (``ddp_spawn``, ``deepcopy``) has no pending save, group,
         history or drain thread (the job queue and the stager drop theirs themselves)."""
         state = self.__dict__.copy()
-        state.update(_pending=None, group=None, rank=0, history=[], tiers=None, _shares=ShareMemo())
+        state.update(_pending=None, _written=None, _committing=None, group=None, rank=0, history=[], tiers=None, _shares=ShareMemo())
         tiers = self.tiers
         state["_tier_config"] = (tiers.remote_root, tiers.keep_last_n) if tiers is not None else None
         return state
@@ -187,7 +194,8 @@ class Saver:
         """
         started = time.perf_counter()
         record = SaveRecord(url, checkpoint_step(checkpoint), started)
-        self._wait_pending()  # at most one save in flight: the stager's buffers are in use until commit
+        # the stager's buffers are in use until the previous save's tensors are written
+        self._wait_pending(buffers=self.tiers is None and not self._dedupes())
         record.waited_s = time.perf_counter() - started
         local_url = self.tiers.local_twin(url) if self.tiers is not None else None
         if self.rank == 0:
@@ -208,10 +216,11 @@ class Saver:
             staged = {key: staged[key] if key in staged else tensors[key].detach() for key in tensors}
         record.bytes = plan.total_bytes + len(skeleton_data)
         record.blocking_s = time.perf_counter() - started
+        written = threading.Event()
         request = SaveRequest(url=url, tensors=staged, skeleton=skeleton_data, step=record.step,
                               epoch=int(checkpoint.get("epoch", -1)), storage_options=options,
                               stats={"blocking_s": record.blocking_s}, run_id=self.run_id,
-                              streamed=streamed)  # fmt: skip
+                              streamed=streamed, written=written)  # fmt: skip
         self.history.append(record)
         del self.history[:-HISTORY_KEPT]  # a long run saves thousands of times
         if local_url is not None and self.tiers is not None:
@@ -225,6 +234,8 @@ class Saver:
             self._pending = self.submit(lambda: tiers.save(write_to, url, local_url, record.step))
         else:
             self._pending = self.submit(lambda: self._write(request, record, copying))
+        self._written = written
+        self._pending.add_done_callback(lambda _: written.set())
         if streamed is not None:
             # Training may change the streamed tensors once they are written (or the job ended).
             self._pending.add_done_callback(lambda _: streamed.release())
@@ -289,12 +300,19 @@ class Saver:
         call it before changing parameters or optimizer state outside an optimizer step."""
         self.overlap.settle()
 
-    def _wait_pending(self) -> None:
+    def _wait_pending(self, *, buffers: bool = False) -> None:
+        """Wait for the saves in flight (``buffers``: only until the last one's tensors are
+        written or its job ended; its commit may go on); raise a finished save's error once."""
         self.overlap.settle()
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        err = pending.exception()
+        inflight = [f for f in (self._committing, self._pending) if f is not None]
+        if buffers and self._written is not None:
+            self._written.wait()
+        else:
+            wait_all(inflight)
+        # (one job thread: a save's tensors are written only after the save before it ended)
+        self._committing = next((f for f in inflight if not f.done()), None)
+        self._pending = self._written = None
+        err = next((e for f in inflight if f.done() and (e := f.exception()) is not None), None)
         if err is not None:
             raise CheckpointWriteError(
                 f"the previous checkpoint save failed: {str(err).splitlines()[0] if str(err) else repr(err)}",
@@ -330,18 +348,17 @@ class Saver:
     @property
     def idle(self) -> bool:
         """Nothing was ever saved and no job thread runs (before the first ``fit``)."""
-        return not self.history and self._pending is None and not self.jobs.running
+        return not self.history and self._pending is None and self._committing is None and not self.jobs.running
 
     def pending_failed(self) -> bool:
         """Whether the save in flight already failed (non-blocking; polled at step boundaries)."""
-        pending = self._pending
-        return pending is not None and pending.done() and pending.exception() is not None
+        return any(f is not None and f.done() and f.exception() is not None for f in (self._committing, self._pending))
 
     def forget_failed(self, *, wait: bool = False) -> BaseException | None:
         """Take back the save in flight when it failed, so that it is never raised later (a
         best-effort tier's copy: docs/tier0.md). ``wait``: wait for it to finish first.
         Returns its error, or ``None`` (none in flight, still running, or it succeeded)."""
-        pending = self._pending
+        pending = self._pending  # (not the save before it: its failure is raised as usual)
         if pending is None or (not wait and not pending.done()):
             return None
         err = pending.exception()  # waits when it is still running

@@ -120,7 +120,7 @@ def split(tensors: dict[str, torch.Tensor], budget: Budget, *, pin: bool) -> Spl
     """Resident tensors smallest first while they and the chunk fit (see the module docstring)."""
     if not pin and all(type(t) is torch.Tensor for t in tensors.values()):
         # The common CPU case in one C-level pass (thousands of tensors, while training waits).
-        total = sum(map(_NBYTES, tensors.values()))
+        total = sum(map(operator.attrgetter("nbytes"), tensors.values()))
         if budget.host_bytes is None or total <= budget.host_bytes:
             return Split(list(tensors), set(), [], 0, total, total)
     sizes = {key: t.nbytes if type(t) is torch.Tensor else nbytes(t) for key, t in tensors.items()}
@@ -150,9 +150,6 @@ def split(tensors: dict[str, torch.Tensor], budget: Budget, *, pin: bool) -> Spl
     room = None if budget.pinned_bytes is None else budget.pinned_bytes - sum(costs[k] for k in pinned)
     chunk_pinned = pin and chunk > 0 and (room is None or host_cost(chunk, True) <= room)
     return Split(ordered, pinned, streamed, chunk, total, sum(sizes[k] for k in ordered), chunk_pinned)
-
-
-_NBYTES = operator.attrgetter("nbytes")
 
 
 def _pinned(keys: list[str], costs: dict[str, int], budget: Budget, pin: bool) -> set[str]:

@@ -103,10 +103,7 @@ class HostStager:
 
     def _wait_prepared(self) -> None:
         prep, self._prep = self._prep, None
-        if prep is None:
-            return
-        err = prep.exception()
-        if err is not None:
+        if prep is not None and (err := prep.exception()) is not None:
             log.warning("lightning_preempt: preallocating staging buffers failed (%s); the save allocates them", err)
 
     def stage(self, tensors: dict[str, torch.Tensor], pinned: set[str] | None = None, *,
@@ -214,19 +211,16 @@ class HostStager:
             self._drop(key)
 
 
-_SHAPE = operator.attrgetter("shape")
-_DTYPE = operator.attrgetter("dtype")
-_DEVICE = operator.attrgetter("device")
-
-
 def _signature(values: list[torch.Tensor], with_devices: bool) -> tuple[list[Any], ...]:
     """What must not change for :class:`_StagePlan` to be reused: each tensor's type, shape
     and dtype (a copy would broadcast or convert silently) and, where pinning routes CUDA
     tensors apart, its device. C-level passes: ~0.2 ms each for 4000 tensors."""
     types = list(map(type, values))
-    shapes = list(map(_SHAPE, values))
-    dtypes = list(map(_DTYPE, values))
-    return (types, shapes, dtypes, list(map(_DEVICE, values))) if with_devices else (types, shapes, dtypes)
+    shapes = list(map(operator.attrgetter("shape"), values))
+    dtypes = list(map(operator.attrgetter("dtype"), values))
+    if with_devices:
+        return (types, shapes, dtypes, list(map(operator.attrgetter("device"), values)))
+    return (types, shapes, dtypes)
 
 
 @dataclasses.dataclass(frozen=True)

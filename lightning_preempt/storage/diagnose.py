@@ -6,14 +6,10 @@ derive from it; :func:`describe` gives its first line, secrets redacted.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import Any, Literal
 
-from lightning_preempt.errors import (
-    CheckpointError,
-    CheckpointExistsError,
-    CorruptCheckpointError,
-    NotACheckpointError,
-)
+from lightning_preempt.errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError, NotACheckpointError
 from lightning_preempt.storage import protocols
 
 ErrorKind = Literal[
@@ -95,14 +91,12 @@ def redact(text: str, options: dict[str, Any]) -> str:
     return text
 
 
-def _flat(options: Any, prefix: str = "") -> list[tuple[str, Any]]:
-    out: list[tuple[str, Any]] = []
-    if isinstance(options, dict):
-        for k, v in options.items():
-            out.extend(_flat(v, str(k)))
-    else:
-        out.append((prefix, options))
-    return out
+def _flat(options: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    if not isinstance(options, dict):
+        yield prefix, options
+        return
+    for k, v in options.items():
+        yield from _flat(v, str(k))
 
 
 def describe(err: BaseException, options: dict[str, Any] | None = None) -> str:

@@ -20,8 +20,7 @@ from lightning_preempt.catalog.ownership import remove_if_ours
 from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.errors import CheckpointExistsError, CheckpointWriteError, CorruptCheckpointError
-from lightning_preempt.format.generations import data_store
-from lightning_preempt.format.manifest import FileEntry, Manifest, parse_manifest
+from lightning_preempt.format.manifest import FileEntry, Manifest, data_store, parse_manifest
 from lightning_preempt.format.names import MANIFEST_NAME, writer_of
 from lightning_preempt.read.verify import read_manifest
 from lightning_preempt.storage.checksum import Crc32c
@@ -69,7 +68,6 @@ def drain_files(
     *,
     group: pdist.ProcessGroup | None = None,
     max_workers: int = 4,
-    chunk_size: int = CHUNK_BYTES,
     progress: Callable[[int], None] | None = None,
     policy: Backoff = _ONE_ATTEMPT,
     describe: Callable[[BaseException], str] = describe_error,
@@ -124,7 +122,7 @@ def drain_files(
             dst.makedirs()
             # a replaced checkpoint's files live in its generation dir (write/replace.py), same name at dst
             copy_files(data_store(src, manifest), data_store(dst, manifest), manifest, max_workers=max_workers,
-                       progress=progress, chunk_size=chunk_size, names=mine)  # fmt: skip
+                       progress=progress, names=mine)  # fmt: skip
         except Exception as err:
             failure, local_error = (policy.transient(err), describe(err)), err
         failures = [(r, f) for r, f in enumerate(pdist.all_gather_objects(failure, group)) if f is not None]
@@ -182,18 +180,15 @@ def drain_checkpoint(
     *,
     max_workers: int = 4,
     progress: Callable[[int], None] | None = None,
-    chunk_size: int = CHUNK_BYTES,
 ) -> Manifest:
     """Copy the committed checkpoint at ``src`` to ``dst`` and commit it there (one process).
 
     Args:
         src: a committed checkpoint directory (its manifest is read first).
         dst: where the copy goes; it must not hold a *different* committed checkpoint.
-        max_workers: files uploaded in parallel.
+        max_workers: files uploaded in parallel (memory: about ``max_workers * (CHUNK_BYTES + upload block)``).
         progress: called with the byte count of every chunk copied (from worker
             threads, one call at a time), e.g. ``tqdm.update``.
-        chunk_size: bytes per read/write step; memory use is about
-            ``max_workers * (chunk_size + upload block)``.
 
     Returns:
         The manifest now committed at ``dst`` (byte-identical to the source's).
@@ -206,7 +201,7 @@ def drain_checkpoint(
             match the source manifest.
     """
     started = time.perf_counter()
-    outcome = drain_files(src, dst, max_workers=max_workers, progress=progress, chunk_size=chunk_size)
+    outcome = drain_files(src, dst, max_workers=max_workers, progress=progress)
     if not outcome.already_there:
         log.info(
             "lightning_preempt: drained %s -> %s (%.1f MB, %d files) in %.2fs",
@@ -223,7 +218,6 @@ def copy_files(
     *,
     max_workers: int = 4,
     progress: Callable[[int], None] | None = None,
-    chunk_size: int = CHUNK_BYTES,
     names: list[str] | None = None,
 ) -> None:
     """Copy ``names`` (default: every file of ``manifest``) from ``src`` to ``dst`` in
@@ -243,11 +237,10 @@ def copy_files(
     names = sorted(manifest.files if names is None else names, key=lambda n: (-manifest.files[n].size, n))
     with ThreadPoolExecutor(max_workers=max(1, max_workers), thread_name_prefix="lp-drain") as pool:
         futures: list[Future[None]] = [
-            pool.submit(_copy_one, src, dst, name, manifest.files[name], cancel, report, chunk_size) for name in names
+            pool.submit(_copy_one, src, dst, name, manifest.files[name], cancel, report) for name in names
         ]
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-        failed = [f for f in done if f.exception() is not None]
-        if failed:
+        if any(f.exception() is not None for f in done):
             cancel.set()
             for f in futures:
                 f.cancel()
@@ -265,11 +258,10 @@ def _copy_one(
     entry: FileEntry,
     cancel: threading.Event,
     report: Callable[[int], None],
-    chunk_size: int,
 ) -> None:
     crc = Crc32c()
     with src.open_read(name) as reader, dst.open_write(name) as writer:
-        while chunk := reader.read(chunk_size):
+        while chunk := reader.read(CHUNK_BYTES):
             if cancel.is_set():
                 raise _Cancelled(name)
             crc.update(chunk)

@@ -52,9 +52,8 @@ class Placement:
 def node_id() -> str:
     """This process's node: torchrun's ``GROUP_RANK`` (one agent per node), else the host name."""
     group_rank = os.environ.get("GROUP_RANK")
-    return (
-        f"node{group_rank}" if group_rank is not None and "TORCHELASTIC_RUN_ID" in os.environ else socket.gethostname()
-    )
+    torchrun = group_rank is not None and "TORCHELASTIC_RUN_ID" in os.environ
+    return f"node{group_rank}" if torchrun else socket.gethostname()
 
 
 def placement(node_of: list[str]) -> Placement:
@@ -146,18 +145,15 @@ def replicate(local_dir: str, group: dist.ProcessGroup | None, *, node: str | No
     _raise_failed(errors, f"the peer replica of step {manifest.step}", local_dir, _STAYS)
     if me != 0 and received:
         write_durable(os.path.join(local_dir, MANIFEST_NAME), raw)  # last: the files are durable
-    holders: dict[str, list[str]] = {}
-    for sender, buddy, name in plan:
-        holders.setdefault(name, []).extend([where.node_of[sender], where.node_of[buddy]])
-    for sender in range(world):
-        for name in held[sender]:
-            holders.setdefault(name, [where.node_of[sender]])
+    holders = {name: {where.node_of[sender]} for sender in range(world) for name in held[sender]}
+    for _, buddy, name in plan:
+        holders[name].add(where.node_of[buddy])
     return ReplicaReport(
         step=manifest.step,
         bytes_sent=sent,
         bytes_received=sum(manifest.files[n].size for n in received),
         files_received=received,
-        holders={n: sorted(set(v)) for n, v in holders.items()},
+        holders={n: sorted(v) for n, v in holders.items()},
         seconds=time.monotonic() - start,
     )
 
@@ -200,8 +196,10 @@ def read_own(store: Store, manifest: Manifest, names: list[str]) -> dict[str, by
     return out
 
 
-_STAYS = ("The checkpoint stays committed where it was; only the copy on a peer node is missing. Check the "
-          "local tier's files and free space.")
+_STAYS = (
+    "The checkpoint stays committed where it was; only the copy on a peer node is missing. Check the "
+    "local tier's files and free space."
+)
 
 
 def _raise_failed(errors: list[object], what: str, path: str, hint: str) -> None:
@@ -257,7 +255,6 @@ def transfer(
     return sent, sorted(incoming), None
 
 
-# ---- after a resize: the survivors complete the checkpoint in the bucket ----------------------
 def gather_holdings(local_root: str, floor: int, group: dist.ProcessGroup | None) -> list[dict[str, dict[str, Any]]]:
     """Every rank's holdings under ``local_root`` (checkpoints newer than ``floor``), on every
     rank, as :func:`plan_union` takes them (each manifest as bytes, or ``None``). Collective.

@@ -23,11 +23,7 @@ from lightning_preempt.catalog.ownership import remove_if_ours
 from lightning_preempt.catalog.retention import retain
 from lightning_preempt.catalog.verified import mark_verified
 from lightning_preempt.collective import groups as pdist
-from lightning_preempt.errors import (
-    CheckpointError,
-    CheckpointExistsError,
-    CheckpointWriteError,
-)
+from lightning_preempt.errors import CheckpointError, CheckpointWriteError
 from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.format.names import MANIFEST_NAME
 from lightning_preempt.read.verify import Verify
@@ -113,7 +109,6 @@ class TwoTier:
         self._deadline: float | None = None
         self._cancel = threading.Event()
 
-    # ---- wiring ------------------------------------------------------------------------
     def configure(self, remote_root: str | None, keep_last_n: int | None, group: pdist.ProcessGroup | None) -> None:
         """Set the remote root and retention; ``group`` (a gloo group only the drain thread
         uses) makes drains collective. Collective when ``group`` is given."""
@@ -131,10 +126,8 @@ class TwoTier:
         url = str(remote_url).rstrip("/")
         if url.startswith(self.local_root + "/") or url == self.local_root:
             return None  # already a local path
-        root = self.remote_root if self.remote_root is not None else posixpath.dirname(url)
-        if not url.startswith(root.rstrip("/") + "/"):
-            return None
-        return join_url(self.local_root, url[len(root.rstrip("/")) + 1 :])
+        root = (self.remote_root if self.remote_root is not None else posixpath.dirname(url)).rstrip("/")
+        return join_url(self.local_root, url[len(root) + 1 :]) if url.startswith(root + "/") else None
 
     def remote_twin(self, local_url: str) -> str | None:
         url = str(local_url).rstrip("/")
@@ -142,7 +135,6 @@ class TwoTier:
             return None
         return join_url(self.remote_root, url[len(self.local_root) + 1 :])
 
-    # ---- saving ------------------------------------------------------------------------
     def save(
         self, write: Callable[[str, dict[str, Any]], Manifest], remote_url: str, local_url: str, step: int
     ) -> Manifest:
@@ -152,9 +144,7 @@ class TwoTier:
         """
         try:
             manifest = write(local_url, {})
-        except CheckpointExistsError:
-            raise
-        except CheckpointWriteError as local_err:
+        except CheckpointWriteError as local_err:  # (not CheckpointExistsError: raised as it is)
             log.error(
                 "lightning_preempt: local commit of %s failed (%s); writing %s directly\nHINT: %s",
                 local_url,
@@ -274,7 +264,6 @@ class TwoTier:
                 with contextlib.suppress(Exception):  # CheckpointExistsError: holds files not ours
                     remove_if_ours(Store(join_url(self.local_root, name)), why="retention (rank 0's decision)")
 
-    # ---- waiting -----------------------------------------------------------------------
     def pending(self) -> int:
         with self._lock:
             return sum(not f.done() for f in self._futures)
@@ -308,7 +297,6 @@ class TwoTier:
         self._writer.close()
         self._cancel.clear()
 
-    # ---- discovery across tiers --------------------------------------------------------
     def committed(self, url: str) -> bool:
         """Whether ``url`` holds a manifest; an error that does not say "absent" is raised."""
         local = url == self.local_root or url.startswith(self.local_root + "/")
@@ -337,7 +325,7 @@ class TwoTier:
         """Local committed checkpoints newer than the newest remote one (oldest first)."""
         if self.remote_root is None or not self.single_host:
             return []
-        remote = [c.step for c in list_checkpoints(self.remote_root, self.remote_options) if c.committed]
-        floor = max(remote, default=-1)
+        remote = list_checkpoints(self.remote_root, self.remote_options)
+        floor = max((c.step for c in remote if c.committed), default=-1)
         return sorted((c for c in complete_local_checkpoints(self.local_root) if c.step > floor), key=lambda c: c.step)
 

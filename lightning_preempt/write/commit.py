@@ -2,12 +2,12 @@
 
 Protocol (every rank, in the writer thread, on the writer's own gloo group):
 
-0. rank 0 decides where the files go (:func:`~lightning_preempt.write.replace.plan_write`):
-   into the path, or into a new generation when it holds a committed checkpoint; every rank
-   follows its decision;
-1. every rank creates the directory; ranks agree it worked before any DCP collective;
+1. rank 0 decides where the files go (:func:`~lightning_preempt.write.replace.plan_write`):
+   into the path, or into a new generation when it holds a committed checkpoint, and creates
+   that directory; every rank follows its decision (the others' writes create their
+   directories themselves, ``Store.open_write``: no second collective before DCP's);
 2. ``dcp.save`` writes each rank's share of the tensors (DCP raises per-rank failures on
-   every rank);
+   every rank); then :attr:`SaveRequest.written` is set: the staged tensors are no longer read;
 3. every rank writes its own ``state-rankNNNNN.pt`` (the non-tensor skeleton);
 4. all ranks exchange their file entries or error; if any rank failed, no rank commits
    and every rank raises the same :class:`CheckpointWriteError`;
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -71,6 +72,8 @@ class SaveRequest:
     #: Tensors of ``tensors`` that are the training state's own, not staged copies (over the
     #: host-memory budget, ``staging/budget.py``): written first, then the training resumes.
     streamed: Streamed | None = None
+    #: Set once this rank's tensors are written (the commit may go on): their buffers are free.
+    written: threading.Event | None = None
 
 
 def write_checkpoint(
@@ -90,9 +93,14 @@ def write_checkpoint(
     rank, world = pdist.rank(group) if group else 0, pdist.world_size(group) if group else 1
     started = time.perf_counter()
 
-    plan = agree.decide(lambda: plan_write(root), group, what="preparing the checkpoint path", **_FAILED)
+    def prepare() -> WritePlan:
+        decided = plan_write(root)
+        decided.data(root).makedirs()
+        return decided
+
+    plan = agree.decide(prepare, group, what="preparing the checkpoint path", **_FAILED)
     store = plan.data(root)
-    _on_every_rank(store.makedirs, group, root, "creating the checkpoint directory")
+    tensor_bytes = sum(_nbytes(t) for t in request.tensors.values())  # before the buffers are free
 
     def write_files() -> dict[str, FileEntry]:
         entries: dict[str, FileEntry] = {}
@@ -116,6 +124,8 @@ def write_checkpoint(
             raise CheckpointWriteError(
                 f"writing the shards failed: {what}", path=root.url, hint=_hint_of(mine, err)
             ) from err
+        if request.written is not None:
+            request.written.set()
         entries.update(writer.entries)
         name = state_file(rank)
         entries[name] = _write_hashed(store, name, request.skeleton)
@@ -129,7 +139,7 @@ def write_checkpoint(
             epoch=request.epoch,
             world_size=world,
             files={name: entry for rank_entries in written for name, entry in rank_entries.items()},
-            tensor_bytes=sum(_nbytes(t) for t in request.tensors.values()),
+            tensor_bytes=tensor_bytes,
             stats={**request.stats, "write_s": time.perf_counter() - started},
             extra={**request.extra, **plan.manifest_extra},
             run_id=request.run_id,

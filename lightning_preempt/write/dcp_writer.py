@@ -162,7 +162,6 @@ class ChecksummingWriter(_compat.FsspecWriter):
         self._checksumming_fs = _ChecksummingFileSystem(store, self.entries)
         self.fs = self._checksumming_fs  # type: ignore[assignment]
         self.path = store.path()
-        self._store = store
         self.streamed = streamed
         #: plans, ``.metadata`` and file layouts of the previous saves (write/planning.py)
         self.plan_cache = plan_cache
@@ -197,8 +196,7 @@ class ChecksummingWriter(_compat.FsspecWriter):
         ):  # (a recorded layout holds no byte-IO item)
             return self._replay(layout, state_dict)
         items = list(plan.items)
-        special = any(item.type == WriteItemType.BYTE_IO for item in items)
-        if prefix is None or special or transformed:
+        if prefix is None or transformed or any(item.type == WriteItemType.BYTE_IO for item in items):
             try:
                 return super().write_data(plan, planner)  # writes before it returns
             finally:
@@ -206,7 +204,6 @@ class ChecksummingWriter(_compat.FsspecWriter):
                     streamed.release()
         buckets = _split_by_size(items, max(1, self.thread_count))
         names = _file_names(prefix, len(items), self.thread_count)
-        assert len(names) == len(buckets)
         # DCP logs two debug records per resolve_data call (~40 us a tensor); its
         # undecorated method resolves the same data.
         method = getattr(type(planner).resolve_data, "__wrapped__", None)

@@ -14,8 +14,7 @@ from typing import Literal
 
 from lightning_preempt.catalog.ownership import check_owned
 from lightning_preempt.errors import CheckpointError, CheckpointExistsError
-from lightning_preempt.format.generations import DATA_DIR_KEY, generation_of
-from lightning_preempt.format.manifest import MAX_MANIFEST_BYTES, parse_manifest
+from lightning_preempt.format.manifest import DATA_DIR_KEY, MAX_MANIFEST_BYTES, generation_of, parse_manifest
 from lightning_preempt.format.names import (
     CLAIM_NAME,
     MANIFEST_NAME,
@@ -32,7 +31,6 @@ from lightning_preempt.storage.store import Store
 log = logging.getLogger(__name__)
 
 
-# ---- the path exists as soon as a save is accepted ------------------------------------
 def ensure_exists(store: Store) -> None:
     """Make ``store.url`` exist now, before the background write: Lightning's
     ``ModelCheckpoint`` checks it for ``-v1`` versioning and ``save_last="link"``.
@@ -46,7 +44,6 @@ def ensure_exists(store: Store) -> None:
         store.commit_bytes(MARKER_NAME, b"", exclusive=False)
 
 
-# ---- what a save does at its path ----------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class WritePlan:
     """Where one save writes (decided by rank 0, the same on every rank).
@@ -201,7 +198,6 @@ def _base(store: Store) -> str:
     return posixpath.basename(store.url.rstrip("/"))
 
 
-# ---- file systems: a plain file and a directory cannot share a path ------------------
 def swap_in(root: Store, new_name: str) -> None:
     """Put the entry ``new_name`` beside ``root`` (in the same parent) at ``root``'s path,
     whatever kind of entry each is (never on object stores: no renames there).

@@ -13,6 +13,7 @@ from faulty_fs import FaultyFileSystem
 
 from lightning_preempt import CheckpointWriteError, NotACheckpointError, ShardedAsyncCheckpointIO, list_checkpoints
 from lightning_preempt.format.names import MANIFEST_NAME
+from lightning_preempt.storage.store import Store
 
 
 @pytest.fixture(params=["local", "memory"])
@@ -63,16 +64,68 @@ def test_staging_memory_is_allocated_once_and_reused(root: str) -> None:
     io.teardown()
 
 
-def test_a_new_save_waits_for_the_previous_commit(root: str) -> None:
+def test_a_new_save_waits_until_the_previous_is_written_and_commits_in_order(root: str) -> None:
     io = ShardedAsyncCheckpointIO()
     ckpt = lightning_like_checkpoint()
     io.save_checkpoint(ckpt, f"{root}/a")
     io.save_checkpoint(ckpt, f"{root}/b")
-    # At most one save in flight: when the second returned, the first was committed.
-    committed = {c.name: c.committed for c in list_checkpoints(root)}
-    assert committed["a"] is True
+    # When the second returned, the first's tensors were written (the staging buffers it
+    # reuses were free); its commit may still run (one rank), the second's comes after it.
+    assert Store(f"{root}/a").exists(".metadata")
     io.wait()
     assert {c.name for c in list_checkpoints(root) if c.committed} == {"a", "b"}
+    a, b = io.saver.history[-2:]
+    assert a.committed_s is not None and b.committed_s is not None
+    assert a.started + a.committed_s <= b.started + b.committed_s
+    io.teardown()
+
+
+def test_the_next_save_stages_while_the_previous_one_commits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # One rank: the next save reuses the staging buffers once the previous one's tensors are
+    # written, while its manifest is still being committed; each checkpoint keeps its own values.
+    gate, committing = threading.Event(), threading.Event()
+    real = Store.commit_bytes
+
+    def held(self: Store, rel: str, data: bytes, **kwargs: bool) -> None:
+        if rel == MANIFEST_NAME and not gate.is_set():
+            committing.set()
+            assert gate.wait(60)
+        real(self, rel, data, **kwargs)
+
+    monkeypatch.setattr(Store, "commit_bytes", held)
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    io = ShardedAsyncCheckpointIO()
+    io.save_checkpoint(lightning_like_checkpoint(step=1), a)
+    assert committing.wait(60)
+    io.save_checkpoint(lightning_like_checkpoint(step=2), b)  # returns: a's commit is held
+    assert not Store(a).exists(MANIFEST_NAME) and not Store(b).exists(MANIFEST_NAME)
+    gate.set()
+    io.wait()
+    assert_same(lightning_like_checkpoint(step=1), io.load_checkpoint(a))
+    assert_same(lightning_like_checkpoint(step=2), io.load_checkpoint(b))
+    io.teardown()
+
+
+def test_a_commit_failing_after_the_next_save_staged_is_raised_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = threading.Event()
+    real = Store.commit_bytes
+
+    def failing(self: Store, rel: str, data: bytes, **kwargs: bool) -> None:
+        if rel == MANIFEST_NAME and str(tmp_path / "a") in self.url:
+            assert gate.wait(60)
+            raise OSError(28, "No space left on device (injected)")
+        real(self, rel, data, **kwargs)
+
+    monkeypatch.setattr(Store, "commit_bytes", failing)
+    io = ShardedAsyncCheckpointIO()
+    io.save_checkpoint(lightning_like_checkpoint(step=1), str(tmp_path / "a"))
+    io.save_checkpoint(lightning_like_checkpoint(step=2), str(tmp_path / "b"))  # a still committing
+    gate.set()
+    with pytest.raises(CheckpointWriteError, match="No space left"):
+        io.wait()
+    io.wait()  # raised once
+    assert not Store(str(tmp_path / "a")).exists(MANIFEST_NAME)
+    assert io.load_checkpoint(str(tmp_path / "b"))["global_step"] == 2
     io.teardown()
 
 

@@ -16,7 +16,7 @@ import torch
 from concurrent_saves import run_trials
 
 from lightning_preempt.errors import CheckpointExistsError
-from lightning_preempt.format.generations import data_store
+from lightning_preempt.format.manifest import data_store
 from lightning_preempt.format.names import CLAIM_NAME, MANIFEST_NAME
 from lightning_preempt.read.load import load_all_tensors
 from lightning_preempt.read.verify import verify_checkpoint

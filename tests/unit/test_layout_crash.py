@@ -25,7 +25,7 @@ import torch
 from crash_fs import CrashFileSystem, SimulatedCrash
 
 from lightning_preempt.errors import CheckpointError
-from lightning_preempt.format.generations import data_store
+from lightning_preempt.format.manifest import data_store
 from lightning_preempt.format.names import is_generation
 from lightning_preempt.read.load import load_all_tensors
 from lightning_preempt.read.verify import verify_checkpoint

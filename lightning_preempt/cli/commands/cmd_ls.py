@@ -34,9 +34,8 @@ def run(args: argparse.Namespace) -> int:
         raise nothing_here(args.url, options)
     rows = []
     for info in infos:
-        row = info.to_dict()
-        row["created_utc"] = utc(info.created_unix) if info.created_unix is not None else None
-        row["tier"] = "primary"  # two-tier storage will report "local" / "remote" here
+        created = utc(info.created_unix) if info.created_unix is not None else None
+        row = {**info.to_dict(), "created_utc": created, "tier": "primary"}  # two tiers will say "local" / "remote"
         if args.verify:
             row["verified"], row["verify_error"] = _verify_info(info, options)
         rows.append(row)

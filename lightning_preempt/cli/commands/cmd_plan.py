@@ -162,7 +162,7 @@ def render_plan(plan: Plan, sources: dict[str, str]) -> str:
     ]
     rec = f"  recommended: max(Daly, F)                       {format_duration(plan.interval_s):>10}"
     if plan.clamped:
-        rec += "   (clamped to F: at most one save is in flight)"
+        rec += "   (clamped to F: one save writes at a time)"
     if plan.interval_steps is not None:
         hint = (
             f"  -> PreemptionCallback(every_n_train_steps={plan.interval_steps})   "

@@ -99,12 +99,9 @@ def build_report(url: str, options: dict[str, Any], *, run: str | None = None, g
         notes.append(f"{len(others)} other run(s) in this ledger ({', '.join(others[:5])}); --run ID reports one")
     ledger = read.runs[chosen]
     summary = summarize(ledger.records, ledger.folded_saves)
-    summary["source"] = "ledger"
-    summary["records"] = len(ledger.records)
-    summary["plan"] = plan_from(summary)
-    summary["cost"] = cost_from(summary, gpu_hour_price, on_demand_price)
-    summary["notes"] = notes
-    summary["timeline"] = timeline_points(ledger.records)
+    plan, cost = plan_from(summary), cost_from(summary, gpu_hour_price, on_demand_price)
+    summary.update(source="ledger", records=len(ledger.records), plan=plan, cost=cost, notes=notes,
+                   timeline=timeline_points(ledger.records))  # fmt: skip
     return summary
 
 

@@ -16,8 +16,7 @@ from lightning_preempt.cli.output import ProgressBar
 from lightning_preempt.cli.plan import format_bytes
 from lightning_preempt.cli.resolve import resolve_checkpoint, storage_call
 from lightning_preempt.errors import UntrustedCheckpointError
-from lightning_preempt.format.generations import data_store
-from lightning_preempt.format.manifest import Manifest
+from lightning_preempt.format.manifest import Manifest, data_store
 from lightning_preempt.format.names import DCP_METADATA_NAME, STATE_RE
 from lightning_preempt.format.pickles.metadata_scan import check_metadata_pickle
 from lightning_preempt.format.pickles.state_replay import check_state_pickle

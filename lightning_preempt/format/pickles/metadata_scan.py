@@ -33,9 +33,6 @@ class _Stub:
         obj.__dict__["_lp_args"] = args
         return obj
 
-    def __init__(self, *args: Any) -> None:
-        pass
-
     def __setstate__(self, state: Any) -> None:
         if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
             state, slots = state

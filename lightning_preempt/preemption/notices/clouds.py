@@ -65,18 +65,12 @@ class AWSSpotSource(MetadataSource):
 
     # ---- one check ---------------------------------------------------------------------
     def _check(self, stop: threading.Event) -> Notice | None:
-        status, body = self._get(ACTION_PATH)
-        if status == 200:
+        body = self._get(ACTION_PATH)
+        if body is not None:
             return self._interruption(body)
-        if status != 404:
-            raise GarbageResponse(f"HTTP {status} from {ACTION_PATH}")
-        if self.rebalance and not self._rebalance_seen:
-            status, body = self._get(REBALANCE_PATH)
-            if status == 200:
-                self._rebalance_seen = True
-                return self._recommendation(body)
-            if status != 404:
-                raise GarbageResponse(f"HTTP {status} from {REBALANCE_PATH}")
+        if self.rebalance and not self._rebalance_seen and (body := self._get(REBALANCE_PATH)) is not None:
+            self._rebalance_seen = True
+            return self._recommendation(body)
         return None
 
     def _interruption(self, body: str) -> Notice:
@@ -94,13 +88,18 @@ class AWSSpotSource(MetadataSource):
         return Notice.now("aws", f"rebalance recommendation (elevated interruption risk, noticed {when}; no deadline)")
 
     # ---- IMDSv2 ------------------------------------------------------------------------
-    def _get(self, path: str) -> tuple[int, str]:
+    def _get(self, path: str) -> str | None:
+        """The body at ``path``; ``None`` for a 404 (nothing announced)."""
         for attempt in (0, 1):
             resp = self.request("GET", path, {TOKEN_HEADER: self._session_token()})
             if resp.status == 401 and attempt == 0:
                 self._token = None  # expired or revoked: one fresh token, then give up
                 continue
-            return resp.status, resp.text
+            if resp.status == 404:
+                return None
+            if resp.status != 200:
+                raise GarbageResponse(f"HTTP {resp.status} from {path}")
+            return resp.text
         raise GarbageResponse(f"HTTP 401 from {path} with a fresh IMDSv2 token")
 
     def _session_token(self) -> str:
