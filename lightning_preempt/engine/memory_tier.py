@@ -67,11 +67,14 @@ class MemoryTier:
         self.restored_step: int | None = None  # completed from the peers at set-up
         self.skipped = 0  # copies not made because the previous peer copy was still running
         self._peer_group: pdist.ProcessGroup | None = None
-        self._peer_job: Future[None] | None = None
+        #: What follows a copy on the job thread (the seal and retention; several nodes: the
+        #: peer copy first), and when it ended: auto counts it in the copy's cost.
+        self._job: Future[None] | None = None
+        self._job_end = 0.0
 
     def __getstate__(self) -> dict[str, object]:
         state = self.__dict__.copy()  # the group and the job belong to one run
-        state.update(_peer_group=None, _peer_job=None)
+        state.update(_peer_group=None, _job=None)
         return state
 
     @property
@@ -143,7 +146,7 @@ class MemoryTier:
             return os.path.exists(os.path.join(self.root, name, MANIFEST_NAME))
 
         if self.replicating:  # one small gather on the agreement group, at a due step only
-            busy = self._peer_job is not None and not self._peer_job.done()
+            busy = self._job is not None and not self._job.done()
             views = pdist.all_gather_json([busy, taken()], group, max_bytes=WIRE_MAX_BYTES)
             if any(b for b, _ in views):
                 self.skipped += 1
@@ -167,8 +170,9 @@ class MemoryTier:
                 def seal_and_retain() -> None:
                     seal_copy(path)
                     retain(root, keep, {}, run_id=run_id)
+                    self._job_end = time.perf_counter()
 
-                saver.submit(seal_and_retain)
+                self._job = saver.submit(seal_and_retain)
             return
         group, node = self._peer_group, self.nodes[pdist.rank(self._peer_group)]
         first = self.nodes.index(node) == pdist.rank(self._peer_group)
@@ -186,8 +190,9 @@ class MemoryTier:
             if first:
                 seal_copy(path)
                 prune(root, keep, run_id)
+            self._job_end = time.perf_counter()
 
-        self._peer_job = saver.submit(peer_copy)
+        self._job = saver.submit(peer_copy)
 
     def due(self, step: int) -> bool:
         """A fixed K: whether ``step`` copies (every rank counts alike; auto votes instead)."""
@@ -200,25 +205,29 @@ class MemoryTier:
         with the same ``copies``, so the MAX says "every rank ready" only as ``+ 1``; and an
         overlapped exchange read after a copy started (votes cast before it) carries an older
         count, which :meth:`agreed` refuses alike on every rank. A rank whose previous peer
-        copy still runs is not ready (so no copy is agreed only to be skipped). Cheap: reads
-        the saver's records."""
+        copy still runs is not ready (so no copy is agreed only to be skipped). A copy's cost
+        window runs until what follows it on the job thread (seal, retention, peer copy) is
+        done too: that reads the copy back and competes for the CPU like the write. Cheap:
+        reads the saver's records."""
         auto = self.auto
         if auto is None or not self.enabled:
             return 0
         newest = saver.history[-1] if saver.history else None
         busy = newest is not None and newest.committed_s is None and newest.error is None
         auto.boundary(time.monotonic(), other_save=busy and newest is not self._measuring)
-        rec = self._measuring
-        if auto.in_flight and (rec is None or rec.committed_s is not None or rec.error is not None):
+        rec, job = self._measuring, self._job
+        follow_done = job is None or job.done()
+        if auto.in_flight and follow_done and (rec is None or rec.committed_s is not None or rec.error is not None):
             # done (or this rank wrote nothing: a strategy where another rank writes)
             copy_s = 0.0 if rec is None else rec.committed_s if rec.committed_s is not None else time.perf_counter() - rec.started
+            if rec is not None and job is not None:
+                copy_s = max(copy_s, self._job_end - rec.started)
             before, self.every = self.every, auto.finished(blocking_s=rec.blocking_s if rec is not None else 0.0, copy_s=copy_s)
             self._measuring = None
             if self.every != before:
                 log.info("lightning_preempt: tier 0 copies every %s steps (auto: the last copy took %.3f s, a step "
                          "%.4f s; overhead kept within 1 %%)", self.every, copy_s, auto.step_s or 0.0)  # fmt: skip
-        peer_busy = self._peer_job is not None and not self._peer_job.done()
-        return 3 * self.copies + (1 if auto.ready(step) and not peer_busy else 2)
+        return 3 * self.copies + (1 if auto.ready(step) and follow_done else 2)
 
     def agreed(self, vote: int) -> bool:
         """Whether the agreed ``vote`` starts an auto copy now (the same answer on every rank)."""

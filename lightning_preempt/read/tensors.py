@@ -7,6 +7,8 @@ before any tensor is returned. read/archive.py parses one tensor record.
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -34,6 +36,20 @@ SPLIT_MIN_RECORD_BYTES = 1 << 20
 #: and copied out of that buffer; larger ones are read straight into their tensors.
 SMALL_RECORD_BYTES = 1 << 20
 BATCH_BYTES = 4 << 20
+
+_HUGE = 2 << 20  # a transparent huge page (x86-64, arm64 with 4 KiB pages)
+_madvise = ctypes.CDLL(None, use_errno=True).madvise if sys.platform == "linux" else None
+
+
+def new_tensor(shape: Any, dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty``, asking Linux for transparent huge pages when it spans some (THP
+    ``madvise`` mode, the common default): the read then faults 2 MiB pages in, not 4 KiB
+    ones. Loading 400 MB from /dev/shm into fresh memory: 0.46 -> 0.14 s (docs/tier0.md)."""
+    t = torch.empty(shape, dtype=dtype)
+    start, end = -(-t.data_ptr() // _HUGE) * _HUGE, (t.data_ptr() + t.nbytes) // _HUGE * _HUGE
+    if _madvise is not None and end > start:
+        _madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 14)  # MADV_HUGEPAGE; advisory
+    return t
 
 
 def tensor_items(metadata: Any) -> list[TensorItem] | None:
@@ -182,7 +198,7 @@ def _read_file(
     runs = _ranges(items, parts)
     # Every tensor allocated here, on the file's thread, as torch.load does; the readers
     # fill them (and fault their pages in, in parallel when there are several ranges).
-    outs = [[torch.empty(item.chunk_sizes, dtype=item.dtype) for item in run] for run in runs]
+    outs = [[new_tensor(item.chunk_sizes, item.dtype) for item in run] for run in runs]
     starts = [0] + [run[0].offset for run in runs[1:]]
     ends: list[int | None] = [*starts[1:], None]  # the last range reads to the end of the file
     crcs = [OrderedCrc(None, start) if verify else None for start in starts]  # hashed by each reader

@@ -1,4 +1,4 @@
-"""The multi-host tests' hosts: two network namespaces (tests/support/netns.py)."""
+"""The multi-host tests' hosts: network namespaces (tests/support/netns.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ from netns import Hosts, missing
 
 
 @pytest.fixture
-def hosts() -> Iterator[Hosts]:
-    """Two "hosts" for one test; skips with one line where namespaces are not available."""
+def hosts(request: pytest.FixtureRequest) -> Iterator[Hosts]:
+    """Two "hosts" for one test (``parametrize("hosts", [n], indirect=True)``: n); skips with
+    one line where namespaces are not available."""
     why = missing()
     if why is not None:
         pytest.skip(f"multi-host tests need network namespaces: {why}")
-    h = Hosts(2)
+    h = Hosts(getattr(request, "param", 2))
     try:
         yield h
     finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -299,3 +300,25 @@ def test_damage_in_an_archive_header_is_a_corrupt_checkpoint_not_a_parse_error(t
     Path(path).write_bytes(bytes(data))
     with pytest.raises(CorruptCheckpointError):
         load_full_checkpoint(Store(tmp_url))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="transparent huge pages: Linux only")
+def test_large_tensors_are_read_into_memory_advised_for_huge_pages() -> None:
+    """A load's large tensors ask for transparent huge pages (MADV_HUGEPAGE: the read faults
+    2 MiB pages in, not 4 KiB ones); the kernel shows it as the mapping's ``hg`` flag."""
+    from lightning_preempt.read.tensors import new_tensor
+
+    t = new_tensor((8 << 20) // 4, torch.float32)
+    assert t.shape == ((8 << 20) // 4,) and t.dtype == torch.float32
+    addr, flags = t.data_ptr() + (4 << 20), None
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "VmFlags:":
+                flags = line.split()[1:]
+                break
+    assert flags is not None and "hg" in flags, flags

@@ -175,3 +175,51 @@ def test_a_vote_cast_before_the_last_copy_started_starts_nothing(tmp_path: Path)
     assert not tier.agreed(1)  # cast before the copy of step 10
     assert tier.agreed(3 * 1 + 1) and not tier.agreed(3 * 1 + 2)
     assert not MemoryTier(str(tmp_path), 4).agreed(1)  # a fixed K never votes
+
+
+def test_auto_counts_what_follows_a_copy_on_the_job_thread_in_its_window(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The seal reads a committed copy back (and several nodes' peer copy sends it) on the job
+    thread: the copy's window stays open, and the next copy is not voted for, until that is
+    done; its duration counts in the copy's (K >= the whole copy in steps)."""
+    import types
+    from concurrent.futures import Future
+
+    from lightning_preempt.engine import memory_tier
+    from lightning_preempt.save.history import SaveRecord
+
+    clock = [0.0]
+    monkeypatch.setattr(
+        memory_tier, "time", types.SimpleNamespace(monotonic=lambda: clock[0], perf_counter=lambda: clock[0])
+    )
+    jobs: list[tuple[object, Future[None]]] = []
+
+    class Saver:
+        history: list[SaveRecord] = []
+
+        def submit(self, fn: object) -> Future[None]:
+            jobs.append((fn, Future()))
+            return jobs[-1][1]
+
+    tier, saver = memory_tier.MemoryTier(str(tmp_path), "auto"), Saver()
+    tier.enabled = True
+    for step in range(WARMUP_STEPS + 1):  # 1 s quiet steps
+        clock[0] = float(step)
+        vote = tier.vote(step, saver)  # type: ignore[arg-type]
+    assert tier.agreed(vote)
+    rec = SaveRecord(str(tmp_path / "step-6"), 6, clock[0])
+    saver.history.append(rec)
+    tier.started(6, rec.path, rec)
+    tier.after_copy(saver, rec.path, None, leader=True)  # type: ignore[arg-type]
+    rec.blocking_s, rec.committed_s = 0.1, 0.5  # committed half a step later...
+    for step in (7, 8):
+        clock[0] = float(step)
+        assert not tier.agreed(tier.vote(step, saver))  # type: ignore[arg-type]
+        assert tier.auto is not None and tier.auto.in_flight and tier.every is None  # ...the seal still runs
+    clock[0] = 9.0
+    fn, fut = jobs[0]
+    fn()  # type: ignore[operator]
+    fut.set_result(None)
+    tier.vote(9, saver)  # type: ignore[arg-type]
+    assert tier.every == 4  # the whole copy in steps: committed at 5.5, the seal done at 9.0 (started at 5.0)
