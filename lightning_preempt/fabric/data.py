@@ -9,7 +9,6 @@ batches to Fabric's device. Restores follow loaders.py's call order, resharding 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -66,7 +65,10 @@ class LoopData:
         if not self.loaders.is_current([dl]):
             self.loaders.wrap([dl])
         self._loader = dl
-        n = _length(dl)
+        try:
+            n = float(len(dl))
+        except TypeError:  # no length: a saved epoch never counts as ended
+            n = float("inf")
         state, self._pending = self._pending, None
         resharded = False
         if state is not None:
@@ -137,10 +139,3 @@ class LoopData:
         else:
             exact_state.seed_from_saved_rank(state, rank)
             self.restored = "derived"
-
-
-def _length(loader: Any) -> float:
-    try:
-        return float(len(loader))
-    except TypeError:
-        return math.inf

@@ -3,13 +3,7 @@
 The policy is the engine's, as for ``PreemptionCallback``, with the same options
 (:class:`~lightning_preempt.engine.config.PreemptionConfig`). Fabric's part stays here: the
 plugin on its strategy, ``fabric.save``/``fabric.load`` of ``state``, the data position.
-
-The map (docs/fabric.md)::
-
-    resume(state)        engine.peek + engine.setup + fabric.load of the target + engine.start
-    iterate(...)/step()  engine.step_end(state[step_key]) after each batch's work
-    finish(state)        engine.finish + engine.close
-    an exception         engine.close(finish_saves=True)
+The map onto the engine's calls: docs/fabric.md, "Errors and exits".
 """
 
 from __future__ import annotations
