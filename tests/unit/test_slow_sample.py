@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import random
 from pathlib import Path
 
@@ -37,7 +38,7 @@ def test_every_slow_test_of_the_table_is_in_one_slice_and_the_slices_cost_alike(
     load = [sum(c for t, c in costs.items() if split[t] == k) for k in range(n)]
     # Longest first onto the cheapest slice: no two slices differ by more than one test.
     assert max(load) - min(load) <= max(costs.values())
-    assert sum(load) == sum(costs.values())
+    assert math.isclose(sum(load), sum(costs.values()))  # float costs, summed in another order
 
 
 def test_the_split_depends_on_the_costs_only_not_on_their_order() -> None:
