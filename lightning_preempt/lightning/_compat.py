@@ -173,21 +173,17 @@ def set_sampler_epoch(loader: Any, epoch: int) -> None:
 
 
 # ---- a resume target chosen after Lightning chose "no checkpoint" -------------------------
-def restores_after_setup(trainer: Any) -> bool:
-    """Whether the strategy loads the checkpoint after its own set-up (FSDP, DeepSpeed):
-    Lightning's public ``Strategy.restore_checkpoint_after_setup``."""
-    return bool(getattr(trainer.strategy, "restore_checkpoint_after_setup", False))
-
-
 def restore_late(trainer: Any, path: str) -> None:
     """Load ``path`` for this ``fit`` although Lightning's ``ckpt_path`` was ``None`` (a job
-    that waited for the lease resumes what the previous holder committed meanwhile). Called
-    before Lightning's ``_restore_modules_and_callbacks(None)``, which then restores from it.
+    that waited for the lease resumes what the previous holder committed meanwhile).
 
-    Private: ``trainer._checkpoint_connector.resume_start`` (Lightning 2.5-2.6). Without it
-    the run refuses to start from step 0 silently: a clear error says to restart it.
+    Lightning's next ``resume_start(None)`` (in ``_restore_modules_and_callbacks``, after
+    set-up, or after the strategy's own set-up for FSDP/DeepSpeed) loads ``path`` instead:
+    the load is collective, and a rank whose own peek saw the checkpoint loads it at that
+    very point. Private: ``trainer._checkpoint_connector.resume_start`` (Lightning 2.5-2.6);
+    without it a clear error says to restart rather than train from step 0 silently.
     """
-    connector = getattr(trainer, "_checkpoint_connector", None)
+    connector: Any = getattr(trainer, "_checkpoint_connector", None)
     resume_start = getattr(connector, "resume_start", None)
     if resume_start is None:  # pragma: no cover - moved in a newer Lightning
         from lightning_preempt.errors import CheckpointError
@@ -198,7 +194,12 @@ def restore_late(trainer: Any, path: str) -> None:
             path=path,
             hint="Restart the job: it then resumes from that checkpoint.",
         )
-    resume_start(path)
+
+    def once(checkpoint_path: Any = None, *args: Any, **kwargs: Any) -> Any:
+        del connector.resume_start  # the class's own again
+        return resume_start(checkpoint_path or path, *args, **kwargs)
+
+    connector.resume_start = once
 
 
 # ---- Fabric: fabric.save through our plugin on every rank (checkpoint_io.wrap_save) ----

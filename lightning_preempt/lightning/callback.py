@@ -129,7 +129,6 @@ class PreemptionCallback(OnExceptionCheckpoint):
         _compat.quiet_ckpt_path_choice(PreemptionCallback, quiet_auto_resume_warnings)  # only for our Trainers
         self._reporter = SaveReporter(self.engine)
         self._pointer: str | None = None
-        self._late_pointer: str | None = None  # a target chosen after Lightning asked (the lease)
         self._names = PointerNames()  # Lightning's log names the checkpoint, not the pointer
         # Lightning's "dataloader is not resumable", from on_train_start to the first batch
         # of a resume whose loader positions exact resume restored (ExactResume.positions_restored)
@@ -157,7 +156,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
         return self.engine.resumed_from
 
     def __getstate__(self) -> dict[str, Any]:
-        fresh = {"_pointer": None, "_late_pointer": None, "_names": PointerNames()}  # they belong to one fit
+        fresh = {"_pointer": None, "_names": PointerNames()}  # they belong to one fit
         return {**self.__dict__, **fresh, "_quiet_loader": QuietWarning(NOT_RESUMABLE_LOADER, PossibleUserWarning)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -217,17 +216,8 @@ class PreemptionCallback(OnExceptionCheckpoint):
             pointer = self._make_pointer()
             io.alias(pointer, target.path, fallback=target.fallback)
             self._names.install(pointer, target.path)
-            if late:
-                self._late_pointer = pointer
-                if not _compat.restores_after_setup(trainer):
-                    _compat.restore_late(trainer, pointer)
-
-    @override
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Strategies that restore after their own set-up (FSDP, DeepSpeed) load only now.
-        if self._late_pointer is not None and _compat.restores_after_setup(trainer):
-            _compat.restore_late(trainer, self._late_pointer)
-        self._late_pointer = None
+            if late:  # the ranks' peeks may differ (a commit between them): all load at one point
+                _compat.restore_late(trainer, pointer)
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -123,8 +123,11 @@ class Job:
         while self._out >= 0:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready, _, _ = select.select([self._out], [], [], left)
-            if not ready:
-                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+            if not ready:  # the output so far is shown with the failure: a hang must be diagnosable
+                tail = b"".join(self._chunks)[-6000:].decode(errors="replace")
+                print(f"--- the job's output before the timeout (its own process: exit {self.poll()}; "
+                      f"last 6000 bytes) ---\n{tail}", file=sys.stderr)  # fmt: skip
+                raise subprocess.TimeoutExpired(self.args, timeout or 0, output=tail)
             chunk = os.read(self._out, 1 << 16)
             if chunk:
                 self._chunks.append(chunk)
