@@ -27,17 +27,28 @@ git ls-files -z -co --exclude-standard | (cd "$repo" && xargs -0 cp --parents -t
 # an editable install's lightning_preempt.egg-info there would read as installed already.
 cd "$work"
 [ -x "$work/build-venv/bin/python" ] || "$py" -m venv "$work/build-venv"
-"$work/build-venv/bin/python" -m pip install -q --disable-pip-version-check "build>=1.2" >"$work/pip-build.log" 2>&1 \
+# pip's minutes here ran beside the suite in .ci/run and slowed it (issue 35's smoke test took
+# ~300 s, mostly pip): uv installs the same metadata's resolution in seconds (scripts/_install.sh;
+# pip wherever uv fails), and `build` makes its isolated environment with uv too.
+. "$repo/scripts/_install.sh"
+"$work/build-venv/bin/python" -m pip install -q --disable-pip-version-check "build[uv]>=1.2" >"$work/pip-build.log" 2>&1 \
   || { cat "$work/pip-build.log"; exit 1; }
-"$work/build-venv/bin/python" -m build -o "$work/dist" "$work/src" >"$work/build.log" 2>&1 || { cat "$work/build.log"; exit 1; }
+installer=pip
+[ -x "$work/build-venv/bin/uv" ] && installer=uv
+PATH="$work/build-venv/bin:$PATH" "$work/build-venv/bin/python" -m build --installer "$installer" -o "$work/dist" "$work/src" >"$work/build.log" 2>&1 \
+  || { cat "$work/build.log"; exit 1; }
 sdist=$(ls "$work"/dist/lightning_preempt-*.tar.gz)
 wheel=$(ls "$work"/dist/lightning_preempt-*-py3-none-any.whl)
 echo "built $(basename "$sdist") and $(basename "$wheel") in $((SECONDS - t0)) s"
 # A clean venv: only what the wheel's metadata asks for.
 rm -rf "$work/venv"
 "$py" -m venv "$work/venv"
-"$work/venv/bin/python" -m pip install -q --disable-pip-version-check torch==2.13.0 "$wheel[gcs,cli]" >"$work/pip.log" 2>&1 \
+{ install_torch "$work/venv" 2.13.0 && install_rest "$work/venv" "$wheel[gcs,cli]"; } >"$work/pip.log" 2>&1 \
   || { cat "$work/pip.log"; exit 1; }
+# uv itself came in with install_torch: out again, so the venv holds what the wheel asks for.
+# What a user's pip would check too: the installed set is consistent.
+"$work/venv/bin/python" -m pip uninstall -y -q uv >>"$work/pip.log" 2>&1
+"$work/venv/bin/python" -m pip check >>"$work/pip.log" 2>&1 || { cat "$work/pip.log"; exit 1; }
 echo "installed the wheel into a clean venv at $((SECONDS - t0)) s"
 run=$work/run
 rm -rf "$run"
