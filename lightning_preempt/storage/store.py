@@ -1,4 +1,5 @@
-"""Storage: the only module that talks to fsspec (docs/object-stores.md).
+"""Storage: with :mod:`~lightning_preempt.storage.object_store` (the bucket-only parts), the
+only modules that talk to fsspec (docs/object-stores.md).
 
 A :class:`Store` is rooted at one ``str`` URL (``gs://…`` is not a ``Path``); other paths
 are relative to it. A few primitives, the rest derived; every answer is fresh. On object
@@ -8,11 +9,8 @@ failure aborts them, and a bucket is never created.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import contextlib
 import functools
-import io
 import logging
 import os
 import posixpath
@@ -21,15 +19,13 @@ from typing import IO, Any, Literal, NamedTuple, cast
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
-from fsspec.spec import AbstractBufferedFile
 
 from lightning_preempt.errors import (
     CheckpointError,
     CheckpointExistsError,
-    CheckpointWriteError,
     CorruptCheckpointError,
 )
-from lightning_preempt.storage import local, reach
+from lightning_preempt.storage import local, object_store, reach
 from lightning_preempt.storage.diagnose import describe, is_transient
 from lightning_preempt.storage.protocols import GCS_PROTOCOLS, OBJECT_STORES
 from lightning_preempt.storage.retry import Backoff, retry
@@ -45,8 +41,6 @@ Kind = Literal["file", "dir", "link", "other"]
 
 #: A short blip (NFS failover, a 503) passes; a lasting failure is raised within a fraction of a second.
 STAT_BACKOFF = Backoff(attempts=3, backoff_s=0.1, transient=is_transient)
-
-_BUCKETS_SEEN: set[tuple[str, str, str]] = set()
 
 
 class Entry(NamedTuple):
@@ -97,7 +91,7 @@ class Store:
 
     def entries(self, rel: str = "") -> list[Entry]:
         """Every entry directly in ``rel``, by name (empty when missing); symlinks never followed."""
-        found = local.scan(self.path(rel)) if self.is_local else _listing(self._fs, self.path(rel))
+        found = local.scan(self.path(rel)) if self.is_local else object_store.listing(self._fs, self.path(rel))
         return [Entry(name, cast(Kind, kind), size) for name, kind, size in found]
 
     def stat(self, rel: str = "") -> Entry | None:
@@ -159,12 +153,7 @@ class Store:
         """The CRC32C (hex) GCS keeps for ``rel`` (base64, big-endian in its ``info()``), else ``None``."""
         if self.protocol not in GCS_PROTOCOLS:
             return None
-        value = (info if info is not None else self.info(rel)).get("crc32c")
-        try:
-            raw = base64.b64decode(value, validate=True) if value else b""
-        except (binascii.Error, ValueError):
-            return None
-        return raw.hex() if len(raw) == 4 else None
+        return object_store.gcs_crc32c(info if info is not None else self.info(rel))
 
     def open_read(self, rel: str) -> IO[bytes]:
         """Open ``rel`` only if it is a regular file (checkpoints are untrusted input);
@@ -216,34 +205,8 @@ class Store:
         if not self.is_object_store:
             self._fs.makedirs(self.path(rel), exist_ok=True)
             return
-        bucket = self.root.split("/", 1)[0]
-        key = (self.protocol, bucket, repr(sorted(self.storage_options.items())))
-        if not bucket or key in _BUCKETS_SEEN:
-            return
-        try:
-            self._fs.info(bucket)
-        except FileNotFoundError:
-            # s3fs < 2025.10: info() of an *empty* bucket says "not found"; a listing tells.
-            # Never fsspec's exists(): it answers False on any error (a 503, no permission).
-            try:
-                self._fs.ls(bucket)
-            except FileNotFoundError:
-                pass
-            except Exception:  # inconclusive: the writes themselves tell
-                return
-            else:
-                _BUCKETS_SEEN.add(key)
-                return
-            raise CheckpointWriteError(
-                f"the bucket {bucket!r} does not exist",
-                path=self.url,
-                hint="lightning_preempt never creates buckets. Create it first (e.g. `gcloud storage buckets "
-                f"create {self.protocol}://{bucket}` or `aws s3 mb s3://{bucket}`) with the location, access and "
-                "lifecycle you want, or fix the URL.",
-            ) from None
-        except Exception:  # e.g. allowed to write objects but not to look at the bucket
-            return
-        _BUCKETS_SEEN.add(key)
+        object_store.check_bucket(self._fs, self.protocol, self.root.split("/", 1)[0], self.storage_options,
+                                  self.url)  # fmt: skip
 
     @contextlib.contextmanager
     def open_write(self, rel: str) -> Iterator[IO[bytes]]:
@@ -256,13 +219,13 @@ class Store:
         else:
             f = self._fs.open(path, "wb", block_size=UPLOAD_BLOCK_SIZE)
         try:
-            yield f if self.is_local else cast(IO[bytes], _BoundedWrites(f, UPLOAD_BLOCK_SIZE))
+            yield f if self.is_local else cast(IO[bytes], object_store.BoundedWrites(f, UPLOAD_BLOCK_SIZE))
             if self.is_local:
                 f.flush()
                 local.sync_data(f.fileno())
             f.close()
         except BaseException:
-            _abandon(f)
+            object_store.abandon(f)
             with contextlib.suppress(Exception):
                 self._fs.rm_file(path)  # not rm(): it would read "[...]" in a path as a glob
             raise
@@ -328,67 +291,6 @@ class Store:
         with self.open_read(src) as reader, self.open_write(dst) as writer:
             while chunk := reader.read(CHUNK_BYTES):
                 writer.write(chunk)
-
-
-def _listing(fs: fsspec.AbstractFileSystem, base: str) -> list[tuple[str, str, int | None]]:
-    """``(name, kind, size)`` of the entries directly under ``base`` (``kind``: ``"dir"`` or
-    ``"file"``), fresh from the server; empty when ``base`` does not exist."""
-    fs.invalidate_cache()  # the servers are consistent, fsspec's listing cache is not
-    base = base.rstrip("/")
-    try:
-        entries = fs.ls(base, detail=True)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    out: dict[str, tuple[str, int | None]] = {}
-    for e in entries:
-        name = str(e["name"])
-        stripped = name.rstrip("/")
-        if not stripped or stripped == base:
-            continue
-        # a zero-byte "folder marker" object (``run/step-1/``) also denotes a directory
-        is_dir = e.get("type") == "directory" or (name.endswith("/") and not e.get("size"))
-        size = e.get("size")
-        out[posixpath.basename(stripped)] = ("dir", None) if is_dir else ("file", None if size is None else int(size))
-    return sorted((name, kind, size) for name, (kind, size) in out.items())
-
-
-class _BoundedWrites(io.RawIOBase):
-    """Splits each ``write`` into ``chunk`` pieces: fsspec buffers a whole ``write()`` (a
-    second 10 GB for a 10 GB tensor)."""
-
-    def __init__(self, inner: Any, chunk: int) -> None:
-        super().__init__()
-        self._inner = inner
-        self._chunk = chunk
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b: Any) -> int:
-        view = memoryview(b).cast("B")
-        for offset in range(0, view.nbytes, self._chunk):
-            self._inner.write(view[offset : offset + self._chunk])
-        return view.nbytes
-
-    def tell(self) -> int:
-        return int(self._inner.tell())
-
-    def flush(self) -> None:
-        self._inner.flush()
-
-    def close(self) -> None:
-        pass  # the owner (Store.open_write) closes or abandons the inner file
-
-
-def _abandon(f: Any) -> None:
-    """Close ``f`` after a failure without publishing its bytes where we can."""
-    if isinstance(f, AbstractBufferedFile):
-        with contextlib.suppress(Exception):
-            f.discard()  # abort the multi-part / resumable upload
-        f.closed = True  # never let close() (or __del__) upload the partial data
-        return
-    with contextlib.suppress(Exception):
-        f.close()
 
 
 def _stat_retrying(store: Store, rel: str, err: BaseException, attempt: int, delay: float) -> None:
