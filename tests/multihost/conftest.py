@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from netns import Hosts, missing
@@ -20,3 +23,14 @@ def hosts(request: pytest.FixtureRequest) -> Iterator[Hosts]:
         yield h
     finally:
         h.close()
+
+
+@pytest.fixture
+def memory() -> Iterator[Path]:
+    """The nodes' tier-0 memories, in the machine's tmpfs (removed afterwards)."""
+    path = Path("/dev/shm") / f"lp-test-{uuid.uuid4().hex[:8]}"
+    path.mkdir()
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

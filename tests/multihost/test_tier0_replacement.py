@@ -13,8 +13,6 @@ import json
 import shutil
 import subprocess
 import sys
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,17 +25,6 @@ KILL_AT = 12  # tier 0 copies every 2 steps, the disk every 5: disk holds 10, ti
 ARGS = ["--max-steps", "30", "--step-sleep", "0.1"]
 
 pytestmark = [pytest.mark.multihost, pytest.mark.multiproc, pytest.mark.timeout(900)]
-
-
-@pytest.fixture
-def memory() -> Iterator[Path]:
-    """The nodes' tier-0 memories, in the machine's tmpfs (removed afterwards)."""
-    path = Path("/dev/shm") / f"lp-test-{uuid.uuid4().hex[:8]}"
-    path.mkdir()
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _args(memory: Path, disk: int | None, *more: str) -> list[str]:

@@ -3,7 +3,10 @@
 Writes ``rank{R}.pid`` and ``rank{R}.step`` (the global step after each batch) into
 ``--status`` so a test can signal a chosen rank at a known step; ``rank{R}.exit`` with the
 exit code; and after a normal end ``rank{R}.result.json`` with the start and final step
-and a digest of the weights. ``--signal-at`` makes the job SIGTERM itself at a precise
+and a digest of the weights. ``--samples``: the data carries each sample's index and every
+rank appends one JSON line per trained batch (epoch, step, world size, indices) to
+``rank{R}.<pid>.samples.jsonl``, for the tests that check a resize trains every sample once.
+``--signal-at`` makes the job SIGTERM itself at a precise
 moment (a real signal, delivered by the kernel), for the edge cases.
 """
 
@@ -17,11 +20,26 @@ import sys
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import Callback
 from models import TinyModel, data, fit_reporting
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO
+
+
+class SampleModel(TinyModel):
+    """Trains on ``(x, y, index)`` batches and records the indices (``--samples``)."""
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        # Written here, not in on_train_batch_end: a preemption exits from the callback's
+        # on_train_batch_end, before the module's runs, but this batch was trained.
+        rec = {"epoch": self.current_epoch, "step": self.global_step, "world": self.trainer.world_size,
+               "idx": batch[2].tolist()}  # fmt: skip
+        path = os.path.join(self.hparams.status, f"rank{self.global_rank}.{os.getpid()}.samples.jsonl")
+        with open(path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        return super().training_step(batch[:2], batch_idx)
 
 
 class SelfSignal(Callback):
@@ -101,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--local-dirpath", default=None, help="two-tier mode: node-local tier")
     p.add_argument("--storage-options", default="{}", help="JSON fsspec options for --dirpath")
     p.add_argument("--cb-kwargs", default="{}", help="JSON: more PreemptionCallback options")
+    p.add_argument("--samples", action="store_true", help="record each trained batch's sample indices")
     p.add_argument("--ledger-progress-s", type=float, default=None, help="the ledger's last step seen, this often")
     args = p.parse_args(argv)
     if args.ledger_progress_s is not None:
@@ -116,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         strategy = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
-    model = TinyModel(width=args.width, step_sleep=args.step_sleep, status=args.status, dump_start=args.dump_start)
+    kind = SampleModel if args.samples else TinyModel
+    model = kind(width=args.width, step_sleep=args.step_sleep, status=args.status, dump_start=args.dump_start)
     cb = PreemptionCallback(
         args.dirpath,
         every_n_train_steps=args.every,
@@ -146,7 +166,10 @@ def main(argv: list[str] | None = None) -> int:
         limit_val_batches=4 if args.val_every else 0,
         deterministic=args.strategy != "model_parallel",
     )
-    loader = DataLoader(data(args.data_size), batch_size=args.batch_size, shuffle=False)
+    train = data(args.data_size)
+    if args.samples:
+        train = TensorDataset(*train.tensors, torch.arange(args.data_size))
+    loader = DataLoader(train, batch_size=args.batch_size, shuffle=False)
     val = DataLoader(data(64, seed=1), batch_size=16)
     return fit_reporting(
         trainer,
