@@ -20,12 +20,12 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
-from torch.nn import Module
+from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 
 from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.format.skeleton import split_checkpoint
+from lightning_preempt.lightning import _compat
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.resume import ddp_buckets
 
@@ -76,18 +76,15 @@ def give_ddp_bucket_layout(strategy: Strategy, saved: Callable[[], ddp_buckets.L
     """Under DDP at 2+ ranks, build the DDP module with rank 0's ``saved()`` bucket layout
     (called when the strategy wraps the model, after the checkpoint is loaded). A no-op for
     other strategies, one rank, and a strategy that makes its DDP module its own way."""
-    if not isinstance(strategy, DDPStrategy) or type(strategy)._setup_model is not DDPStrategy._setup_model:
+    if getattr(strategy, "world_size", 1) < 2:
         return
-    if strategy.world_size < 2 or "_setup_model" in vars(strategy):
-        return
-    original = strategy._setup_model
 
-    def setup_model(self: DDPStrategy, model: Module) -> Any:
+    def build(self: Any, make: Callable[[], Any]) -> Any:
         # Every rank the same layout, or DDP's ranks would reduce mismatched buckets: rank 0's.
         layout = ddp_buckets.clean(self.broadcast(saved() if self.global_rank == 0 else None))
-        return ddp_buckets.build(lambda: original(model), layout)
+        return ddp_buckets.build(make, layout)
 
-    strategy._setup_model = types.MethodType(setup_model, strategy)  # type: ignore[method-assign]
+    _compat.build_ddp_through(strategy, build)
 
 
 def _save_on_every_rank(self: Strategy, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
