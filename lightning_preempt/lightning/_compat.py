@@ -232,6 +232,30 @@ def fabric_loader_parts(loader: Any) -> tuple[Any, Any]:
 
 
 # ---- the subprocess launcher's child observer ------------------------------------------------
+# ---- DDPStrategy: how it builds the DDP module ---------------------------------------------
+def build_ddp_through(strategy: Any, build: Callable[[Any, Callable[[], Any]], Any]) -> bool:
+    """Have ``strategy`` (a ``DDPStrategy``) build its DDP module as ``build(self, make)``,
+    ``make()`` being Lightning's own construction. ``False`` (nothing done) where it has been
+    done already or the strategy's class builds the module its own way (DeepSpeed).
+
+    Private: ``DDPStrategy._setup_model`` (Lightning 2.5-2.6). Without it DDP is built as
+    Lightning builds it (a 3-rank resume may then differ in the last bits: docs/exact-resume.md).
+    """
+    from lightning.pytorch.strategies import DDPStrategy
+
+    original = getattr(DDPStrategy, "_setup_model", None)
+    if original is None or not isinstance(strategy, DDPStrategy) or type(strategy)._setup_model is not original:
+        return False
+    if "_setup_model" in vars(strategy):
+        return False
+
+    def setup_model(model: Any) -> Any:
+        return build(strategy, lambda: original(strategy, model))
+
+    strategy._setup_model = setup_model  # type: ignore[method-assign]  # on the instance: other strategies and Trainers keep theirs
+    return True
+
+
 def tolerate_preempted_children(exit_code: int, wait_s: float) -> int:
     """Let Lightning's child-process observer accept a child's preemption exit.
 

@@ -32,7 +32,7 @@ from lightning_preempt.lightning.logs import (
     quiet_auto_resume_warnings,
     report_resume,
 )
-from lightning_preempt.lightning.strategies import ensure_plugin, install_collective_saves
+from lightning_preempt.lightning.strategies import ensure_plugin, give_ddp_bucket_layout, install_collective_saves
 from lightning_preempt.preemption.controller import Preempted
 from lightning_preempt.preemption.signals import SignalFlag, shield_workers
 from lightning_preempt.preemption.sources import PreemptionSource
@@ -200,6 +200,8 @@ class PreemptionCallback(OnExceptionCheckpoint):
         if stage != "fit":
             return
         _compat.tolerate_preempted_children(self.config.exit_code, self.config.grace_period_s)
+        if self.exact.enabled:  # DDP is built after the load: its first step reduces as the saved run's
+            give_ddp_bucket_layout(trainer.strategy, self.exact.ddp_layout)
         io = ensure_plugin(trainer.strategy, self.config.storage_options, self.engine.local_dirpath)
         # Our checkpoints are resume checkpoints: always the full state. Said explicitly, so
         # Lightning does not log "`weights_only` was not set, defaulting to `False`" per save.

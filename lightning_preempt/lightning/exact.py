@@ -16,7 +16,7 @@ from typing import Any, cast
 import lightning.pytorch as pl
 
 from lightning_preempt.lightning import _compat
-from lightning_preempt.resume import exact_state
+from lightning_preempt.resume import ddp_buckets, exact_state
 from lightning_preempt.resume.exact_state import STATE_KEY, cpu_copy, metric_states, restore_rng
 from lightning_preempt.resume.loaders import ResumableLoaders, drop_replayed
 
@@ -141,6 +141,7 @@ class ExactResume:
             metrics=metric_states(pl_module),
             results=result_states(trainer),
             accumulate=trainer.accumulate_grad_batches,
+            ddp_buckets=ddp_buckets.capture(trainer.strategy.model),
         )
 
     # -- loading --
@@ -149,6 +150,10 @@ class ExactResume:
         if not self.enabled:
             return
         self._loaded = exact_state.checked(state)
+
+    def ddp_layout(self) -> ddp_buckets.Layout | None:
+        """The loaded state's DDP bucket layout (``None`` without one): DDP is built after the load."""
+        return None if self._loaded is None else ddp_buckets.clean(self._loaded.get("ddp_buckets"))
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Wrap the training samplers, then restore the saved state (last, just before data is fetched)."""

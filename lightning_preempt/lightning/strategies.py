@@ -6,12 +6,17 @@
   its sharded state dict to the plugin, ``load_checkpoint`` loads ours in place, resharded.
 
 Other strategies that save by themselves (FSDP1, DeepSpeed) are left alone with a warning.
+
+* ``DDPStrategy`` at 2+ ranks: ``_setup_model`` builds DDP with the gradient bucket layout
+  of the checkpoint being resumed (resume/ddp_buckets.py), so the first step reduces as the
+  uninterrupted run did.
 """
 
 from __future__ import annotations
 
 import logging
 import types
+from collections.abc import Callable
 from typing import Any
 
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -20,7 +25,9 @@ from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.format.skeleton import split_checkpoint
+from lightning_preempt.lightning import _compat
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
+from lightning_preempt.resume import ddp_buckets
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +70,21 @@ def install_collective_saves(
     else:
         strategy.save_checkpoint = types.MethodType(_save_on_every_rank, strategy)  # type: ignore[method-assign]
     io.enable_collective_saves(writer_group)
+
+
+def give_ddp_bucket_layout(strategy: Strategy, saved: Callable[[], ddp_buckets.Layout | None]) -> None:
+    """Under DDP at 2+ ranks, build the DDP module with rank 0's ``saved()`` bucket layout
+    (called when the strategy wraps the model, after the checkpoint is loaded). A no-op for
+    other strategies, one rank, and a strategy that makes its DDP module its own way."""
+    if getattr(strategy, "world_size", 1) < 2:
+        return
+
+    def build(self: Any, make: Callable[[], Any]) -> Any:
+        # Every rank the same layout, or DDP's ranks would reduce mismatched buckets: rank 0's.
+        layout = ddp_buckets.clean(self.broadcast(saved() if self.global_rank == 0 else None))
+        return ddp_buckets.build(make, layout)
+
+    _compat.build_ddp_through(strategy, build)
 
 
 def _save_on_every_rank(self: Strategy, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:

@@ -5,7 +5,8 @@ shards)::
 
     {"version": 1, "rank": int, "world_size": int, "epoch": int, "global_step": int,
      "batches_in_epoch": int, "rng": capture_rng(), "loaders": ResumableLoaders.capture(),
-     "metrics": metric_states(), "results": front-end specific, "accumulate": int (optional)}
+     "metrics": metric_states(), "results": front-end specific, "accumulate": int (optional),
+     "ddp_buckets": ddp_buckets.capture() (optional: None, or missing in older states)}
 
 A change of their meaning bumps :data:`FORMAT_VERSION` (an older state is then ignored).
 Here too: the RNG states (captured, restored, derived for a rank that had none) and the
@@ -84,6 +85,7 @@ def make_state(
     metrics: dict[str, dict[str, Any]],
     results: dict[str, dict[str, Any]],
     accumulate: int = 1,
+    ddp_buckets: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """This rank's state, with the RNG states of this moment (call at the save, nothing drawn after)."""
     return {
@@ -98,6 +100,7 @@ def make_state(
         "metrics": metrics,
         "results": results,
         "accumulate": accumulate,
+        "ddp_buckets": ddp_buckets,
     }
 
 

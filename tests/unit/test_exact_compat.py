@@ -24,6 +24,7 @@ PRIVATE_NAMES = [
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch.serialization", "_get_layout"),
     ("torch.serialization", "get_crc32_options"),  # write/dcp_writer.py wraps it
+    ("torch.distributed", "_compute_bucket_assignment_by_size"),  # resume/ddp_buckets.py
     ("lightning.fabric.utilities.data", "_set_sampler_epoch"),  # lightning/_compat.py
     ("lightning.pytorch.trainer.connectors.callback_connector", "_CallbackConnector"),
     ("lightning.pytorch.trainer.connectors.checkpoint_connector", "_CheckpointConnector"),  # .resume_start
@@ -70,6 +71,20 @@ def test_trainer_internals_used_by_exact_resume(tmp_path: Path) -> None:
     assert _compat.training_results(trainer) is not None
     assert hasattr(trainer.fit_loop.epoch_loop.batch_progress.current, "processed")
     assert hasattr(trainer.fit_loop.epoch_progress.current, "processed")
+
+
+def test_ddp_internals_used_by_the_bucket_layout() -> None:
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lightning_preempt.lightning import _compat
+
+    assert callable(getattr(DistributedDataParallel, "_get_ddp_logging_data", None))  # resume/ddp_buckets.py
+    ddp = DDPStrategy()
+    assert _compat.build_ddp_through(ddp, lambda strategy, make: make())
+    assert not _compat.build_ddp_through(ddp, lambda strategy, make: make())  # once
+    assert not _compat.build_ddp_through(ModelParallelStrategy(), lambda strategy, make: make())
+    assert not _compat.build_ddp_through(SingleDeviceStrategy(), lambda strategy, make: make())
 
 
 def test_torchmetrics_internals_used_by_exact_resume() -> None:
