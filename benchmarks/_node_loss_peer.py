@@ -136,6 +136,13 @@ def one_trial(cfg: argparse.Namespace, hosts: Hosts, job: NodeJob, memory: Path,
             "expected_tier": tier}  # fmt: skip
 
 
+def job_args(cfg: argparse.Namespace, memory: Path) -> list[str]:
+    """The job's arguments; ``memory``: the root ``NodeJob(memory=)`` binds each node's own under."""
+    kwargs = {"tier0_every_n_steps": cfg.fixed_k or "auto", "memory_dirpath": str(memory / "tier0")}
+    return ["--max-steps", str(cfg.max_steps), "--every", str(cfg.every), "--step-sleep", str(cfg.step_sleep),
+            "--width", str(cfg.width), "--ledger-progress-s", "0.5", "--cb-kwargs", json.dumps(kwargs)]  # fmt: skip
+
+
 def main_peer(cfg: argparse.Namespace, argv: list[str] | None, report: Callable[..., None]) -> int:
     """``--tier0 X --nodes 2`` (module docstring)."""
     rng = random.Random(cfg.seed)
@@ -143,13 +150,11 @@ def main_peer(cfg: argparse.Namespace, argv: list[str] | None, report: Callable[
     work = Path(tempfile.mkdtemp(prefix="lp-node-loss-peer-"))
     memory = Path("/dev/shm") / work.name
     cfg.fixed_k = None if cfg.tier0 == "auto" else int(cfg.tier0)
-    kwargs = {"tier0_every_n_steps": cfg.fixed_k or "auto", "memory_dirpath": str(memory / "tier0")}
-    args = ["--max-steps", str(cfg.max_steps), "--every", str(cfg.every), "--step-sleep", str(cfg.step_sleep),
-            "--width", str(cfg.width), "--ledger-progress-s", "0.5", "--cb-kwargs", json.dumps(kwargs)]  # fmt: skip
+    args = job_args(cfg, memory)
     trials: list[dict[str, object]] = []
     try:
         with Hosts(2) as hosts:
-            ref = NodeJob(hosts, work / "reference", [0, 1], args, memory=memory / "ref")
+            ref = NodeJob(hosts, work / "reference", [0, 1], job_args(cfg, memory / "ref"), memory=memory / "ref")
             assert ref.wait(900) == {0: 0, 1: 0}, ref.log(0)
             reference = (ref.result(0) or {}).get("weights")
             shutil.rmtree(memory / "ref", ignore_errors=True)
