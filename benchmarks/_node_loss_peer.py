@@ -117,7 +117,8 @@ def one_trial(cfg: argparse.Namespace, hosts: Hosts, job: NodeJob, memory: Path,
     seen, k = max(job.step(r) for r in (0, 1)), k_now(job, cfg.fixed_k)
     copying = _newest(memory / "node0") if seen_phase in ("tier-0 copy", "peer transfer") else None
     # the steps the copy in flight has run (the copy before it is K older): they come on top of K
-    in_flight_steps = seen - int(STEP_RE.match(copying.name).group(1)) if copying is not None else 0  # type: ignore[union-attr]
+    # (0 when it started at the step seen: the status file is written after the step's hooks)
+    in_flight_steps = max(0, seen - int(STEP_RE.match(copying.name).group(1))) if copying is not None else 0  # type: ignore[union-attr]
     for pid in pids:  # at once: the node's processes as they were
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
