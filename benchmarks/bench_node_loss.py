@@ -40,6 +40,7 @@ copy. Then the last launch trains to the end, bit-identical to an uninterrupted 
 (benchmarks/_node_loss_peer.py).
 
     python benchmarks/bench_node_loss.py --tier0 auto --nodes 2 --trials 20
+    python benchmarks/bench_node_loss.py --tier0 auto --n-minus-1     # then on 1 node (world 2 -> 1)
 """
 
 from __future__ import annotations
@@ -195,16 +196,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, default=1, choices=(1, 2), help="with --tier0: 2 hosts, the peer copy")
     p.add_argument("--phases", default="", help="--nodes 2: only these phases (comma-separated; default: all)")
     p.add_argument("--victim", type=int, default=None, choices=(0, 1), help="--nodes 2: always kill this node")
+    p.add_argument("--n-minus-1", action="store_true", help="with --tier0: one trial, then go on at world size 1")
     cfg = p.parse_args(argv)
-    if cfg.tier0 and cfg.nodes == 2:
+    if cfg.tier0 and (cfg.nodes == 2 or cfg.n_minus_1):
         cfg.max_steps = cfg.max_steps or (cfg.trials + 1) * 2 * cfg.every  # the last launch trains to the end
     cfg.max_steps = cfg.max_steps or (cfg.trials + 1) * 2 * cfg.every + 5
-    if cfg.tier0 and cfg.nodes == 1:
+    if cfg.tier0 and cfg.nodes == 1 and not cfg.n_minus_1:
         cfg.max_steps = 10**6  # every launch is killed, the last one too
     why = missing()
     if why is not None:
         print(f"bench_node_loss: skipped: {why}")
         return 0
+    if cfg.tier0 and cfg.n_minus_1:
+        from _node_loss_peer import main_n_minus_1
+
+        return main_n_minus_1(cfg, argv, _report)
     if cfg.tier0 and cfg.nodes == 2:
         from _node_loss_peer import main_peer
 
