@@ -50,17 +50,24 @@ STEP_RE = re.compile(r"^step-(\d+)")
 PHASES = ("steps", "tier-0 copy", "peer transfer", "disk flush")
 
 
-def _newest(root: Path) -> Path | None:
-    dirs = [(int(m.group(1)), d) for d in root.glob("step-*") if d.is_dir() and (m := STEP_RE.match(d.name))]
+def _newest(root: Path, old: frozenset[Path] = frozenset()) -> Path | None:
+    dirs = [(int(m.group(1)), d) for d in root.glob("step-*")
+            if d.is_dir() and d not in old and (m := STEP_RE.match(d.name))]  # fmt: skip
     return max(dirs)[1] if dirs else None
 
 
-def phase_now(memory: Path, disk: Path) -> str:
+def leftovers(memory: Path, disk: Path) -> frozenset[Path]:
+    """The uncommitted directories there now: a kill's leftovers are no save in flight."""
+    dirs = [*disk.glob("step-*"), *(memory / "node0").glob("step-*")]
+    return frozenset(d for d in dirs if d.is_dir() and not (d / "manifest.json").exists())
+
+
+def phase_now(memory: Path, disk: Path, old: frozenset[Path] = frozenset()) -> str:
     """What is in flight now: a disk flush, else node 0's local copy, else the transfer
-    (node 1 gets the manifest last), else nothing ("steps")."""
-    if any(d.name.startswith("step-") and not (d / "manifest.json").exists() for d in disk.iterdir()):
+    (node 1 gets the manifest last), else nothing ("steps"); ``old``: leftovers to ignore."""
+    if any(d.name.startswith("step-") and d not in old and not (d / "manifest.json").exists() for d in disk.iterdir()):
         return "disk flush"
-    own = _newest(memory / "node0")
+    own = _newest(memory / "node0", old)
     if own is not None and not (own / "manifest.json").exists():
         return "tier-0 copy"
     if own is not None and not (memory / "node1" / own.name / "manifest.json").exists():
@@ -99,6 +106,7 @@ def ledger_tier(dirpath: Path, n: int, timeout: float = 120) -> tuple[int | None
 def one_trial(cfg: argparse.Namespace, hosts: Hosts, job: NodeJob, memory: Path, rng: random.Random) -> dict[str, object]:
     """Wait for a phase, kill a node, wait for the survivor, wipe the lost node's memory."""
     start = max(0, resumed(job) or 0)
+    old = leftovers(memory, job.dirpath)
     deadline = time.monotonic() + 240
     while not list((memory / "node1").glob("step-*/manifest.json")):  # a copy on both nodes first
         assert time.monotonic() < deadline, "no tier-0 copy reached node 1\n" + job.log(0)
@@ -109,14 +117,14 @@ def one_trial(cfg: argparse.Namespace, hosts: Hosts, job: NodeJob, memory: Path,
     if want == "steps":
         job.wait_step(start + rng.randint(1, 2 * (k_now(job, cfg.fixed_k) or 5)))
         time.sleep(rng.uniform(0, cfg.step_sleep))
-        seen_phase = phase_now(memory, job.dirpath)
+        seen_phase = phase_now(memory, job.dirpath, old)
     else:
         deadline = time.monotonic() + 120
-        while (seen_phase := phase_now(memory, job.dirpath)) != want:
+        while (seen_phase := phase_now(memory, job.dirpath, old)) != want:
             assert time.monotonic() < deadline and job.step(0) < cfg.max_steps - 5, f"no {want} seen\n{job.log(0)}"
             time.sleep(0.002)
     seen, k = max(job.step(r) for r in (0, 1)), k_now(job, cfg.fixed_k)
-    copying = _newest(memory / "node0") if seen_phase in ("tier-0 copy", "peer transfer") else None
+    copying = _newest(memory / "node0", old) if seen_phase in ("tier-0 copy", "peer transfer") else None
     # the steps the copy in flight has run (the copy before it is K older): they come on top of K
     # (0 when it started at the step seen: the status file is written after the step's hooks)
     in_flight_steps = max(0, seen - int(STEP_RE.match(copying.name).group(1))) if copying is not None else 0  # type: ignore[union-attr]
