@@ -32,6 +32,15 @@ across the disk tier *and* tier 0 (never a partial or mixed one). The copy to a 
 (a node lost with its memory) is r4-peer's part: tiers/peer.py.
 
     python benchmarks/bench_node_loss.py --tier0 auto --trials 20 --every 1000
+
+``--tier0 auto --nodes 2``: tier 0 across two hosts with the peer copy; each trial SIGKILLs
+a whole node during steps, a tier-0 copy, the peer transfer or a disk flush, wipes that
+node's memory (a replacement node) and restarts both: the resume must come from the peer's
+copy. Then the last launch trains to the end, bit-identical to an uninterrupted run
+(benchmarks/_node_loss_peer.py).
+
+    python benchmarks/bench_node_loss.py --tier0 auto --nodes 2 --trials 20
+    python benchmarks/bench_node_loss.py --tier0 auto --n-minus-1     # then on 1 node (world 2 -> 1)
 """
 
 from __future__ import annotations
@@ -184,14 +193,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--md", default="", help="append the table and the command to this markdown file")
     p.add_argument("--json", default="")
     p.add_argument("--tier0", default="", help="auto or K: tier 0 on one host (see the module docstring)")
+    p.add_argument("--nodes", type=int, default=1, choices=(1, 2), help="with --tier0: 2 hosts, the peer copy")
+    p.add_argument("--phases", default="", help="--nodes 2: only these phases (comma-separated; default: all)")
+    p.add_argument("--victim", type=int, default=None, choices=(0, 1), help="--nodes 2: always kill this node")
+    p.add_argument("--n-minus-1", action="store_true", help="with --tier0: one trial, then go on at world size 1")
     cfg = p.parse_args(argv)
+    if cfg.tier0 and (cfg.nodes == 2 or cfg.n_minus_1):
+        cfg.max_steps = cfg.max_steps or (cfg.trials + 1) * 2 * cfg.every  # the last launch trains to the end
     cfg.max_steps = cfg.max_steps or (cfg.trials + 1) * 2 * cfg.every + 5
-    if cfg.tier0:
+    if cfg.tier0 and cfg.nodes == 1 and not cfg.n_minus_1:
         cfg.max_steps = 10**6  # every launch is killed, the last one too
     why = missing()
     if why is not None:
         print(f"bench_node_loss: skipped: {why}")
         return 0
+    if cfg.tier0 and cfg.n_minus_1:
+        from _node_loss_peer import main_n_minus_1
+
+        return main_n_minus_1(cfg, argv, _report)
+    if cfg.tier0 and cfg.nodes == 2:
+        from _node_loss_peer import main_peer
+
+        return main_peer(cfg, argv, _report)
     if cfg.tier0:
         return main_tier0(cfg, argv)
     rng = random.Random(cfg.seed)

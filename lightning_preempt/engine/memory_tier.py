@@ -181,15 +181,19 @@ class MemoryTier:
             try:
                 report = replicate(path, group, node=node)
             except Exception as err:  # agreed (ReplicaError) or a lost peer: the local copy stands
+                # No retention: this node's copy has the manifest (rank 0's node) but lacks the
+                # peer's share, so it would count as the newest and push out the previous copy,
+                # the newest one whole on two nodes (a lost peer left nothing else in tier 0).
                 log.error("lightning_preempt: the peer copy of %s failed (%s); training goes on\nHINT: this "
-                          "copy is on its own node only; a loss of that node falls back to the disk tiers.",
+                          "copy is on its own node only; a loss of that node falls back to the previous "
+                          "tier-0 copy (kept) or the disk tiers.",
                           path, str(err).splitlines()[0] if str(err) else repr(err))  # fmt: skip
             else:
                 log.debug("lightning_preempt: peer copy of %s: %d B sent, %d B received in %.3fs", path,
                           report.bytes_sent, report.bytes_received, report.seconds)  # fmt: skip
-            if first:
-                seal_copy(path)
-                prune(root, keep, run_id)
+                if first:
+                    seal_copy(path)
+                    prune(root, keep, run_id)
             self._job_end = time.perf_counter()
 
         self._job = saver.submit(peer_copy)
