@@ -124,8 +124,10 @@ class Engine:
         rt = self._runtime = Runtime()
         writer_group = rt.new_group()
         group = rt.agree_group = rt.new_group()
+        stage_group = rt.new_group()  # the training thread's gather before staging (save/saver.py)
         self.controller.bind(group)
         route_saves(writer_group)
+        saver.use_stage_group(stage_group)  # (dropped where route_saves made no collective saves)
         self.local_dirpath = tier_policy.configure_tiers(
             saver, dirpath=config.dirpath, local_dirpath=self.local_dirpath, keep_last_n=config.keep_last_n,
             new_group=rt.new_group,

@@ -138,6 +138,7 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
             # first save makes the writer's (collective: fabric.save runs on every rank).
             if self.saver.group is None and pdist.world_size() > 1:
                 self.saver.enable_collective(pdist.new_gloo_group())
+                self.saver.use_stage_group(pdist.new_gloo_group())  # the next save stages while one commits
             elif self.saver.closed:  # after Fabric's teardown: saves stay asynchronous and sharded
                 self.saver.enable_collective(self.saver.group)
             self.saver.save(checkpoint, url, options, sharded_keys=self._fabric_keys)
