@@ -293,7 +293,7 @@ class Engine:
         self.grace.check_records(saver.history[:-1])
 
     def save_memory(self, step: int) -> None:
-        """Every rank: copy ``step`` to tier 0 (asynchronous, behind the saver's one save in
+        """Every rank: copy ``step`` to tier 0 (asynchronous, queued behind the saver's saves in
         flight, as a periodic save); on several nodes the peer copy follows it (memory_tier.py)."""
         assert self._save is not None and self.memory is not None, "Engine.setup() first"
         if step == self.last_saved_step:

@@ -32,8 +32,9 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
     ``save_checkpoint`` returns once every tensor is copied into reusable host buffers
     and the path exists; a background thread writes the shards through DCP to any fsspec
     URL and commits the checkpoint by writing its manifest last. One save writes at a
-    time: a new save waits for the previous one (one rank, one tier: only until its
-    tensors are written, so it stages while that one commits; commits stay in order). Saving to a path that holds a
+    time: a new save waits until the previous one's tensors are written, so it stages while
+    that one commits, at any number of ranks (two tiers: it waits for the commit); commits
+    stay in step order. Saving to a path that holds a
     committed checkpoint replaces it without ever tearing it (docs/dropin.md).
     ``load_checkpoint`` verifies sizes and CRC32C before returning the usual Lightning
     checkpoint dict; it also reads plain Lightning ``.ckpt`` files.
