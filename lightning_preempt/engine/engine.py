@@ -1,7 +1,8 @@
 """The engine: preemption safety for a training loop, whatever framework runs it.
 
-It owns the policy (when and where to save, what to resume, the agreement of the ranks, the
-emergency snapshot and exit, retention, the lease); the mechanism is below it. Call order:
+It owns the policy (when and where to save, what to resume, the agreement of the ranks,
+retention, the lease; the emergency snapshot and exit in engine/emergency.py); the mechanism
+is below it. Call order:
 docs/design.md "The engine's call order".
 """
 
@@ -17,10 +18,10 @@ from typing import Any
 from lightning_preempt.catalog.retention import retain
 from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
-from lightning_preempt.engine import tier_policy
+from lightning_preempt.engine import emergency, tier_policy
 from lightning_preempt.engine.config import PreemptionConfig
 from lightning_preempt.engine.failures import FailureDetector, start_detector
-from lightning_preempt.engine.ledger_writer import Ledger, record_drain, record_preemption, record_save, start_fields
+from lightning_preempt.engine.ledger_writer import Ledger, record_drain, record_save, start_fields
 from lightning_preempt.engine.memory_tier import MEMORY_HINT, MemoryTier
 from lightning_preempt.engine.runtime import (
     Runtime,
@@ -29,13 +30,11 @@ from lightning_preempt.engine.runtime import (
     warn_about_newer_checkpoints,
     warn_without_periodic_saves,
 )
-from lightning_preempt.errors import CheckpointError
 from lightning_preempt.preemption.controller import Preempted, PreemptionController
 from lightning_preempt.preemption.deadline import GraceCheck
 from lightning_preempt.preemption.notices import make_sources
 from lightning_preempt.preemption.sources import PreemptionSource
 from lightning_preempt.resume.resolver import ResumeResolver, ResumeTarget
-from lightning_preempt.save.history import SaveRecord
 from lightning_preempt.save.saver import Saver
 
 log = logging.getLogger(__name__)
@@ -124,8 +123,10 @@ class Engine:
         rt = self._runtime = Runtime()
         writer_group = rt.new_group()
         group = rt.agree_group = rt.new_group()
+        stage_group = rt.new_group()  # the training thread's gather before staging (save/saver.py)
         self.controller.bind(group)
         route_saves(writer_group)
+        saver.use_stage_group(stage_group)  # (dropped where route_saves made no collective saves)
         self.local_dirpath = tier_policy.configure_tiers(
             saver, dirpath=config.dirpath, local_dirpath=self.local_dirpath, keep_last_n=config.keep_last_n,
             new_group=rt.new_group,
@@ -177,7 +178,7 @@ class Engine:
     def _held(self) -> list[int]:
         """The steps this rank can resume from: its committed saves, the step it resumed from,
         and what the other sources (``held_steps``) report. Called on the heartbeat thread."""
-        steps = {r.step for r in _committed(self.saver.history)}
+        steps = {r.step for r in emergency.committed(self.saver.history)}
         if self.resumed_from is not None and self.last_saved_step is not None:
             steps.add(self.last_saved_step)
         for source in list(self.held_steps):
@@ -228,7 +229,7 @@ class Engine:
         if (every_n is not None and step % every_n == 0) or decision.save_due:
             self.save(step, kind="notice" if decision.notice_snapshot else "periodic")
             if decision.notice_snapshot:
-                self._report_notice_snapshot(step)
+                emergency.report_notice_snapshot(self, step)
         elif self.memory is not None and (self.memory.due(step) or self.memory.agreed(decision.tier0)):
             self.save_memory(step)
 
@@ -291,7 +292,7 @@ class Engine:
         self.grace.check_records(saver.history[:-1])
 
     def save_memory(self, step: int) -> None:
-        """Every rank: copy ``step`` to tier 0 (asynchronous, behind the saver's one save in
+        """Every rank: copy ``step`` to tier 0 (asynchronous, queued behind the saver's saves in
         flight, as a periodic save); on several nodes the peer copy follows it (memory_tier.py)."""
         assert self._save is not None and self.memory is not None, "Engine.setup() first"
         if step == self.last_saved_step:
@@ -324,63 +325,10 @@ class Engine:
             log.error("lightning_preempt: the tier-0 copy to %s failed (%s); training goes on\nHINT: %s",
                       path, str(err).splitlines()[0] if str(err) else repr(err), MEMORY_HINT)  # fmt: skip
 
-    def _safe_step(self) -> str:
-        """The newest step this run can be resumed from, for the exit log."""
-        done = _committed(self.saver.history)
-        if done:
-            return f"step {done[-1].step} ({done[-1].path})"
-        if self.resumed_from is not None:
-            return f"step {self.last_saved_step} ({self.resumed_from}, the checkpoint this run resumed from)"
-        return "no checkpoint of this run committed (the newest in dirpath, if any)"
-
-    # ---- an agreed preemption ------------------------------------------------------------------
+    # ---- an agreed preemption (engine/emergency.py) -------------------------------------------
     def _emergency(self, step: int) -> None:
-        """Every rank: the snapshot of ``step`` and its drain, inside the controller's unconditional
-        sequence (preemption/controller.py). Raises ``Preempted`` (recorded in the ledger)."""
-        controller = self.controller
-
-        def snapshot() -> None:
-            try:
-                self.wait()  # an in-flight periodic save is not lost: let it commit first
-            except CheckpointError as err:
-                log.error("lightning_preempt: the in-flight save failed (%s); snapshotting anyway", err)
-                self.last_saved_step = None
-            if step in (self.last_saved_step, 0):
-                controller.mark(f"step {step} is already committed; no snapshot needed")
-                return
-            self.save(step, kind="emergency")
-            controller.mark(f"staged step {step}")
-            self.wait()
-            controller.mark(f"committed step {step}")
-            for hook in list(self.snapshot_hooks):
-                hook(step)
-
-        def drain(budget: float) -> str:
-            path = self.last_saved_path
-            saved = (path, self.last_saved_step) if self.leader and path is not None else None
-            return tier_policy.drain_within_grace(self.saver, dirpath=self.config.dirpath, step=step, budget=budget,
-                                                  mark=controller.mark, saved=saved)  # fmt: skip
-
-        try:
-            controller.emergency(step, snapshot=snapshot, drain=drain, safe_step=self._safe_step, leader=self.leader)
-        except Preempted:
-            record_preemption(self.ledger, controller, self.saver, step=step)
-            raise
-
-    def _report_notice_snapshot(self, step: int) -> None:
-        """Log the snapshot a notice asked for (``on_notice="continue"``: training does not wait
-        for it) and, from the job thread behind the save, whether it committed."""
-        controller, history = self.controller, self.saver.history
-        source = controller.notice.source if controller.notice is not None else "a"
-        controller.mark(f"{source} notice: snapshot of step {step} staged; training goes on until the signal")
-
-        def committed() -> None:
-            rec = next((r for r in reversed(history) if r.step == step), None)
-            ok = rec is not None and rec.committed_s is not None and rec.error is None
-            controller.mark(f"committed step {step} (the {source} notice's snapshot)" if ok else
-                            f"the {source} notice's snapshot of step {step} did not commit")  # fmt: skip
-
-        self.saver.submit(committed)
+        """Every rank: snapshot ``step``, drain, requeue, exit; raises ``Preempted``."""
+        emergency.preempt(self, step)
 
     # ---- 5./6. the end ---------------------------------------------------------------------------
     def finish(self, step: int) -> None:
@@ -403,7 +351,7 @@ class Engine:
             self.detector.stop()
             self.detector = None
         if error is None:  # a SIGTERM after training ends the process with exit_code, no traceback
-            self.controller.after_training(leader=self.leader, safe_step=self._safe_step)
+            self.controller.after_training(leader=self.leader, safe_step=lambda: emergency.safe_step(self))
         if error is not None and not isinstance(error, Preempted):
             self.ledger.error(self._last_seen_step or 0, error)
         if finish_saves and self._saver is not None:
@@ -415,7 +363,3 @@ class Engine:
         self.ledger.close(min(10.0, self.controller.budget()) if self.controller.origin is not None else 10.0)
         self._runtime.release()
 
-
-def _committed(history: Sequence[SaveRecord]) -> list[SaveRecord]:
-    """The saves of this process that committed, oldest first."""
-    return [r for r in list(history) if r.committed_s is not None and r.error is None]

@@ -32,8 +32,9 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
     ``save_checkpoint`` returns once every tensor is copied into reusable host buffers
     and the path exists; a background thread writes the shards through DCP to any fsspec
     URL and commits the checkpoint by writing its manifest last. One save writes at a
-    time: a new save waits for the previous one (one rank, one tier: only until its
-    tensors are written, so it stages while that one commits; commits stay in order). Saving to a path that holds a
+    time: a new save waits until the previous one's tensors are written, so it stages while
+    that one commits, at any number of ranks (two tiers: it waits for the commit); commits
+    stay in step order. Saving to a path that holds a
     committed checkpoint replaces it without ever tearing it (docs/dropin.md).
     ``load_checkpoint`` verifies sizes and CRC32C before returning the usual Lightning
     checkpoint dict; it also reads plain Lightning ``.ckpt`` files.
@@ -138,6 +139,7 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
             # first save makes the writer's (collective: fabric.save runs on every rank).
             if self.saver.group is None and pdist.world_size() > 1:
                 self.saver.enable_collective(pdist.new_gloo_group())
+                self.saver.use_stage_group(pdist.new_gloo_group())  # the next save stages while one commits
             elif self.saver.closed:  # after Fabric's teardown: saves stay asynchronous and sharded
                 self.saver.enable_collective(self.saver.group)
             self.saver.save(checkpoint, url, options, sharded_keys=self._fabric_keys)

@@ -80,6 +80,9 @@ class Saver:
         self.tiers: TwoTier | None = None
         self._tier_args: dict[str, Any] | None = None
         self.group: pdist.ProcessGroup | None = None
+        #: the training thread's own group for its one collective in :meth:`save` (the share
+        #: fingerprints), apart from ``group``, which the job thread uses (:meth:`use_stage_group`)
+        self.stage_group: pdist.ProcessGroup | None = None
         self.rank = 0  # this process's rank in ``group``
         self.closed = False
         self._pending: Future[Manifest] | None = None
@@ -90,7 +93,8 @@ class Saver:
         """Configuration only: a copy (``ddp_spawn``, ``deepcopy``) has no pending save, group,
         history or drain thread (the job queue and the stager drop theirs themselves)."""
         state = self.__dict__.copy()
-        state.update(_pending=None, _written=None, _committing=None, group=None, rank=0, history=[], tiers=None, _shares=ShareMemo())
+        state.update(_pending=None, _written=None, _committing=None, group=None, stage_group=None, rank=0,
+                     history=[], tiers=None, _shares=ShareMemo())  # fmt: skip
         tiers = self.tiers
         state["_tier_config"] = (tiers.remote_root, tiers.keep_last_n) if tiers is not None else None
         return state
@@ -118,12 +122,24 @@ class Saver:
         if group is not self.group:  # plans and shares name the old group's ranks
             self.plan_cache.clear()
             self._shares = ShareMemo()
+            self.stage_group = None  # it belonged to the old group
         self.group = group
         # Kept: after the run the group is destroyed, yet saves outside it still ask who writes.
         self.rank = pdist.rank(group) if group is not None else 0
         self.closed = False
 
-    def _dedupes(self) -> bool:
+    def use_stage_group(self, group: pdist.ProcessGroup | None) -> None:
+        """Give the training thread a gloo group of its own (the same ranks as the job
+        thread's, from :meth:`enable_collective`) for the share fingerprints' gather in
+        :meth:`save`: the next save then stages while the previous one commits at any number
+        of ranks, as on one (docs/design.md "The save pipeline"). Without it a collective save
+        waits for the previous commit (the gather would share the job thread's group, and two
+        threads' collectives on one group meet in different orders on different ranks).
+        Every rank calls it, after :meth:`enable_collective`; a new group there drops it."""
+        self.stage_group = group if self.group is not None else None
+
+    def _collective(self) -> bool:
+        """Every rank of :attr:`group` saves its share (more than one rank)."""
         return self.group is not None and pdist.world_size(self.group) > 1
 
     def prepare_staging(self, checkpoint_like: dict[str, Any], *, background: bool = True) -> Future[int]:
@@ -132,7 +148,7 @@ class Saver:
         again when the state grows (buffers that fit are kept). The Future holds the bytes
         newly allocated."""
         tensors, _ = split_checkpoint(checkpoint_like, self.sharded_keys)
-        if self._dedupes():
+        if self._collective():
             tensors = own_share(tensors, pdist.rank(self.group), pdist.world_size(self.group))
         plan = self.budget.split(tensors, self.stager)
         resident = {key: tensors[key] for key in plan.resident}
@@ -141,13 +157,15 @@ class Saver:
     def _my_share(self, tensors: dict[str, Any]) -> dict[str, Any]:
         """This rank's share of the replicated tensors (collective saves under DDP).
 
-        Ranks compare fingerprints first (one small gather on the job thread's group, idle
-        here: the previous save has finished): a tensor only some ranks hold would be lost
-        if its owner lacked it, so any difference means every rank stages all."""
-        if not self._dedupes():
+        Ranks compare fingerprints first (one small gather, on the training thread's
+        :attr:`stage_group`; without one on the job thread's group, idle here: the previous
+        save has finished): a tensor only some ranks hold would be lost if its owner lacked
+        it, so any difference means every rank stages all."""
+        if not self._collective():
             return tensors
         group = self.group
-        mine = self._shares.share(tensors, pdist.rank(group), lambda mark: pdist.all_gather_objects(mark, group))
+        gather_on = self.stage_group if self.stage_group is not None else group
+        mine = self._shares.share(tensors, pdist.rank(group), lambda mark: pdist.all_gather_objects(mark, gather_on))
         if mine is None:
             log.warning("lightning_preempt: ranks hold different tensors; every rank stages all of them")
             return tensors
@@ -164,12 +182,14 @@ class Saver:
         (the keys a framework knows hold modules' and optimizers' states).
 
         Raises:
-            CheckpointWriteError: the previous save failed (raised once).
+            CheckpointWriteError: an earlier save failed (raised once; across ranks the save
+                before the previous one, whose outcome every rank knows by then).
         """
         started = time.perf_counter()
         record = SaveRecord(url, checkpoint_step(checkpoint), started)
-        # the stager's buffers are in use until the previous save's tensors are written
-        self._wait_pending(buffers=self.tiers is None and not self._dedupes())
+        # The stager's buffers are in use until the previous save's tensors are written; its
+        # commit may go on (two tiers: a fallback to the remote tier rereads the buffers).
+        self._wait_pending(buffers=self.tiers is None and (not self._collective() or self.stage_group is not None))
         record.waited_s = time.perf_counter() - started
         local_url = self.tiers.local_twin(url) if self.tiers is not None else None
         if self.rank == 0:
@@ -272,17 +292,28 @@ class Saver:
 
     def _wait_pending(self, *, buffers: bool = False) -> None:
         """Wait for the saves in flight (``buffers``: only until the last one's tensors are
-        written or its job ended; its commit may go on); raise a finished save's error once."""
+        written or its job ended; its commit may go on); raise a finished save's error once.
+
+        Across ranks only the outcome of a save every rank knows is raised: the one before
+        the last (one job thread: the last one's tensors are written only after it ended, on
+        every rank). Whether the last one has ended yet differs from rank to rank; raising it
+        on some would leave the others in the next collective. It is raised by the next save,
+        by :meth:`wait`, or, through :meth:`pending_failed`, at the agreed step boundary."""
         self.overlap.settle()
-        inflight = [f for f in (self._committing, self._pending) if f is not None]
+        earlier, last = self._committing, self._pending
         if buffers and self._written is not None:
             self._written.wait()
+            settled = [f for f in (earlier,) if f is not None]
+            if last is not None and last.done() and not self._collective():
+                settled.append(last)  # one rank: nobody to disagree with
+                last = None
+            self._committing = last
         else:
-            wait_all(inflight)
-        # (one job thread: a save's tensors are written only after the save before it ended)
-        self._committing = next((f for f in inflight if not f.done()), None)
+            settled = [f for f in (earlier, last) if f is not None]
+            wait_all(settled)
+            self._committing = None
         self._pending = self._written = None
-        err = next((e for f in inflight if f.done() and (e := f.exception()) is not None), None)
+        err = next((e for f in settled if (e := f.exception()) is not None), None)
         if err is not None:
             raise CheckpointWriteError(
                 f"the previous checkpoint save failed: {str(err).splitlines()[0] if str(err) else repr(err)}",

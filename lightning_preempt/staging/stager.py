@@ -1,7 +1,8 @@
 """Staging: copy device tensors into reusable host buffers. No I/O here.
 
 Buffers are reused by every later save of the same shapes (a steady-state save allocates
-nothing), so at most one save may be in flight: the writer reads them until it commits. They
+nothing), so a save stages only once the previous one's tensors are written (the writer reads
+the buffers until then; its commit may go on: two saves in flight, no more). They
 are pinned when CUDA is present; :meth:`HostStager.prepare` allocates and touches them ahead of
 time, on a thread (first touch and pinning cost several times the copy; the first save may be
 the emergency one). Which tensors get a buffer is the budget's decision (``staging/budget.py``)."""

@@ -59,8 +59,8 @@ def _wait_exit(tmp: Path, ranks: int, proc: subprocess.Popen[str], since: float)
     return codes
 
 
-def _preempt_and_resume(tmp: Path, devices: int, targets: list[int]) -> None:
-    proc = _launch(tmp, "--every", "1000", "--step-sleep", "0.02", devices=devices)
+def _preempt_and_resume(tmp: Path, devices: int, targets: list[int], every: int = 1000) -> None:
+    proc = _launch(tmp, "--every", str(every), "--step-sleep", "0.02", devices=devices)
     signalled_at = _wait_for_step(tmp, devices, 15, proc)
     pids = [int(read(tmp / "st" / f"rank{r}.pid") or 0) for r in targets]
     sent = time.monotonic()
@@ -100,6 +100,13 @@ def test_sigterm_to_rank1_only_ddp(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_sigterm_to_both_ranks_ddp(tmp_path: Path) -> None:
     _preempt_and_resume(tmp_path, devices=2, targets=[0, 1])
+
+
+@pytest.mark.slow  # ~2 min here; the rank-1 case above stays in every run
+def test_sigterm_ddp_while_every_step_saves_are_in_flight(tmp_path: Path) -> None:
+    # two saves in flight on each rank (one committing, the next staged): the emergency
+    # sequence drains both and commits the agreed step within the grace period
+    _preempt_and_resume(tmp_path, devices=2, targets=[1], every=1)
 
 
 def _run_self_signal(tmp: Path, spec: str, *extra: str) -> tuple[int, str]:
