@@ -338,4 +338,9 @@ class PreemptionCallback(OnExceptionCheckpoint):
 
 def _model_tensors(module: pl.LightningModule) -> dict[str, Any]:
     """The module's parameters and buffers by the checkpoint's reference keys (format/skeleton.py)."""
-    return {f"state_dict/{k}": v for k, v in module.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
+    try:
+        state = module.state_dict(keep_vars=True)
+    except Exception as err:  # a user's state_dict hook: the load then reads into tensors of its own
+        log.debug("lightning_preempt: not reading into the parameters (%s: %s)", type(err).__name__, err)
+        return {}
+    return {f"state_dict/{k}": v for k, v in state.items() if isinstance(v, torch.Tensor)}

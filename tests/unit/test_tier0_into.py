@@ -157,3 +157,22 @@ def test_only_the_alias_given_them_writes_into_them(shm: Path) -> None:
     assert got["state_dict"]["big.weight"] is into["state_dict/big.weight"]
     assert _bytes(into["state_dict/big.weight"]) == _bytes(ckpt["state_dict"]["big.weight"])
     assert io.loaded_from == path
+
+
+def test_the_callback_names_the_parameters_by_the_checkpoints_keys() -> None:
+    import lightning.pytorch as pl
+
+    from lightning_preempt.format.skeleton import split_checkpoint
+    from lightning_preempt.lightning.callback import _model_tensors
+
+    class Model(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+
+    model = Model()
+    flat, _ = split_checkpoint({"state_dict": model.state_dict(), "global_step": 1})
+    given = _model_tensors(model)
+    assert set(given) == set(flat) and len(given) == 7  # weight, bias, BatchNorm's 5
+    assert given["state_dict/net.0.weight"] is model.net[0].weight  # the parameter itself
+    assert given["state_dict/net.1.running_mean"] is model.net[1].running_mean
