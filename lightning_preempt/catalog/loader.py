@@ -5,6 +5,7 @@ moving on after damage), a plain ``torch.save`` file, or an alias the engine set
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from lightning_preempt.catalog.newest import Fallback, fallback, newest_valid
@@ -30,21 +31,34 @@ class Loader:
         self.trust_checkpoints = trust_checkpoints
         self._aliases: dict[str, str] = {}
         self._fallbacks: dict[str, Fallback] = {}
+        self._into: dict[str, Callable[[], Mapping[str, Any]]] = {}
         #: The checkpoint the last :meth:`load` returned (after any fall-back).
         self.loaded_from: str | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_fallbacks"] = {}  # closures over one fit's process groups
+        state["_into"] = {}  # and over its model
         return state
 
-    def alias(self, path: str, target: str, *, fallback: Fallback | None = None) -> None:
+    def alias(
+        self,
+        path: str,
+        target: str,
+        *,
+        fallback: Fallback | None = None,
+        into: Callable[[], Mapping[str, Any]] | None = None,
+    ) -> None:
         """Make a load of ``path`` load ``target``. ``fallback(excluded)``: the next checkpoint
         to try when the load finds ``target`` damaged (every rank calls it, rank 0's answer is
-        taken), or ``None`` when none is left."""
+        taken), or ``None`` when none is left. ``into()``: the tensors (by reference key, e.g.
+        the model's parameters) a sealed tier-0 copy is read straight into
+        (read/load.py ``load_full_checkpoint``); asked for when the load starts."""
         self._aliases[str(path)] = target
         if fallback is not None:
             self._fallbacks[str(path)] = fallback
+        if into is not None:
+            self._into[str(path)] = into
 
     def resolve(self, path: Any) -> str | None:
         """The committed checkpoint ``path`` means (alias, checkpoint dir, or the newest valid
@@ -89,10 +103,12 @@ class Loader:
         if retry is None and store.exists() and not store.exists(MANIFEST_NAME):  # a directory of checkpoints
             retry = fallback(url, self.storage_options, verify="sizes")
 
+        into = self._into.get(str(path))
+
         def load(at: str, at_verified: bool) -> dict[str, Any]:
             return load_full_checkpoint(Store(at, self.storage_options), rank=pdist.rank(),
                                         verify=self.verify_on_load and not at_verified, trusted=trusted,
-                                        map_location=map_location)  # fmt: skip
+                                        map_location=map_location, into=into() if into is not None else None)  # fmt: skip
 
         checkpoint, self.loaded_from = load_agreed(load, target, False, retry, group)
         return checkpoint

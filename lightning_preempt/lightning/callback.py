@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from typing_extensions import override
@@ -216,7 +217,9 @@ class PreemptionCallback(OnExceptionCheckpoint):
             # the job it waited for committed meanwhile. Loaded here, through the same pointer.
             late = self._pointer is None
             pointer = self._make_pointer()
-            io.alias(pointer, target.path, fallback=target.fallback)
+            # A sealed tier-0 copy is read straight into the parameters (read/tensors.py):
+            # no tensor of its own to fault in, and Lightning's copy into the model is a no-op.
+            io.alias(pointer, target.path, fallback=target.fallback, into=functools.partial(_model_tensors, pl_module))
             self._names.install(pointer, target.path)
             if late:  # the ranks' peeks may differ (a commit between them): all load at one point
                 _compat.restore_late(trainer, pointer)
@@ -334,3 +337,12 @@ class PreemptionCallback(OnExceptionCheckpoint):
         assert isinstance(io, ShardedAsyncCheckpointIO)
         return io
 
+
+def _model_tensors(module: pl.LightningModule) -> dict[str, Any]:
+    """The module's parameters and buffers by the checkpoint's reference keys (format/skeleton.py)."""
+    try:
+        state = module.state_dict(keep_vars=True)
+    except Exception as err:  # a user's state_dict hook: the load then reads into tensors of its own
+        log.debug("lightning_preempt: not reading into the parameters (%s: %s)", type(err).__name__, err)
+        return {}
+    return {f"state_dict/{k}": v for k, v in state.items() if isinstance(v, torch.Tensor)}

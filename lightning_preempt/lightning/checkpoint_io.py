@@ -199,9 +199,9 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         asynchronous saves after :meth:`teardown`."""
         self.saver.enable_collective(group)
 
-    def alias(self, path: str, target: str, *, fallback: Any = None) -> None:
+    def alias(self, path: str, target: str, *, fallback: Any = None, into: Any = None) -> None:
         """Make ``load_checkpoint(path)`` load ``target`` (catalog/loader.py ``Loader.alias``)."""
-        self.loader.alias(path, target, fallback=fallback)
+        self.loader.alias(path, target, fallback=fallback, into=into)
 
     def resolve(self, path: Any) -> str | None:
         """The committed checkpoint ``path`` means, or ``None`` when it is none of ours."""

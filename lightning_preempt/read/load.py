@@ -9,7 +9,7 @@ import dataclasses
 import gc
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -118,14 +118,25 @@ def verify_shared(store: Store, manifest: Manifest, group: pdist.ProcessGroup) -
 
 
 def load_full_checkpoint(
-    store: Store, *, rank: int = 0, verify: bool = True, trusted: bool = False, map_location: Any = None
+    store: Store,
+    *,
+    rank: int = 0,
+    verify: bool = True,
+    trusted: bool = False,
+    map_location: Any = None,
+    into: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The complete Lightning checkpoint dict, full tensors on CPU or where ``map_location``
     (as ``torch.load`` takes it) sends them. Every file this rank reads is checked against
     the manifest's size and CRC32C in the same pass (read/tensors.py); any mismatch raises
-    :class:`CorruptCheckpointError` before anything is returned."""
+    :class:`CorruptCheckpointError` before anything is returned.
+
+    ``into``: tensors by reference key (``"state_dict/net.weight"``: the model's own
+    parameters) to read a *sealed* tier-0 copy straight into (read/tensors.py
+    ``read_tensors``); the dict then holds those tensors. Ignored for anything the load must
+    CRC-check first, and with a ``map_location``."""
     with gc_paused():
-        return _load_full(store, rank=rank, verify=verify, trusted=trusted, map_location=map_location)
+        return _load_full(store, rank=rank, verify=verify, trusted=trusted, map_location=map_location, into=into)
 
 
 @contextlib.contextmanager
@@ -142,17 +153,25 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _load_full(store: Store, *, rank: int, verify: bool, trusted: bool, map_location: Any) -> dict[str, Any]:
+def _load_full(
+    store: Store, *, rank: int, verify: bool, trusted: bool, map_location: Any, into: Mapping[str, Any] | None
+) -> dict[str, Any]:
     manifest = read_manifest(store)
-    if verify and store.is_local and sealed(data_store(store, manifest).path(), manifest):
+    is_sealed = store.is_local and sealed(data_store(store, manifest).path(), manifest)
+    if verify and is_sealed:
         verify = False  # verified on this node since it last changed (read/seal.py); sizes still checked
+    # The caller's tensors are written while the files are read: only where no CRC32C verdict
+    # comes after the read (a sealed copy; its sizes are checked before). A record that still
+    # fails to parse raises with some written: the fall-back's load or the failed resume follows.
+    into = into if is_sealed and map_location is None else None
     if not verify:
         check_files(data_store(store, manifest), manifest)
     skeleton = load_skeleton(store, manifest, rank, verify=verify, trusted=trusted, map_location=map_location)
     keys = set(tensor_refs(skeleton))
     tensors: dict[str, Any] = {}
     if keys:
-        tensors = apply_map_location(_load_all_tensors_verified(store, manifest, verify=verify), map_location)
+        tensors = _load_all_tensors_verified(store, manifest, verify=verify, into=into)
+        tensors = apply_map_location(tensors, map_location)
     missing = keys - set(tensors)
     if missing:
         raise CorruptCheckpointError(
@@ -165,7 +184,9 @@ def _load_full(store: Store, *, rank: int, verify: bool, trusted: bool, map_loca
     return result
 
 
-def _load_all_tensors_verified(store: Store, manifest: Manifest, *, verify: bool) -> dict[str, Any]:
+def _load_all_tensors_verified(
+    store: Store, manifest: Manifest, *, verify: bool, into: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """Every tensor of the shards, each shard file read once (CRC32C on the way)."""
     files = data_store(store, manifest)
     data = read_verified_bytes(files, DCP_METADATA_NAME, manifest.files.get(DCP_METADATA_NAME), verify=verify)
@@ -174,7 +195,7 @@ def _load_all_tensors_verified(store: Store, manifest: Manifest, *, verify: bool
         if verify:
             verify_checkpoint(store, manifest)
         return load_all_tensors(files, manifest=manifest)
-    return read_tensors(files, items, manifest.files, verify=verify)
+    return read_tensors(files, items, manifest.files, verify=verify, into=into)
 
 
 def load_agreed(
