@@ -80,8 +80,7 @@ class Saver:
         self.tiers: TwoTier | None = None
         self._tier_args: dict[str, Any] | None = None
         self.group: pdist.ProcessGroup | None = None
-        #: the training thread's own group for its one collective in :meth:`save` (the share
-        #: fingerprints), apart from ``group``, which the job thread uses (:meth:`use_stage_group`)
+        #: the training thread's own group for the share fingerprints (:meth:`use_stage_group`)
         self.stage_group: pdist.ProcessGroup | None = None
         self.rank = 0  # this process's rank in ``group``
         self.closed = False
@@ -129,13 +128,12 @@ class Saver:
         self.closed = False
 
     def use_stage_group(self, group: pdist.ProcessGroup | None) -> None:
-        """Give the training thread a gloo group of its own (the same ranks as the job
-        thread's, from :meth:`enable_collective`) for the share fingerprints' gather in
-        :meth:`save`: the next save then stages while the previous one commits at any number
-        of ranks, as on one (docs/design.md "The save pipeline"). Without it a collective save
-        waits for the previous commit (the gather would share the job thread's group, and two
-        threads' collectives on one group meet in different orders on different ranks).
-        Every rank calls it, after :meth:`enable_collective`; a new group there drops it."""
+        """Give the training thread a gloo group of its own (the job thread's ranks) for the
+        share fingerprints' gather in :meth:`save`: the next save then stages while the previous
+        one commits at any number of ranks (docs/design.md "The save pipeline"). Without it a
+        collective save waits for the previous commit: two threads' collectives on one group
+        meet in different orders on different ranks. Every rank calls it, after
+        :meth:`enable_collective` (a new group there drops it)."""
         self.stage_group = group if self.group is not None else None
 
     def _collective(self) -> bool:
