@@ -9,6 +9,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -181,6 +182,18 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
         if not torch.cuda.is_available():
             pytest.skip("needs CUDA (run scripts/gpu_check.sh on a GPU machine)")
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored() -> Iterator[None]:
+    """Each test leaves ``os.environ`` as it found it. Lightning's in-process launchers
+    (``ddp_spawn``, Fabric's fork) set ``MASTER_PORT`` in this process for good; a later test's
+    jobs inherited it, and two of them then listened on one port (EADDRINUSE, a hang)."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @pytest.fixture
