@@ -122,7 +122,9 @@ def test_a_state_twice_the_budget_stays_under_it_in_rss_and_resumes_exactly(tmp_
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["exact"] is True and got["state"] == 2 * got["budget"]
     assert got["streamed"] > 0 and got["stager_peak"] <= got["budget"]
-    # RSS sees the staging (at least the resident buffers) and stays under the budget; the
-    # slack is the save's non-staging memory (skeleton, write buffer, Python objects), ~1 MiB here
-    assert got["resident"] <= got["peak_growth"] <= got["budget"] + 2 * MIB, got
+    # RSS sees the staging (the resident buffers: every page written, the load is exact) and
+    # stays under the budget; the slack above is the save's non-staging memory (skeleton, write
+    # buffer, Python objects), ~1 MiB here. Below: the process frees memory counted before the
+    # save meanwhile (RSS is net): 4-150 KiB short of the resident buffers in 6 runs here.
+    assert got["resident"] - MIB <= got["peak_growth"] <= got["budget"] + 2 * MIB, got
     assert "exceeds host_memory_budget (16.0 MiB)" in out.stderr
