@@ -184,16 +184,23 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             pytest.skip("needs CUDA (run scripts/gpu_check.sh on a GPU machine)")
 
 
+#: What Lightning's in-process launchers (``ddp_spawn``, Fabric's fork) set in this process for good.
+_LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
+
+
 @pytest.fixture(autouse=True)
-def _environment_restored() -> Iterator[None]:
-    """Each test leaves ``os.environ`` as it found it. Lightning's in-process launchers
-    (``ddp_spawn``, Fabric's fork) set ``MASTER_PORT`` in this process for good; a later test's
-    jobs inherited it, and two of them then listened on one port (EADDRINUSE, a hang)."""
-    saved = dict(os.environ)
+def _launch_environment_restored() -> Iterator[None]:
+    """Each test leaves the launch variables as it found them: an in-process ``ddp_spawn`` test
+    left ``MASTER_PORT`` in the xdist worker, a later test's jobs inherited it, and two of them
+    then listened on one port (EADDRINUSE, a hang). Only these: the servers' fixtures set
+    variables meant to outlive a test (``STORAGE_EMULATOR_HOST``)."""
+    saved = {name: os.environ.get(name) for name in _LAUNCH_VARIABLES}
     yield
-    if os.environ != saved:
-        os.environ.clear()
-        os.environ.update(saved)
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture
