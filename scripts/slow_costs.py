@@ -47,8 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, str(TABLE.parent))
         slow = table["slow"]
         total = sum(slow.values())
-        period = max(1, min(7, math.ceil(total / table["budget_s"])))
-        from conftest import balanced_slices  # the same split the suite uses
+        from conftest import MAX_PERIOD, balanced_slices  # the same split the suite uses
+
+        period = max(1, min(MAX_PERIOD, math.ceil(total / table["budget_s"])))
 
         split = balanced_slices(slow, period)
         print(f"{len(slow)} slow tests, {total:.0f} worker-s; budget {table['budget_s']} s: {period} slices")
