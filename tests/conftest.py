@@ -7,8 +7,10 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -50,7 +52,9 @@ def _period() -> int:
 
 SAMPLE_EVERY = _period()
 if not 1 <= SAMPLE_EVERY <= MAX_PERIOD:
-    raise pytest.UsageError(f"LP_SAMPLE_EVERY={SAMPLE_EVERY}: every slow test must run within {MAX_PERIOD} days (1..{MAX_PERIOD})")
+    raise pytest.UsageError(
+        f"LP_SAMPLE_EVERY={SAMPLE_EVERY}: every slow test runs within {MAX_PERIOD} days (1..{MAX_PERIOD})"
+    )
 
 
 def _hash(text: str) -> int:
@@ -201,6 +205,15 @@ def _launch_environment_restored() -> Iterator[None]:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+
+
+@pytest.fixture
+def shm() -> Iterator[Path]:
+    """A directory of its own in /dev/shm (a tmpfs: tier 0's home), removed afterwards."""
+    root = Path(f"/dev/shm/lp-test-{uuid.uuid4().hex[:8]}")
+    root.mkdir()
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from lightning_preempt import list_checkpoints
+from lightning_preempt import ShardedAsyncCheckpointIO, list_checkpoints
 
 
 def lightning_like_checkpoint(step: int = 5, width: int = 4) -> dict[str, Any]:
@@ -83,3 +83,11 @@ def assert_loads_both_ways(url: str, ckpt: dict[str, Any]) -> None:
         assert torch.equal(loaded["state_dict"][key], tensor), key
         assert torch.equal(targets[f"state_dict/{key}"], tensor), key
     assert loaded["global_step"] == ckpt["global_step"]
+
+
+def save_and_wait(path: str | Path, ckpt: dict[str, Any]) -> str:
+    """``ckpt`` saved at ``path`` through the plugin, committed; returns the path."""
+    io = ShardedAsyncCheckpointIO()
+    io.save_checkpoint(ckpt, str(path))
+    io.wait()
+    return str(path)

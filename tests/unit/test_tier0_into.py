@@ -5,14 +5,12 @@ must be CRC-checked first (unsealed, damaged after the seal, on a disk) leaves t
 from __future__ import annotations
 
 import os
-import shutil
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from ckpts import save_and_wait
 
 from lightning_preempt.engine.memory_tier import seal_copy
 from lightning_preempt.errors import CorruptCheckpointError
@@ -50,21 +48,6 @@ def _bytes(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
 
 
-@pytest.fixture
-def shm() -> Iterator[Path]:
-    root = Path(f"/dev/shm/lp-test-into-{uuid.uuid4().hex[:8]}")
-    root.mkdir()
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
-
-
-def _save(path: Path, ckpt: dict[str, Any]) -> str:
-    io = ShardedAsyncCheckpointIO()
-    io.save_checkpoint(ckpt, str(path))
-    io.wait()
-    return str(path)
-
-
 def _untouched(into: dict[str, torch.Tensor]) -> None:
     for key, t in into.items():
         assert _bytes(t) == _bytes(torch.full_like(t, 5 if t.is_floating_point() else 0)), key
@@ -72,7 +55,7 @@ def _untouched(into: dict[str, torch.Tensor]) -> None:
 
 def test_a_sealed_copy_is_read_into_the_given_tensors(shm: Path) -> None:
     ckpt = _checkpoint()
-    path = _save(shm / "step-3", ckpt)
+    path = save_and_wait(shm / "step-3", ckpt)
     assert seal_copy(path)
     into = _params(ckpt)
     ptrs = {k: t.data_ptr() for k, t in into.items()}
@@ -90,7 +73,7 @@ def test_a_sealed_copy_is_read_into_the_given_tensors(shm: Path) -> None:
 
 def test_a_destination_that_does_not_fit_gets_a_tensor_of_its_own(shm: Path) -> None:
     ckpt = _checkpoint()
-    path = _save(shm / "step-3", ckpt)
+    path = save_and_wait(shm / "step-3", ckpt)
     assert seal_copy(path)
     into = {
         "state_dict/net.weight": torch.zeros(300, 512),  # another shape
@@ -107,7 +90,7 @@ def test_a_destination_that_does_not_fit_gets_a_tensor_of_its_own(shm: Path) -> 
 
 def test_an_unsealed_copy_is_verified_and_leaves_them_untouched(shm: Path) -> None:
     ckpt = _checkpoint()
-    path = _save(shm / "step-3", ckpt)  # committed, not sealed: the CRC32C pass runs
+    path = save_and_wait(shm / "step-3", ckpt)  # committed, not sealed: the CRC32C pass runs
     into = _params(ckpt)
     got = load_full_checkpoint(Store(path), into=into)
     _untouched(into)
@@ -118,7 +101,7 @@ def test_an_unsealed_copy_is_verified_and_leaves_them_untouched(shm: Path) -> No
 
 def test_a_copy_damaged_after_the_seal_is_refused_before_any_is_written(shm: Path) -> None:
     ckpt = _checkpoint()
-    path = _save(shm / "step-3", ckpt)
+    path = save_and_wait(shm / "step-3", ckpt)
     assert seal_copy(path)
     victim = max((os.path.join(path, n) for n in os.listdir(path)), key=os.path.getsize)
     with open(victim, "r+b") as f:  # same size, same inode: the ctime breaks the seal
@@ -132,11 +115,11 @@ def test_a_copy_damaged_after_the_seal_is_refused_before_any_is_written(shm: Pat
 
 def test_not_on_a_disk_nor_with_a_map_location(shm: Path, tmp_path: Path) -> None:
     ckpt = _checkpoint()
-    disk = _save(tmp_path / "step-3", ckpt)
+    disk = save_and_wait(tmp_path / "step-3", ckpt)
     assert not seal_copy(disk)  # a disk directory is never sealed
     into = _params(ckpt)
     load_full_checkpoint(Store(disk), into=into)
-    mem = _save(shm / "step-3", ckpt)
+    mem = save_and_wait(shm / "step-3", ckpt)
     assert seal_copy(mem)
     got = load_full_checkpoint(Store(mem), into=into, map_location="cpu")
     _untouched(into)
@@ -145,7 +128,7 @@ def test_not_on_a_disk_nor_with_a_map_location(shm: Path, tmp_path: Path) -> Non
 
 def test_only_the_alias_given_them_writes_into_them(shm: Path) -> None:
     ckpt = _checkpoint()
-    path = _save(shm / "step-3", ckpt)
+    path = save_and_wait(shm / "step-3", ckpt)
     assert seal_copy(path)
     into = _params(ckpt)
     io = ShardedAsyncCheckpointIO()

@@ -6,18 +6,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from ckpts import save_and_wait
 
 from lightning_preempt.engine.memory_tier import seal_copy
 from lightning_preempt.errors import CorruptCheckpointError
 from lightning_preempt.format.names import SEAL_NAME, is_our_file
-from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.read import load as load_mod
 from lightning_preempt.read import seal as seal_mod
 from lightning_preempt.read.load import load_full_checkpoint
@@ -35,21 +33,6 @@ def _checkpoint() -> dict[str, Any]:
         "state_dict": {"w": torch.randn(256, 129, generator=gen), "b": torch.randn(7, generator=gen).half()},
         "optimizer_states": [{"state": {0: {"exp_avg": torch.randn(256, 129, generator=gen)}}, "param_groups": []}],
     }
-
-
-@pytest.fixture
-def shm() -> Iterator[Path]:
-    root = Path(f"/dev/shm/lp-test-seal-{uuid.uuid4().hex[:8]}")
-    root.mkdir()
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
-
-
-def _save(path: Path, ckpt: dict[str, Any]) -> str:
-    io = ShardedAsyncCheckpointIO()
-    io.save_checkpoint(ckpt, str(path))
-    io.wait()
-    return str(path)
 
 
 def _spy_verify(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
@@ -78,7 +61,7 @@ def _biggest(path: str) -> str:
 
 def test_a_sealed_copy_loads_bit_identical_without_hashing(shm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ckpt = _checkpoint()
-    path = _save(shm / "step-9", ckpt)
+    path = save_and_wait(shm / "step-9", ckpt)
     seen = _spy_verify(monkeypatch)
     _same(ckpt, load_full_checkpoint(Store(path)))  # not sealed yet: every byte hashed
     assert seen == [True]
@@ -92,7 +75,7 @@ def test_a_sealed_copy_loads_bit_identical_without_hashing(shm: Path, monkeypatc
 
 @pytest.mark.parametrize("damage", ["overwrite", "truncate", "replace"])
 def test_a_change_after_the_seal_is_refused(shm: Path, damage: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = _save(shm / "step-9", _checkpoint())
+    path = save_and_wait(shm / "step-9", _checkpoint())
     assert seal_copy(path)
     victim = _biggest(path)
     size = os.path.getsize(victim)
@@ -119,7 +102,7 @@ def test_a_change_after_the_seal_is_refused(shm: Path, damage: str, monkeypatch:
 
 
 def test_a_copy_torn_before_the_seal_is_not_sealed(shm: Path) -> None:
-    path = _save(shm / "step-9", _checkpoint())
+    path = save_and_wait(shm / "step-9", _checkpoint())
     victim = _biggest(path)
     with open(victim, "r+b") as f:
         f.seek(100)
@@ -133,7 +116,7 @@ def test_a_copy_torn_before_the_seal_is_not_sealed(shm: Path) -> None:
 def test_a_seal_from_another_boot_or_off_tmpfs_counts_for_nothing(
     shm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    path = _save(shm / "step-9", _checkpoint())
+    path = save_and_wait(shm / "step-9", _checkpoint())
     assert seal_copy(path)
     manifest = read_manifest(Store(path))
     monkeypatch.setattr(seal_mod, "boot_id", lambda: "another-boot")
