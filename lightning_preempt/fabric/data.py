@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from lightning_preempt.lightning import _compat
-from lightning_preempt.resume import exact_state
+from lightning_preempt.resume import ddp_buckets, exact_state
 from lightning_preempt.resume.exact_state import restore_rng
 from lightning_preempt.resume.loaders import ResumableLoaders
 from lightning_preempt.resume.samplers import is_stateful
@@ -35,14 +35,15 @@ class LoopData:
         self._pending: dict[str, Any] | None = None
 
     # -- saving --
-    def capture(self, *, rank: int, world_size: int, step: int) -> dict[str, Any]:
-        """This rank's state at a step boundary (nothing is drawn between it and the save)."""
+    def capture(self, *, rank: int, world_size: int, step: int, model: object = None) -> dict[str, Any]:
+        """This rank's state at a step boundary (nothing is drawn between it and the save);
+        ``model``: the loop's DDP module, whose gradient-bucket layout is saved with it."""
         dl = self._loader
         loaders = [dl] if dl is not None else []
         state = exact_state.make_state(
             rank=rank, world_size=world_size, epoch=self.epoch, global_step=step,
             batches_in_epoch=self.batches_in_epoch, loaders=self.loaders.capture(loaders, self.epoch, self.batches_in_epoch) if loaders else [],
-            metrics={}, results={},
+            metrics={}, results={}, ddp_buckets=ddp_buckets.capture(model),
         )  # fmt: skip
         state["loader_states"] = [dl.state_dict() if is_stateful(dl) else None for dl in loaders]
         return state
@@ -54,6 +55,11 @@ class LoopData:
         if self._pending is not None:
             self.epoch = int(self._pending["epoch"])
             self.batches_in_epoch = int(self._pending["batches_in_epoch"])
+
+    @property
+    def ddp_layout(self) -> ddp_buckets.Layout | None:
+        """The DDP bucket layout of the loaded state (``None``: none saved, or nothing loaded)."""
+        return None if self._pending is None else ddp_buckets.clean(self._pending.get("ddp_buckets"))
 
     def iterate(
         self, loader: Any, *, to_device: Callable[[Any], Any], max_epochs: int, rank: int, world_size: int,

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from lightning.fabric.strategies import ModelParallelStrategy, Strategy
 from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
@@ -29,6 +30,7 @@ from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO, 
 from lightning_preempt.lightning.logs import SaveReporter
 from lightning_preempt.lightning.strategies import ensure_plugin
 from lightning_preempt.preemption.sources import PreemptionSource
+from lightning_preempt.resume import ddp_buckets
 from lightning_preempt.resume.exact_state import STATE_KEY
 from lightning_preempt.resume.samplers import is_stateful
 
@@ -162,6 +164,7 @@ class Preemption:
             remainder = fabric.load(target.path, part)
             state.update(part)  # fabric.load put the plain values into the dict it was given
             self.data.load(remainder.pop(STATE_KEY, None))
+            self._give_bucket_layout(state)
             remainder.pop(STEP_KEY, None)
             remainder.pop(EPOCH_KEY, None)
         step = self._current(state)[1]
@@ -225,6 +228,16 @@ class Preemption:
             self.close(finish_saves=True)
 
     # ---- internals ------------------------------------------------------------------------------
+    def _give_bucket_layout(self, state: dict[str, Any]) -> None:
+        """A DDP loop's first resumed backward reduces in the saved run's rebuilt buckets
+        (resume/ddp_buckets.py): ``fabric.setup`` built DDP before this load, so its reducer is
+        made again with the layout rank 0 loaded (broadcast: the same on every rank)."""
+        ddp = _ddp_of(state)
+        if ddp is None or self.fabric.world_size < 2:
+            return
+        layout = ddp_buckets.clean(self.fabric.broadcast(self.data.ddp_layout if self.fabric.is_global_zero else None))
+        ddp_buckets.rebuild(ddp, layout)
+
     def _report(self) -> None:
         """The saves committed since the last boundary, through ``fabric.log_dict`` (rank 0;
         no collective: the history is this rank's plugin's)."""
@@ -238,7 +251,9 @@ class Preemption:
         state, step = self._current()
         fabric = self.fabric
         saved = _saved_part(state)
-        saved[STATE_KEY] = self.data.capture(rank=fabric.global_rank, world_size=fabric.world_size, step=step)
+        saved[STATE_KEY] = self.data.capture(
+            rank=fabric.global_rank, world_size=fabric.world_size, step=step, model=_ddp_of(state)
+        )
         saved[STEP_KEY], saved[EPOCH_KEY] = step, self.data.epoch
         fabric.save(path, saved)
 
@@ -287,6 +302,13 @@ def _ensure_plugin(strategy: Strategy, storage_options: dict[str, Any], local_di
             "'ddp_notebook', a single device) or ModelParallelStrategy; see docs/fabric.md."
         )
     return ensure_plugin(strategy, storage_options, local_dirpath, user="Preemption", host="Fabric")
+
+
+def _ddp_of(state: dict[str, Any]) -> DistributedDataParallel | None:
+    """The DDP module of the loop's state (inside Fabric's wrapper), if there is exactly one."""
+    modules = (getattr(v, "_forward_module", v) for v in state.values())
+    found = [m for m in modules if isinstance(m, DistributedDataParallel)]
+    return found[0] if len(found) == 1 else None
 
 
 # ---- Fabric's ModelParallelStrategy (FSDP2 ``fully_shard``, tensor parallel; works on CPU, gloo) ----

@@ -10,7 +10,9 @@ ranks or more gloo's ring allreduce starts an element's sum on the rank that own
 chunk of the flat bucket: another position, another order of additions, other last bits.
 
 :func:`capture` reads the rebuilt layout at a save; :func:`build` constructs DDP with it
-as the initial layout. The reducer still rebuilds after its first backward, from the same
+as the initial layout (the Trainer: the checkpoint is read before the strategy wraps the model);
+:func:`rebuild` gives it to a DDP already built that has not reduced yet (Fabric:
+``fabric.setup`` wraps the model before the checkpoint is read). The reducer still rebuilds after its first backward, from the same
 gradient order: to the same layout. Both use DDP internals (its logging data and
 ``torch.distributed._compute_bucket_assignment_by_size``); where they are missing or the
 layout does not fit the model, nothing is captured or given (logged) and DDP goes its own way.
@@ -30,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Layout", "build", "capture", "clean"]
+__all__ = ["Layout", "build", "capture", "clean", "rebuild"]
 
 T = TypeVar("T")
 Layout = dict[str, list[Any]]
@@ -126,3 +128,56 @@ def build(make: Callable[[], T], layout: Layout | None) -> T:
             "reduces in DDP's initial buckets (at 3+ ranks the resume is then not bit-identical)"
         )
     return model
+
+
+def rebuild(model: object, layout: Layout | None) -> bool:
+    """Give ``layout`` to ``model``, a DDP module built but not yet run backward: its reducer
+    is made again with the saved layout as its initial buckets (what DDP's own
+    ``__setstate__`` does to make one). Returns whether the layout was applied.
+
+    Collective-free, but ``layout`` must be the same on every rank (the caller agrees on it).
+    Nothing changes for ``None``, another module, one rank, a DDP that has already reduced
+    (its reducer holds buckets and state of its own), one with a communication hook (a new
+    reducer would drop it), or a layout that does not fit the model.
+    """
+    if layout is None or not isinstance(model, DistributedDataParallel) or model.process_group.size() < 2:
+        return False
+    # A DDP that reduced already has rebuilt (or is about to rebuild) from its own order; a comm
+    # hook registered on the reducer would be lost with it; without the internals, DDP's own way.
+    needed = ("_ddp_init_helper", "_build_params_for_reducer", "_build_debug_param_to_name_mapping")
+    if (
+        getattr(model, "_comm_hooks", None)
+        or not all(hasattr(model, name) for name in needed)
+        or not hasattr(dist, "_compute_bucket_assignment_by_size")
+        or _has_reduced(model)
+    ):
+        log.warning("lightning_preempt: the saved DDP bucket layout cannot be given to this DDP; its first step "
+                    "reduces in DDP's initial buckets (at 3+ ranks the resume is then not bit-identical)")  # fmt: skip
+        return False
+    parameters, expect_sparse = model._build_params_for_reducer()
+    names = model._build_debug_param_to_name_mapping(parameters)
+    applied: list[bool] = []
+    with _initial_buckets(layout, applied):
+        model._ddp_init_helper(parameters, expect_sparse, names, model.static_graph)
+    if model.static_graph:  # as DDP's __setstate__ after its own _ddp_init_helper
+        model.reducer._set_static_graph()
+        if model.logger is not None:
+            model.logger._set_static_graph()
+    if not applied:
+        log.warning("lightning_preempt: the saved DDP bucket layout does not fit this model; its first step "
+                    "reduces in DDP's initial buckets (at 3+ ranks the resume is then not bit-identical)")  # fmt: skip
+        return False
+    _given[model] = layout
+    log.info(
+        "lightning_preempt: DDP reduces with the saved layout of its %d gradient bucket(s)", len(layout["buckets"])
+    )
+    return True
+
+
+def _has_reduced(model: DistributedDataParallel) -> bool:
+    """Whether ``model`` ran a backward that reduced (DDP's logging data counts them)."""
+    try:
+        data = model._get_ddp_logging_data()
+    except (AttributeError, RuntimeError):
+        return True  # unknown: do not replace a reducer that may hold state
+    return bool(data.get("has_rebuilt_buckets")) or int(data.get("iteration", 0) or 0) > 0

@@ -17,7 +17,9 @@ K = 3
 WORLD = 3
 
 
-def _worker(rank: int, world: int, out: str, start: int, steps: int, cap_mb: float | None, give: bool) -> None:
+def _worker(rank: int, world: int, out: str, start: int, steps: int, cap_mb: float | None, give: str) -> None:
+    """``give``: "build" (DDP made with the layout: the Trainer's way), "rebuild" (given to a
+    DDP already made: Fabric's way) or "" (DDP's own first buckets)."""
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -32,7 +34,11 @@ def _worker(rank: int, world: int, out: str, start: int, steps: int, cap_mb: flo
         net.load_state_dict(saved["model"])
     layout = saved["layout"] if saved is not None and give else None
     kwargs = {} if cap_mb is None else {"bucket_cap_mb": cap_mb}
-    ddp = ddp_buckets.build(lambda: DDP(net, **kwargs), layout)
+    if give == "rebuild":
+        ddp = DDP(net, **kwargs)
+        assert ddp_buckets.rebuild(ddp, layout) == (layout is not None)
+    else:
+        ddp = ddp_buckets.build(lambda: DDP(net, **kwargs), layout)
     opt = torch.optim.Adam(ddp.parameters(), lr=1e-2)
     if saved is not None:
         opt.load_state_dict(saved["opt"])
@@ -53,7 +59,7 @@ def _weights(path: Path) -> dict[str, object]:
     return torch.load(path)["model"]  # type: ignore[no-any-return]
 
 
-def _resume(tmp_path: Path, cap_mb: float | None, give: bool) -> tuple[dict[str, object], dict[str, object]]:
+def _resume(tmp_path: Path, cap_mb: float | None, give: str) -> tuple[dict[str, object], dict[str, object]]:
     """The weights after 2K steps in one run, and after K + K with a restart between."""
     ref, run = tmp_path / "ref", tmp_path / "run"
     ref.mkdir(), run.mkdir()
@@ -64,14 +70,20 @@ def _resume(tmp_path: Path, cap_mb: float | None, give: bool) -> tuple[dict[str,
 
 
 @pytest.mark.parametrize(
-    "cap_mb", [None, pytest.param(0.02, marks=pytest.mark.slow)], ids=["default-buckets", "several-buckets"]
+    ("cap_mb", "give"),
+    [
+        (None, "build"),
+        pytest.param(0.02, "build", marks=pytest.mark.slow),
+        pytest.param(0.02, "rebuild", marks=pytest.mark.slow),
+    ],
+    ids=["default-buckets", "several-buckets", "several-buckets-given-after-construction"],
 )
 def test_a_resume_at_3_ranks_with_the_saved_bucket_layout_is_bit_identical(
-    tmp_path: Path, cap_mb: float | None
+    tmp_path: Path, cap_mb: float | None, give: str
 ) -> None:
     import torch
 
-    reference, resumed = _resume(tmp_path, cap_mb, give=True)
+    reference, resumed = _resume(tmp_path, cap_mb, give)
     saved = torch.load(tmp_path / "run" / "saved.pt")
     layout = saved["layout"]
     assert layout is not None and sorted(i for b in layout["buckets"] for i in b) == list(range(6)), layout
@@ -85,7 +97,7 @@ def test_without_the_layout_the_resumed_run_differs_in_the_last_bits(tmp_path: P
     """Why the layout is saved: the same resume, DDP left to its own first buckets."""
     import torch
 
-    reference, resumed = _resume(tmp_path, None, give=False)
+    reference, resumed = _resume(tmp_path, None, give="")
     differ = [n for n, t in reference.items() if not torch.equal(t, resumed[n])]  # type: ignore[arg-type]
     assert differ, "bit-identical without the layout: DDP's first buckets no longer differ from its rebuilt ones"
     assert all(torch.allclose(t, resumed[n], atol=1e-5) for n, t in reference.items())  # type: ignore[arg-type]
