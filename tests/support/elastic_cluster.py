@@ -21,6 +21,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import reaper
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).resolve().parent / "elastic_script.py"
 
@@ -62,6 +64,7 @@ class Cluster:
                  "--ready-file", str(ready)],
                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True,
             )  # fmt: skip
+        reaper.track(self.store.pid)
         deadline = time.monotonic() + timeout
         while not ready.exists():
             assert self.store.poll() is None, (self.tmp / "store.log").read_text()
@@ -93,6 +96,7 @@ class Cluster:
                 self.command(name, launcher, extra), cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )  # fmt: skip
+        reaper.track(self.agents[name].pid)  # with its workers (in sessions of their own)
 
     def preempt(self, name: str, sig: int = signal.SIGTERM) -> None:
         """The node's grace period starts: its agent (the container's PID 1) gets ``sig``."""
