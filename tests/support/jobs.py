@@ -87,12 +87,13 @@ class _Zygote:
 class Job:
     """A script forked from the zygote: the parts of ``Popen`` the tests use.
 
-    It leads a process group of its own, or joins ``pgid``. ``socket_path``: the zygote to ask
+    ``argv``: ``[script, args…]``, or ``["-m", module, args…]``. It leads a process group of its
+    own, or joins ``pgid``. ``socket_path``: the zygote to ask
     (default: this process's, started on first use); ``out_fd``: where its output goes (default: a
     pipe that :meth:`communicate` reads) — a job's Lightning launcher passes both (zygote.py)."""
 
     def __init__(self, argv: list[str], cwd: Path | str, env: dict[str, str], *, socket_path: str = "",
-                 pgid: int = 0, out_fd: int = -1) -> None:  # fmt: skip
+                 pgid: int = 0, out_fd: int = -1, unbuffered: bool = False) -> None:  # fmt: skip
         self.args = argv
         self.returncode: int | None = None
         self._chunks: list[bytes] = []
@@ -103,7 +104,8 @@ class Job:
             read_end, write_end = -1, out_fd
         self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._conn.connect(socket_path or _Zygote.socket_path())
-        request = {"script": argv[0], "args": argv[1:], "cwd": str(cwd), "env": env, "pgid": pgid}
+        request = {"script": argv[0], "args": argv[1:], "cwd": str(cwd), "env": env, "pgid": pgid,
+                   "unbuffered": unbuffered}  # fmt: skip
         socket.send_fds(self._conn, [json.dumps(request).encode() + b"\n"], [write_end])
         if out_fd < 0:
             os.close(write_end)

@@ -38,6 +38,7 @@ import sys
 import tempfile
 import threading
 import traceback
+from typing import Any
 
 # What the scripts import, imported once here (before any thread exists: forking is safe).
 PRELOAD = (
@@ -47,6 +48,8 @@ PRELOAD = (
     "lightning.pytorch",
     "lightning.fabric.strategies.launchers.subprocess_script",
     "lightning.pytorch.strategies.launchers.subprocess_script",
+    "torch.distributed.run",
+    "torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler",
     "lightning_preempt",
     "lightning_preempt.lightning.callback",
     "lightning_preempt.lightning.checkpoint_io",
@@ -79,6 +82,26 @@ class _RanksFromHere:
                         socket_path=SOCKET, pgid=os.getpgrp(), out_fd=1)  # fmt: skip
 
 
+def _route_torchrun_workers_here() -> None:
+    """In a torchrun agent forked from here: its workers (``python -u script args…``, each in a
+    session of its own) are forked from here too, each leading a process group of its own (the
+    agent stops one with ``os.killpg``), their output where the agent's goes. A worker whose
+    output the agent redirects to files (``--redirects``/``--tee``) is the real ``Popen``."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+    handler = subprocess_handler.SubprocessHandler
+    original = handler._popen
+
+    def _popen(self: Any, args: tuple[str, ...], env: dict[str, str]) -> Any:
+        import jobs
+
+        if self._stdout or self._stderr or len(args) < 3 or args[:2] != (sys.executable, "-u") or args[2][:1] == "-":
+            return original(self, args, env)
+        return jobs.Job(list(args[2:]), os.getcwd(), env, socket_path=SOCKET, out_fd=1, unbuffered=True)
+
+    handler._popen = _popen  # type: ignore[method-assign]
+
+
 def _route_lightning_ranks_here() -> None:
     ranks = _RanksFromHere()
     for name in (
@@ -95,6 +118,7 @@ def _child(request: dict[str, object], out_fd: int) -> int:
     with contextlib.suppress(OSError):  # (the server set it too: whichever runs first)
         os.setpgid(0, int(request.get("pgid") or 0))  # type: ignore[call-overload]
     _route_lightning_ranks_here()
+    _route_torchrun_workers_here()
     script = str(request["script"])
     os.chdir(str(request["cwd"]))
     os.environ.clear()
@@ -106,10 +130,19 @@ def _child(request: dict[str, object], out_fd: int) -> int:
     os.dup2(out_fd, 2)
     os.close(null)
     os.close(out_fd)
-    sys.argv = [script, *[str(a) for a in request["args"]]]  # type: ignore[union-attr]
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    if request.get("unbuffered"):  # python -u
+        for stream in (sys.stdout, sys.stderr):
+            stream.reconfigure(write_through=True)  # type: ignore[union-attr]
+    args = [str(a) for a in request["args"]]  # type: ignore[union-attr]
     try:
-        runpy.run_path(script, run_name="__main__")
+        if script == "-m":  # python -m module args…
+            sys.argv = ["-m", *args[1:]]
+            sys.path[0] = os.getcwd()
+            runpy.run_module(args[0], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [script, *args]
+            sys.path[0] = os.path.dirname(os.path.abspath(script))
+            runpy.run_path(script, run_name="__main__")
         return 0
     except SystemExit as exc:
         if exc.code is None:
