@@ -188,6 +188,18 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             pytest.skip("needs CUDA (run scripts/gpu_check.sh on a GPU machine)")
 
 
+@pytest.fixture(autouse=True)
+def _nothing_left_running() -> Iterator[None]:
+    """The jobs, agents and workers a test started and left running (a failure or an interrupt
+    half-way) are SIGKILLed with their process groups once its fixtures are torn down; a
+    watchdog does the same when this process is gone (tests/support/reaper.py)."""
+    import reaper
+
+    reaper.begin_test()
+    yield
+    reaper.end_test()
+
+
 #: What Lightning's in-process launchers (``ddp_spawn``, Fabric's fork) set in this process for good.
 _LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
 

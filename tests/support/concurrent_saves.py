@@ -1,6 +1,8 @@
 """Two real processes saving to one checkpoint path at the same moment (issue 20, finding 6).
 
-Each worker is a separate process (``multiprocessing`` spawn) holding its own
+Each worker is a separate process (``multiprocessing`` forkserver: forked from a server that
+imported torch and the plugin once, instead of two fresh interpreters paying ~4 s of imports
+each; ``LP_RANKS_START=spawn``: spawned, as ranks.py) holding its own
 :class:`ShardedAsyncCheckpointIO` without any lease, as ``ModelCheckpoint`` with the plugin
 or two jobs sharing a dirpath would. Per trial the parent names a fresh step directory and
 a start time; each worker sleeps until then (plus its delay), saves its own checkpoint
@@ -20,6 +22,11 @@ import multiprocessing as mp
 import os
 import time
 from typing import Any
+
+START_METHOD = os.environ.get("LP_RANKS_START", "forkserver")
+#: What the writers import, once, in the forkserver (ranks.py preloads the same when it starts
+#: that server first: one server per process serves both).
+PRELOAD = ["torch", "torch.distributed", "lightning_preempt.lightning.checkpoint_io", "concurrent_saves"]
 
 #: Each writer's checkpoint: enough bytes that the two writes overlap for a while.
 WIDTH = 1024
@@ -145,7 +152,9 @@ def run_trials(root: str, delays: list[float], *, replace: bool = False) -> list
     fresh ``root/trial-N/step-0000000100`` directory, with two writer processes.
     ``replace``: the directory already holds a committed checkpoint, which both replace
     (``last.ckpt`` saved by two processes): both may be told "committed"."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(START_METHOD)
+    if START_METHOD == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)  # (no effect once this process's server runs)
     pipes, procs = [], []
     for writer in range(2):
         parent, child = ctx.Pipe()

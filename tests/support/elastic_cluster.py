@@ -6,6 +6,10 @@ CPU) in a session of its own; they meet through the c10d rendezvous on a store h
 as docs/elastic.md recommends). A preemption is a SIGTERM to one agent, as Kubernetes sends
 it to a container's PID 1. The worker (``elastic_script.py``) writes what the tests assert
 on into ``status/`` (see its docstring).
+
+The store, the agents and the workers the agents start are forked from the zygote (zygote.py,
+``jobs.Job``: torch and Lightning imported once) instead of fresh interpreters, each leading a
+process group of its own as ``start_new_session`` would; ``LP_ZYGOTE=0`` starts interpreters.
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any
+
+import jobs
+import reaper
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).resolve().parent / "elastic_script.py"
@@ -49,19 +56,16 @@ class Cluster:
         self.max_restarts = max_restarts
         self.script_args = script_args
         self.run_id = uuid.uuid4().hex[:12]
-        self.agents: dict[str, subprocess.Popen[bytes]] = {}
-        self.store: subprocess.Popen[bytes] | None = None
+        self.agents: dict[str, Any] = {}  # subprocess.Popen or jobs.Job
+        self.store: Any = None
         self.port = 0
 
     # ---- processes -------------------------------------------------------------------------
     def start_store(self, timeout: float = 60) -> None:
         ready = self.tmp / "store.port"
-        with open(self.tmp / "store.log", "wb") as log:  # the child keeps its own descriptor
-            self.store = subprocess.Popen(
-                [sys.executable, "-m", "lightning_preempt.elastic", "store", "--host", "127.0.0.1", "--port", "0",
-                 "--ready-file", str(ready)],
-                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True,
-            )  # fmt: skip
+        argv = ["-m", "lightning_preempt.elastic", "store", "--host", "127.0.0.1", "--port", "0",
+                "--ready-file", str(ready)]  # fmt: skip
+        self.store = self._popen(argv, dict(os.environ), self.tmp / "store.log")
         deadline = time.monotonic() + timeout
         while not ready.exists():
             assert self.store.poll() is None, (self.tmp / "store.log").read_text()
@@ -88,11 +92,20 @@ class Cluster:
               extra: tuple[str, ...] = ()) -> None:  # fmt: skip
         # The package of this checkout (a worktree's), not the one installed in the venv.
         full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPT.parent), str(ROOT)]), **(env or {})}
-        with open(self.tmp / f"{name}.agent.log", "ab") as log:
-            self.agents[name] = subprocess.Popen(
-                self.command(name, launcher, extra), cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )  # fmt: skip
+        self.agents[name] = self._popen(self.command(name, launcher, extra)[1:], full_env,
+                                        self.tmp / f"{name}.agent.log")  # fmt: skip
+
+    @staticmethod
+    def _popen(argv: list[str], env: dict[str, str], log_path: Path) -> Any:
+        """``python argv…`` in ROOT, in a process group of its own, its output appended to ``log_path``."""
+        with open(log_path, "ab") as log:  # the child keeps its own descriptor
+            if jobs.USE_ZYGOTE:
+                proc: Any = jobs.Job(argv, ROOT, env, out_fd=log.fileno())
+            else:
+                proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        reaper.track(proc.pid)  # with its workers (in sessions of their own)
+        return proc
 
     def preempt(self, name: str, sig: int = signal.SIGTERM) -> None:
         """The node's grace period starts: its agent (the container's PID 1) gets ``sig``."""

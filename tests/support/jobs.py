@@ -5,7 +5,9 @@ wait for a condition with a deadline, failing with the job's log when it ends fi
 :func:`launch` forks the job from a zygote (zygote.py: torch, Lightning and the package
 imported once per pytest process) instead of starting a fresh interpreter: the same real
 process (PID, signals, exit status, output), without ~3.5 s of imports each time.
-``LP_ZYGOTE=0`` starts fresh interpreters (``subprocess.Popen``) instead.
+``LP_ZYGOTE=0`` starts fresh interpreters (``subprocess.Popen``) instead. Either way the job
+leads a process group of its own, killed with whatever is left in it when the test ends or
+the pytest process is gone (reaper.py).
 """
 
 from __future__ import annotations
@@ -20,10 +22,13 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
+
+import reaper
 
 SUPPORT = Path(__file__).resolve().parent
 T = TypeVar("T")
@@ -38,10 +43,14 @@ def launch(script: str | Path, cwd: Path, *args: str, env: dict[str, str] | None
     ``poll``, ``wait``, ``communicate``, ``send_signal``, ``kill``, ``returncode``)."""
     argv = [str(SUPPORT / script), *args]  # (an absolute path stays itself)
     if USE_ZYGOTE:
-        return Job(argv, cwd, dict(os.environ if env is None else env))
-    return subprocess.Popen(
-        [sys.executable, *argv], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+        job: Any = Job(argv, cwd, dict(os.environ if env is None else env))
+    else:
+        job = subprocess.Popen(
+            [sys.executable, *argv], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,
+        )  # fmt: skip
+    reaper.track(job.pid)
+    return job
 
 
 class _Zygote:
@@ -76,18 +85,30 @@ class _Zygote:
 
 
 class Job:
-    """A script forked from the zygote: the parts of ``Popen`` the tests use."""
+    """A script forked from the zygote: the parts of ``Popen`` the tests use.
 
-    def __init__(self, argv: list[str], cwd: Path, env: dict[str, str]) -> None:
+    ``argv``: ``[script, args…]``, or ``["-m", module, args…]``. It leads a process group of its
+    own, or joins ``pgid``. ``socket_path``: the zygote to ask
+    (default: this process's, started on first use); ``out_fd``: where its output goes (default: a
+    pipe that :meth:`communicate` reads) — a job's Lightning launcher passes both (zygote.py)."""
+
+    def __init__(self, argv: list[str], cwd: Path | str, env: dict[str, str], *, socket_path: str = "",
+                 pgid: int = 0, out_fd: int = -1, unbuffered: bool = False) -> None:  # fmt: skip
         self.args = argv
         self.returncode: int | None = None
         self._chunks: list[bytes] = []
-        read_end, write_end = os.pipe()
+        self._lock = threading.Lock()  # Lightning's child observer polls from a thread of its own
+        if out_fd < 0:
+            read_end, write_end = os.pipe()
+        else:
+            read_end, write_end = -1, out_fd
         self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._conn.connect(_Zygote.socket_path())
-        request = {"script": argv[0], "args": argv[1:], "cwd": str(cwd), "env": env}
+        self._conn.connect(socket_path or _Zygote.socket_path())
+        request = {"script": argv[0], "args": argv[1:], "cwd": str(cwd), "env": env, "pgid": pgid,
+                   "unbuffered": unbuffered}  # fmt: skip
         socket.send_fds(self._conn, [json.dumps(request).encode() + b"\n"], [write_end])
-        os.close(write_end)
+        if out_fd < 0:
+            os.close(write_end)
         self._out = read_end
         self._replies = self._conn.makefile("rb")
         line = self._replies.readline().decode()
@@ -96,6 +117,10 @@ class Job:
         self.pid = int(line.split()[1])
 
     def _reap(self, timeout: float | None) -> None:
+        with self._lock:
+            self._reap_locked(timeout)
+
+    def _reap_locked(self, timeout: float | None) -> None:
         if self.returncode is not None:
             return
         ready, _, _ = select.select([self._conn], [], [], timeout)
@@ -138,7 +163,7 @@ class Job:
         return b"".join(self._chunks).decode(errors="replace"), None
 
     def send_signal(self, sig: int) -> None:
-        if self.returncode is None:
+        if self.poll() is None:  # as Popen: a job reaped already is not signalled (its PID may be reused)
             os.kill(self.pid, sig)
 
     def terminate(self) -> None:

@@ -29,6 +29,8 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+import reaper
+
 SUBNET = "198.18.0"
 
 
@@ -116,6 +118,7 @@ class Hosts:
         """Start ``argv`` inside node ``i`` (its own session: a kill of the node reaches it anyway)."""
         proc = subprocess.Popen(["ip", "netns", "exec", self.nodes[i], *argv], start_new_session=True, **kwargs)
         self.procs.append(proc)
+        reaper.track(proc.pid)
         return proc
 
     def pids(self, i: int) -> list[int]:

@@ -22,6 +22,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import reaper
+
 HOST = "127.0.0.1"
 GCS_BUCKET = "lp-test-bucket"
 S3_BUCKET = "lp-test-bucket"
@@ -47,7 +49,9 @@ def _bin(name: str) -> str:
         return str(here)
     found = shutil.which(name)
     if found is None:
-        raise RuntimeError(f"{name} not found\nHINT: pip install the test extras (moto[s3], flask, flask-cors, gcp-storage-emulator).")
+        raise RuntimeError(
+            f"{name} not found\nHINT: pip install the test extras (moto[s3], flask, flask-cors, gcp-storage-emulator)."
+        )
     return found
 
 
@@ -89,6 +93,7 @@ class Server:
                 self.process.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 self.kill()
+        reaper.untrack(self.process.pid)
         with contextlib.suppress(OSError):
             os.unlink(self.log_path)
 
@@ -105,6 +110,7 @@ def _spawn(name: str, argv: list[str], env: dict[str, str] | None = None) -> tup
         proc = subprocess.Popen(
             argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=env
         )
+    reaper.track(proc.pid, per_test=False)  # a module's server: its fixture stops it, or the watchdog
     return proc, log_path
 
 
