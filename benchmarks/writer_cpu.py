@@ -112,9 +112,9 @@ def instrument(phases: Phases) -> None:
     for name in ("gather", "decide", "agree"):
         w(agree, name, f"agree.{name} (collective)")
     for name in ("gather_object", "scatter_object_list", "broadcast_object_list", "all_gather_object",
-                 "all_reduce", "broadcast", "barrier", "gather", "all_gather"):  # fmt: skip
+                 "all_reduce", "broadcast", "barrier", "gather", "all_gather", "scatter"):  # fmt: skip
         if hasattr(dist, name):
-            w(dist, name, "torch.distributed collectives")
+            w(dist, name, f"torch.distributed.{name}")
     from lightning_preempt.engine import engine as engine_module
 
     w(engine_module, "retain", "retention (rest)")
@@ -164,6 +164,7 @@ def make_window(warm: int, steps: int, snaps: dict[str, Any], phases: Phases, pe
                 snaps["t1"] = (time.perf_counter(), time.process_time(), thread_cpu())
                 capture[0] = False
                 snaps["phases"] = dict(phases.totals)
+                snaps["counts"] = dict(phases.counts)
                 snaps["jobs"] = list(per_job)
 
     return Window()
@@ -238,7 +239,7 @@ def worker(args: argparse.Namespace) -> int:
             trainer.fit(build(args.width, args.tensors, args.step_ms), Batches(args.width, 16, "cpu"))
         (w0, p0, th0), (w1, p1, th1) = snaps["t0"], snaps["t1"]
         threads = {k: th1.get(k, 0.0) - th0.get(k, 0.0) for k in th1}
-        result[method] = {"wall": w1 - w0, "proc": p1 - p0, "threads": threads, "phases": snaps["phases"],
+        result[method] = {"wall": w1 - w0, "proc": p1 - p0, "threads": threads, "phases": snaps["phases"], "counts": snaps["counts"],
                           "jobs": snaps["jobs"], "steps": steps}  # fmt: skip
     if profiler is not None and rank == 0:
         buf = io.StringIO()
@@ -289,7 +290,8 @@ def report(world: int, tensors: int, results: list[dict[str, Any]], profile: int
             rows.append([str(rank), f"job {kind}", f"{1e3 * sum(cpus) / n:.1f}", f"{len(cpus)}",
                          f"{1e3 * median(cpus):.1f}"])  # fmt: skip
         for name, cpu in sorted(ours["phases"].items(), key=lambda kv: -kv[1]):
-            rows.append([str(rank), f"  phase: {name}", f"{1e3 * cpu / n:.1f}", "", ""])
+            calls = ours.get("counts", {}).get(name, 0)
+            rows.append([str(rank), f"  phase: {name}", f"{1e3 * cpu / n:.1f}", f"{calls / n:.1f} a save", ""])
         for name in sorted(set(ours["threads"]) | set(none["threads"])):
             a, b = ours["threads"].get(name, 0.0), none["threads"].get(name, 0.0)
             if a or b:
