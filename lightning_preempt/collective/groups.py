@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import pickle
 from typing import Any
 
 import torch
@@ -52,13 +53,62 @@ def destroy_group(group: ProcessGroup | None) -> None:
         dist.destroy_process_group(group)
 
 
+#: An object collective's one message a rank: the pickle's length (8 bytes), then up to this
+#: many of its bytes; a longer pickle's rest follows in a second message (every rank sees the
+#: lengths, so every rank takes the same branch). torch's object collectives send the size and
+#: the bytes apart: two messages, for the few hundred bytes our decisions and entries take.
+OBJECT_BLOCK_BYTES = 4096
+_HEADER = 8
+
+
+def _block(data: bytes) -> bytearray:
+    block = bytearray(OBJECT_BLOCK_BYTES)
+    block[:_HEADER] = len(data).to_bytes(_HEADER, "little")
+    head = data[: OBJECT_BLOCK_BYTES - _HEADER]
+    block[_HEADER : _HEADER + len(head)] = head
+    return block
+
+
+def _length(block: bytearray | bytes) -> int:
+    return int.from_bytes(block[:_HEADER], "little")
+
+
+def _gloo(group: ProcessGroup) -> bool:
+    """CPU messages suit the group (ours are gloo; another backend gets torch's collectives)."""
+    return bool(dist.get_backend(group) == "gloo")
+
+
+def _uint8(buffer: bytearray) -> torch.Tensor:
+    return torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0, dtype=torch.uint8)
+
+
 def all_gather_objects(obj: Any, group: ProcessGroup | None) -> list[Any]:
-    """``[obj of rank 0, obj of rank 1, …]`` on every rank (``[obj]`` without a group)."""
+    """``[obj of rank 0, obj of rank 1, …]`` on every rank (``[obj]`` without a group);
+    pickled, as torch's ``all_gather_object``: only for values this job made itself."""
     if group is None or not is_distributed():
         return [obj]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
+    if not _gloo(group):
+        out: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, obj, group=group)
+        return out
+    data = pickle.dumps(obj)
+    world = dist.get_world_size(group)
+    blocks = [bytearray(OBJECT_BLOCK_BYTES) for _ in range(world)]
+    dist.all_gather([_uint8(b) for b in blocks], _uint8(_block(data)), group=group)
+    lengths = [_length(b) for b in blocks]
+    room = OBJECT_BLOCK_BYTES - _HEADER
+    rest = max(n - room for n in lengths)
+    tails = [b""] * world
+    if rest > 0:  # a long pickle somewhere: the rests, padded to the longest (gloo: equal sizes)
+        mine = bytearray(rest)
+        mine[: max(0, len(data) - room)] = data[room:]
+        got = [bytearray(rest) for _ in range(world)]
+        dist.all_gather([_uint8(b) for b in got], _uint8(mine), group=group)
+        tails = [bytes(b[: max(0, n - room)]) for b, n in zip(got, lengths, strict=True)]
+    return [
+        pickle.loads(bytes(b[_HEADER : _HEADER + min(n, room)]) + tail)
+        for b, n, tail in zip(blocks, lengths, tails, strict=True)
+    ]
 
 
 def broadcast_object(obj: Any, group: ProcessGroup | None) -> Any:
@@ -66,9 +116,23 @@ def broadcast_object(obj: Any, group: ProcessGroup | None) -> Any:
     itself; what was read from storage goes by :func:`broadcast_json`)."""
     if group is None or not is_distributed():
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-    return box[0]
+    src = dist.get_global_rank(group, 0)
+    if not _gloo(group):
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=group)
+        return box[0]
+    sender = dist.get_rank(group) == 0
+    data = pickle.dumps(obj) if sender else b""
+    block = _block(data) if sender else bytearray(OBJECT_BLOCK_BYTES)
+    dist.broadcast(_uint8(block), src=src, group=group)
+    n = _length(block)
+    room = OBJECT_BLOCK_BYTES - _HEADER
+    rest = bytearray(data[room:]) if sender else bytearray(max(0, n - room))
+    if n > room:
+        dist.broadcast(_uint8(rest), src=src, group=group)
+    if sender:
+        return obj
+    return pickle.loads(bytes(block[_HEADER : _HEADER + min(n, room)]) + bytes(rest))
 
 
 class WireError(CheckpointError):

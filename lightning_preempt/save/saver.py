@@ -72,6 +72,7 @@ class Saver:
         self.overlap = Overlap(overlap_staging)
         #: DCP plans reused while the staged state keeps its structure (write/planning.py)
         self.plan_cache = PlanCache()
+        self.stager.on_release = self.plan_cache.forget_views
         self._shares = ShareMemo()  # who stages which replicated tensor, while the structure holds
         self.jobs = JobQueue()
         self.history: list[SaveRecord] = []
@@ -101,6 +102,7 @@ class Saver:
     def __setstate__(self, state: dict[str, Any]) -> None:
         tier_config = state.pop("_tier_config", None)
         self.__dict__.update(state)
+        self.stager.on_release = self.plan_cache.forget_views
         if self._tier_args is not None:
             self.use_local_tier(**self._tier_args)
             if self.tiers is not None and tier_config is not None:

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import operator
 import threading
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from typing import Any
 
@@ -43,11 +43,15 @@ class HostStager:
         self._prep: Future[int] | None = None
         #: the last stage()'s routing, reused while nothing about the tensors or buffers changed
         self._plan: _StagePlan | None = None
+        #: called when a buffer is dropped, before any new one is allocated: whoever keeps
+        #: views of the buffers (the writer's replayed layout) lets go of them, so an old and
+        #: a new buffer are never held at once
+        self.on_release: Callable[[], None] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # Buffers are a cache of host memory (possibly pinned, possibly GBs): a pickled or
         # copied stager (ddp_spawn workers, deepcopy of a trainer) starts empty instead.
-        return {**self.__dict__, "_buffers": {}, "_pinned": set(), "_plan": None, "_prep": None,
+        return {**self.__dict__, "_buffers": {}, "_pinned": set(), "_plan": None, "_prep": None, "on_release": None,
                 "allocated_bytes": 0, "last_staged_bytes": 0, "held_bytes": 0, "peak_bytes": 0}  # fmt: skip
 
     def account(self, delta: int) -> None:
@@ -97,6 +101,8 @@ class HostStager:
     def _drop(self, key: str) -> None:
         buf = self._buffers.pop(key, None)
         self._plan = None
+        if buf is not None and self.on_release is not None:
+            self.on_release()
         pinned = key in self._pinned
         self._pinned.discard(key)
         if buf is not None:

@@ -34,7 +34,15 @@ from lightning_preempt.storage.checksum import Crc32c
 from lightning_preempt.storage.store import Store
 from lightning_preempt.write.dcp_exchange import SentResults, new_token, unwrap_metadata
 from lightning_preempt.write.planning import PlanCache
-from lightning_preempt.write.records import Entry, RecordLayout, entry, replay_file, results_of, write_tensor_record
+from lightning_preempt.write.records import (
+    Entry,
+    RecordLayout,
+    entry,
+    gather,
+    replay_file,
+    results_of,
+    write_tensor_record,
+)
 
 _thread_state = threading.local()
 #: Writes smaller than this are gathered into one write (and one CRC32C update). 1 MiB
@@ -267,11 +275,14 @@ class ChecksummingWriter(_compat.FsspecWriter):
         """:meth:`write_data` of a plan written before (write/records.py: RecordLayout)."""
 
         moved: list[int] = []
+        segments = layout.segments
+        if segments is None:  # the first replay of this layout (or buffers were released since)
+            segments = layout.segments = [gather(entries, state_dict) for entries in layout.files]
 
         def write(i: int) -> list[WriteResult]:
             name, entries = layout.names[i], layout.files[i]
             with self.fs.create_stream(posixpath.join(self.path, name), "wb") as stream:
-                changed = replay_file(cast(IO[bytes], stream), entries, state_dict)
+                changed = replay_file(cast(IO[bytes], stream), segments[i], entries, state_dict)
             if changed:  # a torch.save record of another length: its place and those after it moved
                 layout.results[i] = results_of(name, entries, changed)
                 layout.files[i] = [e._replace(length=changed.get(p, e.length)) for p, e in enumerate(entries)]
@@ -295,7 +306,10 @@ class ChecksummingWriter(_compat.FsspecWriter):
         version = _compat.dcp_format_version()
         if version is not None:  # torch >= 2.7 (as its own FileSystemWriter.finish does)
             metadata.version = version
-        metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
+        if self.plan_cache is None:
+            metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
+        else:  # the same dict while the metadata and the result lists are the same objects
+            self.plan_cache.metadata_pickles.set_storage_data(metadata, results)
         metadata.storage_meta = self.storage_meta()
         with self.fs.create_stream(posixpath.join(self.path, DCP_METADATA_NAME), "wb") as f:
             if self.plan_cache is None:

@@ -98,6 +98,9 @@ class JobQueue:
                 fut.set_result(job())
             except BaseException as err:
                 fut.set_exception(err)
+            # Not held while waiting for the next job: a save job's closure holds its staged
+            # tensors, and the stager frees a buffer it replaces only if nobody else holds it.
+            item = job = fut = None  # type: ignore[assignment]
 
 
 class _Worker(threading.Thread):

@@ -26,6 +26,11 @@ from lightning_preempt.write.dcp_exchange import new_token
 TEMPLATE_MAX_BYTES = 16 << 20
 #: Templates kept (one per dtype and shape; a few KiB each).
 MAX_TEMPLATES = 1024
+#: A replayed file's consecutive small template records go to storage joined into writes of
+#: about this size (one ``write`` and one CRC32C update each, not three Python calls a record).
+GATHER_BYTES = 1 << 20
+#: Records whose data is larger are written apart (a join would copy their bytes once more).
+GATHER_MAX_DATA = 64 << 10
 
 _templates: OrderedDict[tuple[bool, torch.dtype, tuple[int, ...]], tuple[bytes, bytes] | None] = OrderedDict()
 _lock = threading.Lock()
@@ -115,6 +120,11 @@ def clear_templates() -> None:
         _templates.clear()
 
 
+#: What :func:`replay_file` writes: the position of a ``torch.save`` record (written again and
+#: its length compared), or buffers written in order, joined into one write when ``True``.
+Segment = int | tuple[bool, list[Any]]
+
+
 class Entry(NamedTuple):
     """One record: the tensor's key, its template (``None``: ``torch.save``), its length."""
 
@@ -138,12 +148,20 @@ class RecordLayout:
     flat: list[WriteResult] = dataclasses.field(default_factory=list)
     #: names ``flat`` as the coordinator received it (write/dcp_exchange.py); new when it changes
     token: str = dataclasses.field(default_factory=new_token)
+    #: per file, what :func:`replay_file` writes (views of the staged tensors' bytes),
+    #: made by the first replay; dropped by :meth:`forget_views` when a buffer is released
+    segments: list[list[Segment]] | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.flat = [r for part in self.results for r in part]
 
     def fits(self, items: list[WriteItem], names: list[str]) -> bool:
         return names == self.names and (items is self.items or items == self.items)
+
+    def forget_views(self) -> None:
+        """Drop the views of the tensors' bytes (they keep the buffers alive); the next replay
+        makes them again from the tensors it is given."""
+        self.segments = None
 
 
 def entry(item: WriteItem, tensor: torch.Tensor, parts: tuple[bytes, bytes] | None, length: int) -> Entry:
@@ -157,26 +175,6 @@ def entry(item: WriteItem, tensor: torch.Tensor, parts: tuple[bytes, bytes] | No
     return Entry(item.index.fqn, item.index, head, tail, length, as_numpy)
 
 
-def replay_file(stream: IO[bytes], entries: list[Entry], state_dict: dict[str, Any]) -> dict[int, int]:
-    """Write ``entries``' records of the tensors in ``state_dict`` to ``stream``; returns the
-    lengths of the ``torch.save`` records (by position) that differ from last time."""
-    write = stream.write
-    changed: dict[int, int] = {}
-    for position, (fqn, _, head, tail, length, as_numpy) in enumerate(entries):
-        tensor = state_dict[fqn]
-        if head is None:
-            start = stream.tell()
-            write_tensor_record(stream, tensor.detach())
-            if stream.tell() - start != length:
-                changed[position] = stream.tell() - start
-            continue
-        data = tensor.numpy() if as_numpy else tensor.reshape(-1).view(torch.uint8).numpy()
-        write(head)
-        write(memoryview(cast(Any, data)).cast("B"))
-        write(tail)
-    return changed
-
-
 def results_of(name: str, entries: list[Entry], changed: dict[int, int]) -> list[WriteResult]:
     """The ``WriteResult`` s of a file whose record lengths ``changed`` (by position)."""
     results: list[WriteResult] = []
@@ -187,3 +185,65 @@ def results_of(name: str, entries: list[Entry], changed: dict[int, int]) -> list
         results.append(WriteResult(index=record.where, size_in_bytes=length, storage_data=info))
         offset += length
     return results
+
+
+def _data_of(tensor: torch.Tensor, as_numpy: bool) -> memoryview:
+    data = tensor.numpy() if as_numpy else tensor.reshape(-1).view(torch.uint8).numpy()
+    return memoryview(cast(Any, data)).cast("B")
+
+
+def gather(entries: list[Entry], state_dict: dict[str, Any]) -> list[Segment]:
+    """The segments of one file (see :data:`Segment`): runs of template records up to
+    :data:`GATHER_BYTES` joined, a record with more than :data:`GATHER_MAX_DATA` of data apart.
+    The views are of ``state_dict``'s tensors: valid while the same tensors are replayed
+    (a reused plan: the same objects at the same addresses, write/planning.py)."""
+    segments: list[Segment] = []
+    run: list[Any] = []
+    size = 0
+    for position, (fqn, _, head, tail, _length, as_numpy) in enumerate(entries):
+        if head is None:
+            if run:
+                segments.append((True, run))
+                run, size = [], 0
+            segments.append(position)
+            continue
+        data = _data_of(state_dict[fqn], as_numpy)
+        if data.nbytes > GATHER_MAX_DATA:
+            if run:
+                segments.append((True, run))
+                run, size = [], 0
+            segments.append((False, [head, data, tail]))
+            continue
+        run += (head, data, tail)
+        size += len(head) + data.nbytes + len(tail)
+        if size >= GATHER_BYTES:  # (at least the stream's buffer: it passes straight through)
+            segments.append((True, run))
+            run, size = [], 0
+    if run:
+        segments.append((True, run))
+    return segments
+
+
+def replay_file(
+    stream: IO[bytes], segments: list[Segment], entries: list[Entry], state_dict: dict[str, Any]
+) -> dict[int, int]:
+    """Write ``entries``' records (``segments``: :func:`gather` of them) of the tensors in
+    ``state_dict`` to ``stream``; returns the lengths of the ``torch.save`` records (by
+    position) that differ from last time."""
+    write = stream.write
+    changed: dict[int, int] = {}
+    for segment in segments:
+        if type(segment) is int:
+            record = entries[segment]
+            start = stream.tell()
+            write_tensor_record(stream, state_dict[record.fqn].detach())
+            if stream.tell() - start != record.length:
+                changed[segment] = stream.tell() - start
+            continue
+        joined, parts = cast(tuple[bool, list[Any]], segment)
+        if joined:
+            write(b"".join(parts))
+        else:
+            for part in parts:
+                write(part)
+    return changed
