@@ -22,6 +22,7 @@ from lightning_preempt.engine import emergency, tier_policy
 from lightning_preempt.engine.config import PreemptionConfig
 from lightning_preempt.engine.failures import FailureDetector, start_detector
 from lightning_preempt.engine.ledger_writer import Ledger, record_drain, record_save, start_fields
+from lightning_preempt.engine.loss_bound import Copy
 from lightning_preempt.engine.memory_tier import MEMORY_HINT, MemoryTier
 from lightning_preempt.engine.runtime import (
     Runtime,
@@ -133,8 +134,11 @@ class Engine:
         )  # fmt: skip
         if self.memory is not None:  # collective: every rank has the same config
             floor = (lambda: tier_policy.newest_disk_step(config, saver.tiers)) if config.resume else None
-            self.resolver.memory_usable = self.memory.setup(group, leader=leader, new_group=rt.new_group,
-                                                            restore_floor=floor)  # fmt: skip
+            schedule = self.controller.schedule  # auto's votes are read up to k (+1 overlapped) boundaries late
+            self.resolver.memory_usable = self.memory.setup(
+                group, leader=leader, new_group=rt.new_group, restore_floor=floor,
+                agree_steps=lambda: schedule.k + int(schedule.overlap),
+            )  # fmt: skip
             if self.memory.held not in self.held_steps:
                 self.held_steps.append(self.memory.held)
         # A listing that kept failing on any rank stops every rank here, before step 1.
@@ -158,7 +162,9 @@ class Engine:
         self.run_id = saver.run_id = agree.decide(lambda: continued or uuid.uuid4().hex, group)
         if saver.tiers is not None:
             saver.tiers.run_id = self.run_id
-            saver.tiers.on_drain = lambda drain: record_drain(self.ledger, drain)  # ledger looked up late: replaced below
+            saver.tiers.on_drain = lambda drain: record_drain(
+                self.ledger, drain
+            )  # ledger looked up late: replaced below
             if leader:
                 tier_policy.upload_local_only(saver.tiers, config.dirpath)
         self.ledger.close()
@@ -192,6 +198,8 @@ class Engine:
         self.controller.start()
         self._last_save_time = time.monotonic()
         self._last_seen_step = step
+        if self.memory is not None:
+            self.memory.resumed(step)  # what was loaded is held: the loss bound counts from it
         if self.resumed_from is not None and loaded_from not in (None, self.resumed_from):
             # the chosen checkpoint failed its check while loading: an older one was loaded
             self.resumed_from, self.last_saved_step = loaded_from, step
@@ -232,6 +240,19 @@ class Engine:
                 emergency.report_notice_snapshot(self, step)
         elif self.memory is not None and (self.memory.due(step) or self.memory.agreed(decision.tier0)):
             self.save_memory(step)
+        if self.memory is not None and self.memory.over(step):
+            self._hold_at_bound(step)
+
+    def _hold_at_bound(self, step: int) -> None:
+        """Every rank, at the step where tier 0's loss bound would break (engine/loss_bound.py):
+        wait for the copy in flight, or make one now and wait, before the next step runs."""
+        memory = self.memory
+        assert memory is not None
+        if memory.settle(step, self._group):
+            return
+        self.save_memory(step, at_bound=True)
+        if not memory.settle(step, self._group):
+            memory.give_up(step)
 
     def check(self, step: int) -> None:
         """Every rank, at boundaries other than training steps: agree now, act on preemption."""
@@ -282,6 +303,9 @@ class Engine:
             self._save(path)
         self.last_saved_step, self.last_saved_path = step, path
         self._last_save_time = time.monotonic()
+        if self.memory is not None and saver.tiers is None:  # one durable tier: it holds step once committed
+            after = saver.history[-1:]
+            self.memory.loss.started(Copy(step, after[0] if after and after != before else None))
         record_save(self.ledger, saver, before, kind)
         if self.leader and saver.tiers is None:  # two tiers: each drain job applies retention per tier
             # Queued behind the save: runs after it committed (or failed; then the old
@@ -291,11 +315,12 @@ class Engine:
                                         run_id=self.run_id))  # fmt: skip
         self.grace.check_records(saver.history[:-1])
 
-    def save_memory(self, step: int) -> None:
+    def save_memory(self, step: int, *, at_bound: bool = False) -> None:
         """Every rank: copy ``step`` to tier 0 (asynchronous, queued behind the saver's saves in
-        flight, as a periodic save); on several nodes the peer copy follows it (memory_tier.py)."""
+        flight, as a periodic save); on several nodes the peer copy follows it (memory_tier.py).
+        ``at_bound``: the loss bound needs this copy, even where a disk save of ``step`` began."""
         assert self._save is not None and self.memory is not None, "Engine.setup() first"
-        if step == self.last_saved_step:
+        if step == self.last_saved_step and not at_bound:
             return  # on a disk tier already
         self._forgive_memory_copy(wait=True)
         path = self.memory.path(step, self._group)
@@ -362,4 +387,3 @@ class Engine:
         # bounded: a ledger that cannot be written never holds the exit (nor the grace period)
         self.ledger.close(min(10.0, self.controller.budget()) if self.controller.origin is not None else 10.0)
         self._runtime.release()
-

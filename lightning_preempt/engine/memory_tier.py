@@ -29,6 +29,15 @@ from typing import Literal
 from lightning_preempt.catalog.retention import retain
 from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
+from lightning_preempt.engine.loss_bound import (
+    RUNNING,
+    Copy,
+    LossBound,
+    auto_bound,
+    fixed_bound,
+    read_schedule,
+    write_schedule,
+)
 from lightning_preempt.format.names import MANIFEST_NAME, checkpoint_name
 from lightning_preempt.read.seal import seal
 from lightning_preempt.read.verify import read_manifest
@@ -66,11 +75,18 @@ class MemoryTier:
         self.nodes: list[str] = []
         self.restored_step: int | None = None  # completed from the peers at set-up
         self.skipped = 0  # copies not made because the previous peer copy was still running
+        self.held_s = 0.0  # training's time waiting at the bound (engine/loss_bound.py)
         self._peer_group: pdist.ProcessGroup | None = None
         #: What follows a copy on the job thread (the seal and retention; several nodes: the
         #: peer copy first), and when it ended: auto counts it in the copy's cost.
-        self._job: Future[None] | None = None
+        self._job: Future[bool | None] | None = None
         self._job_end = 0.0
+        #: The loss bound (engine/loss_bound.py): the anchor, the copies in flight, the bound.
+        self.loss = LossBound()
+        if self.every is not None and self.auto is None:
+            self.loss.bound = fixed_bound(self.every)
+        #: The agreement's latency in steps (auto's votes are read that much later).
+        self.agree_steps: Callable[[], int] = lambda: 0
 
     def __getstate__(self) -> dict[str, object]:
         state = self.__dict__.copy()  # the group and the job belong to one run
@@ -89,20 +105,33 @@ class MemoryTier:
         leader: bool,
         new_group: Callable[[], pdist.ProcessGroup | None] | None = None,
         restore_floor: Callable[[], int] | None = None,
+        agree_steps: Callable[[], int] | None = None,
     ) -> bool:
         """Collective: on when every rank could create ``root`` and either every rank sees
         the same directory (one node) or each node's ranks see their own and every node has
         as many ranks (the peer copy: a gloo group from ``new_group``). ``restore_floor``
         (resuming): complete the newest copy the nodes hold together on every node, unless
         the disk tiers hold a step as new (that function's answer, asked on rank 0).
-        Every rank decides alike. Returns whether tier 0 can be resumed from (it is on, and
-        no restore failed)."""
+        ``agree_steps``: the agreement's current latency in steps (auto's bound counts it). A
+        schedule a previous launch left on any node (``auto``) is taken up, so the loss bound
+        holds from the first step (engine/loss_bound.py). Every rank decides alike. Returns
+        whether tier 0 can be resumed from (it is on, and no restore failed)."""
         try:
             os.makedirs(self.root, exist_ok=True)
             made = ""
         except OSError as err:
             made = f"{type(err).__name__}: {err}"
-        errors = [why for why in pdist.all_gather_json(made, group, max_bytes=WIRE_MAX_BYTES) if why]
+        if agree_steps is not None:
+            self.agree_steps = agree_steps
+        views = pdist.all_gather_json([made, read_schedule(self.root) if not made else None], group,
+                                      max_bytes=WIRE_MAX_BYTES)  # fmt: skip
+        errors = [why for why, _ in views if why]
+        carried = [s for _, s in views if s]
+        if self.auto is not None and carried and not errors:  # the same choice on every rank
+            mine = max(carried, key=lambda s: (s["every"], s["copy_steps"]))
+            self.auto.resume(mine["every"], mine["copy_steps"])
+            self.every = mine["every"]
+            self._bound_to(auto_bound(mine["every"], mine["copy_steps"], self.agree_steps()), carried=True)
         self._peer_group, self.restored_step = None, None
         nodes = None
         if not errors:
@@ -145,16 +174,20 @@ class MemoryTier:
         def taken() -> bool:
             return os.path.exists(os.path.join(self.root, name, MANIFEST_NAME))
 
-        if self.replicating:  # one small gather on the agreement group, at a due step only
-            busy = self._job is not None and not self._job.done()
-            views = pdist.all_gather_json([busy, taken()], group, max_bytes=WIRE_MAX_BYTES)
-            if any(b for b, _ in views):
-                self.skipped += 1
-                log.info("lightning_preempt: tier-0 copy of step %d skipped: the previous peer copy still runs", step)
-                return None
-            clash = any(t for _, t in views)
-        else:
-            clash = agree.decide(taken, group, what="choosing the tier-0 path")
+        # One small gather on the agreement group, at a copy's start only: the path, the skip,
+        # what each rank holds of the copies in flight (the anchor) and each one's bound.
+        busy = self._job is not None and not self._job.done()
+        views = pdist.all_gather_json([busy, taken(), self.loss.statuses(), self._estimate()], group,
+                                      max_bytes=WIRE_MAX_BYTES)  # fmt: skip
+        self._confirm([v[2] for v in views])
+        estimates = [v[3] for v in views if v[3] is not None]
+        if estimates:
+            self._bound_to(max(estimates))
+        if self.replicating and any(v[0] for v in views):
+            self.skipped += 1
+            log.info("lightning_preempt: tier-0 copy of step %d skipped: the previous peer copy still runs", step)
+            return None
+        clash = any(v[1] for v in views)
         if clash:  # each rank joins the agreed name to its own root (the same path on every node)
             name = checkpoint_name(step, suffix=agree.decide(lambda: uuid.uuid4().hex[:8], group))
         return os.path.join(self.root, name)
@@ -172,12 +205,12 @@ class MemoryTier:
                     retain(root, keep, {}, run_id=run_id)
                     self._job_end = time.perf_counter()
 
-                self._job = saver.submit(seal_and_retain)
+                self._follow(saver.submit(seal_and_retain))
             return
         group, node = self._peer_group, self.nodes[pdist.rank(self._peer_group)]
         first = self.nodes.index(node) == pdist.rank(self._peer_group)
 
-        def peer_copy() -> None:
+        def peer_copy() -> bool:
             try:
                 report = replicate(path, group, node=node)
             except Exception as err:  # agreed (ReplicaError) or a lost peer: the local copy stands
@@ -188,6 +221,8 @@ class MemoryTier:
                           "copy is on its own node only; a loss of that node falls back to the previous "
                           "tier-0 copy (kept) or the disk tiers.",
                           path, str(err).splitlines()[0] if str(err) else repr(err))  # fmt: skip
+                self._job_end = time.perf_counter()
+                return False  # not held on two nodes: the anchor does not move to it
             else:
                 log.debug("lightning_preempt: peer copy of %s: %d B sent, %d B received in %.3fs", path,
                           report.bytes_sent, report.bytes_received, report.seconds)  # fmt: skip
@@ -195,8 +230,9 @@ class MemoryTier:
                     seal_copy(path)
                     prune(root, keep, run_id)
             self._job_end = time.perf_counter()
+            return True
 
-        self._job = saver.submit(peer_copy)
+        self._follow(saver.submit(peer_copy))
 
     def due(self, step: int) -> bool:
         """A fixed K: whether ``step`` copies (every rank counts alike; auto votes instead)."""
@@ -223,10 +259,19 @@ class MemoryTier:
         follow_done = job is None or job.done()
         if auto.in_flight and follow_done and (rec is None or rec.committed_s is not None or rec.error is not None):
             # done (or this rank wrote nothing: a strategy where another rank writes)
-            copy_s = 0.0 if rec is None else rec.committed_s if rec.committed_s is not None else time.perf_counter() - rec.started
+            copy_s = (
+                0.0
+                if rec is None
+                else rec.committed_s
+                if rec.committed_s is not None
+                else time.perf_counter() - rec.started
+            )
             if rec is not None and job is not None:
                 copy_s = max(copy_s, self._job_end - rec.started)
-            before, self.every = self.every, auto.finished(blocking_s=rec.blocking_s if rec is not None else 0.0, copy_s=copy_s)
+            before, self.every = (
+                self.every,
+                auto.finished(blocking_s=rec.blocking_s if rec is not None else 0.0, copy_s=copy_s),
+            )
             self._measuring = None
             if self.every != before:
                 log.info("lightning_preempt: tier 0 copies every %s steps (auto: the last copy took %.3f s, a step "
@@ -242,9 +287,76 @@ class MemoryTier:
         rank wrote; auto measures it)."""
         self.in_flight = path
         self.copies += 1
+        self.loss.started(Copy(step, record))
         if self.auto is not None:
             self.auto.started(step)
             self._measuring = record
+
+    # ---- the loss bound (engine/loss_bound.py) ---------------------------------------------
+    def resumed(self, step: int) -> None:
+        """Training starts at ``step`` (loaded, or 0): the anchor of the bound."""
+        self.loss.resumed(step)
+
+    def over(self, step: int) -> bool:
+        """Whether training must wait at ``step`` for a copy (the same answer on every rank)."""
+        return self.enabled and self.loss.over(step)
+
+    def settle(self, step: int, group: pdist.ProcessGroup | None) -> bool:
+        """Collective, where :meth:`over`: wait for the copies in flight that bring the anchor
+        within the bound, then agree on what every rank holds. Returns whether the bound
+        holds at ``step`` now (``False``: no copy new enough was there, or it failed)."""
+        t0 = time.perf_counter()
+        for copy in self.loss.waiting_for(step):
+            while copy.status() == RUNNING:  # this rank's own copy: no collective while waiting
+                time.sleep(0.002)
+        views = pdist.all_gather_json(self.loss.statuses(), group, max_bytes=WIRE_MAX_BYTES)
+        self._confirm(views)
+        self.held_s += time.perf_counter() - t0
+        return not self.loss.over(step)
+
+    def give_up(self, step: int) -> None:
+        """The copy made at the bound failed: the bound starts again from ``step`` (logged)."""
+        log.warning("lightning_preempt: no tier-0 copy holds step %d's window (the copy failed); a node lost "
+                    "now falls back further\nHINT: %s", step, MEMORY_HINT)  # fmt: skip
+        self.loss.resumed(step)
+
+    def _confirm(self, reports: list[list[int]]) -> None:
+        for failed in self.loss.confirm(reports):
+            log.info("lightning_preempt: the tier-0 copy of step %d is not held on every node; the bound counts "
+                     "from step %s", failed, self.loss.anchor)  # fmt: skip
+
+    def _estimate(self) -> int | None:
+        """This rank's bound: auto's from its measurements, a fixed K's ``2 K``."""
+        auto = self.auto
+        if auto is None:
+            return self.loss.bound
+        if auto.every is None or auto.copy_steps is None:
+            return self.loss.bound  # not measured yet: the carried one, if any
+        return auto_bound(auto.every, auto.copy_steps, self.agree_steps())
+
+    def _bound_to(self, bound: int, *, carried: bool = False) -> None:
+        """The agreed bound (every rank alike); logged when it changes; auto: left for the
+        next launch on this node."""
+        if bound == self.loss.bound:
+            return
+        self.loss.bound = bound
+        log.info("lightning_preempt: tier 0 bounds a node loss to %d steps (a copy every %s steps%s)", bound,
+                 self.every, ", from the previous launch" if carried else "")  # fmt: skip
+        auto = self.auto
+        if auto is not None and auto.every is not None and auto.copy_steps is not None and self._writes_schedule():
+            write_schedule(self.root, auto.every, auto.copy_steps)
+
+    def _writes_schedule(self) -> bool:
+        """Each node's first rank leaves the schedule in its tier-0 directory."""
+        if not self.nodes:
+            return True
+        rank = pdist.rank(self._peer_group) if self._peer_group is not None else pdist.rank(None)
+        return 0 <= rank < len(self.nodes) and self.nodes.index(self.nodes[rank]) == rank
+
+    def _follow(self, job: Future[bool | None]) -> None:
+        self._job = job
+        if self.loss.pending:
+            self.loss.pending[-1].follow.append(job)
 
     def held(self) -> list[int]:
         """The steps committed in tier 0 (for ``Engine.held_steps``: the failure verdict)."""
@@ -281,4 +393,3 @@ def _hint(errors: list[str], nodes: list[str] | None) -> str:
         return MEMORY_HINT
     return ("Tier 0 restores a lost node's share from the next node, which holds its own share and one peer's; "
             "with uneven nodes some node would hold more than that. Run the same number of ranks per node.")  # fmt: skip
-

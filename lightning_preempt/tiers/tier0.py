@@ -107,6 +107,13 @@ class AutoEvery:
         self._excess = 0.0
         self._dirty = False  # another save overlapped the window: its excess is not this copy's
         self._first = True  # the next copy to finish is the first: set-up, not a measurement
+        self.copy_steps: int | None = None  # the copy's whole duration in steps (median of recent)
+        self._carried = False  # every and copy_steps came from a previous launch (resume)
+
+    def resume(self, every: int, copy_steps: int) -> None:
+        """Start from a previous launch's schedule (engine/loss_bound.py ``read_schedule``): the
+        bound holds from this launch's first step, and its first copy (set-up) replaces nothing."""
+        self.every, self.copy_steps, self._carried = max(1, every), max(1, copy_steps), True
 
     @property
     def step_s(self) -> float | None:
@@ -149,13 +156,15 @@ class AutoEvery:
             # seconds) that no later copy pays: not a measurement. The next copy comes as soon
             # as this one's duration allows and measures.
             self._first = False
-            self.every = whole_steps
+            if not self._carried:
+                self.every = self.copy_steps = whole_steps
             return self.every
         cost = blocking_s if self._dirty else max(blocking_s, self._excess)
         self.costs = [*self.costs, (max(0.0, cost), max(0.0, copy_s))][-COST_WINDOW:]
         overhead = sorted(c for c, _ in self.costs)[len(self.costs) // 2]
         whole = sorted(w for _, w in self.costs)[len(self.costs) // 2]
-        self.every = max(choose_every(overhead, base, self.max_overhead), math.ceil(whole / base - 1e-9), 1)
+        self.copy_steps = max(1, math.ceil(whole / base - 1e-9))
+        self.every = max(choose_every(overhead, base, self.max_overhead), self.copy_steps)
         return self.every
 
     def ready(self, step: int) -> bool:
