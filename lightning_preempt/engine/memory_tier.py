@@ -45,16 +45,14 @@ from lightning_preempt.save.history import SaveRecord
 from lightning_preempt.save.saver import Saver
 from lightning_preempt.storage.store import Store
 from lightning_preempt.tiers.peer import WIRE_MAX_BYTES, replicate
-from lightning_preempt.tiers.tier0 import KEEP_LAST_N, AutoEvery, committed_steps
-from lightning_preempt.tiers.tier0_peer import memory_nodes, prune, restore
+from lightning_preempt.tiers.tier0 import KEEP_LAST_N, MEMORY_HINT, AutoEvery, committed_steps
+from lightning_preempt.tiers.tier0_peer import memory_nodes, off_hint, prune, restore, why_off
 
 log = logging.getLogger(__name__)
 
-MEMORY_HINT = (
-    "Tier 0 is best effort: the disk tiers hold the periodic checkpoints. Free memory in the "
-    "tmpfs (df -h /dev/shm; a container's /dev/shm is often 64 MiB: docker --shm-size), make "
-    "tier0_every_n_steps larger, or point memory_dirpath at a bigger tmpfs (docs/tier0.md)."
-)
+#: Copies not whole yet that :meth:`MemoryTier.held` remembers: the newest 16 (a failed one
+#: older than those is older than the copies held since: never the newest step held).
+UNHELD_KEPT = 16
 
 
 class MemoryTier:
@@ -76,6 +74,9 @@ class MemoryTier:
         self.restored_step: int | None = None  # completed from the peers at set-up
         self.skipped = 0  # copies not made because the previous peer copy was still running
         self.held_s = 0.0  # training's time waiting at the bound (engine/loss_bound.py)
+        #: Several nodes: the copies of this launch not whole yet (path -> step): committed
+        #: here, but the peer copy still runs or failed. Not held (:meth:`held`).
+        self._unheld: dict[str, int] = {}
         self._peer_group: pdist.ProcessGroup | None = None
         #: What follows a copy on the job thread (the seal and retention; several nodes: the
         #: peer copy first), and when it ended: auto counts it in the copy's cost.
@@ -139,13 +140,13 @@ class MemoryTier:
                 nodes = memory_nodes(self.root, group)
             except OSError as err:  # raised on every rank alike
                 errors = [str(err)]
-        why = _why_not(errors, nodes, can_group=new_group is not None)
+        why = why_off(errors, nodes, can_group=new_group is not None)
         self.enabled = why is None
         self.nodes = nodes or []
         if not self.enabled and leader:
             log.warning(
                 "lightning_preempt: tier 0 (memory_dirpath=%s) is off: %s\nHINT: %s The disk tiers are unchanged "
-                "(docs/tier0.md).", self.root, why, _hint(errors, nodes),
+                "(docs/tier0.md).", self.root, why, off_hint(errors, nodes),
             )  # fmt: skip
         if self.enabled and len(set(self.nodes)) > 1 and new_group is not None:
             self._peer_group = new_group()  # collective: every rank took this branch
@@ -190,7 +191,12 @@ class MemoryTier:
         clash = any(v[1] for v in views)
         if clash:  # each rank joins the agreed name to its own root (the same path on every node)
             name = checkpoint_name(step, suffix=agree.decide(lambda: uuid.uuid4().hex[:8], group))
-        return os.path.join(self.root, name)
+        path = os.path.join(self.root, name)
+        if self.replicating:  # before the copy is queued: it may commit here before it returns
+            self._unheld[path] = step
+            for old in list(self._unheld)[:-UNHELD_KEPT]:
+                del self._unheld[old]
+        return path
 
     def after_copy(self, saver: Saver, path: str, run_id: str | None, *, leader: bool) -> None:
         """Every rank, right after the copy to ``path`` was queued: queue what follows it on the
@@ -226,6 +232,7 @@ class MemoryTier:
             else:
                 log.debug("lightning_preempt: peer copy of %s: %d B sent, %d B received in %.3fs", path,
                           report.bytes_sent, report.bytes_received, report.seconds)  # fmt: skip
+                self._unheld.pop(path, None)  # on two nodes now: held
                 if first:
                     seal_copy(path)
                     prune(root, keep, run_id)
@@ -359,8 +366,14 @@ class MemoryTier:
             self.loss.pending[-1].follow.append(job)
 
     def held(self) -> list[int]:
-        """The steps committed in tier 0 (for ``Engine.held_steps``: the failure verdict)."""
-        return committed_steps(self.root) if self.enabled else []
+        """The steps tier 0 holds whole (for ``Engine.held_steps``: the failure verdict's
+        agreed step): committed here, and on several nodes not a copy of this launch whose
+        peer copy still runs or failed (rank 0's node has its manifest but not the peer's
+        share). Called on the heartbeat thread."""
+        if not self.enabled:
+            return []
+        unheld = set(self._unheld.values())  # (a C-level copy: the job thread may change it)
+        return [s for s in committed_steps(self.root) if s not in unheld]
 
 
 def seal_copy(path: str) -> bool:
@@ -372,24 +385,3 @@ def seal_copy(path: str) -> bool:
     except Exception as err:  # best effort: the load then checks every byte
         log.debug("lightning_preempt: tier-0 copy %s not sealed (%s)", path, err)
         return False
-
-
-def _why_not(errors: list[str], nodes: list[str] | None, *, can_group: bool) -> str | None:
-    """Why tier 0 cannot be on (``None``: it can)."""
-    if errors:
-        return f"cannot create it ({errors[0]})"
-    if nodes is None:
-        return "the ranks' views of it disagree (some rank sees another's probe file, which does not see its)"
-    counts = {n: nodes.count(n) for n in nodes}
-    if len(counts) > 1 and not can_group:
-        return f"the ranks see {len(counts)} separate directories and no process group is there for the peer copy"
-    if len(set(counts.values())) > 1:
-        return f"the peer copy needs as many ranks on every node; here {sorted(counts.values())}"
-    return None
-
-
-def _hint(errors: list[str], nodes: list[str] | None) -> str:
-    if errors or nodes is None:
-        return MEMORY_HINT
-    return ("Tier 0 restores a lost node's share from the next node, which holds its own share and one peer's; "
-            "with uneven nodes some node would hold more than that. Run the same number of ranks per node.")  # fmt: skip

@@ -38,6 +38,13 @@ MAX_OVERHEAD = 0.01
 #: The tmpfs then holds one copy, two while a copy is written (bench_tier0.py measures it).
 KEEP_LAST_N = 1
 
+#: What to do when a tier-0 copy cannot be made (engine/memory_tier.py logs it).
+MEMORY_HINT = (
+    "Tier 0 is best effort: the disk tiers hold the periodic checkpoints. Free memory in the "
+    "tmpfs (df -h /dev/shm; a container's /dev/shm is often 64 MiB: docker --shm-size), make "
+    "tier0_every_n_steps larger, or point memory_dirpath at a bigger tmpfs (docs/tier0.md)."
+)
+
 _RUN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
 

@@ -52,6 +52,7 @@ from lightning_preempt.tiers.peer import (
     transfer,
     write_durable,
 )
+from lightning_preempt.tiers.tier0 import MEMORY_HINT
 
 log = logging.getLogger(__name__)
 
@@ -220,3 +221,27 @@ def _raise_failed(errors: list[object], step: int, what: str) -> None:
         rank, why = failed[0]
         raise ReplicaError(f"restoring tier 0's step {step} from the peers failed on rank {rank} ({what}): {why}",
                            hint="The restart resumes from the disk tiers instead; nothing there is touched.")  # fmt: skip
+
+
+def why_off(errors: list[str], nodes: list[str] | None, *, can_group: bool) -> str | None:
+    """Why tier 0 cannot be on (``None``: it can): a rank could not create its directory
+    (``errors``), the ranks' views disagree (``nodes`` ``None``), no group for the peer copy,
+    or uneven nodes."""
+    if errors:
+        return f"cannot create it ({errors[0]})"
+    if nodes is None:
+        return "the ranks' views of it disagree (some rank sees another's probe file, which does not see its)"
+    counts = {n: nodes.count(n) for n in nodes}
+    if len(counts) > 1 and not can_group:
+        return f"the ranks see {len(counts)} separate directories and no process group is there for the peer copy"
+    if len(set(counts.values())) > 1:
+        return f"the peer copy needs as many ranks on every node; here {sorted(counts.values())}"
+    return None
+
+
+def off_hint(errors: list[str], nodes: list[str] | None) -> str:
+    """What to do about :func:`why_off`'s reason."""
+    if errors or nodes is None:
+        return MEMORY_HINT
+    return ("Tier 0 restores a lost node's share from the next node, which holds its own share and one peer's; "
+            "with uneven nodes some node would hold more than that. Run the same number of ranks per node.")  # fmt: skip

@@ -89,3 +89,48 @@ def test_a_failed_peer_copy_keeps_the_previous_copy(
     assert new.exists()
     assert old.exists() is peer_lost, sorted(p.name for p in tmp_path.iterdir())
     assert (new / "__1_0.distcp").exists() is not peer_lost
+
+
+@pytest.mark.parametrize("peer_lost", [True, False])
+def test_a_copy_counts_as_held_only_once_its_peer_copy_landed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, peer_lost: bool
+) -> None:
+    """The steps tier 0 reports to the failure verdict (``MemoryTier.held``, the heartbeats'
+    agreed step): on rank 0's node a copy has its manifest before the peer's share arrived. While
+    its peer copy runs, and for good once it failed, it is not held (a node lost then leaves
+    it without that share); the copy before it is. Once the peer copy landed it is held."""
+    import threading
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    from lightning_preempt.engine import memory_tier
+
+    landed = threading.Event()
+
+    def replicate(path: str, group: object, *, node: str) -> object:
+        assert landed.wait(30)
+        if peer_lost:
+            raise RuntimeError("Connection closed by peer [198.18.0.2]:39090")
+        (Path(path) / "__1_0.distcp").write_bytes(b"x" * 10)
+        return SimpleNamespace(bytes_sent=10, bytes_received=10, seconds=0.0)
+
+    monkeypatch.setattr(memory_tier, "replicate", replicate)
+    monkeypatch.setattr(memory_tier.pdist, "rank", lambda group=None: 0)
+    pool = ThreadPoolExecutor(1)  # the saver's job thread
+
+    class Saver:
+        def submit(self, fn: Callable[[], bool]) -> Future[bool]:
+            return pool.submit(fn)
+
+    _two_node_copy(tmp_path, 2, peer_share=True)  # whole on both nodes (an earlier launch's)
+    tier = memory_tier.MemoryTier(str(tmp_path), 2, keep=2)
+    tier.enabled, tier._peer_group, tier.nodes = True, object(), ["tier0-0", "tier0-1"]  # type: ignore[assignment]
+    path = tier.path(4, None)  # one rank: the gather is its own view
+    assert path == str(tmp_path / checkpoint_name(4))
+    _two_node_copy(tmp_path, 4, peer_share=False)  # committed here, the peer's share not yet
+    try:
+        tier.after_copy(Saver(), path, "run-1", leader=True)  # type: ignore[arg-type]
+        assert tier.held() == [2]
+    finally:
+        landed.set()
+        pool.shutdown(wait=True)
+    assert tier.held() == ([2] if peer_lost else [2, 4])
