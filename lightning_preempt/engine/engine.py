@@ -162,9 +162,7 @@ class Engine:
         self.run_id = saver.run_id = agree.decide(lambda: continued or uuid.uuid4().hex, group)
         if saver.tiers is not None:
             saver.tiers.run_id = self.run_id
-            saver.tiers.on_drain = lambda drain: record_drain(
-                self.ledger, drain
-            )  # ledger looked up late: replaced below
+            saver.tiers.on_drain = lambda drain: record_drain(self.ledger, drain)  # ledger looked up late: replaced below
             if leader:
                 tier_policy.upload_local_only(saver.tiers, config.dirpath)
         self.ledger.close()
