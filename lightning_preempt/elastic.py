@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from lightning_preempt.agent_watch import AgentWatch
 from lightning_preempt.preemption.requeue import AGENT_REQUEUES, requeue_slurm
 
 if TYPE_CHECKING:
@@ -251,6 +252,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     _host_worker_store_in_agent()  # nor the workers' store (MASTER_PORT)
     args = torchrun.parse_args(list(argv) if argv is not None else None)
     args.local_addr = args.local_addr or _local_addr_default(args)
+    _watch_store(args)
     slurm_job = os.environ.get("SLURM_JOB_ID")
     if slurm_job is not None:
         # One SLURM job per node: the workers' rank 0 may be on another node, so this agent
@@ -275,6 +277,20 @@ def run(argv: Sequence[str] | None = None) -> int:
             print(f"lightning_preempt.torchrun: {done}", file=sys.stderr, flush=True)
         return code
     return 0
+
+
+def _watch_store(args: argparse.Namespace) -> None:
+    """A c10d rendezvous on another node's store: an agent whose workers exited leaves when
+    that store stops answering (agent_watch.py; torch's agent would wait on it for good)."""
+    if args.standalone or args.rdzv_backend != "c10d" or not args.rdzv_endpoint:
+        return
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    try:
+        host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)
+    except ValueError:
+        return  # torch reports a bad endpoint itself
+    AgentWatch(host.strip("[]"), port).start()
 
 
 # ---- a rendezvous store on a node that stays -------------------------------------------------

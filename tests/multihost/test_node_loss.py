@@ -104,18 +104,23 @@ def test_node_loss_then_restart_is_bit_identical(hosts: Hosts, tmp_path: Path, l
 
 
 @pytest.mark.slow
-def test_partition_ends_in_one_agreed_error(hosts: Hosts, tmp_path: Path) -> None:
-    """Node 1's link goes down (no reset reaches anyone): both sides exit within 10 s, exactly
-    one side records the failure, and nothing is committed after the cut."""
+@pytest.mark.parametrize("cut_node", [1, 0])
+def test_partition_ends_in_one_agreed_error(hosts: Hosts, tmp_path: Path, cut_node: int) -> None:
+    """A node's link goes down (no reset reaches anyone): both sides' workers exit within 10 s,
+    exactly one side records the failure, and nothing is committed after the cut. Both
+    launchers exit too, with the workers' 75, also the one cut off from the rendezvous store
+    (node 0 hosts it; torch's agent alone waited for it for good: agent_watch.py)."""
     job = NodeJob(hosts, tmp_path, [0, 1], ARGS)
     job.wait_step(8)
     before = committed(job.dirpath)
     cut = time.monotonic()
-    hosts.cut(1)
+    hosts.cut(cut_node)
     gone = job.wait_gone([0, 1], timeout=60)
     took = time.monotonic() - cut
-    job.wait(60)
+    codes = job.wait(60)
+    agents = time.monotonic() - cut
     assert gone is not None and took <= EXIT_BOUND_S, f"{took:.1f} s\n{job.log(0)}\n{job.log(1)}"
+    assert codes == {0: 75, 1: 75} and agents <= 2 * EXIT_BOUND_S, f"{codes} after {agents:.1f} s\n{job.log(1)}"
     records = failure_records(job.dirpath)
     assert len(records) == 1, records  # one side won the create-only record: no split brain
     assert committed(job.dirpath) == before

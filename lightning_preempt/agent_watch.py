@@ -1,0 +1,123 @@
+"""A torchrun agent that cannot reach its rendezvous store after its workers exited leaves.
+
+A partition that cuts off the node hosting the c10d rendezvous store (or that node lost while
+the TCP connections stay open: no reset ever comes) leaves the other nodes' agents blocked in
+a store call: torch's agent checks the store for waiting nodes at every monitor tick, under
+the rendezvous handler's lock, which its keep-alive thread takes again every interval while
+its own calls time out. Measured on two network-namespace hosts (torch 2.13): the surviving
+agent was still there 200 s after its worker had exited with the agreed code 75, with
+``read_timeout=5`` as with the default 60; the scheduler saw no end of the job. The workers
+themselves had agreed and exited 3.9 s after the cut (docs/failure-detection.md).
+
+:class:`AgentWatch` runs on a thread of the agent (``python -m lightning_preempt.torchrun``):
+once every worker of the agent has exited (a zombie the blocked agent has not reaped, or
+gone) for ``grace_s`` and the store's address does not accept a TCP connection within
+``probe_s``, it prints one line and ends the agent with the workers' exit code (the first
+non-zero, read from the zombie's ``/proc/<pid>/stat``; 75, "restart the job", when none
+could be read). An agent whose store answers is left alone: it is waiting for other agents
+(the exit barrier) or rendezvousing again, which torch bounds itself. Linux only (``/proc``);
+elsewhere it does nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+#: The exit code when no worker's could be read: the package's "restart the job from the
+#: newest valid checkpoint" (engine/failures.py), what a partition calls for.
+RESTART_CODE = 75
+
+
+class AgentWatch(threading.Thread):
+    """Watches this process's children started after it (the workers) and the store at
+    ``host:port``; ``leave(code)`` ends the agent (``os._exit``)."""
+
+    def __init__(self, host: str, port: int, *, grace_s: float = 1.0, probe_s: float = 2.0,
+                 interval_s: float = 0.25, leave: Callable[[int], None] = os._exit) -> None:  # fmt: skip
+        super().__init__(name="lightning_preempt-agent-watch", daemon=True)
+        self.host, self.port = host, port
+        self.grace_s, self.probe_s, self.interval_s = grace_s, probe_s, interval_s
+        self._leave = leave
+        self._codes: dict[int, int] = {}  # exit codes read from the workers' zombies
+        self._before = set(children(os.getpid()))  # not workers: the agent starts them later
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        had_workers, idle_since = False, None
+        while not self.stop.wait(self.interval_s):
+            kids = {pid: fields for pid, fields in children(os.getpid()).items() if pid not in self._before}
+            for pid, fields in kids.items():
+                if fields[0] == "Z" and len(fields) >= 50:
+                    self._codes.setdefault(pid, exit_code(int(fields[49])))  # field 52: the wait status
+            had_workers = had_workers or bool(kids)
+            if any(fields[0] not in "ZX" for fields in kids.values()):
+                idle_since = None
+                continue
+            if not had_workers:
+                continue  # still starting (or between a restart's workers: the store answers)
+            idle_since = idle_since if idle_since is not None else time.monotonic()
+            if time.monotonic() - idle_since < self.grace_s or reachable(self.host, self.port, self.probe_s):
+                continue
+            code = next((c for c in self._codes.values() if c != 0), 0 if self._codes else RESTART_CODE)
+            print(f"lightning_preempt.torchrun: the workers exited and the rendezvous store at {self.host}:"
+                  f"{self.port} does not answer (a partition, or its host lost); exiting with {code} instead of "
+                  "waiting for it\nHINT: host the store on a node that stays (python -m lightning_preempt.elastic "
+                  "store; docs/elastic.md).", file=sys.stderr, flush=True)  # fmt: skip
+            self._leave(code)
+            return
+
+
+def reachable(host: str, port: int, timeout_s: float) -> bool:
+    """Whether ``host:port`` accepts a TCP connection within ``timeout_s``."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def _stat(pid: int) -> list[str] | None:
+    """``/proc/<pid>/stat``'s fields after ``(comm)`` (field 3, the state, first)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    return raw[raw.rfind(")") + 2 :].split()
+
+
+def children(parent: int) -> dict[int, list[str]]:
+    """``{pid: stat fields}`` of ``parent``'s child processes (``/proc``; empty elsewhere):
+    from the threads' ``children`` lists where the kernel keeps them, else by a scan."""
+    try:
+        lists = [f"/proc/{parent}/task/{tid}/children" for tid in os.listdir(f"/proc/{parent}/task")]
+        if os.path.exists(lists[0]):
+            pids = {int(p) for path in lists for p in _read(path).split()}
+        else:
+            pids = {int(p) for p in os.listdir("/proc") if p.isdigit()}
+    except (OSError, IndexError, ValueError):
+        return {}
+    out = {}
+    for pid in pids:
+        fields = _stat(pid)
+        if fields is not None and len(fields) > 1 and fields[1] == str(parent):
+            out[pid] = fields
+    return out
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def exit_code(status: int) -> int:
+    """A wait status as a shell reports it: the exit code, or ``128 + signal``."""
+    return 128 + (status & 0x7F) if status & 0x7F else (status >> 8) & 0xFF

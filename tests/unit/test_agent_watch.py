@@ -1,0 +1,99 @@
+"""The torchrun agent's watch (lightning_preempt/agent_watch.py): an agent whose workers all
+exited and whose rendezvous store does not answer leaves with their exit code; one whose
+store answers is left alone. Real child processes and real sockets on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from lightning_preempt.agent_watch import RESTART_CODE, AgentWatch, children, exit_code
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+def _closed_port() -> int:
+    """A port nothing listens on (bound, then closed: connecting is refused)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(code: int | None) -> int:
+    """A child that exits at once with ``code`` (``None``: SIGKILLs itself), left unreaped as a
+    blocked agent leaves its workers (the test reaps it at the end)."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        if code is None:
+            os.kill(os.getpid(), signal.SIGKILL)
+        os._exit(code)
+    return pid
+
+
+@pytest.fixture
+def reap() -> Iterator[list[int]]:
+    pids: list[int] = []
+    yield pids
+    for pid in pids:
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+
+
+@pytest.mark.parametrize(("code", "expected"), [(75, 75), (None, 128 + signal.SIGKILL), (0, 0)])
+def test_workers_gone_and_the_store_silent_the_agent_leaves_with_their_code(
+    reap: list[int], code: int | None, expected: int
+) -> None:
+    left: list[int] = []
+    watch = AgentWatch("127.0.0.1", _closed_port(), grace_s=0.1, probe_s=0.5, interval_s=0.02, leave=left.append)
+    watch.start()
+    reap.append(_worker(code))
+    watch.join(timeout=20)
+    assert not watch.is_alive() and left == [expected]
+
+
+def test_a_store_that_answers_keeps_the_agent(reap: list[int]) -> None:
+    """Waiting for other agents (the exit barrier) or a new rendezvous: the store answers."""
+    left: list[int] = []
+    with socket.create_server(("127.0.0.1", 0)) as store:
+        watch = AgentWatch("127.0.0.1", store.getsockname()[1], grace_s=0.05, probe_s=0.5, interval_s=0.02,
+                           leave=left.append)  # fmt: skip
+        watch.start()
+        pid = _worker(75)
+        reap.append(pid)
+        # the watch saw the worker's exit code, so it has looked at least once since the exit
+        while pid not in watch._codes:
+            assert watch.is_alive()
+            watch.join(timeout=0.05)
+        watch.join(timeout=1.0)  # many more looks, each finding the store there
+        assert watch.is_alive() and left == []
+        watch.stop.set()
+        watch.join(timeout=5)
+
+
+def test_no_worker_yet_is_not_gone_workers(reap: list[int]) -> None:
+    """Before its first worker starts an agent has no children: nothing to leave for."""
+    left: list[int] = []
+    watch = AgentWatch("127.0.0.1", _closed_port(), grace_s=0.0, probe_s=0.1, interval_s=0.01, leave=left.append)
+    watch.start()
+    watch.join(timeout=0.5)
+    assert watch.is_alive() and left == []
+    watch.stop.set()
+    watch.join(timeout=5)
+
+
+def test_children_and_exit_codes_from_proc(reap: list[int]) -> None:
+    pid = _worker(3)
+    reap.append(pid)
+    while children(os.getpid()).get(pid, ["?"])[0] != "Z":
+        pass  # the child exits at once; a zombie until reaped
+    fields = children(os.getpid())[pid]
+    assert exit_code(int(fields[49])) == 3
+    assert exit_code(signal.SIGTERM) == 128 + signal.SIGTERM and exit_code(75 << 8) == 75
+    assert RESTART_CODE == 75
