@@ -4,7 +4,7 @@ with its memory (docs/tier0.md, "Several hosts").
 Two network-namespace nodes, each agent with its own tier-0 memory (tests/support/netns_job.py
 ``memory=``), tier 0 on (``"auto"`` or a fixed K) with the peer copy, the disk tier every
 ``--every`` steps. One chain of launches; each trial waits for a phase (``steps``: 1..2K
-steps past the resume; ``tier-0 copy``: node 0's newest copy has no manifest yet;
+steps past the resume, at most 2 disk intervals; ``tier-0 copy``: node 0's newest copy has no manifest yet;
 ``peer transfer``: node 0's copy committed, node 1's not yet, the ring's transfer; ``disk
 flush``: a disk ``step-N`` without its manifest), SIGKILLs every process of a random node
 (the pids taken beforehand: no ``ip netns pids`` between the sight and the kill), waits
@@ -20,6 +20,10 @@ tests/multihost/test_tier0_replacement.py reads it), and the survivor's exit. At
 last launch trains to ``--max-steps``; its weights are compared with an uninterrupted run of
 the same job (same world size, tier 0 on): bit-identical expected. ``--n-minus-1``: one such
 trial, then the job goes on at world size 1 on the survivor (:func:`main_n_minus_1`).
+``--fault partition``: the node's link goes down instead (nobody dies, packets stop): both
+sides must exit within 10 s with one failure record between them; the link comes back, both
+nodes keep their memory, and the expected resume is the newest checkpoint that verifies on the
+disk or in either node's memory.
 """
 
 from __future__ import annotations
@@ -40,12 +44,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from _common import table
-from fault_injection import RESUME_RE, newest_ok, scan
+from fault_injection import RESUME_RE, bound_in_force, newest_ok, scan, scan_union
 from netns import Hosts
 from netns_job import NodeJob
 
 ROOT = Path(__file__).resolve().parent.parent
-K_RE = re.compile(r"tier 0 copies every (\d+) steps")
+K_RE = re.compile(r"(?:tier 0 copies|a copy) every (\d+) steps")  # chosen, or carried with the bound
 STEP_RE = re.compile(r"^step-(\d+)")
 PHASES = ("steps", "tier-0 copy", "peer transfer", "disk flush")
 
@@ -84,6 +88,12 @@ def k_now(job: NodeJob, fixed: int | None) -> int | None:
     return int(found[-1]) if found else None
 
 
+def bound_now(job: NodeJob) -> int | None:
+    """The loss bound in force: the last one rank 0 logged (every rank agrees on it)."""
+    log = job.status / "node0.log"
+    return bound_in_force(log.read_text(errors="replace")) if log.exists() else None
+
+
 def resumed(job: NodeJob) -> int | None:
     text = "\n".join((job.status / f"node{n}.log").read_text(errors="replace") for n in job.nodes
                      if (job.status / f"node{n}.log").exists())  # fmt: skip
@@ -115,7 +125,9 @@ def one_trial(cfg: argparse.Namespace, hosts: Hosts, job: NodeJob, memory: Path,
     victim = rng.choice([0, 1] if cfg.victim is None else [cfg.victim])
     pids = hosts.pids(victim)
     if want == "steps":
-        job.wait_step(start + rng.randint(1, 2 * (k_now(job, cfg.fixed_k) or 5)))
+        # up to 2 K past the resume, but at most 2 disk intervals: an auto K of 90 would
+        # otherwise spend the steps the later trials need (--max-steps)
+        job.wait_step(start + rng.randint(1, min(2 * (k_now(job, cfg.fixed_k) or 5), 2 * cfg.every)))
         time.sleep(rng.uniform(0, cfg.step_sleep))
         seen_phase = phase_now(memory, job.dirpath, old)
     else:
@@ -123,25 +135,39 @@ def one_trial(cfg: argparse.Namespace, hosts: Hosts, job: NodeJob, memory: Path,
         while (seen_phase := phase_now(memory, job.dirpath, old)) != want:
             assert time.monotonic() < deadline and job.step(0) < cfg.max_steps - 5, f"no {want} seen\n{job.log(0)}"
             time.sleep(0.002)
-    seen, k = max(job.step(r) for r in (0, 1)), k_now(job, cfg.fixed_k)
+    seen, k, bound = max(job.step(r) for r in (0, 1)), k_now(job, cfg.fixed_k), bound_now(job)
     copying = _newest(memory / "node0", old) if seen_phase in ("tier-0 copy", "peer transfer") else None
     # the steps the copy in flight has run (the copy before it is K older): they come on top of K
     # (0 when it started at the step seen: the status file is written after the step's hooks)
     in_flight_steps = max(0, seen - int(STEP_RE.match(copying.name).group(1))) if copying is not None else 0  # type: ignore[union-attr]
-    for pid in pids:  # at once: the node's processes as they were
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    hosts.kill_node(victim)  # and whatever else is left there
     survivor = 1 - victim
-    gone = job.wait_gone([survivor], timeout=60)
-    codes = job.wait(60)
-    shutil.rmtree(memory / f"node{victim}", ignore_errors=True)  # a replacement node: empty memory
-    disk, mem = scan(job.dirpath), scan(memory / f"node{survivor}")
+    records = len(list(job.dirpath.glob(".lp-ledger/*/*-failure.json")))  # the earlier trials'
+    if cfg.fault == "partition":
+        # the victim's link goes down: nobody dies, nothing is reset, packets stop. Both sides
+        # must see it and exit with one agreed error; both nodes keep their memory.
+        hosts.cut(victim)
+        gone = job.wait_gone([0, 1], timeout=60)
+        codes = job.wait(60)
+        hosts.heal(victim)
+        kept = [survivor, victim]
+    else:
+        for pid in pids:  # at once: the node's processes as they were
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        hosts.kill_node(victim)  # and whatever else is left there
+        gone = job.wait_gone([survivor], timeout=60)
+        codes = job.wait(60)
+        shutil.rmtree(memory / f"node{victim}", ignore_errors=True)  # a replacement node: empty memory
+        kept = [survivor]
+    # what the restart can resume: the disk, and the copies the nodes left hold together
+    disk, mem = scan(job.dirpath), scan_union([memory / f"node{n}" for n in kept])
     ok = newest_ok(disk + mem)
     tier = "none" if ok is None else "memory" if any(c.status == "ok" and c.step == ok.step for c in mem) else "disk"
-    return {"want": want, "moment": seen_phase, "victim": victim, "seen": seen, "k": k, "since_resume": seen - start,
+    return {"want": want, "moment": seen_phase, "victim": victim, "seen": seen, "k": k, "bound": bound,
+            "since_resume": seen - start,
             "in_flight_steps": in_flight_steps,
             "exit_s": gone, "survivor_code": codes.get(survivor), "newest": ok.step if ok else 0,
+            "failure_records": len(list(job.dirpath.glob(".lp-ledger/*/*-failure.json"))) - records,
             "ok_steps": sorted({c.step for c in disk + mem if c.status == "ok" and c.step is not None}),
             "expected_tier": tier}  # fmt: skip
 
@@ -188,6 +214,10 @@ def main_peer(cfg: argparse.Namespace, argv: list[str] | None, report: Callable[
                 trial["tier_ok"] = trial["tier"] == want_tier
                 trial["partial"] = got not in [0, *trial["ok_steps"]]  # type: ignore[misc]
                 trial["within_k"] = trial["lost"] is not None and int(trial["lost"]) <= bound  # type: ignore[call-overload]
+                # the engine's own claim: a node loss costs at most the bound it logged (it waits
+                # at the bound rather than run past it); before its first one, the steps run
+                in_force = trial["since_resume"] if trial["bound"] is None else trial["bound"]
+                trial["within_bound"] = trial["lost"] is not None and int(trial["lost"]) <= int(in_force)  # type: ignore[call-overload]
                 trials.append(trial)
                 print(f"trial {i + 1}: {json.dumps(trial)}", flush=True)
             codes = job.wait(900)
@@ -195,31 +225,40 @@ def main_peer(cfg: argparse.Namespace, argv: list[str] | None, report: Callable[
     finally:
         shutil.rmtree(memory, ignore_errors=True)
     identical = codes == {0: 0, 1: 0} and final.get("weights") == reference and final.get("step") == cfg.max_steps
+    cut, gone, what = ("cut", "both sides", "partition") if cfg.fault == "partition" else ("kill", "survivor", "loss")
     rows = [[str(i + 1), str(t["moment"]), f"node {t['victim']}", str(t["seen"]), str(t["resumed"]), str(t["lost"]),
-             str(t["k"]), ("yes" if t["strict"] else "no") + ("" if t["within_k"] else " (NOT within bound)"), f"{t['tier']} ({t['expected_tier']})",
+             str(t["k"]), "yes" if t["strict"] else "no", str(t["bound"]), "yes" if t["within_bound"] else "NO",
+             f"{t['tier']} ({t['expected_tier']})",
              "yes" if t["resumed_newest"] else "NO", f"{t['exit_s']:.2f}" if t["exit_s"] is not None else "hung",
-             str(t["survivor_code"])] for i, t in enumerate(trials)]  # fmt: skip
+             str(t["survivor_code"]), str(t["failure_records"])] for i, t in enumerate(trials)]  # fmt: skip
     header = ["trial", "hit during", "killed", "step seen", "resumed at", "steps lost", "K in force", "lost <= K",
-              "resumed tier (expected)", "resumed newest", "kill -> survivor gone s", "survivor exit"]  # fmt: skip
+              "bound in force", "lost <= bound", "resumed tier (expected)", "resumed newest", f"{cut} -> {gone} gone s", "survivor exit",
+              "failure records"]  # fmt: skip
     lost = [int(t["lost"]) for t in trials if t["lost"] is not None]  # type: ignore[call-overload]
     exits = [float(t["exit_s"]) for t in trials if t["exit_s"] is not None]  # type: ignore[arg-type]
     summary = [
-        f"steps lost: max {max(lost, default=-1)}; <= K: {sum(bool(t['strict']) for t in trials)}/{len(trials)}; "
+        f"steps lost: max {max(lost, default=-1)}; <= the bound the engine logged (or the steps since the resume, "
+        f"before the first): {sum(bool(t['within_bound']) for t in trials)}/{len(trials)}; "
+        f"<= K: {sum(bool(t['strict']) for t in trials)}/{len(trials)}; "
         f"<= K + the steps of the copy in flight at the kill (or the steps since the resume, before this launch's "
         f"first copy): {sum(bool(t['within_k']) for t in trials)}/{len(trials)} (disk tier every {cfg.every} steps)",
         f"resumed from tier 0 (ledger): {sum(t['tier'] == 'memory' for t in trials)}/{len(trials)}; the tier "
         f"expected from what the loss left: {sum(bool(t['tier_ok']) for t in trials)}/{len(trials)}",
-        f"resumed the newest checkpoint that verifies independently (disk + the survivor's memory): "
+        f"resumed the newest checkpoint that verifies independently (disk + the memory the {what} left): "
         f"{sum(bool(t['resumed_newest']) for t in trials)}/{len(trials)}; partial or mixed states resumed (a step "
         f"with no such checkpoint; a mix of ranks would break the final weights): "
         f"{sum(bool(t['partial']) for t in trials)} of {len(trials)}",
         f"final weights bit-identical to the uninterrupted run (same world size): {'yes' if identical else 'NO'}",
-        f"kill -> survivor gone: max {max(exits, default=float('nan')):.2f} s, "
-        f"{sum(e <= 10 for e in exits)}/{len(trials)} within 10 s",
+        f"{cut} -> {gone} gone: max {max(exits, default=float('nan')):.2f} s, "
+        f"{sum(e <= 10 for e in exits)}/{len(trials)} within 10 s; trials with exactly one failure record (one "
+        f"side won it: no split brain): {sum(t['failure_records'] == 1 for t in trials)}/{len(trials)}",
     ]
-    report(cfg, argv, t0, "Node loss across two hosts with tier 0 (bench_node_loss.py --tier0 --nodes 2)",
+    title = "A partition" if cfg.fault == "partition" else "Node loss"
+    report(cfg, argv, t0, f"{title} across two hosts with tier 0 (bench_node_loss.py --tier0 --nodes 2"
+           f"{' --fault partition' if cfg.fault == 'partition' else ''})",
            table(header, rows), summary, {"trials": trials, "identical": identical})  # fmt: skip
-    return 0 if identical and all(t["resumed_newest"] and t["within_k"] and t["tier_ok"] for t in trials) else 1
+    return 0 if identical and all(t["resumed_newest"] and t["within_bound"] and t["tier_ok"] and t["exit_s"] is not None
+                                  and float(t["exit_s"]) <= 10 for t in trials) else 1  # type: ignore[arg-type]
 
 
 def main_n_minus_1(cfg: argparse.Namespace, argv: list[str] | None, report: Callable[..., None]) -> int:

@@ -64,6 +64,14 @@ from _common import RankFiles, git_revision, kill_group, launch, machine_notes, 
 PHASES = ("steps", "flush", "startup")
 EXPECTED_CODE = {"sigterm": 143, "sigkill": -9}
 RESUME_RE = re.compile(r"lightning_preempt: resuming from (\S+) \(step (\d+)\)")
+BOUND_RE = re.compile(r"tier 0 bounds a node loss to (\d+) steps")
+
+
+def bound_in_force(log_text: str) -> int | None:
+    """The tier-0 loss bound the engine last logged in this launch's log (docs/tier0.md, "The
+    loss bound"); ``None`` before the first one (a first launch before its first copy)."""
+    found = BOUND_RE.findall(log_text)
+    return int(found[-1]) if found else None
 
 
 # ------------------------------------------------------------------ checkpoint inspection
@@ -77,37 +85,58 @@ class Ckpt:
 
 def scan(ck: Path) -> list[Ckpt]:
     """Every directory under ``ck``, verified without the package's own code."""
+    return scan_union([ck])
+
+
+def scan_union(roots: list[Path]) -> list[Ckpt]:
+    """Every checkpoint directory name under any of ``roots``, verified across them without
+    the package's own code: its manifest from any root, each file it lists whole (size and
+    CRC32C) in at least one. Tier 0 on several nodes: a copy the nodes hold together, which a
+    restart completes on every node before it resumes (tiers/tier0_peer.py ``restore``)."""
+    names = sorted({d.name for ck in roots if ck.is_dir() for d in ck.iterdir() if d.is_dir()})
     out: list[Ckpt] = []
-    if not ck.is_dir():
-        return out
-    for d in sorted(ck.iterdir()):
-        if not d.is_dir():
-            continue
-        m = re.search(r"step-(\d+)", d.name)
+    for name in names:
+        dirs = [ck / name for ck in roots if (ck / name).is_dir()]
+        m = re.search(r"step-(\d+)", name)
         name_step = int(m.group(1)) if m else None
-        manifest = d / "manifest.json"
-        if not manifest.exists():
-            out.append(Ckpt(d.name, name_step, "uncommitted", _mtime(d)))
+        manifests = [d / "manifest.json" for d in dirs if (d / "manifest.json").exists()]
+        if not manifests:
+            out.append(Ckpt(name, name_step, "uncommitted", max(_mtime(d) for d in dirs)))
             continue
         try:
-            body = json.loads(manifest.read_bytes())
+            body = json.loads(manifests[0].read_bytes())
             step = int(body["step"])
             # a checkpoint replaced at its path keeps its files in the generation its manifest names
             data_dir = (body.get("extra") or {}).get("data_dir")
             if data_dir is not None and not re.fullmatch(r"v-[0-9a-f]{12}", str(data_dir)):
                 raise ValueError(f"invalid data_dir {data_dir!r}")
-            files = d / data_dir if data_dir else d
             for fname, entry in body["files"].items():
-                data = (files / fname).read_bytes()
-                if len(data) != int(entry["size"]):
-                    raise ValueError(f"{fname}: size {len(data)} != {entry['size']}")
-                if f"{crc32c.crc32c(data):08x}" != entry["crc32c"]:
-                    raise ValueError(f"{fname}: CRC32C mismatch")
+                why = _whole_somewhere([d / data_dir if data_dir else d for d in dirs], fname, entry)
+                if why is not None:
+                    raise ValueError(why)
         except (OSError, ValueError, KeyError) as err:
-            out.append(Ckpt(d.name, name_step, f"corrupt: {err}"))
+            out.append(Ckpt(name, name_step, f"corrupt: {err}"))
             continue
-        out.append(Ckpt(d.name, step, "ok"))
+        out.append(Ckpt(name, step, "ok"))
     return out
+
+
+def _whole_somewhere(dirs: list[Path], fname: str, entry: dict[str, object]) -> str | None:
+    """``None`` when some directory holds ``fname`` at the manifest's size and CRC32C; else why not."""
+    why = f"{fname}: missing"
+    for d in dirs:
+        try:
+            data = (d / fname).read_bytes()
+        except OSError as err:
+            why = str(err)
+            continue
+        if len(data) != int(entry["size"]):  # type: ignore[call-overload]
+            why = f"{fname}: size {len(data)} != {entry['size']}"
+        elif f"{crc32c.crc32c(data):08x}" != entry["crc32c"]:
+            why = f"{fname}: CRC32C mismatch"
+        else:
+            return None
+    return why
 
 
 def _mtime(path: Path) -> float:

@@ -4,6 +4,7 @@ store answers is left alone. Real child processes and real sockets on 127.0.0.1.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -40,10 +41,8 @@ def reap() -> Iterator[list[int]]:
     pids: list[int] = []
     yield pids
     for pid in pids:
-        try:
+        with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, 0)
-        except ChildProcessError:
-            pass
 
 
 @pytest.mark.parametrize(("code", "expected"), [(75, 75), (None, 128 + signal.SIGKILL), (0, 0)])
