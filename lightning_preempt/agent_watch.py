@@ -38,7 +38,7 @@ class AgentWatch(threading.Thread):
     ``host:port``; ``leave(code)`` ends the agent (``os._exit``)."""
 
     def __init__(self, host: str, port: int, *, grace_s: float = 1.0, probe_s: float = 2.0,
-                 interval_s: float = 0.25, leave: Callable[[int], None] = os._exit) -> None:  # fmt: skip
+                 interval_s: float = 0.5, leave: Callable[[int], None] = os._exit) -> None:  # fmt: skip
         super().__init__(name="lightning_preempt-agent-watch", daemon=True)
         self.host, self.port = host, port
         self.grace_s, self.probe_s, self.interval_s = grace_s, probe_s, interval_s
@@ -56,7 +56,8 @@ class AgentWatch(threading.Thread):
                     self._codes.setdefault(pid, exit_code(int(fields[49])))  # field 52: the wait status
             had_workers = had_workers or bool(kids)
             if any(fields[0] not in "ZX" for fields in kids.values()):
-                idle_since = None
+                idle_since = None  # (after a restart, the earlier workers' codes are history)
+                self._codes = {pid: code for pid, code in self._codes.items() if pid in kids}
                 continue
             if not had_workers:
                 continue  # still starting (or between a restart's workers: the store answers)

@@ -96,3 +96,33 @@ def test_children_and_exit_codes_from_proc(reap: list[int]) -> None:
     assert exit_code(int(fields[49])) == 3
     assert exit_code(signal.SIGTERM) == 128 + signal.SIGTERM and exit_code(75 << 8) == 75
     assert RESTART_CODE == 75
+
+
+def test_after_a_restart_only_the_new_workers_codes_count(reap: list[int]) -> None:
+    """An elastic agent restarted its workers (the first exited 75, was reaped, a new one
+    started); the new one then ends well and the store goes away: the agent leaves with 0."""
+    left: list[int] = []
+    store = socket.create_server(("127.0.0.1", 0))
+    watch = AgentWatch("127.0.0.1", store.getsockname()[1], grace_s=0.05, probe_s=0.5, interval_s=0.02,
+                       leave=left.append)  # fmt: skip
+    watch.start()
+    first = _worker(75)
+    while first not in watch._codes:
+        assert watch.is_alive()
+        watch.join(timeout=0.02)
+    os.waitpid(first, 0)  # torch reaps it, and starts the next worker
+    r, w = os.pipe()
+    second = os.fork()
+    if second == 0:  # pragma: no cover - the child: runs until the pipe closes
+        os.close(w)
+        os.read(r, 1)
+        os._exit(0)
+    os.close(r)
+    reap.append(second)
+    while first in watch._codes:  # forgotten once the new worker was seen alive
+        assert watch.is_alive()
+        watch.join(timeout=0.02)
+    store.close()  # the store's host is gone
+    os.close(w)  # the new worker ends well
+    watch.join(timeout=20)
+    assert not watch.is_alive() and left == [0]
