@@ -38,6 +38,7 @@ from lightning_preempt.write.skeleton_bytes import skeleton_bytes
 
 log = logging.getLogger(__name__)
 
+
 class Saver:
     """Sharded, staged, asynchronous, committed saves (docs/design.md "The save pipeline").
 
@@ -143,10 +144,9 @@ class Saver:
         return self.group is not None and pdist.world_size(self.group) > 1
 
     def prepare_staging(self, checkpoint_like: dict[str, Any], *, background: bool = True) -> Future[int]:
-        """Allocate and touch this rank's staging buffers now, from the tensors' shapes
-        alone, so the first (maybe the emergency) save only copies. Not collective; call it
-        again when the state grows (buffers that fit are kept). The Future holds the bytes
-        newly allocated."""
+        """Allocate and touch this rank's staging buffers now, from the tensors' shapes, so the
+        first (maybe the emergency) save only copies. Not collective; call it again when the
+        state grows (buffers that fit are kept). The Future holds the bytes newly allocated."""
         tensors, _ = split_checkpoint(checkpoint_like, self.sharded_keys)
         if self._collective():
             tensors = own_share(tensors, pdist.rank(self.group), pdist.world_size(self.group))
@@ -155,9 +155,8 @@ class Saver:
         return self.stager.prepare(resident, background=background, pinned=plan.pinned)
 
     def _my_share(self, tensors: dict[str, Any]) -> dict[str, Any]:
-        """This rank's share of the replicated tensors (collective saves under DDP).
-
-        Ranks compare fingerprints first (one small gather, on the training thread's
+        """This rank's share of the replicated tensors (collective saves under DDP). Ranks
+        compare fingerprints first (one small gather, on the training thread's
         :attr:`stage_group`; without one on the job thread's group, idle here: the previous
         save has finished): a tensor only some ranks hold would be lost if its owner lacked
         it, so any difference means every rank stages all."""
@@ -293,12 +292,11 @@ class Saver:
     def _wait_pending(self, *, buffers: bool = False) -> None:
         """Wait for the saves in flight (``buffers``: only until the last one's tensors are
         written or its job ended; its commit may go on); raise a finished save's error once.
-
-        Across ranks only the outcome of a save every rank knows is raised: the one before
-        the last (one job thread: the last one's tensors are written only after it ended, on
-        every rank). Whether the last one has ended yet differs from rank to rank; raising it
-        on some would leave the others in the next collective. It is raised by the next save,
-        by :meth:`wait`, or, through :meth:`pending_failed`, at the agreed step boundary."""
+        Across ranks only the outcome every rank knows is raised: the save before the last
+        (one job thread writes the last one's tensors only after that one ended). Whether the
+        last one ended differs from rank to rank; raising it on some would leave the others in
+        the next collective: the next save raises it, or :meth:`wait`, or, through
+        :meth:`pending_failed`, the agreed step boundary."""
         self.overlap.settle()
         earlier, last = self._committing, self._pending
         if buffers and self._written is not None:
