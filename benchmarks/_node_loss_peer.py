@@ -23,7 +23,7 @@ trial, then the job goes on at world size 1 on the survivor (:func:`main_n_minus
 ``--fault partition``: the node's link goes down instead (nobody dies, packets stop): both
 sides must exit within 10 s with one failure record between them; the link comes back, both
 nodes keep their memory, and the expected resume is the newest checkpoint that verifies on the
-disk or in either node's memory.
+disk or across both nodes' memories (``fault_injection.scan_union``: what the restart completes).
 """
 
 from __future__ import annotations
