@@ -10,13 +10,14 @@ agent was still there 200 s after its worker had exited with the agreed code 75,
 themselves had agreed and exited 3.9 s after the cut (docs/failure-detection.md).
 
 :class:`AgentWatch` runs on a thread of the agent (``python -m lightning_preempt.torchrun``):
-once every worker of the agent has exited (a zombie the blocked agent has not reaped, or
-gone) for ``grace_s`` and the store's address does not accept a TCP connection within
-``probe_s``, it prints one line and ends the agent with the workers' exit code (the first
-non-zero, read from the zombie's ``/proc/<pid>/stat``; 75, "restart the job", when none
-could be read). An agent whose store answers is left alone: it is waiting for other agents
-(the exit barrier) or rendezvousing again, which torch bounds itself. Linux only (``/proc``);
-elsewhere it does nothing.
+once every worker of the agent has exited for ``grace_s``, one of them with a failure's
+code (1-127, read from its unreaped zombie's ``/proc/<pid>/stat``: the failure verdict's 75,
+a crash's 1), and the store's address does not accept a TCP connection within ``probe_s``,
+it prints one line and ends the agent with that code. It stays out of the rest: an agent
+whose store answers (waiting for other agents at the exit barrier, or rendezvousing again,
+which torch bounds itself), workers that ended well or by a signal (a preemption's 143: the
+agent has its own way out, a SLURM requeue among it), workers already reaped (the agent is
+not blocked). Linux only (``/proc``); elsewhere it does nothing.
 """
 
 from __future__ import annotations
@@ -27,10 +28,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-
-#: The exit code when no worker's could be read: the package's "restart the job from the
-#: newest valid checkpoint" (engine/failures.py), what a partition calls for.
-RESTART_CODE = 75
 
 
 class AgentWatch(threading.Thread):
@@ -64,7 +61,9 @@ class AgentWatch(threading.Thread):
             idle_since = idle_since if idle_since is not None else time.monotonic()
             if time.monotonic() - idle_since < self.grace_s or reachable(self.host, self.port, self.probe_s):
                 continue
-            code = next((c for c in self._codes.values() if c != 0), 0 if self._codes else RESTART_CODE)
+            code = next((c for c in self._codes.values() if 0 < c < 128), None)
+            if code is None:
+                continue  # a clean end, or a signal's (a preemption: the agent has its own way out)
             print(f"lightning_preempt.torchrun: the workers exited and the rendezvous store at {self.host}:"
                   f"{self.port} does not answer (a partition, or its host lost); exiting with {code} instead of "
                   "waiting for it\nHINT: host the store on a node that stays (python -m lightning_preempt.elastic "

@@ -1,6 +1,7 @@
 """The torchrun agent's watch (lightning_preempt/agent_watch.py): an agent whose workers all
-exited and whose rendezvous store does not answer leaves with their exit code; one whose
-store answers is left alone. Real child processes and real sockets on 127.0.0.1."""
+exited, one with a failure's code, and whose rendezvous store does not answer leaves with that
+code; one whose store answers, or whose workers ended well or by a signal, is left alone.
+Real child processes and real sockets on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from lightning_preempt.agent_watch import RESTART_CODE, AgentWatch, children, exit_code
+from lightning_preempt.agent_watch import AgentWatch, children, exit_code
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -45,16 +46,32 @@ def reap() -> Iterator[list[int]]:
             os.waitpid(pid, 0)
 
 
-@pytest.mark.parametrize(("code", "expected"), [(75, 75), (None, 128 + signal.SIGKILL), (0, 0)])
-def test_workers_gone_and_the_store_silent_the_agent_leaves_with_their_code(
-    reap: list[int], code: int | None, expected: int
-) -> None:
+@pytest.mark.parametrize("code", [75, 1])
+def test_workers_failed_and_the_store_silent_the_agent_leaves_with_their_code(reap: list[int], code: int) -> None:
     left: list[int] = []
     watch = AgentWatch("127.0.0.1", _closed_port(), grace_s=0.1, probe_s=0.5, interval_s=0.02, leave=left.append)
     watch.start()
     reap.append(_worker(code))
     watch.join(timeout=20)
-    assert not watch.is_alive() and left == [expected]
+    assert not watch.is_alive() and left == [code]
+
+
+@pytest.mark.parametrize("code", [0, None, 143])
+def test_workers_that_ended_well_or_by_a_signal_keep_the_agent(reap: list[int], code: int | None) -> None:
+    """A clean end, a SIGKILL, a preemption's 143: the agent has its own way out (a SLURM
+    requeue among it), which the watch must not cut short, store or not."""
+    left: list[int] = []
+    watch = AgentWatch("127.0.0.1", _closed_port(), grace_s=0.0, probe_s=0.1, interval_s=0.02, leave=left.append)
+    watch.start()
+    pid = _worker(code)
+    reap.append(pid)
+    while pid not in watch._codes:  # it has seen the exit
+        assert watch.is_alive()
+        watch.join(timeout=0.02)
+    watch.join(timeout=1.0)  # many more looks, each finding the store gone
+    assert watch.is_alive() and left == [], left
+    watch.stop.set()
+    watch.join(timeout=5)
 
 
 def test_a_store_that_answers_keeps_the_agent(reap: list[int]) -> None:
@@ -95,12 +112,12 @@ def test_children_and_exit_codes_from_proc(reap: list[int]) -> None:
     fields = children(os.getpid())[pid]
     assert exit_code(int(fields[49])) == 3
     assert exit_code(signal.SIGTERM) == 128 + signal.SIGTERM and exit_code(75 << 8) == 75
-    assert RESTART_CODE == 75
 
 
 def test_after_a_restart_only_the_new_workers_codes_count(reap: list[int]) -> None:
     """An elastic agent restarted its workers (the first exited 75, was reaped, a new one
-    started); the new one then ends well and the store goes away: the agent leaves with 0."""
+    started); the new one then ends well and the store goes away: the earlier 75 does not
+    make the agent leave."""
     left: list[int] = []
     store = socket.create_server(("127.0.0.1", 0))
     watch = AgentWatch("127.0.0.1", store.getsockname()[1], grace_s=0.05, probe_s=0.5, interval_s=0.02,
@@ -124,5 +141,10 @@ def test_after_a_restart_only_the_new_workers_codes_count(reap: list[int]) -> No
         watch.join(timeout=0.02)
     store.close()  # the store's host is gone
     os.close(w)  # the new worker ends well
-    watch.join(timeout=20)
-    assert not watch.is_alive() and left == [0]
+    while second not in watch._codes:
+        assert watch.is_alive()
+        watch.join(timeout=0.02)
+    watch.join(timeout=1.0)
+    assert watch.is_alive() and left == [], left
+    watch.stop.set()
+    watch.join(timeout=5)
