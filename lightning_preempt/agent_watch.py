@@ -59,11 +59,11 @@ class AgentWatch(threading.Thread):
             if not had_workers:
                 continue  # still starting (or between a restart's workers: the store answers)
             idle_since = idle_since if idle_since is not None else time.monotonic()
-            if time.monotonic() - idle_since < self.grace_s or reachable(self.host, self.port, self.probe_s):
-                continue
             code = next((c for c in self._codes.values() if 0 < c < 128), None)
             if code is None:
                 continue  # a clean end, or a signal's (a preemption: the agent has its own way out)
+            if time.monotonic() - idle_since < self.grace_s or reachable(self.host, self.port, self.probe_s):
+                continue
             print(f"lightning_preempt.torchrun: the workers exited and the rendezvous store at {self.host}:"
                   f"{self.port} does not answer (a partition, or its host lost); exiting with {code} instead of "
                   "waiting for it\nHINT: host the store on a node that stays (python -m lightning_preempt.elastic "
