@@ -45,24 +45,21 @@ class AgentWatch(threading.Thread):
         self.stop = threading.Event()
 
     def run(self) -> None:
-        had_workers, idle_since = False, None
+        failed_since: float | None = None  # every worker gone, one of them failed
         while not self.stop.wait(self.interval_s):
             kids = {pid: fields for pid, fields in children(os.getpid()).items() if pid not in self._before}
             for pid, fields in kids.items():
                 if fields[0] == "Z" and len(fields) >= 50:
                     self._codes.setdefault(pid, exit_code(int(fields[49])))  # field 52: the wait status
-            had_workers = had_workers or bool(kids)
             if any(fields[0] not in "ZX" for fields in kids.values()):
-                idle_since = None  # (after a restart, the earlier workers' codes are history)
+                failed_since = None  # (after a restart, the earlier workers' codes are history)
                 self._codes = {pid: code for pid, code in self._codes.items() if pid in kids}
                 continue
-            if not had_workers:
-                continue  # still starting (or between a restart's workers: the store answers)
-            idle_since = idle_since if idle_since is not None else time.monotonic()
             code = next((c for c in self._codes.values() if 0 < c < 128), None)
             if code is None:
-                continue  # a clean end, or a signal's (a preemption: the agent has its own way out)
-            if time.monotonic() - idle_since < self.grace_s or reachable(self.host, self.port, self.probe_s):
+                continue  # none yet, a clean end, or a signal's (a preemption: the agent's own way out)
+            failed_since = failed_since if failed_since is not None else time.monotonic()
+            if time.monotonic() - failed_since < self.grace_s or reachable(self.host, self.port, self.probe_s):
                 continue
             print(f"lightning_preempt.torchrun: the workers exited and the rendezvous store at {self.host}:"
                   f"{self.port} does not answer (a partition, or its host lost); exiting with {code} instead of "

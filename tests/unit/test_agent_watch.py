@@ -13,17 +13,11 @@ import sys
 from collections.abc import Iterator
 
 import pytest
+from servers import free_port  # a port bound, then closed: connecting is refused
 
 from lightning_preempt.agent_watch import AgentWatch, children, exit_code
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-
-
-def _closed_port() -> int:
-    """A port nothing listens on (bound, then closed: connecting is refused)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _worker(code: int | None) -> int:
@@ -49,7 +43,7 @@ def reap() -> Iterator[list[int]]:
 @pytest.mark.parametrize("code", [75, 1])
 def test_workers_failed_and_the_store_silent_the_agent_leaves_with_their_code(reap: list[int], code: int) -> None:
     left: list[int] = []
-    watch = AgentWatch("127.0.0.1", _closed_port(), grace_s=0.1, probe_s=0.5, interval_s=0.02, leave=left.append)
+    watch = AgentWatch("127.0.0.1", free_port(), grace_s=0.1, probe_s=0.5, interval_s=0.02, leave=left.append)
     watch.start()
     reap.append(_worker(code))
     watch.join(timeout=20)
@@ -61,7 +55,7 @@ def test_workers_that_ended_well_or_by_a_signal_keep_the_agent(reap: list[int], 
     """A clean end, a SIGKILL, a preemption's 143: the agent has its own way out (a SLURM
     requeue among it), which the watch must not cut short, store or not."""
     left: list[int] = []
-    watch = AgentWatch("127.0.0.1", _closed_port(), grace_s=0.0, probe_s=0.1, interval_s=0.02, leave=left.append)
+    watch = AgentWatch("127.0.0.1", free_port(), grace_s=0.0, probe_s=0.1, interval_s=0.02, leave=left.append)
     watch.start()
     pid = _worker(code)
     reap.append(pid)
@@ -96,7 +90,7 @@ def test_a_store_that_answers_keeps_the_agent(reap: list[int]) -> None:
 def test_no_worker_yet_is_not_gone_workers(reap: list[int]) -> None:
     """Before its first worker starts an agent has no children: nothing to leave for."""
     left: list[int] = []
-    watch = AgentWatch("127.0.0.1", _closed_port(), grace_s=0.0, probe_s=0.1, interval_s=0.01, leave=left.append)
+    watch = AgentWatch("127.0.0.1", free_port(), grace_s=0.0, probe_s=0.1, interval_s=0.01, leave=left.append)
     watch.start()
     watch.join(timeout=0.5)
     assert watch.is_alive() and left == []
