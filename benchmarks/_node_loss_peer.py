@@ -44,7 +44,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from _common import table
-from fault_injection import RESUME_RE, bound_in_force, newest_ok, scan, scan_union
+from fault_injection import RESUME_RE, bound_in_force, failure_records, newest_ok, scan, scan_union
 from netns import Hosts
 from netns_job import NodeJob
 
@@ -141,7 +141,7 @@ def one_trial(cfg: argparse.Namespace, hosts: Hosts, job: NodeJob, memory: Path,
     # (0 when it started at the step seen: the status file is written after the step's hooks)
     in_flight_steps = max(0, seen - int(STEP_RE.match(copying.name).group(1))) if copying is not None else 0  # type: ignore[union-attr]
     survivor = 1 - victim
-    records = len(list(job.dirpath.glob(".lp-ledger/*/*-failure.json")))  # the earlier trials'
+    records = failure_records(job.dirpath)  # the earlier trials'
     if cfg.fault == "partition":
         # the victim's link goes down: nobody dies, nothing is reset, packets stop. Both sides
         # must see it and exit with one agreed error; both nodes keep their memory.
@@ -167,7 +167,7 @@ def one_trial(cfg: argparse.Namespace, hosts: Hosts, job: NodeJob, memory: Path,
             "since_resume": seen - start,
             "in_flight_steps": in_flight_steps,
             "exit_s": gone, "survivor_code": codes.get(survivor), "newest": ok.step if ok else 0,
-            "failure_records": len(list(job.dirpath.glob(".lp-ledger/*/*-failure.json"))) - records,
+            "failure_records": failure_records(job.dirpath) - records,
             "ok_steps": sorted({c.step for c in disk + mem if c.status == "ok" and c.step is not None}),
             "expected_tier": tier}  # fmt: skip
 

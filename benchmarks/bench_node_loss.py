@@ -60,7 +60,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "support"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_notes, table  # noqa: E402
-from fault_injection import RESUME_RE, bound_in_force, newest_ok, scan  # noqa: E402
+from fault_injection import RESUME_RE, bound_in_force, failure_records, newest_ok, scan  # noqa: E402
 from netns import Hosts, missing  # noqa: E402
 from netns_job import NodeJob  # noqa: E402
 
@@ -98,9 +98,8 @@ def one_trial(cfg: argparse.Namespace, hosts: Hosts, job: NodeJob, rng: random.R
     gone = job.wait_gone([survivor], timeout=60)
     codes = job.wait(60)
     ok = newest_ok(scan(job.dirpath))
-    failures = list(job.dirpath.glob(".lp-ledger/*/*-failure.json"))
     return {"moment": moment, "victim": victim, "seen": seen, "exit_s": gone, "survivor_code": codes.get(survivor),
-            "newest": ok.step if ok is not None else None, "failure_records": len(failures)}  # fmt: skip
+            "newest": ok.step if ok is not None else None, "failure_records": failure_records(job.dirpath)}  # fmt: skip
 
 
 K_RE = re.compile(r"(?:tier 0 copies|a copy) every (\d+) steps")  # chosen, or carried with the bound

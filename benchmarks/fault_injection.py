@@ -67,6 +67,11 @@ RESUME_RE = re.compile(r"lightning_preempt: resuming from (\S+) \(step (\d+)\)")
 BOUND_RE = re.compile(r"tier 0 bounds a node loss to (\d+) steps")
 
 
+def failure_records(dirpath: Path) -> int:
+    """How many failure records (a lost peer's verdict) the run's ledger under ``dirpath`` holds."""
+    return len(list(dirpath.glob(".lp-ledger/*/*-failure.json")))
+
+
 def bound_in_force(log_text: str) -> int | None:
     """The tier-0 loss bound the engine last logged in this launch's log (docs/tier0.md, "The
     loss bound"); ``None`` before the first one (a first launch before its first copy)."""
