@@ -1,8 +1,8 @@
 """The checkpoint format: name rules, the manifest, the split into DCP tensors and a per-rank
 skeleton, safe unpickling. Nothing here writes; the torch-free modules import no torch.
 
-:class:`TensorRef` lives here on purpose: every skeleton pickles it as
-``lightning_preempt.format.TensorRef``. Never move or rename it.
+:class:`TensorRef` and :class:`TensorDict` live here on purpose: every skeleton pickles them
+as ``lightning_preempt.format.<name>``. Never move or rename them.
 """
 
 from __future__ import annotations
@@ -22,6 +22,31 @@ class TensorRef:
         # one REDUCE, not NEWOBJ + BUILD: fewer objects to pickle while training waits, one
         # allow-list check per tensor (old NEWOBJ + BUILD checkpoints still load)
         return (TensorRef, (self.key,))
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorDict:
+    """Placeholder in a format-3 skeleton for a dict whose values are all tensors in the DCP
+    shards (a module's ``state_dict``): the next ``count`` keys of the skeleton's key list
+    (format/skeleton.py), each ``prefix + "/" + the dict's key``. ``ordered``: an
+    ``OrderedDict`` whose attributes are ``attrs`` (``_metadata``: the module versions)."""
+
+    prefix: str
+    count: int
+    ordered: bool
+    attrs: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        # its arguments come from storage (the unpickler calls it): each is checked
+        if not (isinstance(self.prefix, str) and type(self.count) is int and self.count >= 0):
+            raise ValueError(f"TensorDict: prefix {self.prefix!r}, count {self.count!r}")
+        if type(self.ordered) is not bool or type(self.attrs) is not dict:
+            raise ValueError("TensorDict: ordered is not a bool or attrs not a dict")
+        if not all(isinstance(k, str) and k.isidentifier() and not k.startswith("__") for k in self.attrs):
+            raise ValueError(f"TensorDict: attribute names {sorted(map(repr, self.attrs))}")
+
+    def __reduce__(self) -> tuple[type[TensorDict], tuple[str, int, bool, dict[str, Any]]]:
+        return (TensorDict, (self.prefix, self.count, self.ordered, self.attrs))
 
 
 #: the largest tensor the skeleton keeps inline, as bytes (write/skeleton_bytes.py)

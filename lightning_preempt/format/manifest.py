@@ -21,7 +21,7 @@ from lightning_preempt.storage.store import Store
 FORMAT_NAME = "lightning_preempt.checkpoint"
 #: 2: state files may hold inline tensors (0.2.0), so a reader of 1 says "too new", not
 #: "untrusted". Version 1 checkpoints still load.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 #: Larger manifests are refused unread (a 4096-rank checkpoint's is well under 1 MiB).
 MAX_MANIFEST_BYTES = 32 << 20

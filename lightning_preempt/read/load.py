@@ -81,7 +81,7 @@ def load_sharded_checkpoint(
     if not verify:
         check_files(data_store(store, manifest), manifest)
     skeleton = load_skeleton(store, manifest, rank, trusted=trusted)
-    missing = set(templates) - set(tensor_refs(skeleton))
+    missing = set(templates) - set(_refs(skeleton, store))
     if missing:
         raise CorruptCheckpointError(
             f"the model has {len(missing)} tensors that the checkpoint lacks (e.g. {sorted(missing)[0]!r})",
@@ -90,9 +90,23 @@ def load_sharded_checkpoint(
         )
     load_tensors_into(data_store(store, manifest), templates, process_group=process_group, manifest=manifest)
     # refs the model did not ask for (e.g. dropped parameters) resolve to None
-    result = merge_checkpoint(skeleton, collections.defaultdict[str, Any](lambda: None, templates))
+    result = _merged(skeleton, collections.defaultdict[str, Any](lambda: None, templates), store)
     assert isinstance(result, dict)
     return result
+
+
+def _refs(skeleton: Any, store: Store) -> list[str]:
+    try:
+        return tensor_refs(skeleton)
+    except ValueError as err:  # a state whose list of keys is not one (format/skeleton.py)
+        raise CorruptCheckpointError(str(err), path=store.url, hint=CORRUPT_HINT) from None
+
+
+def _merged(skeleton: Any, tensors: Mapping[str, Any], store: Store) -> Any:
+    try:
+        return merge_checkpoint(skeleton, tensors)
+    except ValueError as err:  # placeholders and keys that do not pair up
+        raise CorruptCheckpointError(str(err), path=store.url, hint=CORRUPT_HINT) from None
 
 
 def verify_shared(store: Store, manifest: Manifest, group: pdist.ProcessGroup) -> None:
@@ -167,7 +181,7 @@ def _load_full(
     if not verify:
         check_files(data_store(store, manifest), manifest)
     skeleton = load_skeleton(store, manifest, rank, verify=verify, trusted=trusted, map_location=map_location)
-    keys = set(tensor_refs(skeleton))
+    keys = set(_refs(skeleton, store))
     tensors: dict[str, Any] = {}
     if keys:
         tensors = _load_all_tensors_verified(store, manifest, verify=verify, into=into)
@@ -179,7 +193,7 @@ def _load_full(
             path=store.url,
             hint=CORRUPT_HINT,
         )
-    result = merge_checkpoint(skeleton, tensors)
+    result = _merged(skeleton, tensors, store)
     assert isinstance(result, dict)
     return result
 

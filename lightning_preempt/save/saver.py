@@ -22,7 +22,7 @@ from lightning_preempt.collective import groups as pdist
 from lightning_preempt.errors import CheckpointWriteError
 from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.format.shares import ShareMemo, own_share
-from lightning_preempt.format.skeleton import split_checkpoint
+from lightning_preempt.format.skeleton import Splitter, split_checkpoint
 from lightning_preempt.read.load import gc_paused
 from lightning_preempt.save.history import HISTORY_KEPT, SaveRecord
 from lightning_preempt.staging.budget import StagingBudget
@@ -75,6 +75,7 @@ class Saver:
         self.plan_cache = PlanCache()
         self.stager.on_release = self.plan_cache.forget_views
         self._shares = ShareMemo()  # who stages which replicated tensor, while the structure holds
+        self._splitter = Splitter()  # the state's structure, while it holds (format/skeleton.py)
         self.jobs = JobQueue()
         self.history: list[SaveRecord] = []
         #: recorded in every manifest; retention never deletes another run's checkpoints
@@ -95,7 +96,7 @@ class Saver:
         history or drain thread (the job queue and the stager drop theirs themselves)."""
         state = self.__dict__.copy()
         state.update(_pending=None, _written=None, _committing=None, group=None, stage_group=None, rank=0,
-                     history=[], tiers=None, _shares=ShareMemo())  # fmt: skip
+                     history=[], tiers=None, _shares=ShareMemo(), _splitter=Splitter())  # fmt: skip
         tiers = self.tiers
         state["_tier_config"] = (tiers.remote_root, tiers.keep_last_n) if tiers is not None else None
         return state
@@ -203,14 +204,18 @@ class Saver:
                 # failure and raises it on every rank (write/commit.py's agreement).
                 log.warning("lightning_preempt: could not create %s yet (%s); the save reports it", url, err)
         with gc_paused():  # thousands of tensors: no full collections while training waits
-            tensors, skeleton = split_checkpoint(checkpoint, self.sharded_keys + sharded_keys)
+            tensors, skeleton = self._splitter.split(checkpoint, self.sharded_keys + sharded_keys)
             tensors = self._my_share(tensors)
             skeleton_data = skeleton_bytes(skeleton)  # torch.save's bytes; freezes the non-tensor state now
-            plan = self.budget.split(tensors, self.stager)
+            unchanged = self.stager.unchanged(tensors)  # one C++ pass, for the split and the copy
+            plan = self.budget.split(tensors, self.stager, unchanged=unchanged)
             staging_started = time.perf_counter()
-            resident = tensors if len(plan.resident) == len(tensors) else {k: tensors[k] for k in plan.resident}
+            whole = len(plan.resident) == len(tensors)
+            resident = tensors if whole else {k: tensors[k] for k in plan.resident}
             # (a save that streams blocks until the writer has the streamed part: nothing to overlap)
-            staged, copying = self.overlap.stage(self.stager, resident, plan.pinned, defer=not (wait or plan.streamed))
+            staged, copying = self.overlap.stage(self.stager, resident, plan.pinned, defer=not (wait or plan.streamed),
+                                                 unchanged=unchanged if whole else None)  # fmt: skip
+            self.budget.staged(plan)
         record.deferred_bytes = copying.bytes if copying is not None else 0
         staged_s = time.perf_counter() - staging_started
         streamed = self.budget.streamed(plan, self.stager)

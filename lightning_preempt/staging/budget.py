@@ -247,6 +247,7 @@ class StagingBudget:
         self.pinned_option = check_budget("pinned_memory_budget", pinned_memory_budget)
         self.budget: Budget | None = None
         self.last_split: Split | None = None
+        self._staged_whole: Split | None = None  # the last split, if the stager staged all of it
         self._chunk: ChunkBuffer | None = None
         self._warned = False
 
@@ -254,16 +255,26 @@ class StagingBudget:
         # Resolved per process (another host, another MemAvailable); the chunk is host memory.
         return (StagingBudget, (self.host_option, self.pinned_option))
 
-    def split(self, tensors: dict[str, torch.Tensor], stager: HostStager) -> Split:
-        """Which of ``tensors`` ``stager`` stages; frees the chunk when none is needed."""
+    def split(self, tensors: dict[str, torch.Tensor], stager: HostStager, *, unchanged: bool = False) -> Split:
+        """Which of ``tensors`` ``stager`` stages; frees the chunk when none is needed.
+        ``unchanged``: ``stager.unchanged(tensors)``; when they are the set last staged whole
+        (:meth:`staged`), that split again, without a pass over thousands of tensors."""
+        last = self.last_split
+        if unchanged and last is not None and last is self._staged_whole:
+            return last
         if self.budget is None:
             self.budget = resolve(self.host_option, self.pinned_option, held_bytes=stager.held_bytes)
         self.last_split = plan = split(tensors, self.budget, pin=stager.pin_memory)
+        self._staged_whole = None
         chunk = self._chunk
         if chunk is not None and (chunk.nbytes < plan.chunk_bytes or plan.chunk_bytes == 0):
             chunk.free()
             self._chunk = None
         return plan
+
+    def staged(self, plan: Split) -> None:
+        """The stager has just staged ``plan`` (the save's own stage, not a preallocation)."""
+        self._staged_whole = plan if plan is self.last_split and not plan.streamed else None
 
     def streamed(self, plan: Split, stager: HostStager) -> Streamed | None:
         """The writer's view of ``plan``'s streamed tensors (``None``: everything is staged)."""

@@ -151,12 +151,13 @@ class Overlap:
             self._suspended -= 1
 
     def stage(self, stager: HostStager, tensors: dict[str, torch.Tensor], pinned: set[str], *,
-              defer: bool = True) -> tuple[dict[str, torch.Tensor], InFlightCopy | None]:  # fmt: skip
+              defer: bool = True, unchanged: bool | None = None) -> tuple[dict[str, torch.Tensor], InFlightCopy | None]:  # fmt: skip
         """``stager.stage(tensors)``, but the deferrable ones (``defer``) only get their
-        buffers and are copied by the returned :class:`InFlightCopy` (``None``: none was)."""
+        buffers and are copied by the returned :class:`InFlightCopy` (``None``: none was).
+        ``unchanged``: ``stager.unchanged(tensors)``, if the caller asked it just now."""
         keys = self.deferrable(tensors, pinned) if defer else set()
         if not keys:
-            return stager.stage(tensors, pinned=pinned), None
+            return stager.stage(tensors, pinned=pinned, unchanged=unchanged), None
         staged, pairs = stager.stage_deferred(tensors, keys, pinned=pinned)
         return staged, self.start(pairs)
 

@@ -68,8 +68,7 @@ def test_plugin_round_trip_keeps_container_types(tmp_path: Path) -> None:
 def test_the_inline_split_is_the_generic_walk() -> None:
     """split_checkpoint walks plain dicts and lists itself (speed, issue 26): the same keys
     in the same order and the same skeleton as the generic map_leaves walk."""
-    from lightning_preempt.format import TensorRef
-    from lightning_preempt.format.skeleton import map_leaves
+    from lightning_preempt.format.skeleton import NEXT_REF, REFS_KEY, map_leaves
 
     t = torch.ones(2)
     state = _state()
@@ -85,11 +84,11 @@ def test_the_inline_split_is_the_generic_walk() -> None:
         while unique in expected:
             unique, n = f"{key}#{n}", n + 1
         expected[unique] = leaf
-        return TensorRef(unique)
+        return NEXT_REF
 
     generic = {k: map_leaves(v, extract, k) if k in ("state_dict", "optimizer_states") else v for k, v in state.items()}
     assert list(tensors) == list(expected) and all(tensors[k] is expected[k] for k in expected)
-    assert skeleton == generic
+    assert skeleton == {**generic, REFS_KEY: "\n".join(expected)}
     assert type(skeleton["state_dict"]) is OrderedDict and skeleton["state_dict"]._metadata == {"": {"version": 2}}
 
 

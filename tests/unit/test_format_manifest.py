@@ -9,9 +9,8 @@ import torch
 from ckpts import assert_same, lightning_like_checkpoint
 
 from lightning_preempt.errors import CorruptCheckpointError, UnsupportedFormatError
-from lightning_preempt.format import TensorRef
 from lightning_preempt.format.manifest import FileEntry, Manifest
-from lightning_preempt.format.skeleton import merge_checkpoint, split_checkpoint
+from lightning_preempt.format.skeleton import NEXT_REF, REFS_KEY, merge_checkpoint, split_checkpoint, tensor_refs
 
 
 def test_split_sends_model_and_optimizer_tensors_to_dcp_and_keeps_the_rest() -> None:
@@ -27,7 +26,8 @@ def test_split_sends_model_and_optimizer_tensors_to_dcp_and_keeps_the_rest() -> 
         "optimizer_states/0/state/1/exp_avg",
         "optimizer_states/0/state/1/exp_avg_sq",
     }
-    assert skeleton["state_dict"]["weight"] == TensorRef("state_dict/weight")
+    assert skeleton["state_dict"]["weight"] == NEXT_REF  # one placeholder; the keys listed once, in walk order
+    assert tensor_refs(skeleton) == list(tensors) and skeleton[REFS_KEY] == "\n".join(tensors)
     # Per-rank values stay in the skeleton, as real tensors.
     assert isinstance(skeleton["rng"], torch.Tensor)
     assert isinstance(skeleton["callbacks"]["Cb"]["best"], torch.Tensor)
@@ -82,19 +82,21 @@ def test_bad_manifests_raise_with_path_and_hint(mutate, error) -> None:  # type:
     assert "HINT:" in str(info.value)
 
 
-def test_version_2_is_written_version_1_still_reads_and_3_is_too_new() -> None:
+def test_version_3_is_written_versions_1_and_2_still_read_and_4_is_too_new() -> None:
     """0.2.0's inline tensors made the format version 2: a 0.1 reader says "upgrade" instead
-    of refusing the state files as untrusted, and 0.1's version-1 manifests still load."""
+    of refusing the state files as untrusted; the skeleton's listed keys (format/skeleton.py)
+    made it 3, for the same reason. Older manifests still load."""
     from pathlib import Path
 
     from lightning_preempt.format.manifest import FORMAT_VERSION
 
     written = json.loads(Manifest(step=3, epoch=0, world_size=1, files={}).to_json())
-    assert written["version"] == FORMAT_VERSION == 2
+    assert written["version"] == FORMAT_VERSION == 3
     old = Path(__file__).parents[1] / "data" / "v0_2" / "run" / "step-0000000003" / "manifest.json"
     body = json.loads(old.read_text())
     assert body["version"] == 1
     parsed = Manifest.from_json(old.read_bytes(), path=str(old))
     assert parsed.version == 1 and parsed.step == 3
-    with pytest.raises(UnsupportedFormatError, match="reads up to 2"):
-        Manifest.from_json(json.dumps({**body, "version": 3}).encode(), path=str(old))
+    assert Manifest.from_json(json.dumps({**body, "version": 2}).encode(), path=str(old)).version == 2
+    with pytest.raises(UnsupportedFormatError, match="reads up to 3"):
+        Manifest.from_json(json.dumps({**body, "version": 4}).encode(), path=str(old))

@@ -55,6 +55,36 @@ def test_an_over_budget_share_keeps_the_smallest_tensors_and_streams_the_rest() 
     assert plan.chunk_pinned
 
 
+def test_a_save_of_the_same_tensors_reuses_the_split_and_any_change_splits_again() -> None:
+    """The split is a pass over thousands of tensors while training waits (issue 33): when the
+    stager says the tensors are the set it staged last, whole, that split is reused."""
+    from lightning_preempt.staging.budget import StagingBudget
+    from lightning_preempt.staging.stager import HostStager
+
+    stager, budget = HostStager(pin_memory=False), StagingBudget(8 * MIB)
+
+    def save(tensors: dict[str, torch.Tensor]) -> budget_mod.Split:
+        unchanged = stager.unchanged(tensors)
+        plan = budget.split(tensors, stager, unchanged=unchanged)
+        stager.stage({k: tensors[k] for k in plan.resident}, unchanged=unchanged if not plan.streamed else None)
+        budget.staged(plan)
+        assert plan.total_bytes == sum(t.nbytes for t in tensors.values())
+        assert sorted(plan.resident + plan.streamed) == sorted(tensors)
+        return plan
+
+    tensors = {"a": _mib(2), "s1": _mib(1), "s2": _mib(1)}
+    first = save(tensors)
+    assert not first.streamed and save({k: v.clone() for k, v in tensors.items()}) is first
+    for changed in ({**tensors, "s1": _mib(2)}, {**tensors, "s1": tensors["s1"].double()},
+                    {"s1": tensors["s1"], "a": tensors["a"], "s2": tensors["s2"]}, {**tensors, "s3": _mib(1)}):  # fmt: skip
+        assert save(changed) is not first
+        first = save(tensors)
+        assert save(tensors) is first
+    over = {**tensors, "big": _mib(6)}  # over the budget: streamed, so never reused
+    streaming = save(over)
+    assert streaming.streamed == ["big"] and save(over) is not streaming
+
+
 def test_the_budget_resolves_from_mem_available_per_local_rank(monkeypatch: pytest.MonkeyPatch,
                                                               tmp_path: Path) -> None:  # fmt: skip
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 import torch
 
+from lightning_preempt.staging import stager as stager_module
 from lightning_preempt.staging.stager import HostStager
 
 
@@ -37,18 +39,25 @@ def test_second_stage_reuses_the_buffers_and_copies_new_values() -> None:
     assert stager.last_staged_bytes == sum(t.nbytes for t in state.values())
 
 
-def test_every_structural_change_is_noticed() -> None:
+@pytest.mark.parametrize("check", ["C++ guard", "Python signature"])
+def test_every_structural_change_is_noticed(check: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if check == "Python signature":  # a torch without TorchDynamo's TensorGuards
+        monkeypatch.setattr(stager_module, "_layout_guard", lambda values: None)
     stager = HostStager(pin_memory=False)
     state = _state()
     stager.stage(state)
+    assert stager._plan is not None and (stager._plan.guard is not None) == (check == "C++ guard")
+    assert stager.unchanged({k: v.clone() for k, v in state.items()})
     changed = {
         "shape": {**state, "p3": torch.ones(5, 5)},
+        "broadcastable shape": {**state, "p3": state["p3"][:1].clone()},  # a copy would broadcast silently
         "dtype": {**state, "p3": state["p3"].double()},
         "new key": {**state, "extra": torch.full((2,), 7.0)},
         "key gone": {k: v for k, v in state.items() if k != "p0"},
         "order": dict(reversed(list(state.items()))),
     }
     for what, new in changed.items():
+        assert not stager.unchanged(new), what
         staged = stager.stage(new)
         _check(staged, new)
         if what == "key gone":

@@ -80,7 +80,8 @@ def _numpy_globals() -> frozenset[str]:
 #: Everything ``load_state_bytes`` lets a per-rank state file import.
 STATE_GLOBALS = (
     TORCH_WEIGHTS_ONLY_GLOBALS
-    | {"lightning_preempt.format.TensorRef", "lightning_preempt.format.tensor_from_bytes"}
+    | {"lightning_preempt.format.TensorRef", "lightning_preempt.format.TensorDict",
+       "lightning_preempt.format.tensor_from_bytes"}
     | _numpy_globals()
 )
 #: The module of DCP's metadata classes, with the dot: ``DCP_MD + "Metadata"``.

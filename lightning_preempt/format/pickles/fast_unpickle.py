@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from lightning_preempt.format import TensorRef, tensor_from_bytes
+from lightning_preempt.format import TensorDict, TensorRef, tensor_from_bytes
 from lightning_preempt.format.pickles.allowlists import TORCH_WEIGHTS_ONLY_GLOBALS
 from lightning_preempt.format.pickles.fast_guard import FastRefused, check_fast_pickle
 from lightning_preempt.format.pickles.state_replay import archived_pickle
@@ -43,7 +43,7 @@ def numpy_globals() -> list[Any]:
 
 def fast_globals(with_numpy: bool) -> dict[tuple[str, str], Any]:
     """``(module, name) -> object`` the fast path resolves (a subset of the weights-only
-    allow-list plus :class:`TensorRef`; NumPy's names only with ``with_numpy``)."""
+    allow-list plus the placeholders; NumPy's names only with ``with_numpy``)."""
     allowed: dict[tuple[str, str], Any] = {
         ("collections", "OrderedDict"): OrderedDict,
         ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
@@ -51,6 +51,7 @@ def fast_globals(with_numpy: bool) -> dict[tuple[str, str], Any]:
         ("torch", "device"): torch.device,
         ("_codecs", "encode"): __import__("_codecs").encode,  # how protocol 2 pickles bytes
         (TensorRef.__module__, TensorRef.__qualname__): TensorRef,
+        (TensorDict.__module__, TensorDict.__qualname__): TensorDict,  # checked where merged (format/skeleton.py)
         (tensor_from_bytes.__module__, tensor_from_bytes.__qualname__): tensor_from_bytes,  # checks its arguments
     }
     for value in vars(torch).values():

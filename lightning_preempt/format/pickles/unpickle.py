@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from lightning_preempt.errors import CorruptCheckpointError
-from lightning_preempt.format import TensorRef, tensor_from_bytes
+from lightning_preempt.format import TensorDict, TensorRef, tensor_from_bytes
 from lightning_preempt.format import dcp_compat as _compat
 from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.format.names import DCP_METADATA_NAME
@@ -34,10 +34,14 @@ _GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
 
 
 # ---- the per-rank state files -------------------------------------------------------------
+#: what the skeleton's own pickles name (format/__init__.py)
+_OURS = (TensorRef, TensorDict, tensor_from_bytes)
+
+
 def skeleton_safe_globals() -> list[Any]:
-    """On top of ``weights_only``'s defaults: :class:`TensorRef`, inline tensors and NumPy
+    """On top of ``weights_only``'s defaults: the placeholders, inline tensors and NumPy
     (RNG states); all a ``Trainer.fit`` puts there (Lightning 2.6)."""
-    return [TensorRef, tensor_from_bytes, *numpy_globals()]
+    return [*_OURS, *numpy_globals()]
 
 
 def load_state_bytes(data: bytes, *, path: str, trusted: bool = False, map_location: Any = None) -> Any:
@@ -62,7 +66,7 @@ def _load_state(data: bytes, *, path: str, trusted: bool, map_location: Any) -> 
         pass  # weights_only decides (it allows a superset) and words any error
     # NumPy's globals only when the bytes name them: weights_only rebuilds the allowed dict
     # per object, so a shorter list is faster (and never less safe)
-    allowed: list[Any] = skeleton_safe_globals() if b"numpy" in data else [TensorRef, tensor_from_bytes]
+    allowed: list[Any] = skeleton_safe_globals() if b"numpy" in data else list(_OURS)
     try:
         with torch.serialization.safe_globals(allowed):  # scoped to this call
             return torch.load(io.BytesIO(data), map_location=location, weights_only=True)
