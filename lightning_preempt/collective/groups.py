@@ -11,6 +11,7 @@ import contextlib
 import datetime
 import json
 import pickle
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -109,6 +110,28 @@ def all_gather_objects(obj: Any, group: ProcessGroup | None) -> list[Any]:
         pickle.loads(bytes(b[_HEADER : _HEADER + min(n, room)]) + tail)
         for b, n, tail in zip(blocks, lengths, tails, strict=True)
     ]
+
+
+def start_gather_digests(digest: bytes, group: ProcessGroup | None) -> Callable[[], list[bytes]]:
+    """Start gathering every rank's ``digest`` (the same length on every rank) and return the
+    wait for them, ``[rank 0's, rank 1's, …]``: on gloo the gather runs on its own thread while
+    the caller works (a save copies meanwhile). Every rank must call it, in the same order as
+    the group's other collectives."""
+    if group is None or not is_distributed():
+        return lambda: [digest]
+    if not _gloo(group):
+        gathered = all_gather_objects(digest, group)
+        return lambda: gathered
+    mine = _uint8(bytearray(digest))
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    work = dist.all_gather(out, mine, group=group, async_op=True)
+
+    def wait() -> list[bytes]:
+        if work is not None:
+            work.wait()
+        return [t.numpy().tobytes() for t in out]
+
+    return wait
 
 
 def broadcast_object(obj: Any, group: ProcessGroup | None) -> Any:

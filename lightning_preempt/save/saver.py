@@ -10,6 +10,7 @@ import io
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_all
 from typing import Any
@@ -25,7 +26,7 @@ from lightning_preempt.format.shares import ShareMemo, own_share
 from lightning_preempt.format.skeleton import Splitter, split_checkpoint
 from lightning_preempt.read.load import gc_paused
 from lightning_preempt.save.history import HISTORY_KEPT, SaveRecord
-from lightning_preempt.staging.budget import StagingBudget
+from lightning_preempt.staging.budget import Split, StagingBudget
 from lightning_preempt.staging.overlap import InFlightCopy, Overlap
 from lightning_preempt.staging.stager import HostStager
 from lightning_preempt.storage.store import Store
@@ -75,6 +76,7 @@ class Saver:
         self.plan_cache = PlanCache()
         self.stager.on_release = self.plan_cache.forget_views
         self._shares = ShareMemo()  # who stages which replicated tensor, while the structure holds
+        self._ranks_differ = False  # the last save's ranks held different tensors: all stage all
         self._splitter = Splitter()  # the state's structure, while it holds (format/skeleton.py)
         self.jobs = JobQueue()
         self.history: list[SaveRecord] = []
@@ -96,7 +98,8 @@ class Saver:
         history or drain thread (the job queue and the stager drop theirs themselves)."""
         state = self.__dict__.copy()
         state.update(_pending=None, _written=None, _committing=None, group=None, stage_group=None, rank=0,
-                     history=[], tiers=None, _shares=ShareMemo(), _splitter=Splitter())  # fmt: skip
+                     history=[], tiers=None, _shares=ShareMemo(), _splitter=Splitter(),
+                     _ranks_differ=False)  # fmt: skip
         tiers = self.tiers
         state["_tier_config"] = (tiers.remote_root, tiers.keep_last_n) if tiers is not None else None
         return state
@@ -155,21 +158,35 @@ class Saver:
         resident = {key: tensors[key] for key in plan.resident}
         return self.stager.prepare(resident, background=background, pinned=plan.pinned)
 
-    def _my_share(self, tensors: dict[str, Any]) -> dict[str, Any]:
-        """This rank's share of the replicated tensors (collective saves under DDP). Ranks
-        compare fingerprints first (one small gather, on the training thread's
-        :attr:`stage_group`; without one on the job thread's group, idle here: the previous
-        save has finished): a tensor only some ranks hold would be lost if its owner lacked
-        it, so any difference means every rank stages all."""
+    def _my_share(self, tensors: dict[str, Any]) -> tuple[dict[str, Any], Callable[[], bool]]:
+        """This rank's share of the replicated tensors (collective saves under DDP), as if every
+        rank held the same ones, and the check of that to call after the copy: the ranks'
+        fingerprints, gathered meanwhile on the training thread's :attr:`stage_group` (without
+        one on the job thread's group, idle here: the previous save has finished). A tensor
+        only some ranks hold would be lost if its owner lacked it: ``False`` then, and every
+        rank stages all (from the start while they keep differing)."""
         if not self._collective():
-            return tensors
+            return tensors, lambda: True
         group = self.group
-        gather_on = self.stage_group if self.stage_group is not None else group
-        mine = self._shares.share(tensors, pdist.rank(group), lambda mark: pdist.all_gather_objects(mark, gather_on))
-        if mine is None:
-            log.warning("lightning_preempt: ranks hold different tensors; every rank stages all of them")
-            return tensors
-        return mine
+        fingerprint, mine = self._shares.share(tensors, pdist.rank(group), pdist.world_size(group))
+        gathered = pdist.start_gather_digests(fingerprint.encode(), self.stage_group if self.stage_group is not None else group)
+
+        def agreed() -> bool:
+            self._ranks_differ = len(set(gathered())) != 1
+            return not self._ranks_differ
+
+        return (tensors if self._ranks_differ else mine), agreed
+
+    def _stage(self, tensors: dict[str, Any], wait: bool) -> tuple[Split, dict[str, Any], InFlightCopy | None]:
+        unchanged = self.stager.unchanged(tensors)  # one C++ pass, for the split and the copy
+        plan = self.budget.split(tensors, self.stager, unchanged=unchanged)
+        whole = len(plan.resident) == len(tensors)
+        resident = tensors if whole else {k: tensors[k] for k in plan.resident}
+        # (a save that streams blocks until the writer has the streamed part: nothing to overlap)
+        staged, copying = self.overlap.stage(self.stager, resident, plan.pinned, defer=not (wait or plan.streamed),
+                                             unchanged=unchanged if whole else None)  # fmt: skip
+        self.budget.staged(plan)
+        return plan, staged, copying
 
     # ---- saving ------------------------------------------------------------------------
     def save(
@@ -204,18 +221,15 @@ class Saver:
                 # failure and raises it on every rank (write/commit.py's agreement).
                 log.warning("lightning_preempt: could not create %s yet (%s); the save reports it", url, err)
         with gc_paused():  # thousands of tensors: no full collections while training waits
-            tensors, skeleton = self._splitter.split(checkpoint, self.sharded_keys + sharded_keys)
-            tensors = self._my_share(tensors)
+            every, skeleton = self._splitter.split(checkpoint, self.sharded_keys + sharded_keys)
+            tensors, agreed = self._my_share(every)
             skeleton_data = skeleton_bytes(skeleton)  # torch.save's bytes; freezes the non-tensor state now
-            unchanged = self.stager.unchanged(tensors)  # one C++ pass, for the split and the copy
-            plan = self.budget.split(tensors, self.stager, unchanged=unchanged)
             staging_started = time.perf_counter()
-            whole = len(plan.resident) == len(tensors)
-            resident = tensors if whole else {k: tensors[k] for k in plan.resident}
-            # (a save that streams blocks until the writer has the streamed part: nothing to overlap)
-            staged, copying = self.overlap.stage(self.stager, resident, plan.pinned, defer=not (wait or plan.streamed),
-                                                 unchanged=unchanged if whole else None)  # fmt: skip
-            self.budget.staged(plan)
+            plan, staged, copying = self._stage(tensors, wait)
+            if not agreed() and tensors is not every:
+                log.warning("lightning_preempt: ranks hold different tensors; every rank stages all of them")
+                tensors = every
+                plan, staged, copying = self._stage(tensors, wait)
         record.deferred_bytes = copying.bytes if copying is not None else 0
         staged_s = time.perf_counter() - staging_started
         streamed = self.budget.streamed(plan, self.stager)

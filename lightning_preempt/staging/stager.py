@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import operator
 import threading
 from collections.abc import Callable, Collection
 from concurrent.futures import Future
@@ -19,6 +18,8 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
+
+from lightning_preempt.format.layouts import Layouts
 
 log = logging.getLogger(__name__)
 
@@ -122,10 +123,7 @@ class HostStager:
         plan = self._plan
         if plan is None or len(tensors) != len(plan.keys) or list(tensors) != plan.keys:
             return False
-        values = list(tensors.values())
-        if plan.guard is not None:
-            return bool(plan.guard.check(*values))
-        return _signature(values, self.pin_memory) == plan.signature
+        return plan.layouts.same(list(tensors.values()))
 
     def stage(self, tensors: dict[str, torch.Tensor], pinned: set[str] | None = None, *,
               keep: Collection[str] = (), unchanged: bool | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
@@ -183,13 +181,11 @@ class HostStager:
             torch.cuda.synchronize()
         self.last_staged_bytes = total
         values = list(tensors.values())
-        signature = _signature(values, self.pin_memory)
-        if all(kind is torch.Tensor for kind in signature[0]):  # (DTensors: their shards are looked up each time)
+        if all(type(v) is torch.Tensor for v in values):  # (DTensors: their shards are looked up each time)
             is_async = set(routed)
             self._plan = _StagePlan(
                 keys=list(tensors),
-                signature=signature,
-                guard=_layout_guard(values),
+                layouts=Layouts(values, with_devices=self.pin_memory),  # (pinning routes by device)
                 pinned=None if pinned is None else frozenset(pinned),
                 keep=frozenset(keep),
                 staged=dict(staged),
@@ -237,45 +233,12 @@ class HostStager:
             self._drop(key)
 
 
-#: each tensor's type, shape, dtype (and device where pinning routes them): :func:`_signature`
-Signature = tuple[list[Any], ...]
-
-
-def _layout_guard(values: list[torch.Tensor]) -> Any:
-    """A C++ check of each tensor's type, dtype, device, shape, strides and ``requires_grad``
-    against ``values`` (TorchDynamo's ``TensorGuards``, what a compiled graph checks its inputs
-    with: ~0.2 ms for 4000 tensors against ~0.6 ms for :func:`_signature`'s three passes).
-    ``None`` where this torch has no such check: :func:`_signature` then."""
-    try:
-        from torch._C._dynamo import guards
-
-        tensor_guards: Any = guards.TensorGuards  # (its stub types the per-tensor lists wrongly)
-        guard = tensor_guards(*values, dynamic_dims_sizes=[list(t.size()) for t in values],
-                              dynamic_dims_strides=[list(t.stride()) for t in values])  # fmt: skip
-        return guard if guard.check(*values) else None
-    except Exception:  # (a private API: another torch may spell it otherwise)
-        return None
-
-
-def _signature(values: list[torch.Tensor], with_devices: bool) -> Signature:
-    """What must not change for :class:`_StagePlan` to be reused: each tensor's type, shape
-    and dtype (a copy would broadcast or convert silently) and, where pinning routes CUDA
-    tensors apart, its device. C-level passes: ~0.2 ms each for 4000 tensors."""
-    types = list(map(type, values))
-    shapes = list(map(operator.attrgetter("shape"), values))
-    dtypes = list(map(operator.attrgetter("dtype"), values))
-    if with_devices:
-        return (types, shapes, dtypes, list(map(operator.attrgetter("device"), values)))
-    return (types, shapes, dtypes)
-
-
 @dataclasses.dataclass(frozen=True)
 class _StagePlan:
     """How the last :meth:`HostStager.stage` routed each tensor (plain tensors only)."""
 
     keys: list[str]
-    signature: Signature
-    guard: Any  # _layout_guard of the tensors, or None
+    layouts: Layouts  # of the tensors staged
     pinned: frozenset[str] | None
     keep: frozenset[str]
     staged: dict[str, torch.Tensor]  # what stage() returned (the buffers), copied per call

@@ -67,6 +67,15 @@ def _worker(rank: int, world: int, root: str, scenario: str) -> None:
         io.save_checkpoint(_state(1, extra_on_rank=1, rank=rank), os.path.join(root, "step-1"))
         out["staged"] = io.staging_last_bytes
         io.wait()
+        allocated = io.staging_allocated_bytes
+        # still different: every rank stages all from the start (no share staged and dropped first)
+        io.save_checkpoint(_state(2, extra_on_rank=1, rank=rank), os.path.join(root, "step-2"))
+        out.update(staged_again=io.staging_last_bytes, allocated_again=io.staging_allocated_bytes - allocated)
+        io.wait()
+        for step in (3, 4):  # the same again: all once more (as the last save found), then shares
+            io.save_checkpoint(_state(step, rank=rank), os.path.join(root, f"step-{step}"))
+            out[f"staged_same_{step}"] = io.staging_last_bytes
+            io.wait()
     elif scenario == "one_tensor":  # rank 1 owns nothing: it writes only its skeleton
         io.save_checkpoint({"global_step": 4, "state_dict": {"w": torch.arange(10.0)}}, os.path.join(root, "step-4"))
         out["staged"] = io.staging_last_bytes
@@ -158,10 +167,18 @@ def test_each_rank_stages_only_its_share(tmp_path: Path) -> None:
 
 
 def test_ranks_with_different_tensors_stage_everything(tmp_path: Path) -> None:
+    """The ranks' fingerprints are gathered while each copies its share (issue 33): where they
+    differ, every rank stages all before its save returns, and from the start while they keep
+    differing; once they agree, shares again from the save after."""
     outcomes = _run(tmp_path, "different_keys")
     total = _state_bytes(_state(1))
     assert [o["staged"] for o in outcomes] == [total, total + 12]
-    _assert_complete(str(tmp_path / "step-1"), 1)
+    assert [o["staged_again"] for o in outcomes] == [total, total + 12]
+    assert [o["allocated_again"] for o in outcomes] == [0, 0]
+    assert [o["staged_same_3"] for o in outcomes] == [total, total]
+    assert sum(o["staged_same_4"] for o in outcomes) == total and all(o["staged_same_4"] < total for o in outcomes)
+    for step in (1, 2, 3, 4):
+        _assert_complete(str(tmp_path / f"step-{step}"), step)
 
 
 def test_a_rank_dying_mid_save_commits_nothing_and_the_previous_checkpoint_is_whole(tmp_path: Path) -> None:

@@ -3,12 +3,10 @@ shapes, dtypes and devices (staging/stager.py), and notices every change."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 import torch
 
-from lightning_preempt.staging import stager as stager_module
+from lightning_preempt.format import layouts
 from lightning_preempt.staging.stager import HostStager
 
 
@@ -42,11 +40,11 @@ def test_second_stage_reuses_the_buffers_and_copies_new_values() -> None:
 @pytest.mark.parametrize("check", ["C++ guard", "Python signature"])
 def test_every_structural_change_is_noticed(check: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if check == "Python signature":  # a torch without TorchDynamo's TensorGuards
-        monkeypatch.setattr(stager_module, "_layout_guard", lambda values: None)
+        monkeypatch.setattr(layouts, "_guard", lambda values: None)
     stager = HostStager(pin_memory=False)
     state = _state()
     stager.stage(state)
-    assert stager._plan is not None and (stager._plan.guard is not None) == (check == "C++ guard")
+    assert stager._plan is not None and stager._plan.layouts.guarded == (check == "C++ guard")
     assert stager.unchanged({k: v.clone() for k, v in state.items()})
     changed = {
         "shape": {**state, "p3": torch.ones(5, 5)},
@@ -82,24 +80,14 @@ def test_share_memo_recomputes_on_every_change_and_agrees_with_own_share() -> No
 
     memo = ShareMemo()
     state = _state(40)
-    sent: list[str] = []
-
-    def gather_of(world: int) -> Callable[[str], list[str]]:
-        def gather(mark: str) -> list[str]:
-            sent.append(mark)
-            return [mark] * world
-
-        return gather
-
     for world in (2, 3):
         for rank in range(world):
-            got = memo.share(state, rank, gather_of(world))
-            assert got is not None and list(got) == list(own_share(state, rank, world))
-    assert set(sent) == {replica_fingerprint(state)}
-    for new in ({**state, "p3": torch.ones(9, 9)}, {**state, "p3": state["p3"].half()}, {**state, "x": torch.ones(1)}):
+            fingerprint, got = memo.share(state, rank, world)
+            assert fingerprint == replica_fingerprint(state) and list(got) == list(own_share(state, rank, world))
+    for new in ({**state, "p3": torch.ones(9, 9)}, {**state, "p3": state["p3"][:1].clone()},
+                {**state, "p3": state["p3"].half()}, {**state, "x": torch.ones(1)}):  # fmt: skip
         for rank in range(2):
-            got = memo.share(new, rank, gather_of(2))
-            assert got is not None and list(got) == list(own_share(new, rank, 2))
-        assert sent[-1] == replica_fingerprint(new) != replica_fingerprint(state)
-    # another rank holds something else: no share (every rank stages all)
-    assert memo.share(state, 0, lambda mark: [mark, "other"]) is None
+            fingerprint, got = memo.share(new, rank, 2)
+            assert list(got) == list(own_share(new, rank, 2))
+            assert fingerprint == replica_fingerprint(new) != replica_fingerprint(state)
+    assert memo.share(state, 0, 1) == (replica_fingerprint(state), state)
