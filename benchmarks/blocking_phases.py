@@ -1,7 +1,7 @@
 """Where a save's blocking time goes inside a real ``Trainer.fit`` (issue 33), phase by phase.
 
 bench_fit_overhead.py's fit (the same model, 24 or 4000 tensors, 50 ms steps) with ours
-(``PreemptionCallback`` + ``ShardedAsyncCheckpointIO``) saving every step. Each phase of
+(``PreemptionCallback`` + ``ShardedAsyncCheckpointIO``) saving every step (``--every``). Each phase of
 ``Saver.save`` on the training thread is timed by wrapping the function where the saver looks
 it up: the split, this rank's share, the skeleton's pickle, the layout check, the budget's
 split, the staging copy; beside them the whole save without its wait for the previous one
@@ -87,9 +87,9 @@ def worker(args: argparse.Namespace) -> int:
         CURRENT[0] = times
         io = ShardedAsyncCheckpointIO()
         trainer = L.Trainer(
-            max_steps=args.saves + args.skip, accelerator="cpu", devices=world,
+            max_steps=(args.saves + args.skip) * args.every, accelerator="cpu", devices=world,
             strategy=DDPStrategy(broadcast_buffers=False) if world > 1 else "auto",
-            callbacks=[PreemptionCallback(os.path.join(args.root, f"run{len(runs)}"), every_n_train_steps=1, keep_last_n=2)],
+            callbacks=[PreemptionCallback(os.path.join(args.root, f"run{len(runs)}"), every_n_train_steps=args.every, keep_last_n=2)],
             plugins=[io], enable_checkpointing=False, logger=False, enable_progress_bar=False, enable_model_summary=False,
         )  # fmt: skip
         with warnings.catch_warnings():
@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tensors", type=int, default=4000)
     p.add_argument("--width", type=int, default=384)
     p.add_argument("--step-ms", type=float, default=50.0)
+    p.add_argument("--every", type=int, default=1, help="save every N steps (default 1)")
     p.add_argument("--saves", type=int, default=40, help="timed saves a run (default 40)")
     p.add_argument("--skip", type=int, default=5, help="saves not timed at the start of a run (default 5)")
     p.add_argument("--runs", type=int, default=1, help="fits, each with its own figures (default 1)")
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [[name, *(f"{run[name]:.2f}" if name in run else "—" for run in runs)] for name in names]
     ratios = [run["save (without its wait)"] / run["copy floor"] for run in runs]
     rows.append(["save / copy floor", *(f"{r:.2f}" for r in ratios)])
-    print(f"### Blocking by phase: {args.ranks} rank(s), {args.tensors} tensors, a save every step, "
+    print(f"### Blocking by phase: {args.ranks} rank(s), {args.tensors} tensors, a save every {args.every} step(s), "
           f"{args.saves} timed saves a run\n")  # fmt: skip
     print(machine_notes() + f"; run took {time.perf_counter() - started:.0f}s\n")
     print(table(header, rows))
