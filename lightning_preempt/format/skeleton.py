@@ -160,16 +160,16 @@ class _Known:
             and out.keys().isdisjoint(self.flat_set)
         )
 
-    def marker_for(self, node: dict[Any, Any]) -> TensorDict:
+    def marker_for(self, node: dict[Any, Any]) -> TensorDict | OrderedDict[str, Any]:
+        """The placeholder of ``node`` (:meth:`matches`): the marker, with ``node``'s attributes."""
         attrs = _attrs(node)
         if attrs != self.marker.attrs:  # other module versions
             try:
                 self.marker = dataclasses.replace(self.marker, attrs=attrs)
-            except ValueError:
-                # (attributes a TensorDict does not carry; rare enough to build the dict here)
+            except ValueError:  # attributes a TensorDict does not carry: placeholders one by one
                 ordered = OrderedDict.fromkeys(self.keys, NEXT_REF)
                 ordered.__dict__.update(attrs)
-                return ordered  # type: ignore[return-value]
+                return ordered
         return self.marker
 
 

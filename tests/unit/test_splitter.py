@@ -53,6 +53,9 @@ def test_changed_keys_types_or_versions_are_walked_again() -> None:
     newer = _same_as_fresh(splitter, _state(version=2))
     assert base["state_dict"].attrs == {"_metadata": {"": {"version": 1}}}  # an earlier skeleton is not changed
     assert newer["state_dict"].attrs == {"_metadata": {"": {"version": 2}}}
+    odd_attrs = _state()
+    odd_attrs["state_dict"].__dict__["__odd"] = 1  # no TensorDict carries it: placeholders one by one
+    assert type(_same_as_fresh(splitter, odd_attrs)["state_dict"]) is OrderedDict
     plain = _state()
     plain["state_dict"] = dict(plain["state_dict"])
     assert Splitter().split(plain)[1]["state_dict"].ordered is False

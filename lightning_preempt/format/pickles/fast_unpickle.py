@@ -51,7 +51,7 @@ def fast_globals(with_numpy: bool) -> dict[tuple[str, str], Any]:
         ("torch", "device"): torch.device,
         ("_codecs", "encode"): __import__("_codecs").encode,  # how protocol 2 pickles bytes
         (TensorRef.__module__, TensorRef.__qualname__): TensorRef,
-        (TensorDict.__module__, TensorDict.__qualname__): TensorDict,  # checked where merged (format/skeleton.py)
+        (TensorDict.__module__, TensorDict.__qualname__): TensorDict,  # checks its arguments
         (tensor_from_bytes.__module__, tensor_from_bytes.__qualname__): tensor_from_bytes,  # checks its arguments
     }
     for value in vars(torch).values():
