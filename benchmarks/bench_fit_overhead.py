@@ -274,19 +274,21 @@ def rows_of(args: argparse.Namespace) -> list[tuple[str, int, int]]:
     return out
 
 
-def copy_floor(width: int, n_tensors: int, device: str, repeats: int = 7) -> float:
+def copy_floor(width: int, n_tensors: int, device: str, repeats: int = 7, sources: list[Any] | None = None) -> float:
     """Seconds to copy the fit's state (parameters and SGD momentum, as many tensors) into
     preallocated, touched buffers with one ``_foreach_copy_``: the blocking floor of a save.
     Caches are flushed before each copy (64 MiB written): in a fit the step and the writer
     evict the state between two saves, and a state of a few MiB copied in a hot loop would
     stay in the cache and set a floor no save can meet. On CUDA: device to pinned host
-    buffers, synchronized (what the stager does there)."""
+    buffers, synchronized (what the stager does there). ``sources``: the tensors to copy
+    (a fit's own, where they lie in memory); default those of a new model of the fit's shape."""
     import torch
 
     cuda = device == "cuda"
-    model = build(width, n_tensors).to(device)
-    params = [p.detach() for p in model.parameters()]
-    sources = [*params, *params, *model.buffers()]  # + one momentum buffer each
+    if sources is None:
+        model = build(width, n_tensors).to(device)
+        params = [p.detach() for p in model.parameters()]
+        sources = [*params, *params, *model.buffers()]  # + one momentum buffer each
     buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) for t in sources]
     torch._foreach_copy_(buffers, sources, non_blocking=cuda)  # touched
     scratch = torch.empty(16 << 20, dtype=torch.float32)
