@@ -156,8 +156,8 @@ class _Known:
             len(node) == len(self.keys)
             and (type(node) is OrderedDict) == self.marker.ordered
             and tuple(node) == self.keys
-            and all(map(_LEAF_TENSORS.__contains__, map(type, node.values())))
-            and out.keys().isdisjoint(self.flat_set)
+            and set(map(type, node.values())) <= _LEAF_TENSORS
+            and (not out or out.keys().isdisjoint(self.flat_set))  # (a state_dict comes first: out is empty)
         )
 
     def marker_for(self, node: dict[Any, Any]) -> TensorDict | OrderedDict[str, Any]:
