@@ -64,17 +64,27 @@ class ShareMemo:
         self._layouts: Layouts | None = None
         self._fingerprint = ""
         self._mine: dict[tuple[int, int], list[str]] = {}
+        #: the last save's ranks held different tensors: every rank stages all until they agree
+        self.differ = False
 
     def share(self, tensors: dict[str, torch.Tensor], rank: int, world_size: int) -> tuple[str, dict[str, torch.Tensor]]:
-        """(:func:`replica_fingerprint`, :func:`own_share`) of ``tensors`` for ``rank``. The
-        share holds only where every rank's fingerprint is this one: the caller compares them."""
+        """(:func:`replica_fingerprint`, :func:`own_share`) of ``tensors`` for ``rank``; all of
+        them while :attr:`differ`. The share holds only where every rank's fingerprint is this
+        one: the caller gathers them for :meth:`agreed`."""
         keys, values = list(tensors), list(tensors.values())
         if keys != self._keys or self._layouts is None or not self._layouts.same(values):
             self._keys, self._layouts, self._mine = keys, Layouts(values), {}
             self._fingerprint = replica_fingerprint(tensors)
-        if world_size <= 1:
+        if world_size <= 1 or self.differ:
             return self._fingerprint, tensors
         mine = self._mine.get((rank, world_size))
         if mine is None:
             mine = self._mine[(rank, world_size)] = list(own_share(tensors, rank, world_size))
         return self._fingerprint, {key: tensors[key] for key in mine}
+
+    def agreed(self, fingerprints: list[bytes]) -> bool:
+        """Whether every rank's fingerprint is the same; a tensor only some ranks hold would be
+        lost if its owner lacked it, so otherwise every rank stages all (from the start of the
+        saves after, while they keep differing)."""
+        self.differ = len(set(fingerprints)) != 1
+        return not self.differ

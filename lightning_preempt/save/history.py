@@ -1,8 +1,10 @@
-"""What one save measured (:class:`SaveRecord`) and how many of them a saver keeps."""
+"""What one save measured (:class:`SaveRecord`), how many of them a saver keeps, and the step a
+checkpoint records."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 #: Save records kept in :attr:`Saver.history` (the newest ones).
 HISTORY_KEPT = 64
@@ -27,3 +29,13 @@ class SaveRecord:
         if not self.committed_s:
             return None
         return self.bytes / max(self.committed_s - self.blocking_s, 1e-9)
+
+
+def checkpoint_step(checkpoint: dict[str, Any]) -> int:
+    """The training step a checkpoint records: Lightning's ``global_step``, else a plain
+    ``step`` (a hand-written loop's ``fabric.save(path, {"step": ...})``); -1 when neither."""
+    for key in ("global_step", "step"):
+        value = checkpoint.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return -1

@@ -25,7 +25,7 @@ from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.format.shares import ShareMemo, own_share
 from lightning_preempt.format.skeleton import Splitter, split_checkpoint
 from lightning_preempt.read.load import gc_paused
-from lightning_preempt.save.history import HISTORY_KEPT, SaveRecord
+from lightning_preempt.save.history import HISTORY_KEPT, SaveRecord, checkpoint_step
 from lightning_preempt.staging.budget import Split, StagingBudget
 from lightning_preempt.staging.overlap import InFlightCopy, Overlap
 from lightning_preempt.staging.stager import HostStager
@@ -76,7 +76,6 @@ class Saver:
         self.plan_cache = PlanCache()
         self.stager.on_release = self.plan_cache.forget_views
         self._shares = ShareMemo()  # who stages which replicated tensor, while the structure holds
-        self._ranks_differ = False  # the last save's ranks held different tensors: all stage all
         self._splitter = Splitter()  # the state's structure, while it holds (format/skeleton.py)
         self.jobs = JobQueue()
         self.history: list[SaveRecord] = []
@@ -98,8 +97,7 @@ class Saver:
         history or drain thread (the job queue and the stager drop theirs themselves)."""
         state = self.__dict__.copy()
         state.update(_pending=None, _written=None, _committing=None, group=None, stage_group=None, rank=0,
-                     history=[], tiers=None, _shares=ShareMemo(), _splitter=Splitter(),
-                     _ranks_differ=False)  # fmt: skip
+                     history=[], tiers=None, _shares=ShareMemo(), _splitter=Splitter())  # fmt: skip
         tiers = self.tiers
         state["_tier_config"] = (tiers.remote_root, tiers.keep_last_n) if tiers is not None else None
         return state
@@ -159,23 +157,15 @@ class Saver:
         return self.stager.prepare(resident, background=background, pinned=plan.pinned)
 
     def _my_share(self, tensors: dict[str, Any]) -> tuple[dict[str, Any], Callable[[], bool]]:
-        """This rank's share of the replicated tensors (collective saves under DDP), as if every
-        rank held the same ones, and the check of that to call after the copy: the ranks'
-        fingerprints, gathered meanwhile on the training thread's :attr:`stage_group` (without
-        one on the job thread's group, idle here: the previous save has finished). A tensor
-        only some ranks hold would be lost if its owner lacked it: ``False`` then, and every
-        rank stages all (from the start while they keep differing)."""
+        """This rank's share (DDP; format/shares.py), and the check, after its copy, that every rank
+        holds the same tensors: their fingerprints, gathered meanwhile on :attr:`stage_group`
+        (without one on the job thread's group, idle here: the previous save has finished)."""
         if not self._collective():
             return tensors, lambda: True
         group = self.group
         fingerprint, mine = self._shares.share(tensors, pdist.rank(group), pdist.world_size(group))
         gathered = pdist.start_gather_digests(fingerprint.encode(), self.stage_group if self.stage_group is not None else group)
-
-        def agreed() -> bool:
-            self._ranks_differ = len(set(gathered())) != 1
-            return not self._ranks_differ
-
-        return (tensors if self._ranks_differ else mine), agreed
+        return mine, lambda: self._shares.agreed(gathered())
 
     def _stage(self, tensors: dict[str, Any], wait: bool) -> tuple[Split, dict[str, Any], InFlightCopy | None]:
         unchanged = self.stager.unchanged(tensors)  # one C++ pass, for the split and the copy
@@ -408,12 +398,3 @@ class Saver:
             if self.tiers is not None:
                 self.tiers.close()
 
-
-def checkpoint_step(checkpoint: dict[str, Any]) -> int:
-    """The training step a checkpoint records: Lightning's ``global_step``, else a plain
-    ``step`` (a hand-written loop's ``fabric.save(path, {"step": ...})``); -1 when neither."""
-    for key in ("global_step", "step"):
-        value = checkpoint.get(key)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return -1

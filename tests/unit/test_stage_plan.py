@@ -91,3 +91,7 @@ def test_share_memo_recomputes_on_every_change_and_agrees_with_own_share() -> No
             assert list(got) == list(own_share(new, rank, 2))
             assert fingerprint == replica_fingerprint(new) != replica_fingerprint(state)
     assert memo.share(state, 0, 1) == (replica_fingerprint(state), state)
+    # ranks that differ: every rank stages all, until the fingerprints agree again
+    assert memo.agreed([b"x", b"x"]) and not memo.agreed([b"x", b"y"])
+    assert memo.share(state, 0, 2)[1] is state
+    assert memo.agreed([b"x", b"x"]) and list(memo.share(state, 0, 2)[1]) == list(own_share(state, 0, 2))
