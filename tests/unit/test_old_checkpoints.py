@@ -60,6 +60,16 @@ def test_an_old_replaced_checkpoint_loads_its_newest_generation() -> None:
     assert checkpoint["global_step"] == 5
 
 
+def _resuming_trainer(dirpath: Path, probe: L.Callback) -> L.Trainer:
+    """A Trainer to step 5 that resumes from ``dirpath`` (saving step 5 there)."""
+    return L.Trainer(
+        max_steps=5, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0,
+        callbacks=[PreemptionCallback(dirpath=str(dirpath), every_n_train_steps=5, lease=False), probe],
+        plugins=[ShardedAsyncCheckpointIO()],
+    )  # fmt: skip
+
+
 def test_a_trainer_resumes_from_an_old_dirpath_and_goes_on(tmp_path: Path) -> None:
     dirpath = tmp_path / "run"
     shutil.copytree(OLD / "run", dirpath)
@@ -69,12 +79,7 @@ def test_a_trainer_resumes_from_an_old_dirpath_and_goes_on(tmp_path: Path) -> No
         def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
             started.append((trainer.global_step, {k: v.clone() for k, v in pl_module.state_dict().items()}))
 
-    trainer = L.Trainer(
-        max_steps=5, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0,
-        callbacks=[PreemptionCallback(dirpath=str(dirpath), every_n_train_steps=5, lease=False), Probe()],
-        plugins=[ShardedAsyncCheckpointIO()],
-    )  # fmt: skip
+    trainer = _resuming_trainer(dirpath, Probe())
     lines: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
@@ -119,12 +124,7 @@ def test_a_format_2_checkpoint_verifies_loads_and_resumes_into_format_3(tmp_path
         def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
             started.append({k: v.clone() for k, v in pl_module.state_dict().items()})
 
-    trainer = L.Trainer(
-        max_steps=5, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0,
-        callbacks=[PreemptionCallback(dirpath=str(dirpath), every_n_train_steps=5, lease=False), Probe()],
-        plugins=[ShardedAsyncCheckpointIO()],
-    )  # fmt: skip
+    trainer = _resuming_trainer(dirpath, Probe())
     trainer.fit(Buffered(), DataLoader(data(n=32), batch_size=8, shuffle=True))
     assert trainer.global_step == 5
     assert all(torch.equal(started[0][k], v) for k, v in weights.items())  # resumed from the format-2 weights
