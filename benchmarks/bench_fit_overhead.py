@@ -264,10 +264,7 @@ def one_fit(
         blocked = [
             r.blocking_s - r.waited_s for r in plugins[0].saver.history if warm_until < r.step <= warm_until + probe.timed
         ]
-        module, optimizer = trainer.lightning_module, trainer.optimizers[0]
-        own = [*module.state_dict().values(),
-               *(t for state in optimizer.state.values() for t in state.values() if hasattr(t, "untyped_storage"))]  # fmt: skip
-        own_floor = copy_floor(args.width, n_tensors, args.device, sources=own)
+        own_floor = copy_floor(args.width, n_tensors, args.device, sources=own_tensors(trainer))
     return probe.timed / (probe.t1 - probe.t0), blocked, own_floor
 
 
@@ -278,6 +275,16 @@ def rows_of(args: argparse.Namespace) -> list[tuple[str, int, int]]:
         out.append(("none", 0, n))
         out += [(m, every, n) for every in args.every for m in args.methods[1:]]
     return out
+
+
+def own_tensors(trainer: Any) -> list[Any]:
+    """The tensors a save of ``trainer``'s fit stages: its module's ``state_dict`` and its
+    optimizer's state, where they lie in memory (for :func:`copy_floor`)."""
+    import torch
+
+    module, optimizer = trainer.lightning_module, trainer.optimizers[0]
+    moments = (t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor))
+    return [*module.state_dict().values(), *moments]
 
 
 def copy_floor(width: int, n_tensors: int, device: str, repeats: int = 7, sources: list[Any] | None = None) -> float:

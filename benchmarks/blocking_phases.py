@@ -8,8 +8,9 @@ split, the staging copy; beside them the whole save without its wait for the pre
 (``Saver.history``), Lightning's ``dump_checkpoint`` (outside our save, in every method's
 cost) and the copy floor (one ``_foreach_copy_`` of the whole state into touched buffers,
 caches flushed: bench_fit_overhead.copy_floor), of a new model's tensors and of the fit's own
-(where they lie in memory; under DDP a rank's whole state, of which it stages its share). Medians over the saves after the first
-``--skip``. Rank 0's figures; ``--ranks N`` runs the fit under torchrun.
+(where they lie in memory; under DDP a rank's whole state, of which it stages its share).
+Medians over the saves after the first ``--skip``. Rank 0's figures; ``--ranks N`` runs the
+fit under torchrun.
 
     python benchmarks/blocking_phases.py                   # 1 rank, 4000 tensors, 40 saves
     python benchmarks/blocking_phases.py --ranks 2 --runs 5
@@ -72,7 +73,7 @@ def instrument() -> None:
 def worker(args: argparse.Namespace) -> int:
     import lightning as L
     import torch
-    from bench_fit_overhead import Batches, build, copy_floor
+    from bench_fit_overhead import Batches, build, copy_floor, own_tensors
     from lightning.pytorch.strategies import DDPStrategy
 
     from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO
@@ -100,10 +101,8 @@ def worker(args: argparse.Namespace) -> int:
         run = {name: median(values[args.skip :]) * 1e3 for name, values in times.items() if values[args.skip :]}
         run["save (without its wait)"] = median([r.blocking_s - r.waited_s for r in history]) * 1e3
         run["copy floor"] = copy_floor(args.width, args.tensors, "cpu") * 1e3
-        module, optimizer = trainer.lightning_module, trainer.optimizers[0]
-        own = [*module.state_dict().values(),
-               *(t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor))]  # fmt: skip
-        run["copy floor, the fit's own tensors"] = copy_floor(args.width, args.tensors, "cpu", sources=own) * 1e3
+        run["copy floor, the fit's own tensors"] = copy_floor(args.width, args.tensors, "cpu",
+                                                              sources=own_tensors(trainer)) * 1e3  # fmt: skip
         runs.append(run)
     if int(os.environ.get("RANK", "0")) == 0:
         with open(args.out, "w") as f:
@@ -131,13 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="lp-blocking-") as root:
         out = os.path.join(root, "out.json")
         rest = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("worker", "out", "root")]
-        cmd = [os.path.abspath(__file__), "--worker", f"--out={out}", f"--root={root}", *rest]
+        launcher = [sys.executable]
         if args.ranks > 1:
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.ranks}",
-                   f"--master-port={free_port()}", *cmd]  # fmt: skip
-        else:
-            cmd = [sys.executable, *cmd]
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+            launcher += ["-m", "torch.distributed.run", f"--nproc-per-node={args.ranks}", f"--master-port={free_port()}"]
+        script = [os.path.abspath(__file__), "--worker", f"--out={out}", f"--root={root}", *rest]
+        subprocess.run([*launcher, *script], check=True, stdout=subprocess.DEVNULL)
         with open(out) as f:
             runs = json.load(f)
     names = [*PHASES, "save (without its wait)", "copy floor", "copy floor, the fit's own tensors",

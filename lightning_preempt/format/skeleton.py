@@ -139,7 +139,7 @@ class _Known:
     @staticmethod
     def of(node: dict[Any, Any], path: str, out: dict[str, Any]) -> _Known | None:
         keys = tuple(node)
-        if not (all(type(k) is str for k in keys) and all(map(_LEAF_TENSORS.__contains__, map(type, node.values())))):
+        if not (all(type(k) is str for k in keys) and _all_tensors(node)):
             return None
         flat = tuple(f"{path}/{k}" for k in keys)
         if not all(out.get(key) is v for key, v in zip(flat, node.values())):  # one renamed (#1)
@@ -156,7 +156,7 @@ class _Known:
             len(node) == len(self.keys)
             and (type(node) is OrderedDict) == self.marker.ordered
             and tuple(node) == self.keys
-            and set(map(type, node.values())) <= _LEAF_TENSORS
+            and _all_tensors(node)
             and (not out or out.keys().isdisjoint(self.flat_set))  # (a state_dict comes first: out is empty)
         )
 
@@ -171,6 +171,10 @@ class _Known:
                 ordered.__dict__.update(attrs)
                 return ordered
         return self.marker
+
+
+def _all_tensors(node: dict[Any, Any]) -> bool:
+    return set(map(type, node.values())) <= _LEAF_TENSORS  # (one C-level pass)
 
 
 def _attrs(node: dict[Any, Any]) -> dict[str, Any]:
