@@ -142,6 +142,8 @@ class Ledger:
             restart = self.restart if self.restart is not None else 0
             records = [*self.prior.records, *({**r, "restart": restart} for r in self.records)]
             folded = dict(self.prior.folded_saves)
+            if self._totals["count"]:  # this process's saves that compaction folded away
+                folded[restart] = dict(self._totals)
         s = summarize(records, folded, running=True)
         out = {"preempt/preemptions": float(len(s["preemptions"])), "preempt/restarts": float(s["restarts"]),
                "preempt/steps_lost": float(s["steps_lost"])}  # fmt: skip
@@ -239,10 +241,11 @@ class Ledger:
             return
         # The compacted file covers them: deleting them (or failing to) changes nothing a reader sees.
         old = [n for _, n in self._written] + ([self._compacted[1]] if self._compacted is not None else [])
-        self._compacted, self._written, self._totals = (first, name), [], totals
+        self._compacted, self._written = (first, name), []
         self._written_bytes = 0
-        with self._lock:  # the in-memory copy keeps what the compacted file keeps
+        with self._lock:  # the in-memory copy keeps what the compacted file keeps, with its totals
             self.records = [r for r in self.records if r["seq"] > last or r in kept]
+            self._totals = totals
         for n in old:
             try:
                 store.rm_file(n)

@@ -119,12 +119,20 @@ def test_the_writer_compacts_and_a_ledger_it_cannot_write_only_warns(
 ) -> None:
     monkeypatch.setattr(writer, "COMPACT_EVERY", 8)
     monkeypatch.setattr(fmt, "COMPACT_KEEPS_SAVES", 3)
+    clock = iter(range(1_000_000))  # the records 1 s apart: goodput tells the blocking counted
+    monkeypatch.setattr(writer.time, "time", lambda: T0 + next(clock))
     config = type("C", (), {"every_n_train_steps": 1, "every_n_seconds": None, "grace_period_s": 30.0})()
     ledger = writer.Ledger(str(tmp_path), {}, RUN)
     ledger.add("start", **writer.start_fields(0, None, 1, config))
     for step in range(1, 21):
-        ledger.add("save", save_kind="periodic", step=step, blocking_s=0.01, committed_s=0.1, bytes=100,
+        ledger.add("save", save_kind="periodic", step=step, blocking_s=0.5, committed_s=0.6, bytes=100,
                    tier="dirpath", error=None)  # fmt: skip
+    assert ledger.flush(10)
+    # The figures logged during training count the saves compaction folded away too.
+    on_disk = read_ledger(str(tmp_path)).runs[RUN]
+    running = summarize(on_disk.records, on_disk.folded_saves, running=True)
+    assert running["saves"] == 20 and running["checkpoint_blocking_s"] == pytest.approx(20 * 0.5)
+    assert ledger.figures()["preempt/goodput"] == pytest.approx(running["goodput"])
     ledger.add("finish", step=20)
     ledger.close()
     names = sorted(p.name for p in (tmp_path / LEDGER_DIR / RUN).iterdir())
@@ -132,7 +140,7 @@ def test_the_writer_compacts_and_a_ledger_it_cannot_write_only_warns(
     read = read_ledger(str(tmp_path))
     summary = summarize(read.runs[RUN].records, read.runs[RUN].folded_saves)
     assert summary["saves"] == 20 and summary["finished"] and summary["last_step"] == 20
-    assert summary["checkpoint_blocking_s"] == pytest.approx(20 * 0.01)
+    assert summary["checkpoint_blocking_s"] == pytest.approx(20 * 0.5)
     again = writer.Ledger(str(tmp_path), {}, RUN)  # the next process of the run: restart 1
     again.add("finish", step=20)
     again.close()
