@@ -72,6 +72,16 @@ def nbytes(obj: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors_of(obj))
 
 
+def work_verdict(work: Path, ok: bool) -> int:
+    """A benchmark's exit code, its work directory (checkpoints, the jobs' logs) removed when it
+    passed and kept, named on stderr, when it did not: what went wrong is in there."""
+    if ok:
+        shutil.rmtree(work, ignore_errors=True)
+        return 0
+    print(f"benchmark failed: its work directory (checkpoints, job logs) is kept in {work}", file=sys.stderr)
+    return 1
+
+
 def median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs)) if xs else float("nan")
 

@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from _common import table
+from _common import table, work_verdict
 from fault_injection import RESUME_RE, bound_in_force, failure_records, newest_ok, scan, scan_union
 from netns import Hosts
 from netns_job import NodeJob
@@ -257,8 +257,9 @@ def main_peer(cfg: argparse.Namespace, argv: list[str] | None, report: Callable[
     report(cfg, argv, t0, f"{title} across two hosts with tier 0 (bench_node_loss.py --tier0 --nodes 2"
            f"{' --fault partition' if cfg.fault == 'partition' else ''})",
            table(header, rows), summary, {"trials": trials, "identical": identical})  # fmt: skip
-    return 0 if identical and all(t["resumed_newest"] and t["within_bound"] and t["tier_ok"] and t["exit_s"] is not None
-                                  and float(t["exit_s"]) <= 10 for t in trials) else 1  # type: ignore[arg-type]
+    return work_verdict(work, identical and all(bool(t["resumed_newest"] and t["within_bound"] and t["tier_ok"])
+                                                and t["exit_s"] is not None and float(t["exit_s"]) <= 10  # type: ignore[arg-type]
+                                                for t in trials))
 
 
 def main_n_minus_1(cfg: argparse.Namespace, argv: list[str] | None, report: Callable[..., None]) -> int:
@@ -300,4 +301,4 @@ def main_n_minus_1(cfg: argparse.Namespace, argv: list[str] | None, report: Call
                "sample order: not checked here (see the function's docstring)"]  # fmt: skip
     report(cfg, argv, t0, "N-1 after a node lost with its memory (bench_node_loss.py --tier0 --n-minus-1)",
            table(header, rows), summary, {"trial": trial, "result": result, "tier": tier})  # fmt: skip
-    return 0 if newest and tier_ok and ended else 1
+    return work_verdict(work, newest and tier_ok and ended)

@@ -59,7 +59,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "support"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine_notes, table  # noqa: E402
+from _common import machine_notes, table, work_verdict  # noqa: E402
 from fault_injection import RESUME_RE, bound_in_force, failure_records, newest_ok, scan  # noqa: E402
 from netns import Hosts, missing  # noqa: E402
 from netns_job import NodeJob  # noqa: E402
@@ -185,7 +185,7 @@ def main_tier0(cfg: argparse.Namespace, argv: list[str] | None) -> int:
     ]
     _report(cfg, argv, t0, "Node loss with tier 0 (bench_node_loss.py --tier0)", table(header, rows), summary,
             {"trials": trials})  # fmt: skip
-    return 0 if all(t["resumed_newest"] and t["within_bound"] for t in trials) else 1
+    return work_verdict(work, all(bool(t["resumed_newest"] and t["within_bound"]) for t in trials))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     _report(cfg, argv, t0, "Node loss without a signal (bench_node_loss.py)", table(header, rows), summary,
             {"trials": trials, "identical": identical})  # fmt: skip
-    return 0 if identical and all(t["resumed_newest"] for t in trials) else 1
+    return work_verdict(work, identical and all(bool(t["resumed_newest"]) for t in trials))
 
 
 def _report(cfg: argparse.Namespace, argv: list[str] | None, t0: float, title: str, body: str,
