@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-stamp="torch==2.13.0 [$1] $(sha256sum pyproject.toml | cut -c1-16)"
+stamp="torch==2.13.0 [$1] compiled $(sha256sum pyproject.toml | cut -c1-16)"
 if [ "$(cat .venv/.lp-installed 2>/dev/null)" != "$stamp" ]; then
   source scripts/_install.sh
   install_torch .venv 2.13.0
