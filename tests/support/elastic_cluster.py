@@ -165,6 +165,21 @@ class Cluster:
         out = [json.loads(p.read_text()) for p in self.status.glob(f"{name}.*.{kind}.json")]
         return sorted(out, key=lambda r: r["time"])
 
+    def wait_world(self, names: str, size: int, timeout: float = 180) -> int:
+        """Wait until every node of ``names`` started workers in a world of ``size`` nodes; the
+        step they started at. (A rendezvous closes 1 s after its minimum joined, and an agent
+        started late under load joins a round later: every node restarts then, at ``size``.)"""
+        deadline = time.monotonic() + timeout
+        while True:
+            starts = [[r for r in self.records(n, "start") if r["world_size"] == size] for n in names]
+            if all(starts):
+                return max(r[-1]["start_step"] for r in starts)
+            for n in names:
+                proc = self.agents[n]
+                assert proc.poll() is None, f"agent {n} exited with {proc.returncode}\n{self.log(n)}"
+            assert time.monotonic() < deadline, f"no world of {size} nodes {names}\n{self.log(names[0])}"
+            time.sleep(0.1)
+
     def wait_starts(self, name: str, n: int, timeout: float = 180) -> list[dict[str, Any]]:
         deadline = time.monotonic() + timeout
         while len(starts := self.records(name, "start")) < n:
