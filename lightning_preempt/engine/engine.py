@@ -26,7 +26,7 @@ from lightning_preempt.engine.loss_bound import Copy
 from lightning_preempt.engine.memory_tier import MEMORY_HINT, MemoryTier
 from lightning_preempt.engine.runtime import (
     Runtime,
-    newest_manifest,
+    listed_at_setup,
     preflight,
     warn_about_newer_checkpoints,
     warn_without_periodic_saves,
@@ -65,6 +65,9 @@ class Engine:
         #: before the drain gets the rest of the grace period (the peer replica).
         self.snapshot_hooks: list[Callable[[int], None]] = []
         self.resumed_from: str | None = None
+        #: The highest step a checkpoint directory in ``dirpath`` carried at set-up (agreed; None:
+        #: unknown). A save of a higher step needs no look at the storage for its path.
+        self._highest_listed: int | None = None
         self.run_id: str | None = None  # set in setup; recorded in every manifest of this run
         self.save_kind = "periodic"  # why the save in progress is taken (saved in the checkpoint)
         self.last_saved_step: int | None = None
@@ -167,7 +170,8 @@ class Engine:
                 tier_policy.upload_local_only(saver.tiers, config.dirpath)
         self.ledger.close()
         self.ledger = Ledger(config.dirpath, config.storage_options, self.run_id, enabled=leader and config.ledger)
-        newest = agree.decide(lambda: newest_manifest(config), group, what="reading the newest manifest")
+        newest, self._highest_listed = agree.decide(lambda: listed_at_setup(config), group,
+                                                    what="reading the newest manifest")  # fmt: skip
         self.grace.check_manifest(newest)
         self.controller.signal_flag.clear()
         if config.notices and not self._notice_sources:  # one watcher per node: local rank 0
@@ -290,13 +294,16 @@ class Engine:
             return
         assert self._save is not None, "Engine.setup() first"
         self._forgive_memory_copy(wait=True)
+        # (without the lease another job may write the same dirpath: then look at the storage)
+        listed = self._highest_listed if self.config.lease else None
         path = tier_policy.fresh_path(self.saver.tiers, self.config.dirpath, step, self.config.storage_options,
-                                       self._group)  # fmt: skip
+                                       self._group, highest_listed=listed)  # fmt: skip
         self.save_kind = kind  # recorded in the checkpoint by the front-end during this save
         saver, before = self.saver, self.saver.history[-1:]
         # Periodic saves may overlap their copy with the next step (staging/overlap.py); the
         # emergency and final ones are waited for at once: staged completely, synchronously.
         overlap = kind in ("periodic", "notice")
+        saver.unwatched(path)  # nothing looks for the path before its commit
         with contextlib.nullcontext() if overlap else saver.overlap.suspended():
             self._save(path)
         self.last_saved_step, self.last_saved_path = step, path

@@ -70,15 +70,18 @@ def preflight(dirpath: str, storage_options: dict[str, Any], local_dirpath: str 
         log.warning("lightning_preempt: %s\nSaves will be written directly to %s.", err, dirpath)
 
 
-def newest_manifest(config: PreemptionConfig) -> Manifest | None:
-    """The newest committed manifest in ``dirpath`` (for the grace projection only: a failure
-    here is logged, never fatal)."""
+def listed_at_setup(config: PreemptionConfig) -> tuple[Manifest | None, int | None]:
+    """What ``dirpath`` holds as training starts: its newest committed manifest (for the grace
+    projection) and the highest step any of its checkpoint directories carries (-1: none; a
+    save of a higher step has a fresh path without asking the storage, engine/tier_policy.py).
+    A failed listing is logged, never fatal: ``(None, None)``."""
     try:
-        newest = next((c for c in list_checkpoints(config.dirpath, config.storage_options) if c.committed), None)
+        listed = list_checkpoints(config.dirpath, config.storage_options)
     except Exception as err:
         log.warning("lightning_preempt: cannot read the newest manifest for the grace check: %s", err)
-        return None
-    return newest.manifest if newest is not None else None
+        return None, None
+    newest = next((c for c in listed if c.committed), None)
+    return (newest.manifest if newest is not None else None), max((c.step for c in listed), default=-1)
 
 
 def warn_about_newer_checkpoints(config: PreemptionConfig, step: int) -> None:

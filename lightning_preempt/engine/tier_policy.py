@@ -87,10 +87,19 @@ def taken(tiers: TwoTier | None, path: str, storage_options: dict[str, Any]) -> 
         return True
 
 
-def fresh_path(tiers: TwoTier | None, dirpath: str, step: int, storage_options: dict[str, Any], group: Any) -> str:
+def fresh_path(tiers: TwoTier | None, dirpath: str, step: int, storage_options: dict[str, Any], group: Any,
+               *, highest_listed: int | None = None) -> str:  # fmt: skip
     """``dirpath/step-N``, or a suffixed sibling when a committed ``step-N`` exists (a run
-    resumed from an older checkpoint re-reaches a step). Rank 0 decides for all ranks."""
+    resumed from an older checkpoint re-reaches a step). Rank 0 decides for all ranks.
+
+    ``highest_listed``: the highest step ``dirpath`` held when training started (agreed by
+    every rank; None: unknown). One tier and a higher step: ``step-N`` is fresh, decided by
+    every rank alike without a storage round trip or a collective (a bucket's HEAD on the
+    training thread at every save). Only another job writing the same ``dirpath`` could have
+    made it since, which the lease refuses; and the writer never tears what it replaces."""
     path = join_url(dirpath, checkpoint_name(step))
+    if tiers is None and highest_listed is not None and step > highest_listed:
+        return path
 
     def pick() -> str:
         if not taken(tiers, path, storage_options):

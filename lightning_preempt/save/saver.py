@@ -91,6 +91,7 @@ class Saver:
         self._pending: Future[Manifest] | None = None
         self._written: threading.Event | None = None  # the pending save's tensors are written
         self._committing: Future[Manifest] | None = None  # the save before it, maybe still committing
+        self._unwatched: str | None = None  # the next save's url, when nothing looks for it (:meth:`unwatched`)
 
     def __getstate__(self) -> dict[str, Any]:
         """Configuration only: a copy (``ddp_spawn``, ``deepcopy``) has no pending save, group,
@@ -179,6 +180,14 @@ class Saver:
         return plan, staged, copying
 
     # ---- saving ------------------------------------------------------------------------
+    def unwatched(self, url: str) -> None:
+        """The next :meth:`save` goes to ``url`` and nothing looks for that path before it is
+        committed (the engine's own saves; Lightning's ``ModelCheckpoint`` does look for its
+        own): the training thread leaves creating the path to the write job, which claims it
+        anyway (write/replace.py). On an object store two round trips and a write fewer while
+        training waits; on a local disk a ``stat`` and a ``mkdir``."""
+        self._unwatched = url
+
     def save(
         self, checkpoint: dict[str, Any], url: str, options: dict[str, Any], *, wait: bool = False,
         sharded_keys: tuple[str, ...] = (),
@@ -199,7 +208,8 @@ class Saver:
         self._wait_pending(buffers=self.tiers is None and (not self._collective() or self.stage_group is not None))
         record.waited_s = time.perf_counter() - started
         local_url = self.tiers.local_twin(url) if self.tiers is not None else None
-        if self.rank == 0:
+        unwatched, self._unwatched = self._unwatched == url, None
+        if self.rank == 0 and not unwatched:
             # ``url`` exists when save returns: Lightning's ``ModelCheckpoint`` looks for it right
             # after saving (``-v1`` versioning, ``save_last="link"``). With two tiers the training
             # thread touches only the local disk (a remote outage must not stall a step).

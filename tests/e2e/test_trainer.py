@@ -59,6 +59,49 @@ def test_an_explicit_ckpt_path_wins_over_auto_resume(tmp_path: Path) -> None:
     assert probe.start_step == 10
     # the lease's second look at dirpath is for auto-resume only: it chose nothing here
     assert cb.engine.run_id not in first_run
+    # Step 20 re-reached (dirpath held it at set-up): saved beside the first run's, which stays.
+    twenties = [c for c in list_checkpoints(str(tmp_path)) if c.step == 20 and c.committed and c.manifest]
+    assert sorted(c.manifest.run_id in first_run for c in twenties) == [False, True], twenties
+    assert (tmp_path / checkpoint_name(20)).is_dir() and twenties[0].name != twenties[1].name
+
+
+def test_a_save_of_a_new_step_leaves_the_storage_alone_while_training_waits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The path of a step above what dirpath held at set-up is fresh without asking the storage
+    (a bucket's round trips at every save), and the write job creates it: the training thread's
+    saves call nothing of the storage (the flag: inside our on_train_batch_end)."""
+    import threading
+
+    from lightning_preempt.storage.store import Store
+
+    asked: list[str] = []
+    inside = threading.Event()
+    for name in ("exists", "isdir", "makedirs", "commit_bytes", "list_dirs", "entries"):
+        original = getattr(Store, name)
+
+        def spy(self: Store, *args: Any, _name: str = name, _original: Any = original, **kwargs: Any) -> Any:
+            if inside.is_set() and threading.current_thread() is threading.main_thread():
+                asked.append(f"{_name} {self.url}")
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(Store, name, spy)
+    hook = PreemptionCallback.on_train_batch_end
+
+    def watched(self: PreemptionCallback, *args: Any) -> None:
+        inside.set()
+        try:
+            hook(self, *args)
+        finally:
+            inside.clear()
+
+    monkeypatch.setattr(PreemptionCallback, "on_train_batch_end", watched)
+    fit(tmp_path, max_steps=5, every=2, keep_last_n=10)
+    first = len(asked)
+    resumed = fit(tmp_path, max_steps=9, every=2, keep_last_n=10)
+    assert resumed.probe.start_step == 5
+    assert asked == [], asked[:first] + ["(second run)"] + asked[first:]
+    assert committed(tmp_path) == [9, 8, 6, 5, 4, 2]
 
 
 def test_a_corrupt_newest_checkpoint_is_skipped_in_fit(tmp_path: Path) -> None:
