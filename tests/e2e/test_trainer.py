@@ -100,7 +100,7 @@ def test_a_save_of_a_new_step_leaves_the_storage_alone_while_training_waits(
     first = len(asked)
     resumed = fit(tmp_path, max_steps=9, every=2, keep_last_n=10)
     assert resumed.probe.start_step == 5
-    assert asked == [], asked[:first] + ["(second run)"] + asked[first:]
+    assert asked == [], [*asked[:first], "(second run)", *asked[first:]]
     assert committed(tmp_path) == [9, 8, 6, 5, 4, 2]
 
 
