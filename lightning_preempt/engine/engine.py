@@ -303,7 +303,7 @@ class Engine:
         # Periodic saves may overlap their copy with the next step (staging/overlap.py); the
         # emergency and final ones are waited for at once: staged completely, synchronously.
         overlap = kind in ("periodic", "notice")
-        saver.unwatched(path)  # nothing looks for the path before its commit
+        saver.unwatched_url = path  # nothing looks for it before its commit
         with contextlib.nullcontext() if overlap else saver.overlap.suspended():
             self._save(path)
         self.last_saved_step, self.last_saved_path = step, path

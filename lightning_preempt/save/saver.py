@@ -91,7 +91,10 @@ class Saver:
         self._pending: Future[Manifest] | None = None
         self._written: threading.Event | None = None  # the pending save's tensors are written
         self._committing: Future[Manifest] | None = None  # the save before it, maybe still committing
-        self._unwatched: str | None = None  # the next save's url, when nothing looks for it (:meth:`unwatched`)
+        #: The next :meth:`save`'s path when nothing looks for it before its commit (the engine's
+        #: saves; ``ModelCheckpoint`` looks for its own): the write job's claim creates it, not the
+        #: training thread (on an object store two round trips and a PUT fewer while it waits).
+        self.unwatched_url: str | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         """Configuration only: a copy (``ddp_spawn``, ``deepcopy``) has no pending save, group,
@@ -180,14 +183,6 @@ class Saver:
         return plan, staged, copying
 
     # ---- saving ------------------------------------------------------------------------
-    def unwatched(self, url: str) -> None:
-        """The next :meth:`save` goes to ``url`` and nothing looks for that path before it is
-        committed (the engine's own saves; Lightning's ``ModelCheckpoint`` does look for its
-        own): the training thread leaves creating the path to the write job, which claims it
-        anyway (write/replace.py). On an object store two round trips and a write fewer while
-        training waits; on a local disk a ``stat`` and a ``mkdir``."""
-        self._unwatched = url
-
     def save(
         self, checkpoint: dict[str, Any], url: str, options: dict[str, Any], *, wait: bool = False,
         sharded_keys: tuple[str, ...] = (),
@@ -203,23 +198,16 @@ class Saver:
         """
         started = time.perf_counter()
         record = SaveRecord(url, checkpoint_step(checkpoint), started)
-        # The stager's buffers are in use until the previous save's tensors are written; its
-        # commit may go on (two tiers: a fallback to the remote tier rereads the buffers).
+        # The buffers are in use until the previous save's tensors are written; its commit may go
+        # on (two tiers: a fallback to the remote tier rereads the buffers)
         self._wait_pending(buffers=self.tiers is None and (not self._collective() or self.stage_group is not None))
         record.waited_s = time.perf_counter() - started
         local_url = self.tiers.local_twin(url) if self.tiers is not None else None
-        unwatched, self._unwatched = self._unwatched == url, None
+        unwatched, self.unwatched_url = self.unwatched_url == url, None
         if self.rank == 0 and not unwatched:
-            # ``url`` exists when save returns: Lightning's ``ModelCheckpoint`` looks for it right
-            # after saving (``-v1`` versioning, ``save_last="link"``). With two tiers the training
-            # thread touches only the local disk (a remote outage must not stall a step).
-            try:
-                ensure_exists(Store(url, options) if local_url is None else Store(local_url))
-            except Exception as err:
-                # Never raise on rank 0 alone here: the other ranks would enter the job's
-                # collectives and wait until the group times out. The write job meets the same
-                # failure and raises it on every rank (write/commit.py's agreement).
-                log.warning("lightning_preempt: could not create %s yet (%s); the save reports it", url, err)
+            # ``url`` exists when save returns (replace.ensure_exists); with two tiers the training
+            # thread touches only the local disk (a remote outage must not stall a step)
+            ensure_exists(Store(url, options) if local_url is None else Store(local_url))
         with gc_paused():  # thousands of tensors: no full collections while training waits
             every, skeleton = self._splitter.split(checkpoint, self.sharded_keys + sharded_keys)
             tensors, agreed = self._my_share(every)

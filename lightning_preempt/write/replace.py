@@ -36,12 +36,18 @@ def ensure_exists(store: Store) -> None:
     ``ModelCheckpoint`` checks it for ``-v1`` versioning and ``save_last="link"``.
 
     Local disk: the directory. Object stores have no directories: a zero-byte marker.
+    Never raises (rank 0 alone calls it: raising here would leave the other ranks in the save
+    job's collectives until the group times out); the write job meets the same failure and
+    raises it on every rank (write/commit.py's agreement).
     """
-    if store.exists():
-        return
-    store.makedirs()
-    if not store.exists():
-        store.commit_bytes(MARKER_NAME, b"", exclusive=False)
+    try:
+        if store.exists():
+            return
+        store.makedirs()
+        if not store.exists():
+            store.commit_bytes(MARKER_NAME, b"", exclusive=False)
+    except Exception as err:
+        log.warning("lightning_preempt: could not create %s yet (%s); the save reports it", store.url, err)
 
 
 @dataclasses.dataclass(frozen=True)
