@@ -151,14 +151,21 @@ class Cluster:
             return int((self.status / f"{name}.step").read_text())
         return -1
 
-    def wait_step(self, name: str, step: int, timeout: float = 180) -> int:
+    def _poll(self, names: str, done: Any, what: Any, timeout: float) -> Any:
+        """Poll ``done()`` until it returns something other than ``None`` (returned); fail with
+        ``what()`` after ``timeout`` s, or at once when an agent of ``names`` exited."""
         deadline = time.monotonic() + timeout
-        while (now := self.step(name)) < step:
-            proc = self.agents[name]
-            assert proc.poll() is None, f"agent {name} exited with {proc.returncode}\n{self.log(name)}"
-            assert time.monotonic() < deadline, f"node {name} did not reach step {step}\n{self.log(name)}"
+        while (got := done()) is None:
+            for name in names:
+                proc = self.agents[name]
+                assert proc.poll() is None, f"agent {name} exited with {proc.returncode}\n{self.log(name)}"
+            assert time.monotonic() < deadline, f"{what()}\n{self.log(names[0])}"
             time.sleep(0.1)
-        return now
+        return got
+
+    def wait_step(self, name: str, step: int, timeout: float = 180) -> int:
+        return int(self._poll(name, lambda: now if (now := self.step(name)) >= step else None,
+                              lambda: f"node {name} did not reach step {step}", timeout))  # fmt: skip
 
     def records(self, name: str, kind: str) -> list[dict[str, Any]]:
         """The worker starts (``kind="start"``) or exits (``"exit"``) of a node, in time order."""
@@ -169,22 +176,14 @@ class Cluster:
         """Wait until every node of ``names`` started workers in a world of ``size`` nodes; the
         step they started at. (A rendezvous closes 1 s after its minimum joined, and an agent
         started late under load joins a round later: every node restarts then, at ``size``.)"""
-        deadline = time.monotonic() + timeout
-        while True:
+
+        def started() -> int | None:
             starts = [[r for r in self.records(n, "start") if r["world_size"] == size] for n in names]
-            if all(starts):
-                return max(r[-1]["start_step"] for r in starts)
-            for n in names:
-                proc = self.agents[n]
-                assert proc.poll() is None, f"agent {n} exited with {proc.returncode}\n{self.log(n)}"
-            assert time.monotonic() < deadline, f"no world of {size} nodes {names}\n{self.log(names[0])}"
-            time.sleep(0.1)
+            return max(r[-1]["start_step"] for r in starts) if all(starts) else None
+
+        return int(self._poll(names, started, lambda: f"no world of {size} nodes {names}", timeout))
 
     def wait_starts(self, name: str, n: int, timeout: float = 180) -> list[dict[str, Any]]:
-        deadline = time.monotonic() + timeout
-        while len(starts := self.records(name, "start")) < n:
-            proc = self.agents[name]
-            assert proc.poll() is None, f"agent {name} exited with {proc.returncode}\n{self.log(name)}"
-            assert time.monotonic() < deadline, f"node {name}: {len(starts)} starts, waited for {n}\n{self.log(name)}"
-            time.sleep(0.1)
-        return starts
+        return list(self._poll(name, lambda: starts if len(starts := self.records(name, "start")) >= n else None,
+                               lambda: f"node {name}: {len(self.records(name, 'start'))} starts, waited for {n}",
+                               timeout))  # fmt: skip
