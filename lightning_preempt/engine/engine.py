@@ -66,7 +66,7 @@ class Engine:
         self.snapshot_hooks: list[Callable[[int], None]] = []
         self.resumed_from: str | None = None
         #: The highest step a checkpoint directory in ``dirpath`` carried at set-up (agreed; None:
-        #: unknown). A save of a higher step needs no look at the storage for its path.
+        #: unknown, or no lease). A save of a higher step needs no look at the storage for its path.
         self._highest_listed: int | None = None
         self.run_id: str | None = None  # set in setup; recorded in every manifest of this run
         self.save_kind = "periodic"  # why the save in progress is taken (saved in the checkpoint)
@@ -170,8 +170,9 @@ class Engine:
                 tier_policy.upload_local_only(saver.tiers, config.dirpath)
         self.ledger.close()
         self.ledger = Ledger(config.dirpath, config.storage_options, self.run_id, enabled=leader and config.ledger)
-        newest, self._highest_listed = agree.decide(lambda: listed_at_setup(config), group,
-                                                    what="reading the newest manifest")  # fmt: skip
+        newest, highest = agree.decide(lambda: listed_at_setup(config), group, what="reading the newest manifest")
+        # (without the lease another job may write the same dirpath: every save looks at the storage)
+        self._highest_listed = highest if config.lease else None
         self.grace.check_manifest(newest)
         self.controller.signal_flag.clear()
         if config.notices and not self._notice_sources:  # one watcher per node: local rank 0
@@ -294,10 +295,8 @@ class Engine:
             return
         assert self._save is not None, "Engine.setup() first"
         self._forgive_memory_copy(wait=True)
-        # (without the lease another job may write the same dirpath: then look at the storage)
-        listed = self._highest_listed if self.config.lease else None
         path = tier_policy.fresh_path(self.saver.tiers, self.config.dirpath, step, self.config.storage_options,
-                                       self._group, highest_listed=listed)  # fmt: skip
+                                       self._group, highest_listed=self._highest_listed)  # fmt: skip
         self.save_kind = kind  # recorded in the checkpoint by the front-end during this save
         saver, before = self.saver, self.saver.history[-1:]
         # Periodic saves may overlap their copy with the next step (staging/overlap.py); the
