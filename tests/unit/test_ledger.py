@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import logging
+import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -120,7 +122,9 @@ def test_the_writer_compacts_and_a_ledger_it_cannot_write_only_warns(
     monkeypatch.setattr(writer, "COMPACT_EVERY", 8)
     monkeypatch.setattr(fmt, "COMPACT_KEEPS_SAVES", 3)
     clock = iter(range(1_000_000))  # the records 1 s apart: goodput tells the blocking counted
-    monkeypatch.setattr(writer.time, "time", lambda: T0 + next(clock))
+    # the writer's clock only (not the process's: logging and the store keep the real one)
+    fake = types.SimpleNamespace(time=lambda: T0 + next(clock), monotonic=time.monotonic)
+    monkeypatch.setattr(writer, "time", fake)
     config = type("C", (), {"every_n_train_steps": 1, "every_n_seconds": None, "grace_period_s": 30.0})()
     ledger = writer.Ledger(str(tmp_path), {}, RUN)
     ledger.add("start", **writer.start_fields(0, None, 1, config))
