@@ -200,9 +200,11 @@ def dict_callback(every: int, copy_on: str | None = None) -> Any:
     """(f): Lightning's checkpoint dict every ``every`` steps, built as ``Trainer.save_checkpoint``
     builds it for any ``CheckpointIO`` and dropped: what every Lightning save pays before storing.
     (g), ``copy_on`` a device: then one copy of its tensors into buffers made at the first save
-    and reused (pinned on CUDA, as a stager's); under DDP a rank copies its ~1/N, split by bytes."""
+    and reused (pinned on CUDA, as a stager's); under DDP a rank copies its share (``replica_owners``)."""
     import lightning as L
     import torch
+
+    from lightning_preempt.format.shares import replica_owners
 
     cuda = copy_on == "cuda"
 
@@ -224,13 +226,9 @@ def dict_callback(every: int, copy_on: str | None = None) -> Any:
             state = checkpoint["optimizer_states"][0]["state"]
             moments = (t for s in state.values() for t in s.values() if isinstance(t, torch.Tensor))
             tensors = [*checkpoint["state_dict"].values(), *moments]
-            if self.buffers is None:  # the first (untimed) save: this rank's share and its buffers
-                loads = [0] * world
-                for i in sorted(range(len(tensors)), key=lambda i: -tensors[i].nbytes):
-                    owner = min(range(world), key=loads.__getitem__)
-                    loads[owner] += tensors[i].nbytes
-                    if owner == rank:
-                        self.mine.append(i)
+            if self.buffers is None:  # the first (untimed) save: this rank's share (as ours splits it), its buffers
+                owners = replica_owners({str(i): t for i, t in enumerate(tensors)}, world)
+                self.mine = [i for i in range(len(tensors)) if owners[str(i)] == rank]
                 self.buffers = [torch.empty(tensors[i].shape, dtype=tensors[i].dtype, pin_memory=cuda)
                                 for i in self.mine]  # fmt: skip
             torch._foreach_copy_(self.buffers, [tensors[i] for i in self.mine], non_blocking=cuda)
