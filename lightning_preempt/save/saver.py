@@ -26,6 +26,7 @@ from lightning_preempt.format.shares import ShareMemo, own_share
 from lightning_preempt.format.skeleton import Splitter, split_checkpoint
 from lightning_preempt.read.load import gc_paused
 from lightning_preempt.save.history import HISTORY_KEPT, SaveRecord, checkpoint_step
+from lightning_preempt.save.idle import Gate
 from lightning_preempt.staging.budget import Split, StagingBudget
 from lightning_preempt.staging.overlap import InFlightCopy, Overlap
 from lightning_preempt.staging.stager import HostStager
@@ -232,6 +233,7 @@ class Saver:
                               streamed=streamed, written=written)  # fmt: skip
         self.history.append(record)
         del self.history[:-HISTORY_KEPT]  # a long run saves thousands of times
+        write: Callable[[], Manifest] = lambda: self._write(request, record, copying)  # noqa: E731
         if local_url is not None and self.tiers is not None:
             tiers = self.tiers
 
@@ -240,9 +242,9 @@ class Saver:
                 record.error = None  # a local failure followed by a remote fallback that works
                 return self._write(tier_request, record, copying)
 
-            self._pending = self.submit(lambda: tiers.save(write_to, url, local_url, record.step))
-        else:
-            self._pending = self.submit(lambda: self._write(request, record, copying))
+            write = lambda: tiers.save(write_to, url, local_url, record.step)  # noqa: E731
+        gate = Gate(None, 0.0) if wait or streamed is not None else Gate.here(self.history)  # save/idle.py
+        self._pending = self.submit(lambda: gate.after(write))  # a periodic write starts once training waits
         self._written = written
         self._pending.add_done_callback(lambda _: written.set())
         if streamed is not None:
