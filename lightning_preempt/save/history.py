@@ -22,6 +22,9 @@ class SaveRecord:
     committed_s: float | None = None
     bytes: int = 0
     deferred_bytes: int = 0  # copied after save() returned (overlapped staging)
+    #: the write found the training thread waiting (save/idle.py); False also while it skips
+    #: looking; None: a save training waited for, started at once
+    found_idle: bool | None = None
     error: BaseException | None = None
 
     @property

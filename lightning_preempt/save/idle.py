@@ -6,9 +6,9 @@ torch releases that lock in every operator call and every tensor it frees: a tra
 that is still in Python when the write starts waits for the writer's Python at each of them
 (4000 tensors, every step, 50 ms steps: 3.0-4.7 ms a step; docs/benchmarks.md, round 12). So a
 periodic save's job first waits until the training thread stops using the CPU (its thread CPU
-clock stands still: a sleep, a blocking wait, I/O), at most :data:`LIMIT_S` and a
-:data:`INTERVAL_SHARE` of the time since the save before (the next save must not find this
-one's write still running because it started late). Where the thread never stops (CPU-bound
+clock stands still: a sleep, a blocking wait, I/O), at most :data:`LIMIT_S` and half the slack
+the save before left (the next save must not find this one's write still running because it
+started late; no wait when the writer is behind). Where the thread never stops (CPU-bound
 training, a CUDA synchronisation that spins) the write starts at that limit, as before, later.
 """
 
@@ -28,38 +28,54 @@ _clock_gettime = time.clock_gettime  # (a module name a test replaces)
 
 #: How long a write waits at most for the training thread to wait (seconds; 0: not at all).
 LIMIT_S = 0.02
-#: ... and at most this share of the time between the last two saves' starts.
-INTERVAL_SHARE = 0.25
+#: ... and at most this share of the slack the save before left: the time between the last two
+#: saves' starts less that save's write (so a write that starts late still ends before the next
+#: save; none when the writer has no slack).
+SLACK_SHARE = 0.5
 #: How often the training thread's CPU clock is read; it waits when it ran less than
 #: :data:`IDLE_SHARE` of one such window.
 WINDOW_S = 0.0005
 IDLE_SHARE = 0.1
+#: After this many writes in a row that never found training waiting, writes start at once,
+#: but for one save in every :data:`PROBE_EVERY`, which looks again.
+MISSES_OFF = 2
+PROBE_EVERY = 16
 
 
 @dataclasses.dataclass(frozen=True)
 class Gate:
-    """A queued write's start (:meth:`after`): the training thread's CPU clock and the limit."""
+    """A queued write's start (:meth:`after`): the training thread's CPU clock, the limit, and
+    the save's record, which keeps what the gate found (:attr:`SaveRecord.found_idle`)."""
 
     clock: int | None
     limit_s: float
+    record: SaveRecord | None = None
 
     @staticmethod
     def here(history: Sequence[SaveRecord]) -> Gate:
         """The gate of a save made now on this (the training) thread; ``history`` ends with its
         record. The clock is taken on the thread itself, while it lives: on Linux it names the
-        kernel's thread id, so reading it after the thread ended fails, never reads freed memory."""
+        kernel's thread id, so reading it after the thread ended fails, never reads freed memory.
+        Where the last :data:`MISSES_OFF` writes never found training waiting (CPU-bound
+        training, a spinning synchronisation) it does not look, but for every
+        :data:`PROBE_EVERY`-th save: the polling would cost training and find nothing."""
+        record = history[-1] if history else None
         try:
             clock: int | None = time.pthread_getcpuclockid(threading.get_ident())
         except (AttributeError, OSError, OverflowError):  # (not POSIX: no thread CPU clocks)
             clock = None
-        limit = LIMIT_S
-        if len(history) >= 2:
-            limit = min(limit, INTERVAL_SHARE * max(0.0, history[-1].started - history[-2].started))
-        return Gate(clock, limit)
+        recent = [r.found_idle for r in history[-MISSES_OFF - 1 : -1]]
+        if len(recent) == MISSES_OFF and recent.count(False) == MISSES_OFF and len(history) % PROBE_EVERY:
+            if record is not None:
+                record.found_idle = False  # (skipped: still not waiting, as far as anyone knows)
+            return Gate(None, 0.0)
+        return Gate(clock, _limit(history), record)
 
     def after(self, job: Callable[[], T]) -> T:
         """``job()`` once :func:`wait_until_idle` returned (on the writer thread)."""
-        wait_until_idle(self.clock, limit_s=self.limit_s)
+        found = wait_until_idle(self.clock, limit_s=self.limit_s)
+        if self.record is not None and self.clock is not None and self.limit_s > 0:
+            self.record.found_idle = found
         return job()
 
 
@@ -84,3 +100,17 @@ def wait_until_idle(clock: int | None, *, limit_s: float | None = None, window_s
     except OSError:  # the thread ended
         return False
     return False
+
+
+def _limit(history: Sequence[SaveRecord]) -> float:
+    """:data:`LIMIT_S`, within :data:`SLACK_SHARE` of the slack the previous save's write left
+    before this save (``history[-1]``); 0 when the writer is behind: that write still runs, or
+    this save waited for it."""
+    if len(history) < 2:
+        return LIMIT_S
+    previous, this = history[-2], history[-1]
+    if previous.committed_s is None or this.waited_s > WINDOW_S:  # still writing, or this save
+        return 0.0  # waited for its buffers: the writer is behind (or the save failed)
+    write_s = previous.committed_s - previous.blocking_s
+    slack = (this.started - previous.started) - write_s
+    return max(0.0, min(LIMIT_S, SLACK_SHARE * slack))

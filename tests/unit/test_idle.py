@@ -69,13 +69,32 @@ def test_a_waiting_thread_is_seen_waiting_and_a_working_one_is_not(monkeypatch: 
     assert not idle.wait_until_idle(None) and not idle.wait_until_idle(clocks[0], limit_s=0)
 
 
-def test_a_write_waits_at_most_a_share_of_the_save_interval() -> None:
+def test_a_write_waits_at_most_half_the_slack_the_save_before_left() -> None:
     """The next save must not find this one's write still running because it started late."""
-    records = [SaveRecord("a", 1, started=100.0), SaveRecord("b", 2, started=100.04)]
-    assert idle.Gate.here(records[:1]).limit_s == idle.LIMIT_S  # the first save: the fixed limit
-    assert idle.Gate.here(records).limit_s == pytest.approx(idle.INTERVAL_SHARE * 0.04)  # 40 ms apart
-    records.append(SaveRecord("c", 3, started=200.0))
-    assert idle.Gate.here(records).limit_s == idle.LIMIT_S  # saves far apart: the fixed limit
+    first = SaveRecord("a", 1, started=100.0, blocking_s=0.001, committed_s=0.031)  # a 30 ms write
+    assert idle.Gate.here([first]).limit_s == idle.LIMIT_S  # the first save: the fixed limit
+    soon = SaveRecord("b", 2, started=100.04)  # 40 ms later: 10 ms of slack
+    assert idle.Gate.here([first, soon]).limit_s == pytest.approx(idle.SLACK_SHARE * 0.01)
+    late = SaveRecord("c", 2, started=100.02)  # before that write ended: the writer is behind
+    assert idle.Gate.here([first, late]).limit_s == 0.0
+    assert idle.Gate.here([soon, late]).limit_s == 0.0  # the save before still writes (or failed)
+    waited = SaveRecord("e", 3, started=100.04, waited_s=0.005)  # it waited for the buffers: behind
+    assert idle.Gate.here([first, waited]).limit_s == 0.0
+    apart = SaveRecord("d", 3, started=200.0)  # saves far apart: the fixed limit
+    assert idle.Gate.here([first, apart]).limit_s == idle.LIMIT_S
+
+
+def test_writes_stop_looking_where_training_never_waits_and_look_again_now_and_then() -> None:
+    def records(*found: bool | None) -> list[SaveRecord]:
+        return [SaveRecord(str(i), i, started=float(i), committed_s=0.01, found_idle=f) for i, f in enumerate(found)]
+
+    looks = idle.Gate.here(records(False, True, None))  # the last write found training waiting
+    assert looks.limit_s > 0 and looks.record is not None
+    history = records(True, False, False, None)  # two writes in a row found it busy: no look
+    skipped = idle.Gate.here(history)
+    assert skipped.limit_s == 0 and skipped.record is None and history[-1].found_idle is False
+    history = records(*[False] * (idle.PROBE_EVERY - 1), None)  # every PROBE_EVERY-th save looks
+    assert len(history) % idle.PROBE_EVERY == 0 and idle.Gate.here(history).limit_s > 0
 
 
 def _checkpoint(step: int) -> dict[str, Any]:
