@@ -22,9 +22,9 @@ class SaveRecord:
     committed_s: float | None = None
     bytes: int = 0
     deferred_bytes: int = 0  # copied after save() returned (overlapped staging)
-    #: the write found the training thread waiting (save/idle.py); False also while it skips
-    #: looking; None: a save training waited for, started at once
-    found_idle: bool | None = None
+    #: writes in a row, this one's included, that did not find the training thread waiting
+    #: (save/idle.py; 0: this one did, skipped looks count as not); None: started at once
+    idle_misses: int | None = None
     error: BaseException | None = None
 
     @property

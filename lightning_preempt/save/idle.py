@@ -36,8 +36,8 @@ SLACK_SHARE = 0.5
 #: :data:`IDLE_SHARE` of one such window.
 WINDOW_S = 0.0005
 IDLE_SHARE = 0.1
-#: After this many writes in a row that never found training waiting, writes start at once,
-#: but for one save in every :data:`PROBE_EVERY`, which looks again.
+#: After this many writes in a row that did not find training waiting, writes start at once,
+#: but for one save in :data:`PROBE_EVERY`, which looks again.
 MISSES_OFF = 2
 PROBE_EVERY = 16
 
@@ -45,37 +45,39 @@ PROBE_EVERY = 16
 @dataclasses.dataclass(frozen=True)
 class Gate:
     """A queued write's start (:meth:`after`): the training thread's CPU clock, the limit, and
-    the save's record, which keeps what the gate found (:attr:`SaveRecord.found_idle`)."""
+    the save's record, which keeps what the gate found (:attr:`SaveRecord.idle_misses`)."""
 
     clock: int | None
     limit_s: float
     record: SaveRecord | None = None
+    misses_before: int = 0
 
     @staticmethod
     def here(history: Sequence[SaveRecord]) -> Gate:
         """The gate of a save made now on this (the training) thread; ``history`` ends with its
         record. The clock is taken on the thread itself, while it lives: on Linux it names the
         kernel's thread id, so reading it after the thread ended fails, never reads freed memory.
-        Where the last :data:`MISSES_OFF` writes never found training waiting (CPU-bound
-        training, a spinning synchronisation) it does not look, but for every
-        :data:`PROBE_EVERY`-th save: the polling would cost training and find nothing."""
+        After :data:`MISSES_OFF` writes in a row that did not find training waiting (CPU-bound
+        training, a spinning synchronisation) it does not look, but once in :data:`PROBE_EVERY`
+        saves: the polling would cost training and find nothing."""
         record = history[-1] if history else None
+        before = history[-2].idle_misses if len(history) >= 2 else None
+        misses = before or 0
+        if misses >= MISSES_OFF and misses % PROBE_EVERY:
+            if record is not None:
+                record.idle_misses = misses + 1
+            return Gate(None, 0.0)
         try:
             clock: int | None = time.pthread_getcpuclockid(threading.get_ident())
         except (AttributeError, OSError, OverflowError):  # (not POSIX: no thread CPU clocks)
             clock = None
-        recent = [r.found_idle for r in history[-MISSES_OFF - 1 : -1]]
-        if len(recent) == MISSES_OFF and recent.count(False) == MISSES_OFF and len(history) % PROBE_EVERY:
-            if record is not None:
-                record.found_idle = False  # (skipped: still not waiting, as far as anyone knows)
-            return Gate(None, 0.0)
-        return Gate(clock, _limit(history), record)
+        return Gate(clock, _limit(history), record, misses)
 
     def after(self, job: Callable[[], T]) -> T:
         """``job()`` once :func:`wait_until_idle` returned (on the writer thread)."""
         found = wait_until_idle(self.clock, limit_s=self.limit_s)
         if self.record is not None and self.clock is not None and self.limit_s > 0:
-            self.record.found_idle = found
+            self.record.idle_misses = 0 if found else self.misses_before + 1
         return job()
 
 

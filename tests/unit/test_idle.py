@@ -85,16 +85,18 @@ def test_a_write_waits_at_most_half_the_slack_the_save_before_left() -> None:
 
 
 def test_writes_stop_looking_where_training_never_waits_and_look_again_now_and_then() -> None:
-    def records(*found: bool | None) -> list[SaveRecord]:
-        return [SaveRecord(str(i), i, started=float(i), committed_s=0.01, found_idle=f) for i, f in enumerate(found)]
+    def records(misses_before: int | None) -> list[SaveRecord]:
+        return [SaveRecord("a", 1, started=1.0, committed_s=0.01, idle_misses=misses_before),
+                SaveRecord("b", 2, started=2.0)]  # fmt: skip
 
-    looks = idle.Gate.here(records(False, True, None))  # the last write found training waiting
-    assert looks.limit_s > 0 and looks.record is not None
-    history = records(True, False, False, None)  # two writes in a row found it busy: no look
+    looks = idle.Gate.here(records(1))  # one write in a row did not find training waiting
+    assert looks.limit_s > 0 and looks.record is not None and looks.misses_before == 1
+    history = records(idle.MISSES_OFF)  # two did: no look, and this one counts as not found
     skipped = idle.Gate.here(history)
-    assert skipped.limit_s == 0 and skipped.record is None and history[-1].found_idle is False
-    history = records(*[False] * (idle.PROBE_EVERY - 1), None)  # every PROBE_EVERY-th save looks
-    assert len(history) % idle.PROBE_EVERY == 0 and idle.Gate.here(history).limit_s > 0
+    assert skipped.limit_s == 0 and skipped.record is None and history[-1].idle_misses == idle.MISSES_OFF + 1
+    assert idle.Gate.here(records(idle.PROBE_EVERY)).limit_s > 0  # once in PROBE_EVERY saves: a look
+    assert idle.Gate.here(records(5 * idle.PROBE_EVERY + 1)).limit_s == 0  # (past history's cap too)
+    assert idle.Gate.here(records(None)).limit_s > 0  # after a save training waited for: a look
 
 
 def _checkpoint(step: int) -> dict[str, Any]:
