@@ -9,7 +9,8 @@ periodic save's job first waits until the training thread stops using the CPU (i
 clock stands still: a sleep, a blocking wait, I/O), at most :data:`LIMIT_S` and half the slack
 the save before left (the next save must not find this one's write still running because it
 started late; no wait when the writer is behind). Where the thread never stops (CPU-bound
-training, a CUDA synchronisation that spins) the write starts at that limit, as before, later.
+training, a CUDA synchronisation that spins) two writes start at that limit and the rest at
+once, as before, one save in :data:`PROBE_EVERY` looking again.
 """
 
 from __future__ import annotations
