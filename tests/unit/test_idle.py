@@ -20,20 +20,20 @@ from lightning_preempt.storage.store import Store
 pytestmark = pytest.mark.skipif(idle.Gate.here([]).clock is None, reason="threads have no CPU clock here")
 
 
-def _clock_of(target: Any) -> tuple[threading.Thread, list[int | None], threading.Event]:
-    """Start ``target(stop)`` on a thread that first hands back its own CPU clock."""
+def _waiting_thread() -> tuple[threading.Thread, int | None, threading.Event]:
+    """A thread that waits until the returned event is set, and its CPU clock."""
     clocks: list[int | None] = []
     ready, stop = threading.Event(), threading.Event()
 
     def run() -> None:
         clocks.append(idle.Gate.here([]).clock)
         ready.set()
-        target(stop)
+        stop.wait()
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     ready.wait()
-    return thread, clocks, stop
+    return thread, clocks[0], stop
 
 
 class _FakeClock:
@@ -53,12 +53,12 @@ class _FakeClock:
 
 
 def test_a_waiting_thread_is_seen_waiting_and_a_working_one_is_not(monkeypatch: pytest.MonkeyPatch) -> None:
-    sleeper, clocks, stop = _clock_of(lambda stop: stop.wait())
-    assert idle.wait_until_idle(clocks[0], limit_s=30.0)  # seen waiting long before the limit
+    sleeper, clock, stop = _waiting_thread()
+    assert idle.wait_until_idle(clock, limit_s=30.0)  # seen waiting long before the limit
     stop.set()
     sleeper.join()
     # ended: its clock fails (False) or, until the kernel lets the thread go, stands still (True)
-    assert idle.wait_until_idle(clocks[0], limit_s=1.0) in (False, True)
+    assert idle.wait_until_idle(clock, limit_s=1.0) in (False, True)
 
     busy = _FakeClock(busy=True)  # a thread that never stops (a real spinner may be descheduled)
     started = time.monotonic()
@@ -66,7 +66,7 @@ def test_a_waiting_thread_is_seen_waiting_and_a_working_one_is_not(monkeypatch: 
     assert not idle.wait_until_idle(busy.clock, limit_s=0.2)
     assert time.monotonic() - started >= 0.2
 
-    assert not idle.wait_until_idle(None) and not idle.wait_until_idle(clocks[0], limit_s=0)
+    assert not idle.wait_until_idle(None) and not idle.wait_until_idle(clock, limit_s=0)
 
 
 def test_a_write_waits_at_most_half_the_slack_the_save_before_left() -> None:
