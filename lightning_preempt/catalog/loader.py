@@ -56,7 +56,9 @@ class Loader:
         (read/load.py ``load_full_checkpoint``); asked for when the load starts."""
         self._aliases[str(path)] = target
         if fallback is not None:
-            self._fallbacks[str(path)] = fallback
+            # By the target too: a sharded load is given rank 0's resolution of its own
+            # (rank-local) pointer, which every rank's alias maps to the same target.
+            self._fallbacks[str(path)] = self._fallbacks[target] = fallback
         if into is not None:
             self._into[str(path)] = into
 
@@ -117,11 +119,24 @@ class Loader:
         self, path: Any, templates: dict[str, Any], *, process_group: Any, verify_group: pdist.ProcessGroup | None
     ) -> dict[str, Any]:
         """Load into sharded ``templates`` in place (collective; read/load.py
-        ``load_sharded_checkpoint``); each rank CRC-checks a share of the files."""
+        ``load_sharded_checkpoint``); each rank CRC-checks a share of the files, and damage
+        moves every rank to the same older checkpoint, as :meth:`load` does."""
         url = self._aliases.get(str(path), str(path))
         target = self._resolve(url)
         if target is None:
             raise self.not_found(url)
-        return load_sharded_checkpoint(Store(target, self.storage_options), templates, rank=pdist.rank(),
-                                       verify=self.verify_on_load, process_group=process_group,
-                                       trusted=self.trust_checkpoints, verify_group=verify_group)  # fmt: skip
+        retry = self._fallbacks.get(str(path)) or self._fallbacks.get(target)
+        store = Store(url, self.storage_options)
+        if retry is None and store.exists() and not store.exists(MANIFEST_NAME):  # a directory of checkpoints
+            retry = fallback(url, self.storage_options, verify="sizes")
+
+        def load(at: str, at_verified: bool) -> dict[str, Any]:
+            # Every file is checked before any tensor is read: a damaged one leaves the
+            # templates as they were for the next try.
+            return load_sharded_checkpoint(Store(at, self.storage_options), templates, rank=pdist.rank(),
+                                           verify=self.verify_on_load and not at_verified,
+                                           process_group=process_group, trusted=self.trust_checkpoints,
+                                           verify_group=verify_group)  # fmt: skip
+
+        checkpoint, self.loaded_from = load_agreed(load, target, False, retry, verify_group)
+        return checkpoint

@@ -291,3 +291,13 @@ def tolerate_preempted_children(exit_code: int, wait_s: float) -> int:
         thread._lp_tolerant = True  # type: ignore[attr-defined]
         adapted += 1
     return adapted
+
+
+# ---- the optimizer inside Lightning's wrapper -------------------------------------------
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer a ``LightningOptimizer`` wraps (the optimizer itself otherwise).
+
+    Private: ``LightningOptimizer._optimizer`` (Lightning 2.5-2.6), as Lightning's own
+    strategies use it. Without it the object is returned as given.
+    """
+    return getattr(optimizer, "_optimizer", optimizer)

@@ -22,7 +22,7 @@ from typing_extensions import override
 
 from lightning_preempt.engine.config import PreemptionConfig, from_arguments
 from lightning_preempt.engine.engine import Engine
-from lightning_preempt.lightning import _compat, staging_hooks
+from lightning_preempt.lightning import _compat, sharded_saves, staging_hooks
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.lightning.exact import STATE_KEY, ExactResume
 from lightning_preempt.lightning.logs import (
@@ -242,6 +242,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         io = self._plugin(trainer)
+        sharded_saves.check_sharding(trainer.strategy)  # the model is wrapped now: its state must be DTensors
         # Staging buffers allocated and touched in the background now: the first (maybe the
         # emergency) save only copies. Again after the first step: optimizer state appears there.
         self._prepare_after = trainer.global_step if staging_hooks.prepare_staging(trainer, io) is not None else None

@@ -1,11 +1,13 @@
-"""Lightning strategies saving and loading through our plugin on every rank (docs/design.md).
+"""Lightning strategies saving and loading through our plugin on every rank (docs/strategies.md).
 
-* DDP and any strategy with the base ``Strategy.save_checkpoint`` (which calls the plugin on
-  rank 0 only): ``save_checkpoint`` rebound on the instance, so every rank writes ~1/N.
-* ``ModelParallelStrategy`` (bypasses ``CheckpointIO``, no commit): ``save_checkpoint`` gives
-  its sharded state dict to the plugin, ``load_checkpoint`` loads ours in place, resharded.
-
-Other strategies that save by themselves (FSDP1, DeepSpeed) are left alone with a warning.
+* DDP, a single device, and any strategy with the base ``Strategy.save_checkpoint`` (which calls
+  the plugin on rank 0 only): ``save_checkpoint`` rebound on the instance, so every rank writes ~1/N.
+* ``ModelParallelStrategy`` (FSDP2) and ``FSDPStrategy`` (FSDP1), which bypass ``CheckpointIO``:
+  every rank gives its sharded state dict to the plugin, and ours load in place, resharded
+  (lightning/sharded_saves.py).
+* Any other strategy that saves by itself (XLA, a user's ``save_checkpoint``): refused at set-up
+  on every rank with a HINT. Its saves would bypass the plugin: no manifest, no commit, and a
+  requeued job would start from step 0.
 
 * ``DDPStrategy`` at 2+ ranks: ``_setup_model`` builds DDP with the gradient bucket layout
   of the checkpoint being resumed (resume/ddp_buckets.py), so the first step reduces as the
@@ -20,12 +22,10 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
 
-from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
-from lightning_preempt.format.skeleton import split_checkpoint
-from lightning_preempt.lightning import _compat
+from lightning_preempt.lightning import _compat, sharded_saves
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.resume import ddp_buckets
 
@@ -56,16 +56,20 @@ def ensure_plugin(
 def install_collective_saves(
     strategy: Strategy, io: ShardedAsyncCheckpointIO, writer_group: pdist.ProcessGroup | None
 ) -> None:
-    """Route ``strategy``'s saves (and sharded loads) through ``io`` on all ranks, where it can."""
-    if isinstance(strategy, ModelParallelStrategy):
-        _install_model_parallel(strategy, io)
-    elif writer_group is None or pdist.world_size() == 1:
-        writer_group = None
+    """Route ``strategy``'s saves (and sharded loads) through ``io`` on all ranks; a strategy
+    that saves by itself in a way we cannot route is refused (every rank raises the same)."""
+    if isinstance(strategy, FSDPStrategy):
+        sharded_saves.install_fsdp(strategy, io)
+    elif isinstance(strategy, ModelParallelStrategy):
+        sharded_saves.install_model_parallel(strategy, io)
     elif type(strategy).save_checkpoint is not Strategy.save_checkpoint:
-        log.warning(
-            "lightning_preempt: %s saves checkpoints itself; rank 0 writes through the plugin alone",
-            type(strategy).__name__,
+        raise TypeError(
+            f"lightning_preempt does not support {type(strategy).__name__}: it saves checkpoints with its own "
+            "code, which bypasses ShardedAsyncCheckpointIO (no manifest, no commit: a requeued job would "
+            "start from step 0)\nHINT: use strategy='ddp', 'fsdp', ModelParallelStrategy or a single device "
+            "(docs/strategies.md); a strategy of your own must not override save_checkpoint."
         )
+    elif writer_group is None or pdist.world_size() == 1:
         writer_group = None
     else:
         strategy.save_checkpoint = types.MethodType(_save_on_every_rank, strategy)  # type: ignore[method-assign]
@@ -89,47 +93,3 @@ def give_ddp_bucket_layout(strategy: Strategy, saved: Callable[[], ddp_buckets.L
 
 def _save_on_every_rank(self: Strategy, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
     self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-
-def _install_model_parallel(strategy: ModelParallelStrategy, io: ShardedAsyncCheckpointIO) -> None:
-    original_save = strategy.save_checkpoint
-    original_load = strategy.load_checkpoint
-
-    def save(
-        self: ModelParallelStrategy, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
-    ) -> None:
-        if not self._save_distributed_checkpoint:
-            original_save(checkpoint, filepath, storage_options)  # full state on rank 0: Lightning's path
-            return
-        io.save_checkpoint(checkpoint, str(self.broadcast(str(filepath))), storage_options=storage_options)
-
-    def load(self: ModelParallelStrategy, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        path = self.broadcast(str(checkpoint_path))
-        # One rank looks at storage and decides; the rest get its answer or its error.
-        resolved = agree.decide(lambda: io.resolve(path), pdist.world_group(), what="resolving the checkpoint")
-        if resolved is None:
-            return original_load(checkpoint_path, weights_only)  # type: ignore[no-any-return]
-        model = self.model
-        assert model is not None
-        templates = {
-            "state_dict": get_model_state_dict(model),
-            "optimizer_states": [get_optimizer_state_dict(model, opt) for opt in self.optimizers],
-        }
-        flat, _ = split_checkpoint(templates)
-        checkpoint = io.load_sharded(resolved, flat)
-        assert self.lightning_module is not None
-        model.load_state_dict(checkpoint["state_dict"], strict=self.lightning_module.strict_loading)
-        options = StateDictOptions(cpu_offload=True)
-        for opt, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
-            set_optimizer_state_dict(model, opt, optim_state_dict=state, options=options)
-        return checkpoint
-
-    strategy.save_checkpoint = types.MethodType(save, strategy)  # type: ignore[method-assign]
-    strategy.load_checkpoint = types.MethodType(load, strategy)  # type: ignore[method-assign]

@@ -64,8 +64,15 @@ class TinyModel(L.LightningModule):
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
             full = StateDictOptions(full_state_dict=True, cpu_offload=False)
-            optim = get_optimizer_state_dict(self, self.trainer.optimizers[0], options=full)
-            weights = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in self.state_dict().items()}
+            strategy = self.trainer.strategy
+            if type(strategy).__name__ == "CPUFSDPStrategy":  # FSDP1: the state is the wrapper's
+                from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+                optim = get_optimizer_state_dict(strategy.model, self.trainer.optimizers[0], options=full)
+                weights = get_model_state_dict(strategy.model, options=full)
+            else:
+                optim = get_optimizer_state_dict(self, self.trainer.optimizers[0], options=full)
+                weights = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in self.state_dict().items()}
             torch.save({"weights": weights, "optim": optim}, f"{self.hparams.dump_start}.rank{self.global_rank}")
 
     def on_train_batch_end(self, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
@@ -124,7 +131,8 @@ def fit_reporting(
     result = {
         "start_step": getattr(model, "start_step", None),
         "step": trainer.global_step,
-        "weights": weights_digest(model),
+        # FSDP1 moved the parameters into its flat parameters (this rank's shard): digest those
+        "weights": weights_digest(trainer.strategy.model if type(trainer.strategy).__name__ == "CPUFSDPStrategy" else model),
         **extra(),
     }
     write_status(status, trainer.global_rank, "result.json", json.dumps(result))

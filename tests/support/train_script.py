@@ -135,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         strategy = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
+    elif args.strategy in ("fsdp", "fsdp_full"):  # FSDP1 on CPU (tests/support/cpu_fsdp.py)
+        from cpu_fsdp import CPUFSDPStrategy
+
+        strategy = CPUFSDPStrategy(state_dict_type="full" if args.strategy == "fsdp_full" else "sharded")
     kind = SampleModel if args.samples else TinyModel
     model = kind(width=args.width, step_sleep=args.step_sleep, status=args.status, dump_start=args.dump_start)
     cb = PreemptionCallback(

@@ -1,0 +1,161 @@
+"""Trainer strategies whose state is sharded: every rank hands its DTensor shards to the plugin.
+
+Lightning's ``ModelParallelStrategy`` (FSDP2, tensor parallel) and ``FSDPStrategy`` (FSDP1)
+bypass ``CheckpointIO``: they call DCP themselves and no manifest commits the result (and
+FSDP1's ``load_checkpoint`` reads any file as a checkpoint). Here both get the same two methods,
+rebound on the instance:
+
+* ``save_checkpoint``: every rank gives its sharded state dict to the plugin, which stages,
+  writes and commits it like any other save (one manifest, the commit last);
+* ``load_checkpoint``: our checkpoints (the resume pointer, a committed directory) load in place,
+  resharded to this world size; any other path goes to Lightning's own load.
+
+FSDP1 also gets (docs/strategies.md):
+
+* a device mesh over all ranks when it has none, before it wraps the model, so that its sharded
+  state dict holds DTensors (which DCP reshards) rather than ``ShardedTensor`` (training is the
+  same: a one-dimensional mesh over the world *is* the default process group);
+* its state dicts taken through DCP's ``get_model_state_dict``/``get_optimizer_state_dict``
+  whatever ``state_dict_type`` says: our saves never gather the model onto one rank
+  (``lightning-preempt export`` makes the full file when one is wanted).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
+
+from lightning_preempt.collective import agree
+from lightning_preempt.collective import groups as pdist
+from lightning_preempt.format.skeleton import split_checkpoint
+from lightning_preempt.lightning import _compat
+from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
+
+__all__ = ["check_sharding", "install_fsdp", "install_model_parallel"]
+
+_HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+
+
+def install_model_parallel(strategy: ModelParallelStrategy, io: ShardedAsyncCheckpointIO) -> None:
+    """Route ``ModelParallelStrategy``'s sharded saves and loads through ``io`` (every rank). Its
+    ``save_distributed_checkpoint=False`` (the full state on rank 0) keeps Lightning's save."""
+    _install(strategy, io, sharded=lambda: bool(strategy._save_distributed_checkpoint), offload=True)
+
+
+def install_fsdp(strategy: FSDPStrategy, io: ShardedAsyncCheckpointIO) -> None:
+    """Route ``FSDPStrategy``'s saves and loads through ``io`` (every rank), sharded whatever its
+    ``state_dict_type``. Call before the strategy wraps the model (the callback's ``setup``)."""
+    _give_a_mesh(strategy)
+
+    def model_state(self: FSDPStrategy) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(_sharded_model(self))
+
+    def optimizer_state(self: FSDPStrategy, optimizer: Any) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(_sharded_model(self), _compat.unwrap_optimizer(optimizer))
+
+    # Both are called by Lightning's dump_checkpoint on every rank; Lightning's own gather the
+    # full state to rank 0 for state_dict_type="full" (and would copy it to the CPU there).
+    strategy.lightning_module_state_dict = types.MethodType(model_state, strategy)  # type: ignore[method-assign]
+    strategy.optimizer_state = types.MethodType(optimizer_state, strategy)  # type: ignore[method-assign]
+    # The staging copy moves the shards to host memory itself (into pinned buffers on CUDA).
+    _install(strategy, io, sharded=lambda: True, offload=False)
+
+
+def _install(strategy: Strategy, io: ShardedAsyncCheckpointIO, *, sharded: Callable[[], bool], offload: bool) -> None:
+    original_save = strategy.save_checkpoint
+    original_load = strategy.load_checkpoint
+
+    def save(self: Strategy, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if not sharded():
+            original_save(checkpoint, filepath, storage_options)  # full state on rank 0: Lightning's path
+            return
+        io.save_checkpoint(checkpoint, str(self.broadcast(str(filepath))), storage_options=storage_options)
+
+    def load(self: Strategy, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        path = self.broadcast(str(checkpoint_path))
+        # One rank looks at storage and decides; the rest get its answer or its error.
+        resolved = agree.decide(lambda: io.resolve(path), pdist.world_group(), what="resolving the checkpoint")
+        if resolved is None:
+            return original_load(checkpoint_path, weights_only)  # type: ignore[no-any-return]
+        model = _sharded_model(self)
+        # A fresh optimizer has no state to load into: get_optimizer_state_dict materialises it
+        # (DCP's _init_optim_state: a step with zero gradients and lr 0) so every entry is loaded.
+        templates = {
+            "state_dict": get_model_state_dict(model),
+            "optimizer_states": [get_optimizer_state_dict(model, opt) for opt in self.optimizers],
+        }
+        flat, _ = split_checkpoint(templates)
+        checkpoint = io.load_sharded(resolved, flat)
+        assert self.lightning_module is not None
+        strict = self.lightning_module.strict_loading
+        options = StateDictOptions(strict=strict, cpu_offload=offload)
+        set_model_state_dict(model, checkpoint["state_dict"], options=options)
+        for opt, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
+            set_optimizer_state_dict(model, opt, optim_state_dict=state, options=options)
+        return checkpoint
+
+    strategy.save_checkpoint = types.MethodType(save, strategy)  # type: ignore[method-assign]
+    strategy.load_checkpoint = types.MethodType(load, strategy)  # type: ignore[method-assign]
+
+
+def _give_a_mesh(strategy: FSDPStrategy) -> None:
+    """A device mesh for FSDP1 when the user gave none, so its sharded state holds DTensors."""
+    kwargs = strategy.kwargs
+    if kwargs.get("device_mesh") is not None:
+        return  # the user's (Lightning makes a DeviceMesh of a tuple in setup_environment)
+    if kwargs.get("process_group") is not None:
+        raise ValueError(
+            "lightning_preempt: FSDPStrategy(process_group=...) shards the state as ShardedTensor, which "
+            "lightning_preempt does not save\nHINT: pass device_mesh=... instead of process_group "
+            "(a 1-D mesh over the group's ranks; 2-D (replicate, shard) for hybrid sharding)."
+        )
+    if any(name in str(strategy.sharding_strategy) for name in _HYBRID):
+        raise ValueError(
+            f"lightning_preempt: FSDPStrategy({strategy.sharding_strategy}) without a device_mesh shards the "
+            "state as ShardedTensor, which lightning_preempt does not save\n"
+            "HINT: pass device_mesh=(num_nodes, devices_per_node) to FSDPStrategy."
+        )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    kwargs["device_mesh"] = init_device_mesh(strategy.root_device.type, (pdist.world_size(),))
+
+
+def check_sharding(strategy: Strategy) -> None:
+    """Every rank, once the strategy wrapped the model (before step 1): refuse an FSDP1 module
+    without a device mesh (a user's own ``FullyShardedDataParallel(...)``), whose state we
+    could not save or load."""
+    if isinstance(strategy, FSDPStrategy) and strategy.model is not None:
+        _sharded_model(strategy)
+
+
+def _sharded_model(strategy: Strategy) -> torch.nn.Module:
+    """The wrapped model, checked to shard its state as DTensors (or not at all)."""
+    model = strategy.model
+    assert model is not None
+    if isinstance(strategy, FSDPStrategy):
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if any(getattr(m, "_device_mesh", None) is None for m in FullyShardedDataParallel.fsdp_modules(model)):
+            raise ValueError(
+                "lightning_preempt: a module was wrapped in FullyShardedDataParallel without a device mesh: its "
+                "state is sharded as ShardedTensor, which lightning_preempt does not save\nHINT: wrap submodules "
+                "with lightning's auto_wrap_policy or torch's wrap() inside configure_model (they take the "
+                "strategy's mesh), or pass device_mesh= to every FullyShardedDataParallel you build."
+            )
+    return model
