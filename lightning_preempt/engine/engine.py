@@ -18,7 +18,7 @@ from typing import Any
 from lightning_preempt.catalog.retention import retain
 from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
-from lightning_preempt.engine import emergency, tier_policy
+from lightning_preempt.engine import emergency, fresh_start, tier_policy
 from lightning_preempt.engine.config import PreemptionConfig
 from lightning_preempt.engine.failures import FailureDetector, start_detector
 from lightning_preempt.engine.ledger_writer import Ledger, record_drain, record_save, start_fields
@@ -158,6 +158,10 @@ class Engine:
                 # when the front-end never asked (an explicit checkpoint was given).
                 resuming = self.resolver.look_again(group, asked=asked)
         target = self.resolver.target(group, tiers=saver.tiers, verify_on_load=verify_on_load) if resuming else None
+        if target is None and asked and config.resume:  # never a silent fresh start (engine/fresh_start.py)
+            found = agree.decide(lambda: fresh_start.earlier_progress(config), group, what="looking for earlier progress")
+            if found is not None:
+                raise fresh_start.refuse(config.dirpath, found)
         if target is not None:
             self.resumed_from, self.last_saved_step = target.path, target.step
         # A resumed run continues the run it resumed from; a fresh one gets a new id.
