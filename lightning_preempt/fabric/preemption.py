@@ -9,30 +9,25 @@ The map onto the engine's calls: docs/fabric.md, "Errors and exits".
 from __future__ import annotations
 
 import logging
-import types
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
-from lightning.fabric.strategies import ModelParallelStrategy, Strategy
-from torch.nn import Module
+from lightning.fabric.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
 from torch.nn.parallel import DistributedDataParallel
-from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.engine.config import PreemptionConfig, from_arguments
 from lightning_preempt.engine.engine import Engine
+from lightning_preempt.fabric import sharded
 from lightning_preempt.fabric.data import LoopData
-from lightning_preempt.format.skeleton import split_checkpoint
 from lightning_preempt.lightning import _compat
-from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO, stateful_keys
+from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.lightning.logs import SaveReporter
 from lightning_preempt.lightning.strategies import ensure_plugin
 from lightning_preempt.preemption.sources import PreemptionSource
 from lightning_preempt.resume import ddp_buckets
 from lightning_preempt.resume.exact_state import STATE_KEY
-from lightning_preempt.resume.samplers import is_stateful
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +144,7 @@ class Preemption:
         """
         fabric = self.fabric
         io = self._io = _ensure_plugin(fabric.strategy, self.config.storage_options, self.engine.local_dirpath)
+        sharded.check(fabric.strategy, state)  # FSDP1 without a device mesh: refused before step 1
         self._state = state
         _compat.tolerate_preempted_children(self.config.exit_code, self.config.grace_period_s)
         self.engine.peek()  # remembered; agreed in setup
@@ -285,21 +281,16 @@ def _saved_part(state: dict[str, Any]) -> dict[str, Any]:
 def _ensure_plugin(strategy: Strategy, storage_options: dict[str, Any], local_dirpath: str | None) -> ShardedAsyncCheckpointIO:
     """The strategy's :class:`ShardedAsyncCheckpointIO`; installed when it has Lightning's
     default ``CheckpointIO``. Another plugin is refused with a HINT. ``ModelParallelStrategy``
-    refuses a ``CheckpointIO`` and writes DCP shards with no commit: it gets one of its own,
-    routed by :func:`_install_model_parallel`."""
-    if isinstance(strategy, ModelParallelStrategy):
-        owned = getattr(strategy, "_lightning_preempt_io", None)
-        if owned is None:
-            owned = ShardedAsyncCheckpointIO(storage_options=storage_options, local_dirpath=local_dirpath)
-            _install_model_parallel(strategy, owned)
-            strategy._lightning_preempt_io = owned  # type: ignore[attr-defined]
-        return owned  # type: ignore[no-any-return]
+    and ``FSDPStrategy`` write DCP shards with no commit (the first refuses a ``CheckpointIO``):
+    they get one of their own, routed by fabric/sharded.py."""
+    if isinstance(strategy, (ModelParallelStrategy, FSDPStrategy)):
+        return sharded.own_plugin(strategy, storage_options, local_dirpath)
     if type(strategy).save_checkpoint is not Strategy.save_checkpoint:
-        # FSDP, ModelParallel, DeepSpeed, XLA write with their own code: no manifest, no commit
+        # DeepSpeed, XLA, a user's own: they write with their own code, no manifest, no commit
         raise TypeError(
             f"Preemption does not support Fabric's {type(strategy).__name__}: it saves checkpoints with its own "
             "code, which no manifest commits\nHINT: use strategy='ddp' (or 'ddp_spawn', 'ddp_fork', "
-            "'ddp_notebook', a single device) or ModelParallelStrategy; see docs/fabric.md."
+            "'ddp_notebook', a single device), 'fsdp' or ModelParallelStrategy; see docs/fabric.md."
         )
     return ensure_plugin(strategy, storage_options, local_dirpath, user="Preemption", host="Fabric")
 
@@ -309,81 +300,3 @@ def _ddp_of(state: dict[str, Any]) -> DistributedDataParallel | None:
     modules = (getattr(v, "_forward_module", v) for v in state.values())
     found = [m for m in modules if isinstance(m, DistributedDataParallel)]
     return found[0] if len(found) == 1 else None
-
-
-# ---- Fabric's ModelParallelStrategy (FSDP2 ``fully_shard``, tensor parallel; works on CPU, gloo) ----
-def _module_of(state: dict[str, Any]) -> Module:
-    modules = [v for v in state.values() if isinstance(v, Module)]
-    if len(modules) != 1:
-        raise ValueError(
-            f"lightning_preempt: ModelParallelStrategy saves and loads a state with exactly one module, got "
-            f"{len(modules)}\nHINT: put the model set up with fabric.setup_module under one key, e.g. state['model']."
-        )
-    return modules[0]
-
-
-def _sharded_states(state: dict[str, Any]) -> dict[str, Any]:
-    """The modules' and optimizers' sharded state dicts, by the keys of ``state``."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-    module = _module_of(state)
-    out: dict[str, Any] = {}
-    for key, value in state.items():
-        if isinstance(value, Module):
-            out[key] = get_model_state_dict(value)
-        elif isinstance(value, Optimizer):
-            out[key] = get_optimizer_state_dict(module, value)
-    return out
-
-
-def _install_model_parallel(strategy: Any, io: ShardedAsyncCheckpointIO) -> None:
-    """Route ``strategy``'s ``save_checkpoint``/``load_checkpoint`` through ``io`` (every rank):
-    every rank hands its sharded state dicts to the plugin; ours load in place, resharded, other
-    paths go to Lightning (as ``lightning/strategies.py`` does for the Trainer)."""
-    original_load = strategy.load_checkpoint
-
-    def save(self: Any, path: Any, state: dict[str, Any], storage_options: Any = None, filter: Any = None) -> None:
-        if filter is not None:
-            raise NotImplementedError("lightning_preempt: fabric.save(filter=...) with ModelParallelStrategy\n"
-                                      "HINT: save the whole state; filter when exporting it.")  # fmt: skip
-        path = self.broadcast(str(path))  # every rank writes its shards into one checkpoint
-        converted = {k: (v.state_dict() if is_stateful(v) else v) for k, v in state.items()}
-        converted.update(_sharded_states(state))
-        with io.fabric_state(stateful_keys(state)):
-            io.save_checkpoint(checkpoint=converted, path=path, storage_options=storage_options)
-
-    def load(self: Any, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None) -> Any:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        path = self.broadcast(str(path))
-        resolved = agree.decide(lambda: io.resolve(path), pdist.world_group(), what="resolving the checkpoint")
-        if resolved is None or not isinstance(state, dict) or not state:
-            return original_load(path, state, strict, weights_only)
-        templates = _sharded_states(state)
-        flat, _ = split_checkpoint(templates, tuple(templates))
-        checkpoint = io.load_sharded(resolved, flat)
-        missing = [k for k in state if k not in checkpoint]
-        if strict and missing:
-            raise KeyError(f"The requested state contains a key '{missing[0]}' that does not exist in the loaded "
-                           "checkpoint. To disable strict loading, set `strict=False`.")  # fmt: skip
-        module = _module_of(state)
-        options = StateDictOptions(strict=strict, cpu_offload=True)
-        for key, value in list(state.items()):
-            if key not in checkpoint:
-                continue
-            if isinstance(value, Module):
-                set_model_state_dict(value, checkpoint.pop(key), options=options)
-            elif isinstance(value, Optimizer):
-                set_optimizer_state_dict(module, value, optim_state_dict=checkpoint.pop(key), options=options)
-            elif is_stateful(value):
-                value.load_state_dict(checkpoint.pop(key))
-            else:
-                state[key] = checkpoint.pop(key)
-        return checkpoint
-
-    strategy.save_checkpoint = types.MethodType(save, strategy)
-    strategy.load_checkpoint = types.MethodType(load, strategy)

@@ -84,3 +84,35 @@ def test_a_damaged_newest_falls_back_to_the_one_before(tmp_path: Path) -> None:
     resumed = _run(tmp_path, "st12", "--max-steps", "12")
     assert [r["start_step"] for r in resumed.values()] == [5, 5]
     assert all(r["resumed_from"].endswith("step-0000000005") for r in resumed.values())
+
+
+def _fabric(tmp: Path, name: str, *extra: str, expect: int = 0) -> tuple[list[dict[str, Any]], str]:
+    """One run of fabric_script.py (a hand-written loop under ``Preemption``) with FSDP1."""
+    status = tmp / name
+    args = ["--dirpath", str(tmp / "ck"), "--status", str(status), "--devices", "2", "--every", "5", *extra]
+    proc = launch("fabric_script.py", tmp, *args)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == expect, out[-5000:]
+    results = [(status / f"rank{r}.result.json") for r in range(2)]
+    return [json.loads(p.read_text()) if p.exists() else {} for p in results], out
+
+
+def test_fabric_fsdp1_preempted_on_one_rank_resumes_and_ends_bit_identical(tmp_path: Path) -> None:
+    (tmp_path / "straight").mkdir()
+    expected, _ = _fabric(tmp_path / "straight", "st", "--strategy", "fsdp")
+    assert expected[0]["step"] == 24 and expected[0]["weights"]
+    _fabric(tmp_path, "st1", "--strategy", "fsdp", "--signal-at", "9", "--signal-rank", "1", expect=143)
+    snapshot = _committed(tmp_path)[0]
+    assert snapshot.step >= 9 and snapshot.world_size == 2
+    assert set(_bytes_per_rank(snapshot)) == {0, 1}
+    resumed, _ = _fabric(tmp_path, "st2", "--strategy", "fsdp")
+    for rank in range(2):
+        assert resumed[rank]["start_step"] == snapshot.step and resumed[rank]["step"] == 24
+        assert resumed[rank]["weights"] == expected[rank]["weights"]
+
+
+def test_fabric_fsdp1_without_a_device_mesh_is_refused_before_step_1(tmp_path: Path) -> None:
+    _, out = _fabric(tmp_path, "st", "--strategy", "fsdp_no_mesh", expect=1)
+    assert "HINT: pass device_mesh=(num_nodes, devices_per_node) and sharding_strategy='HYBRID_SHARD'" in out
+    assert not (tmp_path / "st" / "rank0.step").exists()  # not one step trained
+    assert _committed(tmp_path) == []

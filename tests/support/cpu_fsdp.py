@@ -27,3 +27,30 @@ class CPUFSDPStrategy(FSDPStrategy):
             module=model, cpu_offload=self.cpu_offload, mixed_precision=self.mixed_precision_config,
             sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"), **self.kwargs,
         )  # fmt: skip
+
+
+def fabric_cpu_fsdp(**kwargs: Any) -> Any:
+    """Fabric's ``FSDPStrategy`` on CPU: the same two obstacles (the connector's check for the
+    exact type, ``device_id=None``), and a ``device_mesh`` tuple made into a mesh on "cpu"
+    (Fabric makes it on "cuda")."""
+    from lightning.fabric.strategies import FSDPStrategy as FabricFSDPStrategy
+
+    class CPUFabricFSDPStrategy(FabricFSDPStrategy):
+        def setup_environment(self) -> None:
+            mesh = self._fsdp_kwargs.get("device_mesh")
+            self._fsdp_kwargs.pop("device_mesh", None)
+            super().setup_environment()
+            if isinstance(mesh, tuple):
+                from torch.distributed.device_mesh import init_device_mesh
+
+                self._fsdp_kwargs["device_mesh"] = init_device_mesh("cpu", mesh)
+
+        def setup_module(self, module: torch.nn.Module) -> Any:
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            return FullyShardedDataParallel(
+                module=module, cpu_offload=self.cpu_offload, mixed_precision=self.mixed_precision_config,
+                sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"), **self._fsdp_kwargs,
+            )  # fmt: skip
+
+    return CPUFabricFSDPStrategy(**kwargs)

@@ -67,11 +67,17 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     status = Path(args.status)
     status.mkdir(parents=True, exist_ok=True)
-    model_parallel = args.strategy == "model_parallel"
-    if model_parallel:  # FSDP2 (fully_shard) over the data-parallel ranks; takes no CheckpointIO plugin
+    model_parallel = args.strategy in ("model_parallel", "fsdp", "fsdp_no_mesh")  # sharded: module set up alone
+    if args.strategy == "model_parallel":  # FSDP2 (fully_shard) over the data-parallel ranks; takes no CheckpointIO plugin
         strategy: Any = ModelParallelStrategy(parallelize_fn=shard, data_parallel_size=args.devices,
                                               tensor_parallel_size=1)  # fmt: skip
         fabric = L.Fabric(accelerator="cpu", devices=args.devices, strategy=strategy)
+    elif args.strategy in ("fsdp", "fsdp_no_mesh"):  # FSDP1 on CPU (tests/support/cpu_fsdp.py)
+        from cpu_fsdp import fabric_cpu_fsdp
+
+        # one node: hybrid sharding over a (1, N) mesh shards as FULL_SHARD does, its state DTensors
+        mesh = {"device_mesh": (1, args.devices), "sharding_strategy": "HYBRID_SHARD"} if args.strategy == "fsdp" else {}
+        fabric = L.Fabric(accelerator="cpu", devices=args.devices, strategy=fabric_cpu_fsdp(**mesh))
     else:
         fabric = L.Fabric(accelerator="cpu", devices=args.devices, strategy=args.strategy,
                           plugins=[ShardedAsyncCheckpointIO()])  # fmt: skip
