@@ -43,6 +43,7 @@ if TYPE_CHECKING:
         CheckpointWriteError,
         CorruptCheckpointError,
         NotACheckpointError,
+        ProgressWouldBeLostError,
         UnsupportedFormatError,
         UntrustedCheckpointError,
     )
@@ -64,6 +65,7 @@ _WHERE = {
     "newest_valid": "catalog.newest",
     "verify_checkpoint": "read.verify",
     "CheckpointError": "errors",
+    "ProgressWouldBeLostError": "errors",
     "CheckpointExistsError": "errors",
     "CheckpointNotFoundError": "errors",
     "CheckpointWriteError": "errors",
@@ -84,6 +86,7 @@ __all__ = [
     "PeerReplica",
     "Preempted",
     "PreemptionCallback",
+    "ProgressWouldBeLostError",
     "ShardedAsyncCheckpointIO",
     "UnsupportedFormatError",
     "UntrustedCheckpointError",

@@ -56,3 +56,8 @@ class UntrustedCheckpointError(CheckpointError):
     ) -> None:
         self.global_name = global_name
         super().__init__(message, path=path, hint=hint)
+
+
+class ProgressWouldBeLostError(CheckpointError):
+    """``dirpath`` shows an earlier run's progress (step directories, a ledger of committed
+    saves), and none of it can be resumed: starting from step 0 would lose it silently."""

@@ -21,13 +21,9 @@ import logging
 from lightning_preempt.catalog.ledger_reader import read_ledger
 from lightning_preempt.catalog.listing import list_checkpoints
 from lightning_preempt.engine.config import PreemptionConfig
-from lightning_preempt.errors import CheckpointError
+from lightning_preempt.errors import ProgressWouldBeLostError
 
 log = logging.getLogger(__name__)
-
-
-class ProgressWouldBeLostError(CheckpointError):
-    """``dirpath`` shows an earlier run's progress, and none of it can be resumed."""
 
 
 def earlier_progress(config: PreemptionConfig) -> str | None:

@@ -10,7 +10,7 @@ import pytest
 from ckpts import committed
 from trainers import fit
 
-from lightning_preempt.engine.fresh_start import ProgressWouldBeLostError
+from lightning_preempt import ProgressWouldBeLostError
 from lightning_preempt.format.names import LEDGER_DIR, checkpoint_name
 
 
