@@ -1,7 +1,8 @@
 """When ranks agree on "preempt now?" (and "a time-based save is due?").
 
 Policy over :class:`lightning_preempt.collective.groups.FlagAgreement`: ranks MAX-reduce
-``[signalled, time_due, stop, proposed_k, tier0]`` every ``k`` step boundaries, counted
+``[signalled, time_due, stop, proposed_k, tier0, signal steps, signal ms]`` (the last two:
+how long ago this rank's signal came; the MAX is the first signal's) every ``k`` step boundaries, counted
 alike on all ranks (a rank-local condition never decides who enters the collective).
 ``overlap`` launches the collective at a boundary and reads it at the *next* boundary,
 whatever ``k`` is, so a flag raised between exchanges waits at most ``k + 1`` steps.
@@ -70,6 +71,13 @@ class AgreementSchedule:
         self._boundaries = 0
         self._times: list[float] = []
         self._costs: list[float] = []
+        self._signal_boundary: int | None = None  # the first boundary this rank saw its signal at
+        self._launched: tuple[int, float] = (0, 0.0)  # (boundary, now) of the exchange in flight
+        #: From the first signal (on any rank) to the boundary where every rank learnt of it:
+        #: steps (the agreed step minus the step before the signal came) and seconds; set when
+        #: the first exchange read says "signalled", else ``None``.
+        self.signal_steps: int | None = None
+        self.signal_s: float | None = None
         #: The agreed tier-0 vote of the last boundary (MAX of the ranks' votes; 0 where no
         #: exchange was read: a boundary between exchanges, the first overlapped one). The
         #: vote's meaning is the memory tier's (engine/memory_tier.py ``MemoryTier.vote``).
@@ -86,7 +94,7 @@ class AgreementSchedule:
 
     def bind(self, group: ProcessGroup | None) -> None:
         """Use ``group`` (a gloo group of its own; ``None`` without torch.distributed)."""
-        self._flags = FlagAgreement(group, width=5)
+        self._flags = FlagAgreement(group, width=7)
 
     @property
     def bound(self) -> bool:
@@ -100,31 +108,37 @@ class AgreementSchedule:
         return self.k + int(overlapped)
 
     def at_boundary(
-        self, now: float, signalled: bool, time_due: bool, stop: bool = False, tier0: int = 0
+        self,
+        now: float,
+        signalled: bool,
+        time_due: bool,
+        stop: bool = False,
+        tier0: int = 0,
+        signal_age_s: float = 0.0,
     ) -> tuple[bool, bool, bool]:
         """At an optimizer-step boundary: ``(any rank signalled, any rank's save due, any
         rank must stop)``. ``stop`` (a failed save, a lost lease) travels in the same
-        exchange as the signal flag; so does ``tier0`` (this rank's vote, see :attr:`tier0`)."""
+        exchange as the signal flag; so does ``tier0`` (this rank's vote, see :attr:`tier0`),
+        and ``signal_age_s``, how long ago this rank's signal came (see :attr:`signal_s`)."""
         flags = self._flags
         assert flags is not None, "bind() first"
         self._boundaries += 1
         self.tier0 = 0
+        if signalled and self._signal_boundary is None:
+            self._signal_boundary = self._boundaries  # seen here, between exchanges maybe
         proposal = self._calibrate(now)
         started = self.clock()
         agreed: list[int] | None = None
         overlapped = self.overlap and flags.active
         if overlapped and flags.pending:
-            agreed = flags.flush()  # launched at the previous boundary, on every rank alike
-            if agreed[3]:
-                self.k = agreed[3]  # read at the same boundary everywhere: every rank switches here
+            agreed = self._read(flags.flush(), now)  # launched at the previous boundary, on every rank
         if self._boundaries % self.k == 0:
-            mine = [int(signalled), int(time_due), int(stop), proposal, tier0]
+            mine = [int(signalled), int(time_due), int(stop), proposal, tier0, *self._age(signalled, signal_age_s)]
+            self._launched = (self._boundaries, now)
             if overlapped:
                 flags.launch(mine)
             else:
-                agreed = flags.exchange_now(mine)
-                if agreed[3]:
-                    self.k = agreed[3]
+                agreed = self._read(flags.exchange_now(mine), now)
         if self.auto and len(self._costs) < CALIBRATION_STEPS and flags.active:
             self._costs.append(self.clock() - started)
         if agreed is None:
@@ -132,15 +146,36 @@ class AgreementSchedule:
         self.tier0 = agreed[4]
         return bool(agreed[0]), bool(agreed[1]), bool(agreed[2])
 
-    def now(self, signalled: bool, stop: bool = False) -> tuple[bool, bool]:
+    def now(self, signalled: bool, stop: bool = False, signal_age_s: float = 0.0) -> tuple[bool, bool]:
         """Agree synchronously (validation, start-up): ``(any rank signalled, any must stop)``.
         A pending overlapped exchange is read here (its proposed ``k`` taken too)."""
         if self._flags is None:
             return signalled, stop
-        agreed = self._flags.exchange_now([int(signalled), 0, int(stop), 0, 0])
-        if agreed[3]:
-            self.k = agreed[3]
+        age = self._age(signalled, signal_age_s)
+        self._launched = (self._boundaries, 0.0)
+        agreed = self._read(self._flags.exchange_now([int(signalled), 0, int(stop), 0, 0, *age]), None)
         return bool(agreed[0]), bool(agreed[2])
+
+    def _age(self, signalled: bool, age_s: float) -> list[int]:
+        """This rank's ``[steps, ms]`` since its signal came (``[0, 0]`` without one): the MAX
+        over ranks is the first signal's."""
+        if not signalled:
+            return [0, 0]
+        if self._signal_boundary is None:
+            self._signal_boundary = self._boundaries + 1  # now(), after this step: 0 steps waited
+        steps = self._boundaries - self._signal_boundary + 1  # it came during the step ending here
+        return [steps, int(min(max(age_s, 0.0), 1e6) * 1000)]
+
+    def _read(self, agreed: list[int], now: float | None) -> list[int]:
+        """Take an exchange's result, read at this boundary (every rank alike): the proposed
+        ``k``, and the first signal's age now (``now=None``: outside the steps, nothing added)."""
+        if agreed[3]:
+            self.k = agreed[3]  # read at the same boundary everywhere: every rank switches here
+        if agreed[0] and self.signal_steps is None:  # the first agreement on it
+            launched, then = self._launched  # the signal's age travelled as of the launch
+            self.signal_steps = agreed[5] + self._boundaries - launched
+            self.signal_s = agreed[6] / 1000 + (now - then if now is not None else 0.0)
+        return agreed
 
     def flush(self) -> None:
         """Complete an overlapped exchange (every rank, before leaving the loop)."""

@@ -159,7 +159,8 @@ def _settled_worker(rank: int, world: int, out: str) -> None:
                 agreed_at = b
                 break
         schedule.flush()
-        rows.append({"k": schedule.k, "signalled_at": signalled_at, "agreed_at": agreed_at})
+        rows.append({"k": schedule.k, "signalled_at": signalled_at, "agreed_at": agreed_at,
+                     "signal_steps": schedule.signal_steps})  # fmt: skip
     Path(out, f"rank{rank}.json").write_text(json.dumps(rows))
 
 
@@ -171,6 +172,8 @@ def test_at_a_settled_cadence_a_signal_on_one_rank_is_acted_on_within_the_bound(
         waited = got["agreed_at"] - (got["signalled_at"] - 1)  # agreed step minus the step at the signal
         # docs/design.md: k + 1 steps overlapped; with auto within max(2 steps, agree_interval_s)
         assert waited <= got["k"] + 1, (every, step_s, got)
+        # the exchange carried the signal's age: rank 0, never signalled, knows the wait too
+        assert got["signal_steps"] == waited, (every, step_s, got)
         if every == "auto":
             assert waited <= max(2, round(INTERVAL_S / step_s)), (every, step_s, got)
     assert [got["k"] for got in rank0] == [5, 1, 8]  # the cadences were wide where they could be

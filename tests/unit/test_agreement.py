@@ -156,6 +156,7 @@ def test_at_a_settled_cadence_a_signal_just_after_an_exchange_waits_k_plus_one_s
     # every boundary while calibrating, then every k-th: one exchange per k steps
     assert flags.exchanges == CALIBRATION_STEPS + len(said) // k - CALIBRATION_STEPS // k
     acted = said.index(True) + 1
+    assert schedule.signal_steps == acted - (arrives - 1)  # what the ledger records (issue 58)
     # the signal arrived during step `arrives` (after step arrives - 1 ended)
     assert acted - (arrives - 1) == k + 1 <= max(2, round(config.agree_interval_s / step_s))
     assert (acted - (arrives - 1)) * step_s <= max(2 * step_s, config.agree_interval_s) + 1e-9
