@@ -161,6 +161,26 @@ def _settled_worker(rank: int, world: int, out: str) -> None:
         schedule.flush()
         rows.append({"k": schedule.k, "signalled_at": signalled_at, "agreed_at": agreed_at,
                      "signal_steps": schedule.signal_steps})  # fmt: skip
+    # every rank signalled, rank 0 two steps before rank 1; then rank 1 alone, and validation
+    # starts at once (the engine's check(): agree now, the exchange in flight read too)
+    for case in ("all", "validation"):
+        schedule = AgreementSchedule("auto", interval_s=INTERVAL_S, overlap=True)
+        schedule.clock = _ticks(0.002)
+        schedule.bind(group)
+        first = 41
+        signalled = {0: first, 1: first + 2} if case == "all" else {1: first}
+        agreed_at = None
+        for b in range(1, 100):
+            mine = rank in signalled and b >= signalled[rank]
+            if schedule.at_boundary(b * 0.05, signalled=mine, time_due=False)[0]:
+                agreed_at = b
+                break
+            if case == "validation" and b == first and schedule.now(signalled=mine)[0]:
+                agreed_at = b  # Engine.check(b): the snapshot of step b
+                break
+        schedule.flush()
+        rows.append({"k": schedule.k, "signalled_at": first, "agreed_at": agreed_at,
+                     "signal_steps": schedule.signal_steps})  # fmt: skip
     Path(out, f"rank{rank}.json").write_text(json.dumps(rows))
 
 
@@ -168,7 +188,7 @@ def test_at_a_settled_cadence_a_signal_on_one_rank_is_acted_on_within_the_bound(
     run_ranks(_settled_worker, 2, tmp_path, str(tmp_path))
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     assert rank0 == rank1  # both ranks act at the same step
-    for (every, step_s, _), got in zip(SETTLED, rank0, strict=True):
+    for (every, step_s, _), got in zip(SETTLED, rank0[: len(SETTLED)], strict=True):
         waited = got["agreed_at"] - (got["signalled_at"] - 1)  # agreed step minus the step at the signal
         # docs/design.md: k + 1 steps overlapped; with auto within max(2 steps, agree_interval_s)
         assert waited <= got["k"] + 1, (every, step_s, got)
@@ -176,4 +196,9 @@ def test_at_a_settled_cadence_a_signal_on_one_rank_is_acted_on_within_the_bound(
         assert got["signal_steps"] == waited, (every, step_s, got)
         if every == "auto":
             assert waited <= max(2, round(INTERVAL_S / step_s)), (every, step_s, got)
-    assert [got["k"] for got in rank0] == [5, 1, 8]  # the cadences were wide where they could be
+    assert [got["k"] for got in rank0[: len(SETTLED)]] == [5, 1, 8]  # wide where they could be
+    every_rank, validation = rank0[len(SETTLED) :]
+    # every rank signalled: the first signal counts (k = 5: launched at 45, read at 46)
+    assert every_rank["agreed_at"] == 46 and every_rank["signal_steps"] == 46 - (41 - 1), every_rank
+    # validation right after the signal's step: agreed there, before the next step
+    assert validation["agreed_at"] == 41 and validation["signal_steps"] == 1, validation
