@@ -25,6 +25,8 @@ CALIBRATION_STEPS = 20
 MAX_K = 1000
 #: The share of a step the agreement may cost in the quiet case (no signal) under ``"auto"``.
 COST_BUDGET = 0.005
+#: Calibration exchanges left out of the cost (the first collectives of a group set it up).
+WARM_UP_EXCHANGES = 2
 
 
 def auto_k(step_s: float, cost_s: float, interval_s: float, overlap: bool) -> int:
@@ -190,6 +192,8 @@ class AgreementSchedule:
         if len(self._times) < CALIBRATION_STEPS:
             return 0
         gaps = sorted(b - a for a, b in zip(self._times, self._times[1:], strict=False))
-        costs = sorted(self._costs)  # the exchanges of the calibration boundaries before this one
-        cost_s = costs[len(costs) // 2] if costs else 0.0
+        # The mean, not the median: the budget is a share of every step, and an exchange's launch
+        # has spikes of 20-40 ms on busy cores (issue 33). The first two are the group's warm-up.
+        costs = self._costs[WARM_UP_EXCHANGES:] or self._costs
+        cost_s = sum(costs) / len(costs) if costs else 0.0
         return auto_k(gaps[len(gaps) // 2], cost_s, self.interval_s, self.overlap)

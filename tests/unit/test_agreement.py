@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -160,3 +160,25 @@ def test_at_a_settled_cadence_a_signal_just_after_an_exchange_waits_k_plus_one_s
     # the signal arrived during step `arrives` (after step arrives - 1 ended)
     assert acted - (arrives - 1) == k + 1 <= max(2, round(config.agree_interval_s / step_s))
     assert (acted - (arrives - 1)) * step_s <= max(2 * step_s, config.agree_interval_s) + 1e-9
+
+
+def test_auto_counts_an_exchanges_spikes_but_not_the_groups_warm_up() -> None:
+    # the budget is a share of every step: one 20 ms launch among 0.1 ms ones (issue 33's spikes)
+    # costs 1.3 ms an exchange on average, 2.5% of a 0.05 s step; the median (0.1 ms) would say 0.2%
+    costs = [0.05, 0.05] + [0.0001] * 8 + [0.02] + [0.0001] * 8 + [0.0001]  # boundaries 1..20
+
+    def readings() -> Iterator[float]:
+        t = 0.0
+        for cost in costs:  # the schedule reads the clock before and after each exchange
+            yield t
+            t += cost
+            yield t
+        while True:
+            yield t
+
+    ticks = readings()
+    schedule = AgreementSchedule("auto", interval_s=0.3, overlap=True, clock=lambda: next(ticks))
+    schedule._flags = _OneRank()
+    _run(schedule, CALIBRATION_STEPS + 2, signalled_from=10**6, step_s=0.05)
+    assert schedule.k == 5  # ceil(1.3 ms / 0.25 ms) = 6, capped by the 0.3 s wait (5 + 1 steps)
+    assert auto_k(0.05, 0.0001, 0.3, True) == 1  # what the median would have chosen
