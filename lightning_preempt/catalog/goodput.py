@@ -103,6 +103,9 @@ def summarize(records: list[dict[str, Any]], folded_saves: dict[int, dict[str, f
             # a failure: loss to verdict (the lost ranks' silence when the survivors decided)
             "to_exit_s": record["to_exit_s"] if record is not None else failure["silent_s"] if failure else None,
             "received_t": record["received_t"] if record is not None else None,
+            # from the first signal (any rank) to the step every rank agreed on (newer records only)
+            "agreed_after_steps": (record or {}).get("agreed_after_steps"),
+            "agreed_after_s": (record or {}).get("agreed_after_s"),
             "exit_t": seg.end_t,
             "down_s": max(0.0, after.started_t - seg.end_t) if after is not None else None,
             "agreed_step": failure["agreed_step"] if failure is not None else None,

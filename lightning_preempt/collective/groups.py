@@ -244,10 +244,10 @@ def all_gather_json(obj: Any, group: ProcessGroup | None, *, max_bytes: int) -> 
 
 class FlagAgreement:
     """All ranks learn, at the same step boundary, whether any rank raised a flag: a MAX
-    all-reduce of a small int tensor on a gloo group. With ``overlap=True`` the reduction
-    started at one boundary is read at the next (it runs while the step computes; every rank
-    acts on the same result, one step later, and a pending result is OR-ed in by
-    :meth:`exchange_now`). Every rank must make the same sequence of calls."""
+    all-reduce of a small int tensor on a gloo group. Overlapped (:meth:`launch`, then
+    :meth:`flush` at a later boundary), the reduction runs while the next step computes;
+    every rank reads the same result at the same boundary, and a pending result is OR-ed
+    in by :meth:`exchange_now`. Every rank must make the same sequence of calls."""
 
     def __init__(self, group: ProcessGroup | None, width: int) -> None:
         self.group = group
@@ -258,16 +258,28 @@ class FlagAgreement:
     def active(self) -> bool:
         return self.group is not None and is_distributed()
 
+    @property
+    def pending(self) -> bool:
+        """An overlapped exchange was launched and not read yet."""
+        return self._pending is not None
+
     def exchange(self, flags: list[int], overlap: bool = False) -> list[int]:
-        """Agree on ``flags`` (MAX over ranks); overlapped: returns the previous boundary's result."""
+        """Agree on ``flags`` (MAX over ranks); overlapped: returns the previous launch's result
+        (zeros if none) and launches this one."""
         if not overlap:
             return self.exchange_now(flags)
         if not self.active:
             return [int(v) for v in flags]
         previous = self.flush()  # (started a step ago: done by now, in the common case)
+        self.launch(flags)
+        return previous
+
+    def launch(self, flags: list[int]) -> None:
+        """Start agreeing on ``flags`` without waiting (active only); :meth:`flush` reads it.
+        Collective: every rank launches at the same boundary."""
+        assert self.active and self._pending is None, "flush() the pending exchange first"
         local = torch.tensor(flags, dtype=torch.int32)
         self._pending = (dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group, async_op=True), local)
-        return previous
 
     def exchange_now(self, flags: list[int]) -> list[int]:
         """Complete a pending exchange and agree on ``flags`` right now."""
@@ -279,7 +291,8 @@ class FlagAgreement:
         return [max(a, int(b)) for a, b in zip(earlier, local.tolist(), strict=True)]
 
     def flush(self) -> list[int]:
-        """Wait for an overlapped exchange (every rank, before leaving the loop)."""
+        """Wait for an overlapped exchange and return its result (zeros if none is pending);
+        every rank, at the same boundary, and before leaving the loop."""
         if self._pending is None:
             return [0] * self.width
         work, tensor = self._pending

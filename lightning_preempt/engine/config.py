@@ -114,7 +114,7 @@ class PreemptionConfig:
     requeue: bool | None = None
     requeue_timeout_s: float = 10.0
     agree_every_n_steps: int | Literal["auto"] = "auto"
-    agree_interval_s: float = 1.0
+    agree_interval_s: float = 0.3
     overlap_agreement: bool = True
     resume: bool = True
     save_on_train_end: bool = True
@@ -158,7 +158,7 @@ class PreemptionConfig:
         check_seconds("requeue_timeout_s", self.requeue_timeout_s)
         if self.agree_every_n_steps != "auto":
             check_int("agree_every_n_steps", self.agree_every_n_steps, minimum=1,
-                      hint="'auto' keeps the agreement cost near 1% of a step with bounded latency.")  # fmt: skip
+                      hint="'auto' agrees every step unless that costs over 0.5% of a step; a signal waits at most agree_interval_s.")  # fmt: skip
         check_seconds("agree_interval_s", self.agree_interval_s)
         for name in ("overlap_agreement", "resume", "save_on_train_end", "lease", "probe_storage", "ledger", "log_metrics"):
             if not isinstance(getattr(self, name), bool):

@@ -140,7 +140,7 @@ class Engine:
             schedule = self.controller.schedule  # auto's votes are read up to k (+1 overlapped) boundaries late
             self.resolver.memory_usable = self.memory.setup(
                 group, leader=leader, new_group=rt.new_group, restore_floor=floor,
-                agree_steps=lambda: schedule.k + int(schedule.overlap),
+                agree_steps=lambda: schedule.latency_steps,
             )  # fmt: skip
             if self.memory.held not in self.held_steps:
                 self.held_steps.append(self.memory.held)

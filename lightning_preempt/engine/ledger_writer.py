@@ -326,6 +326,7 @@ def record_preemption(ledger: Ledger, controller: Any, saver: Any, *, step: int)
     done = [r.step for r in saver.history if r.committed_s is not None and r.error is None]
     committed = done[-1] if done else None
     exited = next((t for event, t in reversed(controller.timeline) if event.startswith("exiting")), now_mono)
+    agreed_steps, agreed_s = controller.agreed_after
     ledger.add(
         "preemption",
         source=notice.source if notice is not None else "another rank",
@@ -333,5 +334,7 @@ def record_preemption(ledger: Ledger, controller: Any, saver: Any, *, step: int)
         step=step, snapshot_step=committed, committed=committed == step,
         to_exit_s=exited - origin if origin is not None else None,
         steps_lost=max(0, step - committed) if committed is not None else None,
+        # from the first signal on any rank to the agreed step (carried by the agreement)
+        agreed_after_steps=agreed_steps, agreed_after_s=round(agreed_s, 4) if agreed_s is not None else None,
     )  # fmt: skip
     ledger.flush(max(0.0, min(5.0, controller.budget())))

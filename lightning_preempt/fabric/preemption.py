@@ -78,7 +78,7 @@ class Preemption:
         requeue: bool | None = None,
         requeue_timeout_s: float = 10.0,
         agree_every_n_steps: int | Literal["auto"] = "auto",
-        agree_interval_s: float = 1.0,
+        agree_interval_s: float = 0.3,
         overlap_agreement: bool = True,
         resume: bool = True,
         save_on_train_end: bool = True,

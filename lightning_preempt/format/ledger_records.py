@@ -57,7 +57,11 @@ FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "drain": {"step": _INT, "drained_s": _NUM + _NONE, "bytes": _INT, "skipped": _STR + _NONE, "error": _STR + _NONE},
 }  # fmt: skip
 #: Fields a record may lack (written by newer versions only); checked when present.
-OPTIONAL: dict[str, dict[str, tuple[type, ...]]] = {"start": {"resumed_tier": _STR + _NONE}}
+OPTIONAL: dict[str, dict[str, tuple[type, ...]]] = {
+    "start": {"resumed_tier": _STR + _NONE},
+    # from the first signal (any rank) to the agreed step: steps and seconds (issue 58)
+    "preemption": {"agreed_after_steps": _INT + _NONE, "agreed_after_s": _NUM + _NONE},
+}
 #: The sequence number of a ``failure`` record: one per restart (create-only), after any the
 #: leader's writer numbers (it stops at 999_999 records, compacting every 256).
 FAILURE_SEQ = 999_000

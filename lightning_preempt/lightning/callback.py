@@ -61,9 +61,9 @@ class PreemptionCallback(OnExceptionCheckpoint):
         exit_code: process exit code after a preemption (143 = 128 + SIGTERM).
         requeue: ``scontrol requeue`` on rank 0 before exiting; ``None``: when under SLURM.
         requeue_timeout_s: the longest ``scontrol`` may take.
-        agree_every_n_steps: how often ranks agree on the signal flag (``"auto"``: by time).
-        agree_interval_s: the target time between agreements with ``"auto"``.
-        overlap_agreement: run the agreement while the next step computes (acts one step later).
+        agree_every_n_steps: how often ranks agree on the signal flag (``"auto"``: every step unless that costs over 0.5% of a step).
+        agree_interval_s: with ``"auto"``, the longest a signal waits for the ranks to act (at least 2 steps).
+        overlap_agreement: run the agreement while the next step computes (read one step later).
         resume: resume from the newest valid checkpoint when ``fit`` gets no ``ckpt_path``.
         save_on_train_end: save the final step when training ends normally.
         storage_options: fsspec options for ``dirpath``.
@@ -99,7 +99,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
         requeue: bool | None = None,
         requeue_timeout_s: float = 10.0,
         agree_every_n_steps: int | Literal["auto"] = "auto",
-        agree_interval_s: float = 1.0,
+        agree_interval_s: float = 0.3,
         overlap_agreement: bool = True,
         resume: bool = True,
         save_on_train_end: bool = True,

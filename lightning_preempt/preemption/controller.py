@@ -179,7 +179,8 @@ class PreemptionController:
         """At an optimizer-step boundary (every rank): what all ranks do now. ``tier0``: this
         rank's vote for a tier-0 copy (preemption/schedule.py ``AgreementSchedule.tier0``)."""
         preempt_here, snapshot_here = self._wants()
-        preempt, due, halt = self.schedule.at_boundary(now, preempt_here, save_due or snapshot_here, stop, tier0)
+        preempt, due, halt = self.schedule.at_boundary(now, preempt_here, save_due or snapshot_here, stop, tier0,
+                                                       signal_age_s=self._signal_age(now, preempt_here))  # fmt: skip
         noticed = due and snapshot_here and not preempt
         if noticed:
             self.notice_snapshot_taken = True  # every rank saves this boundary: asked for once
@@ -191,8 +192,22 @@ class PreemptionController:
         preempt_here = self._wants()[0]
         if not self.schedule.bound:
             return Decision(preempt=preempt_here, stop=stop)
-        preempt, halt = self.schedule.now(preempt_here, stop)
+        age = self._signal_age(time.monotonic(), preempt_here)
+        preempt, halt = self.schedule.now(preempt_here, stop, signal_age_s=age)
         return Decision(preempt=preempt, stop=halt)
+
+    def _signal_age(self, now: float, preempting: bool) -> float:
+        """Seconds since what makes this rank preempt came: the signal, else the notice."""
+        if not preempting:
+            return 0.0
+        came = self.signal_flag.received_at if self.signal_flag.received_at is not None else self.origin
+        return max(0.0, now - came) if came is not None else 0.0
+
+    @property
+    def agreed_after(self) -> tuple[int | None, float | None]:
+        """From the first signal (on any rank) to the step the ranks agreed to preempt at:
+        ``(steps, seconds)``, ``None`` where unknown (docs/design.md, "Agreement cost and latency")."""
+        return self.schedule.signal_steps, self.schedule.signal_s
 
     def flush(self) -> None:
         self.schedule.flush()
@@ -249,7 +264,9 @@ class PreemptionController:
         """Snapshot, drain, requeue and exit: the exit happens whatever the others do.
         ``leader`` (global rank 0) requeues."""
         self.preempted = True
-        self.mark(f"ranks agreed to preempt at step {step}")
+        steps, seconds = self.agreed_after
+        after = f", {steps} step(s) and {seconds:.2f}s after the first signal" if steps and seconds is not None else ""
+        self.mark(f"ranks agreed to preempt at step {step}{after}")
         self.flush()
         try:
             snapshot()

@@ -1,11 +1,13 @@
 """When ranks agree, across 2 real gloo ranks (preemption/schedule.py, collective/groups.py):
 every rank acts at the same boundary, ``auto`` switches k on every rank together after the
-calibration steps, ``overlap`` acts one exchange later, and a flag one rank raised between
-exchanges is never lost. Each rank writes what the schedule told it at every boundary; the
-test compares the ranks with each other and with the expected boundaries."""
+calibration steps, ``overlap`` reads an exchange at the next boundary, and a flag one rank
+raised between exchanges is never lost, and at a settled cadence it is acted on within the
+bound docs/design.md states (issue 58). Each rank writes what the schedule told it at every
+boundary; the tests compare the ranks with each other and with the expected boundaries."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,7 @@ def _worker(rank: int, world: int, out: str) -> None:
 
     def scheduled(every: int | str, overlap: bool) -> AgreementSchedule:
         schedule = AgreementSchedule(every, interval_s=1.0, overlap=overlap)  # type: ignore[arg-type]
+        schedule.clock = _ticks(1.0)  # each exchange "costs" 1 s: auto's k is the latency bound's
         schedule.bind(group)
         return schedule
 
@@ -78,6 +81,12 @@ def _worker(rank: int, world: int, out: str) -> None:
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
 
 
+def _ticks(cost_s: float) -> Any:
+    """A clock that advances ``cost_s`` per reading: every exchange the schedule times costs that."""
+    counter = itertools.count()
+    return lambda: next(counter) * cost_s
+
+
 def _said(rows: list[list[Any]], what: int) -> list[int]:
     """The boundaries at which the ranks agreed on flag ``what`` (0 signal, 1 due, 2 stop)."""
     return [row[0] for row in rows if row[2 + what]]
@@ -105,12 +114,91 @@ def test_every_rank_acts_at_the_same_boundaries(tmp_path: Path) -> None:
     assert ks[: CALIBRATION_STEPS - 1] == [1] * (CALIBRATION_STEPS - 1)
     assert ks[CALIBRATION_STEPS - 1 :] == [AUTO_K] * (len(ks) - CALIBRATION_STEPS + 1)  # from boundary 20
     assert _said(got["auto"], 0) == [2 * AUTO_K]  # signalled from 100: the exchange at 128
-    # auto + overlap: the proposals are read one boundary later, so k switches at 21
+    # auto + overlap: the proposals are read one boundary later, so k switches at 21; the bound
+    # keeps a flag's wait to k + 1 steps, so k is one less
     ks = [row[1] for row in got["auto_overlap"]]
-    assert ks.index(AUTO_K) + 1 == CALIBRATION_STEPS + 1 and set(ks[CALIBRATION_STEPS:]) == {AUTO_K}
-    assert _said(got["auto_overlap"], 0) == [3 * AUTO_K]  # exchanged at 128, read at the next one, 192
+    k = AUTO_K - 1
+    assert ks.index(k) + 1 == CALIBRATION_STEPS + 1 and set(ks[CALIBRATION_STEPS:]) == {k}
+    assert _said(got["auto_overlap"], 0) == [2 * k + 1, 3 * k + 1]  # exchanged at 126, read at 127
 
     # tier 0 (auto K): agreed 1 ("copy") only once every rank voted ready; overlapped one
     # boundary later, and 0 ("no result") at the first overlapped boundary
     assert got["tier0_overlapFalse"] == [2, 2, 2, 1, 1, 1]
     assert got["tier0_overlapTrue"] == [0, 2, 2, 2, 1, 1]
+
+
+# A settled cadence (issue 58): the ranks agree every k steps; rank 1 alone is signalled at
+# the boundary just after an exchange was launched, the worst case for a flag.
+SETTLED = [  # (every, step_s, each exchange's cost): the issue's 0.05 s and 0.5 s steps
+    ("auto", 0.05, 0.002),  # 4% of a step: as wide as the 0.3 s bound allows
+    ("auto", 0.5, 0.002),  # 0.4%: every step
+    (8, 0.05, 0.0),  # a fixed cadence: k + 1 steps
+]
+INTERVAL_S = 0.3
+
+
+def _settled_worker(rank: int, world: int, out: str) -> None:
+    from lightning_preempt.collective.groups import new_gloo_group
+    from lightning_preempt.preemption.schedule import AgreementSchedule
+
+    group = new_gloo_group(timeout_s=60)
+    rows = []
+    for every, step_s, cost_s in SETTLED:
+        schedule = AgreementSchedule(every, interval_s=INTERVAL_S, overlap=True)  # type: ignore[arg-type]
+        schedule.clock = _ticks(cost_s)
+        schedule.bind(group)
+        signalled_at: int | None = None
+        agreed_at = None
+        for b in range(1, 400):
+            k = schedule.k
+            if signalled_at is None and b > CALIBRATION_STEPS + 2 * k and (b - 1) % k == 0:
+                signalled_at = b  # the signal arrived during step b: after step b - 1 ended
+            preempt, _, _ = schedule.at_boundary(b * step_s, signalled=rank == 1 and signalled_at is not None,
+                                                 time_due=False)  # fmt: skip
+            if preempt:
+                agreed_at = b
+                break
+        schedule.flush()
+        rows.append({"k": schedule.k, "signalled_at": signalled_at, "agreed_at": agreed_at,
+                     "signal_steps": schedule.signal_steps})  # fmt: skip
+    # every rank signalled, rank 0 two steps before rank 1; then rank 1 alone, and validation
+    # starts at once (the engine's check(): agree now, the exchange in flight read too)
+    for case in ("all", "validation"):
+        schedule = AgreementSchedule("auto", interval_s=INTERVAL_S, overlap=True)
+        schedule.clock = _ticks(0.002)
+        schedule.bind(group)
+        first = 41
+        signalled = {0: first, 1: first + 2} if case == "all" else {1: first}
+        agreed_at = None
+        for b in range(1, 100):
+            mine = rank in signalled and b >= signalled[rank]
+            if schedule.at_boundary(b * 0.05, signalled=mine, time_due=False)[0]:
+                agreed_at = b
+                break
+            if case == "validation" and b == first and schedule.now(signalled=mine)[0]:
+                agreed_at = b  # Engine.check(b): the snapshot of step b
+                break
+        schedule.flush()
+        rows.append({"k": schedule.k, "signalled_at": first, "agreed_at": agreed_at,
+                     "signal_steps": schedule.signal_steps})  # fmt: skip
+    Path(out, f"rank{rank}.json").write_text(json.dumps(rows))
+
+
+def test_at_a_settled_cadence_a_signal_on_one_rank_is_acted_on_within_the_bound(tmp_path: Path) -> None:
+    run_ranks(_settled_worker, 2, tmp_path, str(tmp_path))
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert rank0 == rank1  # both ranks act at the same step
+    for (every, step_s, _), got in zip(SETTLED, rank0[: len(SETTLED)], strict=True):
+        waited = got["agreed_at"] - (got["signalled_at"] - 1)  # agreed step minus the step at the signal
+        # docs/design.md: k + 1 steps overlapped; with auto within max(2 steps, agree_interval_s)
+        assert waited <= got["k"] + 1, (every, step_s, got)
+        # the exchange carried the signal's age: rank 0, never signalled, knows the wait too
+        assert got["signal_steps"] == waited, (every, step_s, got)
+        if every == "auto":
+            assert waited <= max(2, round(INTERVAL_S / step_s)), (every, step_s, got)
+    assert [got["k"] for got in rank0[: len(SETTLED)]] == [5, 1, 8]  # wide where they could be
+    every_rank, validation = rank0[len(SETTLED) :]
+    # every rank signalled: the first signal counts (k = 5: launched at 45, read at 46)
+    assert every_rank["agreed_at"] == 46 and every_rank["signal_steps"] == 46 - (41 - 1), every_rank
+    # validation right after the signal's step: agreed there, before the next step
+    assert validation["agreed_at"] == 41 and validation["signal_steps"] == 1, validation

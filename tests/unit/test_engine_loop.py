@@ -108,7 +108,10 @@ def test_a_hand_written_loop_is_preempted_and_resumes_bit_identical(tmp_path: Pa
     preemption = next(r for r in records if r["kind"] == "preemption")
     assert preemption["source"] == "SIGUSR1" and preemption["committed"] and preemption["steps_lost"] == 0
     assert 0 < preemption["to_exit_s"] < 60
+    # the signal came during step 7 (after step 6 ended) and was agreed at step 7's boundary
+    assert preemption["agreed_after_steps"] == 1 and 0 <= preemption["agreed_after_s"] < preemption["to_exit_s"]
     summary = summarize(records)
+    assert [p["agreed_after_steps"] for p in summary["preemptions"]] == [1]
     assert summary["restarts"] == 1 and summary["finished"] and summary["last_step"] == 12
     assert [p["steps_lost"] for p in summary["preemptions"]] == [0] and summary["steps_trained"] == 12
     assert 0 < summary["goodput"] <= 1

@@ -47,7 +47,7 @@ def _scripted_run(source: str = "SIGTERM") -> list[dict[str, Any]]:
         _start(0, 10, 0), _save(0, 1, 22, 10), _save(0, 2, 32, 20),
         _save(0, 3, 37, 25, "emergency"),
         _record("preemption", 0, 4, 38, source=source, received_t=T0 + 35, step=25, snapshot_step=25,
-                committed=True, to_exit_s=3.0, steps_lost=0),
+                committed=True, to_exit_s=3.0, steps_lost=0, agreed_after_steps=2, agreed_after_s=0.31),
         _start(1, 100, 25), _save(1, 1, 117, 40), _record("progress", 1, 2, 122, step=47),
         _start(2, 224, 40), _save(2, 1, 246, 60, "final"), _record("finish", 2, 2, 246, step=60),
     ]  # fmt: skip
@@ -172,6 +172,28 @@ def test_the_report_names_the_exit_column_for_what_it_measures(tmp_path: Path, c
     row = next(line for line in text.splitlines() if "SIGTERM" in line and "committed" in line)
     assert row.split()[-2] == "3s", row  # the record's to_exit_s=3.0, shown as it is
     assert "(teardown included)" in text, text
+
+
+def test_the_report_shows_how_long_the_ranks_took_to_agree_on_the_first_signal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 58: the preemption record carries the signal-to-agreed latency; a record written
+    before it (no such fields) and a kill (no record) show ``-``."""
+    records = _scripted_run()
+    older = _record("preemption", 2, 3, 247, source="SIGTERM", received_t=T0 + 246, step=60, snapshot_step=60,
+                    committed=True, to_exit_s=1.0, steps_lost=0)  # fmt: skip
+    _write(tmp_path, [*records[:-1], older])
+    assert main(["report", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "AGREED AFTER" in text and "from the first signal (on any rank)" in text, text
+    rows = [line for line in text.splitlines() if line.lstrip()[:2] in ("1 ", "2 ", "3 ")]
+    assert len(rows) == 3, text
+    assert "2 steps, 310ms" in rows[0], rows[0]
+    assert rows[1].split("crash)")[1].split()[:3] == ["47", "-", "-"], text  # killed: no record
+    assert rows[2].split()[3:5] == ["60", "-"], text  # a record written before the field
+    assert main(["report", str(tmp_path), "--json"]) == 0
+    pre = json.loads(capsys.readouterr().out)["preemptions"]
+    assert [(p["agreed_after_steps"], p["agreed_after_s"]) for p in pre] == [(2, 0.31), (None, None), (None, None)]
 
 
 def test_the_writer_compacts_by_bytes_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

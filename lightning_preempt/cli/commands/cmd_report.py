@@ -236,7 +236,8 @@ def print_report(r: dict[str, Any], url: str) -> None:
         print(f"  {name:<{width}}  {value:>9}  {how}")
     if n:
         print("Preemptions")
-        table = [["#", "PROCESS", "SOURCE", "STEP", "SNAPSHOT", "RESUMED AT", "STEPS LOST", "TO EXIT CALL", "DOWN"]]
+        table = [["#", "PROCESS", "SOURCE", "STEP", "AGREED AFTER", "SNAPSHOT", "RESUMED AT", "STEPS LOST",
+                  "TO EXIT CALL", "DOWN"]]  # fmt: skip
         for i, p in enumerate(r["preemptions"], 1):
             snap = "-" if p["committed"] is None else "committed" if p["committed"] else "not committed"
             lost = dash(p["steps_lost"])
@@ -244,9 +245,10 @@ def print_report(r: dict[str, Any], url: str) -> None:
             resumed = dash(p["resumed_step"])
             tier = p.get("resumed_tier")
             resumed = f"{resumed} ({str(tier)[:12]})" if tier and p["resumed_step"] is not None else resumed
-            table.append([str(i), str(p["restart"]), p["source"], str(p["step"]), snap, resumed,
+            table.append([str(i), str(p["restart"]), p["source"], str(p["step"]), _agreed_after(p), snap, resumed,
                           lost, _d(p["to_exit_s"]), _d(p["down_s"])])  # fmt: skip
-        print_table(table, right_aligned={0, 1, 3, 5, 6, 7, 8})
+        print_table(table, right_aligned={0, 1, 3, 4, 6, 7, 8, 9})
+        print("  AGREED AFTER: from the first signal (on any rank) to the step every rank agreed to snapshot")
         print("  TO EXIT CALL: from the signal to the decision to exit (snapshot committed); the process is gone later (teardown, not seen "
               "by the ledger), which DOWN includes")  # fmt: skip
         if any(p["steps_lost_at_least"] for p in r["preemptions"]):
@@ -268,3 +270,11 @@ def print_report(r: dict[str, Any], url: str) -> None:
             line += (f"; on demand at {cost['on_demand_price']:g}: {cost['on_demand_cost']:.4g} "
                      f"(saved {cost['saved']:.4g})")  # fmt: skip
         print(line)
+
+
+def _agreed_after(p: dict[str, Any]) -> str:
+    """``"2 steps, 0.31s"``: the preemption's signal-to-agreed latency; ``-`` where not recorded."""
+    steps, seconds = p.get("agreed_after_steps"), p.get("agreed_after_s")
+    if steps is None or seconds is None:
+        return "-"
+    return f"{steps} step{'s' if steps != 1 else ''}, {_d(seconds)}"
