@@ -76,8 +76,10 @@ def write_durable(path: str, data: Payload, *, durable: bool = True, mode: int |
     """Write and sync ``data`` to ``path``; not atomic (temporary files); a failure removes it.
     ``mode``: create ``path`` new (``O_EXCL | O_NOFOLLOW``: an entry already there, a symlink
     included, is ``FileExistsError``) with these permission bits (less the umask)."""
+    # Opened before the clean-up applies: a create refused (an entry there) removes nothing.
+    f = open(path, "wb") if mode is None else os.fdopen(os.open(path, _NEW_FILE, mode), "wb")  # noqa: SIM115
     try:
-        with open(path, "wb") if mode is None else os.fdopen(os.open(path, _NEW_FILE, mode), "wb") as f:
+        with f:
             if callable(data):
                 data(f)
             else:

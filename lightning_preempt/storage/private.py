@@ -64,7 +64,7 @@ def private_dirs(path: str, *, own: int = 1, create: bool = True) -> None:
     parts = _parts(path)
     if len(parts) < own:
         raise UnsafePathError(path, "has fewer components than the directories to own")
-    fd = _trusted_parent(parts[:-own], path)
+    fd = _trusted_parent(parts[:-own], path, create=create)
     for i in range(len(parts) - own, len(parts)):  # _own_child closes the parent's fd
         fd = _own_child(fd, parts[i], "/" + "/".join(parts[: i + 1]), create=create)
     os.close(fd)
@@ -94,13 +94,18 @@ def _parts(path: str) -> list[str]:
     return [p for p in os.path.abspath(path).split("/") if p]
 
 
-def _trusted_parent(parts: list[str], whole: str, links: int = 0) -> int:
-    """An fd of the directory ``/parts...``, every component checked as an ancestor."""
+def _trusted_parent(parts: list[str], whole: str, links: int = 0, *, create: bool = False) -> int:
+    """An fd of the directory ``/parts...``, every component checked as an ancestor (one
+    absent is made 0700, ours, with ``create``: ``memory_dirpath=/dev/shm/me/job-7``)."""
     fd = os.open("/", _DIR_FLAGS)
     here = "/"
     try:
         for i, name in enumerate(parts):
             child = os.path.join(here, name)
+            st_or_none = _lstat_or_none(name, fd)
+            if st_or_none is None and create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, 0o700, dir_fd=fd)
             st = os.stat(name, dir_fd=fd, follow_symlinks=False)
             if stat.S_ISLNK(st.st_mode):
                 if st.st_uid not in (0, os.geteuid()):
@@ -110,7 +115,7 @@ def _trusted_parent(parts: list[str], whole: str, links: int = 0) -> int:
                 target = os.path.join(here, os.readlink(name, dir_fd=fd))
                 os.close(fd)
                 fd = -1
-                return _trusted_parent(_parts(target) + parts[i + 1 :], whole, links + 1)
+                return _trusted_parent(_parts(target) + parts[i + 1 :], whole, links + 1, create=create)
             nfd = os.open(name, _DIR_FLAGS, dir_fd=fd)
             os.close(fd)
             fd = nfd
