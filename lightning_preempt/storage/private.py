@@ -142,7 +142,8 @@ def _own_child(parent: int, name: str, shown: str, *, create: bool) -> int:
         except OSError:
             st = _lstat_or_none(name, parent)
             if st is not None and not stat.S_ISDIR(st.st_mode):
-                raise UnsafePathError(shown, f"is {local.describe_mode(st.st_mode)}, not a directory") from None
+                what = "a regular file" if stat.S_ISREG(st.st_mode) else local.describe_mode(st.st_mode)
+                raise UnsafePathError(shown, f"is {what}, not a directory") from None
             raise
     finally:
         os.close(parent)

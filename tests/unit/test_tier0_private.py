@@ -305,3 +305,24 @@ def test_a_group_writable_directory_of_ones_own_is_refused(tmp_path: Path) -> No
     with pytest.raises(CheckpointError, match=r"(?s)group/other-writable.*HINT: "):
         memory_tier.MemoryTier(str(root), 2).setup(None, leader=True)
 
+
+
+@as_root
+def test_a_symlink_above_the_directory_is_followed_only_if_root_or_this_user_made_it(shm: Path, tmp_path: Path) -> None:
+    """``memory_dirpath=/dev/shm/x/job`` with ``x`` a symlink: followed when root or this uid
+    owns it (``/dev/shm -> /run/shm``), refused when another user planted it."""
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "alias").symlink_to(real)  # this uid's own
+    assert memory_tier.MemoryTier(str(tmp_path / "alias" / "job"), 2).setup(None, leader=True)
+    assert stat.S_IMODE(os.stat(real / "job").st_mode) == 0o700
+    as_user(OTHER_UID, lambda: (shm / "x").symlink_to(real))
+    with pytest.raises(CheckpointError, match=rf"(?s)symbolic link owned by uid {OTHER_UID}.*HINT: "):
+        memory_tier.MemoryTier(str(shm / "x" / "job2"), 2).setup(None, leader=True)
+    assert sorted(os.listdir(real)) == ["job"]
+
+
+def test_a_file_where_the_directory_should_be_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "t0").write_bytes(b"not a directory")
+    with pytest.raises(CheckpointError, match=r"(?s)is a regular file, not a directory.*HINT: "):
+        memory_tier.MemoryTier(str(tmp_path / "t0"), 2).setup(None, leader=True)
