@@ -45,18 +45,10 @@ from lightning_preempt.read.verify import read_manifest
 from lightning_preempt.save.history import SaveRecord
 from lightning_preempt.save.saver import Saver
 from lightning_preempt.storage.store import Store
+from lightning_preempt.tiers import tier0, tier0_peer
 from lightning_preempt.tiers.peer import WIRE_MAX_BYTES, replicate
 from lightning_preempt.tiers.tier0 import KEEP_LAST_N, MEMORY_HINT, AutoEvery, committed_steps
-from lightning_preempt.tiers.tier0 import claim as claim_root
-from lightning_preempt.tiers.tier0_peer import (
-    make_root,
-    memory_nodes,
-    off_hint,
-    prune,
-    raise_if_refused,
-    restore,
-    why_off,
-)
+from lightning_preempt.tiers.tier0_peer import memory_nodes, off_hint, prune, restore, why_off
 
 log = logging.getLogger(__name__)
 
@@ -127,13 +119,13 @@ class MemoryTier:
         schedule a previous launch left on any node (``auto``) is taken up, so the loss bound
         holds from the first step (engine/loss_bound.py). Every rank decides alike. Returns
         whether tier 0 can be resumed from (it is on, and no restore failed)."""
-        made = make_root(self.root)  # private to this uid, or refused (tiers/tier0_peer.py)
+        made = tier0_peer.make_root(self.root)  # private to this uid, or refused (tiers/tier0_peer.py)
         if agree_steps is not None:
             self.agree_steps = agree_steps
         views = pdist.all_gather_json([made, read_schedule(self.root) if not made else None], group,
                                       max_bytes=WIRE_MAX_BYTES)  # fmt: skip
         errors = [why for why, _ in views if why]
-        raise_if_refused(errors, self.root)  # a memory_dirpath given: an error on every rank alike
+        tier0_peer.raise_if_refused(errors, self.root)  # a memory_dirpath given: an error on every rank alike
         carried = [s for _, s in views if s]
         if self.auto is not None and carried and not errors:  # the same choice on every rank
             mine = max(carried, key=lambda s: (s["every"], s["copy_steps"]))
@@ -168,7 +160,7 @@ class MemoryTier:
         if not self.enabled or not self._writes_schedule():
             return
         try:
-            claim_root(self.root, dirpath, run_id)
+            tier0.claim(self.root, dirpath, run_id)
         except OSError as err:
             log.warning("lightning_preempt: tier 0 cannot record this run in %s (%s): its copies will not be "
                         "resumed from\nHINT: %s", self.root, err, MEMORY_HINT)  # fmt: skip
