@@ -167,6 +167,8 @@ class Engine:
         # A resumed run continues the run it resumed from; a fresh one gets a new id.
         continued = target.run_id if target is not None else None
         self.run_id = saver.run_id = agree.decide(lambda: continued or uuid.uuid4().hex, group)
+        if self.memory is not None:  # before any copy: the resolver takes only this job's
+            self.memory.claim(config.dirpath, self.run_id)
         if saver.tiers is not None:
             saver.tiers.run_id = self.run_id
             saver.tiers.on_drain = lambda drain: record_drain(self.ledger, drain)  # ledger looked up late: replaced below

@@ -30,6 +30,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from lightning_preempt.save.history import SaveRecord
+from lightning_preempt.storage.private import read_private, write_private
 
 #: What a rank reports of a copy in flight (:meth:`Copy.status`).
 RUNNING, HELD, FAILED = 0, 1, 2
@@ -126,10 +127,11 @@ class LossBound:
 
 def read_schedule(root: str) -> dict[str, int] | None:
     """The schedule a previous launch on this node left (``{"every", "copy_steps"}``), if
-    any: a restarted launch keeps its bound from its first step instead of measuring anew."""
+    any: a restarted launch keeps its bound from its first step instead of measuring anew.
+    Only a regular file of this uid counts (storage/private.py): a FIFO there cannot hang
+    the set-up, another user's file is not taken."""
     try:
-        with open(os.path.join(root, SCHEDULE_FILE)) as f:
-            data = json.load(f)
+        data = json.loads(read_private(os.path.join(root, SCHEDULE_FILE), max_bytes=4096))
         every, copy_steps = int(data["every"]), int(data["copy_steps"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -137,12 +139,7 @@ def read_schedule(root: str) -> dict[str, int] | None:
 
 
 def write_schedule(root: str, every: int, copy_steps: int) -> None:
-    """Leave the schedule for the next launch on this node (replaced whole, never torn)."""
-    tmp = os.path.join(root, f"{SCHEDULE_FILE}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            json.dump({"every": every, "copy_steps": copy_steps}, f)
-        os.replace(tmp, os.path.join(root, SCHEDULE_FILE))
-    except OSError:  # best effort: the next launch measures again
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+    """Leave the schedule for the next launch on this node (replaced whole, never torn; 0600,
+    never written through a planted symlink: storage/private.py)."""
+    with contextlib.suppress(OSError):  # best effort: the next launch measures again
+        write_private(os.path.join(root, SCHEDULE_FILE), json.dumps({"every": every, "copy_steps": copy_steps}).encode())

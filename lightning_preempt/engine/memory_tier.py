@@ -2,7 +2,8 @@
 what of it to keep.
 
 Tier 0 is one more tier in the usual format under a tmpfs (``memory_dirpath``, default
-``/dev/shm/lightning_preempt/<dirpath's name>-<hash>``): a save addressed there is written
+``/dev/shm/lightning_preempt-<uid>/<dirpath's name>-<hash>``, private to its user:
+storage/private.py): a save addressed there is written
 and committed straight there by the plugin (manifest last, CRC32C), so the resolver's
 newest-valid choice reads it like any tier and never resumes from a torn copy. The policy
 pieces (root, retention, held steps) are in tiers/tier0.py.
@@ -44,6 +45,7 @@ from lightning_preempt.read.verify import read_manifest
 from lightning_preempt.save.history import SaveRecord
 from lightning_preempt.save.saver import Saver
 from lightning_preempt.storage.store import Store
+from lightning_preempt.tiers import tier0, tier0_peer
 from lightning_preempt.tiers.peer import WIRE_MAX_BYTES, replicate
 from lightning_preempt.tiers.tier0 import KEEP_LAST_N, MEMORY_HINT, AutoEvery, committed_steps
 from lightning_preempt.tiers.tier0_peer import memory_nodes, off_hint, prune, restore, why_off
@@ -117,16 +119,13 @@ class MemoryTier:
         schedule a previous launch left on any node (``auto``) is taken up, so the loss bound
         holds from the first step (engine/loss_bound.py). Every rank decides alike. Returns
         whether tier 0 can be resumed from (it is on, and no restore failed)."""
-        try:
-            os.makedirs(self.root, exist_ok=True)
-            made = ""
-        except OSError as err:
-            made = f"{type(err).__name__}: {err}"
+        made = tier0_peer.make_root(self.root)  # private to this uid, or refused (tiers/tier0_peer.py)
         if agree_steps is not None:
             self.agree_steps = agree_steps
         views = pdist.all_gather_json([made, read_schedule(self.root) if not made else None], group,
                                       max_bytes=WIRE_MAX_BYTES)  # fmt: skip
         errors = [why for why, _ in views if why]
+        tier0_peer.raise_if_refused(errors, self.root)  # a memory_dirpath given: an error on every rank alike
         carried = [s for _, s in views if s]
         if self.auto is not None and carried and not errors:  # the same choice on every rank
             mine = max(carried, key=lambda s: (s["every"], s["copy_steps"]))
@@ -153,6 +152,18 @@ class MemoryTier:
             if restore_floor is not None:
                 return self._restore(restore_floor)
         return self.enabled
+
+    def claim(self, dirpath: str, run_id: str) -> None:
+        """Every rank, once the run id is agreed, before the first copy: each node's first
+        rank records the run in the directory (tiers/tier0.py ``claim``: the resolver takes
+        only this job's copies)."""
+        if not self.enabled or not self._writes_schedule():
+            return
+        try:
+            tier0.claim(self.root, dirpath, run_id)
+        except OSError as err:
+            log.warning("lightning_preempt: tier 0 cannot record this run in %s (%s): its copies will not be "
+                        "resumed from\nHINT: %s", self.root, err, MEMORY_HINT)  # fmt: skip
 
     def _restore(self, floor: Callable[[], int]) -> bool:
         """Whether tier 0 may be resumed from: not after a failed restore (rank 0's node may

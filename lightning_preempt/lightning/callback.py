@@ -83,7 +83,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
         heartbeat_timeout_s: a rank not heard from for this long is lost.
         failure_exit_code: every survivor's exit code after a loss.
         tier0_every_n_steps: tier 0: every K steps also commit to host memory (``"auto"``: K by cost).
-        memory_dirpath: tier 0's directory (a tmpfs).
+        memory_dirpath: tier 0's directory (a tmpfs; this user's own, 0700: docs/security.md).
     """
 
     def __init__(

@@ -33,22 +33,23 @@ before the seal (none of this package's writers map files).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
+import stat
 import time
-import uuid
 from typing import Any
 
 from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.format.names import SEAL_NAME
 from lightning_preempt.storage.checksum import Crc32c
+from lightning_preempt.storage.private import read_private, write_private
 
 log = logging.getLogger(__name__)
 
 FRESH_NS = 50_000_000  # a ctime this close to the sealing time is not trusted (coarse clock)
 _CHUNK = 8 << 20
+MAX_SEAL_BYTES = 64 << 20  # a seal lists each file of one copy (~150 B each)
 
 
 def boot_id() -> str | None:
@@ -85,12 +86,12 @@ def _ident(st: os.stat_result) -> list[int]:
 def _verify_file(path: str, size: int, crc32c: str) -> list[int] | None:
     """The file's identity if its bytes match (size, CRC32C) and it did not change while read."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO cannot hang it
     except OSError:
         return None
     try:
         before = os.fstat(fd)
-        if before.st_size != size or time.time_ns() - before.st_ctime_ns < FRESH_NS:
+        if not stat.S_ISREG(before.st_mode) or before.st_size != size or time.time_ns() - before.st_ctime_ns < FRESH_NS:
             return None
         crc = Crc32c()
         with os.fdopen(os.dup(fd), "rb", buffering=0) as f:
@@ -118,14 +119,9 @@ def seal(step_dir: str, manifest: Manifest) -> bool:
             log.debug("lightning_preempt: tier-0 seal of %s: %s not sealed", step_dir, name)
             return False
         files[name] = {"size": entry.size, "crc32c": entry.crc32c, "ident": ident}
-    tmp = os.path.join(step_dir, f"{SEAL_NAME}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"version": 1, "boot_id": boot, "files": files}, f)
-        os.replace(tmp, os.path.join(step_dir, SEAL_NAME))
+    try:  # 0600, a fresh temporary name never followed (storage/private.py)
+        write_private(os.path.join(step_dir, SEAL_NAME), json.dumps({"version": 1, "boot_id": boot, "files": files}).encode())
     except OSError as err:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
         log.debug("lightning_preempt: tier-0 seal of %s not written (%s)", step_dir, err)
         return False
     return True
@@ -135,8 +131,8 @@ def sealed(step_dir: str, manifest: Manifest) -> bool:
     """Whether every file of ``manifest`` under ``step_dir`` is as it was when sealed on this
     node since this boot (then its CRC32C need not be computed again). Never raises."""
     try:
-        with open(os.path.join(step_dir, SEAL_NAME), encoding="utf-8") as f:
-            data = json.load(f)
+        # A regular file of this uid only: a FIFO planted there cannot hang the load.
+        data = json.loads(read_private(os.path.join(step_dir, SEAL_NAME), max_bytes=MAX_SEAL_BYTES))
         boot = boot_id()
         if not isinstance(data, dict) or data.get("version") != 1 or boot is None or data.get("boot_id") != boot:
             return False

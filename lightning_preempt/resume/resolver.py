@@ -24,8 +24,10 @@ from lightning_preempt.errors import CheckpointError, NotACheckpointError
 from lightning_preempt.read.load import Fallback
 from lightning_preempt.read.verify import Verify
 from lightning_preempt.storage.diagnose import describe, is_transient, storage_hint
+from lightning_preempt.storage.private import PRIVATE_HINT, private_dirs
 from lightning_preempt.storage.reach import StorageUnreachableError
 from lightning_preempt.storage.retry import Backoff, retry
+from lightning_preempt.tiers.tier0 import own_components, whose
 from lightning_preempt.tiers.two_tier import TwoTier
 
 log = logging.getLogger(__name__)
@@ -86,6 +88,7 @@ class ResumeResolver:
     #: one shared directory, or several nodes with the peer copy and no failed restore).
     memory_usable: bool = dataclasses.field(init=False, default_factory=lambda: _one_host_by_environment())
     peeked: Peek | None = dataclasses.field(init=False, default=None)
+    _refusal_told: bool = dataclasses.field(init=False, default=False)
 
     # ---- phase 1: before the process group ---------------------------------------------
     def peek(self) -> Peek:
@@ -110,7 +113,9 @@ class ResumeResolver:
 
     def _has_checkpoint(self) -> bool:
         local = self.local_dirpath is not None and bool(complete_local_checkpoints(self.local_dirpath))
-        memory = self._memory_root() is not None and bool(complete_local_checkpoints(str(self.memory_dirpath)))
+        root = self._memory_root()
+        runs = whose(root, self.dirpath) if root is not None else set()
+        memory = root is not None and any(_memory_unusable(c, None, runs) is None for c in complete_local_checkpoints(root))
         return local or memory or any(c.committed for c in list_checkpoints(self.dirpath, self.storage_options))
 
     def _retrying(self, fn: Callable[[], T]) -> T:
@@ -215,11 +220,12 @@ class ResumeResolver:
             root = self._memory_root()
             if root is None:
                 return found
-            # a torn or truncated copy is passed over: the usual manifest and size/CRC checks
+            # a torn or truncated copy is passed over: the usual manifest and size/CRC checks;
+            # so is a copy another run wrote (its run id is not one of this dirpath's)
             complete = {c.name for c in complete_local_checkpoints(root)}
-            missing = "files missing in this node's memory tier"
+            runs = whose(root, self.dirpath)
             memory = first_valid(list_checkpoints(root, {}), {}, verify=verify, on_skip=note, exclude=exclude,
-                                 usable=lambda c: None if c.name in complete else missing)  # fmt: skip
+                                 usable=lambda c: _memory_unusable(c, complete, runs))  # fmt: skip
             if memory is not None and (found is None or memory.step >= found.step):
                 return memory  # a tie goes to memory: nothing to read from disk
             return found
@@ -238,9 +244,27 @@ class ResumeResolver:
         return ResumeTarget(info.path, info.step, run_id=run_id, skipped=tuple(skipped))
 
     def _memory_root(self) -> str | None:
-        """Tier 0's directory when it can be resumed from (on, usable, present)."""
+        """Tier 0's directory when it can be resumed from (on, usable, present, and private
+        to this uid: storage/private.py; another user's directory is never read)."""
         root = self.memory_dirpath
-        return root if root is not None and self.memory_usable and os.path.isdir(root) else None
+        if root is None or not self.memory_usable or not os.path.isdir(root):
+            return None
+        try:
+            private_dirs(root, own=own_components(root), create=False)
+        except OSError as err:
+            if not self._refusal_told:  # once: the resolver looks several times
+                self._refusal_told = True
+                log.warning("lightning_preempt: tier 0 (%s) is not resumed from: %s\nHINT: %s", root, err, PRIVATE_HINT)
+            return None
+        return root
+
+
+def _memory_unusable(info: CheckpointInfo, complete: set[str] | None, runs: set[str]) -> str | None:
+    """Why a tier-0 copy is not resumed from (``None``: it is): another run's (its run id is
+    not one this dirpath recorded there: tiers/tier0.py ``claim``), or files missing here."""
+    if info.manifest is None or info.manifest.run_id not in runs:
+        return "not this job's tier-0 copy (its run id is not one this dirpath recorded in the directory)"
+    return None if complete is None or info.name in complete else "files missing in this node's memory tier"
 
 
 def _one_host_by_environment() -> bool:

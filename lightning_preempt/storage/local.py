@@ -68,10 +68,18 @@ def sync_data(fd: int) -> None:
     (getattr(os, "fdatasync", None) or os.fsync)(fd)
 
 
-def write_durable(path: str, data: Payload, *, durable: bool = True) -> None:
-    """Write and sync ``data`` to ``path``; not atomic (temporary files); a failure removes it."""
+#: A temporary file of :func:`write_atomic`: made new, never through a planted symlink.
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def write_durable(path: str, data: Payload, *, durable: bool = True, mode: int | None = None) -> None:
+    """Write and sync ``data`` to ``path``; not atomic (temporary files); a failure removes it.
+    ``mode``: create ``path`` new (``O_EXCL | O_NOFOLLOW``: an entry already there, a symlink
+    included, is ``FileExistsError``) with these permission bits (less the umask)."""
+    # Opened before the clean-up applies: a create refused (an entry there) removes nothing.
+    f = open(path, "wb") if mode is None else os.fdopen(os.open(path, _NEW_FILE, mode), "wb")  # noqa: SIM115
     try:
-        with open(path, "wb") as f:
+        with f:
             if callable(data):
                 data(f)
             else:
@@ -93,23 +101,29 @@ def write_atomic(
     tmp_name: str | None = None,
     check: Callable[[str], None] | None = None,
     durable: bool = True,
+    mode: int = 0o666,
 ) -> None:
     """Put ``data`` at ``path`` atomically: temp file, sync, link/replace, fsync the directory.
 
-    ``exclusive``: create-only (``FileExistsError``). ``tmp_name``: a name the caller's
-    clean-up recognises. ``check(tmp)`` runs before the rename; raising aborts.
+    The temp file is created new (``O_EXCL | O_NOFOLLOW``) with ``mode`` (less the umask;
+    0600: private, storage/private.py): a symlink or file planted at its name is never
+    written through. ``exclusive``: create-only (``FileExistsError``). ``tmp_name``: a name
+    the caller's clean-up recognises. ``check(tmp)`` runs before the rename; raising aborts.
     ``durable=False`` skips both syncs (a crash may lose the file).
     """
     directory = os.path.dirname(path)
     tmp = os.path.join(directory, tmp_name or f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
+    created = False
     try:
-        write_durable(tmp, data, durable=durable)
+        write_durable(tmp, data, durable=durable, mode=mode)
+        created = True
         if check is not None:
             check(tmp)
         _publish(tmp, path, exclusive=exclusive)
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)  # after a link() the data lives on under its new name
+        if created:  # never unlink what was there before (not ours: another writer's, a planted entry)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)  # after a link() the data lives on under its new name
     if durable:
         fsync_dir(directory)
 

@@ -10,8 +10,13 @@ a rank holds there (for ``Engine.held_steps``).
 
 Layout (one tmpfs directory per run, one per node)::
 
-    /dev/shm/lightning_preempt/<run-id>/step-NNNNNNNNNN/   this node's ranks' files + manifest
-                                                            (+ the previous node's, several nodes)
+    /dev/shm/lightning_preempt-<uid>/<name>-<hash>/step-NNNNNNNNNN/   this node's ranks' files
+                                                            + manifest (+ the previous node's)
+
+Each user has a base of their own, 0700, and every directory of it is made and checked by
+storage/private.py (never a symlink, another uid's or a group/other-writable one). The run
+directory holds :data:`IDENTITY_FILE`: the (dirpath, run id) pairs that wrote copies there;
+the resolver takes a copy only if its manifest's run id is one of this dirpath's.
 
 The engine writes it (engine/engine.py ``save_memory``: a save to a path outside the other
 tiers goes straight there) and the resolver reads it as one more candidate
@@ -22,14 +27,20 @@ node's ``step-N`` (engine/memory_tier.py, tiers/tier0_peer.py).
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 import re
 
 from lightning_preempt.catalog.listing import list_checkpoints
+from lightning_preempt.storage.private import read_private, user_base, write_private
 
-#: The tmpfs directory tier 0 lives under (one sub-directory per run).
-DEFAULT_TIER0_BASE = "/dev/shm/lightning_preempt"
+#: The shared tmpfs each user's tier-0 base lives in (``lightning_preempt-<uid>``, 0700).
+DEFAULT_TIER0_PARENT = "/dev/shm"
+#: The run directory's identity: which (dirpath, run id) pairs wrote its copies.
+IDENTITY_FILE = ".lp-tier0-run.json"
+#: Pairs remembered (a resumed run keeps its id: one pair per job, more only when shared).
+IDENTITY_KEPT = 32
 #: The step-time overhead tier 0 may cost, as a fraction of the step time.
 MAX_OVERHEAD = 0.01
 #: Tier-0 checkpoints kept per node (memory is the scarce resource here). One is enough: the
@@ -48,20 +59,61 @@ MEMORY_HINT = (
 _RUN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
 
-def tier0_root(run_id: str, base: str = DEFAULT_TIER0_BASE) -> str:
+def tier0_root(run_id: str, base: str | None = None) -> str:
     """The directory of ``run_id``'s tier-0 checkpoints under ``base``."""
     if not _RUN_ID.match(run_id) or run_id in (".", ".."):
         raise ValueError(f"run id {run_id!r} cannot name a tier-0 directory\n"
                          "HINT: use letters, digits, '_', '-' or '.' (the engine's run ids are hex).")  # fmt: skip
+    base = user_base(DEFAULT_TIER0_PARENT) if base is None else base
     return os.path.join(base.rstrip("/") or "/", run_id)
 
 
-def default_memory_root(dirpath: str, base: str = DEFAULT_TIER0_BASE) -> str:
+def default_memory_root(dirpath: str, base: str | None = None) -> str:
     """Tier 0's directory for the checkpoints of ``dirpath``: ``<base>/<name>-<hash>``, the
-    same on every restart of the job (the run id is known only after the resume choice)."""
+    same on every restart of the job (the run id is known only after the resume choice).
+    ``base``: this user's own, ``/dev/shm/lightning_preempt-<uid>`` by default."""
     tail = re.sub(r"[^A-Za-z0-9_.-]", "_", os.path.basename(dirpath.rstrip("/")))[:48].strip(".") or "run"
     digest = hashlib.sha256(dirpath.rstrip("/").encode()).hexdigest()[:12]
     return tier0_root(f"{tail}-{digest}", base)
+
+
+def own_components(root: str) -> int:
+    """How many trailing components of ``root`` tier 0 owns (storage/private.py): 2 under a
+    per-user base (the base and the run directory), else 1 (a ``memory_dirpath`` given)."""
+    return 2 if os.path.basename(os.path.dirname(root.rstrip("/"))) == os.path.basename(user_base()) else 1
+
+
+def is_default_root(root: str) -> bool:
+    """Whether ``root`` is one :func:`default_memory_root` names (a refusal then turns tier 0
+    off with a warning; a ``memory_dirpath`` the user gave is an error instead)."""
+    return own_components(root) == 2
+
+
+def identity(root: str) -> list[list[str]]:
+    """The (dirpath, run id) pairs that wrote copies in ``root`` (none: absent, unreadable,
+    not a private file of this uid)."""
+    try:
+        runs = json.loads(read_private(os.path.join(root, IDENTITY_FILE), max_bytes=64 << 10))["runs"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    if not isinstance(runs, list):
+        return []
+    return [r for r in runs if isinstance(r, list) and len(r) == 2 and all(isinstance(x, str) for x in r)]
+
+
+def claim(root: str, dirpath: str, run_id: str) -> None:
+    """Record that ``run_id`` of ``dirpath`` writes copies in ``root`` (0600, replaced whole:
+    storage/private.py), before its first copy. Raises ``OSError``."""
+    pair = [dirpath.rstrip("/") or dirpath, run_id]
+    runs = [*[r for r in identity(root) if r != pair][-(IDENTITY_KEPT - 1):], pair]
+    write_private(os.path.join(root, IDENTITY_FILE), json.dumps({"version": 1, "runs": runs}).encode())
+
+
+def whose(root: str, dirpath: str) -> set[str]:
+    """The run ids of ``dirpath`` that wrote copies in ``root``: a copy of any other run is
+    not this job's (another job sharing ``memory_dirpath``, a copy put there by hand)."""
+    key = dirpath.rstrip("/") or dirpath
+    return {run for d, run in identity(root) if d == key}
 
 
 def choose_every(copy_s: float, step_s: float, max_overhead: float = MAX_OVERHEAD) -> int:

@@ -42,6 +42,7 @@ from lightning_preempt.collective import groups as pdist
 from lightning_preempt.errors import CheckpointError
 from lightning_preempt.format.manifest import Manifest, parse_manifest
 from lightning_preempt.format.names import HIDDEN_PREFIX, MANIFEST_NAME
+from lightning_preempt.storage.private import PRIVATE_HINT, UnsafePathError, private_dirs
 from lightning_preempt.storage.store import Store
 from lightning_preempt.tiers.peer import (
     WIRE_MAX_BYTES,
@@ -52,7 +53,7 @@ from lightning_preempt.tiers.peer import (
     transfer,
     write_durable,
 )
-from lightning_preempt.tiers.tier0 import MEMORY_HINT
+from lightning_preempt.tiers.tier0 import MEMORY_HINT, is_default_root, own_components
 
 log = logging.getLogger(__name__)
 
@@ -223,10 +224,38 @@ def _raise_failed(errors: list[object], step: int, what: str) -> None:
                            hint="The restart resumes from the disk tiers instead; nothing there is touched.")  # fmt: skip
 
 
+#: Marks a set-up error that is a refusal (storage/private.py): a path another user could control.
+REFUSED = "refused: "
+
+
+def make_root(root: str) -> str:
+    """Make tier 0's directory ``root`` private (storage/private.py: 0700, this uid's, never
+    through a symlink); ``""``, or why not (a refusal starts with :data:`REFUSED`)."""
+    try:
+        private_dirs(root, own=own_components(root))
+    except UnsafePathError as err:
+        return f"{REFUSED}{err}"
+    except OSError as err:
+        return f"{type(err).__name__}: {err}"
+    return ""
+
+
+def raise_if_refused(errors: list[str], root: str) -> None:
+    """A ``memory_dirpath`` the user gave that some rank refused: the same error on every
+    rank (``errors``: gathered). The default directory's refusal turns tier 0 off instead."""
+    refused = [e for e in errors if e.startswith(REFUSED)]
+    if refused and not is_default_root(root):
+        raise CheckpointError(f"tier 0's memory_dirpath is not private to this user: {refused[0][len(REFUSED) :]}",
+                              path=root, hint=PRIVATE_HINT)  # fmt: skip
+
+
 def why_off(errors: list[str], nodes: list[str] | None, *, can_group: bool) -> str | None:
-    """Why tier 0 cannot be on (``None``: it can): a rank could not create its directory
-    (``errors``), the ranks' views disagree (``nodes`` ``None``), no group for the peer copy,
-    or uneven nodes."""
+    """Why tier 0 cannot be on (``None``: it can): a rank could not create its directory or
+    refused it (``errors``), the ranks' views disagree (``nodes`` ``None``), no group for
+    the peer copy, or uneven nodes."""
+    refused = [e for e in errors if e.startswith(REFUSED)]
+    if refused:
+        return f"{refused[0]} (never followed, nothing written there)"
     if errors:
         return f"cannot create it ({errors[0]})"
     if nodes is None:
@@ -241,6 +270,8 @@ def why_off(errors: list[str], nodes: list[str] | None, *, can_group: bool) -> s
 
 def off_hint(errors: list[str], nodes: list[str] | None) -> str:
     """What to do about :func:`why_off`'s reason."""
+    if any(e.startswith(REFUSED) for e in errors):
+        return PRIVATE_HINT
     if errors or nodes is None:
         return MEMORY_HINT
     return ("Tier 0 restores a lost node's share from the next node, which holds its own share and one peer's; "

@@ -161,7 +161,8 @@ def test_a_full_tmpfs_does_not_stop_training(tmp_path: Path, shm: Path) -> None:
             "--every", "5", "--width", "256",
             "--cb-kwargs", json.dumps({"tier0_every_n_steps": 2, "memory_dirpath": str(shm)})]  # fmt: skip
     script = Path(__file__).resolve().parents[1] / "support" / "train_script.py"
-    command = f"mount -t tmpfs -o size=4k tmpfs {shlex.quote(str(shm))} && exec " + shlex.join(
+    # mode=0700: a tmpfs mounts 1777, which tier 0 refuses as a memory_dirpath (docs/security.md)
+    command = f"mount -t tmpfs -o size=4k,mode=0700 tmpfs {shlex.quote(str(shm))} && exec " + shlex.join(
         [sys.executable, str(script), *args]
     )
     proc = subprocess.run(["unshare", "-m", "sh", "-c", command], cwd=tmp_path, capture_output=True, text=True,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -133,7 +134,8 @@ def test_the_default_memory_root_is_stable_per_dirpath_and_names_a_directory() -
 
     a = default_memory_root("gs://bucket/run-7/")
     assert a == default_memory_root("gs://bucket/run-7")  # the same on every restart
-    assert a.startswith("/dev/shm/lightning_preempt/run-7-") and "/" not in a[len("/dev/shm/lightning_preempt/") :]
+    base = f"/dev/shm/lightning_preempt-{os.geteuid()}/"  # each user's own base (docs/security.md)
+    assert a.startswith(base + "run-7-") and "/" not in a[len(base) :]
     assert default_memory_root("gs://other/run-7") != a  # two jobs, one name: two directories
 
 
@@ -142,7 +144,9 @@ def test_tier0_options_are_validated_and_default_to_dev_shm() -> None:
     from lightning_preempt.engine.ledger_writer import start_fields
 
     config = PreemptionConfig(dirpath="ckpts/run", tier0_every_n_steps=4)
-    assert config.memory_dirpath is not None and config.memory_dirpath.startswith("/dev/shm/lightning_preempt/run-")
+    assert config.memory_dirpath is not None and config.memory_dirpath.startswith(
+        f"/dev/shm/lightning_preempt-{os.geteuid()}/run-"
+    )
     assert PreemptionConfig(dirpath="ckpts/run").memory_dirpath is None  # no tier 0, no directory
     with pytest.raises(ValueError, match=r"(?s)tier0_every_n_steps must be an int >= 1.*HINT: .*'auto'"):
         PreemptionConfig(dirpath="ckpts/run", tier0_every_n_steps=0)
