@@ -44,6 +44,7 @@ not counted (they finish after training).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -257,6 +258,9 @@ def window(every: int, args: argparse.Namespace) -> int:
     return int(max(args.steps, min(args.saves * every, max(every, args.max_window))))
 
 
+_FITS = itertools.count()  # the fits this process ran: the same sequence on every rank
+
+
 def one_fit(
     method: str, every: int, args: argparse.Namespace, n_tensors: int, root: str, group: Any
 ) -> tuple[float, list[float], float | None]:
@@ -274,7 +278,10 @@ def one_fit(
 
     warm_until = warm_up(every)
     steps = window(every, args) if method != "none" else max(window(e, args) for e in args.every)
-    dirpath = os.path.join(root, f"{method}-{every}-{n_tensors}-{time.monotonic_ns()}")
+    # One path on every rank: each rank's process runs the same fits in the same order, so the
+    # fit's number is the same there (a clock read per rank gave each rank its own dirpath, and
+    # rank 0's manifests listed a shard written elsewhere: issue 55).
+    dirpath = os.path.join(root, f"{method}-{every}-{n_tensors}-{next(_FITS)}")
     least = max(3, min(every, steps)) if every else steps  # one save interval (3 steps at least)
     warm_path = os.path.join(f"{dirpath}-warm", "warm.ckpt")
     callbacks: list[Any] = []

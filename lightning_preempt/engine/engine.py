@@ -19,6 +19,7 @@ from lightning_preempt.catalog.retention import retain
 from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.engine import emergency, fresh_start, tier_policy
+from lightning_preempt.engine.agreed_config import check_ranks_agree
 from lightning_preempt.engine.config import PreemptionConfig
 from lightning_preempt.engine.failures import FailureDetector, start_detector
 from lightning_preempt.engine.ledger_writer import Ledger, record_drain, record_save, start_fields
@@ -128,6 +129,8 @@ class Engine:
         writer_group = rt.new_group()
         group = rt.agree_group = rt.new_group()
         stage_group = rt.new_group()  # the training thread's gather before staging (save/saver.py)
+        check_ranks_agree(config, group, two_tier=self.local_dirpath is not None or saver.tiers is not None,
+                          sharded_keys=saver.sharded_keys, verify_on_load=verify_on_load)  # fmt: skip
         self.controller.bind(group)
         route_saves(writer_group)
         saver.use_stage_group(stage_group)  # (dropped where route_saves made no collective saves)
@@ -158,10 +161,8 @@ class Engine:
                 # when the front-end never asked (an explicit checkpoint was given).
                 resuming = self.resolver.look_again(group, asked=asked)
         target = self.resolver.target(group, tiers=saver.tiers, verify_on_load=verify_on_load) if resuming else None
-        if target is None and asked and config.resume:  # never a silent fresh start (engine/fresh_start.py)
-            found = agree.decide(lambda: fresh_start.earlier_progress(config), group, what="looking for earlier progress")
-            if found is not None:
-                raise fresh_start.refuse(config.dirpath, found)
+        if target is None and asked and config.resume:
+            fresh_start.refuse_if_progress_lost(config, group)  # never a silent fresh start
         if target is not None:
             self.resumed_from, self.last_saved_step = target.path, target.step
         # A resumed run continues the run it resumed from; a fresh one gets a new id.

@@ -20,6 +20,8 @@ import logging
 
 from lightning_preempt.catalog.ledger_reader import read_ledger
 from lightning_preempt.catalog.listing import list_checkpoints
+from lightning_preempt.collective import agree
+from lightning_preempt.collective import groups as pdist
 from lightning_preempt.engine.config import PreemptionConfig
 from lightning_preempt.errors import ProgressWouldBeLostError
 
@@ -47,11 +49,15 @@ def earlier_progress(config: PreemptionConfig) -> str | None:
     return None
 
 
-def refuse(dirpath: str, found: str) -> ProgressWouldBeLostError:
-    """The error every rank raises (the same text), before step 1."""
-    return ProgressWouldBeLostError(
+def refuse_if_progress_lost(config: PreemptionConfig, group: pdist.ProcessGroup | None) -> None:
+    """Every rank (collective), when nothing resolved: rank 0 looks for :func:`earlier_progress`
+    and every rank raises the same :class:`ProgressWouldBeLostError` if it found some."""
+    found = agree.decide(lambda: earlier_progress(config), group, what="looking for earlier progress")
+    if found is None:
+        return
+    raise ProgressWouldBeLostError(
         f"nothing to resume from, but an earlier run made progress here: {found}",
-        path=dirpath,
+        path=config.dirpath,
         hint="Look with `lightning-preempt ls --verify DIR` (and `lightning-preempt report DIR`). To resume, "
         "restore the checkpoints or pass ckpt_path=...; to start over from step 0 on purpose, pass "
         "resume=False (or use a fresh dirpath).",

@@ -2,13 +2,16 @@
 
 Everything registered still runs as :class:`~lightning_preempt.Preempted` unwinds;
 :func:`armed` arms only when that exception leaves the outermost frame (``sys.settrace``),
-then its ``atexit`` handler runs the others, flushes and ``os._exit(exit_code)``. It stands
-aside when the program catches ``Preempted``, under another tracer, and off the main thread.
+then its ``atexit`` handler runs the others, flushes the logs and every open buffered file
+object (``open_files.py``: what CPython's teardown would have flushed; within 2 s) and
+``os._exit(exit_code)``. It stands aside when the program catches ``Preempted``, under
+another tracer, and off the main thread.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dis
 import os
 import sys
@@ -18,8 +21,11 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any, TypeVar
 
+from lightning_preempt.preemption.open_files import Flusher
+
 _E = TypeVar("_E", bound=BaseException)
-_state: dict[str, Any] = {"code": None, "flush": None}  # the armed exit code, the log flush
+# the armed exit code, the log flush, the thread that flushes the open files
+_state: dict[str, Any] = {"code": None, "flush": None, "files": None}
 _RETURNS = frozenset({"RETURN_VALUE", "RETURN_CONST"})
 
 
@@ -56,12 +62,14 @@ def armed(exception: _E, code: int, flush: Callable[[], None]) -> _E:
             # last exception raised into it is still the one on its way out.
             by_exception = dis.opname[frame.f_code.co_code[frame.f_lasti]] not in _RETURNS
             if _state["code"] is not None and by_exception:
+                with contextlib.suppress(RuntimeError):  # no thread: the logs are still flushed
+                    _state["files"] = Flusher()  # now: not from atexit (Python 3.12 refuses it there)
                 atexit.register(_exit_now)
         return watch
 
     outer.f_trace = watch
     outer.f_trace_lines = False
-    _state.update(code=None, flush=flush)
+    _state.update(code=None, flush=flush, files=None)
     sys.settrace(untraced)
     return exception
 
@@ -73,4 +81,6 @@ def _exit_now() -> None:
     atexit.unregister(_exit_now)
     atexit._run_exitfuncs()  # every handler registered before this one, as the exit would run them
     _state["flush"]()
+    if _state["files"] is not None:  # a user's unclosed file keeps its buffered lines (issue 55)
+        _state["files"].flush()
     os._exit(code)

@@ -6,6 +6,8 @@
   a module global, which only that teardown runs, does not run.
 * A script that catches ``Preempted`` and goes on gets the ordinary exit (its own code,
   the interpreter's teardown included).
+* A user's file object left open keeps the lines in its buffer through the quick exit
+  (issue 55): the exit flushes what the interpreter's teardown would have.
 * A SIGTERM after ``trainer.fit`` returned ends the process with 143 and no traceback
   (it was killed by the signal: -15, which SLURM records as FAILED).
 
@@ -53,6 +55,21 @@ def test_a_caught_preemption_gets_the_ordinary_exit(tmp_path: Path) -> None:
     marks = _marks(tmp_path)
     assert marks[:3] == HOOKS[:3], marks
     assert marks[3:] == ["caught 143", "went on", "atexit", "module teardown"], marks
+
+
+@pytest.mark.parametrize("mode", ["preempt", "after-fit"])
+def test_a_users_unclosed_file_keeps_its_buffered_lines_through_the_quick_exit(tmp_path: Path, mode: str) -> None:
+    proc = _start(tmp_path, mode)
+    if mode == "after-fit":
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("FIT-RETURNED"):
+                break
+        proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 143, out[-3000:]
+    assert "module teardown" not in _marks(tmp_path)  # it was the quick exit, not the interpreter's
+    assert (tmp_path / "user.log").read_text().splitlines() == [f"user line {i}" for i in range(8)]
 
 
 def test_sigterm_after_fit_exits_with_143_and_no_traceback(tmp_path: Path) -> None:

@@ -222,3 +222,37 @@ def test_the_static_backend_store_listens_on_the_master_address_only(tmp_path: P
         if agent.poll() is None:
             agent.kill()
             agent.wait()
+
+
+@pytest.mark.parametrize("bound", [False, True], ids=["lightning-ddp", "bound-store-recipe"])
+def test_lightnings_ddp_launcher_store_listens_everywhere_unless_hosted_bound(tmp_path: Path, bound: bool) -> None:
+    """Lightning's own DDP launcher (no torchrun): rank 0 creates the ``MASTER_PORT`` store
+    inside ``init_process_group``, on every interface, whatever ``MASTER_ADDR`` says;
+    docs/elastic.md's recipe (the launching process hosts it through ``bound_tcp_store``)
+    keeps it, and every socket of the job, on loopback."""
+    cmd = [sys.executable, str(ROOT / "tests" / "support" / "ddp_bind_script.py"), str(tmp_path)]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1"}  # not enough: the store ignores it
+    env.pop("MASTER_PORT", None)
+    if bound:
+        cmd.append("--bound-store")
+    with open(tmp_path / "job.log", "wb") as log:
+        job = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "master_port").exists():
+            assert job.poll() is None, (tmp_path / "job.log").read_text()[-4000:]
+            assert time.monotonic() < deadline, "the fit did not reach step 2"
+            time.sleep(0.05)
+        master_port = int((tmp_path / "master_port").read_text())
+        sockets = listening_sockets(job.pid)
+        wildcard = {(a, p) for a, p in sockets if a in ("0.0.0.0", "::")}
+        assert wildcard == (set() if bound else {("::", master_port)}), sockets
+        other = other_address()
+        if other is not None:
+            assert reachable(other, master_port) == (not bound)
+        (tmp_path / "go").touch()
+        assert job.wait(timeout=120) == 0, (tmp_path / "job.log").read_text()[-4000:]
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, 9)
+            job.wait()

@@ -3,7 +3,9 @@
 Every hook a user can register writes one line to ``--marks``: a callback's ``on_exception``
 (Lightning 2.6 calls no ``LightningModule.on_exception`` for an exception in ``fit``), a logger's ``finalize``, a ``finally`` around ``fit``, an
 ``atexit`` handler, and ``module teardown`` from the ``__del__`` of a module global, which
-only CPython's interpreter teardown runs (the part the quick exit leaves out).
+only CPython's interpreter teardown runs (the part the quick exit leaves out). A user's file
+object, ``user.log`` in the working directory, gets 8 lines and is never closed: they sit in
+its buffer until something flushes it.
 
     --mode preempt   SIGTERM to itself at step 5: the callback snapshots and exits
     --mode catch     the same, but the script catches Preempted and goes on, exiting 0
@@ -50,6 +52,9 @@ class Teardown:
 
 
 TEARDOWN = Teardown()
+USER_LOG = open("user.log", "w")  # noqa: SIM115  (left open, as a user's script might)
+for line in range(8):
+    USER_LOG.write(f"user line {line}\n")
 atexit.register(mark, "atexit")
 
 

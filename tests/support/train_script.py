@@ -99,6 +99,8 @@ class SelfSignal(Callback):
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--dirpath", required=True)
+    p.add_argument("--dirpath-per-rank", action="store_true",
+                   help="append -rank<LOCAL_RANK> to --dirpath, as a per-process run name would differ")  # fmt: skip
     p.add_argument("--status", default="")
     p.add_argument("--max-steps", type=int, default=40)
     p.add_argument("--every", type=int, default=None)
@@ -122,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", action="store_true", help="record each trained batch's sample indices")
     p.add_argument("--ledger-progress-s", type=float, default=None, help="the ledger's last step seen, this often")
     args = p.parse_args(argv)
+    if args.dirpath_per_rank:  # Lightning's launcher sets LOCAL_RANK in the ranks it starts
+        args.dirpath = f"{args.dirpath}-rank{os.environ.get('LOCAL_RANK', '0')}"
     if args.ledger_progress_s is not None:
         import lightning_preempt.engine.ledger_writer as ledger
 
