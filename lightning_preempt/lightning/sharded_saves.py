@@ -65,6 +65,15 @@ def install_fsdp(strategy: FSDPStrategy, io: ShardedAsyncCheckpointIO) -> None:
     # full state to rank 0 for state_dict_type="full" (and would copy it to the CPU there).
     strategy.lightning_module_state_dict = types.MethodType(model_state, strategy)  # type: ignore[method-assign]
     strategy.optimizer_state = types.MethodType(optimizer_state, strategy)  # type: ignore[method-assign]
+    original_teardown = strategy.teardown
+
+    def teardown(self: FSDPStrategy) -> None:
+        original_teardown()
+        # Lightning's FSDPStrategy.teardown skips Strategy.teardown, which tears the plugin down:
+        # pending saves and drains would not be waited for (the final save never left the node).
+        io.teardown()
+
+    strategy.teardown = types.MethodType(teardown, strategy)  # type: ignore[method-assign]
     # The staging copy moves the shards to host memory itself (into pinned buffers on CUDA).
     _install(strategy, io, sharded=lambda: True, offload=False)
 

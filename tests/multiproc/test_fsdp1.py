@@ -5,6 +5,8 @@ newest checkpoint. Real processes: 2 ranks on CPU over gloo (tests/support/cpu_f
 from __future__ import annotations
 
 import json
+import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +24,15 @@ pytestmark = pytest.mark.multiproc
 
 
 def _run(tmp: Path, name: str, *extra: str, devices: int = 2, strategy: str = "fsdp", code: int = 0) -> dict[int, Any]:
-    """One fit into ``tmp/ck``; its status in ``tmp/name``; each rank's result (a normal end)."""
+    """One fit into ``tmp/ck``; its status in ``tmp/name`` (its output in ``name.log``); each
+    rank's result (a normal end)."""
     status = tmp / name
     tmp.mkdir(exist_ok=True)
     args = ["--dirpath", str(tmp / "ck"), "--status", str(status), "--every", "5", "--width", "64"]
     args += ["--devices", str(devices), "--strategy", strategy, *extra]
     proc = launch("train_script.py", tmp, *args)
     out, _ = proc.communicate(timeout=300)
+    (tmp / f"{name}.log").write_text(out)
     assert proc.returncode == code, out[-5000:]
     for rank in range(devices):
         assert (status / f"rank{rank}.exit").read_text() == str(code), out[-3000:]
@@ -73,6 +77,36 @@ def test_saved_at_2_ranks_resumes_on_1_resharded(tmp_path: Path) -> None:
     for key, entry in saved_state.items():
         for name in ("exp_avg", "exp_avg_sq"):  # a fresh AdamW loaded every entry
             torch.testing.assert_close(entry[name], start_state[key][name], rtol=0, atol=0)
+
+
+def test_two_tiers_resume_from_the_local_tier_then_from_the_bucket(tmp_path: Path) -> None:
+    local = ("--local-dirpath", str(tmp_path / "local"))
+    _run(tmp_path, "st10", "--max-steps", "10", *local)
+    drained = [c.step for c in _committed(tmp_path)]
+    assert drained == [10, 5], (tmp_path / "st10.log").read_text()[-4000:]  # every local commit drained
+    resumed = _run(tmp_path, "st12", "--max-steps", "12", *local)
+    assert all(r["resumed_from"] == str(tmp_path / "local" / "step-0000000010") for r in resumed.values())
+    shutil.rmtree(tmp_path / "local")  # the node-local disk lost with its node
+    again = _run(tmp_path, "st14", "--max-steps", "14", *local)
+    assert all(r["start_step"] == 12 and r["resumed_from"].endswith("ck/step-0000000012") for r in again.values())
+
+
+@pytest.mark.slow
+def test_tier0_a_sigkilled_pair_resumes_from_host_memory(tmp_path: Path) -> None:
+    shm = Path("/dev/shm") / f"lp-test-fsdp1-{uuid.uuid4().hex[:12]}"
+    tier0 = ("--cb-kwargs", json.dumps({"tier0_every_n_steps": 2, "memory_dirpath": str(shm)}))
+    try:
+        status = tmp_path / "st1"
+        args = ["--dirpath", str(tmp_path / "ck"), "--status", str(status), "--every", "5", "--width", "64",
+                "--devices", "2", "--strategy", "fsdp", "--max-steps", "20", *tier0,
+                "--signal-at", "saved-kill:12", "--signal-rank", "0"]  # fmt: skip
+        proc = launch("train_script.py", tmp_path, *args)
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode != 0 and [c.step for c in list_checkpoints(str(shm)) if c.committed] == [12], out[-3000:]
+        resumed = _run(tmp_path, "st2", "--max-steps", "20", *tier0)
+        assert all(r["start_step"] == 12 and r["resumed_from"] == str(shm / "step-0000000012") for r in resumed.values())
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 def test_a_damaged_newest_falls_back_to_the_one_before(tmp_path: Path) -> None:
