@@ -290,7 +290,14 @@ def _watch_store(args: argparse.Namespace) -> None:
         host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)
     except ValueError:
         return  # torch reports a bad endpoint itself
-    AgentWatch(host.strip("[]"), port).start()
+    # torch's c10d rendezvous waits read_timeout (60 s by default) for its store
+    conf = dict(kv.split("=", 1) for kv in (args.rdzv_conf or "").split(",") if "=" in kv)
+    try:
+        store_timeout_s = float(conf.get("read_timeout", 60))
+    except ValueError:
+        store_timeout_s = 60.0
+    max_restarts = int(getattr(args, "max_restarts", 0) or 0)
+    AgentWatch(host.strip("[]"), port, max_restarts=max_restarts, store_timeout_s=store_timeout_s).start()
 
 
 # ---- a rendezvous store on a node that stays -------------------------------------------------
