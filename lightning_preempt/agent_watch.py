@@ -95,6 +95,17 @@ class AgentWatch(threading.Thread):
             return
 
 
+def read_timeout_s(rdzv_conf: str) -> float:
+    """The ``read_timeout`` of torchrun's ``--rdzv-conf`` (``k=v,k=v``): how long torch's c10d
+    rendezvous waits for its store (60 s unless set; torch 2.7-2.13)."""
+    conf = dict(kv.split("=", 1) for kv in rdzv_conf.split(",") if "=" in kv)
+    try:
+        value = float(conf.get("read_timeout", "60").strip())
+    except ValueError:
+        return 60.0  # torch refuses it itself
+    return value if value > 0 else 60.0
+
+
 #: A worker: its pid and its start time (``/proc/<pid>/stat`` field 22), so a reused pid is another.
 Worker = tuple[int, str]
 

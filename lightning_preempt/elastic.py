@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from lightning_preempt.agent_watch import AgentWatch
+from lightning_preempt.agent_watch import AgentWatch, read_timeout_s
 from lightning_preempt.preemption.requeue import AGENT_REQUEUES, requeue_slurm
 
 if TYPE_CHECKING:
@@ -290,14 +290,8 @@ def _watch_store(args: argparse.Namespace) -> None:
         host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)
     except ValueError:
         return  # torch reports a bad endpoint itself
-    # torch's c10d rendezvous waits read_timeout (60 s by default) for its store
-    conf = dict(kv.split("=", 1) for kv in (args.rdzv_conf or "").split(",") if "=" in kv)
-    try:
-        store_timeout_s = float(conf.get("read_timeout", 60))
-    except ValueError:
-        store_timeout_s = 60.0
-    max_restarts = int(getattr(args, "max_restarts", 0) or 0)
-    AgentWatch(host.strip("[]"), port, max_restarts=max_restarts, store_timeout_s=store_timeout_s).start()
+    timeout_s = read_timeout_s(args.rdzv_conf or "")
+    AgentWatch(host.strip("[]"), port, max_restarts=int(args.max_restarts or 0), store_timeout_s=timeout_s).start()
 
 
 # ---- a rendezvous store on a node that stays -------------------------------------------------

@@ -17,7 +17,7 @@ import pytest
 from servers import free_port  # a port bound, then closed: connecting is refused
 
 from lightning_preempt import agent_watch
-from lightning_preempt.agent_watch import AgentWatch, children, exit_code
+from lightning_preempt.agent_watch import AgentWatch, children, exit_code, read_timeout_s
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -242,3 +242,9 @@ def test_a_store_silent_for_the_rendezvous_timeout_ends_the_agent(
     watch.join(timeout=30)
     assert not watch.is_alive() and left == [75]
     assert len(times) > 1 and times[-1] - times[0] >= 0.5, "left before the store was silent for the timeout"
+
+
+def test_the_store_timeout_is_torchs_read_timeout() -> None:
+    assert read_timeout_s("") == 60.0  # torch's default (c10d_rendezvous_backend.py)
+    assert read_timeout_s("is_host=false,read_timeout=5") == 5.0
+    assert read_timeout_s("read_timeout=x") == 60.0 and read_timeout_s("read_timeout=0") == 60.0
