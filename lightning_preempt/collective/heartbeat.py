@@ -20,7 +20,7 @@ import hmac
 import json
 import logging
 import os
-import select
+import selectors
 import socket
 import threading
 import time
@@ -118,6 +118,8 @@ class Heartbeat:
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RCVBUF)
         self._sock.bind((host, 0))
         self._sock.setblocking(False)
+        self._selector = selectors.DefaultSelector()  # (epoll: no limit on the fd's number, unlike select)
+        self._selector.register(self._sock, selectors.EVENT_READ)
         self._wake_s = min(0.1, interval_s / 2)
         self.address: tuple[str, int] = self._sock.getsockname()
         #: this Heartbeat's random identity: a datagram names its sender's, and a receiver
@@ -126,6 +128,9 @@ class Heartbeat:
         self._peers: dict[int, tuple[str, int]] = {}
         self._incarnations: dict[int, str] = {}
         self._seen: dict[int, int] = {}  # rank -> the newest sequence number taken from it
+        #: datagrams dropped: ``junk`` (size, HMAC), ``foreign`` (no peer, another incarnation,
+        #: not our message), ``stale`` (a sequence number not newer: a replay, a late one)
+        self.dropped = {"junk": 0, "foreign": 0, "stale": 0}
         self._last: dict[int, float] = {}  # rank -> monotonic time last heard
         self._views: dict[int, tuple[int, ...]] = {}  # rank -> the survivors it reported (after a loss)
         self._held_by: dict[int, tuple[int, ...]] = {}
@@ -160,6 +165,7 @@ class Heartbeat:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(2.0)
         self._sock.close()
+        self._selector.close()
 
     def wait_verdict(self, timeout_s: float) -> Verdict | None:
         """The verdict, once reached (``None`` after ``timeout_s`` without a loss)."""
@@ -185,7 +191,7 @@ class Heartbeat:
     def _receive(self, wait_s: float) -> None:
         """Wait up to ``wait_s`` for datagrams, then take up to :data:`DRAIN_MAX` of them."""
         try:
-            if not select.select([self._sock], [], [], max(0.0, wait_s))[0]:
+            if not self._selector.select(max(0.0, wait_s)):
                 return
             for _ in range(DRAIN_MAX):
                 self._take(self._sock.recv(MAX_DATAGRAM + 1))
@@ -193,20 +199,24 @@ class Heartbeat:
             return
 
     def _take(self, packet: bytes) -> None:
-        if not _MAC < len(packet) <= MAX_DATAGRAM:
-            return
         body = packet[_MAC:]
-        if not hmac.compare_digest(packet[:_MAC], hmac.digest(self._key, body, hashlib.sha256)):
-            return  # not from this run: one HMAC is all junk costs
+        if not _MAC < len(packet) <= MAX_DATAGRAM or not hmac.compare_digest(
+            packet[:_MAC], hmac.digest(self._key, body, hashlib.sha256)
+        ):
+            self.dropped["junk"] += 1  # not from this run: one HMAC is all junk costs
+            return
         try:
             msg = json.loads(body)
             r, incarnation, n = int(msg["r"]), str(msg["i"]), int(msg["n"])
         except (ValueError, KeyError, TypeError):
+            self.dropped["foreign"] += 1
             return
         if r not in self._peers or self._incarnations.setdefault(r, incarnation) != incarnation:
-            return  # (a rank restarted under the same key is another incarnation: not this peer)
+            self.dropped["foreign"] += 1  # (a rank restarted under the same key is another incarnation)
+            return
         if n <= self._seen.get(r, 0):
-            return  # a replay, or overtaken by a newer one: says nothing about now
+            self.dropped["stale"] += 1  # a replay, or overtaken by a newer one: says nothing about now
+            return
         self._seen[r] = n
         if msg.get("bye"):
             self._gone.add(r)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_preempt.collective.heartbeat import packet
+from lightning_preempt.collective.heartbeat import Heartbeat, packet
 from lightning_preempt.collective.udp_filter import admit_only, program
 
 SCRIPT = Path(__file__).resolve().parents[1] / "support" / "heartbeat_script.py"
@@ -126,3 +126,35 @@ def test_the_kernel_filter_queues_only_the_peers_datagrams() -> None:
         rank.settimeout(30)
         assert [rank.recv(64), rank.recv(64)] == [b"real", b"end"]  # the junk was never queued
     assert program([("0.0.0.0", 5)]) is None and program([("::1", 5)]) is None  # not told by address
+
+
+def test_junk_replays_and_strangers_are_dropped_and_only_fresh_datagrams_taken() -> None:
+    """In process, from the peer's own address (so the kernel filter lets everything through):
+    junk, a datagram of another incarnation, a fresh one, its replay, then a newer one. Only
+    the two fresh ones are taken; each other kind is counted where it was dropped."""
+    got: list[object] = []
+    hb = Heartbeat(0, 2, key=b"k" * 32, held=lambda: [1], on_verdict=got.append, interval_s=5.0, timeout_s=60.0,
+                   settle_s=1.0, host="127.0.0.1")  # fmt: skip
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as peer:
+        peer.bind(("127.0.0.1", 0))
+        hb.start({1: peer.getsockname()}, {1: "one"})
+        try:
+            key = b"k" * 32
+            sends = [os.urandom(60) for _ in range(40)] + [
+                packet(key, {"r": 1, "i": "another", "n": 50, "h": [9]}),  # another incarnation
+                packet(key, {"r": 1, "i": "one", "n": 5, "h": [5]}),  # fresh
+                packet(key, {"r": 1, "i": "one", "n": 5, "h": [6]}),  # its sequence number again
+                packet(key, {"r": 1, "i": "one", "n": 4, "h": [6]}),  # older
+                packet(key, {"r": 7, "i": "one", "n": 9, "h": [6]}),  # no such peer
+                packet(key, {"r": 1, "i": "one", "n": 6, "h": [7]}),  # fresh
+            ]
+            for data in sends:
+                peer.sendto(data, hb.address)
+            deadline = time.monotonic() + 30
+            while sum(hb.dropped.values()) < 44 or hb._held_by.get(1) != (7,):
+                assert time.monotonic() < deadline, (hb.dropped, hb._held_by)
+                time.sleep(0.01)
+            assert hb.dropped == {"junk": 40, "foreign": 2, "stale": 2} and hb._seen == {1: 6}
+            assert got == [] and hb.filtered
+        finally:
+            hb.stop(bye=False)
