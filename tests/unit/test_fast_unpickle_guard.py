@@ -131,6 +131,9 @@ ATTACKS: dict[str, bytes] = {
 }  # fmt: skip
 
 
+TWO_READINGS = ["data.pkl and DATA.pkl (torch reads the second)", "two archives glued (torch reads the first)"]
+
+
 def _process_wide() -> dict[str, Any]:
     """What the attacks aim at, as it stands in this process."""
     return {
@@ -215,7 +218,7 @@ def test_numpy_dtype_is_built_on_a_copy() -> None:
     assert _process_wide() == before
 
 
-@pytest.mark.parametrize("case", ["data.pkl and DATA.pkl (torch reads the second)", "two archives glued (torch reads the first)"])
+@pytest.mark.parametrize("case", TWO_READINGS)
 def test_the_check_walks_the_record_torch_reads(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
     """Each of the two defences holds alone: with the layout check out of the way, the opcode
     check still walks torch's own ``data.pkl`` (the poisoned one) and refuses it."""
@@ -229,7 +232,7 @@ def test_the_check_walks_the_record_torch_reads(monkeypatch: pytest.MonkeyPatch,
     _check_clean_load()
 
 
-@pytest.mark.parametrize("case", ["data.pkl and DATA.pkl (torch reads the second)", "two archives glued (torch reads the first)"])
+@pytest.mark.parametrize("case", TWO_READINGS)
 def test_verify_calls_an_archive_with_two_readings_corrupt(case: str) -> None:
     """``verify`` replays zipfile's data.pkl: it must not vouch for a file torch reads otherwise."""
     from lightning_preempt.errors import CorruptCheckpointError
@@ -250,6 +253,17 @@ def test_what_torch_save_writes_has_one_reading() -> None:
         data = _saved(obj)
         assert archived_pickle(data)[:2] == P2
         got = fast_load_state(data, "cpu")
-        assert list(got) == list(obj) and all(torch.equal(got[k], v) for k, v in obj.items() if isinstance(v, torch.Tensor))
+        tensors = {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)}
+        assert list(got) == list(obj) and all(torch.equal(got[k], v) for k, v in tensors.items())
         with pytest.raises(CorruptCheckpointError, match="after the archive's end record"):
             archived_pickle(data + b"\0")
+
+
+def test_a_zip64_archive_from_torch_save_has_one_reading() -> None:
+    """Over 65535 records, torch.save's miniz writes zip64 end records: the layout rule reads
+    them, and the fast road still loads the file (66000 one-element tensors, ~18 MB)."""
+    obj = {f"t{i}": torch.tensor([float(i)]) for i in range(66_000)}
+    data = _saved(obj)
+    assert data[-42:-38] == b"PK\x06\x07", "not a zip64 archive: the test no longer tests it"
+    got = fast_load_state(data, "cpu")
+    assert len(got) == len(obj) and float(got["t65999"]) == 65999.0 and float(got["t0"]) == 0.0
