@@ -131,6 +131,7 @@ class Heartbeat:
         #: datagrams dropped: ``junk`` (size, HMAC), ``foreign`` (no peer, another incarnation,
         #: not our message), ``stale`` (a sequence number not newer: a replay, a late one)
         self.dropped = {"junk": 0, "foreign": 0, "stale": 0}
+        self.filtered = False  # the kernel filter is on (set by start)
         self._last: dict[int, float] = {}  # rank -> monotonic time last heard
         self._views: dict[int, tuple[int, ...]] = {}  # rank -> the survivors it reported (after a loss)
         self._held_by: dict[int, tuple[int, ...]] = {}
@@ -149,7 +150,6 @@ class Heartbeat:
         it, the first incarnation a rank's authentic datagram names is the one taken)."""
         self._peers = {int(r): (str(a[0]), int(a[1])) for r, a in peers.items() if int(r) != self.rank}
         self._incarnations = {int(r): str(i) for r, i in (incarnations or {}).items() if int(r) in self._peers}
-        #: the kernel drops datagrams from anyone but the peers (collective/udp_filter.py)
         self.filtered = admit_only(self._sock, self._peers.values())
         if not self.filtered:
             log.debug("lightning_preempt: heartbeat: no kernel filter on its socket; junk is dropped after its HMAC")
