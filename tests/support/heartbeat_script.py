@@ -3,8 +3,9 @@
 ``python heartbeat_script.py DIR RANK WORLD HELD`` writes ``DIR/addr{RANK}.json`` (its
 address and incarnation), waits for every rank's, beats, and on a verdict writes
 ``DIR/verdict{RANK}.json`` and exits with 75. ``DIR/bye{RANK}`` appearing makes it leave
-cleanly (exit 0). ``HELD``: comma-separated steps this rank holds. ``HB_BUSY`` set: the main thread runs Python without pause (it holds
-the interpreter lock as a training step's Python does) until the bye.
+cleanly (exit 0). ``HELD``: comma-separated steps this rank holds. ``HB_BUSY`` set: three
+threads run Python without pause (holding the interpreter lock as a training step's Python
+and its data loading do) until the bye.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import dataclasses
 import json
 import os
 import sys
+import threading
 import time
 
 from lightning_preempt.collective.heartbeat import Heartbeat, Verdict
@@ -55,7 +57,9 @@ def main() -> None:
     hb.start(peers, incarnations)
     open(os.path.join(out, f"started{rank}"), "w").close()
     bye = os.path.join(out, f"bye{rank}")
-    if os.environ.get("HB_BUSY"):
+    if os.environ.get("HB_BUSY"):  # this thread and two more: the heartbeat gets a quarter of the lock
+        for _ in range(2):
+            threading.Thread(target=_busy_until, args=(bye,), daemon=True).start()
         _busy_until(bye)
     while not os.path.exists(bye):
         time.sleep(0.02)
