@@ -18,6 +18,12 @@ whose store answers (waiting for other agents at the exit barrier, or rendezvous
 which torch bounds itself), workers that ended well or by a signal (a preemption's 143: the
 agent has its own way out, a SLURM requeue among it), workers already reaped (the agent is
 not blocked). Linux only (``/proc``); elsewhere it does nothing.
+
+While the agent may still restart its workers (``--max-restarts`` not used up) a store that
+misses one probe is not gone: the agent is about to rendezvous on it, and torch's own
+rendezvous waits ``read_timeout`` (60 s by default) for it; the watch leaves only once the
+store has been silent that long. A worker is known by its pid *and* its start time
+(``/proc/<pid>/stat`` field 22): a new worker that got an old one's pid is another worker.
 """
 
 from __future__ import annotations
@@ -32,41 +38,80 @@ from collections.abc import Callable
 
 class AgentWatch(threading.Thread):
     """Watches this process's children started after it (the workers) and the store at
-    ``host:port``; ``leave(code)`` ends the agent (``os._exit``)."""
+    ``host:port``; ``leave(code)`` ends the agent (``os._exit``). ``max_restarts``: the
+    agent's ``--max-restarts``; while worker generations seen do not exceed it, the store
+    must be silent for ``store_timeout_s`` (torch's rendezvous ``read_timeout``), not one probe."""
 
     def __init__(self, host: str, port: int, *, grace_s: float = 1.0, probe_s: float = 2.0,
-                 interval_s: float = 0.5, leave: Callable[[int], None] = os._exit) -> None:  # fmt: skip
+                 interval_s: float = 0.5, max_restarts: int = 0, store_timeout_s: float = 60.0,
+                 leave: Callable[[int], None] = os._exit) -> None:  # fmt: skip
         super().__init__(name="lightning_preempt-agent-watch", daemon=True)
         self.host, self.port = host, port
         self.grace_s, self.probe_s, self.interval_s = grace_s, probe_s, interval_s
+        self.max_restarts, self.store_timeout_s = max_restarts, store_timeout_s
         self._leave = leave
-        self._codes: dict[int, int] = {}  # exit codes read from the workers' zombies
-        self._before = set(children(os.getpid()))  # not workers: the agent starts them later
+        self._codes: dict[Worker, int] = {}  # exit codes read from the workers' zombies
+        self._before = set(_workers(children(os.getpid())))  # not workers: the agent starts them later
+        self.generations = 0  # sets of workers seen running (the first, then one per restart)
         self.stop = threading.Event()
 
     def run(self) -> None:
         failed_since: float | None = None  # every worker gone, one of them failed
+        silent_since: float | None = None  # the store's first missed probe since it last answered
+        running = False
         while not self.stop.wait(self.interval_s):
-            kids = {pid: fields for pid, fields in children(os.getpid()).items() if pid not in self._before}
-            for pid, fields in kids.items():
+            kids = {w: f for w, f in _workers(children(os.getpid())).items() if w not in self._before}
+            for worker, fields in kids.items():
                 if fields[0] == "Z" and len(fields) >= 50:
-                    self._codes.setdefault(pid, exit_code(int(fields[49])))  # field 52: the wait status
+                    self._codes.setdefault(worker, exit_code(int(fields[49])))  # field 52: the wait status
             if any(fields[0] not in "ZX" for fields in kids.values()):
-                failed_since = None  # (after a restart, the earlier workers' codes are history)
-                self._codes = {pid: code for pid, code in self._codes.items() if pid in kids}
+                if not running:
+                    self.generations += 1
+                running, failed_since, silent_since = True, None, None
+                # (after a restart, the earlier workers' codes are history)
+                self._codes = {w: code for w, code in self._codes.items() if w in kids}
                 continue
+            running = False
             code = next((c for c in self._codes.values() if 0 < c < 128), None)
             if code is None:
                 continue  # none yet, a clean end, or a signal's (a preemption: the agent's own way out)
-            failed_since = failed_since if failed_since is not None else time.monotonic()
-            if time.monotonic() - failed_since < self.grace_s or reachable(self.host, self.port, self.probe_s):
+            now = time.monotonic()
+            failed_since = failed_since if failed_since is not None else now
+            if now - failed_since < self.grace_s:
                 continue
+            if reachable(self.host, self.port, self.probe_s):
+                silent_since = None
+                continue
+            silent_since = silent_since if silent_since is not None else now
+            # restarts used: the generations seen, less the first (one, even if seen only exited)
+            may_restart = max(self.generations, 1) - 1 < self.max_restarts
+            if may_restart and time.monotonic() - silent_since < self.store_timeout_s:
+                continue  # torch's rendezvous would still wait for the store
             print(f"lightning_preempt.torchrun: the workers exited and the rendezvous store at {self.host}:"
                   f"{self.port} does not answer (a partition, or its host lost); exiting with {code} instead of "
                   "waiting for it\nHINT: host the store on a node that stays (python -m lightning_preempt.elastic "
                   "store; docs/elastic.md).", file=sys.stderr, flush=True)  # fmt: skip
             self._leave(code)
             return
+
+
+def read_timeout_s(rdzv_conf: str) -> float:
+    """The ``read_timeout`` of torchrun's ``--rdzv-conf`` (``k=v,k=v``): how long torch's c10d
+    rendezvous waits for its store (60 s unless set; torch 2.7-2.13)."""
+    conf = dict(kv.split("=", 1) for kv in rdzv_conf.split(",") if "=" in kv)
+    try:
+        value = float(conf.get("read_timeout", "60").strip())
+    except ValueError:
+        return 60.0  # torch refuses it itself
+    return value if value > 0 else 60.0
+
+
+#: A worker: its pid and its start time (``/proc/<pid>/stat`` field 22), so a reused pid is another.
+Worker = tuple[int, str]
+
+
+def _workers(kids: dict[int, list[str]]) -> dict[Worker, list[str]]:
+    return {(pid, fields[19] if len(fields) > 19 else ""): fields for pid, fields in kids.items()}
 
 
 def reachable(host: str, port: int, timeout_s: float) -> bool:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from lightning_preempt.agent_watch import AgentWatch
+from lightning_preempt.agent_watch import AgentWatch, read_timeout_s
 from lightning_preempt.preemption.requeue import AGENT_REQUEUES, requeue_slurm
 
 if TYPE_CHECKING:
@@ -290,7 +290,8 @@ def _watch_store(args: argparse.Namespace) -> None:
         host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)
     except ValueError:
         return  # torch reports a bad endpoint itself
-    AgentWatch(host.strip("[]"), port).start()
+    timeout_s = read_timeout_s(args.rdzv_conf or "")
+    AgentWatch(host.strip("[]"), port, max_restarts=int(args.max_restarts or 0), store_timeout_s=timeout_s).start()
 
 
 # ---- a rendezvous store on a node that stays -------------------------------------------------

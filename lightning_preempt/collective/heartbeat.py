@@ -4,7 +4,11 @@ A rank lost without a signal would leave the others in their next collective unt
 timeout (10-30 min with NCCL). Each rank sends a small UDP datagram (never blocks, no
 connection) to every other every ``interval_s``; a peer silent for ``timeout_s`` is lost, and
 the ranks then exchange views until they agree on a :class:`Verdict` (survivors, newest step
-all hold, quorum). Datagrams: JSON, at most :data:`MAX_DATAGRAM` bytes, HMAC under a per-run key.
+all hold, quorum). Datagrams: JSON, at most :data:`MAX_DATAGRAM` bytes, HMAC under a per-run key;
+a kernel filter queues only the peers' (collective/udp_filter.py); one counts only when its
+sender's sequence number is newer than the last one taken from that rank (a replay keeps
+nobody alive); each wake-up drains up to :data:`DRAIN_MAX` of them, junk dropped after one
+HMAC (a flood costs work, never a verdict; docs/security.md).
 """
 
 from __future__ import annotations
@@ -15,11 +19,15 @@ import hashlib
 import hmac
 import json
 import logging
+import os
+import selectors
 import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from lightning_preempt.collective.udp_filter import admit_only
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +35,12 @@ log = logging.getLogger(__name__)
 MAX_DATAGRAM = 16 << 10
 #: Steps a rank reports as held, at most (the newest ones).
 MAX_HELD = 8
+#: Datagrams read per wake-up, at most: a flood is drained in batches (the kernel's buffer does
+#: not fill and drop the real ones) and still cannot keep the thread from its sends and checks.
+DRAIN_MAX = 512
+#: The receive buffer asked for (the kernel caps it at ``net.core.rmem_max``): room for a
+#: flood's datagrams between two wake-ups.
+RCVBUF = 4 << 20
 _MAC = 32
 
 
@@ -63,6 +77,12 @@ def agreed_step(held: Mapping[int, Sequence[int]], survivors: Sequence[int]) -> 
     return max(set.intersection(*sets), default=None) if sets else None
 
 
+def packet(key: bytes, msg: Mapping[str, Any]) -> bytes:
+    """A datagram: the HMAC-SHA256 of the JSON body under ``key``, then the body."""
+    body = json.dumps(msg, separators=(",", ":")).encode()
+    return hmac.digest(key, body, hashlib.sha256) + body
+
+
 class Heartbeat:
     """One rank's heartbeat thread (see the module docstring).
 
@@ -94,10 +114,24 @@ class Heartbeat:
         self._held, self._on_verdict = held, on_verdict
         self.interval_s, self.timeout_s, self.settle_s = interval_s, timeout_s, settle_s
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        with contextlib.suppress(OSError):
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RCVBUF)
         self._sock.bind((host, 0))
-        self._sock.settimeout(min(0.1, interval_s / 2))
+        self._sock.setblocking(False)
+        self._selector = selectors.DefaultSelector()  # (epoll: no limit on the fd's number, unlike select)
+        self._selector.register(self._sock, selectors.EVENT_READ)
+        self._wake_s = min(0.1, interval_s / 2)
         self.address: tuple[str, int] = self._sock.getsockname()
+        #: this Heartbeat's random identity: a datagram names its sender's, and a receiver
+        #: takes a rank's datagrams from one incarnation only (a restarted rank is another)
+        self.incarnation = os.urandom(8).hex()
         self._peers: dict[int, tuple[str, int]] = {}
+        self._incarnations: dict[int, str] = {}
+        self._seen: dict[int, int] = {}  # rank -> the newest sequence number taken from it
+        #: datagrams dropped: ``junk`` (size, HMAC), ``foreign`` (no peer, another incarnation,
+        #: not our message), ``stale`` (a sequence number not newer: a replay, a late one)
+        self.dropped = {"junk": 0, "foreign": 0, "stale": 0}
+        self.filtered = False  # the kernel filter is on (set by start)
         self._last: dict[int, float] = {}  # rank -> monotonic time last heard
         self._views: dict[int, tuple[int, ...]] = {}  # rank -> the survivors it reported (after a loss)
         self._held_by: dict[int, tuple[int, ...]] = {}
@@ -108,10 +142,17 @@ class Heartbeat:
         self.verdict: Verdict | None = None
         self._decided = threading.Event()
         self._seq = 0
+        self._seq_lock = threading.Lock()
 
-    def start(self, peers: dict[int, tuple[str, int]]) -> None:
-        """Start heartbeating to ``peers`` (rank -> address, this rank's own entry ignored)."""
+    def start(self, peers: dict[int, tuple[str, int]], incarnations: Mapping[int, str] | None = None) -> None:
+        """Start heartbeating to ``peers`` (rank -> address, this rank's own entry ignored);
+        ``incarnations``: each peer's :attr:`incarnation` (exchanged with the addresses; without
+        it, the first incarnation a rank's authentic datagram names is the one taken)."""
         self._peers = {int(r): (str(a[0]), int(a[1])) for r, a in peers.items() if int(r) != self.rank}
+        self._incarnations = {int(r): str(i) for r, i in (incarnations or {}).items() if int(r) in self._peers}
+        self.filtered = admit_only(self._sock, self._peers.values())
+        if not self.filtered:
+            log.debug("lightning_preempt: heartbeat: no kernel filter on its socket; junk is dropped after its HMAC")
         self._last = dict.fromkeys(self._peers, time.monotonic())  # a peer never heard is lost after timeout_s
         self._thread.start()
 
@@ -124,6 +165,7 @@ class Heartbeat:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(2.0)
         self._sock.close()
+        self._selector.close()
 
     def wait_verdict(self, timeout_s: float) -> Verdict | None:
         """The verdict, once reached (``None`` after ``timeout_s`` without a loss)."""
@@ -136,32 +178,46 @@ class Heartbeat:
         return any(r not in self._gone for r in self._peers)
 
     def _send(self, extra: dict[str, Any]) -> None:
-        self._seq += 1
-        body = json.dumps({"r": self.rank, "n": self._seq, **extra}, separators=(",", ":")).encode()
-        packet = hmac.new(self._key, body, hashlib.sha256).digest() + body
+        with self._seq_lock:  # (stop() sends its bye from another thread)
+            self._seq += 1
+            seq = self._seq
+        data = packet(self._key, {"r": self.rank, "i": self.incarnation, "n": seq, **extra})
         for r, addr in self._peers.items():
             if r in self._gone:
                 continue
             with contextlib.suppress(OSError):  # no route (a link down): the peer simply stays silent
-                self._sock.sendto(packet, addr)
+                self._sock.sendto(data, addr)
 
-    def _receive(self) -> None:
+    def _receive(self, wait_s: float) -> None:
+        """Wait up to ``wait_s`` for datagrams, then take up to :data:`DRAIN_MAX` of them."""
         try:
-            packet, _ = self._sock.recvfrom(MAX_DATAGRAM + _MAC)
-        except (TimeoutError, OSError):
+            if not self._selector.select(max(0.0, wait_s)):
+                return
+            for _ in range(DRAIN_MAX):
+                self._take(self._sock.recv(MAX_DATAGRAM + 1))
+        except OSError:  # BlockingIOError: drained (or an ICMP error from an earlier send)
             return
-        mac, body = packet[:_MAC], packet[_MAC:]
-        if len(packet) > MAX_DATAGRAM or not hmac.compare_digest(
-            mac, hmac.new(self._key, body, hashlib.sha256).digest()
+
+    def _take(self, packet: bytes) -> None:
+        body = packet[_MAC:]
+        if not _MAC < len(packet) <= MAX_DATAGRAM or not hmac.compare_digest(
+            packet[:_MAC], hmac.digest(self._key, body, hashlib.sha256)
         ):
-            return  # not from this run
+            self.dropped["junk"] += 1  # not from this run: one HMAC is all junk costs
+            return
         try:
             msg = json.loads(body)
-            r = int(msg["r"])
+            r, incarnation, n = int(msg["r"]), str(msg["i"]), int(msg["n"])
         except (ValueError, KeyError, TypeError):
+            self.dropped["foreign"] += 1
             return
-        if r not in self._peers:
+        if r not in self._peers or self._incarnations.setdefault(r, incarnation) != incarnation:
+            self.dropped["foreign"] += 1  # (a rank restarted under the same key is another incarnation)
             return
+        if n <= self._seen.get(r, 0):
+            self.dropped["stale"] += 1  # a replay, or overtaken by a newer one: says nothing about now
+            return
+        self._seen[r] = n
         if msg.get("bye"):
             self._gone.add(r)
             return
@@ -196,7 +252,7 @@ class Heartbeat:
                     extra["v"] = list(self._survivors(now))
                     next_send = now + min(self.interval_s, 0.1)  # settle fast
                 self._send(extra)
-            self._receive()
+            self._receive(min(self._wake_s, next_send - time.monotonic()))
             now = time.monotonic()
             survivors = self._survivors(now)
             if self._detected is None and any(r not in survivors and r not in self._gone for r in self._peers):

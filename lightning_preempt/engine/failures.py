@@ -77,8 +77,9 @@ class FailureDetector:
         hb = Heartbeat(rank, world, key=key, held=self._held, on_verdict=self._act,
                        interval_s=self.timeout_s / HEARTBEATS_PER_TIMEOUT, timeout_s=self.timeout_s,
                        settle_s=self.settle_s, host=reachable_address())  # fmt: skip
-        addresses = pdist.all_gather_json(list(hb.address), group, max_bytes=256)
-        hb.start({r: (str(a[0]), int(a[1])) for r, a in enumerate(addresses)})
+        addresses = pdist.all_gather_json([*hb.address, hb.incarnation], group, max_bytes=256)
+        peers = {r: (str(a[0]), int(a[1])) for r, a in enumerate(addresses)}
+        hb.start(peers, {r: str(a[2]) for r, a in enumerate(addresses)})
         self.heartbeat = hb
 
     def stop(self) -> None:

@@ -53,6 +53,29 @@ def _twice(first: bytes, second: bytes) -> bytes:
     return out.getvalue()
 
 
+def _case_twin(checked: bytes, read: bytes) -> bytes:
+    """``data.pkl`` (``checked``: what zipfile finds) then ``DATA.pkl`` (``read``): torch's reader
+    looks names up ignoring case and finds the second (issue 55)."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(_saved({"x": 1}))) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            dst.writestr(info, checked if info.filename.endswith("/data.pkl") else src.read(info))
+            if info.filename.endswith("/data.pkl"):
+                dst.writestr(zipfile.ZipInfo(info.filename.replace("data.pkl", "DATA.pkl")), read)
+    return out.getvalue()
+
+
+def _glued(read: bytes) -> bytes:
+    """An archive whose ``data.pkl`` is ``read`` followed by one whose is a clean ``{"xx…": 1}``
+    of the same length (so both central directories sit at the same offset in their archives):
+    zipfile reads the second archive (it shifts offsets by what precedes it), torch's reader
+    the first (it takes the end record's offsets as they are) (issue 55)."""
+    checked = P2 + DICT + _u("x" * (len(read) - 12)) + b"K\x01" + SETITEM + STOP
+    first, second = _with_pickle(read), _with_pickle(checked)
+    assert len(read) == len(checked) and len(first) == len(second)
+    return first + second
+
+
 def _edited(obj: Any, old: bytes, new: bytes) -> bytes:
     data = _saved(obj)
     with zipfile.ZipFile(io.BytesIO(data)) as src:
@@ -96,7 +119,19 @@ ATTACKS: dict[str, bytes] = {
     "data.pkl twice (the checked one clean)": _twice(
         _build_on_global("torch._utils", "_rebuild_tensor_v2", NEG_DEFAULTS), P2 + DICT + _u("x") + b"K\x01" + SETITEM + STOP
     ),
+    # issue 55: zipfile and torch's reader find two different data.pkl
+    "data.pkl and DATA.pkl (torch reads the second)": _case_twin(
+        P2 + DICT + _u("x") + b"K\x01" + SETITEM + STOP, _build_on_global("torch._utils", "_rebuild_tensor_v2", NEG_DEFAULTS)
+    ),
+    "two archives glued (torch reads the first)": _glued(_build_on_global("torch._utils", "_rebuild_tensor_v2", NEG_DEFAULTS)),
+    "BUILD on an OrderedDict with slot state": _with_pickle(
+        P2 + DICT + _u("a") + _g("collections", "OrderedDict") + b")R" + NONE + DICT + _u("x") + TRUE + SETITEM + b"\x86"
+        + BUILD + SETITEM + STOP
+    ),
 }  # fmt: skip
+
+
+TWO_READINGS = ["data.pkl and DATA.pkl (torch reads the second)", "two archives glued (torch reads the first)"]
 
 
 def _process_wide() -> dict[str, Any]:
@@ -116,6 +151,9 @@ def _clean() -> tuple[bytes, dict[str, Any]]:
 
 
 def _check_clean_load() -> None:
+    plain = torch.arange(4.0)  # what a later torch.load in the process (the user's, DCP's) returns
+    loaded = torch.load(io.BytesIO(_saved({"w": plain})), weights_only=True)["w"]
+    assert torch.equal(loaded, plain) and not loaded.is_neg(), "a later torch.load is poisoned"
     data, values = _clean()
     got = fast_load_state(data, "cpu")  # the clean file still takes the fast path
     assert list(got) == list(values)
@@ -178,3 +216,71 @@ def test_numpy_dtype_is_built_on_a_copy() -> None:
     got = fast_load_state(data, "cpu")
     assert got["rng"][1].dtype == np.dtype("uint32")
     assert _process_wide() == before
+
+
+@pytest.mark.parametrize("case", TWO_READINGS)
+def test_the_check_walks_the_record_torch_reads(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """Each of the two defences holds alone: with the layout check out of the way, the opcode
+    check still walks torch's own ``data.pkl`` (the poisoned one) and refuses it."""
+    from lightning_preempt.format.pickles import fast_unpickle
+
+    monkeypatch.setattr(fast_unpickle, "archived_pickle", lambda data: b"")
+    before = _process_wide()
+    with pytest.raises(OffFastPath, match=r"BUILD on 'torch\._utils\._rebuild_tensor_v2'"):
+        fast_load_state(ATTACKS[case], "cpu")
+    assert _process_wide() == before
+    _check_clean_load()
+
+
+@pytest.mark.parametrize("case", TWO_READINGS)
+def test_verify_calls_an_archive_with_two_readings_corrupt(case: str) -> None:
+    """``verify`` replays zipfile's data.pkl: it must not vouch for a file torch reads otherwise."""
+    from lightning_preempt.errors import CorruptCheckpointError
+    from lightning_preempt.format.pickles.state_replay import check_state_pickle
+
+    with pytest.raises(CorruptCheckpointError, match=r"not laid out as torch\.save writes"):
+        check_state_pickle(ATTACKS[case], path="ckpt")
+
+
+def test_what_torch_save_writes_has_one_reading() -> None:
+    """The layout rule refuses nothing torch.save writes (records aligned, data descriptors),
+    and refuses one byte after the end record."""
+    from lightning_preempt.errors import CorruptCheckpointError
+    from lightning_preempt.format.pickles.state_replay import archived_pickle
+
+    many = {f"t{i}": torch.full((i % 7 + 1,), float(i)) for i in range(300)}
+    for obj in (many, {"big": torch.ones(1 << 20)}, {"rng": np.random.RandomState(1).get_state()}, {}):
+        data = _saved(obj)
+        assert archived_pickle(data)[:2] == P2
+        got = fast_load_state(data, "cpu")
+        tensors = {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)}
+        assert list(got) == list(obj) and all(torch.equal(got[k], v) for k, v in tensors.items())
+        with pytest.raises(CorruptCheckpointError, match="after the archive's end record"):
+            archived_pickle(data + b"\0")
+
+
+def test_zip64_end_records_are_read() -> None:
+    """The layout rule reads zip64 end records (zipfile writes them past 65535 records, as
+    torch.save's miniz does: the slow test below): the fast road loads the file."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(_saved({"x": 1}))) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            dst.writestr(info, src.read(info))
+        for i in range(66_000):
+            dst.writestr(f"archive/pad/{i}", b"")
+    data = out.getvalue()
+    assert data[-42:-38] == b"PK\x06\x07", "not a zip64 archive: the test no longer tests it"
+    assert fast_load_state(data, "cpu") == {"x": 1}
+    with pytest.raises(OffFastPath):  # the zip64 directory must end where its end record begins
+        fast_load_state(data[:-98] + b"\0" + data[-98:], "cpu")
+
+
+@pytest.mark.slow
+def test_a_zip64_archive_from_torch_save_has_one_reading() -> None:
+    """Over 65535 records, torch.save's miniz writes zip64 end records: the layout rule reads
+    them, and the fast road still loads the file (66000 one-element tensors, ~18 MB)."""
+    obj = {f"t{i}": torch.tensor([float(i)]) for i in range(66_000)}
+    data = _saved(obj)
+    assert data[-42:-38] == b"PK\x06\x07", "not a zip64 archive: the test no longer tests it"
+    got = fast_load_state(data, "cpu")
+    assert len(got) == len(obj) and float(got["t65999"]) == 65999.0 and float(got["t0"]) == 0.0

@@ -86,7 +86,7 @@ def test_foreign_packets_do_not_keep_a_lost_rank_alive(tmp_path: Path) -> None:
         # someone sends rank 1's heartbeats without the key: rank 0 must still find it lost
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             for _ in range(40):
-                s.sendto(b"x" * 32 + json.dumps({"r": 1, "n": 1, "h": [3]}).encode(), tuple(addr))
+                s.sendto(b"x" * 32 + json.dumps({"r": 1, "n": 1, "h": [3]}).encode(), (addr[0], addr[1]))
                 time.sleep(0.05)
         assert procs[0].wait(timeout=30) == 75
     finally:

@@ -28,7 +28,8 @@ def check_fast_pickle(
 ) -> None:
     """Raise :class:`FastRefused` unless every opcode of ``pkl`` (protocol 2) is one the fast
     path allows: a ``GLOBAL`` of ``globals_allowed`` (``"module.name"``), ``REDUCE``/``NEWOBJ``
-    of ``callables``, ``BUILD`` on what ``buildable`` made, ``SETITEM(S)`` on a ``dict_like``'s."""
+    of ``callables``, ``BUILD`` on what ``buildable`` made (with a dict state on a ``dict_like``'s:
+    the weights-only loader refuses slot state there), ``SETITEM(S)`` on a ``dict_like``'s."""
     try:
         _walk(pkl, *map(frozenset, (globals_allowed, callables, buildable, dict_like)))
     except FastRefused:
@@ -132,10 +133,12 @@ def _walk(pkl: bytes, globals_allowed: Set[str], callables: Set[str], buildable:
                 raise FastRefused(f"GLOBAL {name}")
             stack.append(name)
         elif op == 0x62:  # BUILD
-            stack.pop()
+            state = stack.pop()
             inst = stack[-1]
             if not (isinstance(inst, str) and inst[:1] == "=" and inst[1:] in buildable):
                 raise FastRefused(f"BUILD on {inst!r}")
+            if inst[1:] in dict_like and state is not _DICT:  # weights_only: inst.__dict__.update(state)
+                raise FastRefused(f"BUILD on {inst[1:]} with a state that is not a dict (slot state)")
         elif op == 0x51:  # BINPERSID: torch's persistent_load (storages)
             if stack[-1] is not _TUPLE:
                 raise FastRefused("persistent id that is not a tuple")

@@ -142,7 +142,10 @@ def fast_load_state(data: bytes, map_location: Any) -> Any:
         raise OffFastPath("not a torch.save zip file starting with a protocol-2 data.pkl")
     module = _MODULES[b"numpy" in data]
     try:
-        check_fast_pickle(archived_pickle(data), **module.guard)  # before C pickle runs a single opcode
+        archived_pickle(data)  # refuses an archive that two zip readers could read differently
+        # and the check walks the very bytes torch.load unpickles: its own reader's record
+        pkl = torch._C.PyTorchFileReader(io.BytesIO(data)).get_record("data.pkl")
+        check_fast_pickle(pkl, **module.guard)  # before C pickle runs a single opcode
     except FastRefused as err:
         raise OffFastPath(str(err)) from None
     except Exception as err:  # not an archive both zip readers read alike

@@ -17,6 +17,7 @@ from typing import Any
 
 from lightning_preempt.errors import CheckpointError, CorruptCheckpointError, UntrustedCheckpointError
 from lightning_preempt.format.pickles.allowlists import BLOCKED_MODULES, NUMPY_DTYPE_CODES, STATE_GLOBALS, py2_rename
+from lightning_preempt.format.pickles.zip_layout import AmbiguousArchive, check_one_reading
 
 TRUST_HINT = (
     "Load it only if you trust everyone who can write this storage: pass "
@@ -78,17 +79,19 @@ def check_state_pickle(data: bytes, *, path: str) -> None:
 
 
 def archived_pickle(data: bytes) -> bytes:
-    """The ``data.pkl`` bytes torch's reader would unpickle from ``data``; raises when the two
-    readers may differ (a name listed twice: zipfile takes the last)."""
-    _, pkl, names = _pickle_of(data, "")
-    if len(set(names)) != len(names):
-        raise ValueError("a record name appears twice")
-    return pkl
+    """The ``data.pkl`` bytes of ``data``; raises when two zip readers could read different
+    records from it (format/pickles/zip_layout.py)."""
+    return _pickle_of(data, "")[1]
 
 
 def _pickle_of(data: bytes, path: str) -> tuple[str, bytes, list[str]]:
-    """The archive's directory name, its ``data.pkl`` bytes and every record's name."""
+    """The archive's directory name, its ``data.pkl`` bytes and every record's name, from an
+    archive with one reading only (torch's reader would read another ``data.pkl``)."""
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        try:
+            check_one_reading(data, archive)
+        except AmbiguousArchive as err:
+            raise corrupt_state_error(f"not laid out as torch.save writes: {err}", path) from None
         prefix, info = _archive_pickle(archive, path)
         return prefix, _record_bytes(archive, info, data), archive.namelist()
 
