@@ -78,6 +78,16 @@ class Loader:
                 return info.path
         return None
 
+    def fallback_for(self, path: Any) -> Fallback | None:
+        """The fall-back a load of ``path`` moves on with after damage: the one given with its
+        alias, or for a directory of checkpoints the next valid one in it; else ``None``."""
+        retry = self._fallbacks.get(str(path))
+        url = self._aliases.get(str(path), str(path))
+        store = Store(url, self.storage_options)
+        if retry is None and store.isdir() and not store.exists(MANIFEST_NAME):
+            retry = fallback(url, self.storage_options, verify="sizes")
+        return retry
+
     def not_found(self, url: str) -> NotACheckpointError:
         """The error for a path without a checkpoint; worded as Lightning's for a missing
         ``ckpt_path`` when nothing is there (scripts match on that text)."""

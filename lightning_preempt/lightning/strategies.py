@@ -5,7 +5,10 @@
 * ``ModelParallelStrategy`` (bypasses ``CheckpointIO``, no commit): ``save_checkpoint`` gives
   its sharded state dict to the plugin, ``load_checkpoint`` loads ours in place, resharded.
 
-Other strategies that save by themselves (FSDP1, DeepSpeed) are left alone with a warning.
+* ``DeepSpeedStrategy``: DeepSpeed's own per-rank files, committed by our manifest
+  (lightning/deepspeed.py).
+
+Other strategies that save by themselves (FSDP1) are left alone with a warning.
 
 * ``DDPStrategy`` at 2+ ranks: ``_setup_model`` builds DDP with the gradient bucket layout
   of the checkpoint being resumed (resume/ddp_buckets.py), so the first step reduces as the
@@ -20,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
+from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy, Strategy
 
 from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
@@ -59,6 +62,10 @@ def install_collective_saves(
     """Route ``strategy``'s saves (and sharded loads) through ``io`` on all ranks, where it can."""
     if isinstance(strategy, ModelParallelStrategy):
         _install_model_parallel(strategy, io)
+    elif isinstance(strategy, DeepSpeedStrategy):
+        from lightning_preempt.lightning import deepspeed  # its glue, only where DeepSpeed is used
+
+        deepspeed.install(strategy, io)
     elif writer_group is None or pdist.world_size() == 1:
         writer_group = None
     elif type(strategy).save_checkpoint is not Strategy.save_checkpoint:
