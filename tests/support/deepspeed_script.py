@@ -50,7 +50,10 @@ def main(argv: list[str] | None = None) -> int:
 
     L.seed_everything(0, workers=True)
     model = TinyModel(width=args.width, status=args.status)
-    cb = PreemptionCallback(args.dirpath, every_n_train_steps=args.every, keep_last_n=2, grace_period_s=30.0)
+    # heartbeat_timeout_s: DeepSpeed's CPU collectives may spin holding the GIL while the other rank,
+    # starved on a loaded 2-core machine, catches up: the 4 s default then declared both ranks lost.
+    cb = PreemptionCallback(args.dirpath, every_n_train_steps=args.every, keep_last_n=2, grace_period_s=30.0,
+                            heartbeat_timeout_s=30.0)  # fmt: skip
     callbacks: list[Callback] = [cb]
     if args.signal_at:
         callbacks.append(SelfSignal(args.signal_at, args.signal_rank, cb))
