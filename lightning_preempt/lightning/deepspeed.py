@@ -37,6 +37,7 @@ from lightning_preempt.format.names import DEEPSPEED_FILE_RE
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.read.load import load_agreed
 from lightning_preempt.read.verify import read_manifest, verify_checkpoint
+from lightning_preempt.save.history import HISTORY_KEPT, SaveRecord, checkpoint_step
 from lightning_preempt.storage.checksum import Crc32c
 from lightning_preempt.storage.store import CHUNK_BYTES, Store
 from lightning_preempt.write.commit import commit_written, prepare_path
@@ -92,6 +93,7 @@ class _Saves:
         if not root.is_local:
             raise CheckpointError(f"DeepSpeedStrategy cannot save to {url}", path=url, hint=_LOCAL_HINT)
         started = time.perf_counter()
+        record = SaveRecord(url, checkpoint_step(checkpoint), started)
         group = self.io.saver.group
         plan = prepare_path(root, group)
         data = plan.data(root).path()
@@ -105,19 +107,28 @@ class _Saves:
                 os.path.dirname(data), tag=os.path.basename(data), client_state=client_state, save_latest=False,
                 exclude_frozen_parameters=getattr(strategy, "exclude_frozen_parameters", False),
             )  # fmt: skip
-        blocking_s = time.perf_counter() - started
-        step, epoch = int(checkpoint.get("global_step", -1)), int(checkpoint.get("epoch", -1))
+        record.blocking_s = blocking_s = time.perf_counter() - started
+        step, epoch = record.step, int(checkpoint.get("epoch", -1))
         saver = self.io.saver
+        # In the saver's history like its own saves: the ledger, the exit log, the metrics see it.
+        saver.history.append(record)
+        del saver.history[:-HISTORY_KEPT]
 
         def commit() -> Manifest:
-            manifest = commit_written(
-                root, plan, lambda: _checksum(recorder.written), group=group, step=step, epoch=epoch,
-                run_id=saver.run_id, stats={"blocking_s": blocking_s}, started=started,
-            )  # fmt: skip
+            try:
+                manifest = commit_written(
+                    root, plan, lambda: _checksum(recorder.written), group=group, step=step, epoch=epoch,
+                    run_id=saver.run_id, stats={"blocking_s": blocking_s}, started=started,
+                )  # fmt: skip
+            except BaseException as err:
+                record.error = err
+                raise
+            record.bytes = manifest.total_bytes
+            record.committed_s = time.perf_counter() - started
             if pdist.rank(group) == 0:
                 mark_verified(url, manifest)
                 log.info("lightning_preempt: committed %s (step %d, DeepSpeed): blocked %.3fs, committed after %.3fs",
-                         url, step, blocking_s, time.perf_counter() - started)  # fmt: skip
+                         url, step, blocking_s, record.committed_s)  # fmt: skip
             return manifest
 
         # Queued behind earlier jobs, before the retention the engine queues after this save:

@@ -57,6 +57,7 @@ def test_sigterm_on_rank1_commits_every_ranks_files_and_resumes_bit_identical(tm
     assert sorted(manifest.files) == sorted(RANK_FILES) and manifest.world_size == 2
     for name, entry in manifest.files.items():  # the files listed are the files on disk
         assert (tmp_path / "ck" / f"step-{snapshot:010d}" / name).stat().st_size == entry.size
+    assert f"safe to resume from: step {snapshot} (" in out, out[-4000:]  # the exit log knows it
 
     code, out = _run(tmp_path, "b", "--every", "1000")
     assert code == 0, out[-4000:]
