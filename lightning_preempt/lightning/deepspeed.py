@@ -61,7 +61,8 @@ def install(strategy: Any, io: ShardedAsyncCheckpointIO) -> None:
             hint=_LOCAL_HINT,
         )
     saves = _Saves(io)
-    original_load = strategy.load_checkpoint
+    # The class's own (a second fit installs again: never wrap our own wrapper)
+    original_load = types.MethodType(type(strategy).load_checkpoint, strategy)
 
     def save(self: Any, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         saves.save(self, checkpoint, str(self.broadcast(str(filepath))), storage_options)
@@ -183,7 +184,8 @@ class _Saves:
                 "size); resume it with the configuration that wrote it.",
             )
         self.io.loader.loaded_from = loaded_from
-        log.info("lightning_preempt: DeepSpeed loaded %s (verified against its manifest)", loaded_from)
+        how = "its files verified against its manifest" if verify else "verify_on_load=False: not verified"
+        log.info("lightning_preempt: DeepSpeed loaded %s (%s)", loaded_from, how)
         return client_state  # type: ignore[no-any-return]
 
 
