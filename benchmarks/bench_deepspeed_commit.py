@@ -98,8 +98,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args()
     warnings.filterwarnings("ignore", category=FutureWarning)
-    root = tempfile.mkdtemp(prefix="bench_ds_", dir=os.environ.get("LP_BENCH_DIR"))
-    root = os.environ.setdefault("LP_BENCH_DS_ROOT", root)  # the same directory on rank 1 (re-launched)
+    if "LP_BENCH_DS_ROOT" not in os.environ:  # rank 1 (re-launched by Lightning) inherits rank 0's
+        os.environ["LP_BENCH_DS_ROOT"] = tempfile.mkdtemp(prefix="bench_ds_", dir=os.environ.get("LP_BENCH_DIR"))
+    root = os.environ["LP_BENCH_DS_ROOT"]
     L.seed_everything(0)
     model = TinyModel(width=args.width)
     measure = Measure(os.path.join(root, "ck"), os.path.join(root, "scratch"), args.rounds)
