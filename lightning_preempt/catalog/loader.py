@@ -80,6 +80,17 @@ class Loader:
                 return info.path
         return None
 
+    def fallback_for(self, path: Any) -> Fallback | None:
+        """The fall-back a load of ``path`` moves on with after damage: the one given with its
+        alias (also when ``path`` is that alias's target), or for a directory of checkpoints the
+        next valid one in it; else ``None``."""
+        url = self._aliases.get(str(path), str(path))
+        retry = self._fallbacks.get(str(path)) or self._fallbacks.get(url)
+        store = Store(url, self.storage_options)
+        if retry is None and store.isdir() and not store.exists(MANIFEST_NAME):
+            retry = fallback(url, self.storage_options, verify="sizes")
+        return retry
+
     def not_found(self, url: str) -> NotACheckpointError:
         """The error for a path without a checkpoint; worded as Lightning's for a missing
         ``ckpt_path`` when nothing is there (scripts match on that text)."""
@@ -101,10 +112,7 @@ class Loader:
         target = self._resolve(url)
         if target is None:
             raise self.not_found(url)
-        retry = self._fallbacks.get(str(path))
-        if retry is None and store.exists() and not store.exists(MANIFEST_NAME):  # a directory of checkpoints
-            retry = fallback(url, self.storage_options, verify="sizes")
-
+        retry = self.fallback_for(path)
         into = self._into.get(str(path))
 
         def load(at: str, at_verified: bool) -> dict[str, Any]:
@@ -125,10 +133,7 @@ class Loader:
         target = self._resolve(url)
         if target is None:
             raise self.not_found(url)
-        retry = self._fallbacks.get(str(path)) or self._fallbacks.get(target)
-        store = Store(url, self.storage_options)
-        if retry is None and store.exists() and not store.exists(MANIFEST_NAME):  # a directory of checkpoints
-            retry = fallback(url, self.storage_options, verify="sizes")
+        retry = self.fallback_for(path)
 
         def load(at: str, at_verified: bool) -> dict[str, Any]:
             # Every file is checked before any tensor is read: a damaged one leaves the

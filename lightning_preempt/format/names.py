@@ -29,6 +29,12 @@ LEDGER_DIR = ".lp-ledger"
 
 SHARD_RE = re.compile(r"__(\d{1,6})_\d{1,9}\.distcp")
 STATE_RE = re.compile(r"state-rank(\d{5,6})\.pt")
+#: DeepSpeed's own per-rank files in a checkpoint directory (lightning/deepspeed.py): ZeRO's
+#: ``[bf16_]zero_pp_rank_{dp}_mp_rank_{mp}_{model,optim}_states.pt``, the model states of
+#: ZeRO 1-2 ``mp_rank_{mp}_model_states.pt``.
+DEEPSPEED_FILE_RE = re.compile(
+    r"(?:(?:bf16_)?zero_pp_rank_(\d{1,6})_)?mp_rank_\d{2,6}_(?:model|optim)_states\.pt"
+)
 GENERATION_RE = re.compile(r"v-[0-9a-f]{12}")
 STEP_DIR_RE = re.compile(r"step-(\d{10,19})(?:-[0-9a-f]{8})?")
 LEASE_RE = re.compile(r"\.lp-lease-(\d{10})\.json")
@@ -52,8 +58,14 @@ def state_file(rank: int) -> str:
 
 
 def is_checkpoint_file(name: str) -> bool:
-    """A file a manifest may list: DCP's shards and metadata, or a rank's state file."""
-    return name == DCP_METADATA_NAME or SHARD_RE.fullmatch(name) is not None or STATE_RE.fullmatch(name) is not None
+    """A file a manifest may list: DCP's shards and metadata, a rank's state file, or one of
+    DeepSpeed's per-rank files."""
+    return (
+        name == DCP_METADATA_NAME
+        or SHARD_RE.fullmatch(name) is not None
+        or STATE_RE.fullmatch(name) is not None
+        or DEEPSPEED_FILE_RE.fullmatch(name) is not None
+    )
 
 
 def is_our_file(name: str) -> bool:
@@ -75,8 +87,8 @@ def is_commit_temp(name: str) -> bool:
 
 def writer_of(name: str) -> int:
     """The rank that writes ``name`` into a checkpoint (rank 0 for ``.metadata``)."""
-    match = SHARD_RE.fullmatch(name) or STATE_RE.fullmatch(name)
-    return int(match.group(1)) if match else 0
+    match = SHARD_RE.fullmatch(name) or STATE_RE.fullmatch(name) or DEEPSPEED_FILE_RE.fullmatch(name)
+    return int(match.group(1)) if match and match.group(1) else 0
 
 
 def is_safe_file_name(name: object) -> bool:

@@ -16,7 +16,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
 from typing_extensions import override
 
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
@@ -28,7 +28,8 @@ def checkpoint_like(trainer: pl.Trainer) -> dict[str, Any] | None:
     """The tensor part of the checkpoint ``trainer.save_checkpoint`` would write now, as
     references (``dump_checkpoint``'s calls); ``None`` where that would copy the state."""
     strategy = trainer.strategy
-    if isinstance(strategy, ModelParallelStrategy) or trainer.lightning_module is None:
+    # (DeepSpeed saves its own state: nothing of ours is staged)
+    if isinstance(strategy, (ModelParallelStrategy, DeepSpeedStrategy)) or trainer.lightning_module is None:
         return None
     return {
         "state_dict": strategy.lightning_module_state_dict(),

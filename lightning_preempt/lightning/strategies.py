@@ -5,6 +5,8 @@
 * ``ModelParallelStrategy`` (FSDP2) and ``FSDPStrategy`` (FSDP1), which bypass ``CheckpointIO``:
   every rank gives its sharded state dict to the plugin, and ours load in place, resharded
   (lightning/sharded_saves.py).
+* ``DeepSpeedStrategy``: DeepSpeed's own per-rank files, committed by our manifest
+  (lightning/deepspeed.py).
 * Any other strategy that saves by itself (XLA, a user's ``save_checkpoint``): refused at set-up
   on every rank with a HINT. Its saves would bypass the plugin: no manifest, no commit, and a
   requeued job would start from step 0.
@@ -22,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy, Strategy
 
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.lightning import _compat, sharded_saves
@@ -62,11 +64,15 @@ def install_collective_saves(
         sharded_saves.install_fsdp(strategy, io)
     elif isinstance(strategy, ModelParallelStrategy):
         sharded_saves.install_model_parallel(strategy, io)
+    elif isinstance(strategy, DeepSpeedStrategy):
+        from lightning_preempt.lightning import deepspeed  # its glue, only where DeepSpeed is used
+
+        deepspeed.install(strategy, io)
     elif type(strategy).save_checkpoint is not Strategy.save_checkpoint:
         raise TypeError(
             f"lightning_preempt does not support {type(strategy).__name__}: it saves checkpoints with its own "
             "code, which bypasses ShardedAsyncCheckpointIO (no manifest, no commit: a requeued job would "
-            "start from step 0)\nHINT: use strategy='ddp', 'fsdp', ModelParallelStrategy or a single device "
+            "start from step 0)\nHINT: use strategy='ddp', 'fsdp', 'deepspeed', ModelParallelStrategy or a single device "
             "(docs/strategies.md); a strategy of your own must not override save_checkpoint."
         )
     elif writer_group is None or pdist.world_size() == 1:

@@ -31,12 +31,17 @@ def read_manifest(store: Store) -> Manifest:
 
 
 def verify_checkpoint(
-    store: Store, manifest: Manifest | None = None, *, progress: Callable[[int], None] | None = None
+    store: Store,
+    manifest: Manifest | None = None,
+    *,
+    progress: Callable[[int], None] | None = None,
+    share: tuple[int, int] = (0, 1),
 ) -> Manifest:
-    """Every listed file exists with its size and CRC32C; ``progress(bytes read so far)``."""
+    """Every listed file exists with its size and CRC32C; ``progress(bytes read so far)``.
+    ``share=(rank, world)``: only every ``world``-th file from ``rank`` (in name order)."""
     manifest = manifest or read_manifest(store)
     files = data_store(store, manifest)  # a replaced checkpoint's files live in its generation dir
-    for name, entry in sorted(manifest.files.items()):
+    for name, entry in sorted(manifest.files.items())[share[0] :: share[1]]:
         crc = Crc32c()
         try:
             with files.open_read(name) as f:

@@ -72,15 +72,9 @@ def write_checkpoint(
     same (:mod:`lightning_preempt.write.planning`).
     """
     root = Store(request.url, request.storage_options)
-    rank, world = pdist.rank(group) if group else 0, pdist.world_size(group) if group else 1
+    rank = pdist.rank(group) if group else 0
     started = time.perf_counter()
-
-    def prepare() -> WritePlan:
-        decided = plan_write(root)
-        decided.data(root).makedirs()
-        return decided
-
-    plan = agree.decide(prepare, group, what="preparing the checkpoint path", **_FAILED)
+    plan = prepare_path(root, group)
     store = plan.data(root)
     tensor_bytes = _total_bytes(list(request.tensors.values()))  # before the buffers are free
 
@@ -107,18 +101,58 @@ def write_checkpoint(
             f.write(request.skeleton)
         return {**writer.entries, name: FileEntry(len(request.skeleton), Crc32c(request.skeleton).hexdigest())}
 
+    return commit_written(
+        root, plan, write_files, group=group, step=request.step, epoch=request.epoch, run_id=request.run_id,
+        stats=request.stats, extra=request.extra, tensor_bytes=tensor_bytes, started=started,
+    )  # fmt: skip
+
+
+def prepare_path(root: Store, group: pdist.ProcessGroup | None) -> WritePlan:
+    """Every rank of ``group``: rank 0 decides where a save to ``root`` writes and makes the
+    directory (write/replace.py ``plan_write``); every rank returns its plan or its error."""
+
+    def prepare() -> WritePlan:
+        decided = plan_write(root)
+        decided.data(root).makedirs()
+        return decided
+
+    return agree.decide(prepare, group, what="preparing the checkpoint path", **_FAILED)
+
+
+def commit_written(
+    root: Store,
+    plan: WritePlan,
+    write_files: Callable[[], dict[str, FileEntry]],
+    *,
+    group: pdist.ProcessGroup | None,
+    step: int,
+    epoch: int,
+    run_id: str | None = None,
+    stats: dict[str, float] | None = None,
+    extra: dict[str, Any] | None = None,
+    tensor_bytes: int = 0,
+    started: float | None = None,
+) -> Manifest:
+    """Every rank of ``group``: ``write_files()`` (this rank's files in ``plan.data(root)``,
+    returning their sizes and CRC32C), then the commit: once every rank's files are written
+    (a gather), rank 0 writes the manifest listing all of them, last. Returns the committed
+    manifest on every rank, or raises the same error on every rank (nothing committed).
+    ``started``: the ``time.perf_counter()`` the manifest's ``write_s`` counts from (default: now).
+    """
+    started = time.perf_counter() if started is None else started
+    world = pdist.world_size(group) if group else 1
     written: list[dict[str, FileEntry]] = []
     try:
         written = _on_every_rank(write_files, group, root, "writing checkpoint files")
         manifest = Manifest(
-            step=request.step,
-            epoch=request.epoch,
+            step=step,
+            epoch=epoch,
             world_size=world,
             files={name: entry for rank_entries in written for name, entry in rank_entries.items()},
             tensor_bytes=tensor_bytes,
-            stats={**request.stats, "write_s": time.perf_counter() - started},
-            extra={**request.extra, **plan.manifest_extra},
-            run_id=request.run_id,
+            stats={**(stats or {}), "write_s": time.perf_counter() - started},
+            extra={**(extra or {}), **plan.manifest_extra},
+            run_id=run_id,
         )
         # Commit metadata only after all ranks completed writing (the gather above). Rank 0
         # commits; every rank gets its outcome. A CheckpointExistsError (the create-only
@@ -132,9 +166,9 @@ def write_checkpoint(
 
         agree.decide(commit, group, what="committing the manifest", **_FAILED)
     except CheckpointError as err:
-        _raise_if_lost(err, root, plan, written, request.step, group)
+        _raise_if_lost(err, root, plan, written, step, group)
         raise
-    if rank == 0 and plan.mode != "beside":
+    if (pdist.rank(group) if group else 0) == 0 and plan.mode != "beside":
         finish_write(root, plan)  # only deletes what was replaced; logs its own failures
     return manifest
 
