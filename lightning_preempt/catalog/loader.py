@@ -56,9 +56,7 @@ class Loader:
         (read/load.py ``load_full_checkpoint``); asked for when the load starts."""
         self._aliases[str(path)] = target
         if fallback is not None:
-            # By the target too: a sharded load is given rank 0's resolution of its own
-            # (rank-local) pointer, which every rank's alias maps to the same target.
-            self._fallbacks[str(path)] = self._fallbacks[target] = fallback
+            self._fallbacks[str(path)] = fallback
         if into is not None:
             self._into[str(path)] = into
 
@@ -82,10 +80,9 @@ class Loader:
 
     def fallback_for(self, path: Any) -> Fallback | None:
         """The fall-back a load of ``path`` moves on with after damage: the one given with its
-        alias (also when ``path`` is that alias's target), or for a directory of checkpoints the
-        next valid one in it; else ``None``."""
+        alias, or for a directory of checkpoints the next valid one in it; else ``None``."""
+        retry = self._fallbacks.get(str(path))
         url = self._aliases.get(str(path), str(path))
-        retry = self._fallbacks.get(str(path)) or self._fallbacks.get(url)
         store = Store(url, self.storage_options)
         if retry is None and store.isdir() and not store.exists(MANIFEST_NAME):
             retry = fallback(url, self.storage_options, verify="sizes")

@@ -97,11 +97,15 @@ def _install(strategy: Strategy, io: ShardedAsyncCheckpointIO, *, sharded: Calla
             set_optimizer_state_dict,
         )
 
-        path = self.broadcast(str(checkpoint_path))
+        local = str(checkpoint_path)
+        path = self.broadcast(local)
         # One rank looks at storage and decides; the rest get its answer or its error.
         resolved = agree.decide(lambda: io.resolve(path), pdist.world_group(), what="resolving the checkpoint")
         if resolved is None:
             return original_load(checkpoint_path, weights_only)  # type: ignore[no-any-return]
+        # Each rank's resume pointer is its own file, aliased to the agreed checkpoint with the
+        # fall-back past damage: loaded by that name where it means the same checkpoint.
+        source = local if io.resolve(local) == resolved else resolved
         model = _sharded_model(self)
         # A fresh optimizer has no state to load into: get_optimizer_state_dict materialises it
         # (DCP's _init_optim_state: a step with zero gradients and lr 0) so every entry is loaded.
@@ -110,7 +114,7 @@ def _install(strategy: Strategy, io: ShardedAsyncCheckpointIO, *, sharded: Calla
             "optimizer_states": [get_optimizer_state_dict(model, opt) for opt in self.optimizers],
         }
         flat, _ = split_checkpoint(templates)
-        checkpoint = io.load_sharded(resolved, flat)
+        checkpoint = io.load_sharded(source, flat)
         assert self.lightning_module is not None
         strict = self.lightning_module.strict_loading
         options = StateDictOptions(strict=strict, cpu_offload=offload)
