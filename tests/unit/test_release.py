@@ -65,3 +65,12 @@ def test_the_cli_extra_brings_what_lightningcli_needs() -> None:
     assert any(req.startswith("jsonargparse[signatures]") for req in extras["cli"])
     assert {req.split(">")[0] for req in extras["docs"]} == {"mkdocs", "mkdocs-material", "mkdocstrings[python]"}
     assert "lightning_preempt[cli,docs]" in extras["test"], "the dev venv (scripts/_venv.sh test) gets both"
+
+
+def test_the_wheel_carries_py_typed() -> None:
+    """PEP 561 (issue 56): without ``py.typed`` in the wheel a user's mypy reads every name of ours
+    as ``Any``. setuptools packs a non-Python file only where package-data names it; the built wheel
+    is checked too, by scripts/wheel_smoke.sh."""
+    assert (ROOT / "lightning_preempt" / "py.typed").is_file()
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert "py.typed" in setuptools.get("package-data", {}).get("lightning_preempt", [])
