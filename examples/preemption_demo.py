@@ -384,7 +384,7 @@ def report(args: argparse.Namespace, plan: list[Preemption], run_dir: Path, ref_
     print(f"Preemptions: {len(plan)}  ({sum(p.signal == 'SIGTERM' for p in plan)} SIGTERM, "
           f"{sum(p.signal == 'SIGKILL' for p in plan)} SIGKILL)")  # fmt: skip
     header = f"{'#':>2}  {'signal':7}  {'at step':>7}  {'exit':>4}  {'resumed at':>10}  {'steps lost':>10}  "
-    header += f"{'snapshot blocked':>16}  {'signal->exit':>12}  {'->process gone':>14}  {'down for':>8}"
+    header += f"{'snapshot blocked':>16}  {'signal->exit':>12}  {'->process gone':>14}  {'down':>8}"
     print(header)
     for i, p in enumerate(plan, 1):
         lost = max(0, p.last_step - p.resumed_at)
@@ -392,15 +392,18 @@ def report(args: argparse.Namespace, plan: list[Preemption], run_dir: Path, ref_
         blocked = f"{snap['blocking_s'] * 1000:.1f} ms" if snap else "-"
         in_job = p.child.get("signal_to_exit_s")
         to_exit = f"{in_job:.2f} s" if in_job is not None else "-"
+        # the report's DOWN: from the exit call (a SIGKILL: the kill) to the next first step
+        down = p.first_step_after - p.signalled_at - (in_job or 0.0)
         print(
             f"{i:>2}  {p.signal:7}  {p.last_step:>7}  {p.exit_code if p.exit_code is not None else '?':>4}  "
             f"{p.resumed_at:>10}  {lost:>10}  {blocked:>16}  {to_exit:>12}  "
-            f"{p.exited_at - p.signalled_at:>12.2f} s  {p.first_step_after - p.signalled_at:>6.1f} s"
+            f"{p.exited_at - p.signalled_at:>12.2f} s  {down:>6.1f} s"
         )
     print(
         "  signal->exit: in the job, from the signal to raising the exit (ranks agree, snapshot, commit);\n"
         "  ->process gone: until the process ended (adds Lightning teardown and interpreter exit);\n"
-        "  down for: until the restarted job trained its first step (mostly importing torch and Lightning)."
+        "  down: from the exit call to the restarted job's first step (teardown, restart, then mostly importing\n"
+        "  torch and Lightning), as `lightning-preempt report` counts it."
     )
     total_lost = sum(max(0, p.last_step - p.resumed_at) for p in plan)
     print(f"Steps lost in total: {total_lost} (SIGTERM snapshots lose none; a SIGKILL loses the steps since "

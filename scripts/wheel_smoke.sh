@@ -82,6 +82,8 @@ ours = {p.relative_to(repo).with_suffix("").as_posix().replace("/", ".").removes
         for p in (repo / "lightning_preempt").rglob("*.py")}
 missing = sorted(ours - set(names) - {"lightning_preempt"})
 assert not missing, f"modules left out of the wheel: {missing}"
+# PEP 561: without py.typed a user's type checker treats every name of ours as Any.
+assert (where.parent / "py.typed").is_file(), "py.typed left out of the wheel"
 print(f"lightning_preempt {version} from {where.parent}: {len(names)} modules import")
 EOF
 sed -i "s#dirpath: checkpoints/cli-demo#dirpath: $run/ck#" config.yaml

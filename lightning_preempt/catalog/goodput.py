@@ -2,6 +2,13 @@
 (each figure: docs/goodput.md, "The report"). Pure computation over checked records, no I/O,
 no torch; seconds, wall clock. A *segment* is one process (one restart), from its start to its
 preemption or finish record (killed without warning: its last record).
+
+The wall time is three parts that add up: the first start (the first process's start to its
+first step, which a run never preempted pays too), training, and *down*: from each process's
+end to the next one's first step (teardown, the queue, the start-up and the resume), the one
+"down" figure of the report, its table, the timeline and the demo. Goodput is the training
+that was kept (less the blocking in saves and the steps redone) over the wall time after the
+first start: what preemption and checkpointing could have cost.
 """
 
 from __future__ import annotations
@@ -107,7 +114,7 @@ def summarize(records: list[dict[str, Any]], folded_saves: dict[int, dict[str, f
             "agreed_after_steps": (record or {}).get("agreed_after_steps"),
             "agreed_after_s": (record or {}).get("agreed_after_s"),
             "exit_t": seg.end_t,
-            "down_s": max(0.0, after.started_t - seg.end_t) if after is not None else None,
+            "down_s": _down(seg, after) if after is not None else None,
             "agreed_step": failure["agreed_step"] if failure is not None else None,
             "resumed_tier": _start(after).get("resumed_tier") if after is not None else None,
         })  # fmt: skip
@@ -115,6 +122,8 @@ def summarize(records: list[dict[str, Any]], folded_saves: dict[int, dict[str, f
     lost_s = steps_lost * step_s if step_s is not None else 0.0
     wall = max(0.0, segs[-1].end_t - segs[0].started_t) if segs else 0.0
     useful = max(0.0, training - blocking - lost_s)
+    first_start = segs[0].first_step_t - segs[0].started_t if segs else 0.0
+    avoidable = wall - first_start  # = training + down
     start_records = [next(r for r in s.records if r["kind"] == "start") for s in segs]
     return {
         "run": records[0]["run"] if records else None,
@@ -125,8 +134,11 @@ def summarize(records: list[dict[str, Any]], folded_saves: dict[int, dict[str, f
         "end_t": segs[-1].end_t if segs else None,
         "wall_s": wall,
         "training_s": training,
-        "down_s": sum(float(p["down_s"] or 0.0) for p in preemptions),
-        "startup_s": sum(s.first_step_t - s.started_t for s in segs),
+        # every restart's (an agreed error's too), so wall = first start + training + down
+        "down_s": sum(_down(before, after) for before, after in itertools.pairwise(segs)),
+        "first_start_s": first_start,
+        "startup_s": sum(s.first_step_t - s.started_t for s in segs),  # the first start and the restarts'
+
         "steps_trained": trained,
         "last_step": segs[-1].last_step if segs else 0,
         "step_time_s": step_s,
@@ -137,7 +149,7 @@ def summarize(records: list[dict[str, Any]], folded_saves: dict[int, dict[str, f
         "steps_lost": steps_lost,
         "lost_s": lost_s,
         "useful_s": useful,
-        "goodput": useful / wall if wall > 0 else None,
+        "goodput": useful / avoidable if avoidable > 0 else None,
         "world_size": max((r["world_size"] for r in start_records), default=1),
         "every_n_train_steps": start_records[-1]["every_n_train_steps"] if start_records else None,
         "every_n_seconds": start_records[-1]["every_n_seconds"] if start_records else None,
@@ -147,6 +159,11 @@ def summarize(records: list[dict[str, Any]], folded_saves: dict[int, dict[str, f
         "tier0": _tier0(saves),
         "segments": [_segment_dict(s) for s in segs],
     }
+
+
+def _down(before: Segment, after: Segment) -> float:
+    """From ``before``'s end (its last record) to ``after``'s first step: teardown, queue, start-up, resume."""
+    return max(0.0, after.first_step_t - before.end_t)
 
 
 def _start(seg: Segment) -> dict[str, Any]:

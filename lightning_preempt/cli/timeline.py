@@ -52,8 +52,10 @@ def plot_timeline(report: dict[str, Any], path: str, *, title: str = "") -> None
         if i + 1 < len(segs):
             nxt = segs[i + 1]["started_t"]
             top.barh(0, x(nxt) - x(seg["end_t"]), left=x(seg["end_t"]), color=_DOWN, alpha=0.35, height=0.6)
-            if x(nxt) - x(seg["end_t"]) > span * 0.06:
-                top.text((x(nxt) + x(seg["end_t"])) / 2, 0, f"down {format_duration(nxt - seg['end_t'])}",
+            # the report's one "down": to the next first step, the restart's start-up (grey) included
+            back = segs[i + 1]["first_step_t"]
+            if x(back) - x(seg["end_t"]) > span * 0.06:
+                top.text((x(back) + x(seg["end_t"])) / 2, 0, f"down {format_duration(back - seg['end_t'])}",
                          ha="center", va="center", fontsize=8, color=_DOWN)  # fmt: skip
     saves = report["timeline"]["saves"]
     for t, _step, kind, _blocking, committed in saves:
@@ -62,7 +64,7 @@ def plot_timeline(report: dict[str, Any], path: str, *, title: str = "") -> None
     top.set(yticks=[], ylim=(-0.45, 1.15))
     top.legend(handles=[Patch(color=_START, label="starting (process start to first step)"),
                         Patch(color=_TRAIN, label="training (process #)"),
-                        Patch(color=_DOWN, alpha=0.35, label="down (last record to next start)"),
+                        Patch(color=_DOWN, alpha=0.35, label="down (to the next start; down = to its first step)"),
                         Patch(color=_SAVE, label="save"), Patch(color="#9467bd", label="snapshot")],
                loc="upper left", ncol=5, fontsize=8, frameon=False)  # fmt: skip
     by_restart: dict[int, list[tuple[float, int]]] = {}
@@ -95,7 +97,7 @@ def plot_timeline(report: dict[str, Any], path: str, *, title: str = "") -> None
     bottom.grid(alpha=0.3)
     bottom.legend(loc="lower right", fontsize=8)
     goodput = report["goodput"]
-    head = (f"goodput {goodput:.0%}" if goodput is not None else "goodput -") + (
+    head = (f"goodput {goodput:.0%} (after the first start)" if goodput is not None else "goodput -") + (
         f"  |  {len(report['preemptions'])} preemptions, {report['steps_lost']} steps lost, "
         f"down {format_duration(report['down_s'])}, wall {format_duration(report['wall_s'])}"
     )

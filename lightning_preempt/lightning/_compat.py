@@ -202,6 +202,32 @@ def restore_late(trainer: Any, path: str) -> None:
     connector.resume_start = once
 
 
+# ---- fit's set-up, once its callbacks are final (checkpoint_io: the plugin alone warns) ----
+_AT_FIT_SETUP: list[Callable[[Any], None]] = []
+
+
+def at_fit_setup(check: Callable[[Any], None]) -> None:
+    """Call ``check(trainer)`` at every ``fit``'s set-up, once the model's
+    ``configure_callbacks`` are attached (``_CallbackConnector._attach_model_callbacks``,
+    wrapped): ``trainer.callbacks`` and ``trainer.strategy.checkpoint_io`` are the run's own
+    then, and no hook of theirs has run. The plugin learns of no Trainer otherwise. Missing:
+    no check runs (the plugin alone stays silent, as before)."""
+    if check not in _AT_FIT_SETUP:
+        _AT_FIT_SETUP.append(check)
+
+    def wrap(original: Callable[..., None]) -> Callable[..., None]:
+        def _attach_model_callbacks(self: Any) -> None:
+            original(self)
+            if getattr(getattr(self.trainer, "state", None), "fn", None) == "fit":
+                for each in _AT_FIT_SETUP:
+                    each(self.trainer)
+
+        return _attach_model_callbacks
+
+    _wrap_once("lightning.pytorch.trainer.connectors.callback_connector", "_CallbackConnector",
+               "_attach_model_callbacks", wrap)  # fmt: skip
+
+
 # ---- Fabric: fabric.save through our plugin on every rank (checkpoint_io.wrap_save) ----
 def route_fabric_saves(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
     """Wrap Fabric's base ``Strategy.save_checkpoint`` once per process (public method, so

@@ -10,6 +10,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.distributed.tensor import DTensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -82,6 +83,7 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
     """
 
     _fabric_keys: tuple[str, ...] | None = None  # set by fabric_state while Fabric saves
+    _warned_alone = False  # warn_if_alone: once per plugin
 
     def __init__(
         self,
@@ -113,11 +115,13 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         self.loader = Loader(config.storage_options, verify_on_load=config.verify_on_load,
                              trust_checkpoints=config.trust_checkpoints)  # fmt: skip
         _compat.route_fabric_saves(wrap_save)  # fabric.save reaches our save_checkpoint on every rank
+        _compat.at_fit_setup(warn_if_alone)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # A spawned worker (ddp_spawn) unpickles the plugin in a fresh interpreter: route there too.
         self.__dict__.update(state)
         _compat.route_fabric_saves(wrap_save)
+        _compat.at_fit_setup(warn_if_alone)
 
     # ---- CheckpointIO ------------------------------------------------------------------
     @override
@@ -267,6 +271,34 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
                 "storage_options={'endpoint_url': 'http://127.0.0.1:9000'})"
             )
         return {**self.storage_options, **(storage_options or {})}
+
+
+# The callbacks that act on a preemption: lightning/callback.py adds PreemptionCallback (it imports
+# this module, so this one cannot import it back).
+PREEMPTION_GUARDS: list[type] = []
+
+ALONE_WARNING = (
+    "lightning_preempt: ShardedAsyncCheckpointIO is in this Trainer without PreemptionCallback. Its saves "
+    "(ModelCheckpoint, trainer.save_checkpoint) are asynchronous and verified, but nothing acts on a preemption: "
+    "on SIGTERM no snapshot is taken, the steps since the last save are lost, the process does not exit 143 for "
+    "a requeue (a scheduler may take the job as finished), and the next run does not resume by itself.\n"
+    "HINT: add the callback: Trainer(plugins=[ShardedAsyncCheckpointIO(...)], "
+    "callbacks=[PreemptionCallback(dirpath=...)]) (docs/guide.md); as a drop-in for ModelCheckpoint's saves alone "
+    "(docs/dropin.md) this warning can be filtered."
+)
+
+
+def warn_if_alone(trainer: Any) -> None:
+    """At ``fit``'s set-up (:func:`_compat.at_fit_setup`): warn once per plugin when the
+    Trainer's ``CheckpointIO`` is ours but no :class:`PreemptionCallback` is among its callbacks."""
+    io = getattr(trainer.strategy, "_checkpoint_io", None)
+    while io is not None and not isinstance(io, ShardedAsyncCheckpointIO):
+        io = getattr(io, "checkpoint_io", None)  # inside a _WrappingCheckpointIO (AsyncCheckpointIO)
+    if io is None or getattr(io, "_warned_alone", False):
+        return
+    if not any(isinstance(callback, tuple(PREEMPTION_GUARDS)) for callback in trainer.callbacks):
+        io._warned_alone = True
+        rank_zero_warn(ALONE_WARNING, category=UserWarning)
 
 
 def _training_started(checkpoint: dict[str, Any]) -> bool:

@@ -28,11 +28,15 @@ from lightning_preempt.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "kubernetes"
-GRACE_S = 15  # the test's terminationGracePeriodSeconds (the manifest's 60, shortened)
+GRACE_S = 15  # the test's terminationGracePeriodSeconds (the manifest's, a spot node's cap)
+
+
+def _documents() -> list[dict[str, Any]]:
+    return list(yaml.safe_load_all((EXAMPLE / "job.yaml").read_text()))
 
 
 def _job() -> dict[str, Any]:
-    (job,) = yaml.safe_load_all((EXAMPLE / "job.yaml").read_text())
+    (job,) = [d for d in _documents() if d["kind"] == "Job"]
     return job
 
 
@@ -50,8 +54,11 @@ def test_the_job_manifest_is_valid_against_the_kubernetes_schemas() -> None:
     job = _job()
     versions = _versions()
     assert len(versions) >= 3, versions
+    documents = _documents()
+    assert [d["kind"] for d in documents] == ["ServiceAccount", "Job"]
     for version in versions:
-        kubernetes_validate.validate(job, version, strict=True)  # raises on any unknown or wrong field
+        for document in documents:
+            kubernetes_validate.validate(document, version, strict=True)  # raises on any unknown or wrong field
     # the validator is strict: a misspelt field is refused
     typo = copy.deepcopy(job)
     typo["spec"]["template"]["spec"]["terminationGracePeriod"] = 60
@@ -81,6 +88,21 @@ def test_the_failure_policy_ignores_what_a_preemption_ends_with() -> None:
     args = container["args"]
     assert float(args[args.index("--grace") + 1]) == pod["terminationGracePeriodSeconds"]
     assert 0 < spec["backoffLimit"] < 10
+
+
+def test_the_pod_fits_a_spot_node_reclaim_and_has_an_identity_for_the_bucket() -> None:
+    """Issue 56: a spot node's reclaim caps the pod's grace at the kubelet's graceful node
+    shutdown budget for regular pods (GKE: 15 s), so the grace the callback is told must not be
+    more; the pod lands on spot nodes (their label, their taint tolerated) and runs as the
+    ServiceAccount that Workload Identity maps to the bucket's IAM."""
+    pod = _job()["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] <= 15
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-spot": "true"}
+    assert {"key": "cloud.google.com/gke-spot", "operator": "Equal", "value": "true", "effect": "NoSchedule"} in pod[
+        "tolerations"
+    ]
+    (account,) = [d for d in _documents() if d["kind"] == "ServiceAccount"]
+    assert pod["serviceAccountName"] == account["metadata"]["name"]
 
 
 def _argv(container: dict[str, Any], dirpath: Path) -> list[str]:

@@ -89,7 +89,8 @@ def _check(report: dict[str, Any], seen: dict[str, Any]) -> None:
     assert 3 * GAP_S <= report["down_s"] <= observed_wall - report["training_s"]
     # useful time: at least the STEPS steps that count (each sleeps SLEEP), at most the processes' lives
     assert STEPS * SLEEP <= report["useful_s"] <= alive
-    assert report["goodput"] == pytest.approx(report["useful_s"] / report["wall_s"])
+    assert report["goodput"] == pytest.approx(report["useful_s"] / (report["wall_s"] - report["first_start_s"]))
+    assert report["wall_s"] == pytest.approx(report["first_start_s"] + report["training_s"] + report["down_s"])
     assert report["steps_trained"] == STEPS + lost_kill  # the SIGKILL's steps were trained twice
     assert report["saves"] >= STEPS // EVERY and report["checkpoint_blocking_s"] > 0
     assert report["plan"] is not None and report["plan"]["recommended_s"] > 0

@@ -58,12 +58,14 @@ def test_trainer_internals_used_by_exact_resume(tmp_path: Path) -> None:
     from lightning.pytorch.trainer.connectors.callback_connector import _CallbackConnector
     from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 
-    from lightning_preempt import PreemptionCallback
+    from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO
     from lightning_preempt.lightning import _compat
 
     PreemptionCallback(str(tmp_path))
     assert getattr(_CallbackConnector._configure_checkpoint_callbacks, "_lightning_preempt", False)
     assert getattr(_CheckpointConnector._parse_ckpt_path, "_lightning_preempt", False)  # quiet_ckpt_path_choice
+    ShardedAsyncCheckpointIO()
+    assert getattr(_CallbackConnector._attach_model_callbacks, "_lightning_preempt", False)  # at_fit_setup
     trainer = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False)
     assert _compat.train_loaders(trainer) == []
     assert _compat.train_fetcher(trainer) is None

@@ -68,11 +68,11 @@ def test_the_summary_counts_what_the_script_did() -> None:
         ("signal", 25, 25, 0), ("killed", 47, 40, 7)]  # fmt: skip
     assert s["wall_s"] == pytest.approx(246 - 8)  # first process start (2 s of start-up) to the finish
     assert s["training_s"] == pytest.approx((38 - 10) + (122 - 100) + (246 - 224))
-    assert s["down_s"] == pytest.approx((98 - 38) + (222 - 122))
+    assert s["down_s"] == pytest.approx((100 - 38) + (224 - 122))  # each end to the next first step
     assert s["steps_trained"] == 25 + 22 + 20 and s["steps_lost"] == 7
     step_s = s["training_s"] / s["steps_trained"]
     assert s["useful_s"] == pytest.approx(s["training_s"] - 5 * 0.5 - 7 * step_s)
-    assert s["goodput"] == pytest.approx(s["useful_s"] / s["wall_s"])
+    assert s["goodput"] == pytest.approx(s["useful_s"] / (s["wall_s"] - 2.0))  # after the first start
 
 
 def test_report_text_json_and_cost(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -170,8 +170,8 @@ def test_the_report_names_the_exit_column_for_what_it_measures(tmp_path: Path, c
     assert "TO EXIT CALL" in header and "DOWN" in header, text
     assert "TO EXIT CALL: from the signal to the decision to exit" in text and "teardown" in text, text
     row = next(line for line in text.splitlines() if "SIGTERM" in line and "committed" in line)
-    assert row.split()[-2] == "3s", row  # the record's to_exit_s=3.0, shown as it is
-    assert "(teardown included)" in text, text
+    assert row.split()[-3] == "3s" and row.endswith("1m 2s"), row  # to_exit_s=3.0 as it is; then DOWN
+    assert "(teardown, queue, then" in text, text
 
 
 def test_the_report_shows_how_long_the_ranks_took_to_agree_on_the_first_signal(

@@ -63,5 +63,25 @@ def test_readme_installs_the_package_by_name_with_the_declared_extras() -> None:
 def test_the_cli_extra_brings_what_lightningcli_needs() -> None:
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert any(req.startswith("jsonargparse[signatures]") for req in extras["cli"])
-    assert {req.split(">")[0] for req in extras["docs"]} == {"mkdocs", "mkdocs-material", "mkdocstrings[python]"}
-    assert "lightning_preempt[cli,docs]" in extras["test"], "the dev venv (scripts/_venv.sh test) gets both"
+    assert "lightning_preempt[cli]" in extras["test"], "the dev venv (scripts/_venv.sh test) gets it"
+
+
+def test_the_docs_install_brings_neither_torch_nor_lightning() -> None:
+    """Issue 56: ``pip install -e ".[docs]"`` pulled torch and Lightning (multi-GB) that the docs
+    build does not import (tests/e2e/test_docs_site.py builds it with both blocked). An extra always
+    brings the package's own dependencies, so the docs' three live in a dependency group (PEP 735),
+    which installs only itself; the dev venv's ``[test]`` extra carries the same three."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "docs" not in project["project"]["optional-dependencies"], "an extra would pull torch with it"
+    docs = project["dependency-groups"]["docs"]
+    assert {re.split(r"[<>=]", req)[0] for req in docs} == {"mkdocs", "mkdocs-material", "mkdocstrings[python]"}
+    assert set(docs) <= set(project["project"]["optional-dependencies"]["test"])
+
+
+def test_the_wheel_carries_py_typed() -> None:
+    """PEP 561 (issue 56): without ``py.typed`` in the wheel a user's mypy reads every name of ours
+    as ``Any``. setuptools packs a non-Python file only where package-data names it; the built wheel
+    is checked too, by scripts/wheel_smoke.sh."""
+    assert (ROOT / "lightning_preempt" / "py.typed").is_file()
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert "py.typed" in setuptools.get("package-data", {}).get("lightning_preempt", [])

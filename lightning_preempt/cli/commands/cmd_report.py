@@ -122,8 +122,7 @@ def plan_from(summary: dict[str, Any]) -> dict[str, Any] | None:
     if cost is None or not preemptions or summary["wall_s"] <= 0:
         return None
     downs = [p["down_s"] for p in preemptions if p["down_s"] is not None]
-    starts = [s["first_step_t"] - s["started_t"] for s in summary["segments"][1:]]
-    restart = (statistics.mean(downs) if downs else 0.0) + (statistics.mean(starts) if starts else 0.0)
+    restart = statistics.mean(downs) if downs else 0.0  # down: end to the next first step, start-up included
     mtbf = summary["wall_s"] / len(preemptions)
     step_s = summary["step_time_s"]
     bandwidth = cost["write_bandwidth"] if cost["write_bandwidth"] > 0 else DEFAULT_COPY_BANDWIDTH
@@ -210,16 +209,17 @@ def print_report(r: dict[str, Any], url: str) -> None:
           f"step {r['last_step']}, {state}")  # fmt: skip
     if r["first_t"] is not None:
         print(f"  {utc(r['first_t'])} .. {utc(r['end_t'])}")
-    starts = r["processes"] or 1
+    restart_startup = r["startup_s"] - r["first_start_s"]
     rows = [
-        ("wall time", _d(r["wall_s"]), "first process start to the last record"),
+        ("wall time", _d(r["wall_s"]), "first process start to the last record = first start + training + down"),
+        ("first start", _d(r["first_start_s"]), "to the first step: imports, set-up (a run never preempted pays it too)"),
         ("training", _d(r["training_s"]), f"{r['steps_trained']} steps, {_d(r['step_time_s'])} per step"),
-        ("down (queued)", _d(r["down_s"]), "from each process's last record to the next start (teardown included)"),
-        ("start to first step", _d(r["startup_s"]), f"{_d(r['startup_s'] / starts)} per start (imports, resume)"),
+        ("down", _d(r["down_s"]), f"{r['restarts']} restart(s): each process's end to the next one's first step "
+         f"(teardown, queue, then {_d(restart_startup)} of start-up and resume)"),
         ("checkpoint overhead", _pct(r["checkpoint_overhead"]),
          f"{_d(r['checkpoint_blocking_s'])} blocked in {r['saves']} saves / training time"),
         ("steps lost", str(r["steps_lost"]), f"in {n} preemption(s): {_d(r['lost_s'])} of training redone"),
-        ("goodput", _pct(r["goodput"]), "(training - blocking - redone) / wall time"),
+        ("goodput", _pct(r["goodput"]), "(training - blocking - redone) / (wall time - first start)"),
     ]  # fmt: skip
     drains = r.get("drains") or {}
     if drains.get("count"):
@@ -251,6 +251,7 @@ def print_report(r: dict[str, Any], url: str) -> None:
         print("  AGREED AFTER: from the first signal (on any rank) to the step every rank agreed to snapshot")
         print("  TO EXIT CALL: from the signal to the decision to exit (snapshot committed); the process is gone later (teardown, not seen "
               "by the ledger), which DOWN includes")  # fmt: skip
+        print("  DOWN: from the process's end to the next one's first step (teardown, queue, start-up, resume)")
         if any(p["steps_lost_at_least"] for p in r["preemptions"]):
             print("  >=: killed without a record; steps after the last step the ledger saw are not counted")
     plan = r["plan"]
@@ -259,9 +260,11 @@ def print_report(r: dict[str, Any], url: str) -> None:
         used = f"{_d(plan['in_use_s'])}" + (f" ({plan['in_use_steps']} steps)" if plan["in_use_steps"] else "")
         print(f"Save interval: in use {used if plan['in_use_s'] else 'none (only snapshots)'}; `plan` recommends "
               f"{_d(plan['recommended_s'])}{steps}")  # fmt: skip
-        print(f"  from blocking {_d(plan['blocking_s'])} per save, a preemption every {_d(plan['mtbf_s'])} "
-              f"and {_d(plan['restart_s'])} per restart; expected time lost {_pct(plan['lost_at_in_use'])} now, "
-              f"{_pct(plan['lost_at_recommended'])} at the recommendation (a hard kill each time)")  # fmt: skip
+        print(f"  what if every preemption were a hard kill (no snapshot: the steps since the last save redone): "
+              f"{_pct(plan['lost_at_in_use'])} of the time lost at the interval in use, "
+              f"{_pct(plan['lost_at_recommended'])} at the recommendation; from blocking {_d(plan['blocking_s'])} "
+              f"per save, a preemption every {_d(plan['mtbf_s'])} and {_d(plan['restart_s'])} down per restart "
+              f"(this run lost {r['steps_lost']} step(s))")  # fmt: skip
     cost = r["cost"]
     if cost is not None:
         line = (f"Cost: {cost['gpu_hours']:.3g} GPU-hours ({cost['gpus']} GPU(s)) at {cost['price']:g} = "
