@@ -65,7 +65,7 @@ def test_the_site_builds_strictly_with_every_page_and_the_api(site: Path) -> Non
         assert (site / page / "index.html").is_file(), page
     home = (site / "index.html").read_text()
     assert "pip install lightning-preempt" in html.unescape(re.sub(r"<[^>]+>", "", home))
-    assert 'href="guide/#what-you-get"' in home and 'src="img/demo-timeline.png"' in home  # docs/… rewritten
+    assert 'href="strategies/#never-a-silent-fresh-start"' in home and 'src="img/demo-timeline.png"' in home  # docs/… rewritten
     api = (site / "api" / "index.html").read_text()
     # generated from the docstrings: the callback's Args section became a parameter table
     assert 'id="lightning_preempt.PreemptionCallback"' in api
