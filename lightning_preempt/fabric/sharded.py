@@ -24,6 +24,7 @@ from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.format.skeleton import split_checkpoint
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO, stateful_keys
+from lightning_preempt.lightning.sharded_saves import without_mesh
 from lightning_preempt.resume.samplers import is_stateful
 
 __all__ = ["check", "own_plugin"]
@@ -57,9 +58,7 @@ def _module_of(state: dict[str, Any]) -> Module:
 
 def _check_mesh(module: Module) -> None:
     """FSDP1 modules must have a device mesh: without one their state is ``ShardedTensor``."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    if any(getattr(m, "_device_mesh", None) is None for m in FullyShardedDataParallel.fsdp_modules(module)):
+    if without_mesh(module):
         raise ValueError(
             "lightning_preempt: Fabric's FSDPStrategy without a device mesh shards the state as ShardedTensor, "
             "which lightning_preempt does not save\nHINT: pass device_mesh=(num_nodes, devices_per_node) and "

@@ -35,7 +35,7 @@ from lightning_preempt.format.skeleton import split_checkpoint
 from lightning_preempt.lightning import _compat
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 
-__all__ = ["check_sharding", "install_fsdp", "install_model_parallel"]
+__all__ = ["check_sharding", "install_fsdp", "install_model_parallel", "without_mesh"]
 
 _HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 
@@ -161,14 +161,19 @@ def _sharded_model(strategy: Strategy) -> torch.nn.Module:
     """The wrapped model, checked to shard its state as DTensors (or not at all)."""
     model = strategy.model
     assert model is not None
-    if isinstance(strategy, FSDPStrategy):
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        if any(getattr(m, "_device_mesh", None) is None for m in FullyShardedDataParallel.fsdp_modules(model)):
-            raise ValueError(
-                "lightning_preempt: a module was wrapped in FullyShardedDataParallel without a device mesh: its "
-                "state is sharded as ShardedTensor, which lightning_preempt does not save\nHINT: wrap submodules "
-                "with lightning's auto_wrap_policy or torch's wrap() inside configure_model (they take the "
-                "strategy's mesh), or pass device_mesh= to every FullyShardedDataParallel you build."
-            )
+    if isinstance(strategy, FSDPStrategy) and without_mesh(model):
+        raise ValueError(
+            "lightning_preempt: a module was wrapped in FullyShardedDataParallel without a device mesh: its "
+            "state is sharded as ShardedTensor, which lightning_preempt does not save\nHINT: wrap submodules "
+            "with lightning's auto_wrap_policy or torch's wrap() inside configure_model (they take the "
+            "strategy's mesh), or pass device_mesh= to every FullyShardedDataParallel you build."
+        )
     return model
+
+
+def without_mesh(module: torch.nn.Module) -> bool:
+    """Whether an FSDP1 module in ``module`` has no device mesh: its sharded state dict then holds
+    ``ShardedTensor`` (torch-private ``_device_mesh``, torch 2.7-2.13), not DTensors."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return any(getattr(m, "_device_mesh", None) is None for m in FullyShardedDataParallel.fsdp_modules(module))
