@@ -19,7 +19,7 @@ def test_hybrid_sharding_without_a_mesh_is_refused() -> None:
 
 def test_a_process_group_instead_of_a_mesh_is_refused() -> None:
     strategy = FSDPStrategy(process_group=object())
-    with pytest.raises(ValueError, match="HINT: pass device_mesh=... instead of process_group"):
+    with pytest.raises(ValueError, match=r"HINT: pass device_mesh=\.\.\. instead of process_group"):
         install_fsdp(strategy, ShardedAsyncCheckpointIO())
     assert strategy.kwargs.get("device_mesh") is None  # nothing given to FSDP
 
