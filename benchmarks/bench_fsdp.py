@@ -205,7 +205,11 @@ def main() -> int:
         from cpu_fsdp import CPUFSDPStrategy
 
         strategy = CPUFSDPStrategy(auto_wrap_policy={torch.nn.Linear}, state_dict_type="sharded")
-    root = tempfile.mkdtemp(prefix="lp-bench-fsdp-", dir=os.environ.get("LP_BENCH_DIR"))
+    # One root on every rank: made by the launching process, inherited by the ranks it starts
+    # (every rank building its own would be refused: the ranks must agree on dirpath).
+    if "LP_BENCH_FSDP_ROOT" not in os.environ:
+        os.environ["LP_BENCH_FSDP_ROOT"] = tempfile.mkdtemp(prefix="lp-bench-fsdp-", dir=os.environ.get("LP_BENCH_DIR"))
+    root = os.environ["LP_BENCH_FSDP_ROOT"]
     trainer = L.Trainer(
         max_steps=3, accelerator="cuda" if args.cuda else "cpu", devices=2, strategy=strategy,
         callbacks=[Measure(root, args.rounds), PreemptionCallback(f"{root}/run", keep_last_n=1, save_on_train_end=False)],
