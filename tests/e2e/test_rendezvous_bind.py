@@ -224,6 +224,7 @@ def test_the_static_backend_store_listens_on_the_master_address_only(tmp_path: P
             agent.wait()
 
 
+@pytest.mark.slow  # a 2-rank fit each (~11 s): CI samples them; LP_FULL=1 runs both
 @pytest.mark.parametrize("bound", [False, True], ids=["lightning-ddp", "bound-store-recipe"])
 def test_lightnings_ddp_launcher_store_listens_everywhere_unless_hosted_bound(tmp_path: Path, bound: bool) -> None:
     """Lightning's own DDP launcher (no torchrun): rank 0 creates the ``MASTER_PORT`` store

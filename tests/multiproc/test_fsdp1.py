@@ -79,6 +79,7 @@ def test_saved_at_2_ranks_resumes_on_1_resharded(tmp_path: Path) -> None:
             torch.testing.assert_close(entry[name], start_state[key][name], rtol=0, atol=0)
 
 
+@pytest.mark.slow  # CI samples it (tests/conftest.py); LP_FULL=1 runs it
 def test_two_tiers_resume_from_the_local_tier_then_from_the_bucket(tmp_path: Path) -> None:
     local = ("--local-dirpath", str(tmp_path / "local"))
     _run(tmp_path, "st10", "--max-steps", "10", *local)
@@ -131,6 +132,7 @@ def _fabric(tmp: Path, name: str, *extra: str, expect: int = 0) -> tuple[list[di
     return [json.loads(p.read_text()) if p.exists() else {} for p in results], out
 
 
+@pytest.mark.slow  # CI samples it (tests/conftest.py); LP_FULL=1 runs it
 def test_fabric_fsdp1_preempted_on_one_rank_resumes_and_ends_bit_identical(tmp_path: Path) -> None:
     (tmp_path / "straight").mkdir()
     expected, _ = _fabric(tmp_path / "straight", "st", "--strategy", "fsdp")
