@@ -1,16 +1,21 @@
 """Never a silent fresh start: a dirpath where an earlier run made progress, with nothing in it
-to resume from, stops the fit before step 1 with a HINT (engine/fresh_start.py)."""
+to resume from, stops the fit before step 1 with a HINT (engine/fresh_start.py); so does a
+strategy whose saves would bypass the plugin (lightning/strategies.py)."""
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 from ckpts import committed
-from trainers import fit
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from models import TinyModel, loader
+from trainers import StartProbe, fit, make_trainer
 
-from lightning_preempt import ProgressWouldBeLostError
+from lightning_preempt import PreemptionCallback, ProgressWouldBeLostError
 from lightning_preempt.format.names import LEDGER_DIR, checkpoint_name
 
 
@@ -49,3 +54,19 @@ def test_resume_false_starts_over_on_purpose(tmp_path: Path) -> None:
 def test_a_new_dirpath_starts_at_step_0(tmp_path: Path) -> None:
     run = fit(tmp_path / "new", max_steps=5, every=5)
     assert run.probe.start_step == 0 and committed(tmp_path / "new") == [5]
+
+
+class _SavesByItself(SingleDeviceStrategy):
+    """A user's strategy with its own save (as XLA's): it would bypass the plugin."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        torch.save(checkpoint, filepath)
+
+
+def test_a_strategy_that_saves_by_itself_is_refused_before_step_1(tmp_path: Path) -> None:
+    probe = StartProbe()
+    trainer = make_trainer(5, [PreemptionCallback(str(tmp_path), every_n_train_steps=2), probe],
+                           strategy=_SavesByItself(device=torch.device("cpu")))  # fmt: skip
+    with pytest.raises(TypeError, match=r"does not support _SavesByItself(.|\n)*HINT: use strategy='ddp'"):
+        trainer.fit(TinyModel(), loader())
+    assert probe.start_step is None and committed(tmp_path) == []
