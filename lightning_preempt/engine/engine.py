@@ -59,7 +59,7 @@ class Engine:
         #: Tier 0 in host memory (docs/tier0.md), with ``tier0_every_n_steps``.
         self.memory: MemoryTier | None = None
         if config.memory_dirpath is not None and config.tier0_every_n_steps is not None:
-            self.memory = MemoryTier(config.memory_dirpath, config.tier0_every_n_steps)
+            self.memory = MemoryTier(config.memory_dirpath, config.tier0_every_n_steps, dirpath=config.dirpath)
         self.grace = GraceCheck(config.grace_period_s)
         self.local_dirpath = config.local_dirpath  # the plugin's local tier, once set up
         #: Called on every rank as ``hook(step)`` after the emergency snapshot committed and

@@ -62,8 +62,8 @@ class MemoryTier:
     measured overhead, tiers/tier0.py ``AutoEvery``), keep the newest ``keep``; on several
     nodes, each copy also to the next node's ``root`` (module docstring)."""
 
-    def __init__(self, root: str, every: int | Literal["auto"], keep: int = KEEP_LAST_N) -> None:
-        self.root = root
+    def __init__(self, root: str, every: int | Literal["auto"], keep: int = KEEP_LAST_N, dirpath: str | None = None) -> None:
+        self.root, self.dirpath = root, dirpath  # dirpath: whose copies a restore may vouch for
         self.auto = AutoEvery() if every == "auto" else None
         self.every = every if isinstance(every, int) else None  # auto: known once a copy is measured
         self.keep = keep
@@ -169,7 +169,7 @@ class MemoryTier:
         """Whether tier 0 may be resumed from: not after a failed restore (rank 0's node may
         hold a copy another node lacks; the copies go on)."""
         try:
-            done = restore(self.root, self._peer_group, self.nodes, floor)
+            done = restore(self.root, self._peer_group, self.nodes, floor, self.dirpath)
         except Exception as err:  # agreed on every rank (tiers/tier0_peer.py); never stops a start
             log.error("lightning_preempt: %s", err)
             return False

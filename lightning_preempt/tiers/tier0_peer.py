@@ -44,6 +44,7 @@ from lightning_preempt.format.manifest import Manifest, parse_manifest
 from lightning_preempt.format.names import HIDDEN_PREFIX, MANIFEST_NAME
 from lightning_preempt.storage.private import PRIVATE_HINT, UnsafePathError, private_dirs
 from lightning_preempt.storage.store import Store
+from lightning_preempt.tiers import tier0
 from lightning_preempt.tiers.peer import (
     WIRE_MAX_BYTES,
     ReplicaError,
@@ -138,7 +139,9 @@ class Restored:
     bytes_sent: int  # over all ranks
 
 
-def restore(root: str, group: dist.ProcessGroup | None, nodes: list[str], floor: Callable[[], int]) -> Restored | None:
+def restore(
+    root: str, group: dist.ProcessGroup | None, nodes: list[str], floor: Callable[[], int], dirpath: str | None = None
+) -> Restored | None:
     """Complete on every node the newest tier-0 copy the nodes hold together (module
     docstring). ``nodes``: :func:`memory_nodes`' answer. ``floor``: the newest step
     committed on the disk tiers (asked on rank 0 only when something must be sent): an older
@@ -182,10 +185,25 @@ def restore(root: str, group: dist.ProcessGroup | None, nodes: list[str], floor:
         except OSError as exc:
             err = f"{type(exc).__name__}: {exc}"
     _raise_failed(pdist.all_gather_json(err, group, max_bytes=WIRE_MAX_BYTES), step, "committing")
+    if dirpath is not None:
+        _vouch(root, dirpath, manifest.run_id, group, me in commits)
     bytes_sent = sum(manifest.files[f].size for _, _, f in moves)
     log.warning("lightning_preempt: tier 0's step %d completed on %d node(s) from their peers (%d files, %.1f MB, "
                 "%.2f s)", step, len(commits), len(moves), bytes_sent / 1e6, time.monotonic() - started)  # fmt: skip
     return Restored(step=step, name=name, files_sent=len(moves), bytes_sent=bytes_sent)
+
+
+def _vouch(root: str, dirpath: str, run_id: str | None, group: dist.ProcessGroup | None, received: bool) -> None:
+    """Collective: a node that received the copy records its run as this dirpath's (tier0.claim)
+    when a node that held it had recorded that run: a replaced node's memory starts empty, and
+    the resolver takes only copies of a run recorded on its node."""
+    vouched = {r for runs in pdist.all_gather_json(sorted(tier0.whose(root, dirpath)), group,
+                                                  max_bytes=WIRE_MAX_BYTES) for r in runs}  # fmt: skip
+    if received and run_id is not None and run_id in vouched:
+        try:
+            tier0.claim(root, dirpath, run_id)
+        except OSError as err:  # the copy then stays unused here: the disk tiers are resumed
+            log.warning("lightning_preempt: tier 0 cannot record the restored copy's run in %s: %s", root, err)
 
 
 def _plan_moves(
