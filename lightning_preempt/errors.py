@@ -61,3 +61,13 @@ class UntrustedCheckpointError(CheckpointError):
 class ProgressWouldBeLostError(CheckpointError):
     """``dirpath`` shows an earlier run's progress (step directories, a ledger of committed
     saves), and none of it can be resumed: starting from step 0 would lose it silently."""
+
+
+def earlier_save_failed(err: BaseException, what: str) -> CheckpointWriteError:
+    """The error a later save (or wait) raises for ``what`` (an earlier save) that failed on the
+    writer thread with ``err``: its first line, its path and its HINT when it had them."""
+    return CheckpointWriteError(
+        f"{what}: {str(err).splitlines()[0] if str(err) else repr(err)}",
+        path=getattr(err, "path", None),
+        hint=getattr(err, "hint", None) or "Check the storage; earlier committed checkpoints are intact.",
+    )

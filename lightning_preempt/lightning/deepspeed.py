@@ -31,7 +31,7 @@ from typing import Any
 from lightning_preempt.catalog.verified import mark_verified
 from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
-from lightning_preempt.errors import CheckpointError, CheckpointWriteError
+from lightning_preempt.errors import CheckpointError, CheckpointWriteError, earlier_save_failed
 from lightning_preempt.format.manifest import FileEntry, Manifest, data_store
 from lightning_preempt.format.names import DEEPSPEED_FILE_RE
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
@@ -143,11 +143,7 @@ class _Saves:
             return
         err = pending.exception()
         if err is not None:
-            raise CheckpointWriteError(
-                f"the previous DeepSpeed checkpoint was not committed: {str(err).splitlines()[0]}",
-                path=getattr(err, "path", None),
-                hint=getattr(err, "hint", None) or "Check the storage; earlier committed checkpoints are intact.",
-            ) from err
+            raise earlier_save_failed(err, "the previous DeepSpeed checkpoint was not committed") from err
 
     # ---- loading -----------------------------------------------------------------------
     def load(self, strategy: Any, path: str, target: str) -> dict[str, Any]:

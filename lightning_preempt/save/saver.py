@@ -20,7 +20,7 @@ import torch
 from lightning_preempt.catalog.ownership import remove_path
 from lightning_preempt.catalog.verified import mark_verified
 from lightning_preempt.collective import groups as pdist
-from lightning_preempt.errors import CheckpointWriteError
+from lightning_preempt.errors import earlier_save_failed
 from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.format.shares import ShareMemo, own_share
 from lightning_preempt.format.skeleton import Splitter, split_checkpoint
@@ -322,11 +322,7 @@ class Saver:
         self._pending = self._written = None
         err = next((e for f in settled if (e := f.exception()) is not None), None)
         if err is not None:
-            raise CheckpointWriteError(
-                f"the previous checkpoint save failed: {str(err).splitlines()[0] if str(err) else repr(err)}",
-                path=getattr(err, "path", None),
-                hint=getattr(err, "hint", None) or "Check the storage; earlier committed checkpoints are intact.",
-            ) from err
+            raise earlier_save_failed(err, "the previous checkpoint save failed") from err
 
     def remove(self, url: str) -> None:
         """Delete what is at ``url`` once every pending write is done (a delete never overtakes
