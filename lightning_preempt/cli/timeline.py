@@ -43,28 +43,32 @@ def plot_timeline(report: dict[str, Any], path: str, *, title: str = "") -> None
                                       gridspec_kw={"height_ratios": [1, 2.6]})  # fmt: skip
     segs = report["segments"]
     span = x(report["end_t"])
+    if segs:  # only the first start is drawn as start-up: every later one is inside a restart's "down"
+        first = segs[0]
+        top.barh(
+            0, x(first["first_step_t"]) - x(first["started_t"]), left=x(first["started_t"]), color=_START, height=0.6
+        )
     for i, seg in enumerate(segs):
-        top.barh(0, x(seg["first_step_t"]) - x(seg["started_t"]), left=x(seg["started_t"]), color=_START, height=0.6)
         width = x(seg["end_t"]) - x(seg["first_step_t"])
         top.barh(0, width, left=x(seg["first_step_t"]), color=_TRAIN, height=0.6)
-        if width > span * 0.04:
-            top.text(x(seg["first_step_t"]) + width / 2, 0, f"#{i + 1}", ha="center", va="center", fontsize=8, color="white")
+        middle = x(seg["first_step_t"]) + width / 2
+        inside = width > span * 0.04  # every process is labelled: inside its bar, or under a narrow one
+        top.text(middle, 0 if inside else -0.42, f"#{i + 1}", ha="center", va="center", fontsize=8,
+                 color="white" if inside else _TRAIN, fontweight="bold")  # fmt: skip
         if i + 1 < len(segs):
-            nxt = segs[i + 1]["started_t"]
-            top.barh(0, x(nxt) - x(seg["end_t"]), left=x(seg["end_t"]), color=_DOWN, alpha=0.35, height=0.6)
-            # the report's one "down": to the next first step, the restart's start-up (grey) included
+            # the report's one "down": this process's end to the next one's first step (its start-up included)
             back = segs[i + 1]["first_step_t"]
-            if x(back) - x(seg["end_t"]) > span * 0.06:
-                top.text((x(back) + x(seg["end_t"])) / 2, 0, f"down {format_duration(back - seg['end_t'])}",
-                         ha="center", va="center", fontsize=8, color=_DOWN)  # fmt: skip
+            top.barh(0, x(back) - x(seg["end_t"]), left=x(seg["end_t"]), color=_DOWN, alpha=0.8, height=0.6)
+            top.text((x(back) + x(seg["end_t"])) / 2, -0.42, format_duration(back - seg["end_t"]),
+                     ha="center", va="center", fontsize=8, color=_DOWN)  # fmt: skip
     saves = report["timeline"]["saves"]
     for t, _step, kind, _blocking, committed in saves:
         began = t - (committed or 0.0)
         top.plot([x(began)] * 2, [0.32, 0.5], color=_SAVE if kind != "emergency" else "#9467bd", lw=1.4)
-    top.set(yticks=[], ylim=(-0.45, 1.15))
-    top.legend(handles=[Patch(color=_START, label="starting (process start to first step)"),
+    top.set(yticks=[], ylim=(-0.6, 1.15))
+    top.legend(handles=[Patch(color=_START, label="first start (to the first step)"),
                         Patch(color=_TRAIN, label="training (process #)"),
-                        Patch(color=_DOWN, alpha=0.35, label="down (to the next start; down = to its first step)"),
+                        Patch(color=_DOWN, alpha=0.8, label="down (exit to the next first step)"),
                         Patch(color=_SAVE, label="save"), Patch(color="#9467bd", label="snapshot")],
                loc="upper left", ncol=5, fontsize=8, frameon=False)  # fmt: skip
     by_restart: dict[int, list[tuple[float, int]]] = {}
@@ -96,11 +100,14 @@ def plot_timeline(report: dict[str, Any], path: str, *, title: str = "") -> None
     bottom.set(xlabel=f"{unit} since the first start", ylabel="global step", xlim=(0, None), ylim=(0, None))
     bottom.grid(alpha=0.3)
     bottom.legend(loc="lower right", fontsize=8)
-    goodput = report["goodput"]
-    head = (f"goodput {goodput:.0%} (after the first start)" if goodput is not None else "goodput -") + (
-        f"  |  {len(report['preemptions'])} preemptions, {report['steps_lost']} steps lost, "
-        f"down {format_duration(report['down_s'])}, wall {format_duration(report['wall_s'])}"
-    )
+    # what a reader asks first: steps lost, what checkpointing cost, time down; goodput last
+    goodput, overhead = report["goodput"], report.get("checkpoint_overhead")
+    head = "  |  ".join([
+        f"{len(report['preemptions'])} preemptions, {report['steps_lost']} steps lost",
+        f"checkpointing {overhead:.1%} of training" if overhead is not None else "checkpointing -",
+        f"down {format_duration(report['down_s'])}",
+        f"goodput {goodput:.0%}" if goodput is not None else "goodput -",
+    ])  # fmt: skip
     fig.suptitle(head, fontsize=12, fontweight="bold")
     if title:
         top.set_title(untrusted_text(title, 100), fontsize=9, color="0.3")
