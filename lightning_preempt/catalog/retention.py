@@ -21,7 +21,7 @@ from lightning_preempt.errors import CheckpointError
 from lightning_preempt.format.names import HIDDEN_PREFIX, LEDGER_COMPACT_RE, LEDGER_RECORD_RE, is_our_dir_name
 from lightning_preempt.read.verify import check_checkpoint
 from lightning_preempt.storage.diagnose import describe
-from lightning_preempt.storage.store import Store
+from lightning_preempt.storage.store import Store, files_below, kind_at
 
 log = logging.getLogger(__name__)
 
@@ -160,14 +160,14 @@ def prune_ledgers(
             return []  # a checkpoint whose run cannot be told: it may be any old run's
         runs.add(owner)
     store = ledger_store(url, storage_options)
-    if not store.isdir():
+    if kind_at(store) != "dir":
         return []
     gone = []
     for run in run_ids(store):
         if run in runs:
             continue
         run_store = store.child(run)
-        for name in run_store.list_files():
+        for name in files_below(run_store):
             if LEDGER_RECORD_RE.fullmatch(name) or LEDGER_COMPACT_RE.fullmatch(name):
                 run_store.rm_file(name)
         if run_store.is_local:
