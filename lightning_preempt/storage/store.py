@@ -162,14 +162,12 @@ class Store:
         path = self.path(rel)
         if self.is_local:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            f: IO[bytes] = open(path, "wb")  # noqa: SIM115 - closed below
-        else:
-            f = self._fs.open(path, "wb", block_size=UPLOAD_BLOCK_SIZE)
+            with local.durable_file(path) as out:
+                yield out
+            return
+        f = self._fs.open(path, "wb", block_size=UPLOAD_BLOCK_SIZE)
         try:
-            yield f if self.is_local else cast(IO[bytes], object_store.BoundedWrites(f, UPLOAD_BLOCK_SIZE))
-            if self.is_local:
-                f.flush()
-                local.sync_data(f.fileno())
+            yield cast(IO[bytes], object_store.BoundedWrites(f, UPLOAD_BLOCK_SIZE))
             f.close()
         except BaseException:
             object_store.abandon(f)
