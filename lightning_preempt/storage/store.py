@@ -232,6 +232,7 @@ class Store:
             self._fs.rm(self.path(rel), recursive=True)
         self._fs.invalidate_cache()
 
+
 def _stat_retrying(store: Store, rel: str, err: BaseException, attempt: int, delay: float) -> None:
     log.warning("lightning_preempt: cannot tell whether %s exists (%s); attempt %d of %d, retrying in %.1fs",
                 store.url_of(rel), describe(err, store.storage_options), attempt, STAT_BACKOFF.attempts,
@@ -239,6 +240,7 @@ def _stat_retrying(store: Store, rel: str, err: BaseException, attempt: int, del
 
 
 def not_regular(store: Store, rel: str, what: str) -> CorruptCheckpointError:
+    """The error for a read of ``rel`` refused because it is ``what`` (a symlink, a FIFO…)."""
     return CorruptCheckpointError(
         f"{rel!r} in the checkpoint is {what}, not a regular file; refusing to read it",
         path=store.url,
