@@ -238,6 +238,4 @@ class AutoEvery:
 
 def committed_steps(root: str) -> list[int]:
     """The steps committed in the tier-0 directory ``root`` (oldest first); none when absent."""
-    if not os.path.isdir(root):
-        return []
     return sorted(c.step for c in list_checkpoints(root, {}) if c.committed)
