@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, float]] = {}
     try:
         for label, root, options in targets:
-            Store(root, options).exists()  # import and connect the client outside the timings
+            Store(root, options).stat()  # import and connect the client outside the timings
             rounds = [one_round(root, options, scratch, ckpt, r) for r in range(args.rounds)]
             results[label] = {c: median([x[c] for x in rounds]) for c in COLUMNS}
             print(f"{label}: " + ", ".join(f"{c} {fmt_s(v)}" for c, v in results[label].items()), flush=True)

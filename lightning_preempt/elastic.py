@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_preempt.agent_watch import AgentWatch, read_timeout_s
 from lightning_preempt.preemption.requeue import AGENT_REQUEUES, requeue_slurm
+from lightning_preempt.storage.local import write_atomic
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
@@ -304,9 +305,7 @@ def serve_store(host: str, port: int, *, ready_file: str | None = None) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.append(signum))
     if ready_file:
-        with open(ready_file + ".tmp", "w") as f:
-            f.write(str(store.port))
-        os.replace(ready_file + ".tmp", ready_file)
+        write_atomic(ready_file, str(store.port).encode(), durable=False)  # a reader never sees it half-written
     print(f"lightning_preempt: rendezvous store listening on {host}:{store.port} (no authentication: only "
           "hosts that may run code in the agents should reach this address)", flush=True)  # fmt: skip
     while not stop:

@@ -47,7 +47,7 @@ def ledger_store(url: str, storage_options: dict[str, Any] | None = None) -> Sto
 
 def run_ids(store: Store) -> list[str]:
     """The run directories in the ledger (names that are not run ids are ignored)."""
-    return [name for name in store.list_dirs() if LEDGER_RUN_RE.fullmatch(name)][:MAX_RUNS]
+    return [e.name for e in store.entries() if e.kind == "dir" and LEDGER_RUN_RE.fullmatch(e.name)][:MAX_RUNS]
 
 
 def read_ledger(url: str, storage_options: dict[str, Any] | None = None, *, run: str | None = None) -> LedgerRead:
@@ -75,7 +75,7 @@ def read_run(store: Store, run: str, notes: list[str]) -> RunLedger:
     def load(name: str) -> tuple[str, dict[str, Any] | str]:
         limit = fmt.MAX_COMPACT_BYTES if LEDGER_COMPACT_RE.fullmatch(name) else fmt.MAX_RECORD_BYTES
         try:
-            return name, fmt.decode(store.read_regular(name, limit), max_bytes=limit)
+            return name, fmt.decode(store.read_bytes(name, limit), max_bytes=limit)
         except fmt.LedgerRecordError as err:
             return name, str(err)
         except CheckpointError as err:  # oversized, not a regular file: the store's own words, without the path

@@ -47,7 +47,8 @@ def list_checkpoints(url: str, storage_options: dict[str, Any] | None = None) ->
     holding our manifest (``epoch=0-step=100.ckpt/``). ``committed``: the manifest parses and
     names the step its directory carries."""
     root = Store(url, storage_options)
-    found = [info for name in root.list_dirs() if (info := _describe(root, name)) is not None]
+    dirs = [e.name for e in root.entries() if e.kind == "dir"]
+    found = [info for name in dirs if (info := _describe(root, name)) is not None]
     found.sort(key=lambda c: (c.step, c.committed, c.created_unix or 0.0, c.name), reverse=True)
     return found
 
@@ -56,7 +57,7 @@ def _describe(root: Store, name: str) -> CheckpointInfo | None:
     store = root.child(name)
     ours = is_our_dir_name(name)
     name_step = dir_step(name) if ours else foreign_step(name)
-    if not store.exists(MANIFEST_NAME):
+    if store.stat(MANIFEST_NAME) is None:
         if not ours or name_step is None:
             return None  # someone else's directory: not listed, never touched
         return CheckpointInfo(store.url, name, name_step, committed=False, problem="no manifest (partial save)")

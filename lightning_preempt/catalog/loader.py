@@ -14,7 +14,7 @@ from lightning_preempt.errors import CheckpointNotFoundError, NotACheckpointErro
 from lightning_preempt.format.names import MANIFEST_NAME
 from lightning_preempt.read.load import load_agreed, load_full_checkpoint, load_plain_file, load_sharded_checkpoint
 from lightning_preempt.read.verify import Verify
-from lightning_preempt.storage.store import Store
+from lightning_preempt.storage.store import Store, kind_at
 
 LOAD_HINT = (
     "Pass a checkpoint directory written by ShardedAsyncCheckpointIO (it contains manifest.json), "
@@ -67,9 +67,9 @@ class Loader:
 
     def _resolve(self, url: str) -> str | None:
         store = Store(url, self.storage_options)
-        if store.exists(MANIFEST_NAME):
+        if store.stat(MANIFEST_NAME) is not None:
             return url
-        if store.isdir():
+        if kind_at(store) == "dir":
             # Manifests and sizes only: the load checks the CRC32C of every byte it reads and
             # falls back to the next one on damage.
             verify: Verify = "sizes" if self.verify_on_load else False
@@ -84,14 +84,14 @@ class Loader:
         retry = self._fallbacks.get(str(path))
         url = self._aliases.get(str(path), str(path))
         store = Store(url, self.storage_options)
-        if retry is None and store.isdir() and not store.exists(MANIFEST_NAME):
+        if retry is None and kind_at(store) == "dir" and store.stat(MANIFEST_NAME) is None:
             retry = fallback(url, self.storage_options, verify="sizes")
         return retry
 
     def not_found(self, url: str) -> NotACheckpointError:
         """The error for a path without a checkpoint; worded as Lightning's for a missing
         ``ckpt_path`` when nothing is there (scripts match on that text)."""
-        if not Store(url, self.storage_options).exists():
+        if Store(url, self.storage_options).stat() is None:
             return CheckpointNotFoundError(f"Checkpoint file not found: {url}", path=url, hint=LOAD_HINT)
         return NotACheckpointError("no committed checkpoint found", path=url, hint=LOAD_HINT)
 
@@ -104,7 +104,7 @@ class Loader:
         store = Store(url, self.storage_options)
         # A plain Lightning file; on an object store also one that replaced a checkpoint
         # directory whose objects are still being deleted (its manifest went first).
-        if not store.exists(MANIFEST_NAME) and store.is_file():
+        if store.stat(MANIFEST_NAME) is None and kind_at(store) == "file":
             return load_plain_file(store, map_location=map_location, trusted=trusted)
         target = self._resolve(url)
         if target is None:

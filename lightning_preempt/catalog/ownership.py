@@ -15,7 +15,7 @@ from lightning_preempt.format.manifest import MAX_MANIFEST_BYTES, declares_our_f
 from lightning_preempt.format.names import MANIFEST_NAME, is_generation, is_our_file
 from lightning_preempt.storage import local
 from lightning_preempt.storage.local import Owned
-from lightning_preempt.storage.store import Store
+from lightning_preempt.storage.store import Store, kind_at
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def _foreign_in(store: Store, rel: str, *, nested: bool = True) -> list[str]:
 def _is_our_manifest(store: Store, name: str) -> bool:
     """A ``manifest.json`` is ours only if it declares our format (a user's is not)."""
     try:
-        return declares_our_format(store.read_regular(name, MAX_MANIFEST_BYTES))
+        return declares_our_format(store.read_bytes(name, MAX_MANIFEST_BYTES))
     except FileNotFoundError:
         return True  # deleted meanwhile (by us: manifests are removed first)
     except Exception:  # unreadable, oversized, not a regular file: not provably ours
@@ -96,9 +96,9 @@ def remove_path(store: Store) -> None:
     try:
         if store.is_local and (os.path.islink(store.path()) or os.path.isfile(store.path())):
             local.remove_local(store.path(), first=MANIFEST_NAME)  # a link goes, never what it points to
-        elif store.exists(MANIFEST_NAME) or store.isdir():
+        elif store.stat(MANIFEST_NAME) is not None or kind_at(store) == "dir":
             remove_if_ours(store, why="removal requested")  # manifest first: never half-deleted yet committed
-        elif store.exists():
+        elif store.stat() is not None:
             store.rm_file("")
         else:
             log.debug("lightning_preempt: nothing to remove at %s", store.url)

@@ -1,6 +1,8 @@
-"""Retention: keep the newest ``keep_last_n`` sound checkpoints and delete older ones, only
-ever what this package wrote (catalog/ownership.py). Old runs' ledgers follow: once none of
-a run's checkpoints is left, its ledger goes too.
+"""Retention, the one rule for every tier: keep the newest ``keep_last_n`` sound checkpoints
+and delete older ones, only ever what this package wrote (catalog/ownership.py). Old runs'
+ledgers follow: once none of a run's checkpoints is left, its ledger goes too. Tier 0 over
+several nodes counts its copies without checking their files (``check_files=False``: each
+node's copy holds only some shares).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from lightning_preempt.errors import CheckpointError
 from lightning_preempt.format.names import HIDDEN_PREFIX, LEDGER_COMPACT_RE, LEDGER_RECORD_RE, is_our_dir_name
 from lightning_preempt.read.verify import check_checkpoint
 from lightning_preempt.storage.diagnose import describe
-from lightning_preempt.storage.store import Store
+from lightning_preempt.storage.store import Store, files_below, kind_at
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,7 @@ def apply_retention(
     *,
     protect: frozenset[str] = frozenset(),
     run_id: str | None = None,
+    check_files: bool = True,
 ) -> list[str]:
     """Keep the newest ``keep_last_n`` sound committed checkpoints; remove older ones, and our
     corrupt ones and leftovers older than the newest that verifies. Returns the removed URLs.
@@ -41,6 +44,7 @@ def apply_retention(
     * Only our names holding only our files are touched; anything else: one warning.
     * *Sound*: files exist with their sizes; others never count toward ``keep_last_n``.
     * Nothing is removed until one checkpoint verifies in full, and that one is kept.
+      ``check_files=False``: committed is sound, the newest committed is that one.
     * ``run_id``: other runs' checkpoints are neither counted nor removed (their ledgers go
       once none is left); ``protect``: never touched; a newer format is never removed.
     * "Could not tell" (EIO, a 503) is raised, never taken for "partial".
@@ -55,7 +59,7 @@ def apply_retention(
         if info.newer_format or info.name in protect:
             continue
         problem = None if info.committed else (info.problem or "not committed")
-        if problem is None:
+        if problem is None and check_files:
             problem = _soundness_problem(info, storage_options, need_crc=anchor is None)
         if problem is not None:
             # Corrupt or partial: never counted; removed only below the newest verified one.
@@ -156,14 +160,14 @@ def prune_ledgers(
             return []  # a checkpoint whose run cannot be told: it may be any old run's
         runs.add(owner)
     store = ledger_store(url, storage_options)
-    if not store.isdir():
+    if kind_at(store) != "dir":
         return []
     gone = []
     for run in run_ids(store):
         if run in runs:
             continue
         run_store = store.child(run)
-        for name in run_store.list_files():
+        for name in files_below(run_store):
             if LEDGER_RECORD_RE.fullmatch(name) or LEDGER_COMPACT_RE.fullmatch(name):
                 run_store.rm_file(name)
         if run_store.is_local:

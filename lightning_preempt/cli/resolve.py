@@ -15,7 +15,7 @@ from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.format.names import MANIFEST_NAME, is_checkpoint_file
 from lightning_preempt.read.verify import read_manifest
 from lightning_preempt.storage.diagnose import storage_hint
-from lightning_preempt.storage.store import Store
+from lightning_preempt.storage.store import Store, files_below
 
 T = TypeVar("T")
 
@@ -44,7 +44,7 @@ def storage_call(url: str, fn: Callable[[], T]) -> T:
 def nothing_here(url: str, options: dict[str, Any]) -> NotACheckpointError:
     """The error for a URL that holds no checkpoint (says whether it exists at all)."""
     try:
-        exists = Store(url, options).exists()
+        exists = Store(url, options).stat() is not None
     except Exception:
         exists = True
     what = "has no checkpoints" if exists else "does not exist"
@@ -59,7 +59,7 @@ def nothing_here(url: str, options: dict[str, Any]) -> NotACheckpointError:
 def list_or_self(url: str, options: dict[str, Any]) -> list[CheckpointInfo]:
     """The checkpoints under ``url``, or ``url`` itself when it is one checkpoint."""
     store = Store(url, options)
-    if not store.exists(MANIFEST_NAME):
+    if store.stat(MANIFEST_NAME) is None:
         return list_checkpoints(url, options)
     name = store.url.rstrip("/").rsplit("/", 1)[-1]
     try:
@@ -73,7 +73,7 @@ def resolve_checkpoint(url: str, step: int | None, options: dict[str, Any]) -> t
     """The checkpoint ``url`` names: itself when it holds a manifest, else its ``step``
     (default: the newest committed) among the checkpoints under it."""
     store = Store(url, options)
-    if store.exists(MANIFEST_NAME):
+    if store.stat(MANIFEST_NAME) is not None:
         manifest = read_manifest(store)
         if step is not None and step != manifest.step:
             raise UsageError(
@@ -84,7 +84,7 @@ def resolve_checkpoint(url: str, step: int | None, options: dict[str, Any]) -> t
         return store, manifest
     infos = list_checkpoints(url, options)
     if not infos:
-        if any(is_checkpoint_file(f) for f in store.list_files()):
+        if any(is_checkpoint_file(f) for f in files_below(store)):
             read_manifest(store)  # a checkpoint's files without its manifest: says "partial save"
         raise nothing_here(url, options)
     chosen = _newest_committed(infos, url) if step is None else _of_step(infos, step, url, options)
@@ -120,7 +120,7 @@ def _of_step(infos: list[CheckpointInfo], step: int, url: str, options: dict[str
     if good:
         return good[0]
     broken = Store(matches[0].path, options)
-    if broken.exists(MANIFEST_NAME):
+    if broken.stat(MANIFEST_NAME) is not None:
         read_manifest(broken)  # raises the precise error (corrupt / newer version)
     raise NotACheckpointError(
         f"checkpoint of step {step} is not committed: manifest.json is missing",

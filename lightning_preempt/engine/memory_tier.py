@@ -48,7 +48,7 @@ from lightning_preempt.storage.store import Store
 from lightning_preempt.tiers import tier0, tier0_peer
 from lightning_preempt.tiers.peer import WIRE_MAX_BYTES, replicate
 from lightning_preempt.tiers.tier0 import KEEP_LAST_N, MEMORY_HINT, AutoEvery, committed_steps
-from lightning_preempt.tiers.tier0_peer import memory_nodes, off_hint, prune, restore, why_off
+from lightning_preempt.tiers.tier0_peer import memory_nodes, off_hint, restore, why_off
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +246,7 @@ class MemoryTier:
                 self._unheld.pop(path, None)  # on two nodes now: held
                 if first:
                     seal_copy(path)
-                    prune(root, keep, run_id)
+                    retain(root, keep, {}, run_id=run_id, check_files=False)  # a copy holds some shares
             self._job_end = time.perf_counter()
             return True
 

@@ -78,7 +78,7 @@ def taken(tiers: TwoTier | None, path: str, storage_options: dict[str, Any]) -> 
     looks at the local disk only (a remote outage must not stall a step)."""
     try:
         if tiers is None:
-            return Store(path, storage_options).exists(MANIFEST_NAME)
+            return Store(path, storage_options).stat(MANIFEST_NAME) is not None
         local = tiers.local_twin(path)
         return local is not None and tiers.committed(local)
     except Exception as err:  # could not tell: a fresh name, so nothing committed is ever replaced

@@ -10,8 +10,9 @@ from typing import Literal
 from lightning_preempt.errors import CorruptCheckpointError, NotACheckpointError
 from lightning_preempt.format.manifest import MAX_MANIFEST_BYTES, FileEntry, Manifest, data_store, parse_manifest
 from lightning_preempt.format.names import MANIFEST_NAME
+from lightning_preempt.storage import local
 from lightning_preempt.storage.checksum import Crc32c
-from lightning_preempt.storage.store import CHUNK_BYTES, Store
+from lightning_preempt.storage.store import CHUNK_BYTES, Store, not_regular
 
 
 def read_manifest(store: Store) -> Manifest:
@@ -19,7 +20,7 @@ def read_manifest(store: Store) -> Manifest:
     try:
         # a regular file, not through a symlink, size-capped: a FIFO or /dev/zero named
         # manifest.json must neither hang nor exhaust memory (docs/security.md)
-        data = store.read_regular(MANIFEST_NAME, MAX_MANIFEST_BYTES)
+        data = store.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES)
     except FileNotFoundError as err:
         raise NotACheckpointError(
             "no committed checkpoint here: manifest.json is missing",
@@ -92,8 +93,16 @@ def check_sizes(store: Store, manifest: Manifest | None = None) -> Manifest:
         if name not in sizes:
             raise missing_file(name, store)
         size = sizes[name]
-        check_entry(store, name, entry, int(size if size is not None else store.size(name)), None)
+        check_entry(store, name, entry, int(size if size is not None else _size(store, name)), None)
     return manifest
+
+
+def _size(store: Store, name: str) -> int:
+    """The size of ``name`` when the listing lacked it (a local symlink, some object stores)."""
+    entry = store.stat(name)
+    if entry is None:
+        raise FileNotFoundError(store.url_of(name))
+    return entry.size if entry.size is not None else int(store.info(name).get("size", 0))
 
 
 def check_checkpoint(store: Store, manifest: Manifest | None = None, *, verify: Verify = True) -> Manifest:
@@ -110,7 +119,21 @@ def check_files(store: Store, manifest: Manifest) -> None:
     is a regular file of its size, not a symlink, FIFO or device (local disk)."""
     for name, entry in sorted(manifest.files.items()):
         try:
-            store.check_regular(name, entry.size)
+            check_regular(store, name, entry.size)
         except FileNotFoundError as err:
             raise missing_file(name, store) from err
+
+
+def check_regular(store: Store, name: str, size: int) -> None:
+    """Locally, without reading data: ``name`` is a regular file of ``size`` bytes."""
+    if not store.is_local:
+        return
+    try:
+        actual = local.regular_size(store.path(name))
+    except local.NotRegularFileError as err:
+        raise not_regular(store, name, err.what) from None
+    if actual != size:
+        raise CorruptCheckpointError(
+            f"file {name!r} has {actual} bytes, the manifest says {size} (truncated?)", path=store.url, hint=CORRUPT_HINT
+        )
 

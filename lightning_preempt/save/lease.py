@@ -113,7 +113,7 @@ class Lease:
         heartbeat that never advances), or ``None`` when it is gone. Other processes' input
         (docs/security.md): a size-bounded regular-file read, every field checked."""
         try:
-            data = json.loads(self.store.read_regular(lease_name(generation), MAX_LEASE_BYTES))
+            data = json.loads(self.store.read_bytes(lease_name(generation), MAX_LEASE_BYTES))
         except FileNotFoundError:
             return None
         except (ValueError, OSError, RecursionError, CheckpointError):

@@ -14,7 +14,7 @@ import posixpath
 import shutil
 import stat
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import IO
 
 #: Bytes, or a function that writes them into the open file (``torch.save``).
@@ -72,18 +72,17 @@ def sync_data(fd: int) -> None:
 _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
-def write_durable(path: str, data: Payload, *, durable: bool = True, mode: int | None = None) -> None:
-    """Write and sync ``data`` to ``path``; not atomic (temporary files); a failure removes it.
-    ``mode``: create ``path`` new (``O_EXCL | O_NOFOLLOW``: an entry already there, a symlink
-    included, is ``FileExistsError``) with these permission bits (less the umask)."""
+@contextlib.contextmanager
+def durable_file(path: str, *, durable: bool = True, mode: int | None = None) -> Iterator[IO[bytes]]:
+    """``path`` open for writing, synced once the block exits cleanly; not atomic (temporary
+    files, or names nobody reads before a commit); a failure removes it. ``mode``: create
+    ``path`` new (``O_EXCL | O_NOFOLLOW``: an entry already there, a symlink included, is
+    ``FileExistsError``) with these permission bits (less the umask)."""
     # Opened before the clean-up applies: a create refused (an entry there) removes nothing.
     f = open(path, "wb") if mode is None else os.fdopen(os.open(path, _NEW_FILE, mode), "wb")  # noqa: SIM115
     try:
         with f:
-            if callable(data):
-                data(f)
-            else:
-                f.write(data)
+            yield f
             f.flush()
             if durable:
                 sync_data(f.fileno())
@@ -91,6 +90,15 @@ def write_durable(path: str, data: Payload, *, durable: bool = True, mode: int |
         with contextlib.suppress(OSError):
             os.unlink(path)
         raise
+
+
+def write_durable(path: str, data: Payload, *, durable: bool = True, mode: int | None = None) -> None:
+    """:func:`durable_file` holding ``data``."""
+    with durable_file(path, durable=durable, mode=mode) as f:
+        if callable(data):
+            data(f)
+        else:
+            f.write(data)
 
 
 def write_atomic(

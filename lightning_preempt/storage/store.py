@@ -2,7 +2,8 @@
 only modules that talk to fsspec (docs/object-stores.md).
 
 A :class:`Store` is rooted at one ``str`` URL (``gs://…`` is not a ``Path``); other paths
-are relative to it. A few primitives, the rest derived; every answer is fresh. On object
+are relative to it. Primitives only (list, stat, read, durable write, create-only commit,
+delete); what a caller derives from them lives with it. Every answer is fresh. On object
 stores nothing is ever renamed (``mv`` there is copy + delete), uploads are bounded and a
 failure aborts them, and a bucket is never created.
 """
@@ -27,7 +28,7 @@ from lightning_preempt.errors import (
 )
 from lightning_preempt.storage import local, object_store, reach
 from lightning_preempt.storage.diagnose import describe, is_transient
-from lightning_preempt.storage.protocols import GCS_PROTOCOLS, OBJECT_STORES
+from lightning_preempt.storage.protocols import OBJECT_STORES
 from lightning_preempt.storage.retry import Backoff, retry
 
 log = logging.getLogger(__name__)
@@ -120,41 +121,6 @@ class Store:
         self._fs.invalidate_cache(self.path(rel))
         return dict(self._fs.info(self.path(rel)))
 
-    def exists(self, rel: str = "") -> bool:
-        return self.stat(rel) is not None
-
-    def isdir(self, rel: str = "") -> bool:
-        entry = self.stat(rel)
-        return entry is not None and entry.kind == "dir"
-
-    def is_file(self, rel: str = "") -> bool:
-        entry = self.stat(rel)
-        return entry is not None and entry.kind == "file"
-
-    def size(self, rel: str) -> int:
-        entry = self.stat(rel)
-        if entry is None:
-            raise FileNotFoundError(self.url_of(rel))
-        return int(entry.size) if entry.size is not None else int(self.info(rel).get("size", 0))
-
-    def list_dirs(self, rel: str = "") -> list[str]:
-        return [e.name for e in self.entries(rel) if e.kind == "dir"]
-
-    def list_files(self, rel: str = "") -> list[str]:
-        out = []
-        for e in self.entries(rel):
-            if e.kind == "file":
-                out.append(e.name)
-            elif e.kind == "dir":
-                out += [f"{e.name}/{inner}" for inner in self.list_files(posixpath.join(rel, e.name))]
-        return sorted(out)
-
-    def remote_crc32c(self, rel: str, info: dict[str, Any] | None = None) -> str | None:
-        """The CRC32C (hex) GCS keeps for ``rel`` (base64, big-endian in its ``info()``), else ``None``."""
-        if self.protocol not in GCS_PROTOCOLS:
-            return None
-        return object_store.gcs_crc32c(info if info is not None else self.info(rel))
-
     def open_read(self, rel: str) -> IO[bytes]:
         """Open ``rel`` only if it is a regular file (checkpoints are untrusted input);
         else :class:`CorruptCheckpointError`."""
@@ -165,38 +131,19 @@ class Store:
         try:
             return local.open_regular(self.path(rel))
         except local.NotRegularFileError as err:
-            raise _not_regular(self, rel, err.what) from None
+            raise not_regular(self, rel, err.what) from None
 
-    def read_bytes(self, rel: str) -> bytes:
+    def read_bytes(self, rel: str, max_bytes: int | None = None) -> bytes:
+        """All of ``rel`` (:meth:`open_read`); more than ``max_bytes`` raises without reading the rest."""
         with self.open_read(rel) as f:
-            return f.read()
-
-    def read_regular(self, rel: str, max_bytes: int) -> bytes:
-        """All of ``rel``; more than ``max_bytes`` raises without reading the rest."""
-        with self.open_read(rel) as f:
-            data = f.read(max_bytes + 1)
-        if len(data) > max_bytes:
+            data = f.read() if max_bytes is None else f.read(max_bytes + 1)
+        if max_bytes is not None and len(data) > max_bytes:
             raise CorruptCheckpointError(
                 f"{rel} is larger than the {max_bytes} bytes allowed",
                 path=self.url,
                 hint="The checkpoint is damaged or was not written by lightning_preempt; delete it.",
             )
         return data  # type: ignore[no-any-return]
-
-    def check_regular(self, rel: str, size: int) -> None:
-        """Locally, without reading data: ``rel`` is a regular file of ``size`` bytes."""
-        if not self.is_local:
-            return
-        try:
-            actual = local.regular_size(self.path(rel))
-        except local.NotRegularFileError as err:
-            raise _not_regular(self, rel, err.what) from None
-        if actual != size:
-            raise CorruptCheckpointError(
-                f"file {rel!r} has {actual} bytes, the manifest says {size} (truncated?)",
-                path=self.url,
-                hint="This checkpoint is damaged; resume from an older one (auto-resume skips it).",
-            )
 
     def makedirs(self, rel: str = "") -> None:
         """Create ``rel`` and its parents; on object stores only check that the bucket exists
@@ -215,14 +162,12 @@ class Store:
         path = self.path(rel)
         if self.is_local:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            f: IO[bytes] = open(path, "wb")  # noqa: SIM115 - closed below
-        else:
-            f = self._fs.open(path, "wb", block_size=UPLOAD_BLOCK_SIZE)
+            with local.durable_file(path) as out:
+                yield out
+            return
+        f = self._fs.open(path, "wb", block_size=UPLOAD_BLOCK_SIZE)
         try:
-            yield f if self.is_local else cast(IO[bytes], object_store.BoundedWrites(f, UPLOAD_BLOCK_SIZE))
-            if self.is_local:
-                f.flush()
-                local.sync_data(f.fileno())
+            yield cast(IO[bytes], object_store.BoundedWrites(f, UPLOAD_BLOCK_SIZE))
             f.close()
         except BaseException:
             object_store.abandon(f)
@@ -245,7 +190,7 @@ class Store:
                 self._fs.pipe_file(path, data)
             else:
                 # the emulator ignores ifGenerationMatch; real GCS and S3 honour the PUT below
-                if self.exists(rel):
+                if self.stat(rel) is not None:
                     raise FileExistsError(path)
                 self._fs.pipe_file(path, data, mode="create")
         except FileExistsError:
@@ -287,11 +232,6 @@ class Store:
             self._fs.rm(self.path(rel), recursive=True)
         self._fs.invalidate_cache()
 
-    def copy_file(self, src: str, dst: str) -> None:
-        with self.open_read(src) as reader, self.open_write(dst) as writer:
-            while chunk := reader.read(CHUNK_BYTES):
-                writer.write(chunk)
-
 
 def _stat_retrying(store: Store, rel: str, err: BaseException, attempt: int, delay: float) -> None:
     log.warning("lightning_preempt: cannot tell whether %s exists (%s); attempt %d of %d, retrying in %.1fs",
@@ -299,13 +239,31 @@ def _stat_retrying(store: Store, rel: str, err: BaseException, attempt: int, del
                 delay)  # fmt: skip
 
 
-def _not_regular(store: Store, rel: str, what: str) -> CorruptCheckpointError:
+def not_regular(store: Store, rel: str, what: str) -> CorruptCheckpointError:
+    """The error for a read of ``rel`` refused because it is ``what`` (a symlink, a FIFO…)."""
     return CorruptCheckpointError(
         f"{rel!r} in the checkpoint is {what}, not a regular file; refusing to read it",
         path=store.url,
         hint="Checkpoint files are always regular files. Someone else wrote this one: inspect and delete it "
         "(docs/security.md).",
     )
+
+
+def kind_at(store: Store, rel: str = "") -> Kind | None:
+    """What :meth:`Store.stat` finds at ``rel``: ``"file"``, ``"dir"``…, ``None`` when absent."""
+    entry = store.stat(rel)
+    return None if entry is None else entry.kind
+
+
+def files_below(store: Store, rel: str = "") -> list[str]:
+    """Every file under ``rel``, recursively, as sorted paths relative to ``rel``."""
+    out = []
+    for e in store.entries(rel):
+        if e.kind == "file":
+            out.append(e.name)
+        elif e.kind == "dir":
+            out += [f"{e.name}/{inner}" for inner in files_below(store, posixpath.join(rel, e.name))]
+    return sorted(out)
 
 
 def join_url(url: str, *parts: str) -> str:

@@ -23,8 +23,10 @@ from lightning_preempt.errors import CheckpointExistsError, CheckpointWriteError
 from lightning_preempt.format.manifest import FileEntry, Manifest, data_store, parse_manifest
 from lightning_preempt.format.names import MANIFEST_NAME, writer_of
 from lightning_preempt.read.verify import read_manifest
+from lightning_preempt.storage import object_store
 from lightning_preempt.storage.checksum import Crc32c
 from lightning_preempt.storage.diagnose import describe as describe_error
+from lightning_preempt.storage.protocols import GCS_PROTOCOLS
 from lightning_preempt.storage.retry import Backoff, retry
 from lightning_preempt.storage.store import CHUNK_BYTES, Store
 
@@ -101,7 +103,7 @@ def drain_files(
                 path=dst.url,
                 hint="Drain into a new path (e.g. one directory per step), or remove the destination checkpoint first.",
             )
-        if dst.exists():  # uncommitted leftovers of an earlier attempt; never anyone else's files
+        if dst.stat() is not None:  # uncommitted leftovers of an earlier attempt; never anyone else's files
             remove_if_ours(dst, why="uncommitted leftover of an earlier drain")
         return data, False
 
@@ -284,7 +286,7 @@ def _copy_one(
             path=dst.url,
             hint="The upload was truncated; run the drain again.",
         )
-    remote = dst.remote_crc32c(name, info)
+    remote = object_store.gcs_crc32c(info) if dst.protocol in GCS_PROTOCOLS else None
     if remote is not None and remote != entry.crc32c:
         raise CorruptCheckpointError(
             f"uploaded {name!r} has crc32c {remote} at the destination, expected {entry.crc32c}",

@@ -22,6 +22,7 @@ from lightning_preempt.collective import groups as pdist
 from lightning_preempt.errors import CheckpointError, CorruptCheckpointError
 from lightning_preempt.format.manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from lightning_preempt.format.names import MANIFEST_NAME, dir_step, is_checkpoint_file, writer_of
+from lightning_preempt.read.verify import check_regular
 from lightning_preempt.storage import local
 from lightning_preempt.storage.checksum import Crc32c
 from lightning_preempt.storage.store import CHUNK_BYTES, Store
@@ -82,9 +83,9 @@ class ReplicaReport:
 
 def _read_manifest(local_dir: str) -> bytes | None:
     """The manifest in ``local_dir`` (a regular file, not through a symlink, size-capped:
-    :meth:`Store.read_regular`), or ``None`` when there is none."""
+    :meth:`Store.read_bytes`), or ``None`` when there is none."""
     try:
-        return Store(local_dir).read_regular(MANIFEST_NAME, MAX_MANIFEST_BYTES)
+        return Store(local_dir).read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         return None
 
@@ -180,14 +181,14 @@ def _agreed_manifest(local_dir: str, group: dist.ProcessGroup | None) -> bytes:
 
 def read_own(store: Store, manifest: Manifest, names: list[str]) -> dict[str, bytes]:
     """Each of ``names`` as the drain and the loader read it: a regular file, not through a
-    symlink, of exactly its manifest size (:meth:`Store.check_regular` before opening, then
-    :meth:`Store.read_regular` capped at that size: a FIFO never blocks, a file grown since
+    symlink, of exactly its manifest size (``check_regular`` before opening, then
+    :meth:`Store.read_bytes` capped at that size: a FIFO never blocks, a file grown since
     is never read whole)."""
     out: dict[str, bytes] = {}
     for name in names:
         size = manifest.files[name].size
-        store.check_regular(name, size)
-        data = store.read_regular(name, size)
+        check_regular(store, name, size)
+        data = store.read_bytes(name, size)
         if len(data) != size:
             raise CorruptCheckpointError(f"file {name!r} has {len(data)} bytes, the manifest says {size}",
                                          path=store.url, hint="The local copy changed after the commit; "

@@ -5,7 +5,7 @@ Tier 0 is meant as *one more tier* in the usual format (DCP shards, per-rank sta
 outlives the training process, so commit, verification and the newest-valid choice are
 the code every other tier uses (catalog/newest.py). This module holds what is specific
 to it and needs no process group: where it lives, how often it is written (K, from the
-measured copy and step times), which of its checkpoints retention keeps, and which steps
+measured copy and step times), how many copies retention keeps (:data:`KEEP_LAST_N`), and which steps
 a rank holds there (for ``Engine.held_steps``).
 
 Layout (one tmpfs directory per run, one per node)::
@@ -238,23 +238,4 @@ class AutoEvery:
 
 def committed_steps(root: str) -> list[int]:
     """The steps committed in the tier-0 directory ``root`` (oldest first); none when absent."""
-    if not os.path.isdir(root):
-        return []
     return sorted(c.step for c in list_checkpoints(root, {}) if c.committed)
-
-
-def to_prune(root: str, keep: int = KEEP_LAST_N) -> list[str]:
-    """The tier-0 checkpoint directories to delete: committed ones past the newest ``keep``,
-    and uncommitted leftovers older than the newest committed one (a torn copy)."""
-    if keep < 1:
-        raise ValueError(f"keep must be >= 1, got {keep}\nHINT: tier 0 keeps at least its newest copy.")
-    if not os.path.isdir(root):
-        return []
-    infos = list_checkpoints(root, {})  # newest first
-    committed = [c for c in infos if c.committed]
-    if not committed:
-        return []
-    newest = committed[0].step
-    old = [c.path for c in committed[keep:]]
-    torn = [c.path for c in infos if not c.committed and c.step < newest]
-    return sorted(old + torn)

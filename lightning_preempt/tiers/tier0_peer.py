@@ -5,14 +5,12 @@ on several nodes a copy is complete only together: the engine (engine/memory_tie
 sends every share to the next node after each copy commits (:func:`~lightning_preempt.tiers.peer.replicate`,
 the peer replica's transfer, into the *same* ``step-N`` directory there), so with two
 nodes each node holds the whole copy and with more each holds its own share and its
-predecessor's. This module holds the two collective pieces that need no saver:
+predecessor's. This module holds the collective pieces that need no saver:
 
 * :func:`memory_nodes`: the ranks that see one tier-0 directory (a probe file each),
   the "nodes" of tier 0. A host name is not enough: two hosts may share an NFS directory,
   two network namespaces on one machine (the tests) share ``/dev/shm`` unless each node
   mounts its own.
-* :func:`prune`: each node's retention of its directory, where a committed copy may hold
-  only some shares (more than two nodes), so "sound" cannot mean "every file here".
 * :func:`restore`: before the resume choice, the newest copy the nodes hold *together*
   (every file of its committed manifest, at its size, on some node) is completed on every
   node that lacks files of it (a replacement node with an empty ``/dev/shm``, or a copy
@@ -20,7 +18,7 @@ predecessor's. This module holds the two collective pieces that need no saver:
   its CRC32C against the manifest and writes it durably, and the manifest goes last. The
   resolver then finds it complete on rank 0's node and every rank loads its own node's copy.
 
-Collective (but :func:`prune`): every rank of ``group`` calls each function, in the same order.
+Collective: every rank of ``group`` calls each function, in the same order.
 """
 
 from __future__ import annotations
@@ -35,8 +33,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_preempt.catalog.listing import list_checkpoints
-from lightning_preempt.catalog.ownership import remove_if_ours
 from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.errors import CheckpointError
@@ -103,30 +99,6 @@ def _remove(probe: str) -> None:
         os.remove(probe)
     except OSError as err:  # an empty hidden file is left behind; nothing reads it
         log.debug("lightning_preempt: could not remove the tier-0 probe %s: %s", probe, err)
-
-
-def prune(root: str, keep: int, run_id: str | None) -> list[str]:
-    """One node's tier-0 retention (its first rank, after a peer copy): keep the newest
-    ``keep`` copies committed here (a manifest: with more than two nodes it lists files
-    other nodes hold), delete older ones of this run and uncommitted leftovers older than
-    the newest; only our own directories (catalog/ownership.py). Failures are logged; the
-    next copy tries again. Returns the removed paths. Not collective."""
-    removed: list[str] = []
-    try:
-        infos = list_checkpoints(root, {})  # newest first
-        ours = [c for c in infos if c.manifest is None or run_id is None or c.manifest.run_id in (None, run_id)]
-        committed = [c for c in ours if c.committed]
-        if not committed:
-            return []
-        doomed = [(c, f"tier 0 keeps the newest {keep}") for c in committed[keep:]]
-        doomed += [(c, "uncommitted, older than the newest") for c in ours
-                   if not c.committed and c.step < committed[0].step]  # fmt: skip
-        for info, why in doomed:
-            remove_if_ours(Store(info.path), why=why)
-            removed.append(info.path)
-    except Exception as err:
-        log.warning("lightning_preempt: tier-0 retention in %s failed (%s); the next copy retries", root, err)
-    return removed
 
 
 @dataclasses.dataclass(frozen=True)

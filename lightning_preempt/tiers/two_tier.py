@@ -300,7 +300,7 @@ class TwoTier:
     def committed(self, url: str) -> bool:
         """Whether ``url`` holds a manifest; an error that does not say "absent" is raised."""
         local = url == self.local_root or url.startswith(self.local_root + "/")
-        return Store(url, {} if local else self.remote_options).exists(MANIFEST_NAME)
+        return Store(url, {} if local else self.remote_options).stat(MANIFEST_NAME) is not None
 
     def holders(self, remote_url: str) -> list[str]:
         """Which tiers hold a committed copy of ``remote_url`` (``["local", "remote"]``…)."""

@@ -189,7 +189,7 @@ def _raise_if_lost(
     target = plan.commit_store(root)
 
     def lost() -> bool:
-        if not isinstance(err, CheckpointExistsError) and not target.exists(MANIFEST_NAME):
+        if not isinstance(err, CheckpointExistsError) and target.stat(MANIFEST_NAME) is None:
             return False
         if written:  # our files are unreferenced: the committed manifest names the winner's
             try:

@@ -26,7 +26,7 @@ from lightning_preempt.format.names import (
     sibling_name,
 )
 from lightning_preempt.storage import local
-from lightning_preempt.storage.store import Store
+from lightning_preempt.storage.store import CHUNK_BYTES, Store, files_below, kind_at
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +41,10 @@ def ensure_exists(store: Store) -> None:
     raises it on every rank (write/commit.py's agreement).
     """
     try:
-        if store.exists():
+        if store.stat() is not None:
             return
         store.makedirs()
-        if not store.exists():
+        if store.stat() is None:
             store.commit_bytes(MARKER_NAME, b"", exclusive=False)
     except Exception as err:
         log.warning("lightning_preempt: could not create %s yet (%s); the save reports it", store.url, err)
@@ -95,10 +95,10 @@ def plan_write(root: Store) -> WritePlan:
     directory holding anything this package did not write (a user's ``src/``, their own
     ``manifest.json``): a save never writes into, or deletes, someone else's directory.
     """
-    if root.exists(MANIFEST_NAME):
+    if root.stat(MANIFEST_NAME) is not None:
         check_owned(root, doing="save into")
         return WritePlan("generation", new_generation(), replace=True, replaced=_live_or_none(root))
-    if root.exists() and not root.isdir():
+    if kind_at(root) not in (None, "dir"):
         if not root.is_object_store:
             return WritePlan("beside", sibling_name(_base(root), "new"))
         check_owned(root, doing="save into")  # the file object and our objects under P/ coexist
@@ -118,7 +118,7 @@ def _claim(root: Store, *, remove_file: bool) -> WritePlan:
         root.commit_bytes(CLAIM_NAME, uuid.uuid4().hex.encode(), exclusive=True, durable=False)
     except CheckpointExistsError:
         return WritePlan("generation", new_generation(), remove_file=remove_file)
-    if root.exists(MANIFEST_NAME):
+    if root.stat(MANIFEST_NAME) is not None:
         # Another save committed (and released its claim) since we looked: replace it. Its
         # commit came before its release, so a claim won after the release sees its manifest.
         root.rm_file(CLAIM_NAME, durable=False)
@@ -175,7 +175,7 @@ def _live_or_none(root: Store) -> str | None:
 
 def live_generation(root: Store) -> str | None:
     """The generation the manifest at ``root`` names (``None``: its files are beside it)."""
-    manifest = parse_manifest(root.read_regular(MANIFEST_NAME, MAX_MANIFEST_BYTES), path=root.url)
+    manifest = parse_manifest(root.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES), path=root.url)
     return generation_of(manifest, path=root.url)
 
 
@@ -217,25 +217,31 @@ def swap_in(root: Store, new_name: str) -> None:
         owned = check_owned(root, doing="replace") if _is_real_dir(parent, base) else None
         local.replace_entry(root.path(), parent.path(new_name), parent.path(aside), first=MANIFEST_NAME, owned=owned)
         return
-    had_old = parent.exists(base)
+    had_old = parent.stat(base) is not None
     if had_old:
         _move(parent, base, aside)
     _move(parent, new_name, base)
     if had_old:
-        _delete(parent, aside, is_dir=parent.isdir(aside))
+        _delete(parent, aside, is_dir=kind_at(parent, aside) == "dir")
 
 
 def _move(store: Store, src: str, dst: str) -> None:
     """A move on a file system without atomic renames (``memory://``; fsspec's ``mv`` is
     copy, then delete): the copy gets its manifest last, the source loses its manifest
     first, so neither is ever a committed but incomplete checkpoint."""
-    if not store.isdir(src):
-        store.copy_file(src, dst)
+    if kind_at(store, src) != "dir":
+        _copy_file(store, src, dst)
         store.rm_file(src)
         return
-    for rel in sorted(store.list_files(src), key=lambda r: posixpath.basename(r) == MANIFEST_NAME):
-        store.copy_file(f"{src}/{rel}", f"{dst}/{rel}")
+    for rel in sorted(files_below(store, src), key=lambda r: posixpath.basename(r) == MANIFEST_NAME):
+        _copy_file(store, f"{src}/{rel}", f"{dst}/{rel}")
     _delete(store, src, is_dir=True)
+
+
+def _copy_file(store: Store, src: str, dst: str) -> None:
+    with store.open_read(src) as reader, store.open_write(dst) as writer:
+        while chunk := reader.read(CHUNK_BYTES):
+            writer.write(chunk)
 
 
 def _delete(store: Store, name: str, *, is_dir: bool) -> None:
@@ -252,7 +258,7 @@ def write_file_atomic(store: Store, data: bytes) -> None:
     new file, never a partial one (local: temp + fsync + rename; object stores: one PUT)."""
     parent, base = store.parent(), _base(store)
     if store.is_object_store:
-        committed = store.exists(MANIFEST_NAME)
+        committed = store.stat(MANIFEST_NAME) is not None
         if committed:
             check_owned(store, doing="replace")  # the objects under P/ are deleted below
         store.commit_bytes("", data, exclusive=False)
@@ -261,7 +267,7 @@ def write_file_atomic(store: Store, data: bytes) -> None:
             # the directory (loading then takes the file), then delete its objects one by one
             # (a recursive delete of the prefix would take the file with it).
             store.rm_file(MANIFEST_NAME)
-            for rel in store.list_files():
+            for rel in files_below(store):
                 store.rm_file(rel)
         return
     tmp = sibling_name(base, "new")

@@ -17,7 +17,7 @@ from trainers import fit
 from lightning_preempt.catalog.retention import apply_retention, retain
 from lightning_preempt.format.names import MANIFEST_NAME, checkpoint_name
 from lightning_preempt.resume.resolver import ListingError
-from lightning_preempt.storage.store import STAT_BACKOFF, Store
+from lightning_preempt.storage.store import STAT_BACKOFF, Store, kind_at
 
 
 def _manifest_of(step: int) -> str:
@@ -60,13 +60,13 @@ def test_retention_never_deletes_a_checkpoint_whose_manifest_cannot_be_statted(t
 def test_stat_says_absent_only_when_the_store_says_so(tmp_path: Path) -> None:
     (tmp_path / "a").write_bytes(b"x")
     store = Store(str(tmp_path))
-    assert store.stat("nope") is None and not store.exists("a/b") and store.is_file("a")
+    assert store.stat("nope") is None and store.stat("a/b") is None and kind_at(store, "a") == "file"
     with FailingStat("/a", times=STAT_BACKOFF.attempts - 1) as eio:
-        assert store.is_file("a")  # a short blip is retried
+        assert kind_at(store, "a") == "file"  # a short blip is retried
     assert eio.failed == STAT_BACKOFF.attempts - 1
     with FailingStat("/a") as eio, pytest.raises(OSError, match="Input/output error"):
-        store.exists("a")
+        store.stat("a")
     assert eio.failed == STAT_BACKOFF.attempts
     with FailingStat("/a", errno_=13) as eio, pytest.raises(PermissionError):
-        store.isdir("a")
+        kind_at(store, "a")
     assert eio.failed == 1  # a retry cannot fix a permission: raised at once

@@ -36,7 +36,7 @@ def _worker(rank: int, world: int, out_dir: str, failing_rank: int) -> None:
     except CheckpointWriteError as err:
         outcome["error"] = str(err)
     outcome["seconds"] = time.monotonic() - started
-    outcome["manifest_here"] = Store("faulty://run/step-1").exists("manifest.json")
+    outcome["manifest_here"] = Store("faulty://run/step-1").stat("manifest.json") is not None
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(outcome))
 
 

@@ -71,7 +71,7 @@ def test_a_new_save_waits_until_the_previous_is_written_and_commits_in_order(roo
     io.save_checkpoint(ckpt, f"{root}/b")
     # When the second returned, the first's tensors were written (the staging buffers it
     # reuses were free); its commit may still run (one rank), the second's comes after it.
-    assert Store(f"{root}/a").exists(".metadata")
+    assert Store(f"{root}/a").stat(".metadata") is not None
     io.wait()
     assert {c.name for c in list_checkpoints(root) if c.committed} == {"a", "b"}
     a, b = io.saver.history[-2:]
@@ -98,7 +98,7 @@ def test_the_next_save_stages_while_the_previous_one_commits(tmp_path: Path, mon
     io.save_checkpoint(lightning_like_checkpoint(step=1), a)
     assert committing.wait(60)
     io.save_checkpoint(lightning_like_checkpoint(step=2), b)  # returns: a's commit is held
-    assert not Store(a).exists(MANIFEST_NAME) and not Store(b).exists(MANIFEST_NAME)
+    assert Store(a).stat(MANIFEST_NAME) is None and Store(b).stat(MANIFEST_NAME) is None
     gate.set()
     io.wait()
     assert_same(lightning_like_checkpoint(step=1), io.load_checkpoint(a))
@@ -124,7 +124,7 @@ def test_a_commit_failing_after_the_next_save_staged_is_raised_once(tmp_path: Pa
     with pytest.raises(CheckpointWriteError, match="No space left"):
         io.wait()
     io.wait()  # raised once
-    assert not Store(str(tmp_path / "a")).exists(MANIFEST_NAME)
+    assert Store(str(tmp_path / "a")).stat(MANIFEST_NAME) is None
     assert io.load_checkpoint(str(tmp_path / "b"))["global_step"] == 2
     io.teardown()
 

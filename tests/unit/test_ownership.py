@@ -135,4 +135,4 @@ def test_object_like_stores_keep_a_directory_with_foreign_objects(memory_url: st
     assert store.read_bytes(MANIFEST_NAME) == OURS[MANIFEST_NAME]
     store.rm_tree("dataset", owned=Owned(store.path("dataset")))  # the user deletes their own data
     remove_if_ours(store, why="test")
-    assert not store.exists() and store.entries() == []
+    assert store.stat() is None and store.entries() == []

@@ -20,7 +20,7 @@ from trainers import make_trainer
 from lightning_preempt.errors import CheckpointError, CheckpointExistsError
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.storage import local
-from lightning_preempt.storage.store import Store
+from lightning_preempt.storage.store import Store, kind_at
 from lightning_preempt.write.replace import write_file_atomic
 
 USER_FILES = {"src/train.py": b"print('my training script')\n", "results.csv": b"step,loss\n1,0.5\n"}
@@ -101,7 +101,7 @@ def test_memory_store_plain_save_keeps_a_users_directory(memory_url: str) -> Non
     store.commit_bytes("src/train.py", b"code", exclusive=False)
     with pytest.raises(CheckpointExistsError, match=r"src \(dir\)"):
         write_file_atomic(store, b"a plain checkpoint")
-    assert store.read_bytes("src/train.py") == b"code" and store.isdir()
+    assert store.read_bytes("src/train.py") == b"code" and kind_at(store) == "dir"
 
 
 def test_every_recursive_delete_demands_the_ownership_verdict(tmp_path: Path) -> None:

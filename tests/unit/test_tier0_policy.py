@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from lightning_preempt.catalog.retention import apply_retention
 from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.format.names import MANIFEST_NAME, checkpoint_name
 from lightning_preempt.tiers.tier0 import (
@@ -15,7 +16,6 @@ from lightning_preempt.tiers.tier0 import (
     choose_every,
     committed_steps,
     tier0_root,
-    to_prune,
 )
 
 
@@ -123,10 +123,10 @@ def test_retention_keeps_the_newest_two_and_drops_torn_copies(tmp_path: Path) ->
     paths = {s: _ckpt(tmp_path, s, committed=s != 30) for s in (10, 20, 30, 40, 50, 60)}
     torn_newest = _ckpt(tmp_path, 70, committed=False)  # a copy in flight: not ours to touch yet
     assert committed_steps(str(tmp_path)) == [10, 20, 40, 50, 60]
-    pruned = {Path(p).name for p in to_prune(str(tmp_path), keep=2)}
+    pruned = {Path(p).name for p in apply_retention(str(tmp_path), 2)}
     assert pruned == {paths[s].name for s in (10, 20, 30, 40)}
     assert torn_newest.name not in pruned
-    assert to_prune(str(tmp_path / "absent")) == []
+    assert apply_retention(str(tmp_path / "absent"), 1) == []
 
 
 def test_the_default_memory_root_is_stable_per_dirpath_and_names_a_directory() -> None:

@@ -1,4 +1,4 @@
-"""One node's tier-0 retention with the peer copy (tiers/tier0_peer.py ``prune``): with more
+"""One node's tier-0 retention with the peer copy (``apply_retention(check_files=False)``): with more
 than two nodes a committed copy holds only some shares, and still counts."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from lightning_preempt.catalog.retention import apply_retention
 from lightning_preempt.format.manifest import FileEntry, Manifest
 from lightning_preempt.format.names import MANIFEST_NAME, checkpoint_name
-from lightning_preempt.tiers.tier0_peer import prune
 
 
 def _copy(root: Path, step: int, *, committed: bool = True, run_id: str = "run-1") -> Path:
@@ -33,7 +33,7 @@ def test_prune_keeps_the_newest_committed_copies_though_each_holds_some_shares(t
     torn = _copy(tmp_path, 5, committed=False)  # a copy killed mid-write, older than the newest
     newest = _copy(tmp_path, 8, committed=False)  # the copy being written now
     other = _copy(tmp_path, 1, run_id="another-run")
-    removed = prune(str(tmp_path), 2, "run-1")
+    removed = apply_retention(str(tmp_path), 2, run_id="run-1", check_files=False)
     assert sorted(Path(p).name for p in removed) == [checkpoint_name(2), checkpoint_name(5)]
     assert not torn.exists() and newest.exists() and other.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == [checkpoint_name(s) for s in (1, 4, 6, 8)]

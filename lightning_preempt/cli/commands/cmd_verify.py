@@ -73,10 +73,10 @@ def check_loadable(store: Store, manifest: Manifest) -> None:
     files = data_store(store, manifest)  # a replaced checkpoint's files live in its generation dir
     try:
         for name in sorted(n for n in manifest.files if STATE_RE.fullmatch(n)):  # every rank's
-            check_state_pickle(files.read_regular(name, manifest.files[name].size), path=store.url)
+            check_state_pickle(files.read_bytes(name, manifest.files[name].size), path=store.url)
         entry = manifest.files.get(DCP_METADATA_NAME)
         if entry is not None:
-            data = files.read_regular(DCP_METADATA_NAME, entry.size)
+            data = files.read_bytes(DCP_METADATA_NAME, entry.size)
             check_metadata_pickle(data, path=files.url, manifest=manifest)
     except UntrustedCheckpointError as err:
         raise UntrustedCheckpointError(

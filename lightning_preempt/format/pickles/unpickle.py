@@ -145,7 +145,7 @@ def read_dcp_metadata(store: Store, manifest: Manifest | None = None) -> Any:
     entry = manifest.files.get(DCP_METADATA_NAME) if manifest is not None else None
     limit = entry.size if entry is not None else MAX_METADATA_BYTES
     try:
-        data = store.read_regular(DCP_METADATA_NAME, limit)
+        data = store.read_bytes(DCP_METADATA_NAME, limit)
     except FileNotFoundError as err:
         raise CorruptCheckpointError(
             "file '.metadata' listed in the manifest is missing",
