@@ -136,5 +136,5 @@ def test_tier0_is_on_exactly_when_tier0_every_n_steps_is_set() -> None:
     assert PreemptionConfig(dirpath="ckpts/run").memory_dirpath is None
     on = PreemptionConfig.make(Tuning(memory_dirpath="/dev/shm/x"), dirpath="ckpts/run", tier0_every_n_steps=4)
     assert (on.tier0_every_n_steps, on.memory_dirpath) == (4, "/dev/shm/x")
-    with pytest.raises(ValueError, match="tier0_every_n_steps must be set when tuning.memory_dirpath is"):
+    with pytest.raises(ValueError, match=r"tier0_every_n_steps must be set when tuning\.memory_dirpath is"):
         PreemptionConfig.make(Tuning(memory_dirpath="/dev/shm/x"), dirpath="ckpts/run")
