@@ -27,12 +27,15 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy, Strategy
 
 from lightning_preempt.collective import groups as pdist
-from lightning_preempt.engine.config import PreemptionConfig
+from lightning_preempt.engine.config import PreemptionConfig, Tuning
 from lightning_preempt.lightning import _compat, sharded_saves
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.resume import ddp_buckets
 
 log = logging.getLogger(__name__)
+
+#: The :class:`~lightning_preempt.Tuning` fields the plugin reads when it is made.
+PLUGIN_TUNING = ("thread_count", "pinned_memory_budget", "overlap_staging")
 
 
 def ensure_plugin(
@@ -59,6 +62,12 @@ def hand_options(io: ShardedAsyncCheckpointIO, config: PreemptionConfig) -> Shar
     """Give ``io`` the front-end's ``storage_options`` and ``local_dirpath`` (their one owner);
     a plugin's own different local tier is refused later, with a HINT (engine/tier_policy.py)."""
     io.use_storage_options(config.storage_options)
+    unread = [f"{k}={getattr(config, k)!r}" for k in PLUGIN_TUNING
+              if getattr(config, k) not in (getattr(Tuning, k), getattr(io.config, k))]  # fmt: skip
+    if unread:
+        log.warning("lightning_preempt: the callback's tuning (%s) does not reach the ShardedAsyncCheckpointIO you "
+                    "passed, which reads its own\nHINT: pass ShardedAsyncCheckpointIO(tuning=...), or leave the plugin "
+                    "out: the callback installs it with its tuning.", ", ".join(unread))  # fmt: skip
     if config.local_dirpath is not None and io.saver.tiers is None:
         io.saver.use_local_tier(config.local_dirpath, retries=config.retries, backoff_s=config.backoff_s)
     return io

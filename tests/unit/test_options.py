@@ -138,3 +138,26 @@ def test_every_old_name_is_mapped_to_a_field_that_exists() -> None:
     fields = {f.name for f in dataclasses.fields(Tuning)}
     assert set(deprecated.FRONT_TO_TUNING.values()) <= fields and set(deprecated.PLUGIN_TO_TUNING.values()) <= fields
     assert not (set(deprecated.FRONT_TO_TUNING) | set(deprecated.FIXED)) & set(cfg.own_fields(cfg.PreemptionConfig))
+
+
+def test_the_callback_hands_its_storage_options_and_local_tier_to_the_plugin_and_says_what_tuning_cannot_reach(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from types import SimpleNamespace
+
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    from lightning_preempt.lightning.strategies import ensure_plugin
+
+    config = PreemptionCallback("ckpts", storage_options={"token": "anon"}, local_dirpath=str(tmp_path / "nvme"),
+                                tuning=Tuning(thread_count=3, retries=2)).config  # fmt: skip
+    installed = ensure_plugin(SimpleNamespace(checkpoint_io=TorchCheckpointIO()), config)
+    assert installed.config.thread_count == 3 and installed.storage_options == {"token": "anon"}
+    assert installed.loader.storage_options == installed.saver.storage_options == {"token": "anon"}
+    assert installed.saver.tiers is not None and installed.saver.tiers.local_root == str(tmp_path / "nvme")
+    assert installed.saver.tiers.retries == 2
+    assert "does not reach" not in caplog.text
+    yours = ShardedAsyncCheckpointIO({"endpoint_url": "http://x"})
+    assert ensure_plugin(SimpleNamespace(checkpoint_io=yours), config) is yours
+    assert yours.storage_options == {"endpoint_url": "http://x", "token": "anon"}  # the callback's win
+    assert "tuning (thread_count=3) does not reach the ShardedAsyncCheckpointIO you passed" in caplog.text
