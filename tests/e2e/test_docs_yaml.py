@@ -16,7 +16,7 @@ import pytest
 import yaml
 from lightning.pytorch import Callback
 
-from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO, list_checkpoints
+from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO, Tuning, list_checkpoints
 
 ROOT = Path(__file__).resolve().parents[2]
 _YAML = re.compile(r"^```yaml\n(.*?)^```", re.M | re.S)
@@ -68,7 +68,11 @@ def test_each_yaml_snippet_builds_the_trainer_it_describes(
     (ours,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, PreemptionCallback)]
     wanted = next(c for c in written["callbacks"] if c["class_path"] == "lightning_preempt.PreemptionCallback")
     # the same options as the Python call with the snippet's init_args (the config is validated there)
-    assert ours.config == PreemptionCallback(**wanted["init_args"]).config, page
+    init_args = dict(wanted["init_args"])
+    if "tuning" in init_args:  # a mapping of Tuning's fields: LightningCLI makes the Tuning
+        init_args["tuning"] = Tuning(**init_args["tuning"])
+        assert ours.config.tuning == init_args["tuning"], page
+    assert ours.config == PreemptionCallback(**init_args).config, page
     assert ours.config.dirpath == wanted["init_args"]["dirpath"]
     if any(p.get("class_path") == "lightning_preempt.ShardedAsyncCheckpointIO" for p in written.get("plugins", [])):
         assert isinstance(cli.trainer.strategy.checkpoint_io, ShardedAsyncCheckpointIO)

@@ -182,7 +182,7 @@ def test_saves_and_resumes_are_reported_through_the_loggers(tmp_path: Path) -> N
 
     def run(max_steps: int, **kw: Any) -> Path:
         L.seed_everything(0)
-        logger = CSVLogger(str(tmp_path / "logs"), name="run", version=f"{max_steps}{kw}")
+        logger = CSVLogger(str(tmp_path / "logs"), name="run", version=f"{max_steps}{sorted(kw)}")
         cb = PreemptionCallback(str(tmp_path / "ck"), every_n_train_steps=4, **kw)
         make_trainer(max_steps, [cb], logger=logger, log_every_n_steps=1).fit(TinyModel(), loader())
         return Path(logger.log_dir) / "metrics.csv"

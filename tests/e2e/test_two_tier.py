@@ -139,7 +139,7 @@ def test_server_killed_mid_upload_leaves_no_remote_commit_and_training_goes_on(
         original(self, rel, payload, **kwargs)
 
     class KillDuringSecondDrain(Callback):
-        def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:  # the tiers are set up
             tiers = trainer.strategy.checkpoint_io.tiers  # type: ignore[attr-defined]
             uploaded = [0]
 
