@@ -65,15 +65,6 @@ def check_seconds(name: str, value: Any, *, positive: bool = True, optional: boo
     return float(value)
 
 
-def check_str_tuple(name: str, value: Any, *, hint: str) -> tuple[str, ...]:
-    """A non-empty sequence of strings; a bare string is refused (it would be split into characters)."""
-    if isinstance(value, str) or not isinstance(value, Sequence) or not value:
-        raise _fail(name, value, "a non-empty list of strings", hint)
-    if not all(isinstance(v, str) and v for v in value):
-        raise _fail(name, value, "a list of non-empty strings", hint)
-    return tuple(value)
-
-
 def check_signals(value: Any) -> tuple[signal.Signals, ...]:
     """Resolve signal names eagerly; only catchable signals that can mean "preempted"."""
     hint = "e.g. signals=('SIGTERM',) or ('SIGUSR1', 'SIGTERM') (SIGKILL cannot be caught)."
