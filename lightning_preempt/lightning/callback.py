@@ -53,7 +53,8 @@ class PreemptionCallback(OnExceptionCheckpoint):
     ``dirpath`` on every (re)start. What each option means, and its default, is written once:
     :class:`~lightning_preempt.engine.config.PreemptionConfig` for the options below and
     :class:`~lightning_preempt.Tuning` for ``tuning`` (docs/options.md). Every option is
-    validated here, with a HINT.
+    validated here, with a HINT; 0.2's spellings (``**deprecated``) still map to these, with a
+    ``FutureWarning`` naming the new one (engine/deprecated.py).
     """
 
     def __init__(
