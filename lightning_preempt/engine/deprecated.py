@@ -5,20 +5,46 @@ Remove this module, and the fronts' ``**deprecated``, in the next release."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import warnings
 from typing import Any
 
 from lightning_preempt.engine.config import CheckpointIOConfig, PreemptionConfig, Tuning, own_fields
 
+
+def callback_names(
+    *, signals: Any = None, exit_code: Any = None, requeue: Any = None, agree_every_n_steps: Any = None,
+    overlap_agreement: Any = None, save_on_train_end: Any = None, lease: Any = None, lease_timeout_s: Any = None,
+    probe_storage: Any = None, on_notice: Any = None, global_batch: Any = None, ledger: Any = None,
+    log_metrics: Any = None, detect_failures: Any = None, heartbeat_timeout_s: Any = None,
+    failure_exit_code: Any = None, memory_dirpath: Any = None, list_retries: Any = None, list_backoff_s: Any = None,
+    sources: Any = None, requeue_timeout_s: Any = None, agree_interval_s: Any = None, **unknown: Any,
+) -> dict[str, Any]:
+    """The 0.2 names the callback still takes, those given (``None``: not given, which is each
+    one's 0.2 default or no valid value), and any ``unknown``. Named in a signature so that
+    LightningCLI (jsonargparse follows the callback's ``**deprecated`` here) reads a 0.2 YAML too."""
+    given = {k: v for k, v in locals().items() if k != "unknown" and v is not None}
+    return {**given, **unknown}
+
+
+def plugin_names(
+    *, thread_count: Any = None, pinned_memory_budget: Any = None, overlap_staging: Any = None,
+    drain_retries: Any = None, drain_backoff_s: Any = None, pin_memory: Any = None, local_dirpath: Any = None,
+    drain_workers: Any = None, sharded_keys: Any = None, **unknown: Any,
+) -> dict[str, Any]:
+    """The 0.2 names the plugin still takes, as :func:`callback_names`."""
+    given = {k: v for k, v in locals().items() if k != "unknown" and v is not None}
+    return {**given, **unknown}
+
+
+_RENAMED = {"list_retries": "retries", "list_backoff_s": "backoff_s", "drain_retries": "retries",
+            "drain_backoff_s": "backoff_s", "pin_memory": "pinned_memory_budget"}  # fmt: skip
+_SPECIAL = {"sources", "local_dirpath", "requeue_timeout_s", "agree_interval_s", "drain_workers", "sharded_keys"}
 #: Old option (of the callback and ``fabric.Preemption``; of the plugin) -> its :class:`Tuning` field.
-FRONT_TO_TUNING = {name: name for name in (
-    "signals", "exit_code", "requeue", "agree_every_n_steps", "overlap_agreement", "save_on_train_end", "lease",
-    "lease_timeout_s", "probe_storage", "on_notice", "global_batch", "ledger", "log_metrics", "detect_failures",
-    "heartbeat_timeout_s", "failure_exit_code", "memory_dirpath",
-)} | {"list_retries": "retries", "list_backoff_s": "backoff_s"}  # fmt: skip
-PLUGIN_TO_TUNING = {"thread_count": "thread_count", "pinned_memory_budget": "pinned_memory_budget",
-                    "overlap_staging": "overlap_staging", "drain_retries": "retries", "drain_backoff_s": "backoff_s",
-                    "pin_memory": "pinned_memory_budget"}  # fmt: skip
+FRONT_TO_TUNING = {n: _RENAMED.get(n, n) for n in inspect.signature(callback_names).parameters if n not in
+                   (*_SPECIAL, "unknown")}  # fmt: skip
+PLUGIN_TO_TUNING = {n: _RENAMED.get(n, n) for n in inspect.signature(plugin_names).parameters if n not in
+                    (*_SPECIAL, "unknown")}  # fmt: skip
 #: Old options that became constants: why each no longer has an effect.
 FIXED = {
     "requeue_timeout_s": "the requeue waits at most 10 s (and never past the grace period)",

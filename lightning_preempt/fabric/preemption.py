@@ -68,7 +68,9 @@ class Preemption:
     def __init__(
         self, fabric: Any, dirpath: str, *, step_key: str = "step", tuning: Tuning | None = None, **options: Any
     ) -> None:
-        old = {k: options.pop(k) for k in list(options) if k not in own_fields(PreemptionConfig)}
+        old = deprecated_names.callback_names(
+            **{k: options.pop(k) for k in list(options) if k not in own_fields(PreemptionConfig)}
+        )
         config = deprecated_names.front("Preemption", {"dirpath": dirpath, **options}, tuning, old)
         if not isinstance(step_key, str) or not step_key:
             raise ValueError(f"step_key must be a non-empty string, got {step_key!r}\nHINT: e.g. step_key='step'.")

@@ -74,7 +74,8 @@ class PreemptionCallback(OnExceptionCheckpoint):
         **deprecated: Any,
     ) -> None:
         options = {k: v for k, v in locals().items() if k not in ("self", "tuning", "deprecated", "__class__")}
-        config = deprecated_names.front("PreemptionCallback", options, tuning, deprecated)
+        old = deprecated_names.callback_names(**deprecated)
+        config = deprecated_names.front("PreemptionCallback", options, tuning, old)
         super().__init__(dirpath=config.dirpath)
         self.engine = Engine(config)
         self.exact = ExactResume(global_batch=config.global_batch)  # RNG, data position, metric states; `.enabled = False` turns it off

@@ -71,7 +71,7 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         **deprecated: Any,
     ) -> None:
         super().__init__()
-        tuning, local_dirpath = deprecated_names.plugin(tuning, deprecated)
+        tuning, local_dirpath = deprecated_names.plugin(tuning, deprecated_names.plugin_names(**deprecated))
         self.config = config = CheckpointIOConfig.make(
             tuning, storage_options=storage_options, host_memory_budget=host_memory_budget,
             verify_on_load=verify_on_load, trust_checkpoints=trust_checkpoints,
