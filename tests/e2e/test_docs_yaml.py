@@ -118,7 +118,7 @@ def test_a_0_2_yaml_still_builds_the_same_trainer_with_a_future_warning(
             "ShardedAsyncCheckpointIO(thread_count=...) is deprecated; use ShardedAsyncCheckpointIO(tuning=Tuning("
             "thread_count=...))"} <= {str(w.message).removeprefix("lightning_preempt: ") for w in caught}  # fmt: skip
     after = _cli(new)
-    ours = [[cb for cb in cli.trainer.callbacks if isinstance(cb, PreemptionCallback)][0] for cli in (before, after)]
+    ours = [next(cb for cb in cli.trainer.callbacks if isinstance(cb, PreemptionCallback)) for cli in (before, after)]
     assert ours[0].config == ours[1].config and ours[0].config.retries == 3
     plugins = [cli.trainer.strategy.checkpoint_io for cli in (before, after)]
     assert plugins[0].config == plugins[1].config and plugins[0].config.thread_count == 2
