@@ -2,7 +2,7 @@
 
 Public API::
 
-    from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO, list_checkpoints
+    from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO, Tuning, list_checkpoints
 
 Names are imported on first use (PEP 562), so the CLI does not import Lightning to read
 manifests. The folders are layers (docs/design.md; import-linter keeps them); ``torchrun``,
@@ -36,6 +36,7 @@ _show_our_info_lines()
 if TYPE_CHECKING:
     from lightning_preempt.catalog.listing import CheckpointInfo, list_checkpoints
     from lightning_preempt.catalog.newest import newest_valid
+    from lightning_preempt.engine.config import Tuning
     from lightning_preempt.errors import (
         CheckpointError,
         CheckpointExistsError,
@@ -60,6 +61,7 @@ _WHERE = {
     "PreemptionCallback": "lightning.callback",
     "ShardedAsyncCheckpointIO": "lightning.checkpoint_io",
     "PeerReplica": "lightning.peer_replica",
+    "Tuning": "engine.config",
     "CheckpointInfo": "catalog.listing",
     "list_checkpoints": "catalog.listing",
     "newest_valid": "catalog.newest",
@@ -88,6 +90,7 @@ __all__ = [
     "PreemptionCallback",
     "ProgressWouldBeLostError",
     "ShardedAsyncCheckpointIO",
+    "Tuning",
     "UnsupportedFormatError",
     "UntrustedCheckpointError",
     "list_checkpoints",

@@ -21,7 +21,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO
+from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO, Tuning
 
 
 class Regressor(L.LightningModule):
@@ -83,8 +83,8 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[Progress(), PreemptionCallback(dirpath=args.dirpath, every_n_train_steps=args.every,
-                                      grace_period_s=args.grace, signals=("SIGUSR1", "SIGTERM"),
-                                      requeue=False if args.no_requeue else None)],
+                                      grace_period_s=args.grace, tuning=Tuning(signals=("SIGUSR1", "SIGTERM"),
+                                      requeue=False if args.no_requeue else None))],
         plugins=[ShardedAsyncCheckpointIO()],
     )
     model = Regressor(args.step_sleep)

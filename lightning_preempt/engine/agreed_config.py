@@ -31,7 +31,6 @@ MUST_MATCH: dict[str, str] = {
     "keep_last_n": "retention deletes what another rank's tier still counts on",
     "grace_period_s": "the emergency sequence's budget on every rank",
     "agree_every_n_steps": "the boundary agreement is a collective at the same steps",
-    "agree_interval_s": "the boundary agreement is a collective at the same steps",
     "overlap_agreement": "the boundary agreement is a collective at the same steps",
     "resume": "the resume choice is collective",
     "save_on_train_end": "the final save is collective",

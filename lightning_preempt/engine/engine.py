@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from lightning_preempt.catalog.retention import retain
@@ -47,15 +47,14 @@ class Engine:
 
     Args:
         config: the validated options (:class:`~lightning_preempt.engine.config.PreemptionConfig`).
-        sources: extra preemption sources besides the signals and ``config.notices``.
     """
 
-    def __init__(self, config: PreemptionConfig, sources: Sequence[PreemptionSource] = ()) -> None:
+    def __init__(self, config: PreemptionConfig) -> None:
         self.config = config
-        self.controller = PreemptionController(config, sources, on_notice=config.on_notice)
+        self.controller = PreemptionController(config, config.sources, on_notice=config.on_notice)
         self.resolver = ResumeResolver(config.dirpath, config.storage_options, config.local_dirpath,
                                        memory_dirpath=config.memory_dirpath,
-                                       retries=config.list_retries, backoff_s=config.list_backoff_s)  # fmt: skip
+                                       retries=config.retries, backoff_s=config.backoff_s)  # fmt: skip
         #: Tier 0 in host memory (docs/tier0.md), with ``tier0_every_n_steps``.
         self.memory: MemoryTier | None = None
         if config.memory_dirpath is not None and config.tier0_every_n_steps is not None:
@@ -182,8 +181,8 @@ class Engine:
         self._highest_listed = highest if config.lease else None
         self.grace.check_manifest(newest)
         self.controller.signal_flag.clear()
-        if config.notices and not self._notice_sources:  # one watcher per node: local rank 0
-            self._notice_sources = make_sources(config.notices, local_rank=local_rank)
+        if config.notice_names and not self._notice_sources:  # one watcher per node: local rank 0
+            self._notice_sources = make_sources(config.notice_names, local_rank=local_rank)
             self.controller.sources.extend(self._notice_sources)
         self.controller.start()
         if self.detector is None:

@@ -106,7 +106,7 @@ def warn_without_periodic_saves(config: PreemptionConfig, step: int) -> None:
     training and a preemption signal save, so a SIGKILL loses everything since ``step``."""
     if config.every_n_train_steps is not None or config.every_n_seconds is not None:
         return
-    signals = "/".join(s.name for s in config.signals)
+    signals = "/".join(s.name for s in config.signums)
     end = "the end of training and " if config.save_on_train_end else ""
     warnings.warn(
         f"lightning_preempt: no periodic saves (every_n_train_steps=None, every_n_seconds=None): {config.dirpath} "

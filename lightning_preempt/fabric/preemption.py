@@ -1,7 +1,7 @@
 """``Preemption``: a hand-written Fabric loop mapped onto the engine (engine/engine.py).
 
 The policy is the engine's, as for ``PreemptionCallback``, with the same options
-(:class:`~lightning_preempt.engine.config.PreemptionConfig`). Fabric's part stays here: the
+(:class:`~lightning_preempt.engine.config.PreemptionConfig`, :class:`~lightning_preempt.Tuning`). Fabric's part stays here: the
 plugin on its strategy, ``fabric.save``/``fabric.load`` of ``state``, the data position.
 The map onto the engine's calls: docs/fabric.md, "Errors and exits".
 """
@@ -9,15 +9,16 @@ The map onto the engine's calls: docs/fabric.md, "Errors and exits".
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
-from typing import Any, Literal
+from collections.abc import Iterator
+from typing import Any
 
 from lightning.fabric.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from lightning_preempt.collective import groups as pdist
-from lightning_preempt.engine.config import PreemptionConfig, from_arguments
+from lightning_preempt.engine import deprecated as deprecated_names
+from lightning_preempt.engine.config import PreemptionConfig, Tuning, own_fields
 from lightning_preempt.engine.engine import Engine
 from lightning_preempt.fabric import sharded
 from lightning_preempt.fabric.data import LoopData
@@ -25,7 +26,6 @@ from lightning_preempt.lightning import _compat
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.lightning.logs import SaveReporter
 from lightning_preempt.lightning.strategies import ensure_plugin
-from lightning_preempt.preemption.sources import PreemptionSource
 from lightning_preempt.resume import ddp_buckets
 from lightning_preempt.resume.exact_state import STATE_KEY
 
@@ -56,57 +56,27 @@ class Preemption:
     Args:
         fabric: the launched ``Fabric``; its strategy gets :class:`ShardedAsyncCheckpointIO`
             when it has Lightning's default ``CheckpointIO``.
+        dirpath: where checkpoints go.
         step_key: the key of ``state`` that counts optimizer steps (the loop increments it).
-
-    Every other argument is :class:`~lightning_preempt.PreemptionCallback`'s (docs/options.md),
-    except ``global_batch``: validated, but a Fabric loop owns its accumulation.
-    ``log_metrics`` logs through ``fabric.log_dict`` (docs/fabric.md).
+        tuning: :class:`~lightning_preempt.Tuning` (``global_batch`` is validated, but a
+            Fabric loop owns its accumulation; ``log_metrics`` logs through ``fabric.log_dict``).
+        options: :class:`~lightning_preempt.PreemptionCallback`'s other options, by keyword:
+            the fields of :class:`~lightning_preempt.engine.config.PreemptionConfig`
+            (docs/options.md).
     """
 
     def __init__(
-        self,
-        fabric: Any,
-        dirpath: str,
-        every_n_train_steps: int | None = None,
-        every_n_seconds: float | None = None,
-        keep_last_n: int = 2,
-        *,
-        step_key: str = "step",
-        signals: Sequence[str] = ("SIGTERM",),
-        grace_period_s: float = 30.0,
-        exit_code: int = 143,
-        requeue: bool | None = None,
-        requeue_timeout_s: float = 10.0,
-        agree_every_n_steps: int | Literal["auto"] = "auto",
-        agree_interval_s: float = 0.3,
-        overlap_agreement: bool = True,
-        resume: bool = True,
-        save_on_train_end: bool = True,
-        storage_options: dict[str, Any] | None = None,
-        local_dirpath: str | None = None,
-        list_retries: int = 4,
-        list_backoff_s: float = 1.0,
-        lease: bool = True,
-        lease_timeout_s: float = 60.0,
-        probe_storage: bool = True,
-        notices: str | Sequence[str] | None = None,
-        on_notice: Literal["continue", "exit"] = "continue",
-        global_batch: Literal["per_rank", "keep"] = "per_rank",
-        sources: Sequence[PreemptionSource] = (),
-        ledger: bool = True,
-        log_metrics: bool = True,
-        detect_failures: bool | None = None,
-        heartbeat_timeout_s: float = 4.0,
-        failure_exit_code: int = 75,
-        tier0_every_n_steps: int | Literal["auto"] | None = None,
-        memory_dirpath: str | None = None,
+        self, fabric: Any, dirpath: str, *, step_key: str = "step", tuning: Tuning | None = None, **options: Any
     ) -> None:
-        config = from_arguments(PreemptionConfig, locals())
+        old = deprecated_names.callback_names(
+            **{k: options.pop(k) for k in list(options) if k not in own_fields(PreemptionConfig)}
+        )
+        config = deprecated_names.front("Preemption", {"dirpath": dirpath, **options}, tuning, old)
         if not isinstance(step_key, str) or not step_key:
             raise ValueError(f"step_key must be a non-empty string, got {step_key!r}\nHINT: e.g. step_key='step'.")
         self.fabric = fabric
         self.step_key = step_key
-        self.engine = Engine(config, sources)
+        self.engine = Engine(config)
         self.data = LoopData()
         self._state: dict[str, Any] | None = None
         self._io: ShardedAsyncCheckpointIO | None = None
@@ -143,7 +113,7 @@ class Preemption:
         beyond ``state`` (``fabric.load``'s remainder), ``{}`` when nothing was loaded.
         """
         fabric = self.fabric
-        io = self._io = _ensure_plugin(fabric.strategy, self.config.storage_options, self.engine.local_dirpath)
+        io = self._io = _ensure_plugin(fabric.strategy, self.config)
         sharded.check(fabric.strategy, state)  # FSDP1 without a device mesh: refused before step 1
         self._state = state
         _compat.tolerate_preempted_children(self.config.exit_code, self.config.grace_period_s)
@@ -278,13 +248,13 @@ def _saved_part(state: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in state.items() if not isinstance(v, DataLoader) and type(v).__name__ != "_FabricDataLoader"}
 
 
-def _ensure_plugin(strategy: Strategy, storage_options: dict[str, Any], local_dirpath: str | None) -> ShardedAsyncCheckpointIO:
+def _ensure_plugin(strategy: Strategy, config: PreemptionConfig) -> ShardedAsyncCheckpointIO:
     """The strategy's :class:`ShardedAsyncCheckpointIO`; installed when it has Lightning's
     default ``CheckpointIO``. Another plugin is refused with a HINT. ``ModelParallelStrategy``
     and ``FSDPStrategy`` write DCP shards with no commit (the first refuses a ``CheckpointIO``):
     they get one of their own, routed by fabric/sharded.py."""
     if isinstance(strategy, (ModelParallelStrategy, FSDPStrategy)):
-        return sharded.own_plugin(strategy, storage_options, local_dirpath)
+        return sharded.own_plugin(strategy, config)
     if type(strategy).save_checkpoint is not Strategy.save_checkpoint:
         # DeepSpeed, XLA, a user's own: they write with their own code, no manifest, no commit
         raise TypeError(
@@ -292,7 +262,7 @@ def _ensure_plugin(strategy: Strategy, storage_options: dict[str, Any], local_di
             "code, which no manifest commits\nHINT: use strategy='ddp' (or 'ddp_spawn', 'ddp_fork', "
             "'ddp_notebook', a single device), 'fsdp' or ModelParallelStrategy; see docs/fabric.md."
         )
-    return ensure_plugin(strategy, storage_options, local_dirpath, user="Preemption", host="Fabric")
+    return ensure_plugin(strategy, config, user="Preemption", host="Fabric")
 
 
 def _ddp_of(state: dict[str, Any]) -> DistributedDataParallel | None:

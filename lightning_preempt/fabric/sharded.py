@@ -22,19 +22,21 @@ from torch.optim import Optimizer
 
 from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
+from lightning_preempt.engine.config import PreemptionConfig
 from lightning_preempt.format.skeleton import split_checkpoint
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO, stateful_keys
 from lightning_preempt.lightning.sharded_saves import without_mesh
+from lightning_preempt.lightning.strategies import hand_options
 from lightning_preempt.resume.samplers import is_stateful
 
 __all__ = ["check", "own_plugin"]
 
 
-def own_plugin(strategy: Any, storage_options: dict[str, Any], local_dirpath: str | None) -> ShardedAsyncCheckpointIO:
+def own_plugin(strategy: Any, config: PreemptionConfig) -> ShardedAsyncCheckpointIO:
     """The plugin this sharded ``strategy`` saves and loads through (made and routed once)."""
     owned = getattr(strategy, "_lightning_preempt_io", None)
     if owned is None:
-        owned = ShardedAsyncCheckpointIO(storage_options=storage_options, local_dirpath=local_dirpath)
+        owned = hand_options(ShardedAsyncCheckpointIO(tuning=config.tuning), config)
         _install(strategy, owned)
         strategy._lightning_preempt_io = owned
     return owned  # type: ignore[no-any-return]

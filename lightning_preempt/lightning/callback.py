@@ -20,7 +20,8 @@ from lightning.fabric.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from typing_extensions import override
 
-from lightning_preempt.engine.config import PreemptionConfig, from_arguments
+from lightning_preempt.engine import deprecated as deprecated_names
+from lightning_preempt.engine.config import PreemptionConfig, Tuning
 from lightning_preempt.engine.engine import Engine
 from lightning_preempt.lightning import _compat, sharded_saves, staging_hooks
 from lightning_preempt.lightning.checkpoint_io import PREEMPTION_GUARDS, ShardedAsyncCheckpointIO
@@ -47,43 +48,13 @@ class PreemptionCallback(OnExceptionCheckpoint):
     """Periodic async checkpoints, a snapshot on preemption, and resume on restart.
 
     Add it with :class:`ShardedAsyncCheckpointIO` to the ``Trainer`` (it installs the plugin
-    when none is configured); ``trainer.fit(model)`` then resumes from the newest valid
-    checkpoint in ``dirpath`` on every (re)start. Every option is validated here
-    (:class:`~lightning_preempt.engine.config.PreemptionConfig`); the long form: docs/options.md.
-
-    Args:
-        dirpath: where checkpoints go (any fsspec URL: local path, ``gs://``, ``s3://``…).
-        every_n_train_steps: save every N optimizer steps.
-        every_n_seconds: save when this much wall time passed since the last save.
-        keep_last_n: committed checkpoints to keep (older ones are deleted after a newer commit).
-        signals: signals that mean "preempted" (SLURM can send ``SIGUSR1`` earlier).
-        grace_period_s: time between the signal and SIGKILL; bounds the drain and requeue.
-        exit_code: process exit code after a preemption (143 = 128 + SIGTERM).
-        requeue: ``scontrol requeue`` on rank 0 before exiting; ``None``: when under SLURM.
-        requeue_timeout_s: the longest ``scontrol`` may take.
-        agree_every_n_steps: how often ranks agree on the signal flag (``"auto"``: every step unless that costs over 0.5% of a step).
-        agree_interval_s: with ``"auto"``, the longest a signal waits for the ranks to act (at least 2 steps).
-        overlap_agreement: run the agreement while the next step computes (read one step later).
-        resume: resume from the newest valid checkpoint when ``fit`` gets no ``ckpt_path``.
-        save_on_train_end: save the final step when training ends normally.
-        storage_options: fsspec options for ``dirpath``.
-        local_dirpath: two-tier mode: commit to this node-local directory, drain to ``dirpath``.
-        list_retries: attempts to list ``dirpath`` on start before failing.
-        list_backoff_s: the first retry delay (doubles per attempt).
-        lease: hold a lease on ``dirpath`` so a second live job cannot write into it.
-        lease_timeout_s: a lease whose heartbeat has not advanced for this long is taken over.
-        probe_storage: at ``setup``, check every rank can write and list ``dirpath``.
-        notices: cloud preemption notices to watch (``"aws"``, ``"gce"``, ``"azure"``, ``"auto"``).
-        on_notice: ``"continue"``: snapshot and train on until the signal; ``"exit"``: at once.
-        global_batch: at a resize, ``"per_rank"`` keeps each rank's batch, ``"keep"`` the global one.
-        sources: extra :class:`~lightning_preempt.preemption.sources.PreemptionSource` objects.
-        ledger: rank 0 records the run in ``dirpath/.lp-ledger/`` for ``lightning-preempt report``.
-        log_metrics: log each committed save's figures and goodput through the Trainer's loggers.
-        detect_failures: heartbeats between ranks; a rank lost without a signal ends the job.
-        heartbeat_timeout_s: a rank not heard from for this long is lost.
-        failure_exit_code: every survivor's exit code after a loss.
-        tier0_every_n_steps: tier 0: every K steps also commit to host memory (``"auto"``: K by cost).
-        memory_dirpath: tier 0's directory (a tmpfs; this user's own, 0700: docs/security.md).
+    when none is configured, and hands the plugin its ``storage_options``, ``local_dirpath``
+    and ``tuning``); ``trainer.fit(model)`` then resumes from the newest valid checkpoint in
+    ``dirpath`` on every (re)start. What each option means, and its default, is written once:
+    :class:`~lightning_preempt.engine.config.PreemptionConfig` for the options below and
+    :class:`~lightning_preempt.Tuning` for ``tuning`` (docs/options.md). Every option is
+    validated here, with a HINT; 0.2's spellings (``**deprecated``) still map to these, with a
+    ``FutureWarning`` naming the new one (engine/deprecated.py).
     """
 
     def __init__(
@@ -93,38 +64,20 @@ class PreemptionCallback(OnExceptionCheckpoint):
         every_n_seconds: float | None = None,
         keep_last_n: int = 2,
         *,
-        signals: Sequence[str] = ("SIGTERM",),
-        grace_period_s: float = 30.0,
-        exit_code: int = 143,
-        requeue: bool | None = None,
-        requeue_timeout_s: float = 10.0,
-        agree_every_n_steps: int | Literal["auto"] = "auto",
-        agree_interval_s: float = 0.3,
-        overlap_agreement: bool = True,
-        resume: bool = True,
-        save_on_train_end: bool = True,
         storage_options: dict[str, Any] | None = None,
         local_dirpath: str | None = None,
-        list_retries: int = 4,
-        list_backoff_s: float = 1.0,
-        lease: bool = True,
-        lease_timeout_s: float = 60.0,
-        probe_storage: bool = True,
-        notices: str | Sequence[str] | None = None,
-        on_notice: Literal["continue", "exit"] = "continue",
-        global_batch: Literal["per_rank", "keep"] = "per_rank",
-        sources: Sequence[PreemptionSource] = (),
-        ledger: bool = True,
-        log_metrics: bool = True,
-        detect_failures: bool | None = None,
-        heartbeat_timeout_s: float = 4.0,
-        failure_exit_code: int = 75,
         tier0_every_n_steps: int | Literal["auto"] | None = None,
-        memory_dirpath: str | None = None,
+        notices: str | Sequence[str | PreemptionSource] | None = None,
+        grace_period_s: float = 30.0,
+        resume: bool = True,
+        tuning: Tuning | None = None,
+        **deprecated: Any,
     ) -> None:
-        config = from_arguments(PreemptionConfig, locals())
+        options = {k: v for k, v in locals().items() if k not in ("self", "tuning", "deprecated", "__class__")}
+        old = deprecated_names.callback_names(**deprecated)
+        config = deprecated_names.front("PreemptionCallback", options, tuning, old)
         super().__init__(dirpath=config.dirpath)
-        self.engine = Engine(config, sources)
+        self.engine = Engine(config)
         self.exact = ExactResume(global_batch=config.global_batch)  # RNG, data position, metric states; `.enabled = False` turns it off
         _compat.allow_with_disabled_checkpointing(PreemptionCallback)  # Trainer(enable_checkpointing=False) works
         _compat.quiet_ckpt_path_choice(PreemptionCallback, quiet_auto_resume_warnings)  # only for our Trainers
@@ -203,7 +156,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
         _compat.tolerate_preempted_children(self.config.exit_code, self.config.grace_period_s)
         if self.exact.enabled:  # DDP is built after the load: its first step reduces as the saved run's
             give_ddp_bucket_layout(trainer.strategy, self.exact.ddp_layout)
-        io = ensure_plugin(trainer.strategy, self.config.storage_options, self.engine.local_dirpath)
+        io = ensure_plugin(trainer.strategy, self.config)
         # Our checkpoints are resume checkpoints: always the full state. Said explicitly, so
         # Lightning does not log "`weights_only` was not set, defaulting to `False`" per save.
         save = functools.partial(trainer.save_checkpoint, weights_only=False)
@@ -254,7 +207,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
         self.engine.start(trainer.global_step, loaded_from=io.loaded_from)
         # Loader workers ignore the preemption signals (a group-wide SIGTERM would end them and
         # fail the trainer before its snapshot): effective in the iterators exact resume remakes.
-        shield_workers(_compat.train_loaders(trainer), self.engine.config.signals)
+        shield_workers(_compat.train_loaders(trainer), self.engine.config.signums)
         self.exact.on_train_start(trainer, pl_module)  # last: restores RNG just before the first fetch
         if self.exact.positions_restored:
             # Lightning warns when its epoch loop restarts (after this hook, before the first
@@ -269,7 +222,7 @@ class PreemptionCallback(OnExceptionCheckpoint):
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        shield_workers(_compat.train_loaders(trainer), self.engine.config.signals)  # reloaded loaders
+        shield_workers(_compat.train_loaders(trainer), self.engine.config.signums)  # reloaded loaders
         self.exact.on_train_epoch_start(trainer)  # notes the states this epoch's data order is made from
 
     @override

@@ -18,7 +18,8 @@ from typing_extensions import override
 
 from lightning_preempt.catalog.loader import Loader
 from lightning_preempt.collective import groups as pdist
-from lightning_preempt.engine.config import CheckpointIOConfig, from_arguments
+from lightning_preempt.engine import deprecated as deprecated_names
+from lightning_preempt.engine.config import CheckpointIOConfig, Tuning, check_local_dirpath
 from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.lightning import _compat
 from lightning_preempt.save.history import SaveRecord
@@ -50,36 +51,10 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
 
     ``fabric.save`` with this plugin saves on every rank (:func:`wrap_save`).
 
-    Every option is validated here (:class:`~lightning_preempt.engine.config.CheckpointIOConfig`).
-
-    Args:
-        storage_options: fsspec options for every path (credentials, ``endpoint_url``…).
-        pin_memory: pin staging buffers; default: when CUDA is available.
-        host_memory_budget: host memory staging may hold, in bytes (int) or as a fraction
-            of the available memory (float); default: half of ``MemAvailable`` divided by
-            the ranks of the node. A rank's share that does not fit is partly written
-            before the save returns (training blocks longer; a warning says by how much).
-        pinned_memory_budget: of that, the bytes that may be pinned; default: all of it.
-        thread_count: writer threads per rank (DCP serialisation is CPU-bound).
-        verify_on_load: check every file's CRC32C before loading.
-        sharded_keys: top-level checkpoint keys whose tensors go to DCP shards.
-        local_dirpath: two-tier mode (docs/two-tier.md): a save to ``<remote_root>/<name>``
-            commits to ``<local_dirpath>/<name>`` on fast node-local storage first, then a
-            background drain uploads it to the remote URL (``storage_options`` apply there).
-        drain_workers: files uploaded in parallel per rank by a drain.
-        drain_retries: attempts per drain for transient errors (exponential backoff).
-        drain_backoff_s: the first retry delay (doubles per attempt).
-        trust_checkpoints: unpickle the non-tensor state of checkpoints with full
-            ``pickle`` (``weights_only=False``), for states that keep arbitrary objects.
-            Off by default: checkpoints are untrusted input and only the few types this
-            package and Lightning write are loaded (docs/security.md). ``load_checkpoint``'s
-            ``weights_only`` overrides it for one load.
-        overlap_staging: with :class:`~lightning_preempt.PreemptionCallback` (which declares
-            the parameters and optimizer state), a periodic save returns once the buffers
-            and small tensors are copied; the rest is copied while the next step's forward
-            and backward run, and its optimizer step waits for the copy (docs/staging.md).
-            ``None``: off (on CPU the copy competes with the step for the same cores; on
-            CUDA until the GPU check has proven it).
+    Its options (``storage_options`` for the plugin alone, ``host_memory_budget``,
+    ``verify_on_load``, ``trust_checkpoints``) and the :class:`~lightning_preempt.Tuning` it
+    reads are written once, in :class:`~lightning_preempt.engine.config.CheckpointIOConfig`
+    (docs/options.md), and validated here.
     """
 
     _fabric_keys: tuple[str, ...] | None = None  # set by fabric_state while Fabric saves
@@ -89,29 +64,25 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         self,
         storage_options: dict[str, Any] | None = None,
         *,
-        pin_memory: bool | None = None,
         host_memory_budget: int | float | None = None,
-        pinned_memory_budget: int | float | None = None,
-        thread_count: int = 1,
         verify_on_load: bool = True,
-        sharded_keys: tuple[str, ...] = ("state_dict", "optimizer_states"),
-        local_dirpath: str | None = None,
-        drain_workers: int = 4,
-        drain_retries: int = 4,
-        drain_backoff_s: float = 1.0,
         trust_checkpoints: bool = False,
-        overlap_staging: bool | None = None,
+        tuning: Tuning | None = None,
+        **deprecated: Any,
     ) -> None:
         super().__init__()
-        self.config = config = from_arguments(CheckpointIOConfig, locals())
+        tuning, local_dirpath = deprecated_names.plugin(tuning, deprecated_names.plugin_names(**deprecated))
+        self.config = config = CheckpointIOConfig.make(
+            tuning, storage_options=storage_options, host_memory_budget=host_memory_budget,
+            verify_on_load=verify_on_load, trust_checkpoints=trust_checkpoints,
+        )  # fmt: skip
         self.storage_options = config.storage_options
-        self.saver = Saver(config.storage_options, pin_memory=config.pin_memory, thread_count=config.thread_count,
-                           sharded_keys=config.sharded_keys, host_memory_budget=config.host_memory_budget,
-                           pinned_memory_budget=config.pinned_memory_budget,
+        pin = config.pinned_memory_budget
+        self.saver = Saver(config.storage_options, pin_memory=False if pin == 0 else None, thread_count=config.thread_count,
+                           host_memory_budget=config.host_memory_budget, pinned_memory_budget=pin or None,
                            overlap_staging=resolve_overlap(config.overlap_staging))  # fmt: skip
-        if config.local_dirpath is not None:
-            self.saver.use_local_tier(config.local_dirpath, max_workers=config.drain_workers,
-                                      retries=config.drain_retries, backoff_s=config.drain_backoff_s)  # fmt: skip
+        if local_dirpath is not None:
+            self.saver.use_local_tier(str(check_local_dirpath(local_dirpath)), retries=config.retries, backoff_s=config.backoff_s)
         self.loader = Loader(config.storage_options, verify_on_load=config.verify_on_load,
                              trust_checkpoints=config.trust_checkpoints)  # fmt: skip
         _compat.route_fabric_saves(wrap_save)  # fabric.save reaches our save_checkpoint on every rank
@@ -197,6 +168,14 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         self.saver.close()
 
     # ---- used by the engine and the strategy hooks ---------------------------------------
+    def use_storage_options(self, options: dict[str, Any]) -> None:
+        """The callback's ``storage_options`` (it owns them), over any the plugin was given."""
+        if options:
+            self.storage_options = {**self.storage_options, **options}
+            self.saver.storage_options = self.loader.storage_options = self.storage_options
+            if self.saver.tiers is not None:
+                self.saver.tiers.remote_options = self.storage_options
+
     def enable_collective_saves(self, group: pdist.ProcessGroup | None) -> None:
         """Every rank calls ``save_checkpoint`` from now on; the writer syncs on ``group`` (a
         gloo group reserved for it). Called at the start of every ``fit``; it also re-enables

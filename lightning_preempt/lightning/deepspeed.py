@@ -55,7 +55,7 @@ _LOCAL_HINT = (
 def install(strategy: Any, io: ShardedAsyncCheckpointIO) -> None:
     """Route ``strategy``'s (a ``DeepSpeedStrategy``) saves and loads through committed
     checkpoints (module docstring). Every rank calls it at set-up."""
-    if io.config.local_dirpath is not None:
+    if io.saver.tiers is not None:
         raise CheckpointError(
             "DeepSpeedStrategy cannot use two tiers (local_dirpath): DeepSpeed writes its own files",
             hint=_LOCAL_HINT,

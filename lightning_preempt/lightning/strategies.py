@@ -27,32 +27,50 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy, Strategy
 
 from lightning_preempt.collective import groups as pdist
+from lightning_preempt.engine.config import PreemptionConfig, Tuning
 from lightning_preempt.lightning import _compat, sharded_saves
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.resume import ddp_buckets
 
 log = logging.getLogger(__name__)
 
+#: The :class:`~lightning_preempt.Tuning` fields the plugin reads when it is made.
+PLUGIN_TUNING = ("thread_count", "pinned_memory_budget", "overlap_staging")
+
 
 def ensure_plugin(
-    strategy: Any, storage_options: dict[str, Any], local_dirpath: str | None,
-    *, user: str = "PreemptionCallback", host: str = "the Trainer",
+    strategy: Any, config: PreemptionConfig, *, user: str = "PreemptionCallback", host: str = "the Trainer",
 ) -> ShardedAsyncCheckpointIO:  # fmt: skip
-    """The strategy's :class:`ShardedAsyncCheckpointIO`; installed (with these options) when
-    it has Lightning's default plugin (a Trainer's or a Fabric's strategy: ``user`` and
-    ``host`` name them in the messages). Another plugin is refused with a HINT."""
+    """The strategy's :class:`ShardedAsyncCheckpointIO`, given ``config``'s ``storage_options``
+    and ``local_dirpath`` (:func:`hand_options`); installed, with ``config``'s tuning too, when the
+    strategy has Lightning's default plugin (a Trainer's or a Fabric's: ``user`` and ``host``
+    name them in the messages). Another plugin is refused with a HINT."""
     io = strategy.checkpoint_io
     if isinstance(io, ShardedAsyncCheckpointIO):
-        return io
+        return hand_options(io, config)
     if type(io) is TorchCheckpointIO:
         log.info("lightning_preempt: installing ShardedAsyncCheckpointIO on %s's strategy (none was configured)", host)
-        new_io = ShardedAsyncCheckpointIO(storage_options=storage_options, local_dirpath=local_dirpath)
-        strategy.checkpoint_io = new_io
-        return new_io
+        strategy.checkpoint_io = ShardedAsyncCheckpointIO(tuning=config.tuning)
+        return hand_options(strategy.checkpoint_io, config)
     raise TypeError(
         f"{user} needs ShardedAsyncCheckpointIO, but {host} uses {type(io).__name__}\n"
         f"HINT: pass plugins=[ShardedAsyncCheckpointIO()] to {host} (and remove other CheckpointIO plugins)."
     )
+
+
+def hand_options(io: ShardedAsyncCheckpointIO, config: PreemptionConfig) -> ShardedAsyncCheckpointIO:
+    """Give ``io`` the front-end's ``storage_options`` and ``local_dirpath`` (their one owner);
+    a plugin's own different local tier is refused later, with a HINT (engine/tier_policy.py)."""
+    io.use_storage_options(config.storage_options)
+    unread = [f"{k}={getattr(config, k)!r}" for k in PLUGIN_TUNING
+              if getattr(config, k) not in (getattr(Tuning, k), getattr(io.config, k))]  # fmt: skip
+    if unread:
+        log.warning("lightning_preempt: the callback's tuning (%s) does not reach the ShardedAsyncCheckpointIO you "
+                    "passed, which reads its own\nHINT: pass ShardedAsyncCheckpointIO(tuning=...), or leave the plugin "
+                    "out: the callback installs it with its tuning.", ", ".join(unread))  # fmt: skip
+    if config.local_dirpath is not None and io.saver.tiers is None:
+        io.saver.use_local_tier(config.local_dirpath, retries=config.retries, backoff_s=config.backoff_s)
+    return io
 
 
 def install_collective_saves(

@@ -27,6 +27,13 @@ from lightning_preempt.preemption.sources import Notice, PreemptionSource
 log = logging.getLogger(__name__)
 
 
+#: With ``agree_every_n_steps="auto"``, the longest a signal waits for every rank to act on it (or 2 steps
+#: where a step is longer): 52 of 52 trials within it (docs/benchmarks.md). Was ``agree_interval_s``.
+AGREE_INTERVAL_S = 0.3
+#: The longest ``scontrol requeue`` may take (also bounded by the grace period). Was ``requeue_timeout_s``.
+REQUEUE_TIMEOUT_S = 10.0
+
+
 class Preempted(SystemExit):
     """Raised on every rank after the emergency snapshot; exits with the configured code."""
 
@@ -47,7 +54,7 @@ class ControllerSettings(Protocol):
     ``PreemptionConfig`` is one; see the engine's docstring for what each means)."""
 
     @property
-    def signals(self) -> tuple[signal.Signals, ...]: ...
+    def signums(self) -> tuple[signal.Signals, ...]: ...
     @property
     def grace_period_s(self) -> float: ...
     @property
@@ -55,11 +62,7 @@ class ControllerSettings(Protocol):
     @property
     def requeue(self) -> bool | None: ...
     @property
-    def requeue_timeout_s(self) -> float: ...
-    @property
     def agree_every_n_steps(self) -> int | Literal["auto"]: ...
-    @property
-    def agree_interval_s(self) -> float: ...
     @property
     def overlap_agreement(self) -> bool: ...
 
@@ -80,9 +83,9 @@ class PreemptionController:
         self.on_notice = on_notice
         self.notice_snapshot_taken = False
         self.signal_after_notice = False
-        self.signal_flag = SignalFlag(config.signals)
+        self.signal_flag = SignalFlag(config.signums)
         self.sources: list[PreemptionSource] = [self.signal_flag, *sources]
-        self.schedule = AgreementSchedule(config.agree_every_n_steps, config.agree_interval_s, config.overlap_agreement)
+        self.schedule = AgreementSchedule(config.agree_every_n_steps, AGREE_INTERVAL_S, config.overlap_agreement)
         self.timeline: list[tuple[str, float]] = []
         self.notice: Notice | None = None
         self._warned_requeue_off = False
@@ -119,7 +122,7 @@ class PreemptionController:
         if self.preempted and self._requeued:
             # the teardown still takes seconds; SLURM's SIGTERM after a requeue can come that
             # late and would kill this rank (issue 32): only note it. No requeue, nothing expected
-            take_over(self.config.signals, _noted)
+            take_over(self.config.signums, _noted)
 
     def after_training(self, *, leader: bool, safe_step: Callable[[], str]) -> None:
         """After :meth:`stop`: a configured signal still at its default action now exits with
@@ -133,12 +136,12 @@ class PreemptionController:
                         "resume from: %s%s", signum.name, code, safe_step(), then)  # fmt: skip
             if job is not None:
                 log.warning("lightning_preempt: [preemption] %s", requeue_slurm(
-                    job, self.config.requeue_timeout_s, flush=flush_logs, settle_s=_SETTLE_S))  # fmt: skip
+                    job, REQUEUE_TIMEOUT_S, flush=flush_logs, settle_s=_SETTLE_S))  # fmt: skip
             flush_logs()
             raise quick_exit.armed(Preempted(code), code, flush_logs)
 
         if not self.preempted:  # (else the exit with exit_code is under way)
-            take_over(self.config.signals, exit_now)
+            take_over(self.config.signums, exit_now)
 
     def local_notice(self) -> Notice | None:
         """The earliest notice any local source has seen (cheap: reads fields); an advisory
@@ -290,7 +293,7 @@ class PreemptionController:
             self.mark(absorb_requeue_term(requeued, min(_SETTLE_S, self.budget()), flush=flush_logs))
         if job is not None:
             # the last act: SLURM's kill follows `scontrol requeue` within milliseconds
-            self.mark(requeue_slurm(job, max(1.0, min(self.config.requeue_timeout_s, self.budget())),
+            self.mark(requeue_slurm(job, max(1.0, min(REQUEUE_TIMEOUT_S, self.budget())),
                                     flush=flush_logs, settle_s=min(_SETTLE_S, self.budget())))  # fmt: skip
         raise quick_exit.armed(Preempted(self.config.exit_code), self.config.exit_code, flush_logs)
 

@@ -62,7 +62,7 @@ class AgreementSchedule:
             raise ValueError(
                 f"agree_every_n_steps must be a positive int or 'auto', got {every_n_steps!r}\n"
                 "HINT: 'auto' agrees every step unless that costs over 0.5% of a step, and a "
-                "signal waits at most agree_interval_s (or 2 steps)."
+                "signal waits at most 0.3 s (or 2 steps)."
             )
         self.auto = every_n_steps == "auto"
         self.k = 1 if self.auto else int(every_n_steps)

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.multiproc
 def _launch(tmp: Path, dirpath: str, *extra: str, cb: dict | None = None, env: dict | None = None,
             status: str = "st") -> subprocess.Popen[str]:  # fmt: skip
     args = ["--dirpath", dirpath, "--status", str(tmp / status), *extra]
-    args += ["--cb-kwargs", json.dumps({"list_backoff_s": 0.05, **(cb or {})})]
+    args += ["--cb-kwargs", json.dumps({**(cb or {}), "tuning": {"backoff_s": 0.05, **(cb or {}).get("tuning", {})}})]
     return launch("train_script.py", tmp, *args, env=env_with(LP_CHAOS_DIR=str(tmp / "ctl"), **(env or {})))
 
 
@@ -68,7 +68,7 @@ def test_a_listing_that_keeps_failing_stops_before_step_1_and_deletes_nothing(tm
     before = sorted(c.name for c in list_checkpoints(str(tmp_path / "ck")) if c.committed)
     # a driver error that is not an OSError (google-auth, botocore) is handled alike
     chaos_fs.set_fault(tmp_path / "ctl", "list", exc="RuntimeError")
-    proc = _launch(tmp_path, url, "--max-steps", "30", "--every", "5", cb={"list_retries": 3})
+    proc = _launch(tmp_path, url, "--max-steps", "30", "--every", "5", cb={"tuning": {"retries": 3}})
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode not in (0, None), out[-3000:]
     assert "ListingError" in out and "cannot list" in out and "after 3 attempt(s)" in out
@@ -83,7 +83,7 @@ def test_ddp_a_listing_failing_on_rank_1_only_stops_both_ranks_alike(tmp_path: P
     url = f"chaos://{tmp_path}/ck"
     _first_run(tmp_path, url)
     chaos_fs.set_fault(tmp_path / "ctl", "list", ranks=[1])
-    proc = _launch(tmp_path, url, "--max-steps", "30", "--devices", "2", "--strategy", "ddp", cb={"list_retries": 2})
+    proc = _launch(tmp_path, url, "--max-steps", "30", "--devices", "2", "--strategy", "ddp", cb={"tuning": {"retries": 2}})
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode not in (0, None), out[-3000:]
     assert out.count("ListingError: listing dirpath failed on rank 1: cannot list") >= 2  # raised on both ranks
@@ -113,14 +113,14 @@ def test_a_hanging_scontrol_does_not_delay_the_exit_past_its_timeout(tmp_path: P
     (bin_dir / "scontrol").chmod(0o755)
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242"}
     proc = _launch(tmp_path, str(tmp_path / "ck"), "--max-steps", "2000", "--step-sleep", "0.02",
-                   cb={"requeue_timeout_s": 1.0}, env=env)  # fmt: skip
+                   env=env)  # fmt: skip
     _wait_step(tmp_path, proc, 3)
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 143, out[-3000:]
-    assert "scontrol requeue 4242 did not answer within 1.0s" in out
-    assert time.monotonic() - sent < 25  # 1 s for scontrol, not its 60
+    assert "scontrol requeue 4242 did not answer within 10.0s" in out  # controller.REQUEUE_TIMEOUT_S
+    assert time.monotonic() - sent < 25  # 10 s for scontrol, not its 60
 
 
 # ---- fail fast ----------------------------------------------------------------------
@@ -150,7 +150,7 @@ def test_a_failed_save_stops_training_within_a_step_or_two(tmp_path: Path) -> No
 # ---- one writer per dirpath ------------------------------------------------------------
 def test_a_second_live_job_refuses_and_a_dead_ones_lease_is_taken_over(tmp_path: Path) -> None:
     url = str(tmp_path / "ck")
-    lease = {"lease_timeout_s": 2.0}
+    lease = {"tuning": {"lease_timeout_s": 2.0}}
     first = _launch(tmp_path, url, "--max-steps", "5000", "--every", "5", "--step-sleep", "0.02", cb=lease)
     _wait_step(tmp_path, first, 6)
     second = _launch(tmp_path, url, "--max-steps", "5000", "--every", "5", cb=lease, status="st2")

@@ -67,9 +67,10 @@ def test_the_site_builds_strictly_with_every_page_and_the_api(site: Path) -> Non
     assert "pip install lightning-preempt" in html.unescape(re.sub(r"<[^>]+>", "", home))
     assert 'href="strategies/#never-a-silent-fresh-start"' in home and 'src="img/demo-timeline.png"' in home  # docs/… rewritten
     api = (site / "api" / "index.html").read_text()
-    # generated from the docstrings: the callback's Args section became a parameter table
-    assert 'id="lightning_preempt.PreemptionCallback"' in api
-    assert "every_n_train_steps" in api and "save every N optimizer steps." in api
+    # generated from the docstrings: each option's, under its field in engine/config.py
+    assert 'id="lightning_preempt.PreemptionCallback"' in api and 'id="lightning_preempt.Tuning"' in api
+    assert "every_n_train_steps" in api and "Save every N optimizer steps." in api
+    assert "The first retry delay (doubles per attempt)." in api
     assert not re.search(r":(class|meth|func):<code>", api), "Sphinx roles shown as code (scripts/mkdocs_hooks.py)"
     assert (
         'id="lightning_preempt.ShardedAsyncCheckpointIO"' in api and 'id="lightning_preempt.fabric.Preemption"' in api

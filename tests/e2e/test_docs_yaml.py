@@ -16,7 +16,7 @@ import pytest
 import yaml
 from lightning.pytorch import Callback
 
-from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO, list_checkpoints
+from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO, Tuning, list_checkpoints
 
 ROOT = Path(__file__).resolve().parents[2]
 _YAML = re.compile(r"^```yaml\n(.*?)^```", re.M | re.S)
@@ -68,7 +68,11 @@ def test_each_yaml_snippet_builds_the_trainer_it_describes(
     (ours,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, PreemptionCallback)]
     wanted = next(c for c in written["callbacks"] if c["class_path"] == "lightning_preempt.PreemptionCallback")
     # the same options as the Python call with the snippet's init_args (the config is validated there)
-    assert ours.config == PreemptionCallback(**wanted["init_args"]).config, page
+    init_args = dict(wanted["init_args"])
+    if "tuning" in init_args:  # a mapping of Tuning's fields: LightningCLI makes the Tuning
+        init_args["tuning"] = Tuning(**init_args["tuning"])
+        assert ours.config.tuning == init_args["tuning"], page
+    assert ours.config == PreemptionCallback(**init_args).config, page
     assert ours.config.dirpath == wanted["init_args"]["dirpath"]
     if any(p.get("class_path") == "lightning_preempt.ShardedAsyncCheckpointIO" for p in written.get("plugins", [])):
         assert isinstance(cli.trainer.strategy.checkpoint_io, ShardedAsyncCheckpointIO)
@@ -93,3 +97,28 @@ def test_the_readme_yaml_trains_commits_and_resumes(tmp_path: Path, monkeypatch:
     again.trainer.fit(again.model, again.datamodule)
     assert steps == [7, 8, 9]  # resumed from the checkpoint at 6, trained only the rest
     assert [c.step for c in list_checkpoints(str(tmp_path / dirpath)) if c.committed] == [9, 6]
+
+
+def test_a_0_2_yaml_still_builds_the_same_trainer_with_a_future_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The old names under ``init_args`` keep working for one release (engine/deprecated.py)."""
+    monkeypatch.chdir(tmp_path)
+    head = "trainer:\n  callbacks:\n    - class_path: lightning_preempt.PreemptionCallback\n      init_args:\n"
+    old, new = tmp_path / "old.yaml", tmp_path / "new.yaml"
+    old.write_text(head + "        dirpath: ck\n        signals: [SIGUSR1, SIGTERM]\n        list_retries: 3\n"
+                   "  plugins:\n    - class_path: lightning_preempt.ShardedAsyncCheckpointIO\n"
+                   "      init_args: {thread_count: 2}\n")  # fmt: skip
+    new.write_text(head + "        dirpath: ck\n        tuning: {signals: [SIGUSR1, SIGTERM], retries: 3}\n"
+                   "  plugins:\n    - class_path: lightning_preempt.ShardedAsyncCheckpointIO\n"
+                   "      init_args: {tuning: {thread_count: 2}}\n")  # fmt: skip
+    with pytest.warns(FutureWarning) as caught:
+        before = _cli(old)
+    assert {"PreemptionCallback(list_retries=...) is deprecated; use PreemptionCallback(tuning=Tuning(retries=...))",
+            "ShardedAsyncCheckpointIO(thread_count=...) is deprecated; use ShardedAsyncCheckpointIO(tuning=Tuning("
+            "thread_count=...))"} <= {str(w.message).removeprefix("lightning_preempt: ") for w in caught}  # fmt: skip
+    after = _cli(new)
+    ours = [next(cb for cb in cli.trainer.callbacks if isinstance(cb, PreemptionCallback)) for cli in (before, after)]
+    assert ours[0].config == ours[1].config and ours[0].config.retries == 3
+    plugins = [cli.trainer.strategy.checkpoint_io for cli in (before, after)]
+    assert plugins[0].config == plugins[1].config and plugins[0].config.thread_count == 2

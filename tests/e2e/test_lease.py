@@ -38,7 +38,7 @@ def test_a_job_that_waited_for_the_lease_resumes_what_the_holder_committed_meanw
     tmp_path: Path, ranks: int, strategy: str
 ) -> None:
     # The holder beats every 15 s: the waiter watches a silent lease until it is released.
-    lease = {"lease_timeout_s": 60.0}
+    lease = {"tuning": {"lease_timeout_s": 60.0}}
     # model_parallel restores after its own set-up: the late load happens in on_fit_start
     job = ["--every", "60", "--devices", str(ranks), "--strategy", strategy]
     first = _launch(tmp_path, "st1", "--max-steps", "60", "--step-sleep", "0.1", *job, cb=lease)

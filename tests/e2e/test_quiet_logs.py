@@ -23,7 +23,7 @@ from models import TinyModel, data
 from torch.utils.data import DataLoader, Sampler
 from trainers import StartProbe, make_trainer
 
-from lightning_preempt import PreemptionCallback
+from lightning_preempt import PreemptionCallback, Tuning
 
 NOT_RESUMABLE = "your dataloader is not resumable"  # what a user reads
 LIGHTNING_TEXT = (  # Lightning 2.6's whole warning, to find filters that would hide it
@@ -96,7 +96,7 @@ def fit(
     """One process's ``fit`` with the callback (saving every 2 steps) and the plugin."""
     L.seed_everything(seed)
     model, probe = TinyModel(width=8), StartProbe()
-    callback = PreemptionCallback(str(dirpath), every_n_train_steps=2, lease=False)
+    callback = PreemptionCallback(str(dirpath), every_n_train_steps=2, tuning=Tuning(lease=False))
     callback.exact.enabled = exact
     with shown() as out:
         make_trainer(max_steps, [callback, probe], num_sanity_val_steps=0).fit(model, loader)
@@ -176,7 +176,7 @@ def test_the_auto_resume_route_is_quiet_only_in_trainers_with_our_callback(tmp_p
 def test_ddp_spawn_workers_do_not_show_the_last_checkpoint_warnings(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """ddp_spawn unpickles the callback in fresh worker processes, where Lightning chooses
     ``fit``'s checkpoint path (rank 0 warns there): the filter is installed there too."""
-    callback = PreemptionCallback(str(tmp_path / "ck"), every_n_train_steps=2, lease=False)
+    callback = PreemptionCallback(str(tmp_path / "ck"), every_n_train_steps=2, tuning=Tuning(lease=False))
     trainer = make_trainer(4, [callback], strategy="ddp_spawn", devices=2, num_sanity_val_steps=0, root=tmp_path)
     trainer.fit(TinyModel(width=8), DataLoader(data(64), batch_size=8))
     out, err = capfd.readouterr()

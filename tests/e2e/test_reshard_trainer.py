@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from trainers import make_trainer
 
-from lightning_preempt import PreemptionCallback
+from lightning_preempt import PreemptionCallback, Tuning
 
 N, BATCH = 48, 4
 
@@ -44,7 +44,7 @@ def _fit(dirpath: Path, world: int, rank: int, max_steps: int, every: int = 3, *
     model = Recorder()
     # The periodic save at step 3 is the one resumed (a save at the end of training counts the
     # epoch as over: Lightning ends the epoch at max_steps).
-    callback = PreemptionCallback(str(dirpath), every_n_train_steps=every, save_on_train_end=False, **cb)
+    callback = PreemptionCallback(str(dirpath), every_n_train_steps=every, tuning=Tuning(save_on_train_end=False), **cb)
     trainer = make_trainer(max_steps, [callback])
     trainer.fit(model, DataLoader(data, batch_size=BATCH, sampler=sampler))
     return model, trainer

@@ -48,7 +48,7 @@ def shm() -> Iterator[Path]:
 def _fit(tmp: Path, shm: Path | None, *extra: str) -> tuple[int, str]:
     args = ["--dirpath", str(tmp / "ck"), "--status", str(tmp / "st"), "--max-steps", str(MAX_STEPS), "--every", "5"]
     if shm is not None:
-        args += ["--cb-kwargs", json.dumps({"tier0_every_n_steps": 2, "memory_dirpath": str(shm)})]
+        args += ["--cb-kwargs", json.dumps({"tier0_every_n_steps": 2, "tuning": {"memory_dirpath": str(shm)}})]
     proc = launch("train_script.py", tmp, *args, *extra)
     out, _ = proc.communicate(timeout=240)
     return proc.returncode, out
@@ -159,7 +159,7 @@ def test_a_full_tmpfs_does_not_stop_training(tmp_path: Path, shm: Path) -> None:
     shm.mkdir()
     args = ["--dirpath", str(tmp_path / "ck"), "--status", str(tmp_path / "st"), "--max-steps", str(MAX_STEPS),
             "--every", "5", "--width", "256",
-            "--cb-kwargs", json.dumps({"tier0_every_n_steps": 2, "memory_dirpath": str(shm)})]  # fmt: skip
+            "--cb-kwargs", json.dumps({"tier0_every_n_steps": 2, "tuning": {"memory_dirpath": str(shm)}})]  # fmt: skip
     script = Path(__file__).resolve().parents[1] / "support" / "train_script.py"
     # mode=0700: a tmpfs mounts 1777, which tier 0 refuses as a memory_dirpath (docs/security.md)
     command = f"mount -t tmpfs -o size=4k,mode=0700 tmpfs {shlex.quote(str(shm))} && exec " + shlex.join(
@@ -182,13 +182,14 @@ def _ledger_records(tmp: Path, kind: str) -> list[dict[str, object]]:
 
 @pytest.mark.slow
 def test_auto_k_picks_a_k_from_the_measured_copy_and_copies(tmp_path: Path, shm: Path) -> None:
-    """``memory_dirpath`` alone turns tier 0 on with ``tier0_every_n_steps="auto"``: the first
+    """``tier0_every_n_steps="auto"`` with a ``memory_dirpath``: the first
     copy after the warm-up measures, the engine logs the K it chose, later copies are K apart
     (or more: a copy starts at an agreement boundary), and each copy is a ledger record that
     the report shows (the newest tier-0 step). 120 steps: a loaded 2-core host measured K ~ 30
     (the writer thread competes with the step for the CPU; that is overhead too)."""
     args = ["--dirpath", str(tmp_path / "ck"), "--status", str(tmp_path / "st"), "--max-steps", "120",
-            "--every", "1000", "--step-sleep", "0.05", "--cb-kwargs", json.dumps({"memory_dirpath": str(shm)})]  # fmt: skip
+            "--every", "1000", "--step-sleep", "0.05", "--cb-kwargs",
+            json.dumps({"tier0_every_n_steps": "auto", "tuning": {"memory_dirpath": str(shm)}})]  # fmt: skip
     proc = launch("train_script.py", tmp_path, *args)
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out[-3000:]

@@ -16,7 +16,7 @@ from models import TinyModel, data, loader
 from torch.utils.data import DataLoader
 from trainers import StartProbe, fit, make_trainer
 
-from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO, list_checkpoints
+from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO, Tuning, list_checkpoints
 from lightning_preempt.format.names import checkpoint_name
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -151,7 +151,7 @@ def test_bad_arguments_say_what_to_do() -> None:
     with pytest.raises(ValueError, match="HINT"):
         PreemptionCallback("ck", keep_last_n=0)
     with pytest.raises(ValueError, match="HINT"):
-        PreemptionCallback("ck", signals=("SIGNOPE",))
+        PreemptionCallback("ck", tuning=Tuning(signals=("SIGNOPE",)))
     with pytest.raises(ValueError, match="HINT"):
         PreemptionCallback("")
 
@@ -182,7 +182,7 @@ def test_saves_and_resumes_are_reported_through_the_loggers(tmp_path: Path) -> N
 
     def run(max_steps: int, **kw: Any) -> Path:
         L.seed_everything(0)
-        logger = CSVLogger(str(tmp_path / "logs"), name="run", version=f"{max_steps}{kw}")
+        logger = CSVLogger(str(tmp_path / "logs"), name="run", version=f"{max_steps}{sorted(kw)}")
         cb = PreemptionCallback(str(tmp_path / "ck"), every_n_train_steps=4, **kw)
         make_trainer(max_steps, [cb], logger=logger, log_every_n_steps=1).fit(TinyModel(), loader())
         return Path(logger.log_dir) / "metrics.csv"
@@ -204,5 +204,5 @@ def test_saves_and_resumes_are_reported_through_the_loggers(tmp_path: Path) -> N
     assert "preempt/resumed_from_step" in header
     rows = [dict(zip(header, line.split(","), strict=True)) for line in second.splitlines()[1:]]
     assert [float(r["preempt/restarts"]) for r in rows if r["checkpoint/bytes"]] == [1.0]  # the save at 12
-    off = run(16, log_metrics=False)  # turned off: nothing of ours in the user's logger
+    off = run(16, tuning=Tuning(log_metrics=False))  # turned off: nothing of ours in the user's logger
     assert not off.exists() or ("checkpoint/" not in off.read_text() and "preempt/" not in off.read_text())

@@ -23,6 +23,7 @@ from jobs import launch
 from lightning.pytorch.callbacks import Callback
 from trainers import Fit, fit
 
+from lightning_preempt import Tuning
 from lightning_preempt.catalog.ownership import remove_if_ours
 from lightning_preempt.format.names import MANIFEST_NAME, writer_of
 from lightning_preempt.storage.diagnose import redact
@@ -138,7 +139,7 @@ def test_server_killed_mid_upload_leaves_no_remote_commit_and_training_goes_on(
         original(self, rel, payload, **kwargs)
 
     class KillDuringSecondDrain(Callback):
-        def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:  # the tiers are set up
             tiers = trainer.strategy.checkpoint_io.tiers  # type: ignore[attr-defined]
             uploaded = [0]
 
@@ -156,7 +157,7 @@ def test_server_killed_mid_upload_leaves_no_remote_commit_and_training_goes_on(
             mp.setattr(Store, "commit_bytes", recording)
             io = _fit(
                 url, options, local, max_steps=9, seed=0, width=512,
-                io_kwargs={"drain_retries": 2, "drain_backoff_s": 0.05}, callbacks=[KillDuringSecondDrain()],
+                tuning=Tuning(retries=2, backoff_s=0.05), callbacks=[KillDuringSecondDrain()],
             ).io  # fmt: skip
         assert not server.alive
         # Training went on to the end; every checkpoint is committed on the local tier.

@@ -14,6 +14,7 @@ from ckpts import committed
 from faulty_fs import FailingStat
 from trainers import fit
 
+from lightning_preempt import Tuning
 from lightning_preempt.catalog.retention import apply_retention, retain
 from lightning_preempt.format.names import MANIFEST_NAME, checkpoint_name
 from lightning_preempt.resume.resolver import ListingError
@@ -39,7 +40,7 @@ def test_two_eios_on_the_manifest_still_resume_from_the_newest_step(tmp_path: Pa
 def test_a_manifest_that_never_answers_stops_the_run_before_step_1(tmp_path: Path) -> None:
     fit(tmp_path, max_steps=10, every=10)
     with FailingStat(_manifest_of(10)), pytest.raises(ListingError) as info:
-        fit(tmp_path, max_steps=20, every=10, seed=123, list_retries=2)
+        fit(tmp_path, max_steps=20, every=10, seed=123, tuning=Tuning(retries=2))
     text = str(info.value)
     assert "cannot list" in text and "Input/output error" in text and "\nHINT: Training did not start" in text
     assert committed(tmp_path) == [10]  # nothing trained from scratch, nothing deleted

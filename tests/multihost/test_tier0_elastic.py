@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.multihost, pytest.mark.multiproc, pytest.mark.timeout(
 
 
 def _args(memory: Path, *more: str) -> list[str]:
-    kwargs = {"tier0_every_n_steps": 2, "memory_dirpath": str(memory / "tier0")}
+    kwargs = {"tier0_every_n_steps": 2, "tuning": {"memory_dirpath": str(memory / "tier0")}}
     return ["--max-steps", "30", "--step-sleep", "0.1", "--every", "5", "--samples", "--data-size", str(N),
             "--cb-kwargs", json.dumps(kwargs), *more]  # fmt: skip
 

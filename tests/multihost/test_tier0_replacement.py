@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.multihost, pytest.mark.multiproc, pytest.mark.timeout(
 
 
 def _args(memory: Path, disk: int | None, *more: str) -> list[str]:
-    kwargs = {"tier0_every_n_steps": 2, "memory_dirpath": str(memory / "tier0")}
+    kwargs = {"tier0_every_n_steps": 2, "tuning": {"memory_dirpath": str(memory / "tier0")}}
     return [*ARGS, *(["--every", str(disk)] if disk else []), "--cb-kwargs", json.dumps(kwargs), *more]
 
 

@@ -190,7 +190,7 @@ def test_at_a_settled_cadence_a_signal_on_one_rank_is_acted_on_within_the_bound(
     assert rank0 == rank1  # both ranks act at the same step
     for (every, step_s, _), got in zip(SETTLED, rank0[: len(SETTLED)], strict=True):
         waited = got["agreed_at"] - (got["signalled_at"] - 1)  # agreed step minus the step at the signal
-        # docs/design.md: k + 1 steps overlapped; with auto within max(2 steps, agree_interval_s)
+        # docs/design.md: k + 1 steps overlapped; with auto within max(2 steps, controller.AGREE_INTERVAL_S)
         assert waited <= got["k"] + 1, (every, step_s, got)
         # the exchange carried the signal's age: rank 0, never signalled, knows the wait too
         assert got["signal_steps"] == waited, (every, step_s, got)

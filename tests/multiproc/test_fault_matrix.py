@@ -101,7 +101,8 @@ def _worker(rank: int, world: int, root: str, ctl: str, failing: list[int], out:
     group = pdist.new_gloo_group(timeout_s=120)
     io = ShardedAsyncCheckpointIO()
     io.enable_collective_saves(pdist.new_gloo_group(timeout_s=120))
-    tiers_io = ShardedAsyncCheckpointIO(local_dirpath=f"{root}/drain-local", drain_retries=2, drain_backoff_s=0.01)
+    tiers_io = ShardedAsyncCheckpointIO()
+    tiers_io.saver.use_local_tier(f"{root}/drain-local", retries=2, backoff_s=0.01)
     tiers_io.enable_collective_saves(pdist.new_gloo_group(timeout_s=120))
     tiers_io.set_tiers(f"chaos://{root}/drain", keep_last_n=2, group=pdist.new_gloo_group(timeout_s=120))
     results: dict[str, Any] = {}

@@ -95,7 +95,7 @@ def test_two_tiers_resume_from_the_local_tier_then_from_the_bucket(tmp_path: Pat
 @pytest.mark.slow
 def test_tier0_a_sigkilled_pair_resumes_from_host_memory(tmp_path: Path) -> None:
     shm = Path("/dev/shm") / f"lp-test-fsdp1-{uuid.uuid4().hex[:12]}"
-    tier0 = ("--cb-kwargs", json.dumps({"tier0_every_n_steps": 2, "memory_dirpath": str(shm)}))
+    tier0 = ("--cb-kwargs", json.dumps({"tier0_every_n_steps": 2, "tuning": {"memory_dirpath": str(shm)}}))
     try:
         status = tmp_path / "st1"
         args = ["--dirpath", str(tmp_path / "ck"), "--status", str(status), "--every", "5", "--width", "64",

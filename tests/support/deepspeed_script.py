@@ -20,7 +20,7 @@ from models import TinyModel, data, fit_reporting
 from torch.utils.data import DataLoader
 from train_script import SelfSignal
 
-from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO
+from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO, Tuning
 
 
 def full_weights(model: torch.nn.Module, stage: int) -> dict[str, torch.Tensor]:
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     # heartbeat_timeout_s: DeepSpeed's CPU collectives may spin holding the GIL while the other rank,
     # starved on a loaded 2-core machine, catches up: the 4 s default then declared both ranks lost.
     cb = PreemptionCallback(args.dirpath, every_n_train_steps=args.every, keep_last_n=2, grace_period_s=30.0,
-                            heartbeat_timeout_s=30.0)  # fmt: skip
+                            tuning=Tuning(heartbeat_timeout_s=30.0))  # fmt: skip
     callbacks: list[Callback] = [cb]
     if args.signal_at:
         callbacks.append(SelfSignal(args.signal_at, args.signal_rank, cb))

@@ -34,7 +34,7 @@ from lightning.pytorch.callbacks import Callback
 from models import TinyModel, data
 from torch.utils.data import DataLoader
 
-from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO
+from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO, Tuning
 from lightning_preempt.elastic import trainer_kwargs
 
 
@@ -153,10 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         every_n_train_steps=args.every,
         keep_last_n=3,
         grace_period_s=args.grace,
-        agree_every_n_steps=1,
         local_dirpath=args.local_dirpath,
-        lease_timeout_s=20,
-        **({"global_batch": args.global_batch} if args.global_batch != "per_rank" else {}),
+        tuning=Tuning(agree_every_n_steps=1, lease_timeout_s=20, global_batch=args.global_batch),
     )
     callbacks: list[Callback] = [cb, status]
     if args.replica:

@@ -28,7 +28,7 @@ from lightning.fabric.strategies import ModelParallelStrategy
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_preempt import ShardedAsyncCheckpointIO
+from lightning_preempt import ShardedAsyncCheckpointIO, Tuning
 from lightning_preempt.fabric import Preemption
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         data = TensorDataset(torch.arange(N)) if args.indices else synthetic_tokens()
         loader = fabric.setup_dataloaders(DataLoader(data, batch_size=4, shuffle=True))
         preempt = Preemption(fabric, dirpath=args.dirpath, every_n_train_steps=args.every, grace_period_s=60,
-                             lease_timeout_s=5)  # fmt: skip
+                             tuning=Tuning(lease_timeout_s=5))  # fmt: skip
         state = {"model": model, "optimizer": optimizer, "step": 0}
         if not args.indices:
             state["loader"] = loader

@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import Callback
 from models import TinyModel, data, fit_reporting
 from torch.utils.data import DataLoader
 
-from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO
+from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO, Tuning
 
 
 class StepTimer(Callback):
@@ -56,8 +56,8 @@ def main() -> int:
         keep_last_n=5,
         grace_period_s=args.grace,
         notices=args.notices.split(",") if args.notices else None,
-        on_notice=args.on_notice,
         local_dirpath=args.local_dirpath,
+        tuning=Tuning(on_notice=args.on_notice),
     )
     trainer = L.Trainer(
         max_steps=args.max_steps,
@@ -65,7 +65,7 @@ def main() -> int:
         devices=args.devices,
         strategy="ddp" if args.devices > 1 else "auto",
         callbacks=[cb, timer := StepTimer()],
-        plugins=[ShardedAsyncCheckpointIO(local_dirpath=args.local_dirpath)],
+        plugins=[ShardedAsyncCheckpointIO()],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,

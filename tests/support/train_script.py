@@ -25,7 +25,7 @@ from lightning.pytorch.callbacks import Callback
 from models import TinyModel, data, fit_reporting
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO
+from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO, Tuning
 
 
 class SampleModel(TinyModel):
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dump-start", default="", help="save full weights + optimizer state at train start")
     p.add_argument("--local-dirpath", default=None, help="two-tier mode: node-local tier")
     p.add_argument("--storage-options", default="{}", help="JSON fsspec options for --dirpath")
-    p.add_argument("--cb-kwargs", default="{}", help="JSON: more PreemptionCallback options")
+    p.add_argument("--cb-kwargs", default="{}", help="JSON: more PreemptionCallback options (tuning: a dict)")
     p.add_argument("--samples", action="store_true", help="record each trained batch's sample indices")
     p.add_argument("--ledger-progress-s", type=float, default=None, help="the ledger's last step seen, this often")
     args = p.parse_args(argv)
@@ -145,15 +145,16 @@ def main(argv: list[str] | None = None) -> int:
         strategy = CPUFSDPStrategy(state_dict_type="full" if args.strategy == "fsdp_full" else "sharded")
     kind = SampleModel if args.samples else TinyModel
     model = kind(width=args.width, step_sleep=args.step_sleep, status=args.status, dump_start=args.dump_start)
+    options = json.loads(args.cb_kwargs)  # {"tuning": {...}}: Tuning's fields
     cb = PreemptionCallback(
         args.dirpath,
         every_n_train_steps=args.every,
         keep_last_n=3,
         grace_period_s=args.grace,
-        agree_every_n_steps=args.agree_every,
         local_dirpath=args.local_dirpath,
         storage_options=json.loads(args.storage_options),
-        **json.loads(args.cb_kwargs),
+        tuning=Tuning(agree_every_n_steps=args.agree_every, **options.pop("tuning", {})),
+        **options,
     )
     callbacks: list[Callback] = [cb]
     if args.signal_at:

@@ -86,12 +86,9 @@ def fit(
     L.seed_everything(seed)
     model, probe = TinyModel(width=width), StartProbe()
     callback = PreemptionCallback(
-        str(dirpath), every_n_train_steps=every, storage_options=storage_options, **callback_kwargs
-    )
-    io = ShardedAsyncCheckpointIO(
-        storage_options=storage_options,
-        local_dirpath=str(local_dirpath) if local_dirpath is not None else None,
-        **(io_kwargs or {}),
-    )
+        str(dirpath), every_n_train_steps=every, storage_options=storage_options,
+        local_dirpath=str(local_dirpath) if local_dirpath is not None else None, **callback_kwargs,
+    )  # fmt: skip
+    io = ShardedAsyncCheckpointIO(**(io_kwargs or {}))
     make_trainer(max_steps, [callback, probe, *(callbacks or [])], plugins=[io]).fit(model, loader())
     return Fit(model, probe, callback, io)

@@ -144,9 +144,10 @@ def test_at_a_settled_cadence_a_signal_just_after_an_exchange_waits_k_plus_one_s
     # overlapped: the exchange launched at a boundary is read at the next one, not one exchange
     # later (issue 58: up to 2k steps, 1.1-1.9 s at k=7)
     from lightning_preempt.engine.config import PreemptionConfig
+    from lightning_preempt.preemption.controller import AGREE_INTERVAL_S
 
     config = PreemptionConfig(dirpath="memory://agree-default")
-    schedule = AgreementSchedule(config.agree_every_n_steps, config.agree_interval_s, config.overlap_agreement,
+    schedule = AgreementSchedule(config.agree_every_n_steps, AGREE_INTERVAL_S, config.overlap_agreement,
                                  clock=_ticks(cost_s))  # fmt: skip
     schedule._flags = flags = _OneRank()
     settled = CALIBRATION_STEPS + 3 * k
@@ -158,8 +159,8 @@ def test_at_a_settled_cadence_a_signal_just_after_an_exchange_waits_k_plus_one_s
     acted = said.index(True) + 1
     assert schedule.signal_steps == acted - (arrives - 1)  # what the ledger records (issue 58)
     # the signal arrived during step `arrives` (after step arrives - 1 ended)
-    assert acted - (arrives - 1) == k + 1 <= max(2, round(config.agree_interval_s / step_s))
-    assert (acted - (arrives - 1)) * step_s <= max(2 * step_s, config.agree_interval_s) + 1e-9
+    assert acted - (arrives - 1) == k + 1 <= max(2, round(AGREE_INTERVAL_S / step_s))
+    assert (acted - (arrives - 1)) * step_s <= max(2 * step_s, AGREE_INTERVAL_S) + 1e-9
 
 
 def test_auto_counts_an_exchanges_spikes_but_not_the_groups_warm_up() -> None:

@@ -11,6 +11,7 @@ import lightning as L
 import pytest
 import torch
 
+from lightning_preempt import Tuning
 from lightning_preempt.fabric import Preemption
 from lightning_preempt.save.lease import LeaseHeldError
 
@@ -21,7 +22,7 @@ def _setup(dirpath: Path) -> tuple[Preemption, dict[str, Any]]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer = fabric.setup(model, optimizer)
     state: dict[str, Any] = {"model": model, "optimizer": optimizer, "step": 0}
-    return Preemption(fabric, dirpath=str(dirpath), every_n_train_steps=2, lease_timeout_s=1.0), state
+    return Preemption(fabric, dirpath=str(dirpath), every_n_train_steps=2, tuning=Tuning(lease_timeout_s=1.0)), state
 
 
 def test_a_second_fabric_loop_on_a_held_dirpath_is_refused_until_the_first_finishes(tmp_path: Path) -> None:

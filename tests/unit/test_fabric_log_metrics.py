@@ -11,6 +11,7 @@ import torch
 from lightning.fabric.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_preempt import Tuning
 from lightning_preempt.fabric import Preemption
 
 
@@ -23,7 +24,7 @@ def _fit(tmp: Path, name: str, steps: int, **options: object) -> list[dict[str, 
     model, optimizer = fabric.setup(model, optimizer)
     data = DataLoader(TensorDataset(torch.randn(2 * steps, 4)), batch_size=2)
     state: dict[str, object] = {"model": model, "optimizer": optimizer, "step": 0}
-    preempt = Preemption(fabric, dirpath=str(tmp / "ck"), every_n_train_steps=2, lease=False, **options)  # type: ignore[arg-type]
+    preempt = Preemption(fabric, dirpath=str(tmp / "ck"), every_n_train_steps=2, tuning=Tuning(lease=False, **options))
     preempt.resume(state)
     for batch in preempt.iterate(data, state):
         optimizer.zero_grad()

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_preempt import Preempted, newest_valid
+from lightning_preempt import Preempted, Tuning, newest_valid
 from lightning_preempt.fabric import Preemption
 from lightning_preempt.preemption.sources import Notice
 
@@ -44,8 +44,8 @@ def _loop(dirpath: Path, steps: int, source: Announce | None, fire_at: int) -> t
     model, optimizer = fabric.setup(model, optimizer)
     data = DataLoader(TensorDataset(torch.randn(2 * steps, 4)), batch_size=2)
     state: dict[str, Any] = {"model": model, "optimizer": optimizer, "step": 0}
-    preempt = Preemption(fabric, dirpath=str(dirpath), every_n_train_steps=100, requeue=False, on_notice="exit",
-                         sources=[source] if source is not None else [], lease=False)  # fmt: skip
+    preempt = Preemption(fabric, dirpath=str(dirpath), every_n_train_steps=100, notices=[source] if source else [],
+                         tuning=Tuning(requeue=False, on_notice="exit", lease=False))  # fmt: skip
     preempt.resume(state)
     start = state["step"]
     for batch in preempt.iterate(data, state):

@@ -11,7 +11,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_preempt import newest_valid
+from lightning_preempt import Tuning, newest_valid
 from lightning_preempt.catalog.ledger_reader import read_ledger
 from lightning_preempt.fabric import Preemption
 
@@ -24,7 +24,7 @@ def _loop(dirpath: Path, local: Path, steps: int) -> tuple[Preemption, dict[str,
     model, optimizer = fabric.setup(model, optimizer)
     data = DataLoader(TensorDataset(torch.randn(2 * steps, 4)), batch_size=2)
     state: dict[str, Any] = {"model": model, "optimizer": optimizer, "step": 0}
-    preempt = Preemption(fabric, dirpath=str(dirpath), every_n_train_steps=2, local_dirpath=str(local), lease=False)
+    preempt = Preemption(fabric, dirpath=str(dirpath), every_n_train_steps=2, local_dirpath=str(local), tuning=Tuning(lease=False))
     preempt.resume(state)
     start = state["step"]
     for batch in preempt.iterate(data, state):

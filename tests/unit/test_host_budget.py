@@ -14,6 +14,7 @@ import pytest
 import torch
 from log_records import package_records
 
+from lightning_preempt import Tuning
 from lightning_preempt.errors import CheckpointWriteError
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.read.load import load_full_checkpoint
@@ -135,7 +136,7 @@ def test_over_budget_saves_are_exact_with_writer_threads_and_warn_once(tmp_path:
 
 
 def test_the_plugin_takes_the_budget_options() -> None:
-    io = ShardedAsyncCheckpointIO(host_memory_budget=0.25, pinned_memory_budget=64 * MIB)
+    io = ShardedAsyncCheckpointIO(host_memory_budget=0.25, tuning=Tuning(pinned_memory_budget=64 * MIB))
     assert (io.saver.budget.host_option, io.saver.budget.pinned_option) == (0.25, 64 * MIB)
 
 

@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from models import TinyModel, data
 from torch.utils.data import DataLoader
 
-from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO
+from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO, Tuning
 from lightning_preempt.errors import CorruptCheckpointError
 from lightning_preempt.format import INLINE_TENSOR_MAX_BYTES, TensorRef, tensor_from_bytes
 from lightning_preempt.format.pickles import fast_unpickle, unpickle
@@ -143,7 +143,7 @@ def test_a_real_fit_keeps_its_state_tensors_inline_and_resumes_them(tmp_path: Pa
         trainer = L.Trainer(
             max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
             enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-            callbacks=[PreemptionCallback(dirpath=str(tmp_path / "run"), every_n_train_steps=3, lease=False),
+            callbacks=[PreemptionCallback(dirpath=str(tmp_path / "run"), every_n_train_steps=3, tuning=Tuning(lease=False)),
                        checkpoints],
             plugins=[ShardedAsyncCheckpointIO()],
         )  # fmt: skip

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from lightning_preempt import Tuning
 from lightning_preempt.engine.config import PreemptionConfig
 from lightning_preempt.preemption.controller import PreemptionController
 from lightning_preempt.preemption.sources import Notice
@@ -120,7 +121,7 @@ def test_callback_options_are_plain_types_for_lightningcli(tmp_path) -> None:  #
     parser = ArgumentParser()
     parser.add_class_arguments(PreemptionCallback, "cb")
     for yaml, names, mode in (
-        (f"cb:\n  dirpath: {tmp_path}\n  notices: [aws, gce]\n  on_notice: exit\n", ["aws", "gce"], "exit"),
+        (f"cb:\n  dirpath: {tmp_path}\n  notices: [aws, gce]\n  tuning:\n    on_notice: exit\n", ["aws", "gce"], "exit"),
         (f"cb:\n  dirpath: {tmp_path}\n  notices: auto\n", ["auto"], "continue"),
         (f"cb:\n  dirpath: {tmp_path}\n", [], "continue"),
     ):
@@ -128,4 +129,4 @@ def test_callback_options_are_plain_types_for_lightningcli(tmp_path) -> None:  #
         cb = parser.instantiate_classes(cfg).cb
         assert list(cb.config.notices) == names and cb.engine.controller.on_notice == mode
     with pytest.raises(ValueError, match="HINT"):
-        PreemptionCallback(str(tmp_path), notices=["azure"], on_notice="later")  # type: ignore[arg-type]
+        PreemptionCallback(str(tmp_path), notices=["azure"], tuning=Tuning(on_notice="later"))  # type: ignore[arg-type]

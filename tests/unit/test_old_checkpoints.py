@@ -15,7 +15,7 @@ import torch
 from models import TinyModel, data
 from torch.utils.data import DataLoader
 
-from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO, verify_checkpoint
+from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO, Tuning, verify_checkpoint
 from lightning_preempt.cli import main as cli_main
 from lightning_preempt.storage.store import Store
 
@@ -65,7 +65,7 @@ def _resuming_trainer(dirpath: Path, probe: L.Callback) -> L.Trainer:
     return L.Trainer(
         max_steps=5, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0,
-        callbacks=[PreemptionCallback(dirpath=str(dirpath), every_n_train_steps=5, lease=False), probe],
+        callbacks=[PreemptionCallback(dirpath=str(dirpath), every_n_train_steps=5, tuning=Tuning(lease=False)), probe],
         plugins=[ShardedAsyncCheckpointIO()],
     )  # fmt: skip
 

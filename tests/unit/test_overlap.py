@@ -20,7 +20,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import DataLoader, TensorDataset
 from trainers import make_trainer
 
-from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO, list_checkpoints
+from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO, Tuning, list_checkpoints
 from lightning_preempt.errors import CheckpointWriteError
 from lightning_preempt.preemption.controller import Preempted
 from lightning_preempt.read.load import load_full_checkpoint
@@ -155,10 +155,10 @@ class Probe(Callback):
 def _fit(root: str, hold: Hold, optimizer: str, accumulate: int, *, steps: int = 5, manual: bool = False,
          signal_at: int | None = None) -> tuple[Probe, ShardedAsyncCheckpointIO, int]:  # fmt: skip
     torch.manual_seed(0)
-    io = ShardedAsyncCheckpointIO(overlap_staging=True)
+    io = ShardedAsyncCheckpointIO(tuning=Tuning(overlap_staging=True))
     probe = Probe(io, accumulate, signal_at)
-    cb = PreemptionCallback(root, every_n_train_steps=2, keep_last_n=5, signals=("SIGUSR1",), lease=False,
-                            probe_storage=False, agree_every_n_steps=1, overlap_agreement=False)  # fmt: skip
+    cb = PreemptionCallback(root, every_n_train_steps=2, keep_last_n=5, tuning=Tuning(
+        signals=("SIGUSR1",), lease=False, probe_storage=False, agree_every_n_steps=1, overlap_agreement=False))  # fmt: skip
     # Lightning moves the checkpoint callback (cb) last: the probe sees each step before it saves
     trainer = make_trainer(steps, [probe, cb], plugins=[io], accumulate_grad_batches=1 if manual else accumulate)
     code = 0

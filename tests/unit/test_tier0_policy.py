@@ -152,8 +152,10 @@ def test_tier0_options_are_validated_and_default_to_dev_shm() -> None:
         PreemptionConfig(dirpath="ckpts/run", tier0_every_n_steps=0)
     auto = PreemptionConfig(dirpath="ckpts/run", tier0_every_n_steps="auto")
     assert auto.memory_dirpath == config.memory_dirpath
-    given = PreemptionConfig(dirpath="ckpts/run", memory_dirpath="/dev/shm/x")  # a directory turns tier 0 on
+    given = PreemptionConfig(dirpath="ckpts/run", tier0_every_n_steps="auto", memory_dirpath="/dev/shm/x")
     assert given.tier0_every_n_steps == "auto" and given.memory_dirpath == "/dev/shm/x"
+    with pytest.raises(ValueError, match="HINT: tier 0 is on when tier0_every_n_steps is set"):
+        PreemptionConfig(dirpath="ckpts/run", memory_dirpath="/dev/shm/x")  # a directory alone: say so
     with pytest.raises(ValueError, match="memory_dirpath must be a local directory"):
         PreemptionConfig(dirpath="ckpts/run", tier0_every_n_steps=4, memory_dirpath="s3://b/x")
     fields = start_fields(
