@@ -89,7 +89,7 @@ class _Saves:
     # ---- saving ------------------------------------------------------------------------
     def save(self, strategy: Any, checkpoint: dict[str, Any], url: str, storage_options: Any) -> None:
         self._settle()  # the writer's group is free; an earlier failure is raised here
-        options = self.io._options(storage_options)
+        options = dict(self.io.order(url, storage_options).options)
         root = Store(url, options)
         if not root.is_local:
             raise CheckpointError(f"DeepSpeedStrategy cannot save to {url}", path=url, hint=_LOCAL_HINT)

@@ -34,6 +34,7 @@ from lightning_preempt.collective import groups as pdist
 from lightning_preempt.format.skeleton import split_checkpoint
 from lightning_preempt.lightning import _compat
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
+from lightning_preempt.save.order import SaveOrder
 
 __all__ = ["check_sharding", "install_fsdp", "install_model_parallel", "without_mesh"]
 
@@ -84,7 +85,8 @@ def _install(strategy: Strategy, io: ShardedAsyncCheckpointIO, *, sharded: Calla
 
     def save(self: Strategy, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if not sharded():
-            original_save(checkpoint, filepath, storage_options)  # full state on rank 0: Lightning's path
+            # full state on rank 0: Lightning's path (which refuses storage_options: the engine's order is ours)
+            original_save(checkpoint, filepath, None if isinstance(storage_options, SaveOrder) else storage_options)
             return
         io.save_checkpoint(checkpoint, str(self.broadcast(str(filepath))), storage_options=storage_options)
 
