@@ -66,7 +66,7 @@ def test_gathered_writes_are_the_bytes_of_an_item_by_item_save(tmp_path: Path, s
         saver.close()
     fresh = Saver({})  # the same state, written item by item
     try:
-        fresh.save(_state(3), str(tmp_path / "fresh"), {}, wait=True)
+        fresh.save(_state(3), SaveOrder(str(tmp_path / "fresh")), wait=True)
     finally:
         fresh.close()
     assert _shards(tmp_path / "s3") == _shards(tmp_path / "fresh")

@@ -52,7 +52,7 @@ def test_a_replayed_save_writes_what_an_item_by_item_save_writes(tmp_path: Path,
 
     fresh = Saver({})  # the same state written item by item (no plan to replay)
     try:
-        fresh.save(_state(3), str(tmp_path / "fresh"), {}, wait=True)
+        fresh.save(_state(3), SaveOrder(str(tmp_path / "fresh")), wait=True)
     finally:
         fresh.close()
     assert fresh.plan_cache.metadata_pickles.hits == 0
