@@ -13,7 +13,6 @@ refused with a HINT before step 1.
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 from lightning.fabric.strategies import FSDPStrategy
@@ -23,6 +22,7 @@ from torch.optim import Optimizer
 from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.format.skeleton import split_checkpoint
+from lightning_preempt.lightning import _compat
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO, fabric_order
 from lightning_preempt.lightning.sharded_saves import without_mesh
 from lightning_preempt.resume.samplers import is_stateful
@@ -134,5 +134,4 @@ def _install(strategy: Any, io: ShardedAsyncCheckpointIO) -> None:
                 state[key] = checkpoint.pop(key)
         return checkpoint
 
-    strategy.save_checkpoint = types.MethodType(save, strategy)
-    strategy.load_checkpoint = types.MethodType(load, strategy)
+    _compat.rebind(strategy, "fabric_sharded", save_checkpoint=save, load_checkpoint=load)
