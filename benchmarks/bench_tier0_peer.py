@@ -36,6 +36,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, work: st
 
     from lightning_preempt.collective.groups import new_gloo_group
     from lightning_preempt.engine.memory_tier import MemoryTier
+    from lightning_preempt.save.order import SaveOrder
     from lightning_preempt.save.saver import Saver
 
     torch.set_num_threads(1)
@@ -55,7 +56,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, work: st
         path = tier.path(step, dist.group.WORLD)
         assert path is not None
         t0 = time.perf_counter()
-        saver.save(state, path, {})
+        saver.save(state, SaveOrder(path))
         saver.wait()
         t1 = time.perf_counter()
         tier.after_copy(saver, path, "bench", leader=rank == 0)

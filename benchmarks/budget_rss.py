@@ -28,6 +28,7 @@ import time
 import torch
 
 from lightning_preempt.read.load import load_full_checkpoint
+from lightning_preempt.save.order import SaveOrder
 from lightning_preempt.save.saver import Saver
 from lightning_preempt.storage.store import Store
 
@@ -64,7 +65,7 @@ def main() -> None:
 
     warm = Saver({}, host_memory_budget=budget)
     warm.save({"global_step": 0, "state_dict": {"w": torch.zeros(numel, device=device)}},
-              os.path.join(args.out, "warm"), {}, wait=True)  # fmt: skip
+              SaveOrder(os.path.join(args.out, "warm")), wait=True)  # fmt: skip
     warm.close()
     del warm
 
@@ -79,7 +80,7 @@ def main() -> None:
     for step in range(1, args.repeats + 1):
         url = os.path.join(args.out, f"ckpt{step}")
         started = time.perf_counter()
-        saver.save({"global_step": step, "epoch": 1, "state_dict": state}, url, {})
+        saver.save({"global_step": step, "epoch": 1, "state_dict": state}, SaveOrder(url))
         blocking_s.append(time.perf_counter() - started)
         with torch.no_grad():
             for tensor in state.values():  # training moves on as soon as the save returns

@@ -89,7 +89,9 @@ class Run:
         if saver is None:
             t1 = t0
         else:
-            saver.save(self.checkpoint(), os.path.join(self.root, f"s{self.step_no}"), {})
+            from lightning_preempt.save.order import SaveOrder
+
+            saver.save(self.checkpoint(), SaveOrder(os.path.join(self.root, f"s{self.step_no}")))
             t1 = time.perf_counter()
         self.step()
         t2 = time.perf_counter()

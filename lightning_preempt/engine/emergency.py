@@ -14,6 +14,7 @@ from lightning_preempt.engine.ledger_writer import Ledger, record_preemption
 from lightning_preempt.errors import CheckpointError
 from lightning_preempt.preemption.controller import Preempted, PreemptionController
 from lightning_preempt.save.history import SaveRecord
+from lightning_preempt.save.order import Kind
 from lightning_preempt.save.saver import Saver
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ class Saving(Protocol):
     def wait(self) -> None:
         """Every rank: wait for the saves in flight; a failure on any rank raises on every rank."""
 
-    def save(self, step: int, kind: str = "periodic") -> None:
+    def save(self, step: int, kind: Kind = "periodic") -> None:
         """Every rank: save ``step`` (asynchronous) unless it is saved already."""
 
 

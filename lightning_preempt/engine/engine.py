@@ -8,7 +8,6 @@ docs/design.md "The engine's call order".
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 import uuid
@@ -37,6 +36,7 @@ from lightning_preempt.preemption.deadline import GraceCheck
 from lightning_preempt.preemption.notices import make_sources
 from lightning_preempt.preemption.sources import PreemptionSource
 from lightning_preempt.resume.resolver import ResumeResolver, ResumeTarget
+from lightning_preempt.save.order import Kind, SaveOrder
 from lightning_preempt.save.saver import Saver
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class Engine:
         #: unknown, or no lease). A save of a higher step needs no look at the storage for its path.
         self._highest_listed: int | None = None
         self.run_id: str | None = None  # set in setup; recorded in every manifest of this run
-        self.save_kind = "periodic"  # why the save in progress is taken (saved in the checkpoint)
+        self.saving: SaveOrder | None = None  # the save handed to the front-end now (its kind: in the checkpoint)
         self.last_saved_step: int | None = None
         self.last_saved_path: str | None = None
         self.leader = True
@@ -78,7 +78,7 @@ class Engine:
         self._notice_sources: list[PreemptionSource] = []
         self._runtime = Runtime()  # a fresh one per set-up
         self._saver: Saver | None = None
-        self._save: Callable[[str], None] | None = None
+        self._save: Callable[[SaveOrder], None] | None = None
         self._warned_no_interval = False
         #: The goodput ledger (written by rank 0 with ``config.ledger``; else one that records nothing).
         self.ledger = Ledger.off()
@@ -103,7 +103,7 @@ class Engine:
         self,
         saver: Saver,
         *,
-        save: Callable[[str], None],
+        save: Callable[[SaveOrder], None],
         route_saves: Callable[[Any], object],
         leader: bool,
         local_rank: int = 0,
@@ -113,7 +113,8 @@ class Engine:
 
         Args:
             saver: the process's save pipeline (the plugin's).
-            save: saves the current training state at a path (through ``saver``).
+            save: saves the current training state as a :class:`SaveOrder` says, by handing the
+                order to ``saver.save`` (docs/design.md "A save, hop by hop").
             route_saves: called with the gloo group reserved for the saver's job thread;
                 makes every rank save its share (``saver.enable_collective``) where the
                 framework allows it.
@@ -295,31 +296,22 @@ class Engine:
         """Every rank: wait for pending saves; a failure on any rank raises on every rank."""
         agree.agree(self.saver.wait, self._group, what="saving the checkpoint")
 
-    def save(self, step: int, kind: str = "periodic") -> None:
+    def save(self, step: int, kind: Kind = "periodic") -> None:
         """Every rank: save ``step`` at a fresh path (asynchronous), unless it is saved already."""
         if step == self.last_saved_step:
             return
-        assert self._save is not None, "Engine.setup() first"
         self._forgive_memory_copy(wait=True)
         path = tier_policy.fresh_path(self.saver.tiers, self.config.dirpath, step, self.config.storage_options,
                                        self._group, highest_listed=self._highest_listed)  # fmt: skip
-        self.save_kind = kind  # recorded in the checkpoint by the front-end during this save
         saver, before = self.saver, self.saver.history[-1:]
-        # Periodic saves may overlap their copy with the next step (staging/overlap.py); the
-        # emergency and final ones are waited for at once: staged completely, synchronously.
-        overlap = kind in ("periodic", "notice")
-        saver.unwatched_url = path  # nothing looks for it before its commit
-        with contextlib.nullcontext() if overlap else saver.overlap.suspended():
-            self._save(path)
-        self.last_saved_step, self.last_saved_path = step, path
-        self._last_save_time = time.monotonic()
+        self._hand_over(SaveOrder(path, kind, watched=False))  # nothing looks for it before its commit
+        self.last_saved_step, self.last_saved_path, self._last_save_time = step, path, time.monotonic()
         if self.memory is not None and saver.tiers is None:  # one durable tier: it holds step once committed
             after = saver.history[-1:]
             self.memory.loss.started(Copy(step, after[0] if after and after != before else None))
         record_save(self.ledger, saver, before, kind)
         if self.leader and saver.tiers is None:  # two tiers: each drain job applies retention per tier
-            # Queued behind the save: runs after it committed (or failed; then the old
-            # checkpoints are still the newest committed and are kept).
+            # Queued behind the save: runs after it committed (or failed: the old ones are kept).
             config = self.config
             saver.submit(lambda: retain(config.dirpath, config.keep_last_n, config.storage_options,
                                         run_id=self.run_id))  # fmt: skip
@@ -329,20 +321,28 @@ class Engine:
         """Every rank: copy ``step`` to tier 0 (asynchronous, queued behind the saver's saves in
         flight, as a periodic save); on several nodes the peer copy follows it (memory_tier.py).
         ``at_bound``: the loss bound needs this copy, even where a disk save of ``step`` began."""
-        assert self._save is not None and self.memory is not None, "Engine.setup() first"
+        assert self.memory is not None, "Engine.setup() first"
         if step == self.last_saved_step and not at_bound:
             return  # on a disk tier already
         self._forgive_memory_copy(wait=True)
         path = self.memory.path(step, self._group)
         if path is None:
             return  # the previous peer copy still runs on some rank: skipped on every rank
-        self.save_kind = "periodic"
         before = self.saver.history[-1:]
-        self._save(path)
+        self._hand_over(SaveOrder(path, "tier0"))
         after = self.saver.history[-1:]
         self.memory.started(step, path, after[0] if after and after != before else None)
         record_save(self.ledger, self.saver, before, "tier0", tier="memory")
         self.memory.after_copy(self.saver, path, self.run_id, leader=self.leader)
+
+    def _hand_over(self, order: SaveOrder) -> None:
+        """The front-end saves the current state as ``order`` says (every rank)."""
+        assert self._save is not None, "Engine.setup() first"
+        self.saving = order
+        try:
+            self._save(order)
+        finally:
+            self.saving = None
 
     def _forgive_memory_copy(self, *, wait: bool) -> None:
         """A failed tier-0 copy (a full tmpfs) does not stop training: logged, the disk tiers

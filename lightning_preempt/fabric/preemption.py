@@ -28,6 +28,7 @@ from lightning_preempt.lightning.logs import SaveReporter
 from lightning_preempt.lightning.strategies import ensure_plugin
 from lightning_preempt.resume import ddp_buckets
 from lightning_preempt.resume.exact_state import STATE_KEY
+from lightning_preempt.save.order import SaveOrder
 
 log = logging.getLogger(__name__)
 
@@ -212,8 +213,9 @@ class Preemption:
         for metrics, step in self._reporter.collect(self._io.history, is_global_zero=self.fabric.is_global_zero):
             self.fabric.log_dict(metrics, step=step)
 
-    def _save(self, path: str) -> None:
-        """The engine's save: ``fabric.save`` of the loop's state (every rank)."""
+    def _save(self, order: SaveOrder) -> None:
+        """The engine's save: ``fabric.save`` of the loop's state (every rank), ``order`` handed
+        to the strategy as its ``storage_options`` (docs/design.md "A save, hop by hop")."""
         state, step = self._current()
         fabric = self.fabric
         saved = _saved_part(state)
@@ -221,7 +223,7 @@ class Preemption:
             rank=fabric.global_rank, world_size=fabric.world_size, step=step, model=_ddp_of(state)
         )
         saved[STEP_KEY], saved[EPOCH_KEY] = step, self.data.epoch
-        fabric.save(path, saved)
+        _compat.fabric_save(fabric, saved, order)
 
     def _current(self, state: dict[str, Any] | None = None) -> tuple[dict[str, Any], int]:
         """The loop's state (``state``, kept for later calls, else the one given before) and its step."""

@@ -13,7 +13,6 @@ refused with a HINT before step 1.
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 from lightning.fabric.strategies import FSDPStrategy
@@ -24,7 +23,8 @@ from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.engine.config import PreemptionConfig
 from lightning_preempt.format.skeleton import split_checkpoint
-from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO, stateful_keys
+from lightning_preempt.lightning import _compat
+from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO, fabric_order
 from lightning_preempt.lightning.sharded_saves import without_mesh
 from lightning_preempt.lightning.strategies import hand_options
 from lightning_preempt.resume.samplers import is_stateful
@@ -100,8 +100,8 @@ def _install(strategy: Any, io: ShardedAsyncCheckpointIO) -> None:
         path = self.broadcast(str(path))  # every rank writes its shards into one checkpoint
         converted = {k: (v.state_dict() if is_stateful(v) else v) for k, v in state.items()}
         converted.update(_sharded_states(self, state))
-        with io.fabric_state(stateful_keys(state)):
-            io.save_checkpoint(checkpoint=converted, path=path, storage_options=storage_options)
+        order = fabric_order(io, path, storage_options, state)
+        io.save_checkpoint(checkpoint=converted, path=path, storage_options=order)
 
     def load(self: Any, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None) -> Any:
         from torch.distributed.checkpoint.state_dict import (
@@ -136,5 +136,4 @@ def _install(strategy: Any, io: ShardedAsyncCheckpointIO) -> None:
                 state[key] = checkpoint.pop(key)
         return checkpoint
 
-    strategy.save_checkpoint = types.MethodType(save, strategy)
-    strategy.load_checkpoint = types.MethodType(load, strategy)
+    _compat.rebind(strategy, "fabric_sharded", save_checkpoint=save, load_checkpoint=load)

@@ -38,6 +38,7 @@ from lightning_preempt.lightning.strategies import ensure_plugin, give_ddp_bucke
 from lightning_preempt.preemption.controller import Preempted
 from lightning_preempt.preemption.signals import SignalFlag, shield_workers
 from lightning_preempt.preemption.sources import PreemptionSource
+from lightning_preempt.save.order import SaveOrder
 
 __all__ = ["Preempted", "PreemptionCallback"]
 
@@ -157,11 +158,9 @@ class PreemptionCallback(OnExceptionCheckpoint):
         if self.exact.enabled:  # DDP is built after the load: its first step reduces as the saved run's
             give_ddp_bucket_layout(trainer.strategy, self.exact.ddp_layout)
         io = ensure_plugin(trainer.strategy, self.config)
-        # Our checkpoints are resume checkpoints: always the full state. Said explicitly, so
-        # Lightning does not log "`weights_only` was not set, defaulting to `False`" per save.
-        save = functools.partial(trainer.save_checkpoint, weights_only=False)
         target = self.engine.setup(
-            io.saver, save=save, leader=trainer.is_global_zero, local_rank=trainer.local_rank,
+            io.saver, save=functools.partial(_save, trainer), leader=trainer.is_global_zero,
+            local_rank=trainer.local_rank,
             route_saves=lambda group: install_collective_saves(trainer.strategy, io, group),
             verify_on_load=io.config.verify_on_load,
         )  # fmt: skip
@@ -181,7 +180,9 @@ class PreemptionCallback(OnExceptionCheckpoint):
     def state_dict(self) -> dict[str, Any]:
         """Saved in every checkpoint: why it was taken (read back to report steps lost)."""
         notice = self.engine.controller.notice
-        return {"kind": self.engine.save_kind, "signal": notice.source if notice is not None else None}
+        order = self.engine.saving  # None: a save of ModelCheckpoint's or the user's
+        kind = order.kind if order is not None else "periodic"
+        return {"kind": kind, "signal": notice.source if notice is not None else None}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -290,6 +291,13 @@ class PreemptionCallback(OnExceptionCheckpoint):
         io = trainer.strategy.checkpoint_io
         assert isinstance(io, ShardedAsyncCheckpointIO)
         return io
+
+
+def _save(trainer: pl.Trainer, order: SaveOrder) -> None:
+    """The engine's save: ``order`` travels as ``storage_options``, which Lightning's strategy hands
+    to the plugin unchanged (docs/design.md "A save, hop by hop"). Always the full state (resume
+    checkpoints), said explicitly: Lightning then does not log "`weights_only` was not set"."""
+    trainer.save_checkpoint(order.url, weights_only=False, storage_options=order)
 
 
 def _model_tensors(module: pl.LightningModule) -> dict[str, Any]:

@@ -4,8 +4,8 @@ decides which saves are asynchronous; the mechanism lives below (docs/design.md)
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Mapping
+import dataclasses
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -23,6 +23,7 @@ from lightning_preempt.engine.config import CheckpointIOConfig, Tuning, check_lo
 from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.lightning import _compat
 from lightning_preempt.save.history import SaveRecord
+from lightning_preempt.save.order import SaveOrder
 from lightning_preempt.save.saver import Saver
 from lightning_preempt.staging.overlap import resolve as resolve_overlap
 from lightning_preempt.tiers.two_tier import TwoTier
@@ -57,7 +58,6 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
     (docs/options.md), and validated here.
     """
 
-    _fabric_keys: tuple[str, ...] | None = None  # set by fabric_state while Fabric saves
     _warned_alone = False  # warn_if_alone: once per plugin
 
     def __init__(
@@ -102,40 +102,45 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         ``path`` exists when this returns. A committed checkpoint already at ``path`` is
         replaced once the new one is committed (never torn). Outside ``fit`` (after
         :meth:`teardown`, or before a training epoch started) the save is synchronous and
-        writes a plain Lightning file.
+        writes a plain Lightning file. ``storage_options``: fsspec options for this save, or
+        the :class:`~lightning_preempt.save.order.SaveOrder` a front-end passes through
+        Lightning's strategy (docs/design.md "A save, hop by hop").
 
         Raises:
             CheckpointWriteError: the previous save failed (raised once).
         """
-        url, options = str(path), self._options(storage_options)
-        if self._fabric_keys is not None:
-            # fabric.save, on every rank (:func:`wrap_save`): asynchronous and sharded, the keys that
-            # held a module or an optimizer to the DCP shards. Without a group from Preemption the
-            # first save makes the writer's (collective: fabric.save runs on every rank).
+        order = self.order(path, storage_options)
+        if order.fabric:
+            # fabric.save, on every rank (:func:`wrap_save`): asynchronous and sharded. Without a
+            # group from Preemption the first save makes the writer's (collective: every rank saves).
             if self.saver.group is None and pdist.world_size() > 1:
                 self.saver.enable_collective(pdist.new_gloo_group())
                 self.saver.use_stage_group(pdist.new_gloo_group())  # the next save stages while one commits
             elif self.saver.closed:  # after Fabric's teardown: saves stay asynchronous and sharded
                 self.saver.enable_collective(self.saver.group)
-            self.saver.save(checkpoint, url, options, sharded_keys=self._fabric_keys)
+            self.saver.save(checkpoint, order)
             return
         outside_fit = self.saver.closed or not _training_started(checkpoint)
         if outside_fit and not _holds_dtensors(checkpoint):
-            self.saver.save_plain(checkpoint, url, options)
+            self.saver.save_plain(checkpoint, order.url, dict(order.options))
         else:
             # (outside fit with DTensors, i.e. ModelParallelStrategy after fit: no single file
             # can hold the shards; the directory is written synchronously)
-            self.saver.save(checkpoint, url, options, wait=outside_fit)
+            self.saver.save(checkpoint, order, wait=outside_fit)
 
-    @contextlib.contextmanager
-    def fabric_state(self, sharded_keys: tuple[str, ...]) -> Iterator[None]:
-        """Within it, :meth:`save_checkpoint` takes ``fabric.save``'s converted state
-        (:func:`wrap_save`), sharding the keys that held a module or an optimizer."""
-        self._fabric_keys = sharded_keys
-        try:
-            yield
-        finally:
-            self._fabric_keys = None
+    def order(self, path: Any, storage_options: Any) -> SaveOrder:
+        """The save to ``path``: the order given as ``storage_options``, else a save the framework
+        or a user asked for with those fsspec options; the plugin's options under either's."""
+        if isinstance(storage_options, SaveOrder):
+            return dataclasses.replace(storage_options, url=str(path),
+                                       options={**self.storage_options, **storage_options.options})  # fmt: skip
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise TypeError(
+                "lightning_preempt: storage_options must be a dict of fsspec options or None, got "
+                f"{type(storage_options).__name__}\nHINT: e.g. trainer.save_checkpoint(path, "
+                "storage_options={'endpoint_url': 'http://127.0.0.1:9000'})"
+            )
+        return SaveOrder(str(path), options={**self.storage_options, **(storage_options or {})})
 
     @override
     def load_checkpoint(
@@ -242,15 +247,6 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         """Bytes this rank copied into staging buffers in its last save (its share under DDP)."""
         return self.saver.stager.last_staged_bytes
 
-    def _options(self, storage_options: Any) -> dict[str, Any]:
-        if storage_options is not None and not isinstance(storage_options, Mapping):
-            raise TypeError(
-                "lightning_preempt: storage_options must be a dict of fsspec options or None, got "
-                f"{type(storage_options).__name__}\nHINT: e.g. trainer.save_checkpoint(path, "
-                "storage_options={'endpoint_url': 'http://127.0.0.1:9000'})"
-            )
-        return {**self.storage_options, **(storage_options or {})}
-
 
 # The callbacks that act on a preemption: lightning/callback.py adds PreemptionCallback (it imports
 # this module, so this one cannot import it back).
@@ -296,32 +292,31 @@ def _holds_dtensors(obj: Any) -> bool:
 
 
 # ---- fabric.save through the plugin on every rank ----------------------------------------------
-def stateful_keys(state: dict[str, Any]) -> tuple[str, ...]:
-    """The top-level keys of a ``fabric.save`` state that hold a module or an optimizer."""
-    return tuple(str(k) for k, v in state.items() if isinstance(v, (Module, Optimizer)))
+def fabric_order(io: ShardedAsyncCheckpointIO, path: Any, storage_options: Any, state: dict[str, Any]) -> SaveOrder:
+    """The order of a ``fabric.save`` of ``state`` (the engine's, given as ``storage_options``, or
+    a user's): Fabric's, the top-level keys that hold a module or an optimizer sharded."""
+    keys = tuple(str(k) for k, v in state.items() if isinstance(v, (Module, Optimizer)))
+    return dataclasses.replace(io.order(path, storage_options), fabric=True, sharded_keys=keys)
 
 
 def wrap_save(original: Callable[..., None]) -> Callable[..., None]:
     """Fabric's base ``Strategy.save_checkpoint`` (single device, DDP, DP: the plugin on rank 0
-    alone), routed to a plugin that offers ``fabric_state`` on every rank: the replicated tensors
-    are split between the ranks (DCP), the keys that held a module or optimizer are sharded.
-    Installed once per process by the plugin (``_compat.route_fabric_saves``)."""
+    alone), routed to our plugin on every rank: the replicated tensors are split between the
+    ranks (DCP), the keys that held a module or optimizer are sharded. Installed once per
+    process by the plugin (``_compat.route_fabric_saves``)."""
 
     def save_checkpoint(
         self: Any, path: Any, state: dict[str, Any], storage_options: Any = None, filter: Any = None
     ) -> None:
         io = self.checkpoint_io
-        # Looked up on the class: a ``Mock()`` checkpoint_io (Lightning's own tests) grows any
-        # attribute, and must see Lightning's calls.
-        if getattr(type(io), "fabric_state", None) is None:
+        if not isinstance(io, ShardedAsyncCheckpointIO):  # (a ``Mock()`` one in Lightning's own tests)
             original(self, path, state, storage_options, filter)
             return
-        sharded = stateful_keys(state)
+        order = fabric_order(io, path, storage_options, state)
         converted = _compat.convert_fabric_state(self, state, filter or {})
         if pdist.world_size() > 1 or self.is_global_zero:
             # Through ``save_checkpoint``, the CheckpointIO contract (a subclass overriding it,
-            # or a test mocking it, sees the save); ``fabric_state`` says it is Fabric's.
-            with io.fabric_state(sharded):
-                io.save_checkpoint(checkpoint=converted, path=path, storage_options=storage_options)
+            # or a test mocking it, sees the save); the order says it is Fabric's.
+            io.save_checkpoint(checkpoint=converted, path=path, storage_options=order)
 
     return save_checkpoint

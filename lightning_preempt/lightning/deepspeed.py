@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import types
 from concurrent.futures import Future
 from typing import Any
 
@@ -34,6 +33,7 @@ from lightning_preempt.collective import groups as pdist
 from lightning_preempt.errors import CheckpointError, CheckpointWriteError, earlier_save_failed
 from lightning_preempt.format.manifest import FileEntry, Manifest, data_store
 from lightning_preempt.format.names import DEEPSPEED_FILE_RE
+from lightning_preempt.lightning import _compat
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.read.load import load_agreed
 from lightning_preempt.read.verify import read_manifest, verify_checkpoint
@@ -61,8 +61,6 @@ def install(strategy: Any, io: ShardedAsyncCheckpointIO) -> None:
             hint=_LOCAL_HINT,
         )
     saves = _Saves(io)
-    # The class's own (a second fit installs again: never wrap our own wrapper)
-    original_load = types.MethodType(type(strategy).load_checkpoint, strategy)
 
     def save(self: Any, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         saves.save(self, checkpoint, str(self.broadcast(str(filepath))), storage_options)
@@ -72,11 +70,11 @@ def install(strategy: Any, io: ShardedAsyncCheckpointIO) -> None:
         path = str(checkpoint_path)
         resolved = agree.decide(lambda: io.resolve(path), pdist.world_group(), what="resolving the checkpoint")
         if resolved is None:  # not one of ours (a DeepSpeed directory of its own): Lightning's load
-            return original_load(checkpoint_path, weights_only)  # type: ignore[no-any-return]
+            # the class's own (a second fit installs again: never our own wrapper)
+            return type(self).load_checkpoint(self, checkpoint_path, weights_only)  # type: ignore[no-any-return]
         return saves.load(self, path, resolved)
 
-    strategy.save_checkpoint = types.MethodType(save, strategy)
-    strategy.load_checkpoint = types.MethodType(load, strategy)
+    _compat.rebind(strategy, "deepspeed", save_checkpoint=save, load_checkpoint=load)
 
 
 class _Saves:
@@ -89,7 +87,7 @@ class _Saves:
     # ---- saving ------------------------------------------------------------------------
     def save(self, strategy: Any, checkpoint: dict[str, Any], url: str, storage_options: Any) -> None:
         self._settle()  # the writer's group is free; an earlier failure is raised here
-        options = self.io._options(storage_options)
+        options = dict(self.io.order(url, storage_options).options)
         root = Store(url, options)
         if not root.is_local:
             raise CheckpointError(f"DeepSpeedStrategy cannot save to {url}", path=url, hint=_LOCAL_HINT)

@@ -22,7 +22,6 @@ FSDP1 also gets (docs/strategies.md):
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +33,7 @@ from lightning_preempt.collective import groups as pdist
 from lightning_preempt.format.skeleton import split_checkpoint
 from lightning_preempt.lightning import _compat
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
+from lightning_preempt.save.order import SaveOrder
 
 __all__ = ["check_sharding", "install_fsdp", "install_model_parallel", "without_mesh"]
 
@@ -63,8 +63,6 @@ def install_fsdp(strategy: FSDPStrategy, io: ShardedAsyncCheckpointIO) -> None:
 
     # Both are called by Lightning's dump_checkpoint on every rank; Lightning's own gather the
     # full state to rank 0 for state_dict_type="full" (and would copy it to the CPU there).
-    strategy.lightning_module_state_dict = types.MethodType(model_state, strategy)  # type: ignore[method-assign]
-    strategy.optimizer_state = types.MethodType(optimizer_state, strategy)  # type: ignore[method-assign]
     original_teardown = strategy.teardown
 
     def teardown(self: FSDPStrategy) -> None:
@@ -73,7 +71,8 @@ def install_fsdp(strategy: FSDPStrategy, io: ShardedAsyncCheckpointIO) -> None:
         # pending saves and drains would not be waited for (the final save never left the node).
         io.teardown()
 
-    strategy.teardown = types.MethodType(teardown, strategy)  # type: ignore[method-assign]
+    _compat.rebind(strategy, "fsdp1_state", lightning_module_state_dict=model_state, optimizer_state=optimizer_state,
+                   teardown=teardown)  # fmt: skip
     # The staging copy moves the shards to host memory itself (into pinned buffers on CUDA).
     _install(strategy, io, sharded=lambda: True, offload=False)
 
@@ -84,7 +83,8 @@ def _install(strategy: Strategy, io: ShardedAsyncCheckpointIO, *, sharded: Calla
 
     def save(self: Strategy, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if not sharded():
-            original_save(checkpoint, filepath, storage_options)  # full state on rank 0: Lightning's path
+            # full state on rank 0: Lightning's path (which refuses storage_options: the engine's order is ours)
+            original_save(checkpoint, filepath, None if isinstance(storage_options, SaveOrder) else storage_options)
             return
         io.save_checkpoint(checkpoint, str(self.broadcast(str(filepath))), storage_options=storage_options)
 
@@ -123,8 +123,7 @@ def _install(strategy: Strategy, io: ShardedAsyncCheckpointIO, *, sharded: Calla
             set_optimizer_state_dict(model, opt, optim_state_dict=state, options=options)
         return checkpoint
 
-    strategy.save_checkpoint = types.MethodType(save, strategy)  # type: ignore[method-assign]
-    strategy.load_checkpoint = types.MethodType(load, strategy)  # type: ignore[method-assign]
+    _compat.rebind(strategy, "sharded_saves", save_checkpoint=save, load_checkpoint=load)
 
 
 def _give_a_mesh(strategy: FSDPStrategy) -> None:

@@ -19,7 +19,6 @@
 from __future__ import annotations
 
 import logging
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -96,7 +95,7 @@ def install_collective_saves(
     elif writer_group is None or pdist.world_size() == 1:
         writer_group = None
     else:
-        strategy.save_checkpoint = types.MethodType(_save_on_every_rank, strategy)  # type: ignore[method-assign]
+        _compat.rebind(strategy, "every_rank_saves", save_checkpoint=_save_on_every_rank)
     io.enable_collective_saves(writer_group)
 
 

@@ -27,6 +27,7 @@ from lightning_preempt.format.skeleton import Splitter, split_checkpoint
 from lightning_preempt.read.load import gc_paused
 from lightning_preempt.save.history import HISTORY_KEPT, SaveRecord, checkpoint_step
 from lightning_preempt.save.idle import Gate
+from lightning_preempt.save.order import SaveOrder
 from lightning_preempt.staging.budget import Split, StagingBudget
 from lightning_preempt.staging.overlap import InFlightCopy, Overlap
 from lightning_preempt.staging.stager import HostStager
@@ -92,10 +93,6 @@ class Saver:
         self._pending: Future[Manifest] | None = None
         self._written: threading.Event | None = None  # the pending save's tensors are written
         self._committing: Future[Manifest] | None = None  # the save before it, maybe still committing
-        #: The next :meth:`save`'s path when nothing looks for it before its commit (the engine's
-        #: saves; ``ModelCheckpoint`` looks for its own): the write job's claim creates it, not the
-        #: training thread (on an object store two round trips and a PUT fewer while it waits).
-        self.unwatched_url: str | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         """Configuration only: a copy (``ddp_spawn``, ``deepcopy``) has no pending save, group,
@@ -172,53 +169,50 @@ class Saver:
         gathered = pdist.start_gather_digests(fingerprint.encode(), self.stage_group if self.stage_group is not None else group)
         return mine, lambda: self._shares.agreed(gathered())
 
-    def _stage(self, tensors: dict[str, Any], wait: bool) -> tuple[Split, dict[str, Any], InFlightCopy | None]:
+    def _stage(self, tensors: dict[str, Any], defer: bool) -> tuple[Split, dict[str, Any], InFlightCopy | None]:
         unchanged = self.stager.unchanged(tensors)  # one C++ pass, for the split and the copy
         plan = self.budget.split(tensors, self.stager, unchanged=unchanged)
         whole = len(plan.resident) == len(tensors)
         resident = tensors if whole else {k: tensors[k] for k in plan.resident}
         # (a save that streams blocks until the writer has the streamed part: nothing to overlap)
-        staged, copying = self.overlap.stage(self.stager, resident, plan.pinned, defer=not (wait or plan.streamed),
+        staged, copying = self.overlap.stage(self.stager, resident, plan.pinned, defer=defer and not plan.streamed,
                                              unchanged=unchanged if whole else None)  # fmt: skip
         self.budget.staged(plan)
         return plan, staged, copying
 
     # ---- saving ------------------------------------------------------------------------
-    def save(
-        self, checkpoint: dict[str, Any], url: str, options: dict[str, Any], *, wait: bool = False,
-        sharded_keys: tuple[str, ...] = (),
-    ) -> None:  # fmt: skip
-        """Stage ``checkpoint`` and queue its write and commit to ``url``; returns once the
-        tensors are copied and ``url`` exists (``wait``: once it is committed).
-        ``sharded_keys``: top-level keys sharded in this save besides :attr:`sharded_keys`
-        (the keys a framework knows hold modules' and optimizers' states).
+    def save(self, checkpoint: dict[str, Any], order: SaveOrder, *, wait: bool = False) -> None:
+        """Stage ``checkpoint`` and queue its write and commit to ``order.url`` (save/order.py);
+        returns once the tensors are copied (``order.overlap``: the eager part) and, when
+        ``order.watched``, the path exists (``wait``: once it is committed).
 
         Raises:
             CheckpointWriteError: an earlier save failed (raised once; across ranks the save
                 before the previous one, whose outcome every rank knows by then).
         """
         started = time.perf_counter()
+        url, options = order.url, dict(order.options)
         record = SaveRecord(url, checkpoint_step(checkpoint), started)
         # The buffers are in use until the previous save's tensors are written; its commit may go
         # on (two tiers: a fallback to the remote tier rereads the buffers)
         self._wait_pending(buffers=self.tiers is None and (not self._collective() or self.stage_group is not None))
         record.waited_s = time.perf_counter() - started
         local_url = self.tiers.local_twin(url) if self.tiers is not None else None
-        unwatched, self.unwatched_url = self.unwatched_url == url, None
-        if self.rank == 0 and not unwatched:
+        if self.rank == 0 and order.watched:
             # ``url`` exists when save returns (replace.ensure_exists); with two tiers the training
             # thread touches only the local disk (a remote outage must not stall a step)
             ensure_exists(Store(url, options) if local_url is None else Store(local_url))
         with gc_paused():  # thousands of tensors: no full collections while training waits
-            every, skeleton = self._splitter.split(checkpoint, self.sharded_keys + sharded_keys)
+            every, skeleton = self._splitter.split(checkpoint, self.sharded_keys + order.sharded_keys)
             tensors, agreed = self._my_share(every)
             skeleton_data = skeleton_bytes(skeleton)  # torch.save's bytes; freezes the non-tensor state now
             staging_started = time.perf_counter()
-            plan, staged, copying = self._stage(tensors, wait)
+            defer = order.overlap and not wait
+            plan, staged, copying = self._stage(tensors, defer)
             if not agreed() and tensors is not every:
                 log.warning("lightning_preempt: ranks hold different tensors; every rank stages all of them")
                 tensors = every
-                plan, staged, copying = self._stage(tensors, wait)
+                plan, staged, copying = self._stage(tensors, defer)
         record.deferred_bytes = copying.bytes if copying is not None else 0
         staged_s = time.perf_counter() - staging_started
         streamed = self.budget.streamed(plan, self.stager)

@@ -9,7 +9,7 @@ import contextlib
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -122,7 +122,6 @@ class Overlap:
         #: Returns the tensors only an optimizer step changes (set by the front-end);
         #: ``None``: nothing is deferred.
         self.stable: Callable[[], Iterable[torch.Tensor]] | None = None
-        self._suspended = 0
         self._inflight: InFlightCopy | None = None
         self._streams: dict[torch.device, Any] = {}
         self._hook: Any = None
@@ -134,21 +133,12 @@ class Overlap:
 
     @property
     def active(self) -> bool:
-        return self.enabled and self.stable is not None and not self._suspended
+        return self.enabled and self.stable is not None
 
     @property
     def in_flight(self) -> bool:
         """Whether deferred copies were started and not yet waited for at a gate."""
         return self._inflight is not None
-
-    @contextlib.contextmanager
-    def suspended(self) -> Iterator[None]:
-        """Saves inside are staged completely before they return (the emergency snapshot)."""
-        self._suspended += 1
-        try:
-            yield
-        finally:
-            self._suspended -= 1
 
     def stage(self, stager: HostStager, tensors: dict[str, torch.Tensor], pinned: set[str], *,
               defer: bool = True, unchanged: bool | None = None) -> tuple[dict[str, torch.Tensor], InFlightCopy | None]:  # fmt: skip

@@ -16,6 +16,7 @@ import torch
 
 from lightning_preempt.read.load import load_full_checkpoint
 from lightning_preempt.resume.exact_state import capture_rng, restore_rng
+from lightning_preempt.save.order import SaveOrder
 from lightning_preempt.save.saver import Saver
 from lightning_preempt.storage.store import Store
 
@@ -39,7 +40,7 @@ def test_pinned_staging_copies_the_state_at_the_save_exactly(tmp_path: Path) -> 
     expected = {k: v.cpu() for k, v in state.items()}
     saver = Saver({})  # pins because CUDA is available
     url = str(tmp_path / "ckpt")
-    saver.save({"global_step": 3, "state_dict": state}, url, {})
+    saver.save({"global_step": 3, "state_dict": state}, SaveOrder(url))
     assert saver.stager._buffers and all(b.is_pinned() for b in saver.stager._buffers.values())
     for t in state.values():
         t.mul_(-1.0)  # the next step, on the GPU, right after the save returned
@@ -57,7 +58,7 @@ def test_staging_on_a_side_stream_sees_that_streams_work(tmp_path: Path) -> None
     with torch.cuda.stream(side):
         a = torch.randn(2048, 2048, device="cuda")
         state = {"w": a @ a, "v": (a @ a).sum(0)}  # long kernels still queued when the save starts
-        saver.save({"global_step": 1, "state_dict": state}, url, {})
+        saver.save({"global_step": 1, "state_dict": state}, SaveOrder(url))
         expected = {k: v.cpu() for k, v in state.items()}
         state["w"].zero_()
     saver.close()
@@ -86,7 +87,7 @@ def test_the_overlapped_copy_is_step_k_while_step_k_plus_1_runs_and_resumes_bit_
                                                          if torch.is_tensor(v) and v.dim())]  # fmt: skip
     snapshot = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     url = str(tmp_path / "ckpt")
-    saver.save(state(), url, {})
+    saver.save(state(), SaveOrder(url))
     step()  # step k+1: forward and backward overlap the copy; its update waits for it
     saver.close()
     got = _loaded(url)
@@ -131,7 +132,7 @@ def test_host_budget_with_pinned_memory_is_exact_and_within_budget(tmp_path: Pat
         expected = {k: v.cpu() for k, v in state.items()}
         saver = Saver({}, host_memory_budget=16 * MIB, pinned_memory_budget=pinned_cap)
         url = str(tmp_path / f"ckpt-{pinned_cap}")
-        saver.save({"global_step": 5, "state_dict": state}, url, {})
+        saver.save({"global_step": 5, "state_dict": state}, SaveOrder(url))
         for t in state.values():
             t.add_(1.0)
         saver.close()

@@ -61,6 +61,7 @@ def _every_step(rank: int, root: str) -> dict[str, Any]:
     """Every-step saves of tensors changed in place after each save (the optimizer step);
     rank 0 holds step 1's manifest until step 2's save has returned on its training thread."""
     from lightning_preempt.format.names import MANIFEST_NAME
+    from lightning_preempt.save.order import SaveOrder
     from lightning_preempt.storage.store import Store
 
     saver = _saver(rank)
@@ -80,7 +81,7 @@ def _every_step(rank: int, root: str) -> dict[str, Any]:
     for step in range(1, STEPS + 1):
         for key, value in _values(step).items():
             tensors[key].copy_(value)  # in place: the buffers the saver staged from last time
-        saver.save(_checkpoint(tensors, step, rank), os.path.join(root, f"step-{step}"), {})
+        saver.save(_checkpoint(tensors, step, rank), SaveOrder(os.path.join(root, f"step-{step}")))
         if step == 2:
             next_returned.set()
     saver.wait()
@@ -93,6 +94,7 @@ def _second_fails(rank: int, root: str) -> dict[str, Any]:
     (rank 1's job is held after the failure until its step-3 save returned): a rank that
     raised it there would leave the other in the share gather."""
     from lightning_preempt.format.names import state_file
+    from lightning_preempt.save.order import SaveOrder
     from lightning_preempt.storage.store import Store
 
     saver = _saver(rank)
@@ -126,7 +128,7 @@ def _second_fails(rank: int, root: str) -> dict[str, Any]:
             while not saver.pending_failed() and time.monotonic() < deadline:
                 time.sleep(0.01)
         try:
-            saver.save(_checkpoint(tensors, step, rank), os.path.join(root, f"step-{step}"), {})
+            saver.save(_checkpoint(tensors, step, rank), SaveOrder(os.path.join(root, f"step-{step}")))
         except Exception as err:
             raised.append((step, f"{type(err).__name__}: {err}"))
         if step == 3:

@@ -23,6 +23,7 @@ from ranks import run_ranks
 from lightning_preempt.catalog.listing import complete_local_checkpoints
 from lightning_preempt.collective.groups import new_gloo_group
 from lightning_preempt.engine.memory_tier import MemoryTier
+from lightning_preempt.save.order import SaveOrder
 from lightning_preempt.save.saver import Saver
 
 
@@ -36,7 +37,7 @@ def _copy(tier: MemoryTier, saver: Saver, step: int, rank: int) -> str | None:
     """What Engine.save_memory does: agree on the path (or the skip), save, queue what follows."""
     path = tier.path(step, dist.group.WORLD)
     if path is not None:
-        saver.save(_state(step, rank), path, {})
+        saver.save(_state(step, rank), SaveOrder(path))
         tier.after_copy(saver, path, "run-1", leader=rank == 0)
     return path
 

@@ -1,6 +1,6 @@
 """Lightning's subprocess launcher SIGKILLs every process once a child exits non-zero; after a
 preemption a child's exit with exit_code gives the others grace to exit by themselves
-(lightning/_compat.py tolerate_preempted_children). The observer is Lightning's own; the
+(lightning/_compat/trainer.py tolerate_preempted_children). The observer is Lightning's own; the
 "main process" it kills is a stand-in subprocess here, not the test."""
 
 from __future__ import annotations

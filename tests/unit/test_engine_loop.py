@@ -22,6 +22,7 @@ from lightning_preempt.engine.config import PreemptionConfig
 from lightning_preempt.engine.engine import Engine
 from lightning_preempt.errors import CheckpointWriteError
 from lightning_preempt.preemption.controller import Preempted
+from lightning_preempt.save.order import SaveOrder
 from lightning_preempt.save.saver import Saver
 
 STEPS = 12
@@ -47,10 +48,10 @@ def _run(dirpath: Path, *, signal_at: int | None = None) -> tuple[int, dict[str,
     model, opt = _model()
     state: dict[str, Any] = {"step": 0}
 
-    def save(path: str) -> None:
+    def save(order: SaveOrder) -> None:
         checkpoint = {"state_dict": model.state_dict(), "optimizer_states": [opt.state_dict()],
                       "global_step": state["step"], "epoch": 0}  # fmt: skip
-        saver.save(checkpoint, path, {})
+        saver.save(checkpoint, order)
 
     trained: list[int] = []
     code = 0
@@ -123,8 +124,8 @@ def test_a_failed_save_stops_the_loop_with_the_storage_error(tmp_path: Path) -> 
     config = PreemptionConfig(dirpath=str(dirpath), every_n_train_steps=1, lease=False, probe_storage=False)
     engine, saver = Engine(config), Saver({})
 
-    def save(path: str) -> None:
-        saver.save({"state_dict": {"w": torch.ones(2)}, "global_step": 1, "epoch": 0}, path, {})
+    def save(order: SaveOrder) -> None:
+        saver.save({"state_dict": {"w": torch.ones(2)}, "global_step": 1, "epoch": 0}, order)
 
     engine.setup(saver, save=save, route_saves=saver.enable_collective, leader=True)
     engine.start(0, loaded_from=None)
@@ -140,7 +141,7 @@ def test_a_failed_save_stops_the_loop_with_the_storage_error(tmp_path: Path) -> 
 
 def test_without_an_interval_a_warning_says_what_a_sigkill_loses_once(tmp_path: Path) -> None:
     def fit(engine: Engine, saver: Saver) -> None:
-        engine.setup(saver, save=lambda path: None, route_saves=saver.enable_collective, leader=True)
+        engine.setup(saver, save=lambda order: None, route_saves=saver.enable_collective, leader=True)
         engine.start(7, loaded_from=None)
         engine.close(finish_saves=True)
 
@@ -166,8 +167,9 @@ def test_an_agreed_error_ends_the_run_in_the_ledger_once(tmp_path: Path) -> None
     config = PreemptionConfig(dirpath=str(tmp_path / "ck"), every_n_train_steps=1, lease=False)
     engine, saver = Engine(config), Saver({})
 
-    def save(path: str) -> None:  # the checkpoint's write fails in the background; the ledger's do not
-        saver.save({"state_dict": {"w": torch.ones(2)}, "global_step": 1, "epoch": 0}, str(tmp_path / "file" / "x"), {})
+    def save(order: SaveOrder) -> None:  # the checkpoint's write fails in the background; the ledger's do not
+        saver.save({"state_dict": {"w": torch.ones(2)}, "global_step": 1, "epoch": 0},
+                   SaveOrder(str(tmp_path / "file" / "x")))
 
     engine.setup(saver, save=save, route_saves=saver.enable_collective, leader=True)
     engine.start(0, loaded_from=None)

@@ -14,7 +14,7 @@ import lightning as L
 import pytest
 import torch
 
-# (module, attribute) of every private name the package uses (format/dcp_compat.py, lightning/_compat.py).
+# (module, attribute) of every private name the package uses (format/dcp_compat.py, lightning/_compat/).
 PRIVATE_NAMES = [
     ("torch.distributed.checkpoint._fsspec_filesystem", "FsspecWriter"),  # format/dcp_compat.py
     ("torch.distributed.checkpoint._fsspec_filesystem", "FsspecReader"),
@@ -25,7 +25,8 @@ PRIVATE_NAMES = [
     ("torch.serialization", "_get_layout"),
     ("torch.serialization", "get_crc32_options"),  # write/dcp_writer.py wraps it
     ("torch.distributed", "_compute_bucket_assignment_by_size"),  # resume/ddp_buckets.py
-    ("lightning.fabric.utilities.data", "_set_sampler_epoch"),  # lightning/_compat.py
+    ("lightning.fabric.utilities.data", "_set_sampler_epoch"),  # lightning/_compat/trainer.py
+    ("lightning.fabric.wrappers", "_unwrap_objects"),  # lightning/_compat/fabric.py fabric_save
     ("lightning.pytorch.trainer.connectors.callback_connector", "_CallbackConnector"),
     ("lightning.pytorch.trainer.connectors.checkpoint_connector", "_CheckpointConnector"),  # .resume_start
 ]

@@ -15,6 +15,7 @@ from lightning_preempt.errors import CorruptCheckpointError
 from lightning_preempt.format.pickles.unpickle import unpickle_dcp_metadata
 from lightning_preempt.read import tensors as fastload
 from lightning_preempt.read.load import load_full_checkpoint
+from lightning_preempt.save.order import SaveOrder
 from lightning_preempt.save.saver import Saver
 from lightning_preempt.storage.store import Store
 
@@ -33,7 +34,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any]
     url = str(tmp_path_factory.mktemp("batched") / "ckpt")
     state = _state()
     saver = Saver({})
-    saver.save(state, url, {}, wait=True)
+    saver.save(state, SaveOrder(url), wait=True)
     saver.close()
     return url, state
 

@@ -21,6 +21,7 @@ from ckpts import assert_loads_both_ways
 from lightning_preempt.errors import CheckpointWriteError
 from lightning_preempt.format.names import DCP_METADATA_NAME, MANIFEST_NAME
 from lightning_preempt.read.verify import verify_checkpoint
+from lightning_preempt.save.order import SaveOrder
 from lightning_preempt.save.saver import Saver
 from lightning_preempt.storage import local
 from lightning_preempt.storage.store import Store
@@ -54,7 +55,7 @@ def test_gathered_writes_are_the_bytes_of_an_item_by_item_save(tmp_path: Path, s
     saver = Saver({})
     try:
         for step in (1, 2, 3):  # 1 records the layout; 2 gathers it; 3 replays the gathered one
-            saver.save(_state(step), str(tmp_path / f"s{step}"), {}, wait=True)
+            saver.save(_state(step), SaveOrder(str(tmp_path / f"s{step}")), wait=True)
         layout = saver.plan_cache.records
         assert layout is not None and layout.segments is not None
         kinds = {type(s).__name__ if not isinstance(s, tuple) else ("joined" if s[0] else "apart")
@@ -65,7 +66,7 @@ def test_gathered_writes_are_the_bytes_of_an_item_by_item_save(tmp_path: Path, s
         saver.close()
     fresh = Saver({})  # the same state, written item by item
     try:
-        fresh.save(_state(3), str(tmp_path / "fresh"), {}, wait=True)
+        fresh.save(_state(3), SaveOrder(str(tmp_path / "fresh")), wait=True)
     finally:
         fresh.close()
     assert _shards(tmp_path / "s3") == _shards(tmp_path / "fresh")
@@ -84,7 +85,7 @@ def test_the_layout_lets_go_of_a_buffer_before_the_stager_allocates_its_successo
     saver = Saver({})
     try:
         for step in (1, 2):
-            saver.save(_state(step), str(tmp_path / f"s{step}"), {}, wait=True)
+            saver.save(_state(step), SaveOrder(str(tmp_path / f"s{step}")), wait=True)
         layout = saver.plan_cache.records
         assert layout is not None and layout.segments is not None  # views of the buffers
         old = weakref.ref(saver.stager._buffers["state_dict/w0"])
@@ -92,8 +93,8 @@ def test_the_layout_lets_go_of_a_buffer_before_the_stager_allocates_its_successo
         gc.collect()
         assert layout.segments is None
         assert old() is None  # nothing kept the old buffer alive beside the new one
-        saver.save(_state(4, w0=(5, 4)), str(tmp_path / "s4"), {}, wait=True)
-        saver.save(_state(5, w0=(5, 4)), str(tmp_path / "s5"), {}, wait=True)
+        saver.save(_state(4, w0=(5, 4)), SaveOrder(str(tmp_path / "s4")), wait=True)
+        saver.save(_state(5, w0=(5, 4)), SaveOrder(str(tmp_path / "s5")), wait=True)
     finally:
         saver.close()
     assert_loads_both_ways(str(tmp_path / "s4"), _state(4, w0=(5, 4)))
@@ -145,15 +146,15 @@ def test_a_failed_gathered_write_commits_nothing_is_raised_once_and_the_next_sav
     monkeypatch.setattr(dcp_writer._HashingStream, "write", write)
     try:
         for step in (1, 2):
-            saver.save(_state(step), str(tmp_path / f"s{step}"), {}, wait=True)
+            saver.save(_state(step), SaveOrder(str(tmp_path / f"s{step}")), wait=True)
         failing[0] = True
         with pytest.raises(CheckpointWriteError, match="No space left"):
-            saver.save(_state(3), str(tmp_path / "s3"), {}, wait=True)
+            saver.save(_state(3), SaveOrder(str(tmp_path / "s3")), wait=True)
         failing[0] = False
         assert not (tmp_path / "s3" / MANIFEST_NAME).exists()
         assert saver.plan_cache.records is None  # every cache cleared: the next save plans afresh
-        saver.save(_state(4), str(tmp_path / "s4"), {}, wait=True)  # the failure is not raised again
-        saver.save(_state(5), str(tmp_path / "s5"), {}, wait=True)
+        saver.save(_state(4), SaveOrder(str(tmp_path / "s4")), wait=True)  # the failure is not raised again
+        saver.save(_state(5), SaveOrder(str(tmp_path / "s5")), wait=True)
     finally:
         saver.close()
     assert_loads_both_ways(str(tmp_path / "s4"), _state(4))
@@ -178,10 +179,10 @@ def test_a_gathered_save_syncs_every_data_file_before_its_manifest_is_written(
 
     try:
         for step in (1, 2):
-            saver.save(_state(step), str(tmp_path / f"s{step}"), {}, wait=True)
+            saver.save(_state(step), SaveOrder(str(tmp_path / f"s{step}")), wait=True)
         monkeypatch.setattr(local, "sync_data", sync_data)
         monkeypatch.setattr(local, "write_atomic", write_atomic)
-        saver.save(_state(3), str(tmp_path / "s3"), {}, wait=True)  # a gathered replay
+        saver.save(_state(3), SaveOrder(str(tmp_path / "s3")), wait=True)  # a gathered replay
     finally:
         saver.close()
     manifest = verify_checkpoint(Store(str(tmp_path / "s3")))

@@ -18,6 +18,7 @@ from lightning_preempt import Tuning
 from lightning_preempt.errors import CheckpointWriteError
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.read.load import load_full_checkpoint
+from lightning_preempt.save.order import SaveOrder
 from lightning_preempt.save.saver import Saver
 from lightning_preempt.staging import budget as budget_mod
 from lightning_preempt.staging.budget import Budget, Streamed, resolve, split
@@ -120,7 +121,7 @@ def test_over_budget_saves_are_exact_with_writer_threads_and_warn_once(tmp_path:
         for step in (1, 2):
             expected = {k: v.clone() for k, v in state.items()}
             url = str(tmp_path / f"step{step}")
-            saver.save({"global_step": step, "state_dict": state}, url, {})
+            saver.save({"global_step": step, "state_dict": state}, SaveOrder(url))
             for tensor in state.values():
                 tensor.mul_(-2.0)  # the training's next step, right after the save returns
             saver.wait()

@@ -14,6 +14,7 @@ import torch
 from lightning_preempt.read.load import load_full_checkpoint
 from lightning_preempt.save import idle
 from lightning_preempt.save.history import SaveRecord
+from lightning_preempt.save.order import SaveOrder
 from lightning_preempt.save.saver import Saver
 from lightning_preempt.storage.store import Store
 
@@ -120,7 +121,7 @@ def test_a_periodic_write_starts_only_once_the_training_thread_waits(
     monkeypatch.setattr(Saver, "_write", write)
     saver = Saver({})
     url = str(tmp_path / "step-1")
-    saver.save(_checkpoint(1), url, {})
+    saver.save(_checkpoint(1), SaveOrder(url))
     assert not started.wait(0.3)  # training computes: its clock runs, the write waits
     training.busy = False  # training waits: the write starts and commits
     saver.wait()
@@ -129,7 +130,7 @@ def test_a_periodic_write_starts_only_once_the_training_thread_waits(
 
     started.clear()
     training.busy = True
-    saver.save(_checkpoint(2), str(tmp_path / "step-2"), {}, wait=True)  # waited for: at once
+    saver.save(_checkpoint(2), SaveOrder(str(tmp_path / "step-2")), wait=True)  # waited for: at once
     assert started.is_set()
     saver.close()
     assert load_full_checkpoint(Store(str(tmp_path / "step-2")))["global_step"] == 2

@@ -24,6 +24,7 @@ from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO, Tuni
 from lightning_preempt.errors import CheckpointWriteError
 from lightning_preempt.preemption.controller import Preempted
 from lightning_preempt.read.load import load_full_checkpoint
+from lightning_preempt.save.order import SaveOrder
 from lightning_preempt.save.saver import Saver
 from lightning_preempt.staging import overlap
 from lightning_preempt.storage.store import Store
@@ -233,12 +234,12 @@ def test_a_plain_loop_optimizer_step_waits_for_the_copy(tmp_path: Path, hold: Ho
     step()
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     saver.save({"state_dict": model.state_dict(), "optimizer_states": [opt.state_dict()], "global_step": 1},
-               str(tmp_path / "one"), {})  # fmt: skip
+               SaveOrder(str(tmp_path / "one")))  # fmt: skip
     step()  # forward and backward run during the held copy; the update waits in the hook
     assert hold.released_by == ["gate"] and not saver.overlap.in_flight
     expected2 = {k: v.clone() for k, v in model.state_dict().items()}
     saver.save({"state_dict": model.state_dict(), "optimizer_states": [opt.state_dict()], "global_step": 2},
-               str(tmp_path / "two"), {})  # fmt: skip
+               SaveOrder(str(tmp_path / "two")))  # fmt: skip
     during: list[bool] = []
 
     def closure() -> torch.Tensor:  # a closure given by position: the wait comes after it
@@ -263,7 +264,7 @@ def test_an_inplace_change_during_the_copy_fails_the_save(tmp_path: Path, hold: 
     saver = Saver({}, overlap_staging=True)
     weight = torch.randn(256, 256)
     saver.overlap.stable = lambda: [weight]
-    saver.save({"state_dict": {"w": weight}, "global_step": 1}, str(tmp_path / "a"), {})
+    saver.save({"state_dict": {"w": weight}, "global_step": 1}, SaveOrder(str(tmp_path / "a")))
     assert saver.overlap.in_flight
     weight.add_(1.0)  # what the rule forbids: a change outside an optimizer step, before settle()
     hold.release.set()
@@ -280,7 +281,7 @@ def test_a_save_that_streams_over_the_budget_is_not_overlapped(tmp_path: Path) -
     saver = Saver({}, overlap_staging=True, host_memory_budget=1 << 20)
     weights = {f"w{i}": torch.randn(256, 512) for i in range(4)}  # 2 MiB, 512 KiB each
     saver.overlap.stable = lambda: weights.values()
-    saver.save({"state_dict": weights, "global_step": 1}, str(tmp_path / "a"), {})
+    saver.save({"state_dict": weights, "global_step": 1}, SaveOrder(str(tmp_path / "a")))
     assert not saver.overlap.in_flight and saver.history[-1].deferred_bytes == 0
     saver.close()
     loaded = load_full_checkpoint(Store(str(tmp_path / "a")))["state_dict"]

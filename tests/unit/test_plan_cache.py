@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from ckpts import assert_loads_both_ways
 
+from lightning_preempt.save.order import SaveOrder
 from lightning_preempt.save.saver import Saver
 
 
@@ -33,7 +34,7 @@ def test_plans_are_reused_until_the_structure_changes(tmp_path: Path) -> None:
         for step, step_shapes in saves:
             ckpt = _ckpt(step, step_shapes)
             url = str(tmp_path / f"step{step}")
-            saver.save(ckpt, url, {}, wait=True)
+            saver.save(ckpt, SaveOrder(url), wait=True)
             hits.append(dict(saver.plan_cache.hits))
             assert_loads_both_ways(url, ckpt)  # the values and shapes of *this* save, by our loader and by DCP's
     finally:
@@ -46,7 +47,7 @@ def test_a_copied_saver_starts_without_plans(tmp_path: Path) -> None:
     import copy
 
     saver = Saver({})
-    saver.save(_ckpt(1, {"a": (3,)}), str(tmp_path / "a"), {}, wait=True)
+    saver.save(_ckpt(1, {"a": (3,)}), SaveOrder(str(tmp_path / "a")), wait=True)
     saver.close()
     twin = copy.deepcopy(saver)
     assert twin.plan_cache.local_plan is None and twin.plan_cache.hits == {"local": 0, "global": 0, "unsent": 0}

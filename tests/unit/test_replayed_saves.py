@@ -17,6 +17,7 @@ from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.format.names import DCP_METADATA_NAME, MANIFEST_NAME
 from lightning_preempt.format.pickles.metadata_scan import check_metadata_pickle
 from lightning_preempt.read.load import load_full_checkpoint
+from lightning_preempt.save.order import SaveOrder
 from lightning_preempt.save.saver import Saver
 from lightning_preempt.storage.store import Store
 from lightning_preempt.write import records
@@ -42,7 +43,7 @@ def test_a_replayed_save_writes_what_an_item_by_item_save_writes(tmp_path: Path,
     saver = Saver({})
     try:
         for step in (1, 2, 3):  # 1 plans and records the layout; 2 and 3 replay it
-            saver.save(_state(step), str(tmp_path / f"s{step}"), {}, wait=True)
+            saver.save(_state(step), SaveOrder(str(tmp_path / f"s{step}")), wait=True)
     finally:
         saver.close()
     assert saver.plan_cache.hits["local"] == 2
@@ -51,7 +52,7 @@ def test_a_replayed_save_writes_what_an_item_by_item_save_writes(tmp_path: Path,
 
     fresh = Saver({})  # the same state written item by item (no plan to replay)
     try:
-        fresh.save(_state(3), str(tmp_path / "fresh"), {}, wait=True)
+        fresh.save(_state(3), SaveOrder(str(tmp_path / "fresh")), wait=True)
     finally:
         fresh.close()
     assert fresh.plan_cache.metadata_pickles.hits == 0
@@ -81,13 +82,13 @@ def test_a_torch_save_record_of_another_length_moves_the_places_after_it(
     monkeypatch.setattr(records, "TEMPLATE_MAX_BYTES", 4096)
     saver = Saver({})
     try:
-        saver.save(_state(1), str(tmp_path / "a"), {}, wait=True)
+        saver.save(_state(1), SaveOrder(str(tmp_path / "a")), wait=True)
         layout = saver.plan_cache.records
         assert layout is not None
         position = next(i for i, e in enumerate(layout.files[0]) if e.head is None)
         # as if torch.save had written a record 8 bytes shorter last time
         layout.files[0][position] = layout.files[0][position]._replace(length=layout.files[0][position].length - 8)
-        saver.save(_state(2), str(tmp_path / "b"), {}, wait=True)
+        saver.save(_state(2), SaveOrder(str(tmp_path / "b")), wait=True)
     finally:
         saver.close()
     assert saver.plan_cache.hits["local"] == 1
@@ -101,7 +102,7 @@ def test_replayed_saves_to_an_object_store_write_one_buffered_stream(monkeypatch
     urls = [f"memory://lp-replay/s{step}" for step in (1, 2, 3)]
     try:
         for step, url in zip((1, 2, 3), urls, strict=True):
-            saver.save(_state(step), url, {}, wait=True)
+            saver.save(_state(step), SaveOrder(url), wait=True)
     finally:
         saver.close()
     assert saver.plan_cache.hits["local"] == 2

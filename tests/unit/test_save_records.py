@@ -11,6 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from lightning_preempt.read.load import load_full_checkpoint
+from lightning_preempt.save.order import SaveOrder
 from lightning_preempt.save.saver import Saver
 from lightning_preempt.storage.store import Store
 from lightning_preempt.write import dcp_writer, records
@@ -106,7 +107,7 @@ def test_thousands_of_small_tensors_cost_few_torch_saves_and_few_writes(
     monkeypatch.setattr(dcp_writer._HashingStream, "write", counting_write)
     saver = Saver({})
     url = str(tmp_path / "ckpt")
-    saver.save(ckpt, url, {}, wait=True)
+    saver.save(ckpt, SaveOrder(url), wait=True)
     saver.close()
     monkeypatch.undo()
     assert len(saves) <= 3 * 2 + 1 + 1 + 1  # templates (2 each), the view, skeleton, staging none

@@ -1,5 +1,5 @@
-"""Every use of a private Lightning API goes through here, so an upgrade means reading one
-file; each shim says what happens when the name is missing (all private uses: docs/compat.md).
+"""The Trainer's private names and patches (the list of every patch: ``_compat/__init__.py``);
+each shim says what happens when the name is missing (all private uses: docs/compat.md).
 Checked with Lightning 2.5.0 (the floor) and 2.6.6 by tests/unit/test_exact_compat.py.
 """
 
@@ -43,11 +43,11 @@ def allow_with_disabled_checkpointing(callback_type: type) -> None:
 
         return configure
 
-    _wrap_once("lightning.pytorch.trainer.connectors.callback_connector", "_CallbackConnector",
+    wrap_once("lightning.pytorch.trainer.connectors.callback_connector", "_CallbackConnector",
                "_configure_checkpoint_callbacks", wrap)  # fmt: skip
 
 
-def _wrap_once(module: str, cls_name: str, method: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+def wrap_once(module: str, cls_name: str, method: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
     """Replace ``module.cls_name.method`` by ``wrap(original)``, once per process (a second call
     finds the mark); nothing when Lightning moved or renamed it (the caller's docstring says
     what is lost then)."""
@@ -90,7 +90,7 @@ def quiet_ckpt_path_choice(callback_type: type, quiet: Callable[[], AbstractCont
 
         return parse
 
-    _wrap_once("lightning.pytorch.trainer.connectors.checkpoint_connector", "_CheckpointConnector",
+    wrap_once("lightning.pytorch.trainer.connectors.checkpoint_connector", "_CheckpointConnector",
                "_parse_ckpt_path", wrap)  # fmt: skip
 
 
@@ -224,40 +224,10 @@ def at_fit_setup(check: Callable[[Any], None]) -> None:
 
         return _attach_model_callbacks
 
-    _wrap_once("lightning.pytorch.trainer.connectors.callback_connector", "_CallbackConnector",
+    wrap_once("lightning.pytorch.trainer.connectors.callback_connector", "_CallbackConnector",
                "_attach_model_callbacks", wrap)  # fmt: skip
 
 
-# ---- Fabric: fabric.save through our plugin on every rank (checkpoint_io.wrap_save) ----
-def route_fabric_saves(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-    """Wrap Fabric's base ``Strategy.save_checkpoint`` once per process (public method, so
-    this only names the class's module). Missing: rank 0 writes alone, as Lightning does."""
-    _wrap_once("lightning.fabric.strategies.strategy", "Strategy", "save_checkpoint", wrap)
-
-
-def convert_fabric_state(strategy: Any, state: dict[str, Any], filter: dict[str, Any]) -> dict[str, Any]:
-    """Fabric's own conversion of modules, optimizers and ``_Stateful`` objects in a
-    ``fabric.save`` state into state dicts, with its ``filter`` applied.
-
-    Private: ``Strategy._convert_stateful_objects_in_state`` (Lightning 2.5-2.6).
-    """
-    return strategy._convert_stateful_objects_in_state(state, filter=filter)  # type: ignore[no-any-return]
-
-
-def fabric_loader_parts(loader: Any) -> tuple[Any, Any]:
-    """``(the DataLoader, the device its batches go to or None)`` of a loader given to a
-    Fabric loop: Fabric's ``setup_dataloaders`` wrapper, or a plain loader (no device).
-
-    Private: ``_FabricDataLoader._dataloader`` (Lightning 2.5-2.6; ``device`` is public).
-    Missing: the wrapper itself is iterated, and its data position cannot be resumed.
-    """
-    inner = getattr(loader, "_dataloader", None)
-    if inner is None:
-        return loader, None
-    return inner, getattr(loader, "device", None)
-
-
-# ---- the subprocess launcher's child observer ------------------------------------------------
 # ---- DDPStrategy: how it builds the DDP module ---------------------------------------------
 def build_ddp_through(strategy: Any, build: Callable[[Any, Callable[[], Any]], Any]) -> bool:
     """Have ``strategy`` (a ``DDPStrategy``) build its DDP module as ``build(self, make)``,
