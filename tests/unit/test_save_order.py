@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from models import TinyModel, loader
 from trainers import make_trainer
 
-from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO, list_checkpoints
+from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO, Tuning, list_checkpoints
 from lightning_preempt.read.load import load_full_checkpoint
 from lightning_preempt.save.order import SaveOrder
 from lightning_preempt.save.saver import Saver
@@ -34,7 +34,7 @@ class RecordingIO(ShardedAsyncCheckpointIO):
 
 def test_the_engines_orders_reach_the_plugin_through_lightning_and_others_get_one(tmp_path: Path) -> None:
     io = RecordingIO(storage_options={"auto_mkdir": True})
-    callback = PreemptionCallback(str(tmp_path / "ck"), every_n_train_steps=2, keep_last_n=3, lease=False)
+    callback = PreemptionCallback(str(tmp_path / "ck"), every_n_train_steps=2, keep_last_n=3, tuning=Tuning(lease=False))
     user = ModelCheckpoint(dirpath=str(tmp_path / "mc"), every_n_train_steps=3, save_top_k=-1)
     trainer = make_trainer(5, [callback, user], plugins=[io])
     trainer.fit(TinyModel(), loader())
