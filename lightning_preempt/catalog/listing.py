@@ -71,17 +71,12 @@ def _describe(root: Store, name: str) -> CheckpointInfo | None:
                 hint="The checkpoint was renamed, copied under another name or tampered with; it is not used.",
             )
     except CheckpointError as err:
-        if not ours and _foreign_manifest(err):
+        if not ours and str(err).startswith(("manifest does not declare format", "manifest is not valid JSON")):
             return None  # a manifest.json of some other tool
         step = name_step if name_step is not None else -1
         return CheckpointInfo(store.url, name, step, committed=False, problem=str(err).splitlines()[0],
                               newer_format=isinstance(err, UnsupportedFormatError))  # fmt: skip
     return CheckpointInfo.committed_one(store.url, name, m)
-
-
-def _foreign_manifest(err: CheckpointError) -> bool:
-    text = str(err)
-    return text.startswith("manifest does not declare format") or text.startswith("manifest is not valid JSON")
 
 
 def complete_local_checkpoints(local_root: str) -> list[CheckpointInfo]:

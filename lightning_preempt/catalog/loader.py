@@ -106,10 +106,6 @@ class Loader:
         # directory whose objects are still being deleted (its manifest went first).
         if store.stat(MANIFEST_NAME) is None and kind_at(store) == "file":
             return load_plain_file(store, map_location=map_location, trusted=trusted)
-        target = self._resolve(url)
-        if target is None:
-            raise self.not_found(url)
-        retry = self.fallback_for(path)
         into = self._into.get(str(path))
 
         def load(at: str, at_verified: bool) -> dict[str, Any]:
@@ -117,8 +113,7 @@ class Loader:
                                         verify=self.verify_on_load and not at_verified, trusted=trusted,
                                         map_location=map_location, into=into() if into is not None else None)  # fmt: skip
 
-        checkpoint, self.loaded_from = load_agreed(load, target, False, retry, group)
-        return checkpoint
+        return self._load_agreed(path, load, group)
 
     def load_sharded(
         self, path: Any, templates: dict[str, Any], *, process_group: Any, verify_group: pdist.ProcessGroup | None
@@ -126,11 +121,6 @@ class Loader:
         """Load into sharded ``templates`` in place (collective; read/load.py
         ``load_sharded_checkpoint``); each rank CRC-checks a share of the files, and damage
         moves every rank to the same older checkpoint, as :meth:`load` does."""
-        url = self._aliases.get(str(path), str(path))
-        target = self._resolve(url)
-        if target is None:
-            raise self.not_found(url)
-        retry = self.fallback_for(path)
 
         def load(at: str, at_verified: bool) -> dict[str, Any]:
             # Every file is checked before any tensor is read: a damaged one leaves the
@@ -140,5 +130,15 @@ class Loader:
                                            process_group=process_group, trusted=self.trust_checkpoints,
                                            verify_group=verify_group)  # fmt: skip
 
-        checkpoint, self.loaded_from = load_agreed(load, target, False, retry, verify_group)
+        return self._load_agreed(path, load, verify_group)
+
+    def _load_agreed(self, path: Any, load: Callable[[str, bool], dict[str, Any]],
+                     group: pdist.ProcessGroup | None) -> dict[str, Any]:  # fmt: skip
+        """``load(checkpoint, verified)`` of the checkpoint ``path`` means, falling back after damage
+        to the checkpoint every rank of ``group`` agrees on; :attr:`loaded_from` says which."""
+        url = self._aliases.get(str(path), str(path))
+        target = self._resolve(url)
+        if target is None:
+            raise self.not_found(url)
+        checkpoint, self.loaded_from = load_agreed(load, target, False, self.fallback_for(path), group)
         return checkpoint

@@ -95,7 +95,7 @@ def remove_path(store: Store) -> None:
     (the saver's deletes run behind training)."""
     try:
         if store.is_local and (os.path.islink(store.path()) or os.path.isfile(store.path())):
-            local.remove_local(store.path(), first=MANIFEST_NAME)  # a link goes, never what it points to
+            local.remove_local(store.path())  # a link goes, never what it points to
         elif store.stat(MANIFEST_NAME) is not None or kind_at(store) == "dir":
             remove_if_ours(store, why="removal requested")  # manifest first: never half-deleted yet committed
         elif store.stat() is not None:

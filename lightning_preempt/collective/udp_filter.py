@@ -2,7 +2,7 @@
 
 A flood from anywhere else is dropped by the kernel before it reaches the socket's buffer, so
 it can neither fill that buffer (the real datagrams would be dropped with it) nor cost the
-rank's Python a thing (issue 55). A peer's datagrams come from the address it bound and
+rank's Python a thing. A peer's datagrams come from the address it bound and
 announced (``Heartbeat.address``); an unprivileged local user cannot send from a bound port,
 nor from another host's address. Classic BPF (``SO_ATTACH_FILTER``), Linux only; elsewhere,
 or for more peers than one program holds, nothing is filtered and the heartbeat's own checks

@@ -121,7 +121,7 @@ class PreemptionController:
                 log.warning("lightning_preempt: stopping preemption source %s failed: %s", source.name, err)
         if self.preempted and self._requeued:
             # the teardown still takes seconds; SLURM's SIGTERM after a requeue can come that
-            # late and would kill this rank (issue 32): only note it. No requeue, nothing expected
+            # late and would kill this rank: only note it. No requeue, nothing expected
             take_over(self.config.signums, _noted)
 
     def after_training(self, *, leader: bool, safe_step: Callable[[], str]) -> None:

@@ -1,11 +1,10 @@
-"""Flush the program's open buffered files before the quick exit (issue 55, item 8).
+"""Flush the program's open buffered files before the quick exit.
 
 ``os._exit`` skips CPython's teardown, and with it the finalizer of every file object still
 open: a user's ``f = open(...)`` never closed lost the lines still in its buffer. Python keeps
 no list of open files, so :func:`flush_open_files` finds them the way the garbage collector
-would, in ``gc.get_objects()`` (~400k objects in a Lightning process: 80-210 ms measured,
-docs/design.md "What the quick exit flushes"), and flushes each writable one; the exit
-waits for that at most :data:`FLUSH_BUDGET_S`.
+would, in ``gc.get_objects()`` (cost: docs/design.md "What the quick exit flushes"), and
+flushes each writable one; the exit waits for that at most :data:`FLUSH_BUDGET_S`.
 
 Only the standard buffered types (``io.TextIOWrapper``, ``io.BufferedWriter``,
 ``io.BufferedRandom`` and their subclasses) are flushed, and never closed: their ``flush``

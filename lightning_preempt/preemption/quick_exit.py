@@ -81,6 +81,6 @@ def _exit_now() -> None:
     atexit.unregister(_exit_now)
     atexit._run_exitfuncs()  # every handler registered before this one, as the exit would run them
     _state["flush"]()
-    if _state["files"] is not None:  # a user's unclosed file keeps its buffered lines (issue 55)
+    if _state["files"] is not None:  # a user's unclosed file keeps its buffered lines
         _state["files"].flush()
     os._exit(code)

@@ -193,7 +193,7 @@ class AgreementSchedule:
             return 0
         gaps = sorted(b - a for a, b in zip(self._times, self._times[1:], strict=False))
         # The mean, not the median: the budget is a share of every step, and an exchange's launch
-        # has spikes of 20-40 ms on busy cores (issue 33). The first two are the group's warm-up.
+        # has spikes on busy cores. The first two are the group's warm-up.
         costs = self._costs[WARM_UP_EXCHANGES:] or self._costs
         cost_s = sum(costs) / len(costs) if costs else 0.0
         return auto_k(gaps[len(gaps) // 2], cost_s, self.interval_s, self.overlap)

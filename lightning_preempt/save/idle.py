@@ -4,7 +4,7 @@ starts").
 The writer thread runs Python (planning, records, the commit) under the interpreter lock, and
 torch releases that lock in every operator call and every tensor it frees: a training thread
 that is still in Python when the write starts waits for the writer's Python at each of them
-(4000 tensors, every step, 50 ms steps: 3.0-4.7 ms a step; docs/benchmarks.md, round 12). So a
+(what that costs a step: docs/benchmarks.md). So a
 periodic save's job first waits until the training thread stops using the CPU (its thread CPU
 clock stands still: a sleep, a blocking wait, I/O), at most :data:`LIMIT_S` and half the slack
 the save before left (the next save must not find this one's write still running because it
@@ -82,9 +82,9 @@ class Gate:
         return job()
 
 
-def wait_until_idle(clock: int | None, *, limit_s: float | None = None, window_s: float = WINDOW_S) -> bool:
+def wait_until_idle(clock: int | None, *, limit_s: float | None = None) -> bool:
     """Block until the thread whose CPU clock is ``clock`` used less than :data:`IDLE_SHARE`
-    of a ``window_s``, or ``limit_s`` (default :data:`LIMIT_S`) passed. Returns whether it was
+    of a :data:`WINDOW_S`, or ``limit_s`` (default :data:`LIMIT_S`) passed. Returns whether it was
     seen waiting; ``False`` at once without a clock or once the thread has ended (a thread the
     OS kept off the CPU for a window counts as waiting too)."""
     limit = LIMIT_S if limit_s is None else limit_s
@@ -95,9 +95,9 @@ def wait_until_idle(clock: int | None, *, limit_s: float | None = None, window_s
     try:
         used = read(clock)
         while time.monotonic() < deadline:
-            time.sleep(window_s)  # (frees the interpreter lock: the training thread runs meanwhile)
+            time.sleep(WINDOW_S)  # (frees the interpreter lock: the training thread runs meanwhile)
             now = read(clock)
-            if now - used < window_s * IDLE_SHARE:
+            if now - used < WINDOW_S * IDLE_SHARE:
                 return True
             used = now
     except OSError:  # the thread ended

@@ -150,18 +150,18 @@ def _publish(tmp: str, path: str, *, exclusive: bool) -> None:
         os.replace(tmp, path)
 
 
-def remove_local(path: str, *, first: str | None = None, owned: Owned | None = None) -> None:
-    """Delete a file, symlink or tree (only with ``owned``), then fsync the parent.
-    ``first`` (a commit marker) goes before the rest, so a half-deleted tree never looks committed."""
+def remove_local(path: str, *, owned: Owned | None = None) -> None:
+    """Delete a file, symlink or tree (only with ``owned``), then fsync the parent."""
     if os.path.islink(path) or os.path.isfile(path):
         os.unlink(path)
     elif os.path.isdir(path):
         require(owned, path)
-        _remove_tree(path, first)
+        shutil.rmtree(path)
     fsync_dir(os.path.dirname(path))
 
 
 def _remove_tree(path: str, first: str | None) -> None:
+    """``first`` (a commit marker) goes before the rest, so a half-deleted tree never looks committed."""
     if first is not None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(path, first))

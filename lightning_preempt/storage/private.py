@@ -152,7 +152,7 @@ def _own_child(parent: int, name: str, shown: str, *, create: bool) -> int:
         why = _not_ours(st)
         if why:
             raise UnsafePathError(shown, why)
-        if st.st_mode & 0o077:  # ours, writable by nobody else: only tightened (older versions made 0755)
+        if st.st_mode & 0o077:  # ours, writable by nobody else: only tightened
             os.fchmod(fd, 0o700)
         return fd
     except BaseException:

@@ -28,7 +28,7 @@ from lightning_preempt.errors import (
 )
 from lightning_preempt.storage import local, object_store, reach
 from lightning_preempt.storage.diagnose import describe, is_transient
-from lightning_preempt.storage.protocols import OBJECT_STORES
+from lightning_preempt.storage.protocols import OBJECT_STORES, protocol_of
 from lightning_preempt.storage.retry import Backoff, retry
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class Store:
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         self.url = str(url).rstrip("/") or str(url)
         self.storage_options = dict(storage_options or {})
-        self.protocol = self.url.split("://", 1)[0].lower() if "://" in self.url else "file"
+        self.protocol = protocol_of(self.url)
         reach.require_reachable(self.protocol, self.storage_options, self.url)  # seconds, not minutes of retries
         fs, root = fsspec.core.url_to_fs(self.url, **self.storage_options)
         self._fs: fsspec.AbstractFileSystem = fs

@@ -15,7 +15,7 @@ from lightning_preempt._text import untrusted_text
 from lightning_preempt.catalog.goodput import summarize
 from lightning_preempt.catalog.ledger_reader import read_ledger
 from lightning_preempt.catalog.listing import list_checkpoints
-from lightning_preempt.cli.options import EXIT_OK, PROG, UsageError, parse_storage_options
+from lightning_preempt.cli.options import EXIT_OK, PROG, UsageError, converter, parse_storage_options
 from lightning_preempt.cli.output import dash, print_note, print_table, utc
 from lightning_preempt.cli.plan import (
     DEFAULT_COPY_BANDWIDTH,
@@ -35,18 +35,20 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument("--plot", metavar="PNG", help="draw the run's timeline into this PNG file (needs matplotlib)")
     p.add_argument("--run", metavar="ID", help="report this run id (default: the newest run in the ledger)")
-    p.add_argument("--gpu-hour-price", type=_price, metavar="P", help="price of one GPU-hour (one GPU per rank)")
-    p.add_argument("--on-demand-price", type=_price, metavar="Q", help="on-demand GPU-hour price, to compare with")
+    price = converter(parse_price)
+    p.add_argument("--gpu-hour-price", type=price, metavar="P", help="price of one GPU-hour (one GPU per rank)")
+    p.add_argument("--on-demand-price", type=price, metavar="Q", help="on-demand GPU-hour price, to compare with")
     p.set_defaults(func=run)
 
 
-def _price(text: str) -> float:
+def parse_price(text: str) -> float:
+    """A price: a number in [0, 1e9)."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"a price must be a number, got {text!r}") from None
+        raise ValueError(f"a price must be a number, got {text!r}") from None
     if not 0 <= value < 1e9:
-        raise argparse.ArgumentTypeError(f"a price must be >= 0, got {text!r}")
+        raise ValueError(f"a price must be >= 0, got {text!r}")
     return value
 
 
