@@ -264,10 +264,6 @@ class TwoTier:
                 with contextlib.suppress(Exception):  # CheckpointExistsError: holds files not ours
                     remove_if_ours(Store(join_url(self.local_root, name)), why="retention (rank 0's decision)")
 
-    def pending(self) -> int:
-        with self._lock:
-            return sum(not f.done() for f in self._futures)
-
     def wait(self, timeout_s: float | None = None) -> bool:
         """Wait for every queued drain; with ``timeout_s`` stop waiting at that point and make
         the running and queued drains give up. Returns whether all drains finished."""
