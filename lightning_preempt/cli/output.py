@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 import sys
 import time
-from typing import IO, Any
+from typing import Any
 
 from lightning_preempt._text import untrusted_text
 from lightning_preempt.cli.options import PROG
@@ -15,10 +15,10 @@ from lightning_preempt.cli.plan import format_bytes
 class ProgressBar:
     """A minimal stderr progress bar (about 10 redraws a second, then a final line)."""
 
-    def __init__(self, total: int, label: str, stream: IO[str] | None = None) -> None:
+    def __init__(self, total: int, label: str) -> None:
         self.total = max(total, 1)
         self.label = label
-        self.stream = stream or sys.stderr
+        self.stream = sys.stderr
         self.done = 0
         self._started = time.perf_counter()
         self._drawn = 0.0
