@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from lightning_preempt.errors import CheckpointError, CheckpointExistsError
-from lightning_preempt.format.pickles.state_replay import pickled_globals
+from lightning_preempt.format.pickles.check import pickled_globals
 from lightning_preempt.format.pickles.unpickle import _map_tensors
 from lightning_preempt.read.load import load_full_checkpoint
 from lightning_preempt.storage.local import write_atomic
