@@ -283,3 +283,30 @@ def test_a_zip64_archive_from_torch_save_has_one_reading() -> None:
     assert data[-42:-38] == b"PK\x06\x07", "not a zip64 archive: the test no longer tests it"
     got = fast_load_state(data, "cpu")
     assert len(got) == len(obj) and float(got["t65999"]) == 65999.0 and float(got["t0"]) == 0.0
+
+
+def test_a_planted_metadata_cannot_change_dcps_classes() -> None:
+    """DCP's ``.metadata`` goes through C pickle too: a ``BUILD`` with a slot state on an allowed
+    DCP *class* would set its attributes for the whole process (``ChunkStorageMetadata.__init__
+    = torch.Size``: every later DCP plan broken). The load refuses the file and puts the class
+    back; ``verify`` (the stand-ins) refuses it too; an honest file still loads."""
+    import pickle
+
+    from torch.distributed.checkpoint import metadata as dcp_md
+
+    from lightning_preempt.errors import CorruptCheckpointError
+    from lightning_preempt.format.pickles.metadata import check_metadata_pickle
+    from lightning_preempt.format.pickles.unpickle import unpickle_dcp_metadata
+
+    honest = pickle.dumps(dcp_md.Metadata(state_dict_metadata={}), protocol=2)
+    poison = _g("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata") + NONE + DICT + _u("__init__")
+    planted = P2 + b"(" + poison + _g("torch", "Size") + SETITEM + b"\x86" + BUILD + b"0" + honest[2:-1] + b"t" + STOP
+    before = dict(vars(dcp_md.ChunkStorageMetadata))
+    with pytest.raises(CorruptCheckpointError, match="sets attributes of ChunkStorageMetadata"):
+        unpickle_dcp_metadata(planted, path="ckpt")
+    assert dict(vars(dcp_md.ChunkStorageMetadata)) == before
+    chunk = dcp_md.ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([2]))
+    assert chunk.sizes == torch.Size([2]) and chunk.offsets == torch.Size([0])
+    with pytest.raises(CorruptCheckpointError):
+        check_metadata_pickle(planted, path="ckpt", manifest=None)
+    assert unpickle_dcp_metadata(honest, path="ckpt") == dcp_md.Metadata(state_dict_metadata={})

@@ -214,7 +214,34 @@ def _metadata_global(module: str, name: str) -> Any:
 def unpickle_dcp_metadata(data: bytes, *, path: str) -> Any:
     """DCP's ``Metadata`` from ``.metadata`` bytes, through the restricted unpickler: DCP's
     metadata classes, ``torch.Size``, dtypes and layouts; nothing else."""
-    return unpickle_metadata(data, path, _metadata_global)
+    # C pickle's BUILD with a slot state on an allowed *class* sets its attributes for the
+    # whole process (ChunkStorageMetadata.__init__ = torch.Size), and find_class cannot see
+    # it: the classes are compared after the load, put back and the file refused.
+    classes = [c for c in map(_resolve, sorted(names.METADATA_CLASSES)) if isinstance(c, type)]
+    before = [dict(vars(c)) for c in classes]
+    try:
+        return unpickle_metadata(data, path, _metadata_global)
+    finally:
+        changed = [c.__name__ for c, attrs in zip(classes, before, strict=True) if _restored(c, attrs)]
+        if changed:
+            raise CorruptCheckpointError(
+                f"DCP's .metadata is not what lightning_preempt writes: it sets attributes of {', '.join(changed)}",
+                path=path,
+                hint="The checkpoint was tampered with; resume from an older one (the classes were put back).",
+            )
+
+
+def _restored(cls: type, attrs: dict[str, Any]) -> bool:
+    """Put ``cls``'s attributes back to ``attrs``; whether any had changed."""
+    now = dict(vars(cls))
+    if now == attrs:
+        return False
+    for name in now.keys() - attrs.keys():
+        delattr(cls, name)
+    for name, value in attrs.items():
+        if now.get(name, attrs) is not value:
+            setattr(cls, name, value)
+    return True
 
 
 def dcp_metadata(data: bytes, *, path: str, manifest: Manifest | None) -> Any:
