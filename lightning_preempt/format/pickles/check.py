@@ -4,15 +4,13 @@
 with inert stand-ins where torch builds tensors and arrays. With :data:`WEIGHTS_ONLY` it
 raises what ``load_state_bytes`` would (:func:`check_state_pickle`, for ``verify``;
 tests/unit/test_pickle_replay.py runs both on the same bytes); with :data:`FAST` (a subset,
-stricter) it is the guard before C pickle loads the common case (unpickle.py). Also: which
-globals a pickle imports (:func:`pickle_globals`, for ``export``).
+stricter) it is the guard before C pickle loads the common case (unpickle.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
-import pickletools
 import struct
 import zipfile
 from collections import Counter, OrderedDict
@@ -356,42 +354,3 @@ def walk(pkl: bytes, rules: Rules, has_record: Callable[[str], bool]) -> None:
             pos += 1
         else:
             raise Refused(f"Unsupported operand {op}")
-
-
-# ---- which globals a pickle imports (whether it would load is the check's question) -----------
-def pickled_globals(path: str) -> set[str]:
-    """Every ``module.qualname`` the pickle inside the ``torch.save`` file at ``path`` imports."""
-    with zipfile.ZipFile(path) as archive:
-        found = [n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
-        data = archive.read(found[0])
-    return pickle_globals(data)
-
-
-def pickle_globals(data: bytes) -> set[str]:
-    """Every ``module.qualname`` a pickle imports (``GLOBAL`` and ``STACK_GLOBAL``)."""
-    found: set[str] = set()
-    memo: dict[Any, Any] = {}
-    recent: list[Any] = []  # what each op pushed, as far as strings go
-    for op, arg, _ in pickletools.genops(data):
-        name = op.name
-        if name == "GLOBAL":
-            module, qualname = str(arg).split(" ", 1)
-            found.add(f"{module}.{qualname}")
-            recent.append(None)
-        elif name == "STACK_GLOBAL":
-            if len(recent) >= 2 and isinstance(recent[-2], str) and isinstance(recent[-1], str):
-                found.add(f"{recent[-2]}.{recent[-1]}")
-            else:
-                found.add("<unknown>.<unknown>")
-            recent.append(None)
-        elif "UNICODE" in name or "STRING" in name:
-            recent.append(arg)
-        elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
-            memo[arg] = recent[-1] if recent else None
-        elif name == "MEMOIZE":
-            memo[len(memo)] = recent[-1] if recent else None
-        elif name in ("GET", "BINGET", "LONG_BINGET"):
-            recent.append(memo.get(arg))
-        else:
-            recent.append(None)
-    return found
