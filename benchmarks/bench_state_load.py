@@ -6,7 +6,7 @@ resume RNG states (NumPy and torch) and Lightning's plain containers. Rows, inte
 round by round (best of the rounds):
 
 * ``load_state_bytes``: what resume does (the opcode check, then C pickle);
-* the opcode check alone (``format/pickles/fast_guard.py``);
+* the opcode check alone (``format/pickles/check.py``, rules ``FAST``);
 * C pickle alone, unchecked: the fast road before issue 32 (unsafe: for comparison);
 * ``torch.load(weights_only=True)`` with the same allow-list: the road without the fast one.
 
@@ -28,9 +28,7 @@ import torch
 from _common import machine_notes, table
 
 from lightning_preempt.format import TensorRef
-from lightning_preempt.format.pickles import fast_unpickle
-from lightning_preempt.format.pickles.fast_guard import check_fast_pickle
-from lightning_preempt.format.pickles.state_replay import archived_pickle
+from lightning_preempt.format.pickles import check, unpickle
 from lightning_preempt.format.pickles.unpickle import load_state_bytes, skeleton_safe_globals
 
 
@@ -55,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for n in (int(t) for t in args.tensors.split(",")):
         data = skeleton(n)
-        module = fast_unpickle._MODULES[b"numpy" in data]
+        module = unpickle._MODULES[b"numpy" in data]
+        pkl, has_record = check.archived_pickle(data)
 
         def weights_only(data: bytes = data) -> Any:
             with torch.serialization.safe_globals(skeleton_safe_globals()):
@@ -63,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
 
         methods: dict[str, Callable[[], Any]] = {
             "load_state_bytes (check + C pickle)": lambda data=data: load_state_bytes(data, path="bench"),
-            "opcode check alone": lambda data=data, module=module: check_fast_pickle(archived_pickle(data), **module.guard),
+            "opcode check alone": lambda pkl=pkl, has=has_record: check.walk(pkl, check.FAST, has),
             "C pickle unchecked (before issue 32)": lambda data=data, module=module: torch.load(
                 io.BytesIO(data), map_location="cpu", weights_only=False, pickle_module=module),
             "torch.load(weights_only=True)": weights_only,

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from lightning_preempt.cli.app import main as cli_main
+from lightning_preempt.cli.export import pickled_globals
 from lightning_preempt.cli.options import parse_storage_options
-from lightning_preempt.format.pickles.state_replay import pickled_globals
 from lightning_preempt.read.load import load_full_checkpoint
 from lightning_preempt.storage.diagnose import storage_hint
 from lightning_preempt.storage.store import Store
@@ -477,9 +477,8 @@ def test_export_refuses_state_that_needs_this_package(
 def test_pickle_globals_sees_both_opcodes() -> None:
     import pickle
 
-    from lightning_preempt.cli.export import plain_numpy
+    from lightning_preempt.cli.export import pickle_globals, plain_numpy
     from lightning_preempt.format import TensorRef
-    from lightning_preempt.format.pickles.state_replay import pickle_globals
 
     for protocol in (2, 4, 5):  # GLOBAL, then STACK_GLOBAL with memoised strings
         data = pickle.dumps({"a": [TensorRef("k"), TensorRef("j")], "b": Path("x")}, protocol=protocol)

@@ -1,7 +1,7 @@
 """``lightning-preempt ls``, ``verify``, ``plan`` and ``report`` import neither torch nor Lightning.
 
 Each runs in a fresh interpreter, which then reports what it imported. ``verify`` still
-checks that the state loads without ``trust_checkpoints`` (format/pickles/state_replay.py replays the
+checks that the state loads without ``trust_checkpoints`` (format/pickles/check.py walks the
 pickles instead of unpickling them), so a payload is still refused.
 """
 

@@ -1,4 +1,4 @@
-"""A planted state file cannot change the process through the fast unpickler (issue 32).
+"""A planted state file cannot change the process through the fast road's C pickle (issue 32).
 
 Each crafted file is loaded the way resume loads it (``load_state_bytes``): the fast path
 must refuse it before C pickle runs, the process-wide objects it aimed at must be
@@ -19,8 +19,7 @@ import torch
 
 from lightning_preempt.errors import UntrustedCheckpointError
 from lightning_preempt.format import TensorRef
-from lightning_preempt.format.pickles.fast_unpickle import OffFastPath, fast_load_state
-from lightning_preempt.format.pickles.unpickle import load_state_bytes
+from lightning_preempt.format.pickles.unpickle import OffFastPath, fast_load_state, load_state_bytes
 
 
 def _saved(obj: Any) -> bytes:
@@ -222,11 +221,11 @@ def test_numpy_dtype_is_built_on_a_copy() -> None:
 def test_the_check_walks_the_record_torch_reads(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
     """Each of the two defences holds alone: with the layout check out of the way, the opcode
     check still walks torch's own ``data.pkl`` (the poisoned one) and refuses it."""
-    from lightning_preempt.format.pickles import fast_unpickle
+    from lightning_preempt.format.pickles import check
 
-    monkeypatch.setattr(fast_unpickle, "archived_pickle", lambda data: b"")
+    monkeypatch.setattr(check, "check_one_reading", lambda data, archive: None)
     before = _process_wide()
-    with pytest.raises(OffFastPath, match=r"BUILD on 'torch\._utils\._rebuild_tensor_v2'"):
+    with pytest.raises(OffFastPath, match=r"BUILD on torch\._utils\._rebuild_tensor_v2"):
         fast_load_state(ATTACKS[case], "cpu")
     assert _process_wide() == before
     _check_clean_load()
@@ -236,7 +235,7 @@ def test_the_check_walks_the_record_torch_reads(monkeypatch: pytest.MonkeyPatch,
 def test_verify_calls_an_archive_with_two_readings_corrupt(case: str) -> None:
     """``verify`` replays zipfile's data.pkl: it must not vouch for a file torch reads otherwise."""
     from lightning_preempt.errors import CorruptCheckpointError
-    from lightning_preempt.format.pickles.state_replay import check_state_pickle
+    from lightning_preempt.format.pickles.check import check_state_pickle
 
     with pytest.raises(CorruptCheckpointError, match=r"not laid out as torch\.save writes"):
         check_state_pickle(ATTACKS[case], path="ckpt")
@@ -246,12 +245,12 @@ def test_what_torch_save_writes_has_one_reading() -> None:
     """The layout rule refuses nothing torch.save writes (records aligned, data descriptors),
     and refuses one byte after the end record."""
     from lightning_preempt.errors import CorruptCheckpointError
-    from lightning_preempt.format.pickles.state_replay import archived_pickle
+    from lightning_preempt.format.pickles.check import archived_pickle
 
     many = {f"t{i}": torch.full((i % 7 + 1,), float(i)) for i in range(300)}
     for obj in (many, {"big": torch.ones(1 << 20)}, {"rng": np.random.RandomState(1).get_state()}, {}):
         data = _saved(obj)
-        assert archived_pickle(data)[:2] == P2
+        assert archived_pickle(data)[0][:2] == P2
         got = fast_load_state(data, "cpu")
         tensors = {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)}
         assert list(got) == list(obj) and all(torch.equal(got[k], v) for k, v in tensors.items())
@@ -284,3 +283,30 @@ def test_a_zip64_archive_from_torch_save_has_one_reading() -> None:
     assert data[-42:-38] == b"PK\x06\x07", "not a zip64 archive: the test no longer tests it"
     got = fast_load_state(data, "cpu")
     assert len(got) == len(obj) and float(got["t65999"]) == 65999.0 and float(got["t0"]) == 0.0
+
+
+def test_a_planted_metadata_cannot_change_dcps_classes() -> None:
+    """DCP's ``.metadata`` goes through C pickle too: a ``BUILD`` with a slot state on an allowed
+    DCP *class* would set its attributes for the whole process (``ChunkStorageMetadata.__init__
+    = torch.Size``: every later DCP plan broken). The load refuses the file and puts the class
+    back; ``verify`` (the stand-ins) refuses it too; an honest file still loads."""
+    import pickle
+
+    from torch.distributed.checkpoint import metadata as dcp_md
+
+    from lightning_preempt.errors import CorruptCheckpointError
+    from lightning_preempt.format.pickles.metadata import check_metadata_pickle
+    from lightning_preempt.format.pickles.unpickle import unpickle_dcp_metadata
+
+    honest = pickle.dumps(dcp_md.Metadata(state_dict_metadata={}), protocol=2)
+    poison = _g("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata") + NONE + DICT + _u("__init__")
+    planted = P2 + b"(" + poison + _g("torch", "Size") + SETITEM + b"\x86" + BUILD + b"0" + honest[2:-1] + b"t" + STOP
+    before = dict(vars(dcp_md.ChunkStorageMetadata))
+    with pytest.raises(CorruptCheckpointError, match="sets attributes of ChunkStorageMetadata"):
+        unpickle_dcp_metadata(planted, path="ckpt")
+    assert dict(vars(dcp_md.ChunkStorageMetadata)) == before
+    chunk = dcp_md.ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([2]))
+    assert chunk.sizes == torch.Size([2]) and chunk.offsets == torch.Size([0])
+    with pytest.raises(CorruptCheckpointError):
+        check_metadata_pickle(planted, path="ckpt", manifest=None)
+    assert unpickle_dcp_metadata(honest, path="ckpt") == dcp_md.Metadata(state_dict_metadata={})

@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader
 from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO, Tuning
 from lightning_preempt.errors import CorruptCheckpointError
 from lightning_preempt.format import INLINE_TENSOR_MAX_BYTES, TensorRef, tensor_from_bytes
-from lightning_preempt.format.pickles import fast_unpickle, unpickle
-from lightning_preempt.format.pickles.state_replay import check_state_pickle
+from lightning_preempt.format.pickles import unpickle
+from lightning_preempt.format.pickles.check import check_state_pickle
 from lightning_preempt.format.pickles.unpickle import load_state_bytes
 from lightning_preempt.write.skeleton_bytes import skeleton_bytes
 
@@ -55,7 +55,7 @@ def _skeleton(extra: dict[str, Any]) -> dict[str, Any]:
 
 
 def _off_fast_path(*_: Any) -> Any:
-    raise fast_unpickle.OffFastPath("forced: the weights-only path")
+    raise unpickle.OffFastPath("forced: the weights-only path")
 
 
 def test_small_tensors_are_inline_and_load_back_exactly(monkeypatch: pytest.MonkeyPatch) -> None:

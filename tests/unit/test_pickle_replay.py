@@ -1,6 +1,6 @@
-"""The torch-free loadability check (format/pickles/state_replay.py, format/pickles/metadata_scan.py) says what the loader says.
+"""The torch-free loadability check (format/pickles/check.py, format/pickles/metadata.py) says what the loader says.
 
-``lightning-preempt verify`` replays the pickles of a checkpoint against the loader's
+``lightning-preempt verify`` walks the pickles of a checkpoint against the loader's
 allow-lists instead of unpickling them with torch (format/pickles/unpickle.py). Here both run on
 the same bytes, from checkpoints the plugin writes and from crafted ones (every crafted
 file gets past the CRC, as an attacker's would): they must accept the same ones and refuse
@@ -30,8 +30,8 @@ from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.format.names import checkpoint_name
 from lightning_preempt.format.pickles import allowlists
 from lightning_preempt.format.pickles import unpickle as torch_path
-from lightning_preempt.format.pickles.metadata_scan import check_dcp_structure, check_metadata_pickle
-from lightning_preempt.format.pickles.state_replay import check_state_pickle
+from lightning_preempt.format.pickles.check import check_state_pickle
+from lightning_preempt.format.pickles.metadata import check_dcp_structure, check_metadata_pickle
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.read.verify import read_manifest
 from lightning_preempt.storage.store import Store
@@ -316,31 +316,30 @@ def _qualified(obj: Any) -> str:
 
 
 def test_state_allow_list_is_what_the_loader_allows() -> None:
+    """The copy of torch's defaults is torch's (``verify`` must not say "loads" where the
+    load refuses, nor the reverse: a new torch default is a name to add to allowlists.py),
+    and each of the package's own names resolves to the object of that name."""
     from torch import _weights_only_unpickler
 
     torch_defaults = set(_weights_only_unpickler._get_allowed_globals())
-    loader = torch_defaults | {_qualified(g) for g in torch_path.skeleton_safe_globals()}
-    replay = set(allowlists.STATE_GLOBALS)
-    assert not replay - loader  # never more than the load allows: `verify` must not say "loads" where it refuses
-    assert not loader - replay  # nor less (a new torch default is a name to add to format/pickles/allowlists.py)
+    assert torch_defaults == allowlists.TORCH_WEIGHTS_ONLY_GLOBALS
+    ours = {_qualified(g) for g in torch_path.skeleton_safe_globals()}
+    assert ours == allowlists.OURS | allowlists.NUMPY_GLOBALS
+    assert torch_defaults | ours == allowlists.STATE_GLOBALS
 
 
 def test_numpy_dtype_codes_are_the_allowed_dtype_classes() -> None:
-    allowed = {g for g in torch_path.skeleton_safe_globals() if isinstance(g, type) and issubclass(g, np.dtype)}
-    allowed.discard(np.dtype)
-    assert {type(np.dtype(code)) for code in allowlists.NUMPY_DTYPE_CODES} == allowed
-    assert {np.dtype(t).__reduce__()[1][0] for t in (np.int64, np.float32, np.bool_)} <= allowlists.NUMPY_DTYPE_CODES
+    for code, name in allowlists.NUMPY_DTYPES.items():
+        assert _qualified(type(np.dtype(code))) == f"numpy.dtypes.{name}DType", code
+    assert {np.dtype(t).__reduce__()[1][0] for t in (np.int64, np.float32, np.bool_)} <= set(allowlists.NUMPY_DTYPES)
 
 
 def test_metadata_allow_list_is_what_the_loader_allows() -> None:
-    classes = {f"{m}.{n}" for m, n in torch_path._metadata_classes()}
-    dtypes = allowlists.METADATA_GLOBALS - classes
-    assert classes <= allowlists.METADATA_GLOBALS
-    for name in dtypes:  # the rest are dtypes, which the loader resolves as torch.<name>
-        module, attr = name.rsplit(".", 1)
-        assert module == "torch" and isinstance(getattr(torch, attr, None), torch.dtype), name
+    for name in allowlists.METADATA_GLOBALS:  # each resolves, to the object of that name or a dtype
+        found = torch_path._metadata_global(*name.rsplit(".", 1))
+        assert isinstance(found, torch.dtype) or _qualified(found) == name, name
     installed = {f"torch.{n}" for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)}
-    assert installed <= dtypes, installed - dtypes  # a new dtype is a name to add
+    assert installed <= allowlists.METADATA_GLOBALS, installed - allowlists.METADATA_GLOBALS  # a new dtype: add it
 
 
 def test_python2_renames_are_torchs() -> None:
@@ -350,7 +349,7 @@ def test_python2_renames_are_torchs() -> None:
     assert allowlists._NAME_MAPPING == _utils.NAME_MAPPING
 
 
-# ---- the fast path (format/pickles/fast_unpickle.py) ------------------------------------------------
+# ---- the fast road (format/pickles/unpickle.py) ------------------------------------------------
 def _weights_only(data: bytes) -> Any:
     with torch.serialization.safe_globals(torch_path.skeleton_safe_globals()):
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
@@ -371,7 +370,7 @@ def _equal(a: Any, b: Any) -> bool:
 
 
 def test_fast_path_takes_what_a_fit_writes_and_gives_what_weights_only_gives(written: Path, fitted: Path) -> None:
-    from lightning_preempt.format.pickles.fast_unpickle import fast_load_state
+    from lightning_preempt.format.pickles.unpickle import fast_load_state
 
     for ckpt in (written / checkpoint_name(1), fitted):
         data = (ckpt / STATE).read_bytes()
@@ -385,7 +384,7 @@ def test_fast_path_takes_what_a_fit_writes_and_gives_what_weights_only_gives(wri
 def test_fast_path_never_accepts_what_weights_only_refuses(case: str) -> None:
     """The fast path loads a subset of what the weights-only path loads, the same objects;
     for everything else it steps aside (OffFastPath) and load_state_bytes asks torch."""
-    from lightning_preempt.format.pickles.fast_unpickle import OffFastPath, fast_load_state
+    from lightning_preempt.format.pickles.unpickle import OffFastPath, fast_load_state
 
     data = STATE_CASES[case]()
     try:
@@ -404,7 +403,7 @@ def test_fast_path_never_accepts_what_weights_only_refuses(case: str) -> None:
 def test_fast_path_steps_aside_for_the_allowed_oddities(written: Path) -> None:
     """NumPy scalars, sets, Parameters… are allowed but not on the fast path: the loader
     still returns exactly what weights_only returns."""
-    from lightning_preempt.format.pickles.fast_unpickle import OffFastPath, fast_load_state
+    from lightning_preempt.format.pickles.unpickle import OffFastPath, fast_load_state
 
     data = (written / checkpoint_name(2) / STATE).read_bytes()
     with pytest.raises(OffFastPath):
@@ -413,7 +412,7 @@ def test_fast_path_steps_aside_for_the_allowed_oddities(written: Path) -> None:
 
 
 def test_fast_path_wraps_numpy_so_only_allowed_types_are_built() -> None:
-    from lightning_preempt.format.pickles.fast_unpickle import OffFastPath, fast_globals
+    from lightning_preempt.format.pickles.unpickle import OffFastPath, fast_globals
 
     g = fast_globals(True)
     make_dtype = next(v for (m, n), v in g.items() if n == "dtype" and m == "numpy")

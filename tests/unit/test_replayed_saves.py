@@ -15,7 +15,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.format.names import DCP_METADATA_NAME, MANIFEST_NAME
-from lightning_preempt.format.pickles.metadata_scan import check_metadata_pickle
+from lightning_preempt.format.pickles.metadata import check_metadata_pickle
 from lightning_preempt.read.load import load_full_checkpoint
 from lightning_preempt.save.order import SaveOrder
 from lightning_preempt.save.saver import Saver

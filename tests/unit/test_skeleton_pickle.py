@@ -103,9 +103,9 @@ def test_a_checkpoint_using_the_reserved_key_is_refused_with_a_hint() -> None:
 
 
 def test_the_light_cli_accepts_what_load_accepts() -> None:
-    """``verify`` replays the weights-only unpickler without torch (format/pickles/state_replay.py):
+    """``verify`` replays the weights-only unpickler without torch (format/pickles/check.py):
     a format-3 state passes there as it loads here."""
-    from lightning_preempt.format.pickles.state_replay import check_state_pickle
+    from lightning_preempt.format.pickles.check import check_state_pickle
 
     _, skeleton = split_checkpoint(_state())
     check_state_pickle(_saved(skeleton), path="test")

@@ -1,5 +1,5 @@
 """``lightning-preempt verify URL [STEP]``: the manifest, every file's size and CRC32C, and
-that the state loads without ``trust_checkpoints`` (replayed, without torch).
+that the state loads without ``trust_checkpoints`` (its opcodes checked, without torch).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from lightning_preempt.cli.resolve import resolve_checkpoint, storage_call
 from lightning_preempt.errors import UntrustedCheckpointError
 from lightning_preempt.format.manifest import Manifest, data_store
 from lightning_preempt.format.names import DCP_METADATA_NAME, STATE_RE
-from lightning_preempt.format.pickles.metadata_scan import check_metadata_pickle
-from lightning_preempt.format.pickles.state_replay import check_state_pickle
+from lightning_preempt.format.pickles.check import check_state_pickle
+from lightning_preempt.format.pickles.metadata import check_metadata_pickle
 from lightning_preempt.read.verify import verify_checkpoint
 from lightning_preempt.storage.store import Store
 
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
 
 def check_loadable(store: Store, manifest: Manifest) -> None:
     """Raise :class:`UntrustedCheckpointError` unless every pickle would load with the
-    allow-list only; replayed without torch (format/pickles/state_replay.py)."""
+    allow-list only; checked without torch (format/pickles/check.py, metadata.py)."""
     files = data_store(store, manifest)  # a replaced checkpoint's files live in its generation dir
     try:
         for name in sorted(n for n in manifest.files if STATE_RE.fullmatch(n)):  # every rank's

@@ -1,3 +1,4 @@
-"""Reading pickles safely, against one set of allow-lists; only ``unpickle`` and
-``fast_unpickle`` import torch (the rest serve the CLI).
+"""Reading pickles safely, against one allow-list (``allowlists``), on two roads: the opcode
+walk (``check``, no torch) then C pickle, or torch's weights-only loader; only ``unpickle``
+imports torch (the rest serve the CLI too).
 """

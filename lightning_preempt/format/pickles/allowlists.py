@@ -1,6 +1,7 @@
-"""The loaders' allow-lists as qualified names, for the torch-free checks (state_replay,
-metadata_scan), so ``verify`` needs neither torch nor NumPy. Guard tests
-(tests/unit/test_pickle_replay.py) require each to equal what installed torch/NumPy allow.
+"""Every allow-list of the package, spelled once, as qualified names (``module.name``): the
+opcode check (check.py) reads the names, the loaders (unpickle.py, metadata.py) resolve them
+to objects. No torch here: ``verify`` needs neither torch nor NumPy. The guard tests
+(tests/unit/test_pickle_replay.py) pin the copies of torch's own lists to installed torch.
 """
 
 from __future__ import annotations
@@ -59,30 +60,54 @@ TORCH_WEIGHTS_ONLY_GLOBALS = frozenset(
     | _names("torch.{}", "per_tensor_affine per_tensor_symmetric per_channel_affine per_channel_symmetric")
     | {"torch.per_channel_affine_float_qparams"}
 )
-#: ``np.dtype(t).str[1:]`` of the NumPy dtypes the skeleton allow-list admits (their classes).
-NUMPY_DTYPE_CODES = frozenset(["b1", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f2", "f4", "f8"])
-_NUMPY_DTYPE_CLASSES = "Bool Int8 Int16 Int32 Int64 UInt8 UInt16 UInt32 UInt64 Float16 Float32 Float64"
+#: The NumPy dtypes a state may hold (exact-resume RNG states): ``np.dtype(t).str[1:]`` -> class name.
+NUMPY_DTYPES = {"b1": "Bool", "i1": "Int8", "i2": "Int16", "i4": "Int32", "i8": "Int64", "u1": "UInt8",
+                "u2": "UInt16", "u4": "UInt32", "u8": "UInt64", "f2": "Float16", "f4": "Float32", "f8": "Float64"}  # fmt: skip
 
 
-def _numpy_globals() -> frozenset[str]:
-    """format/pickles/unpickle.py's NumPy names, for the installed NumPy, without importing it."""
+def _numpy_core() -> str | None:
+    """Where the installed NumPy keeps ``multiarray`` (it moved in 2.0), without importing it."""
     try:
         major = int(importlib.metadata.version("numpy").split(".")[0])
-    except (importlib.metadata.PackageNotFoundError, ValueError):
-        return frozenset()
-    core = "numpy._core" if major >= 2 else "numpy.core"
-    return frozenset(
-        {f"{core}.multiarray._reconstruct", f"{core}.multiarray.scalar", "numpy.ndarray", "numpy.dtype"}
-        | _names("numpy.dtypes.{}DType", _NUMPY_DTYPE_CLASSES)
-    )
+    except (importlib.metadata.PackageNotFoundError, ValueError):  # pragma: no cover - torch brings NumPy
+        return None
+    return "numpy._core" if major >= 2 else "numpy.core"
 
 
-#: Everything ``load_state_bytes`` lets a per-rank state file import.
-STATE_GLOBALS = (
-    TORCH_WEIGHTS_ONLY_GLOBALS
-    | {"lightning_preempt.format.TensorRef", "lightning_preempt.format.TensorDict",
-       "lightning_preempt.format.tensor_from_bytes"}
-    | _numpy_globals()
+_CORE = _numpy_core()
+_RECONSTRUCT = f"{_CORE}.multiarray._reconstruct"
+#: NumPy's array and scalar reconstruction and the dtypes above (a NumPy 1.x pickle loaded
+#: under NumPy 2 names numpy.core.*: refused, named in the error).
+NUMPY_GLOBALS = frozenset(
+    {_RECONSTRUCT, f"{_CORE}.multiarray.scalar", "numpy.ndarray", "numpy.dtype"}
+    | {f"numpy.dtypes.{c}DType" for c in NUMPY_DTYPES.values()}
+    if _CORE
+    else ()
+)
+#: What the skeleton's own pickles name (format/__init__.py).
+OURS = frozenset({"lightning_preempt.format.TensorRef", "lightning_preempt.format.TensorDict",
+                  "lightning_preempt.format.tensor_from_bytes"})  # fmt: skip
+#: Everything ``load_state_bytes`` lets a per-rank state file import: on top of torch's
+#: ``weights_only`` defaults, the placeholders, inline tensors and NumPy.
+STATE_GLOBALS = TORCH_WEIGHTS_ONLY_GLOBALS | OURS | NUMPY_GLOBALS
+
+# The fast road (unpickle.py): C pickle resolves this subset, after the opcode check with
+# these stricter rules; anything else goes to the weights-only loader.
+_LEGACY_STORAGES = _names(
+    "torch.{}Storage", _LEGACY + " ComplexFloat ComplexDouble QInt8 QUInt8 QInt32 QUInt4x2 QUInt2x4"
+)
+_FAST_CALLS = {"collections.OrderedDict", "torch._utils._rebuild_tensor_v2", "torch.Size", "torch.device",
+               "_codecs.encode", "numpy.dtype", _RECONSTRUCT} | OURS  # fmt: skip
+#: Allowed callables of the fast road (``_codecs.encode``: how protocol 2 pickles bytes).
+FAST_CALLABLES = frozenset(_FAST_CALLS if _CORE else _FAST_CALLS - {"numpy.dtype", _RECONSTRUCT})
+#: Globals the fast road resolves: its callables, dtypes, ``numpy.ndarray`` (only an argument
+#: of ``_reconstruct``: never called, ``np.ndarray(shape)`` allocates) and the legacy
+#: storage types of ``torch.save``'s persistent ids (torch's own ``find_class`` resolves those).
+FAST_GLOBALS = FAST_CALLABLES | {f"torch.{d}" for d in TORCH_DTYPES} | ({"numpy.ndarray"} if _CORE else set())
+FAST_NAMES = FAST_GLOBALS | _LEGACY_STORAGES
+#: What BUILD may set the state of on the fast road (OrderedDict: a dict state only).
+FAST_BUILDABLE = frozenset({"collections.OrderedDict", "lightning_preempt.format.TensorRef"}) | (
+    FAST_CALLABLES & {"numpy.dtype", _RECONSTRUCT}
 )
 #: The module of DCP's metadata classes, with the dot: ``DCP_MD + "Metadata"``.
 DCP_MD = "torch.distributed.checkpoint.metadata."

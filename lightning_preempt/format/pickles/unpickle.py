@@ -1,29 +1,40 @@
 """Unpickling what storage hands us without running code from it (docs/security.md).
 
-State files load with ``torch.load(weights_only=True)`` and an allow-list scoped to that one
-call (never ``add_safe_globals``); anything else raises :class:`UntrustedCheckpointError`
-naming the opt-in. DCP's ``.metadata`` goes through :func:`unpickle_dcp_metadata`.
+Two roads. A state file that the opcode check (check.py, rules ``FAST``) passes is loaded by
+C pickle resolving the names of allowlists.FAST_GLOBALS (~10x faster than torch's Python
+unpickler); any other goes to ``torch.load(weights_only=True)`` with the package's extra
+names scoped to that one call (never ``add_safe_globals``), which decides and words the
+error (:class:`UntrustedCheckpointError` names the opt-in). DCP's ``.metadata`` goes through
+metadata.py's restricted unpickler with torch's classes.
 """
 
 from __future__ import annotations
 
+import importlib
 import io
 import pickle
 import re
-from collections import OrderedDict
+import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from lightning_preempt.errors import CorruptCheckpointError
-from lightning_preempt.format import TensorDict, TensorRef, tensor_from_bytes
 from lightning_preempt.format import dcp_compat as _compat
+from lightning_preempt.format import tensor_from_bytes
 from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.format.names import DCP_METADATA_NAME
-from lightning_preempt.format.pickles.fast_unpickle import OffFastPath, fast_load_state, numpy_globals
-from lightning_preempt.format.pickles.metadata_scan import check_dcp_structure, unpickle_metadata
-from lightning_preempt.format.pickles.state_replay import corrupt_state_error, untrusted_state_error
+from lightning_preempt.format.pickles import allowlists as names
+from lightning_preempt.format.pickles.check import (
+    FAST,
+    Refused,
+    archived_pickle,
+    corrupt_state_error,
+    untrusted_state_error,
+    walk,
+)
+from lightning_preempt.format.pickles.metadata import check_dcp_structure, unpickle_metadata
 from lightning_preempt.format.skeleton import map_leaves
 from lightning_preempt.storage.store import Store
 
@@ -33,15 +44,25 @@ MAX_METADATA_BYTES = 256 << 20
 _GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
 
 
+def _resolve(name: str) -> Any:
+    """The object an allowed ``module.name`` names (``None``: not in the installed torch/NumPy)."""
+    module, attr = _pair(name)
+    try:
+        return getattr(importlib.import_module(module), attr, None)
+    except ImportError:
+        return None
+
+
+def _pair(name: str) -> tuple[str, str]:
+    module, _, attr = name.rpartition(".")
+    return module, attr
+
+
 # ---- the per-rank state files -------------------------------------------------------------
-#: what the skeleton's own pickles name (format/__init__.py)
-_OURS = (TensorRef, TensorDict, tensor_from_bytes)
-
-
 def skeleton_safe_globals() -> list[Any]:
     """On top of ``weights_only``'s defaults: the placeholders, inline tensors and NumPy
     (RNG states); all a ``Trainer.fit`` puts there (Lightning 2.6)."""
-    return [*_OURS, *numpy_globals()]
+    return [g for g in map(_resolve, sorted(names.OURS | names.NUMPY_GLOBALS)) if g is not None]
 
 
 def load_state_bytes(data: bytes, *, path: str, trusted: bool = False, map_location: Any = None) -> Any:
@@ -61,14 +82,14 @@ def _load_state(data: bytes, *, path: str, trusted: bool, map_location: Any) -> 
     if trusted:
         return torch.load(io.BytesIO(data), map_location=location, weights_only=False)
     try:
-        return fast_load_state(data, location)  # the common case, ~10x faster (format/pickles/fast_unpickle.py)
+        return fast_load_state(data, location)
     except OffFastPath:
         pass  # weights_only decides (it allows a superset) and words any error
     # NumPy's globals only when the bytes name them: weights_only rebuilds the allowed dict
     # per object, so a shorter list is faster (and never less safe)
-    allowed: list[Any] = skeleton_safe_globals() if b"numpy" in data else list(_OURS)
+    extra = skeleton_safe_globals() if b"numpy" in data else [_resolve(n) for n in sorted(names.OURS)]
     try:
-        with torch.serialization.safe_globals(allowed):  # scoped to this call
+        with torch.serialization.safe_globals(extra):  # scoped to this call
             return torch.load(io.BytesIO(data), map_location=location, weights_only=True)
     except pickle.UnpicklingError as err:
         raise untrusted_state_error(_unsupported_global(err), _refusal(err), path) from None
@@ -94,42 +115,133 @@ def _refusal(err: BaseException) -> str:
     return detail or type(err).__name__
 
 
-# ---- DCP's .metadata ----------------------------------------------------------------------
-def _metadata_classes() -> dict[tuple[str, str], Any]:
-    from torch.distributed.checkpoint import metadata
+# ---- the fast road ------------------------------------------------------------------------
+class OffFastPath(Exception):
+    """The pickle needs something the fast road does not resolve (or is not a plain
+    ``torch.save`` zip): load it through ``weights_only`` instead."""
 
-    allowed: dict[tuple[str, str], Any] = {
-        ("collections", "OrderedDict"): OrderedDict,
-        ("torch", "Size"): torch.Size,
-        ("torch.serialization", "_get_layout"): _compat.torch_get_layout,
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _compat.DcpStorageInfo,
-    }
-    for name in (
-        "Metadata",
-        "TensorStorageMetadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-        "MetadataIndex",
-        "StorageMeta",
-        "_MEM_FORMAT_ENCODING",
-    ):
-        if hasattr(metadata, name):  # every one exists in torch 2.7-2.13
-            allowed[("torch.distributed.checkpoint.metadata", name)] = getattr(metadata, name)
-    return allowed
+
+def fast_globals(with_numpy: bool) -> dict[tuple[str, str], Any]:
+    """``(module, name) -> object`` C pickle resolves on the fast road (allowlists.FAST_GLOBALS;
+    NumPy's only ``with_numpy``). C pickle does not type-check what it BUILDs, so the two
+    NumPy callables whose result is BUILT are wrapped to check it."""
+    allowed = {_pair(n): _resolve(n) for n in names.FAST_GLOBALS if not n.startswith("numpy")}
+    if with_numpy:
+        import numpy as np
+
+        dtype_types = tuple(type(np.dtype(code)) for code in names.NUMPY_DTYPES)
+        reconstruct_name = next(n for n in names.FAST_CALLABLES if n.endswith("._reconstruct"))
+        reconstruct = _resolve(reconstruct_name)
+
+        def dtype(obj: Any, align: bool = False, copy: bool = False) -> Any:
+            # Always a copy: np.dtype("f8", False, False) is NumPy's shared float64 descriptor,
+            # and the BUILD that follows sets its state (a pickle of a dtype asks for a copy).
+            made = np.dtype(obj, align, True)
+            if type(made) not in dtype_types:
+                raise OffFastPath(f"numpy dtype {type(made).__name__}")
+            return made
+
+        def _reconstruct(cls: Any, shape: Any, typecode: Any) -> Any:
+            if cls is not np.ndarray or shape != (0,):  # what ndarray.__reduce__ writes; BUILD sets the shape
+                raise OffFastPath("numpy _reconstruct of a class other than ndarray, or of a shape other than (0,)")
+            made = reconstruct(cls, shape, typecode)
+            if type(made) is not np.ndarray:
+                raise OffFastPath("numpy _reconstruct made something other than an ndarray")
+            return made
+
+        # ndarray only as an argument of _reconstruct (the check allows no call of it)
+        allowed |= {("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): dtype,
+                    _pair(reconstruct_name): _reconstruct}  # fmt: skip
+    return {k: v for k, v in allowed.items() if v is not None}
+
+
+def _pickle_module(with_numpy: bool) -> types.SimpleNamespace:
+    """What ``torch.load`` takes as ``pickle_module``: C pickle with a tight ``find_class``."""
+    allowed = fast_globals(with_numpy)
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            found = allowed.get((module, name))
+            if found is None:
+                raise OffFastPath(f"{module}.{name}")
+            return found
+
+    def load(*_: Any, **__: Any) -> Any:  # torch's legacy (non-zip) format: not ours
+        raise OffFastPath("not a torch.save zip file")
+
+    return types.SimpleNamespace(Unpickler=Unpickler, load=load, __name__=__name__)
+
+
+_MODULES = {False: _pickle_module(False), True: _pickle_module(True)}
+
+
+def fast_load_state(data: bytes, map_location: Any) -> Any:
+    """Unpickle a per-rank state file on the fast road, or raise :class:`OffFastPath`."""
+    if not data.startswith(b"PK\x03\x04"):
+        raise OffFastPath("not a torch.save zip file")
+    try:
+        _, has_record = archived_pickle(data)  # refuses an archive two zip readers read differently
+        # and the check walks the very bytes torch.load unpickles: its own reader's record
+        walk(torch._C.PyTorchFileReader(io.BytesIO(data)).get_record("data.pkl"), FAST, has_record)
+    except Refused as err:  # before C pickle runs a single opcode
+        raise OffFastPath(str(err)) from None
+    except Exception as err:  # not an archive both zip readers read alike, a broken pickle
+        raise OffFastPath(f"{type(err).__name__}") from err
+    try:  # weights_only=False: the restriction is the check above and Unpickler.find_class
+        module = _MODULES[b"numpy" in data]
+        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=False, pickle_module=module)
+    except OffFastPath:
+        raise
+    except Exception as err:  # damaged, truncated…: weights_only gives the error its words
+        raise OffFastPath(f"{type(err).__name__}") from err
+
+
+# ---- DCP's .metadata ----------------------------------------------------------------------
+#: torch's private names in DCP's .metadata, from the one module that lists them
+_METADATA_SHIMS = {
+    "torch.serialization._get_layout": _compat.torch_get_layout,
+    names.STORAGE_INFO: _compat.DcpStorageInfo,
+}
+
+
+def _metadata_global(module: str, name: str) -> Any:
+    full = f"{module}.{name}"
+    if full not in names.METADATA_GLOBALS:
+        return None
+    return _METADATA_SHIMS.get(full) or _resolve(full)
 
 
 def unpickle_dcp_metadata(data: bytes, *, path: str) -> Any:
     """DCP's ``Metadata`` from ``.metadata`` bytes, through the restricted unpickler: DCP's
     metadata classes, ``torch.Size``, dtypes and layouts; nothing else."""
-    allowed = _metadata_classes()
+    # C pickle's BUILD with a slot state on an allowed *class* sets its attributes for the
+    # whole process (ChunkStorageMetadata.__init__ = torch.Size), and find_class cannot see
+    # it: the classes are compared after the load, put back and the file refused.
+    classes = [c for c in map(_resolve, sorted(names.METADATA_CLASSES)) if isinstance(c, type)]
+    before = [dict(vars(c)) for c in classes]
+    try:
+        return unpickle_metadata(data, path, _metadata_global)
+    finally:
+        changed = [c.__name__ for c, attrs in zip(classes, before, strict=True) if _restored(c, attrs)]
+        if changed:
+            raise CorruptCheckpointError(
+                f"DCP's .metadata is not what lightning_preempt writes: it sets attributes of {', '.join(changed)}",
+                path=path,
+                hint="The checkpoint was tampered with; resume from an older one (the classes were put back).",
+            )
 
-    def resolve(module: str, name: str) -> Any:
-        found = allowed.get((module, name))
-        if found is None and module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        return found
 
-    return unpickle_metadata(data, path, resolve)
+def _restored(cls: type, attrs: dict[str, Any]) -> bool:
+    """Put ``cls``'s attributes back to ``attrs``; whether any had changed."""
+    now = dict(vars(cls))
+    if now == attrs:
+        return False
+    for name in now.keys() - attrs.keys():
+        delattr(cls, name)
+    for name, value in attrs.items():
+        if now.get(name, attrs) is not value:
+            setattr(cls, name, value)
+    return True
 
 
 def dcp_metadata(data: bytes, *, path: str, manifest: Manifest | None) -> Any:

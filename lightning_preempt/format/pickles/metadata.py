@@ -1,6 +1,8 @@
-"""Would ``read_dcp_metadata`` accept DCP's ``.metadata``? Answered without torch, for ``verify``:
-:func:`check_metadata_pickle` with recording stand-ins for the allowed globals, then
-:func:`check_dcp_structure`, the one structural check (tests/unit/test_pickle_replay.py).
+"""DCP's ``.metadata`` through the restricted unpickler (docs/security.md): C pickle whose
+``find_class`` resolves the names of allowlists.METADATA_GLOBALS only, then one structural
+check (:func:`check_dcp_structure`). The load resolves them to torch's classes
+(unpickle.py's ``read_dcp_metadata``); ``verify`` to recording stand-ins
+(:func:`check_metadata_pickle`), without torch.
 """
 
 from __future__ import annotations
