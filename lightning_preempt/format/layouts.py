@@ -1,5 +1,8 @@
-"""Whether a list of tensors still has the layouts it had: the check a steady-state save makes
-once per memo (the stager's routing, the DDP share) instead of rebuilding it."""
+"""The structure key of a save: one per save, computed by the saver from the state's flat
+tensors before anything is staged, and handed to every stage that keeps what it derived from
+the structure (the DDP share, the stager's routing and the budget's split, DCP's local plan
+and with it the shard files' layout). A stage reuses what it kept while the key it is given
+is the very key it kept it for (``is``): one check per save, not one per stage."""
 
 from __future__ import annotations
 
@@ -9,16 +12,51 @@ from typing import Any
 import torch
 
 
-class Layouts:
-    """Each tensor's type, shape, dtype (and device, ``with_devices``) of ``values``, to compare
-    later lists against with :meth:`same`: one C++ pass where torch has TorchDynamo's
-    ``TensorGuards`` (what a compiled graph checks its inputs with; it also compares strides
-    and ``requires_grad``: ~0.2 ms for 4000 tensors), else three C-level passes (~0.6 ms)."""
+class Structure:
+    """The key: the tensors' keys in order and each tensor's type, shape, stride, dtype,
+    device and ``requires_grad`` (:class:`Layouts`). Compared by identity: :class:`Structures`
+    hands out the same object while nothing of it changed."""
 
-    def __init__(self, values: list[torch.Tensor], *, with_devices: bool = False) -> None:
-        self._with_devices = with_devices
+    __slots__ = ("keys", "layouts", "plain")
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        values = list(tensors.values())
+        self.keys = list(tensors)
+        self.layouts = Layouts(values)
+        #: every tensor a plain ``torch.Tensor`` (a ``DTensor``'s placements are not in the key)
+        self.plain = set(map(type, values)) <= {torch.Tensor}
+
+    def same(self, tensors: dict[str, torch.Tensor]) -> bool:
+        return len(tensors) == len(self.keys) and list(tensors) == self.keys and self.layouts.same(list(tensors.values()))
+
+
+class Structures:
+    """One saver's structure keys: :meth:`key` returns the last key while it still holds."""
+
+    def __init__(self) -> None:
+        self._last: Structure | None = None
+
+    def __reduce__(self) -> tuple[type[Structures], tuple[()]]:
+        return (Structures, ())  # a copied saver starts afresh: nothing kept for a key yet
+
+    def key(self, tensors: dict[str, torch.Tensor]) -> Structure:
+        """The structure key of ``tensors`` (a save's flat tensors, all of them)."""
+        last = self._last
+        if last is not None and last.same(tensors):
+            return last
+        self._last = Structure(tensors)
+        return self._last
+
+
+class Layouts:
+    """Each tensor's type, shape, dtype and device of ``values``, to compare later lists
+    against with :meth:`same`: one C++ pass where torch has TorchDynamo's ``TensorGuards``
+    (what a compiled graph checks its inputs with; it also compares strides and
+    ``requires_grad``: ~0.2 ms for 4000 tensors), else four C-level passes (~0.8 ms)."""
+
+    def __init__(self, values: list[torch.Tensor]) -> None:
         self._guard = _guard(values)
-        self._signature = _signature(values, with_devices) if self._guard is None else None
+        self._signature = _signature(values) if self._guard is None else None
 
     @property
     def guarded(self) -> bool:
@@ -28,7 +66,7 @@ class Layouts:
     def same(self, values: list[torch.Tensor]) -> bool:
         if self._guard is not None:
             return bool(self._guard.check(*values))
-        return _signature(values, self._with_devices) == self._signature
+        return _signature(values) == self._signature
 
 
 def _guard(values: list[torch.Tensor]) -> Any:
@@ -45,13 +83,8 @@ def _guard(values: list[torch.Tensor]) -> Any:
         return None
 
 
-def _signature(values: list[Any], with_devices: bool) -> tuple[list[Any], ...]:
-    types = list(map(type, values))
-    shapes = list(map(_SHAPE, values))
-    dtypes = list(map(_DTYPE, values))
-    if with_devices:
-        return (types, shapes, dtypes, list(map(_DEVICE, values)))
-    return (types, shapes, dtypes)
+def _signature(values: list[Any]) -> tuple[list[Any], ...]:
+    return (list(map(type, values)), list(map(_SHAPE, values)), list(map(_DTYPE, values)), list(map(_DEVICE, values)))
 
 
 _SHAPE = operator.attrgetter("shape")
