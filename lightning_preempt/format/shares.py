@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from lightning_preempt.format.layouts import Structure
+from lightning_preempt.format.structure import Structure
 
 # DDP: DCP de-duplicates replicated tensors only after every rank staged all of them (N
 # times the host memory). So each plain tensor gets one owner rank before staging; DTensors
@@ -57,7 +57,7 @@ def own_share(tensors: dict[str, torch.Tensor], rank: int, world_size: int) -> d
 
 class ShareMemo:
     """:func:`replica_fingerprint` and :func:`own_share`'s choice, kept for one structure key
-    (format/layouts.py; ~15 ms to recompute)."""
+    (format/structure.py; ~15 ms to recompute)."""
 
     def __init__(self) -> None:
         self._key: Structure | None = None

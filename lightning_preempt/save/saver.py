@@ -21,10 +21,10 @@ from lightning_preempt.catalog.ownership import remove_path
 from lightning_preempt.catalog.verified import mark_verified
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.errors import earlier_save_failed
-from lightning_preempt.format.layouts import Structure, Structures
 from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.format.shares import ShareMemo, own_share
 from lightning_preempt.format.skeleton import Splitter, split_checkpoint
+from lightning_preempt.format.structure import Structure, Structures
 from lightning_preempt.read.load import gc_paused
 from lightning_preempt.save.history import HISTORY_KEPT, SaveRecord, checkpoint_step
 from lightning_preempt.save.idle import Gate

@@ -17,7 +17,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from lightning_preempt.errors import CheckpointWriteError
-from lightning_preempt.format.layouts import Structure
+from lightning_preempt.format.structure import Structure
 from lightning_preempt.staging.stager import copy_all, local_of
 
 if TYPE_CHECKING:
@@ -155,7 +155,7 @@ class Overlap:
               defer: bool = True, key: Structure | None = None) -> tuple[dict[str, torch.Tensor], InFlightCopy | None]:  # fmt: skip
         """``stager.stage(tensors)``, but the deferrable ones (``defer``) only get their
         buffers and are copied by the returned :class:`InFlightCopy` (``None``: none was).
-        ``key``: the save's structure key (format/layouts.py)."""
+        ``key``: the save's structure key (format/structure.py)."""
         keys = self.deferrable(tensors, pinned) if defer else set()
         if not keys:
             return stager.stage(tensors, pinned=pinned, key=key), None

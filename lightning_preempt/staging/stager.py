@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from lightning_preempt.format.layouts import Structure
+from lightning_preempt.format.structure import Structure
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class HostStager:
 
     def unchanged(self, tensors: dict[str, torch.Tensor], key: Structure | None) -> bool:
         """Whether ``tensors`` are the set :meth:`stage` staged last, with the structure key
-        (format/layouts.py) it was staged with, and every buffer is still there. Then ``stage``
+        (format/structure.py) it was staged with, and every buffer is still there. Then ``stage``
         only copies, and a caller may reuse what it decided for that set (the budget's split)."""
         self._wait_prepared()  # (a preallocation may replace buffers: the plan is then gone)
         plan = self._plan
@@ -127,7 +127,7 @@ class HostStager:
         """Copy ``tensors`` into buffers (``pinned``: the keys to pin; default all when
         :attr:`pin_memory`). Buffers of other keys (except ``keep``) are freed first, so a
         smaller budget never holds old and new buffers at once. ``key``: the save's structure
-        key (format/layouts.py): while it is the last one, the last routing is reused."""
+        key (format/structure.py): while it is the last one, the last routing is reused."""
         unchanged = self.unchanged(tensors, key)
         self._wait_prepared()
         plan = self._plan

@@ -17,9 +17,9 @@ from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.errors import CheckpointError, CheckpointExistsError, CheckpointWriteError
 from lightning_preempt.format.dcp_compat import dcp_save_tensors
-from lightning_preempt.format.layouts import Structure
 from lightning_preempt.format.manifest import FileEntry, Manifest
 from lightning_preempt.format.names import MANIFEST_NAME, state_file
+from lightning_preempt.format.structure import Structure
 from lightning_preempt.staging.budget import Streamed
 from lightning_preempt.storage.checksum import Crc32c
 from lightning_preempt.storage.store import Store
@@ -57,7 +57,7 @@ class SaveRequest:
     streamed: Streamed | None = None
     #: Set once this rank's tensors are written (the commit may go on): their buffers are free.
     written: threading.Event | None = None
-    #: The save's structure key (format/layouts.py): DCP's local plan is reused while it holds.
+    #: The save's structure key (format/structure.py): DCP's local plan is reused while it holds.
     structure: Structure | None = None
 
 

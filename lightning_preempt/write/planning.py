@@ -1,7 +1,7 @@
 """DCP's own plan caching (``DefaultSavePlanner(enable_plan_caching=True)``: a rank's unchanged
 plan is not sent, the coordinator reuses its global plan and metadata, every rank its final
 plan), kept per saver, and the local plan not even made while the save's structure key
-(format/layouts.py) is the one it was made for. Why and when: docs/design.md, "The writer's
+(format/structure.py) is the one it was made for. Why and when: docs/design.md, "The writer's
 fast paths"."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
 from lightning_preempt.format.dcp_compat import cached_plan, forget_cached_plans
-from lightning_preempt.format.layouts import Structure
+from lightning_preempt.format.structure import Structure
 from lightning_preempt.write.dcp_exchange import KeptMetadata, ResultsKept
 from lightning_preempt.write.dcp_metadata import MetadataPickles
 from lightning_preempt.write.records import RecordLayout

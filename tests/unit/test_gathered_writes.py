@@ -1,7 +1,7 @@
 """A replayed save writes its small template records joined into a few large writes
 (write/records.py: ``gather``), from views of the staged buffers that the stager makes the
 layout drop before it allocates anew; a tensor resized in place is a new structure key
-(format/layouts.py); ``.metadata``'s ``storage_data`` is kept while
+(format/structure.py); ``.metadata``'s ``storage_data`` is kept while
 the result lists are the same (write/dcp_metadata.py). The bytes stay those of a save made item
 by item, the commit stays last, and a failed replay is raised once with nothing committed."""
 
@@ -19,8 +19,8 @@ import torch
 from ckpts import assert_loads_both_ways
 
 from lightning_preempt.errors import CheckpointWriteError
-from lightning_preempt.format.layouts import Structures
 from lightning_preempt.format.names import DCP_METADATA_NAME, MANIFEST_NAME
+from lightning_preempt.format.structure import Structures
 from lightning_preempt.read.verify import verify_checkpoint
 from lightning_preempt.save.saver import Saver
 from lightning_preempt.storage import local

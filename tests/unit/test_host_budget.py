@@ -58,7 +58,7 @@ def test_an_over_budget_share_keeps_the_smallest_tensors_and_streams_the_rest() 
 def test_a_save_of_the_same_tensors_reuses_the_split_and_any_change_splits_again() -> None:
     """The split is a pass over thousands of tensors while training waits (issue 33): when the
     stager says the tensors are the set it staged last, whole, that split is reused."""
-    from lightning_preempt.format.layouts import Structures
+    from lightning_preempt.format.structure import Structures
     from lightning_preempt.staging.budget import StagingBudget
     from lightning_preempt.staging.stager import HostStager
 

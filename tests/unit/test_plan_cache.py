@@ -1,4 +1,4 @@
-"""One structure key per save (format/layouts.py): every stage keeps what it derived from the
+"""One structure key per save (format/structure.py): every stage keeps what it derived from the
 structure for that key, so a change between two saves reaches them all; while it holds, DCP's
 plan caching (write/planning.py) reuses the plans."""
 

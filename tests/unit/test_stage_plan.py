@@ -1,4 +1,4 @@
-"""HostStager.stage reuses its last routing while the save's structure key (format/layouts.py:
+"""HostStager.stage reuses its last routing while the save's structure key (format/structure.py:
 the tensors' keys, types, shapes, dtypes and devices) is the one it routed for, and every
 change makes a new key."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_preempt.format import layouts
-from lightning_preempt.format.layouts import Structures
+from lightning_preempt.format import structure
+from lightning_preempt.format.structure import Structures
 from lightning_preempt.staging.stager import HostStager
 
 
@@ -43,12 +43,12 @@ def test_second_stage_reuses_the_buffers_and_copies_new_values() -> None:
 @pytest.mark.parametrize("check", ["C++ guard", "Python signature"])
 def test_every_structural_change_is_noticed(check: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if check == "Python signature":  # a torch without TorchDynamo's TensorGuards
-        monkeypatch.setattr(layouts, "_guard", lambda values: None)
+        monkeypatch.setattr(structure, "_guard", lambda values: None)
     stager, structures = HostStager(pin_memory=False), Structures()
     state = _state()
     key = structures.key(state)
     stager.stage(state, key=key)
-    assert key.layouts.guarded == (check == "C++ guard")
+    assert key.guarded == (check == "C++ guard")
     same = {k: v.clone() for k, v in state.items()}
     assert structures.key(same) is key and stager.unchanged(same, key)
     changed = {

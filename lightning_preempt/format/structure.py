@@ -13,21 +13,32 @@ import torch
 
 
 class Structure:
-    """The key: the tensors' keys in order and each tensor's type, shape, stride, dtype,
-    device and ``requires_grad`` (:class:`Layouts`). Compared by identity: :class:`Structures`
-    hands out the same object while nothing of it changed."""
+    """The key: the tensors' keys in order and each tensor's type, shape, dtype and device,
+    compared by :meth:`same` in one C++ pass where torch has TorchDynamo's ``TensorGuards``
+    (what a compiled graph checks its inputs with; it also compares strides and
+    ``requires_grad``: ~0.2 ms for 4000 tensors), else four C-level passes (~0.8 ms). Stages
+    compare keys by identity: :class:`Structures` hands out the same object while it holds."""
 
-    __slots__ = ("keys", "layouts", "plain")
+    __slots__ = ("_guard", "_signature", "keys", "plain")
 
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         values = list(tensors.values())
         self.keys = list(tensors)
-        self.layouts = Layouts(values)
         #: every tensor a plain ``torch.Tensor`` (a ``DTensor``'s placements are not in the key)
         self.plain = set(map(type, values)) <= {torch.Tensor}
+        self._guard = _guard(values)
+        self._signature = _signature(values) if self._guard is None else None
+
+    @property
+    def guarded(self) -> bool:
+        """Whether the C++ check is in use."""
+        return self._guard is not None
 
     def same(self, tensors: dict[str, torch.Tensor]) -> bool:
-        return len(tensors) == len(self.keys) and list(tensors) == self.keys and self.layouts.same(list(tensors.values()))
+        if len(tensors) != len(self.keys) or list(tensors) != self.keys:
+            return False
+        values = list(tensors.values())
+        return bool(self._guard.check(*values)) if self._guard is not None else _signature(values) == self._signature
 
 
 class Structures:
@@ -46,27 +57,6 @@ class Structures:
             return last
         self._last = Structure(tensors)
         return self._last
-
-
-class Layouts:
-    """Each tensor's type, shape, dtype and device of ``values``, to compare later lists
-    against with :meth:`same`: one C++ pass where torch has TorchDynamo's ``TensorGuards``
-    (what a compiled graph checks its inputs with; it also compares strides and
-    ``requires_grad``: ~0.2 ms for 4000 tensors), else four C-level passes (~0.8 ms)."""
-
-    def __init__(self, values: list[torch.Tensor]) -> None:
-        self._guard = _guard(values)
-        self._signature = _signature(values) if self._guard is None else None
-
-    @property
-    def guarded(self) -> bool:
-        """Whether the C++ check is in use."""
-        return self._guard is not None
-
-    def same(self, values: list[torch.Tensor]) -> bool:
-        if self._guard is not None:
-            return bool(self._guard.check(*values))
-        return _signature(values) == self._signature
 
 
 def _guard(values: list[torch.Tensor]) -> Any:
