@@ -10,7 +10,9 @@ from typing import Any
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner as EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.filesystem import _split_by_size_and_type as split_by_size
 from torch.distributed.checkpoint.filesystem import _StorageInfo as DcpStorageInfo
+from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as dcp_load_state_dict
 from torch.distributed.checkpoint.state_dict_saver import _save_state_dict as _dcp_save_state_dict
 from torch.serialization import _get_layout as torch_get_layout
@@ -23,6 +25,7 @@ __all__ = [
     "FsspecWriter",
     "dcp_load_state_dict",
     "dcp_save_tensors",
+    "split_by_size",
     "torch_get_layout",
 ]
 
@@ -45,6 +48,19 @@ def dcp_save_tensors(
         no_dist=no_dist,
         planner=planner,
     )
+
+
+def cached_plan(key: str, kind: str) -> Any:
+    """What ``DefaultSavePlanner(enable_plan_caching=True)`` holds under ``key`` (the planner's
+    ``_cached_plans_key``) in its class-level dict ``_cached_{kind}``: ``save_plan`` (this rank's
+    local plan), ``all_plans`` (the coordinator's of every rank). Private, since torch 2.6."""
+    return getattr(SavePlanner, f"_cached_{kind}", {}).get(key)
+
+
+def forget_cached_plans(key: str) -> None:
+    """Drop everything DCP's plan caching holds under ``key`` (:func:`cached_plan`)."""
+    for kind in ("save_plan", "final_save_plan", "all_plans", "global_plan", "metadata"):
+        getattr(SavePlanner, f"_cached_{kind}", {}).pop(key, None)
 
 
 def dcp_format_version() -> str | None:

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from lightning_preempt.format.layouts import Layouts
+from lightning_preempt.format.structure import Structure
 
 # DDP: DCP de-duplicates replicated tensors only after every rank staged all of them (N
 # times the host memory). So each plain tensor gets one owner rank before staging; DTensors
@@ -56,31 +56,30 @@ def own_share(tensors: dict[str, torch.Tensor], rank: int, world_size: int) -> d
 
 
 class ShareMemo:
-    """:func:`replica_fingerprint` and :func:`own_share`'s choice, kept while the keys and
-    layouts stay (~15 ms to recompute, ~0.2 ms to check: :class:`Layouts`)."""
+    """:func:`replica_fingerprint` and :func:`own_share`'s choice, kept for one structure key
+    (format/structure.py; ~15 ms to recompute)."""
 
     def __init__(self) -> None:
-        self._keys: list[str] | None = None
-        self._layouts: Layouts | None = None
+        self._key: Structure | None = None
         self._fingerprint = ""
         self._mine: dict[tuple[int, int], list[str]] = {}
         #: the last save's ranks held different tensors: every rank stages all until they agree
         self.differ = False
 
-    def share(self, tensors: dict[str, torch.Tensor], rank: int, world_size: int) -> tuple[str, dict[str, torch.Tensor]]:
-        """(:func:`replica_fingerprint`, :func:`own_share`) of ``tensors`` for ``rank``; all of
-        them while :attr:`differ`. The share holds only where every rank's fingerprint is this
-        one: the caller gathers them for :meth:`agreed`."""
-        keys, values = list(tensors), list(tensors.values())
-        if keys != self._keys or self._layouts is None or not self._layouts.same(values):
-            self._keys, self._layouts, self._mine = keys, Layouts(values), {}
-            self._fingerprint = replica_fingerprint(tensors)
+    def share(
+        self, tensors: dict[str, torch.Tensor], rank: int, world_size: int, key: Structure
+    ) -> tuple[str, dict[str, torch.Tensor]]:
+        """(:func:`replica_fingerprint`, :func:`own_share`) of ``tensors`` (of structure ``key``)
+        for ``rank``; all of them while :attr:`differ`. The share holds only where every rank's
+        fingerprint is this one: the caller gathers them for :meth:`agreed`."""
+        if key is not self._key:
+            self._key, self._mine, self._fingerprint = key, {}, replica_fingerprint(tensors)
         if world_size <= 1 or self.differ:
             return self._fingerprint, tensors
         mine = self._mine.get((rank, world_size))
         if mine is None:
             mine = self._mine[(rank, world_size)] = list(own_share(tensors, rank, world_size))
-        return self._fingerprint, {key: tensors[key] for key in mine}
+        return self._fingerprint, {k: tensors[k] for k in mine}
 
     def agreed(self, fingerprints: list[bytes]) -> bool:
         """Whether every rank's fingerprint is the same; a tensor only some ranks hold would be

@@ -24,6 +24,7 @@ from lightning_preempt.errors import earlier_save_failed
 from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.format.shares import ShareMemo, own_share
 from lightning_preempt.format.skeleton import Splitter, split_checkpoint
+from lightning_preempt.format.structure import Structure, Structures
 from lightning_preempt.read.load import gc_paused
 from lightning_preempt.save.history import HISTORY_KEPT, SaveRecord, checkpoint_step
 from lightning_preempt.save.idle import Gate
@@ -77,7 +78,8 @@ class Saver:
         #: DCP plans reused while the staged state keeps its structure (write/planning.py)
         self.plan_cache = PlanCache()
         self.stager.on_release = self.plan_cache.forget_views
-        self._shares = ShareMemo()  # who stages which replicated tensor, while the structure holds
+        self._structures = Structures()  # each save's one structure key, which every stage's caches go by
+        self._shares = ShareMemo()  # who stages which replicated tensor, per structure key
         self._splitter = Splitter()  # the state's structure, while it holds (format/skeleton.py)
         self.jobs = JobQueue()
         self.history: list[SaveRecord] = []
@@ -158,25 +160,22 @@ class Saver:
         resident = {key: tensors[key] for key in plan.resident}
         return self.stager.prepare(resident, background=background, pinned=plan.pinned)
 
-    def _my_share(self, tensors: dict[str, Any]) -> tuple[dict[str, Any], Callable[[], bool]]:
+    def _my_share(self, tensors: dict[str, Any], key: Structure) -> tuple[dict[str, Any], Callable[[], bool]]:
         """This rank's share (DDP; format/shares.py), and the check, after its copy, that every rank
         holds the same tensors: their fingerprints, gathered meanwhile on :attr:`stage_group`
         (without one on the job thread's group, idle here: the previous save has finished)."""
         if not self._collective():
             return tensors, lambda: True
         group = self.group
-        fingerprint, mine = self._shares.share(tensors, pdist.rank(group), pdist.world_size(group))
+        fingerprint, mine = self._shares.share(tensors, pdist.rank(group), pdist.world_size(group), key)
         gathered = pdist.start_gather_digests(fingerprint.encode(), self.stage_group if self.stage_group is not None else group)
         return mine, lambda: self._shares.agreed(gathered())
 
-    def _stage(self, tensors: dict[str, Any], defer: bool) -> tuple[Split, dict[str, Any], InFlightCopy | None]:
-        unchanged = self.stager.unchanged(tensors)  # one C++ pass, for the split and the copy
-        plan = self.budget.split(tensors, self.stager, unchanged=unchanged)
-        whole = len(plan.resident) == len(tensors)
-        resident = tensors if whole else {k: tensors[k] for k in plan.resident}
+    def _stage(self, tensors: dict[str, Any], defer: bool, key: Structure) -> tuple[Split, dict[str, Any], InFlightCopy | None]:
+        plan = self.budget.split(tensors, self.stager, unchanged=self.stager.unchanged(tensors, key))
+        resident = tensors if len(plan.resident) == len(tensors) else {k: tensors[k] for k in plan.resident}
         # (a save that streams blocks until the writer has the streamed part: nothing to overlap)
-        staged, copying = self.overlap.stage(self.stager, resident, plan.pinned, defer=defer and not plan.streamed,
-                                             unchanged=unchanged if whole else None)  # fmt: skip
+        staged, copying = self.overlap.stage(self.stager, resident, plan.pinned, defer=defer and not plan.streamed, key=key)
         self.budget.staged(plan)
         return plan, staged, copying
 
@@ -204,15 +203,16 @@ class Saver:
             ensure_exists(Store(url, options) if local_url is None else Store(local_url))
         with gc_paused():  # thousands of tensors: no full collections while training waits
             every, skeleton = self._splitter.split(checkpoint, self.sharded_keys + order.sharded_keys)
-            tensors, agreed = self._my_share(every)
+            key = self._structures.key(every)  # the one "has the structure changed?" of this save
+            tensors, agreed = self._my_share(every, key)
             skeleton_data = skeleton_bytes(skeleton)  # torch.save's bytes; freezes the non-tensor state now
             staging_started = time.perf_counter()
             defer = order.overlap and not wait
-            plan, staged, copying = self._stage(tensors, defer)
+            plan, staged, copying = self._stage(tensors, defer, key)
             if not agreed() and tensors is not every:
                 log.warning("lightning_preempt: ranks hold different tensors; every rank stages all of them")
                 tensors = every
-                plan, staged, copying = self._stage(tensors, defer)
+                plan, staged, copying = self._stage(tensors, defer, key)
         record.deferred_bytes = copying.bytes if copying is not None else 0
         staged_s = time.perf_counter() - staging_started
         streamed = self.budget.streamed(plan, self.stager)
@@ -224,7 +224,7 @@ class Saver:
         request = SaveRequest(url=url, tensors=staged, skeleton=skeleton_data, step=record.step,
                               epoch=int(checkpoint.get("epoch", -1)), storage_options=options,
                               stats={"blocking_s": record.blocking_s}, run_id=self.run_id,
-                              streamed=streamed, written=written)  # fmt: skip
+                              streamed=streamed, written=written, structure=key)  # fmt: skip
         self.history.append(record)
         del self.history[:-HISTORY_KEPT]  # a long run saves thousands of times
         write: Callable[[], Manifest] = lambda: self._write(request, record, copying)  # noqa: E731

@@ -257,8 +257,9 @@ class StagingBudget:
 
     def split(self, tensors: dict[str, torch.Tensor], stager: HostStager, *, unchanged: bool = False) -> Split:
         """Which of ``tensors`` ``stager`` stages; frees the chunk when none is needed.
-        ``unchanged``: ``stager.unchanged(tensors)``; when they are the set last staged whole
-        (:meth:`staged`), that split again, without a pass over thousands of tensors."""
+        ``unchanged``: ``stager.unchanged(tensors, key)`` (the save's structure key); when they
+        are the set last staged whole (:meth:`staged`), that split again, without a pass over
+        thousands of tensors."""
         last = self.last_split
         if unchanged and last is not None and last is self._staged_whole:
             return last

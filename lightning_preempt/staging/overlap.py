@@ -17,6 +17,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from lightning_preempt.errors import CheckpointWriteError
+from lightning_preempt.format.structure import Structure
 from lightning_preempt.staging.stager import copy_all, local_of
 
 if TYPE_CHECKING:
@@ -141,14 +142,14 @@ class Overlap:
         return self._inflight is not None
 
     def stage(self, stager: HostStager, tensors: dict[str, torch.Tensor], pinned: set[str], *,
-              defer: bool = True, unchanged: bool | None = None) -> tuple[dict[str, torch.Tensor], InFlightCopy | None]:  # fmt: skip
+              defer: bool = True, key: Structure | None = None) -> tuple[dict[str, torch.Tensor], InFlightCopy | None]:  # fmt: skip
         """``stager.stage(tensors)``, but the deferrable ones (``defer``) only get their
         buffers and are copied by the returned :class:`InFlightCopy` (``None``: none was).
-        ``unchanged``: ``stager.unchanged(tensors)``, if the caller asked it just now."""
+        ``key``: the save's structure key (format/structure.py)."""
         keys = self.deferrable(tensors, pinned) if defer else set()
         if not keys:
-            return stager.stage(tensors, pinned=pinned, unchanged=unchanged), None
-        staged, pairs = stager.stage_deferred(tensors, keys, pinned=pinned)
+            return stager.stage(tensors, pinned=pinned, key=key), None
+        staged, pairs = stager.stage_deferred(tensors, keys, pinned=pinned, key=key)
         return staged, self.start(pairs)
 
     def deferrable(self, tensors: dict[str, torch.Tensor], pinned: Collection[str]) -> set[str]:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from lightning_preempt.format.layouts import Layouts
+from lightning_preempt.format.structure import Structure
 
 log = logging.getLogger(__name__)
 
@@ -114,25 +114,21 @@ class HostStager:
         if prep is not None and (err := prep.exception()) is not None:
             log.warning("lightning_preempt: preallocating staging buffers failed (%s); the save allocates them", err)
 
-    def unchanged(self, tensors: dict[str, torch.Tensor]) -> bool:
-        """Whether ``tensors`` are the set :meth:`stage` staged last, as it was: the same keys
-        in order, each tensor of the same type, shape, strides, dtype and device. Then
-        ``stage`` only copies, and a caller may reuse what it decided for that set (the
-        budget's split): a save checks once, with one C++ pass where torch has it."""
+    def unchanged(self, tensors: dict[str, torch.Tensor], key: Structure | None) -> bool:
+        """Whether ``tensors`` are the set :meth:`stage` staged last, with the structure key
+        (format/structure.py) it was staged with, and every buffer is still there. Then ``stage``
+        only copies, and a caller may reuse what it decided for that set (the budget's split)."""
         self._wait_prepared()  # (a preallocation may replace buffers: the plan is then gone)
         plan = self._plan
-        if plan is None or len(tensors) != len(plan.keys) or list(tensors) != plan.keys:
-            return False
-        return plan.layouts.same(list(tensors.values()))
+        return plan is not None and key is not None and plan.key is key and list(tensors) == plan.keys
 
     def stage(self, tensors: dict[str, torch.Tensor], pinned: set[str] | None = None, *,
-              keep: Collection[str] = (), unchanged: bool | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+              keep: Collection[str] = (), key: Structure | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
         """Copy ``tensors`` into buffers (``pinned``: the keys to pin; default all when
         :attr:`pin_memory`). Buffers of other keys (except ``keep``) are freed first, so a
-        smaller budget never holds old and new buffers at once. ``unchanged``:
-        :meth:`unchanged` of these ``tensors``, if the caller asked it just now."""
-        if unchanged is None:
-            unchanged = self.unchanged(tensors)
+        smaller budget never holds old and new buffers at once. ``key``: the save's structure
+        key (format/structure.py): while it is the last one, the last routing is reused."""
+        unchanged = self.unchanged(tensors, key)
         self._wait_prepared()
         plan = self._plan
         if unchanged and plan is not None and plan.routes(pinned, keep):
@@ -160,12 +156,12 @@ class HostStager:
         routed: list[int] = []  # the indices of the async ones
         total = 0
         buffers, pinned_keys, pin_any = self._buffers, self._pinned, self.pin_memory
-        for i, (key, tensor) in enumerate(tensors.items()):  # (per tensor: thousands of them while training waits)
+        for i, (name, tensor) in enumerate(tensors.items()):  # (per tensor: thousands of them while training waits)
             local = tensor if type(tensor) is torch.Tensor else local_of(tensor)
-            pin = pin_any and (pinned is None or key in pinned)
-            buf = buffers.get(key)
-            if buf is None or buf.shape != local.shape or buf.dtype != local.dtype or (key in pinned_keys) != pin:
-                buf = self._buffer_for(key, local.shape, local.dtype, pin)
+            pin = pin_any and (pinned is None or name in pinned)
+            buf = buffers.get(name)
+            if buf is None or buf.shape != local.shape or buf.dtype != local.dtype or (name in pinned_keys) != pin:
+                buf = self._buffer_for(name, local.shape, local.dtype, pin)
             if pin and local.device.type == "cuda":
                 async_bufs.append(buf)
                 async_sources.append(local)
@@ -174,7 +170,7 @@ class HostStager:
                 bufs.append(buf)
                 sources.append(local)
             total += buf.nbytes
-            staged[key] = buf if local is tensor else _like(tensor, buf)
+            staged[name] = buf if local is tensor else _like(tensor, buf)
         copy_all(bufs, sources)
         copy_all(async_bufs, async_sources, non_blocking=True)
         if async_bufs:
@@ -184,8 +180,8 @@ class HostStager:
         if all(type(v) is torch.Tensor for v in values):  # (DTensors: their shards are looked up each time)
             is_async = set(routed)
             self._plan = _StagePlan(
+                key=key,
                 keys=list(tensors),
-                layouts=Layouts(values, with_devices=self.pin_memory),  # (pinning routes by device)
                 pinned=None if pinned is None else frozenset(pinned),
                 keep=frozenset(keep),
                 staged=dict(staged),
@@ -198,18 +194,19 @@ class HostStager:
         return staged
 
     def stage_deferred(
-        self, tensors: dict[str, torch.Tensor], deferred: Collection[str], pinned: set[str] | None = None
+        self, tensors: dict[str, torch.Tensor], deferred: Collection[str], pinned: set[str] | None = None,
+        key: Structure | None = None
     ) -> tuple[dict[str, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
-        """:meth:`stage` for the keys not in ``deferred``; for those only their buffers, and
-        the ``(buffer, source)`` pairs left to copy (staging/overlap.py copies them later)."""
+        """:meth:`stage` (with ``key``) for the keys not in ``deferred``; for those only their
+        buffers, and the ``(buffer, source)`` pairs left to copy (staging/overlap.py copies them later)."""
         later = {k: t for k, t in tensors.items() if k in deferred}
-        staged = self.stage({k: t for k, t in tensors.items() if k not in later}, pinned, keep=later)
+        staged = self.stage({k: t for k, t in tensors.items() if k not in later}, pinned, keep=later, key=key)
         pairs = []
-        for key, tensor in later.items():
+        for name, tensor in later.items():
             source = local_of(tensor).detach()
-            buf = self._buffer_for(key, source.shape, source.dtype, self._pins(key, pinned))
+            buf = self._buffer_for(name, source.shape, source.dtype, self._pins(name, pinned))
             pairs.append((buf, source))
-            staged[key] = _like(tensor, buf)
+            staged[name] = _like(tensor, buf)
             self.last_staged_bytes += nbytes(buf)
         return {k: staged[k] for k in tensors}, pairs
 
@@ -237,8 +234,8 @@ class HostStager:
 class _StagePlan:
     """How the last :meth:`HostStager.stage` routed each tensor (plain tensors only)."""
 
+    key: Structure | None  # the structure key of the save staged
     keys: list[str]
-    layouts: Layouts  # of the tensors staged
     pinned: frozenset[str] | None
     keep: frozenset[str]
     staged: dict[str, torch.Tensor]  # what stage() returned (the buffers), copied per call

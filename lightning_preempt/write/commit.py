@@ -19,6 +19,7 @@ from lightning_preempt.errors import CheckpointError, CheckpointExistsError, Che
 from lightning_preempt.format.dcp_compat import dcp_save_tensors
 from lightning_preempt.format.manifest import FileEntry, Manifest
 from lightning_preempt.format.names import MANIFEST_NAME, state_file
+from lightning_preempt.format.structure import Structure
 from lightning_preempt.staging.budget import Streamed
 from lightning_preempt.storage.checksum import Crc32c
 from lightning_preempt.storage.store import Store
@@ -56,6 +57,8 @@ class SaveRequest:
     streamed: Streamed | None = None
     #: Set once this rank's tensors are written (the commit may go on): their buffers are free.
     written: threading.Event | None = None
+    #: The save's structure key (format/structure.py): DCP's local plan is reused while it holds.
+    structure: Structure | None = None
 
 
 def write_checkpoint(
@@ -68,8 +71,8 @@ def write_checkpoint(
     """Write and commit ``request``; returns the committed manifest (on every rank).
 
     With ``group`` every rank of it must call this for the same checkpoint.
-    ``plan_cache``: DCP plans of the previous save to reuse when the structure is the
-    same (:mod:`lightning_preempt.write.planning`).
+    ``plan_cache``: DCP plans of the previous save to reuse while ``request.structure`` is
+    the same (:mod:`lightning_preempt.write.planning`).
     """
     root = Store(request.url, request.storage_options)
     rank = pdist.rank(group) if group else 0
@@ -84,7 +87,9 @@ def write_checkpoint(
             dcp_save_tensors(
                 request.tensors,
                 storage_writer=writer,
-                planner=CachingSavePlanner(plan_cache, collective=group is not None) if plan_cache is not None else None,
+                planner=CachingSavePlanner(plan_cache, request.structure, collective=group is not None)
+                if plan_cache is not None
+                else None,
                 process_group=group,
                 no_dist=group is None,
             )

@@ -58,7 +58,7 @@ class MetadataPickles:
     def dumps(self, metadata: Metadata, results: list[list[WriteResult]]) -> bytes:
         """The bytes of ``.metadata`` for ``metadata`` (its ``storage_data`` already set from
         ``results``)."""
-        # The same objects (the PlanCache hands out the same metadata while the plan holds;
+        # The same objects (DCP's plan caching hands out the same metadata while the plan holds;
         # held here, so never a new object at an old address) and the same record places:
         # the same result lists (a replayed layout, write/records.py) or equal places.
         with self._lock:

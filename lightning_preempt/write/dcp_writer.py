@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import math
 import os
 import pickle
 import posixpath
@@ -210,8 +209,8 @@ class ChecksummingWriter(_compat.FsspecWriter):
             finally:
                 if streamed is not None:
                     streamed.release()
-        buckets = _split_by_size(items, max(1, self.thread_count))
         names = _file_names(prefix, len(items), self.thread_count)
+        buckets = _compat.split_by_size(len(names), items)  # items by size, as DCP's own writer splits them
         # DCP logs two debug records per resolve_data call (~40 us a tensor); its
         # undecorated method resolves the same data.
         method = getattr(type(planner).resolve_data, "__wrapped__", None)
@@ -337,25 +336,6 @@ def _run_files(
 
 
 def _file_names(prefix: str, items: int, thread_count: int) -> list[str]:
-    """The files :func:`_split_by_size` fills: one per thread, at most one per item."""
+    """The files of a plan: one per thread, at most one per item."""
     count = 1 if thread_count <= 1 or items <= 1 else min(thread_count, items)
     return [f"{prefix}{i}.distcp" for i in range(count)]
-
-
-def _item_bytes(item: WriteItem) -> int:
-    data = item.tensor_data
-    return 0 if data is None else math.prod(data.size) * data.properties.dtype.itemsize
-
-
-def _split_by_size(items: list[WriteItem], parts: int) -> list[list[WriteItem]]:
-    """``items`` in ``parts`` buckets of about equal bytes (largest first, each to the
-    lightest bucket), as DCP's writer splits them between its threads."""
-    if parts <= 1 or len(items) <= 1:
-        return [items]
-    buckets: list[list[WriteItem]] = [[] for _ in range(min(parts, len(items)))]
-    sizes = [0] * len(buckets)
-    for item in sorted(items, key=_item_bytes, reverse=True):
-        lightest = sizes.index(min(sizes))
-        buckets[lightest].append(item)
-        sizes[lightest] += _item_bytes(item)
-    return buckets

@@ -1,7 +1,7 @@
 """A replayed save writes its small template records joined into a few large writes
 (write/records.py: ``gather``), from views of the staged buffers that the stager makes the
-layout drop before it allocates anew; the planner reuses the structure key of the very same
-tensor objects (write/planning.py: ``_Seen``); ``.metadata``'s ``storage_data`` is kept while
+layout drop before it allocates anew; a tensor resized in place is a new structure key
+(format/structure.py); ``.metadata``'s ``storage_data`` is kept while
 the result lists are the same (write/dcp_metadata.py). The bytes stay those of a save made item
 by item, the commit stays last, and a failed replay is raised once with nothing committed."""
 
@@ -20,12 +20,13 @@ from ckpts import assert_loads_both_ways
 
 from lightning_preempt.errors import CheckpointWriteError
 from lightning_preempt.format.names import DCP_METADATA_NAME, MANIFEST_NAME
+from lightning_preempt.format.structure import Structures
 from lightning_preempt.read.verify import verify_checkpoint
 from lightning_preempt.save.order import SaveOrder
 from lightning_preempt.save.saver import Saver
 from lightning_preempt.storage import local
 from lightning_preempt.storage.store import Store
-from lightning_preempt.write import dcp_writer, planning, records
+from lightning_preempt.write import dcp_writer, records
 from lightning_preempt.write.commit import SaveRequest, write_checkpoint
 from lightning_preempt.write.planning import PlanCache
 
@@ -101,28 +102,26 @@ def test_the_layout_lets_go_of_a_buffer_before_the_stager_allocates_its_successo
     assert_loads_both_ways(str(tmp_path / "s5"), _state(5, w0=(5, 4)))
 
 
-def test_the_same_tensor_objects_reuse_the_structure_key_and_a_resized_one_does_not(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    computed = []
-    real = planning._structure_key
-    monkeypatch.setattr(planning, "_structure_key", lambda *a: computed.append(1) or real(*a))
-    cache = PlanCache()
+def test_a_tensor_resized_in_place_changes_the_structure_key_and_is_planned_afresh(tmp_path: Path) -> None:
+    structures, cache = Structures(), PlanCache()
     tensors = {f"state_dict/w{i}": torch.full((8,), float(i)) for i in range(20)}
 
     def save(step: int) -> str:
         url = str(tmp_path / f"s{step}")
-        write_checkpoint(SaveRequest(url=url, tensors=tensors, skeleton=b"", step=step, epoch=0), plan_cache=cache)
+        request = SaveRequest(url=url, tensors=tensors, skeleton=b"", step=step, epoch=0,
+                              structure=structures.key(tensors))  # fmt: skip
+        write_checkpoint(request, plan_cache=cache)
         return url
 
     save(1)
-    save(2)  # the very same objects: no new key, the plan reused
-    assert len(computed) == 1 and cache.hits["local"] == 1
+    save(2)  # the same structure: the local plan reused
+    assert cache.hits["local"] == 1
     tensors["state_dict/w3"].resize_(4)  # the same object, in place: fewer elements
-    url = save(3)
-    assert len(computed) == 2 and cache.hits["local"] == 1  # planned afresh
+    save(3)
+    assert cache.hits["local"] == 1  # a new key: planned afresh
     tensors["state_dict/w3"].fill_(7.0)
     url = save(4)
+    assert cache.hits["local"] == 2
     import torch.distributed.checkpoint as dcp
 
     target = {k: torch.empty_like(v) for k, v in tensors.items()}

@@ -60,15 +60,16 @@ def test_an_over_budget_share_keeps_the_smallest_tensors_and_streams_the_rest() 
 def test_a_save_of_the_same_tensors_reuses_the_split_and_any_change_splits_again() -> None:
     """The split is a pass over thousands of tensors while training waits (issue 33): when the
     stager says the tensors are the set it staged last, whole, that split is reused."""
+    from lightning_preempt.format.structure import Structures
     from lightning_preempt.staging.budget import StagingBudget
     from lightning_preempt.staging.stager import HostStager
 
-    stager, budget = HostStager(pin_memory=False), StagingBudget(8 * MIB)
+    stager, budget, structures = HostStager(pin_memory=False), StagingBudget(8 * MIB), Structures()
 
     def save(tensors: dict[str, torch.Tensor]) -> budget_mod.Split:
-        unchanged = stager.unchanged(tensors)
-        plan = budget.split(tensors, stager, unchanged=unchanged)
-        stager.stage({k: tensors[k] for k in plan.resident}, unchanged=unchanged if not plan.streamed else None)
+        key = structures.key(tensors)
+        plan = budget.split(tensors, stager, unchanged=stager.unchanged(tensors, key))
+        stager.stage({k: tensors[k] for k in plan.resident}, key=key)
         budget.staged(plan)
         assert plan.total_bytes == sum(t.nbytes for t in tensors.values())
         assert sorted(plan.resident + plan.streamed) == sorted(tensors)

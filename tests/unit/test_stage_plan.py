@@ -1,12 +1,14 @@
-"""HostStager.stage reuses its last routing while the tensors keep their keys, types,
-shapes, dtypes and devices (staging/stager.py), and notices every change."""
+"""HostStager.stage reuses its last routing while the save's structure key (format/structure.py:
+the tensors' keys, types, shapes, dtypes and devices) is the one it routed for, and every
+change makes a new key."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lightning_preempt.format import layouts
+from lightning_preempt.format import structure
+from lightning_preempt.format.structure import Structures
 from lightning_preempt.staging.stager import HostStager
 
 
@@ -24,14 +26,15 @@ def _check(staged: dict[str, torch.Tensor], source: dict[str, torch.Tensor]) -> 
 
 
 def test_second_stage_reuses_the_buffers_and_copies_new_values() -> None:
-    stager = HostStager(pin_memory=False)
+    stager, structures = HostStager(pin_memory=False), Structures()
     state = _state()
-    first = stager.stage(state)
+    first = stager.stage(state, key=structures.key(state))
     _check(first, state)
     assert stager._plan is not None
     for t in state.values():
         t.add_(1.0)  # training changed the values in place
-    second = stager.stage(state)
+    assert stager.unchanged(state, structures.key(state))
+    second = stager.stage(state, key=structures.key(state))
     _check(second, state)
     assert all(second[k] is first[k] for k in state)  # the same buffers
     assert stager.last_staged_bytes == sum(t.nbytes for t in state.values())
@@ -40,12 +43,14 @@ def test_second_stage_reuses_the_buffers_and_copies_new_values() -> None:
 @pytest.mark.parametrize("check", ["C++ guard", "Python signature"])
 def test_every_structural_change_is_noticed(check: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if check == "Python signature":  # a torch without TorchDynamo's TensorGuards
-        monkeypatch.setattr(layouts, "_guard", lambda values: None)
-    stager = HostStager(pin_memory=False)
+        monkeypatch.setattr(structure, "_guard", lambda values: None)
+    stager, structures = HostStager(pin_memory=False), Structures()
     state = _state()
-    stager.stage(state)
-    assert stager._plan is not None and stager._plan.layouts.guarded == (check == "C++ guard")
-    assert stager.unchanged({k: v.clone() for k, v in state.items()})
+    key = structures.key(state)
+    stager.stage(state, key=key)
+    assert key.guarded == (check == "C++ guard")
+    same = {k: v.clone() for k, v in state.items()}
+    assert structures.key(same) is key and stager.unchanged(same, key)
     changed = {
         "shape": {**state, "p3": torch.ones(5, 5)},
         "broadcastable shape": {**state, "p3": state["p3"][:1].clone()},  # a copy would broadcast silently
@@ -55,12 +60,15 @@ def test_every_structural_change_is_noticed(check: str, monkeypatch: pytest.Monk
         "order": dict(reversed(list(state.items()))),
     }
     for what, new in changed.items():
-        assert not stager.unchanged(new), what
-        staged = stager.stage(new)
+        structures.key(state)  # (the last key is the unchanged state's)
+        new_key = structures.key(new)
+        assert new_key is not key and not stager.unchanged(new, new_key), what
+        staged = stager.stage(new, key=new_key)
         _check(staged, new)
         if what == "key gone":
             assert "p0" not in stager._buffers, what  # its buffer freed, as without the plan
-        again = stager.stage(new)  # and the plan for the new structure is reused
+        assert structures.key(new) is new_key and stager.unchanged(new, new_key), what
+        again = stager.stage(new, key=new_key)  # and the plan for the new structure is reused
         _check(again, new)
         assert all(again[k] is staged[k] for k in new), what
 
@@ -75,23 +83,24 @@ def test_keep_and_pinned_arguments_are_part_of_the_plan() -> None:
     _check(stager.stage(state, pinned=set()), state)
 
 
-def test_share_memo_recomputes_on_every_change_and_agrees_with_own_share() -> None:
+def test_share_memo_recomputes_on_every_new_key_and_agrees_with_own_share() -> None:
     from lightning_preempt.format.shares import ShareMemo, own_share, replica_fingerprint
 
-    memo = ShareMemo()
+    memo, structures = ShareMemo(), Structures()
     state = _state(40)
     for world in (2, 3):
         for rank in range(world):
-            fingerprint, got = memo.share(state, rank, world)
+            fingerprint, got = memo.share(state, rank, world, structures.key(state))
             assert fingerprint == replica_fingerprint(state) and list(got) == list(own_share(state, rank, world))
     for new in ({**state, "p3": torch.ones(9, 9)}, {**state, "p3": state["p3"][:1].clone()},
                 {**state, "p3": state["p3"].half()}, {**state, "x": torch.ones(1)}):  # fmt: skip
         for rank in range(2):
-            fingerprint, got = memo.share(new, rank, 2)
+            fingerprint, got = memo.share(new, rank, 2, structures.key(new))
             assert list(got) == list(own_share(new, rank, 2))
             assert fingerprint == replica_fingerprint(new) != replica_fingerprint(state)
-    assert memo.share(state, 0, 1) == (replica_fingerprint(state), state)
+    key = structures.key(state)
+    assert memo.share(state, 0, 1, key) == (replica_fingerprint(state), state)
     # ranks that differ: every rank stages all, until the fingerprints agree again
     assert memo.agreed([b"x", b"x"]) and not memo.agreed([b"x", b"y"])
-    assert memo.share(state, 0, 2)[1] is state
-    assert memo.agreed([b"x", b"x"]) and list(memo.share(state, 0, 2)[1]) == list(own_share(state, 0, 2))
+    assert memo.share(state, 0, 2, key)[1] is state
+    assert memo.agreed([b"x", b"x"]) and list(memo.share(state, 0, 2, key)[1]) == list(own_share(state, 0, 2))
