@@ -27,7 +27,6 @@ PAGES = {
     "docs/README.md": "contents.md",
     "CHANGELOG.md": "changelog.md",
     "benchmarks/RESULTS.md": "benchmark-results.md",
-    "benchmarks/FAULT_INJECTION.md": "fault-injection.md",
 }
 _SOURCE = {page: repo_path for repo_path, page in PAGES.items()}
 
