@@ -19,7 +19,6 @@ import uuid
 from pathlib import Path
 
 from netns import Hosts
-
 from procs import RankFiles, wait_gone
 
 ROOT = Path(__file__).resolve().parents[2]
