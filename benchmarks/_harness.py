@@ -191,6 +191,14 @@ def files_under(path: str) -> list[str]:
     return sorted(os.path.join(base, n) for base, _, names in os.walk(path) for n in names)
 
 
+def shard_writers(path: str, world: int) -> None:
+    """Check that every one of ``world`` ranks wrote its own shard file (``__{R}_*.distcp``) of
+    the checkpoint at ``path``: a benchmark measures the save it says it does."""
+    writers = {int(n.split("_")[2]) for n in os.listdir(path) if n.startswith("__") and n.endswith(".distcp")}
+    if writers != set(range(world)):
+        raise SystemExit(f"{path}: shard files of ranks {sorted(writers)}, not of all {world} ranks")
+
+
 def empty_dir(root: str) -> None:
     for entry in os.listdir(root):
         shutil.rmtree(os.path.join(root, entry), ignore_errors=True)

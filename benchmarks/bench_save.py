@@ -8,12 +8,18 @@ interleaved round by round (round 0 is the warm-up); ratios are medians of per-r
 
 ``--tensors 24,400,4000`` measures each count (the same total bytes) and ends with the curve
 (the cost per tensor, not per byte). ``--ranks 2,4`` adds collective saves on that many gloo
-ranks (every rank writes its share, as under ``PreemptionCallback``; the rows check each
-rank's shard files in the manifest), the slowest rank against a write + fsync of its share.
+ranks (every rank writes its share, as under ``PreemptionCallback``; each save is checked to hold every
+rank's shard files), the slowest rank against a write + fsync of its share.
+
+``--strategy fsdp``: inside a ``Trainer.fit`` on 2 ranks (FSDP1, sharded; on CPU over gloo with
+tests/support/cpu_fsdp.py, on 2 GPUs the real one), rounds of our save (blocking, committed)
+and resume against Lightning's own sharded ``FSDPStrategy`` save and load of the same state,
+its checkpoint dict alone, a copy of the rank's shard, and a rank's peak RSS during a save.
 
     python benchmarks/bench_save.py            # ~1 GiB, 24 tensors, ~3 min
     python benchmarks/bench_save.py --size-mib 256 --tensors 24,400,4000 --ranks 2,4  # the curve
     python benchmarks/bench_save.py --quick    # 128 MiB smoke run
+    python benchmarks/bench_save.py --strategy fsdp --size-mib 256   # FSDP1, 2 ranks
 """
 
 from __future__ import annotations
@@ -32,17 +38,21 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import (
     MiB,
+    PeakRSS,
     empty_dir,
     fmt_range,
     fmt_s,
     fsync_path,
     header,
     interleaved,
+    lightning_job,
     lightning_style_checkpoint,
     median,
     nbytes,
     paired,
     ratio_table,
+    rss,
+    shard_writers,
     spawn_gloo,
     table,
     tensors_of,
@@ -242,11 +252,7 @@ def _rank_worker(rank: int, world: int, root: str, size_mib: int, n_tensors: int
                 times[key].append(max(g[i] for g in gathered))  # the slowest rank's
         dist.barrier()
         if rank == 0:
-            with open(os.path.join(path, "manifest.json")) as f:  # every rank wrote its own shard file
-                writers = {int(n.split("_")[2]) for n in json.dumps(json.load(f)).split('"') if n.startswith("__")
-                           and n.endswith(".distcp")}  # fmt: skip
-            if writers != set(range(world)):
-                raise SystemExit(f"bench_save: the manifest lists shards of ranks {sorted(writers)}, not all {world}")
+            shard_writers(path, world)
             shutil.rmtree(path, ignore_errors=True)
         os.remove(os.path.join(root, f"floor-{rank}-{rnd}"))
     if rank == 0:
@@ -273,6 +279,96 @@ def bench_ranks(args: argparse.Namespace, n_tensors: int, world: int) -> tuple[d
     return figures, line
 
 
+def strategy_save(args: argparse.Namespace) -> int:
+    """``--strategy fsdp`` (the module docstring); Lightning starts the second rank, which runs this too."""
+    import lightning as L
+    from cpu_fsdp import CPUFSDPStrategy  # tests/support
+    from lightning.pytorch.strategies import FSDPStrategy
+    from torch.utils.data import DataLoader
+
+    from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO
+    from lightning_preempt.collective import groups as pdist
+
+    cuda, width = torch.cuda.is_available(), 1024
+    strategy = (FSDPStrategy if cuda else CPUFSDPStrategy)(auto_wrap_policy={torch.nn.Linear}, state_dict_type="sharded")
+    # One root on every rank: made by the launching process, inherited by the rank it starts.
+    root = os.environ.setdefault("LP_BENCH_ROOT", tempfile.mkdtemp(prefix="lp-bench-fsdp-", dir=args.dir or "/tmp"))
+    keys = ("ours: training blocked", "ours: committed after", "Lightning's dict alone (in both saves)",
+            "Lightning's sharded save (all blocking)", "floor: one copy of the rank's shard", "ours: resume (load)",
+            "Lightning's sharded load")  # fmt: skip
+    times: dict[str, list[float]] = {k: [] for k in keys}
+
+    class Measure(L.Callback):
+        def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            io = strategy.checkpoint_io
+            io.wait()
+            rss0, shard, bufs, growth = rss(), [], [], 0  # rss0: model, optimizer, staging buffers (made at start)
+            for rnd in range(args.repeats + 1):
+                ours, theirs = f"{root}/ours-{rnd}", f"{root}/lightning-{rnd}"
+                strategy.barrier()
+                with PeakRSS() as peak:
+                    t = [time.perf_counter()]
+                    trainer.save_checkpoint(ours, weights_only=False)
+                    t.append(time.perf_counter())
+                    io.wait()
+                    t.append(time.perf_counter())
+                if rnd == 0:
+                    growth = max(pdist.all_gather_objects(peak.peak - rss0 + io.staging_allocated_bytes, None))
+                    state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+                    shard = [x.to_local() if hasattr(x, "to_local") else x for x in tensors_of(state)]
+                    bufs = [torch.empty_like(x) for x in shard]
+                    if trainer.is_global_zero:
+                        shard_writers(ours, 2)
+                strategy.barrier()
+                t.append(time.perf_counter())
+                ckpt = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+                t.append(time.perf_counter())
+                FSDPStrategy.save_checkpoint(strategy, ckpt, theirs)  # Lightning's own sharded save
+                t.append(time.perf_counter())
+                del ckpt
+                strategy.barrier()
+                t.append(time.perf_counter())
+                torch._foreach_copy_(bufs, shard)
+                t.append(time.perf_counter())
+                strategy.barrier()
+                t.append(time.perf_counter())
+                strategy.load_checkpoint(ours)
+                t.append(time.perf_counter())
+                strategy.barrier()
+                t.append(time.perf_counter())
+                FSDPStrategy.load_checkpoint(strategy, theirs, weights_only=False)
+                t.append(time.perf_counter())
+                spans = (t[1] - t[0], t[2] - t[0], t[4] - t[3], t[5] - t[3], t[7] - t[6], t[9] - t[8], t[11] - t[10])
+                for key, span in zip(keys, spans, strict=True):
+                    if rnd:  # round 0 warms every path up
+                        times[key].append(max(pdist.all_gather_objects(span, None)))  # the slower rank's
+            size = max(pdist.all_gather_objects(sum(x.numel() * x.element_size() for x in shard), None))
+            staging = max(pdist.all_gather_objects(io.staging_allocated_bytes, None))
+            if not trainer.is_global_zero:
+                return
+            rows = [[k, fmt_s(median(v)), fmt_range(v)] for k, v in times.items()]
+            checks = [("ours blocked / Lightning's save", paired(times[keys[0]], times[keys[3]]), 0.25, False),
+                      ("ours resume / Lightning's load", paired(times[keys[5]], times[keys[6]]), 1.2, False),
+                      ("peak RSS growth / (shard + staging)", growth / (size + staging), 1.0, False)]  # fmt: skip
+            title = f"bench_save --strategy fsdp: 2 ranks, {n_layers} Linear {width}x{width}, SGD momentum, "
+            print("\n".join([*header(title + f"{args.repeats} rounds after 1 warm-up (slower rank)"),
+                             f"A rank's shard (model + optimizer): {size / MiB:.0f} MiB; its staging buffers "
+                             f"{staging / MiB:.0f} MiB; peak RSS growth in our first save (+ the buffers): "
+                             f"{growth / MiB:.0f} MiB", "", table(["seconds", "median", "range"], rows), "",
+                             *ratio_table(checks)]))  # fmt: skip
+
+    Big, Noise = lightning_job()
+    n_layers = max(2, args.size_mib * MiB // (4 * width * width))
+    trainer = L.Trainer(max_steps=3, accelerator="cuda" if cuda else "cpu", devices=2, strategy=strategy,
+                        callbacks=[Measure(), PreemptionCallback(f"{root}/run", keep_last_n=1, save_on_train_end=False)],
+                        plugins=[ShardedAsyncCheckpointIO()], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False)  # fmt: skip
+    trainer.fit(Big(width, n_layers, lr=1e-5, momentum=0.9), DataLoader(Noise(width), batch_size=8))
+    if trainer.is_global_zero:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", default=None, help="where to write (default: a fresh dir under /tmp, removed after)")
@@ -281,10 +377,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ranks", default="", help="also collective saves on these rank counts, comma list (e.g. 2,4)")
     p.add_argument("--repeats", type=int, default=3, help="measured rounds after the warm-up (default 3)")
     p.add_argument("--methods", default="", help=f"comma-separated subset of {','.join(METHODS)}")
+    p.add_argument("--strategy", choices=("fsdp",), default=None, help="save and resume under FSDP1, 2 ranks")
     p.add_argument("--quick", action="store_true", help="smoke run: 128 MiB, 16 tensors")
     args = p.parse_args(argv)
     if args.quick:
         args.size_mib, args.tensors = 128, "16"
+    if args.strategy:
+        return strategy_save(args)
     counts = [int(n) for n in args.tensors.split(",")]
     worlds = [int(w) for w in args.ranks.split(",") if w.strip() and int(w) > 1]
     curve: dict[int, dict[str, float]] = {}
