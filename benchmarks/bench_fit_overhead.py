@@ -244,19 +244,12 @@ def one_fit(method: str, every: int, args: argparse.Namespace, n_tensors: int, r
         plugins.append(ShardedAsyncCheckpointIO(overlap_staging=method == "ours_overlap"))
     probe = clock(warm_until, steps, least, WINDOW_S, warm_save if method != "none" and every > 1 else None)
     callbacks.insert(0, probe)
-    trainer = L.Trainer(
-        max_steps=warm_until + steps + 1,
-        accelerator="gpu" if args.device == "cuda" else "cpu",
-        devices=args.world,
-        # (buffers never change here: no broadcast of 3976 of them every step)
-        strategy=DDPStrategy(broadcast_buffers=False) if args.world > 1 else "auto",
-        callbacks=callbacks,
-        plugins=plugins or None,
-        enable_checkpointing=method in ("torch_io", "async_io"),
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    # (buffers never change here: no broadcast of 3976 of them every step)
+    strategy = DDPStrategy(broadcast_buffers=False) if args.world > 1 else "auto"
+    trainer = L.Trainer(max_steps=warm_until + steps + 1, accelerator="gpu" if args.device == "cuda" else "cpu",
+                        devices=args.world, strategy=strategy, callbacks=callbacks, plugins=plugins or None,
+                        enable_checkpointing=method in ("torch_io", "async_io"), logger=False,
+                        enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "the dataloader has no __len__", "few workers": same for every row
         trainer.fit(build(args.width, n_tensors, args.step_ms), Batches(args.width, BATCH, args.device))

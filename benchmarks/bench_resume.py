@@ -88,35 +88,22 @@ class Loads:
 
         from lightning_preempt import ShardedAsyncCheckpointIO
 
-        self.ckpt = ckpt
-        self.ours_dir = os.path.join(root, "ours")
-        self.pt_file = os.path.join(root, "last.ckpt")
-        self.dcp_dir = os.path.join(root, "dcp")
+        self.ckpt, self.ours_dir = ckpt, os.path.join(root, "ours")
+        self.pt_file, self.dcp_dir = os.path.join(root, "last.ckpt"), os.path.join(root, "dcp")
         writer = ShardedAsyncCheckpointIO()
         writer.save_checkpoint(ckpt, self.ours_dir)
         writer.teardown()
         torch.save(ckpt, self.pt_file)
-        dcp.save(
-            {"state_dict": ckpt["state_dict"], "optimizer_states": ckpt["optimizer_states"]},
-            checkpoint_id=self.dcp_dir,
-            no_dist=True,
-        )
+        dcp.save({"state_dict": ckpt["state_dict"], "optimizer_states": ckpt["optimizer_states"]},
+                 checkpoint_id=self.dcp_dir, no_dist=True)  # fmt: skip
         self.verify_io = ShardedAsyncCheckpointIO(verify_on_load=True)
         self.noverify_io = ShardedAsyncCheckpointIO(verify_on_load=False)
         self.torch_io = TorchCheckpointIO()
         # DCP loads in place: the model and optimizer exist (memory touched) before it runs.
-        self.dcp_template = {
-            "state_dict": {k: torch.zeros_like(v) for k, v in ckpt["state_dict"].items()},
-            "optimizer_states": [
-                {
-                    "state": {
-                        i: {n: torch.zeros_like(t) for n, t in s.items()}
-                        for i, s in ckpt["optimizer_states"][0]["state"].items()
-                    },
-                    "param_groups": ckpt["optimizer_states"][0]["param_groups"],
-                }
-            ],
-        }
+        opt = ckpt["optimizer_states"][0]
+        self.dcp_template = {"state_dict": {k: torch.zeros_like(v) for k, v in ckpt["state_dict"].items()},
+                             "optimizer_states": [{"param_groups": opt["param_groups"], "state": {
+                                 i: {n: torch.zeros_like(t) for n, t in s.items()} for i, s in opt["state"].items()}}]}  # fmt: skip
 
     def files(self, method: str) -> list[str]:
         if method in ("torch_io", "torch_load"):
@@ -162,28 +149,17 @@ LOAD_METHODS: dict[str, tuple[str, str]] = {
 
 def bench_loads(args: argparse.Namespace, root: str, ckpt: dict[str, Any]) -> tuple[str, dict[str, float]]:
     loads = Loads(root, ckpt)
-    runners: dict[str, Callable[[], Any]] = {
-        "floor_read": loads.floor_read,
-        "ours_verify": loads.ours_verify,
-        "ours_noverify": loads.ours_noverify,
-        "torch_io": loads.torch_io_load,
-        "torch_load": loads.torch_load,
-        "dcp": loads.dcp_load,
-    }
+    runners: dict[str, Callable[[], Any]] = {"floor_read": loads.floor_read, "ours_verify": loads.ours_verify,
+                                             "ours_noverify": loads.ours_noverify, "torch_io": loads.torch_io_load,
+                                             "torch_load": loads.torch_load, "dcp": loads.dcp_load}  # fmt: skip
     methods = [m for m in runners if getattr(args, "methods", None) is None or m in args.methods]
     caches = ["warm", "cold"] if not args.no_cold else ["warm"]
     results: dict[tuple[str, str], list[float]] = {(c, m): [] for c in caches for m in methods}
-    # CPU seconds of this process per load: the work done, much less moved by other processes
-    # on a loaded machine than the wall time is (the loaders read on the calling thread).
     for rnd in range(args.repeats + 1):
         for cache in caches:
             order = methods[rnd % len(methods) :] + methods[: rnd % len(methods)]
             for m in order:
-                paths = loads.files(m)
-                if cache == "cold":
-                    evict(paths)
-                else:
-                    warm(paths)
+                (evict if cache == "cold" else warm)(loads.files(m))
                 gc.collect()
                 t0 = time.perf_counter()
                 out = runners[m]()
@@ -204,29 +180,13 @@ def bench_loads(args: argparse.Namespace, root: str, ckpt: dict[str, Any]) -> tu
     def ratio(cache: str, a: str, b: str) -> float:
         return paired(results[(cache, a)], results[(cache, b)])
 
-    figures = {
-        f"{cache} {a}/{b}": ratio(cache, a, b)
-        for cache in caches
-        for a, b in [
-            ("ours_verify", "floor_read"),
-            ("ours_noverify", "floor_read"),
-            ("ours_verify", "torch_load"),
-            ("ours_verify", "torch_io"),
-            ("ours_verify", "dcp"),
-            ("ours_noverify", "ours_verify"),
-        ]
-        if a in methods and b in methods
-    }
-    text = "\n".join(
-        [
-            f"#### (a) resume, 1 process: {nbytes(ckpt) / MiB:.0f} MiB state in {len(tensors_of(ckpt))} tensors "
-            f"({total / MiB:.0f} MiB of files), {args.repeats} measured rounds after 1 warm-up (median, min-max)",
-            "",
-            table(["cache", "method", "load (s)", "range", "GB/s", "notes"], rows),
-            "",
-        ]
-    )
-    return text, figures
+    pairs = [("ours_verify", "floor_read"), ("ours_noverify", "floor_read"), ("ours_verify", "torch_load"),
+             ("ours_verify", "torch_io"), ("ours_verify", "dcp")]  # fmt: skip
+    figures = {f"{c} {a}/{b}": ratio(c, a, b) for c in caches for a, b in pairs if a in methods and b in methods}
+    return "\n".join([f"#### (a) resume, 1 process: {nbytes(ckpt) / MiB:.0f} MiB state in {len(tensors_of(ckpt))} "
+                      f"tensors ({total / MiB:.0f} MiB of files), {args.repeats} measured rounds after 1 warm-up "
+                      "(median, min-max)", "", table(["cache", "method", "load (s)", "range", "GB/s", "notes"], rows),
+                      ""]), figures  # fmt: skip
 
 
 def bench_first_save(args: argparse.Namespace, root: str, ckpt: dict[str, Any]) -> tuple[str, dict[str, float]]:
@@ -269,7 +229,6 @@ def bench_first_save(args: argparse.Namespace, root: str, ckpt: dict[str, Any]) 
         io.teardown()
         return out
 
-    # Every first save is paired with a copy floor measured right before it.
     results: dict[str, list[float]] = {k: [] for k in ("floor", "none", "done", "racing", "steady", "prepare_done")}
     ratios: dict[str, list[float]] = {k: [] for k in ("none", "done", "racing", "steady")}
     order = ["none", "done", "racing"]
@@ -299,36 +258,18 @@ def bench_first_save(args: argparse.Namespace, root: str, ckpt: dict[str, Any]) 
         return [label, fmt_s(median(times)), fmt_range(times), f"{ratio_to_floor(kind):.2f}", note]
 
     rows = [
-        [
-            "FLOOR: copy into preallocated, touched buffers",
-            fmt_s(median(floors)),
-            fmt_range(floors),
-            "1.00",
-            "blocking floor",
-        ],
-        row("ours, first save, no preparation", "none", "buffers allocated inside the save (before this issue)"),
-        row(
-            "ours, first save after prepare_staging",
-            "done",
-            f"background preparation took {fmt_s(median(results['prepare_done']))} s, off the training thread",
-        ),
+        ["FLOOR: copy into preallocated, touched buffers", fmt_s(median(floors)), fmt_range(floors), "1.00", "floor"],
+        row("ours, first save, no preparation", "none", "buffers allocated inside the save"),
+        row("ours, first save after prepare_staging", "done", f"background preparation took "
+            f"{fmt_s(median(results['prepare_done']))} s, off the training thread"),
         row("ours, first save while prepare_staging still runs", "racing",
             "signal right after on_train_start: waits for the preparation"),
         row("ours, steady-state save", "steady", "second save, buffers reused"),
-    ]
-    text = "\n".join(
-        [
-            f"#### (c) first-save stall, 1 process: {nbytes(ckpt) / MiB:.0f} MiB, {args.repeats} rounds after 1 warm-up",
-            "",
-            table(["save", "blocks (s)", "range", "/ floor", "notes"], rows),
-            "",
-        ]
-    )
-    return text, {
-        "first/floor": ratio_to_floor("none"),
-        "prepared first/floor": ratio_to_floor("done"),
-        "steady/floor": ratio_to_floor("steady"),
-    }
+    ]  # fmt: skip
+    text = "\n".join([f"#### (c) first-save stall, 1 process: {nbytes(ckpt) / MiB:.0f} MiB, {args.repeats} rounds "
+                      "after 1 warm-up", "", table(["save", "blocks (s)", "range", "/ floor", "notes"], rows), ""])  # fmt: skip
+    return text, {"first/floor": ratio_to_floor("none"), "prepared first/floor": ratio_to_floor("done"),
+                  "steady/floor": ratio_to_floor("steady")}  # fmt: skip
 
 
 # ---- (b) + (c) N ranks ---------------------------------------------------------------------
