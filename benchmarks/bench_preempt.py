@@ -44,7 +44,6 @@ from _harness import (
     wait_until,
     workdir,
 )
-from elastic_cluster import Cluster  # tests/support, on the path through _harness
 
 PREEMPT_EXIT = 143
 
@@ -292,6 +291,8 @@ def agreement(args: argparse.Namespace, root: str) -> list[str]:
 
 # ---------------------------------------------------------------- (c) elastic
 def leave(tmp: Path) -> dict[str, float | int | str]:
+    from elastic_cluster import Cluster  # tests/support, on the path through _harness
+
     c = Cluster(tmp, nnodes="1:2", script_args=("--max-steps", "60"))
     try:
         c.start_store()
@@ -319,6 +320,8 @@ def leave(tmp: Path) -> dict[str, float | int | str]:
 
 
 def join(tmp: Path) -> dict[str, float | int | str]:
+    from elastic_cluster import Cluster
+
     c = Cluster(tmp, nnodes="1:2", script_args=("--max-steps", "100000"))
     try:
         c.start_store()
