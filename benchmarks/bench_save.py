@@ -292,7 +292,9 @@ def strategy_save(args: argparse.Namespace) -> int:
     cuda, width = torch.cuda.is_available(), 1024
     strategy = (FSDPStrategy if cuda else CPUFSDPStrategy)(auto_wrap_policy={torch.nn.Linear}, state_dict_type="sharded")
     # One root on every rank: made by the launching process, inherited by the rank it starts.
-    root = os.environ.setdefault("LP_BENCH_ROOT", tempfile.mkdtemp(prefix="lp-bench-fsdp-", dir=args.dir or "/tmp"))
+    if "LP_BENCH_ROOT" not in os.environ:
+        os.environ["LP_BENCH_ROOT"] = tempfile.mkdtemp(prefix="lp-bench-fsdp-", dir=args.dir or "/tmp")
+    root = os.environ["LP_BENCH_ROOT"]
     keys = ("ours: training blocked", "ours: committed after", "Lightning's dict alone (in both saves)",
             "Lightning's sharded save (all blocking)", "floor: one copy of the rank's shard", "ours: resume (load)",
             "Lightning's sharded load")  # fmt: skip
