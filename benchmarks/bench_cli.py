@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch
-from _common import fmt_range, fmt_s, machine_notes, median, table
+from _harness import fmt_range, fmt_s, machine_notes, median, table
 
 from lightning_preempt import ShardedAsyncCheckpointIO
 from lightning_preempt.format.names import checkpoint_name

@@ -1,4 +1,4 @@
-"""bench_save.py --device: the save of a state that lives on an accelerator (issue 25's GPU table).
+"""The save of a state that lives on an accelerator (issue 25's GPU table).
 
 One run, interleaved round by round (round 0 is the warm-up), on ``--device`` (``cuda``, or
 ``cpu`` for the dry run that proves the code paths):
@@ -13,8 +13,8 @@ One run, interleaved round by round (round 0 is the warm-up), on ``--device`` (`
   and two steps with a save after the first, synchronous and (where the plugin has
   ``overlap_staging``) overlapped; the extra time of the pair is the save's cost to training.
 
-    python benchmarks/bench_save.py --device cuda --size-mib 4096
-    python benchmarks/bench_save.py --device cpu --size-mib 16 --repeats 1   # dry run
+    python benchmarks/bench_device.py                 # cuda, 4096 MiB
+    python benchmarks/bench_device.py --quick         # cpu, 16 MiB, 1 round: the dry run (scripts/gpu_check.sh)
 """
 
 from __future__ import annotations
@@ -23,12 +23,15 @@ import argparse
 import inspect
 import os
 import shutil
+import sys
 import tempfile
 import time
 from typing import Any
 
 import torch
-from _common import (
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import (
     MiB,
     empty_dir,
     interleaved,
@@ -36,9 +39,9 @@ from _common import (
     machine_notes,
     median,
     nbytes,
+    ratio_table,
     table,
     tensors_of,
-    verdict,
 )
 
 
@@ -197,8 +200,7 @@ def run_device(args: argparse.Namespace) -> str:
     root = args.dir or tempfile.mkdtemp(prefix="lp-bench-device-", dir="/tmp")
     os.makedirs(root, exist_ok=True)
     started = time.perf_counter()
-    n_tensors = int(str(args.tensors).split(",")[0])
-    bench = DeviceBench(device, args.size_mib, n_tensors, root)
+    bench = DeviceBench(device, args.size_mib, args.tensors, root)
     total = bench.total
     floor_s = floor_d2h(total, device, args.repeats)
     runners = {"ours": lambda: bench.save_ours(bench.ours), "ours_half": lambda: bench.save_ours(bench.budgeted),
@@ -232,24 +234,19 @@ def run_device(args: argparse.Namespace) -> str:
     extra_sync = sync_steps["with_save"] - sync_steps["two_steps"]
     step_rows.append(["  with a save between them (synchronous staging)", f"{sync_steps['with_save']:.4f}",
                       f"{extra_sync:+.4f}", f"{sync_steps['save_blocked']:.4f}"])  # fmt: skip
-    verdicts = []
-    staging_ratio = floor_s / med("ours", "blocks")
-    row, line = verdict("ours staging GB/s / pinned D2H floor", staging_ratio, 0.8, True)
-    ratio_rows = [row]
-    verdicts.append(line)
+    checks = [("ours staging GB/s / pinned D2H floor", floor_s / med("ours", "blocks"), 0.8, True)]
+    notes = []
     if over_steps is not None:
         extra_over = over_steps["with_save"] - over_steps["two_steps"]
         step_rows.append(["  with a save between them (overlapped staging)", f"{over_steps['with_save']:.4f}",
                           f"{extra_over:+.4f}", f"{over_steps['save_blocked']:.4f}"])  # fmt: skip
-        row, line = verdict("overlapped save's step-time increase / synchronous copy time",
-                            max(extra_over, 0.0) / max(sync_steps["save_blocked"], 1e-9), 0.25, False)  # fmt: skip
-        ratio_rows.append(row)
-        verdicts.append(line)
+        checks.append(("overlapped save's step-time increase / synchronous copy time",
+                       max(extra_over, 0.0) / max(sync_steps["save_blocked"], 1e-9), 0.25, False))  # fmt: skip
     else:
-        verdicts.append("- overlapped staging: this build has no overlap_staging option; not measured")
+        notes.append("- overlapped staging: this build has no overlap_staging option; not measured")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (dry run: no accelerator)"
     return "\n".join([
-        f"### bench_save --device {device.type}: {total / MiB:.0f} MiB in {len(bench.tensors)} float32 tensors on "
+        f"### bench_device --device {device.type}: {total / MiB:.0f} MiB in {len(bench.tensors)} float32 tensors on "
         f"{name}, {args.repeats} measured rounds after 1 warm-up (median)",
         "",
         f"Machine: {machine_notes()}; run took {time.perf_counter() - started:.0f}s",
@@ -261,7 +258,25 @@ def run_device(args: argparse.Namespace) -> str:
         "",
         table(["steps", "time (s)", "extra (s)", "save blocked (s)"], step_rows),
         "",
-        table(["ratio", "value", "target", "verdict"], ratio_rows),
-        "",
-        *verdicts,
+        *ratio_table(checks, title=""),
+        *notes,
     ])  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", help="cuda (default), or cpu: the dry run of the code paths")
+    p.add_argument("--size-mib", type=int, default=4096, help="state size in MiB (default 4096)")
+    p.add_argument("--tensors", type=int, default=24, help="number of tensors (default 24)")
+    p.add_argument("--repeats", type=int, default=3, help="measured rounds after the warm-up (default 3)")
+    p.add_argument("--dir", default=None, help="where to write (default: a fresh dir under /tmp, removed after)")
+    p.add_argument("--quick", action="store_true", help="dry run: cpu, 16 MiB, 8 tensors, 1 round")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.device, args.size_mib, args.tensors, args.repeats = "cpu", 16, 8, 1
+    print(run_device(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -13,7 +13,7 @@ rank 0). Per trial:
 * **detect -> exit**: from the kill until the survivor's worker is gone (target <= 10 s);
 * **steps lost**: max step seen at the kill - the step the restart resumed from;
 * **resumed newest**: the restart's choice (its "resuming from" line) is the newest
-  checkpoint that verifies independently (benchmarks/fault_injection.py's ``scan``: manifest,
+  checkpoint that verifies independently (tests/support/fault_injection.py's ``scan``: manifest,
   every file's size and CRC32C), never a partial directory;
 * the survivor's exit code (75) and its failure record in the ledger.
 
@@ -28,20 +28,11 @@ every process of the node during steps or during a tier-0 copy (an uncommitted d
 seen in the tmpfs) and restarts on the same node, whose ``/dev/shm`` outlived the kill.
 Per trial: steps lost (target <= the K in force at the kill: the one the engine logged, or a
 fixed K), and whether the restart resumed the newest checkpoint that verifies independently
-across the disk tier *and* tier 0 (never a partial or mixed one). The copy to a peer node
-(a node lost with its memory) is r4-peer's part: tiers/peer.py.
+across the disk tier *and* tier 0 (never a partial or mixed one).
 
     python benchmarks/bench_node_loss.py --tier0 auto --trials 20 --every 1000
 
-``--tier0 auto --nodes 2``: tier 0 across two hosts with the peer copy; each trial SIGKILLs
-a whole node during steps, a tier-0 copy, the peer transfer or a disk flush, wipes that
-node's memory (a replacement node) and restarts both: the resume must come from the peer's
-copy. Then the last launch trains to the end, bit-identical to an uninterrupted run
-(benchmarks/_node_loss_peer.py).
-
-    python benchmarks/bench_node_loss.py --tier0 auto --nodes 2 --trials 20
-    python benchmarks/bench_node_loss.py --tier0 auto --nodes 2 --trials 10 --fault partition
-    python benchmarks/bench_node_loss.py --tier0 auto --n-minus-1     # then on 1 node (world 2 -> 1)
+Needs root and iproute2 (network namespaces); without them it says so and exits 0.
 """
 
 from __future__ import annotations
@@ -56,13 +47,21 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests" / "support"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine_notes, table, work_verdict  # noqa: E402
-from fault_injection import RESUME_RE, bound_in_force, failure_records, newest_ok, scan  # noqa: E402
-from netns import Hosts, missing  # noqa: E402
-from netns_job import NodeJob  # noqa: E402
+from _harness import machine_notes, table
+from fault_injection import RESUME_RE, bound_in_force, failure_records, newest_ok, scan
+from netns import Hosts, missing
+from netns_job import NodeJob
+
+
+def work_verdict(work: Path, ok: bool) -> int:
+    """The exit code; the work directory (checkpoints, the jobs' logs) removed when the run
+    passed, kept and named on stderr when it did not: what went wrong is in there."""
+    if ok:
+        shutil.rmtree(work, ignore_errors=True)
+        return 0
+    print(f"benchmark failed: its work directory (checkpoints, job logs) is kept in {work}", file=sys.stderr)
+    return 1
 
 
 def job_args(cfg: argparse.Namespace) -> list[str]:
@@ -199,32 +198,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--md", default="", help="append the table and the command to this markdown file")
     p.add_argument("--json", default="")
     p.add_argument("--tier0", default="", help="auto or K: tier 0 on one host (see the module docstring)")
-    p.add_argument("--nodes", type=int, default=1, choices=(1, 2), help="with --tier0: 2 hosts, the peer copy")
-    p.add_argument("--phases", default="", help="--nodes 2: only these phases (comma-separated; default: all)")
-    p.add_argument("--victim", type=int, default=None, choices=(0, 1), help="--nodes 2: always kill this node")
-    p.add_argument("--fault", default="kill", choices=("kill", "partition"),
-                   help="--nodes 2: SIGKILL the node and wipe its memory (a replacement), or cut its link")
-    p.add_argument("--n-minus-1", action="store_true", help="with --tier0: one trial, then go on at world size 1")
     cfg = p.parse_args(argv)
-    if cfg.tier0 and (cfg.nodes == 2 or cfg.n_minus_1):
-        # the last launch trains to the end; a trial runs up to 2 disk intervals of steps before
-        # its kill (_node_loss_peer.py) and as many waiting for its phase: 4 a trial
-        cfg.max_steps = cfg.max_steps or (cfg.trials + 1) * 4 * cfg.every
     cfg.max_steps = cfg.max_steps or (cfg.trials + 1) * 2 * cfg.every + 5
-    if cfg.tier0 and cfg.nodes == 1 and not cfg.n_minus_1:
+    if cfg.tier0:
         cfg.max_steps = 10**6  # every launch is killed, the last one too
     why = missing()
     if why is not None:
         print(f"bench_node_loss: skipped: {why}")
         return 0
-    if cfg.tier0 and cfg.n_minus_1:
-        from _node_loss_peer import main_n_minus_1
-
-        return main_n_minus_1(cfg, argv, _report)
-    if cfg.tier0 and cfg.nodes == 2:
-        from _node_loss_peer import main_peer
-
-        return main_peer(cfg, argv, _report)
     if cfg.tier0:
         return main_tier0(cfg, argv)
     rng = random.Random(cfg.seed)

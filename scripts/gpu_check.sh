@@ -3,7 +3,7 @@
 # (each step has its own timeout: 4 + 7 + 5 minutes at the very most):
 #   1. the tests marked `gpu` (tests/gpu/: pinned staging, staging on a CUDA stream, the
 #      overlapped copy, CUDA RNG in exact resume, the host budget with pinned memory);
-#   2. benchmarks/bench_save.py --device cuda: the table of the pinned D2H floor, our blocking
+#   2. benchmarks/bench_device.py --device cuda: the table of the pinned D2H floor, our blocking
 #      time and staging GB/s, DCP async_save with DefaultStager, step time with a save;
 #   3. benchmarks/bench_fit_overhead.py --device cuda (issue 33): the whole-fit overhead table
 #      of docs/benchmarks.md on the GPU, with ours twice, overlap_staging off and on: the row
@@ -83,10 +83,10 @@ echo | tee -a "$report"
 # stderr goes to a file, and its tail into the report when a step fails: a failure says why.
 errs="$(mktemp -d)"
 trap 'rm -rf "$errs"' EXIT
-timeout 420 "$py" benchmarks/bench_save.py --device "$device" --size-mib "$size" --tensors "$tensors" \
+timeout 420 "$py" benchmarks/bench_device.py --device "$device" --size-mib "$size" --tensors "$tensors" \
   --repeats "$repeats" 2>"$errs/bench" | tee -a "$report"
 bench_rc=${PIPESTATUS[0]}
-[ "$bench_rc" = 0 ] || { echo "bench_save.py failed (rc=$bench_rc); its stderr ends:"; tail -n 30 "$errs/bench"; } | tee -a "$report"
+[ "$bench_rc" = 0 ] || { echo "bench_device.py failed (rc=$bench_rc); its stderr ends:"; tail -n 30 "$errs/bench"; } | tee -a "$report"
 echo | tee -a "$report"
 # shellcheck disable=SC2086  # fit_args is a list of flags
 timeout 300 "$py" benchmarks/bench_fit_overhead.py --device "$device" $fit_args 2>"$errs/fit" | tee -a "$report"

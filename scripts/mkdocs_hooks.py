@@ -1,13 +1,13 @@
 """mkdocs hooks for the docs site (mkdocs.yml): the pages that live outside docs/.
 
 The Markdown is written to read well on the repository's web view, where a page links
-``../README.md`` or ``../benchmarks/RESULTS.md`` and the project README links
+``../README.md`` or ``../CHANGELOG.md`` and the project README links
 ``docs/guide.md``. On the site those files are pages too: the project README is the home
-page, ``docs/README.md`` (the list of pages) is ``contents.md``, CHANGELOG and the benchmark
-results are pages of their own. Every relative link is resolved against the repository path
-of the page it is on and pointed at the site's page for that file; any other repository file a
-page links (an example, a manifest) is copied into the site under ``repo/``. A link to a file
-that does not exist stays as written, so ``mkdocs build --strict`` fails on it.
+page, ``docs/README.md`` (the list of pages) is ``contents.md``, CHANGELOG is a page of its
+own. Every relative link is resolved against the repository path of the page it is on and
+pointed at the site's page for that file; any other repository file a page links (an
+example, a manifest) is copied into the site under ``repo/``. A link to a file that does
+not exist stays as written, so ``mkdocs build --strict`` fails on it.
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ PAGES = {
     "README.md": "index.md",
     "docs/README.md": "contents.md",
     "CHANGELOG.md": "changelog.md",
-    "benchmarks/RESULTS.md": "benchmark-results.md",
-    "benchmarks/FAULT_INJECTION.md": "fault-injection.md",
 }
 _SOURCE = {page: repo_path for repo_path, page in PAGES.items()}
 

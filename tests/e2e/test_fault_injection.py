@@ -1,7 +1,7 @@
-"""A small sample of ``benchmarks/fault_injection.py``: SIGTERM and SIGKILL a real training
+"""A small sample of ``tests/support/fault_injection.py``: SIGTERM and SIGKILL a real training
 job at random moments (steps, a flush in flight, start-up) and check every restart.
 
-The full run (N >= 30 per signal) and its results: ``benchmarks/FAULT_INJECTION.md``.
+The full run (N >= 30 per signal) and its results: ``docs/fault-injection.md``.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "fault_injection.py"
+SCRIPT = ROOT / "tests" / "support" / "fault_injection.py"
 EVERY = 5
 
 # ~30 s here (4 trials, ~6 launches): in the rotating slow sample to keep README's test command
-# under its 8-minute budget (benchmarks/fault_injection.py itself is the full matrix).
+# under its 8-minute budget (tests/support/fault_injection.py itself is the full matrix).
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 

@@ -147,7 +147,7 @@ def test_host_budget_with_pinned_memory_is_exact_and_within_budget(tmp_path: Pat
     # and measured in a fresh process: peak RSS (pinned pages are resident) under the budget
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "budget_rss.py"), str(tmp_path / "rss"), "--state-mib", "64",
+        [sys.executable, str(ROOT / "tests" / "support" / "budget_rss.py"), str(tmp_path / "rss"), "--state-mib", "64",
          "--budget-mib", "32", "--device", "cuda"],
         capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip

@@ -11,7 +11,7 @@ what is committed at the path, CRC32C-verified, and compares it with the checkpo
 writer that was told "committed": anything else is *committed but corrupt*.
 
 Used by ``tests/unit/test_concurrent_commit.py`` (a few trials) and
-``benchmarks/bench_concurrent_commit.py`` (30 trials).
+more trials by hand (``run_trials(root, delays)`` with 30 delays).
 """
 
 from __future__ import annotations

@@ -19,10 +19,9 @@ import uuid
 from pathlib import Path
 
 from netns import Hosts
+from procs import RankFiles, wait_gone
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from _common import RankFiles, wait_gone  # noqa: E402  (the benchmarks' process harness)
 
 SCRIPT = Path(__file__).resolve().parent / "train_script.py"
 PORT = 29400

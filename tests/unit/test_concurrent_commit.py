@@ -1,7 +1,7 @@
 """Issue 20, finding 6: two plugin-level saves to one step directory at the same moment
 (real separate processes, no lease) never end "committed but corrupt": exactly one is told
 "committed" and its checkpoint verifies bit for bit; the other is told another writer
-committed first. The 30-trial count is ``benchmarks/bench_concurrent_commit.py``."""
+committed first. More trials: ``tests/support/concurrent_saves.py``'s ``run_trials``."""
 
 from __future__ import annotations
 

@@ -148,7 +148,7 @@ def test_a_state_twice_the_budget_stays_under_it_in_rss_and_resumes_exactly(tmp_
     stager's own accounting runs in every CI run: the test above)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "budget_rss.py"), str(tmp_path), "--state-mib", "32", "--budget-mib", "16"],
+        [sys.executable, str(ROOT / "tests" / "support" / "budget_rss.py"), str(tmp_path), "--state-mib", "32", "--budget-mib", "16"],
         capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]

@@ -1,5 +1,5 @@
 """Peak host memory of saves, measured in a fresh process (tests/unit/test_host_budget.py and
-bench_save.py's host-memory section).
+benchmarks/bench_tiers.py --parts c).
 
 ``python budget_rss.py OUT_DIR --state-mib 32 --budget-mib 16 [--tensors 8] [--repeats 1]``
 saves a state of ``--state-mib`` MiB in ``--tensors`` equal float32 tensors (the budget sees

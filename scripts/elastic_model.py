@@ -9,7 +9,7 @@ ratios we measured on this machine (docs/benchmarks.md), applied to the hardware
 * a resize costs ~13 s of worker restart on top of loading (bench_elastic; mostly process
   start, which grows with the imports and NCCL set-up of a real job: we assume 45 s).
 
-    python benchmarks/elastic_model.py
+    python scripts/elastic_model.py
 """
 
 from __future__ import annotations

@@ -31,9 +31,9 @@ sending; for a start-up signal the step the job was restoring) - (step the resta
 from), floored at 0. Goals: every restart resumes from the newest committed checkpoint;
 0 steps lost per SIGTERM; <= ``--every`` steps lost per SIGKILL.
 
-    python benchmarks/fault_injection.py --n 30                 # single process, ~10 min
-    python benchmarks/fault_injection.py --n 10 --ddp           # 2 ranks (gloo), ~7 min
-    python benchmarks/fault_injection.py --n 2 --json out.json  # the CI sample
+    python tests/support/fault_injection.py --n 30                 # single process, ~10 min
+    python tests/support/fault_injection.py --n 10 --ddp           # 2 ranks (gloo), ~7 min
+    python tests/support/fault_injection.py --n 2 --json out.json  # the CI sample
 """
 
 from __future__ import annotations
@@ -56,10 +56,10 @@ from typing import Any
 
 import crc32c
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "support" / "train_script.py"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import RankFiles, git_revision, kill_group, launch, machine_notes, table, wait_gone, wait_until  # noqa: E402
+from procs import RankFiles, git_revision, kill_group, launch, machine_notes, table, wait_gone, wait_until  # noqa: E402
 
 PHASES = ("steps", "flush", "startup")
 EXPECTED_CODE = {"sigterm": 143, "sigkill": -9}
@@ -590,7 +590,7 @@ def write_section(path: Path, label: str, body: str) -> None:
 
 _HEADER = """# Fault injection
 
-`benchmarks/fault_injection.py` SIGTERMs and SIGKILLs a real training job
+`tests/support/fault_injection.py` SIGTERMs and SIGKILLs a real training job
 (`tests/support/train_script.py`) at random moments — during steps, while a periodic save is in
 flight ("flush"), and during start-up (after set-up, before the first step: restore,
 strategy set-up, train start) — and restarts it like a scheduler until each restart
@@ -620,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default=None, help="default: a temporary directory, removed afterwards")
     p.add_argument("--live", action="store_true", help="run the working tree, not a snapshot taken at the start")
     p.add_argument("--json", default=None, help="write the summary and every trial as JSON here")
-    p.add_argument("--md", default=str(ROOT / "benchmarks" / "FAULT_INJECTION.md"), help="'' to skip")
+    p.add_argument("--md", default=str(ROOT / "docs" / "fault-injection.md"), help="'' to skip")
     cfg = p.parse_args(argv)
     kinds = [k.strip().lower() for k in cfg.kinds.split(",") if k.strip()]
     phases = [ph.strip() for ph in cfg.phases.split(",") if ph.strip()]
@@ -656,7 +656,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     elapsed = time.monotonic() - t0
     summary = summarize(trials, cfg)
-    command = "python benchmarks/fault_injection.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    command = "python tests/support/fault_injection.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     text = render(summary, cfg, command, elapsed, runner.launches)
     print()
     print(text)
