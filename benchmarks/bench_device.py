@@ -140,7 +140,7 @@ class DeviceBench:
 def step_costs(device: torch.device, root: str, width: int, layers: int, batch: int, repeats: int,
                overlap: bool) -> dict[str, float]:  # fmt: skip
     """Median seconds of two training steps, and of two steps with a save between them."""
-    from lightning_preempt import ShardedAsyncCheckpointIO
+    from lightning_preempt import ShardedAsyncCheckpointIO, Tuning
 
     torch.manual_seed(0)
     parts: list[torch.nn.Module] = []
@@ -149,7 +149,7 @@ def step_costs(device: torch.device, root: str, width: int, layers: int, batch: 
     model = torch.nn.Sequential(*parts).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(batch, width, device=device)
-    io = ShardedAsyncCheckpointIO(overlap_staging=True) if overlap else ShardedAsyncCheckpointIO()
+    io = ShardedAsyncCheckpointIO(tuning=Tuning(overlap_staging=True)) if overlap else ShardedAsyncCheckpointIO()
     if overlap:  # what the Trainer front-end declares (lightning/overlap_hooks.py)
         io.saver.overlap.stable = lambda: [*model.parameters(),
                                            *(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v))]  # fmt: skip

@@ -216,7 +216,7 @@ def one_fit(method: str, every: int, args: argparse.Namespace, n_tensors: int, r
     from lightning.pytorch.plugins.io import AsyncCheckpointIO
     from lightning.pytorch.strategies import DDPStrategy
 
-    from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO
+    from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO, Tuning
 
     warm_until = warm_up(every)
     steps = window(every, args) if method != "none" else max(window(e, args) for e in args.every)
@@ -241,7 +241,7 @@ def one_fit(method: str, every: int, args: argparse.Namespace, n_tensors: int, r
         warm_save = lambda trainer, _: dump.build(trainer)  # noqa: E731
     elif method in ("ours", "ours_overlap"):
         callbacks.append(PreemptionCallback(dirpath, every_n_train_steps=every, keep_last_n=2))
-        plugins.append(ShardedAsyncCheckpointIO(overlap_staging=method == "ours_overlap"))
+        plugins.append(ShardedAsyncCheckpointIO(tuning=Tuning(overlap_staging=method == "ours_overlap")))
     probe = clock(warm_until, steps, least, WINDOW_S, warm_save if method != "none" and every > 1 else None)
     callbacks.insert(0, probe)
     # (buffers never change here: no broadcast of 3976 of them every step)

@@ -286,7 +286,7 @@ def strategy_save(args: argparse.Namespace) -> int:
     from lightning.pytorch.strategies import FSDPStrategy
     from torch.utils.data import DataLoader
 
-    from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO
+    from lightning_preempt import PreemptionCallback, ShardedAsyncCheckpointIO, Tuning
     from lightning_preempt.collective import groups as pdist
 
     cuda, width = torch.cuda.is_available(), 1024
@@ -362,7 +362,7 @@ def strategy_save(args: argparse.Namespace) -> int:
     Big, Noise = lightning_job()
     n_layers = max(2, args.size_mib * MiB // (4 * width * width))
     trainer = L.Trainer(max_steps=3, accelerator="cuda" if cuda else "cpu", devices=2, strategy=strategy,
-                        callbacks=[Measure(), PreemptionCallback(f"{root}/run", keep_last_n=1, save_on_train_end=False)],
+                        callbacks=[Measure(), PreemptionCallback(f"{root}/run", keep_last_n=1, tuning=Tuning(save_on_train_end=False))],
                         plugins=[ShardedAsyncCheckpointIO()], logger=False, enable_progress_bar=False,
                         enable_model_summary=False)  # fmt: skip
     trainer.fit(Big(width, n_layers, lr=1e-5, momentum=0.9), DataLoader(Noise(width), batch_size=8))

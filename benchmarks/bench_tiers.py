@@ -42,7 +42,8 @@ def one_round(
 
     name = f"step-{r:010d}"
     local = os.path.join(scratch, f"local-{r}")
-    io = ShardedAsyncCheckpointIO(storage_options=options, local_dirpath=local)
+    io = ShardedAsyncCheckpointIO(storage_options=options)
+    io.saver.use_local_tier(local)  # what the callback's local_dirpath does (lightning/strategies.hand_options)
     assert io.tiers is not None
     io.set_tiers(remote_root)
     out: dict[str, float] = {}
@@ -116,6 +117,7 @@ def _tier0_worker(rank: int, world: int, size_mib: int, rounds: int, work: str) 
 
     from lightning_preempt.collective.groups import new_gloo_group
     from lightning_preempt.engine.memory_tier import MemoryTier
+    from lightning_preempt.save.order import SaveOrder
     from lightning_preempt.save.saver import Saver
 
     root = os.path.join(work, f"node{rank}")
@@ -132,7 +134,7 @@ def _tier0_worker(rank: int, world: int, size_mib: int, rounds: int, work: str) 
         path = tier.path(step, dist.group.WORLD)
         assert path is not None
         t0 = time.perf_counter()
-        saver.save(state, path, {})
+        saver.save(state, SaveOrder(path, "tier0"))
         saver.wait()
         t1 = time.perf_counter()
         tier.after_copy(saver, path, "bench", leader=rank == 0)
