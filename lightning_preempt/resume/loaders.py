@@ -12,8 +12,6 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import torch
-
 from lightning_preempt.resume.reshard import (
     ORDER_KEYS,
     ReshardedSampler,
@@ -31,6 +29,7 @@ from lightning_preempt.resume.samplers import (
     replays_sampler,
     rewound_sampler,
     set_generator_states,
+    set_iter_rng,
     snapshot_iter_rng,
     wrap_loader,
 )
@@ -107,15 +106,12 @@ class ResumableLoaders:
         entries = []
         for i, (dl, (kind, sampler)) in enumerate(zip(loaders, self._samplers, strict=True)):
             pre_iter = sampler.pre_iter if sampler is not None else self._stateful_pre_iter[i]
-            entries.append(
-                {
-                    "kind": kind,
-                    "epoch_state": sampler.epoch_state if sampler is not None else None,
-                    "generators": [g.get_state() for g in loader_generators(dl)],
-                    "pre_iter": pre_iter[1] if pre_iter is not None and pre_iter[0] == epoch else None,
-                    "order": _order(dl, epoch, batches_in_epoch, pre_iter[1] if pre_iter is not None else None),
-                }
-            )
+            entries.append({
+                "kind": kind, "epoch_state": sampler.epoch_state if sampler is not None else None,
+                "generators": [g.get_state() for g in loader_generators(dl)],
+                "pre_iter": pre_iter[1] if pre_iter is not None and pre_iter[0] == epoch else None,
+                "order": _order(dl, epoch, batches_in_epoch, pre_iter[1] if pre_iter is not None else None),
+            })  # fmt: skip
         return entries
 
     def reshard(self, loaders: Sequence[Any], saved: list[dict[str, Any]], epoch: int, batches_in_epoch: int) -> set[int]:
@@ -181,11 +177,8 @@ class ResumableLoaders:
         if not mid_epoch:
             return False
         if len(saved) != len(self._samplers):
-            log.warning(
-                "lightning_preempt: %d training loaders now, %d when saved: not resuming their positions",
-                len(self._samplers),
-                len(saved),
-            )
+            log.warning("lightning_preempt: %d training loaders now, %d when saved: not resuming their positions",
+                        len(self._samplers), len(saved))  # fmt: skip
             return False
         exact = True
         for i, ((kind, sampler), entry) in enumerate(zip(self._samplers, saved, strict=True)):
@@ -196,11 +189,8 @@ class ResumableLoaders:
                 epoch_state = entry.get("epoch_state") if entry.get("kind") == "sampler" else None
                 sampler.resume_at(epoch_state, batches_in_epoch * sampler.batch_size)
             elif kind == "unsupported":
-                log.warning(
-                    "lightning_preempt: resuming mid-epoch (batch %d) with a data loader whose position is not "
-                    "saved: this epoch's data starts again from its first batch",
-                    batches_in_epoch,
-                )
+                log.warning("lightning_preempt: resuming mid-epoch (batch %d) with a data loader whose position is "
+                            "not saved: this epoch's data starts again from its first batch", batches_in_epoch)  # fmt: skip
         return exact
 
     def set_pre_iter_rng(self, loaders: Sequence[Any], saved: list[dict[str, Any]]) -> None:
@@ -208,10 +198,8 @@ class ResumableLoaders:
         if len(saved) != len(self._samplers):
             return
         for dl, entry in zip(loaders, saved, strict=True):
-            pre_iter = entry.get("pre_iter")
-            if pre_iter is not None:
-                torch.set_rng_state(pre_iter["torch"])  # the same for every loader (one moment)
-                set_generator_states(loader_generators(dl), pre_iter["generators"])
+            if entry.get("pre_iter") is not None:  # (the global state: the same for every loader, one moment)
+                set_iter_rng(loader_generators(dl), entry["pre_iter"])
 
     def restore_generators(self, loaders: Sequence[Any], saved: list[dict[str, Any]]) -> None:
         """Set every loader's generators to their states at the save (warned when the counts differ)."""
@@ -219,24 +207,13 @@ class ResumableLoaders:
             return  # restore_positions warned
         for dl, entry in zip(loaders, saved, strict=True):
             if "generators" in entry and not set_generator_states(loader_generators(dl), entry["generators"]):
-                log.warning(
-                    "lightning_preempt: the training loader %s has %d torch generators, the checkpoint %d: "
-                    "not restoring them (the data order of the next epochs will differ)",
-                    describe_loader(dl),
-                    len(loader_generators(dl)),
-                    len(entry["generators"]),
-                )
+                log.warning("lightning_preempt: the training loader %s has %d torch generators, the checkpoint %d: not "
+                            "restoring them (the data order of the next epochs will differ)", describe_loader(dl),
+                            len(loader_generators(dl)), len(entry["generators"]))  # fmt: skip
 
-    def remake_iterators(
-        self,
-        loaders: Sequence[Any],
-        epoch: int,
-        make_iterators: Callable[[], object] | None,
-        set_sampler_epoch: SetSamplerEpoch,
-        *,
-        mid_epoch: bool = False,
-        replay_worker_draws: bool = False,
-    ) -> dict[int, int]:
+    def remake_iterators(self, loaders: Sequence[Any], epoch: int, make_iterators: Callable[[], object] | None,
+                         set_sampler_epoch: SetSamplerEpoch, *, mid_epoch: bool = False,
+                         replay_worker_draws: bool = False) -> dict[int, int]:  # fmt: skip
         """Make the loop's iterators again where needed; returns {loader index: batches to drop}.
 
         Needed for worker loaders (started before the front-end set them up, and fed by the
@@ -277,13 +254,8 @@ class ResumableLoaders:
             make_iterators()
         return replay
 
-    def make_next_epoch_iterators(
-        self,
-        loaders: Sequence[Any],
-        epoch: int,
-        make_iterators: Callable[[], object] | None,
-        set_sampler_epoch: SetSamplerEpoch,
-    ) -> None:
+    def make_next_epoch_iterators(self, loaders: Sequence[Any], epoch: int, make_iterators: Callable[[], object] | None,
+                                  set_sampler_epoch: SetSamplerEpoch) -> None:  # fmt: skip
         """After restoring a save that ended an epoch: make the next epoch's iterators again,
         from the restored states, as the uninterrupted run made them after its save."""
         for dl in loaders:

@@ -21,7 +21,7 @@ from torch.utils.data.distributed import DistributedSampler
 from lightning_preempt.resume.samplers import (
     ResumableSampler,
     distributed_wrapped_sampler,
-    set_generator_states,
+    set_iter_rng,
     snapshot_iter_rng,
 )
 
@@ -85,13 +85,11 @@ def epoch_order(
         return positions
     now = snapshot_iter_rng(generators)
     if pre_iter is not None:
-        torch.set_rng_state(pre_iter["torch"])
-        set_generator_states(generators, pre_iter["generators"])
+        set_iter_rng(generators, pre_iter)
     try:
         drawn = list(inner)
     finally:
-        torch.set_rng_state(now["torch"])
-        set_generator_states(generators, now["generators"])
+        set_iter_rng(generators, now)
     return [drawn[p] for p in positions]
 
 
