@@ -12,6 +12,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from lightning_preempt.resume.exact_state import restore_rng, seed_from_saved_rank
 from lightning_preempt.resume.reshard import (
     ORDER_KEYS,
     ReshardedSampler,
@@ -210,6 +211,16 @@ class ResumableLoaders:
                 log.warning("lightning_preempt: the training loader %s has %d torch generators, the checkpoint %d: not "
                             "restoring them (the data order of the next epochs will differ)", describe_loader(dl),
                             len(loader_generators(dl)), len(entry["generators"]))  # fmt: skip
+
+    def restore_states(self, loaders: Sequence[Any], state: dict[str, Any], rank: int) -> bool:
+        """The RNG states and the loaders' generators of the save, where ``rank`` saved ``state``
+        (returns ``True``); another rank's state seeds this rank from it (deterministic, warned)."""
+        if state.get("rank") != rank:
+            seed_from_saved_rank(state, rank)
+            return False
+        restore_rng(state["rng"])
+        self.restore_generators(loaders, state.get("loaders", []))
+        return True
 
     def remake_iterators(self, loaders: Sequence[Any], epoch: int, make_iterators: Callable[[], object] | None,
                          set_sampler_epoch: SetSamplerEpoch, *, mid_epoch: bool = False,
