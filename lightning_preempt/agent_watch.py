@@ -2,12 +2,9 @@
 
 A partition that cuts off the node hosting the c10d rendezvous store (or that node lost while
 the TCP connections stay open: no reset ever comes) leaves the other nodes' agents blocked in
-a store call: torch's agent checks the store for waiting nodes at every monitor tick, under
-the rendezvous handler's lock, which its keep-alive thread takes again every interval while
-its own calls time out. Measured on two network-namespace hosts (torch 2.13): the surviving
-agent was still there 200 s after its worker had exited with the agreed code 75, with
-``read_timeout=5`` as with the default 60; the scheduler saw no end of the job. The workers
-themselves had agreed and exited 3.9 s after the cut (docs/failure-detection.md).
+a store call for good, whatever ``read_timeout`` says: torch's agent checks the store for
+waiting nodes at every monitor tick, under the rendezvous handler's lock, which its keep-alive
+thread takes again every interval while its own calls time out (docs/failure-detection.md).
 
 :class:`AgentWatch` runs on a thread of the agent (``python -m lightning_preempt.torchrun``):
 once every worker of the agent has exited for ``grace_s``, one of them with a failure's

@@ -1,11 +1,10 @@
-"""The options every rank must share, compared in one collective at set-up (issue 55, item 9).
+"""The options every rank must share, compared in one collective at set-up.
 
 Each process builds its own :class:`~lightning_preempt.engine.config.PreemptionConfig`: under
 Lightning's DDP launcher every rank runs the user's script again, so a ``dirpath`` with a
-timestamp or a random run name differs from rank to rank. Each rank then wrote its shard into
-its own directory and rank 0 committed manifests that list files it never saw: every
-"committed" checkpoint was unverifiable. A difference in an option that decides a collective
-(``resume``, ``lease``, tier 0, the save interval…) hangs the ranks instead.
+timestamp or a random run name differs from rank to rank: each rank would write its shard into
+its own directory, under manifests listing files rank 0 never saw. A difference in an option
+that decides a collective (``resume``, ``lease``, tier 0, the save interval…) hangs the ranks.
 
 Lightning's ``ModelCheckpoint`` broadcasts rank 0's ``dirpath``; we refuse, on every rank, with
 the differences and a HINT (docs/design.md "Ranks agree on their options"): by set-up each
