@@ -284,16 +284,8 @@ class _Inline:
         return done
 
 
-def read_tensors(
-    store: Store,
-    items: list[TensorItem],
-    files: dict[str, FileEntry],
-    *,
-    verify: bool = True,
-    max_parallel_files: int = MAX_PARALLEL_FILES,
-    progress: Callable[[str], None] | None = None,
-    into: Mapping[str, torch.Tensor] | None = None,
-) -> dict[str, torch.Tensor]:
+def read_tensors(store: Store, items: list[TensorItem], files: dict[str, FileEntry], *, verify: bool = True,
+                 into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
     """Every tensor of ``items`` as a full CPU tensor, each file read once (and verified
     against ``files`` when ``verify``). Raises :class:`CorruptCheckpointError`.
 
@@ -310,7 +302,7 @@ def read_tensors(
     total = {name: sum(i.length for i in items) for name, items in per_file.items()}
     order = sorted(per_file, key=lambda name: -total[name])
     parts = {n: 1 + (total[n] >= max(SPLIT_BYTES, SPLIT_MIN_RECORD_BYTES * len(per_file[n]))) for n in order}
-    workers = max(1, min(max_parallel_files, sum(parts.values())))
+    workers = max(1, min(MAX_PARALLEL_FILES, sum(parts.values())))
     ordered_items: list[TensorItem] = []
     chunks: list[torch.Tensor] = []
     # One range in all (a single process's checkpoint): read on this thread, nothing to overlap
@@ -324,8 +316,6 @@ def read_tensors(
                                            parts[name], into) for name in order}  # fmt: skip
         for name, fut in futures.items():
             chunks += fut.result()
-            if progress is not None:
-                progress(name)
             ordered_items += per_file[name]
     out = assemble(ordered_items, chunks)
     for key, tensor in (into or {}).items():  # read into the caller's tensor: return that one itself
