@@ -101,15 +101,9 @@ class MemoryTier:
         """Whether each copy is also sent to the next node."""
         return self.enabled and self._peer_group is not None
 
-    def setup(
-        self,
-        group: pdist.ProcessGroup | None,
-        *,
-        leader: bool,
-        new_group: Callable[[], pdist.ProcessGroup | None] | None = None,
-        restore_floor: Callable[[], int] | None = None,
-        agree_steps: Callable[[], int] | None = None,
-    ) -> bool:
+    def setup(self, group: pdist.ProcessGroup | None, *, leader: bool,
+              new_group: Callable[[], pdist.ProcessGroup | None] | None = None,
+              restore_floor: Callable[[], int] | None = None, agree_steps: Callable[[], int] | None = None) -> bool:  # fmt: skip
         """Collective: on when every rank could create ``root`` and either every rank sees
         the same directory (one node) or each node's ranks see their own and every node has
         as many ranks (the peer copy: a gloo group from ``new_group``). ``restore_floor``
@@ -277,19 +271,13 @@ class MemoryTier:
         follow_done = job is None or job.done()
         if auto.in_flight and follow_done and (rec is None or rec.committed_s is not None or rec.error is not None):
             # done (or this rank wrote nothing: a strategy where another rank writes)
-            copy_s = (
-                0.0
-                if rec is None
-                else rec.committed_s
-                if rec.committed_s is not None
-                else time.perf_counter() - rec.started
-            )
-            if rec is not None and job is not None:
-                copy_s = max(copy_s, self._job_end - rec.started)
-            before, self.every = (
-                self.every,
-                auto.finished(blocking_s=rec.blocking_s if rec is not None else 0.0, copy_s=copy_s),
-            )
+            copy_s = 0.0
+            if rec is not None:
+                copy_s = rec.committed_s if rec.committed_s is not None else time.perf_counter() - rec.started
+                if job is not None:
+                    copy_s = max(copy_s, self._job_end - rec.started)
+            before = self.every
+            self.every = auto.finished(blocking_s=rec.blocking_s if rec is not None else 0.0, copy_s=copy_s)
             self._measuring = None
             if self.every != before:
                 log.info("lightning_preempt: tier 0 copies every %s steps (auto: the last copy took %.3f s, a step "
