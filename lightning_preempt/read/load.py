@@ -34,6 +34,10 @@ from lightning_preempt.storage.store import Store
 
 log = logging.getLogger(__name__)
 
+#: When no candidate checkpoint verifies (the resolver's choice and the load's fall-back).
+NONE_VERIFIES_HINT = ("Inspect them with `lightning-preempt ls --verify DIR`; delete the damaged ones (or pass "
+                      "ckpt_path explicitly) and restart.")  # fmt: skip
+
 
 def load_skeleton(
     store: Store,
@@ -241,12 +245,8 @@ def load_agreed(load: Callable[[str, bool], dict[str, Any]], target: str, verifi
         nxt = fallback(excluded)
         nxt = pdist.broadcast_object(nxt, group) if agreeing else nxt
         if nxt is None:
-            raise CorruptCheckpointError(
-                f"no older checkpoint verifies either (tried {excluded})",
-                path=target,
-                hint="Inspect them with `lightning-preempt ls --verify DIR`; delete the damaged ones "
-                "(or pass ckpt_path explicitly) and restart.",
-            )
+            raise CorruptCheckpointError(f"no older checkpoint verifies either (tried {excluded})", path=target,
+                                         hint=NONE_VERIFIES_HINT)  # fmt: skip
         target, verified = nxt, False
 
 

@@ -71,14 +71,11 @@ class ResumableLoaders:
         bad = [describe_loader(dl) for dl, kind in zip(loaders, self.kinds, strict=True) if kind == "unsupported"]
         if bad and not self._warned:
             self._warned = True
-            warnings.warn(
-                f"lightning_preempt: cannot resume the position of the training data {', '.join(bad)} "
-                "mid-epoch: after a preemption the epoch restarts from its first batch while the step counter "
-                "goes on.\nHINT: use torchdata.stateful_dataloader.StatefulDataLoader (a drop-in DataLoader "
-                "that Lightning checkpoints), or a plain DataLoader with a Sequential/Random/DistributedSampler "
-                "and the default batch sampler.",
-                stacklevel=2,
-            )
+            warnings.warn(f"lightning_preempt: cannot resume the position of the training data {', '.join(bad)} "
+                          "mid-epoch: after a preemption the epoch restarts from its first batch while the step "
+                          "counter goes on.\nHINT: use torchdata.stateful_dataloader.StatefulDataLoader (a drop-in "
+                          "DataLoader that Lightning checkpoints), or a plain DataLoader with a Sequential/Random/"
+                          "DistributedSampler and the default batch sampler.", stacklevel=2)  # fmt: skip
 
     def is_current(self, loaders: Sequence[Any]) -> bool:
         """``loaders`` are the very objects :meth:`wrap` saw (a reload makes new ones)."""
@@ -276,15 +273,13 @@ class ResumableLoaders:
             make_iterators()
 
     def _warn_worker_draws(self, loader: Any) -> None:
-        warnings.warn(
+        warnings.warn(  # stacklevel: the front-end's call of remake_iterators
             f"lightning_preempt: resuming mid-epoch with worker processes ({describe_loader(loader)}): random draws "
             "made inside the workers (augmentations in __getitem__) start again from the epoch's worker seed, so "
             "for the rest of this epoch they differ from an uninterrupted run (the next epochs match again).\n"
-            f"HINT: if the workers draw random numbers, set {self.replay_setting} = True "
-            "(plain DataLoader: the workers load this epoch's trained batches again), or draw them from a "
-            "generator seeded with the sample index (and the epoch).",
-            stacklevel=3,  # the front-end's call of remake_iterators
-        )
+            f"HINT: if the workers draw random numbers, set {self.replay_setting} = True (plain DataLoader: the "
+            "workers load this epoch's trained batches again), or draw them from a generator seeded with the "
+            "sample index (and the epoch).", stacklevel=3)  # fmt: skip
 
 
 def _order(loader: Any, epoch: int, batches: int, pre_iter: dict[str, Any] | None) -> dict[str, Any] | None:
