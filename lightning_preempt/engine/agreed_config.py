@@ -54,9 +54,8 @@ class RanksDisagreeError(ValueError):
     """The ranks built different values for options that must match (raised on every rank)."""
 
 
-def options(
-    config: PreemptionConfig, *, two_tier: bool, sharded_keys: tuple[str, ...], verify_on_load: bool
-) -> dict[str, Any]:
+def options(config: PreemptionConfig, *, two_tier: bool, sharded_keys: tuple[str, ...],
+            verify_on_load: bool) -> dict[str, Any]:  # fmt: skip
     """This rank's values of :data:`MUST_MATCH`, as JSON values."""
     values: dict[str, Any] = {name: getattr(config, name) for name in MUST_MATCH if hasattr(config, name)}
     values.update(two_tier=two_tier, sharded_keys=list(sharded_keys), verify_on_load=verify_on_load)
@@ -71,9 +70,7 @@ def differences(per_rank: list[dict[str, Any]]) -> list[str]:
         for rank, values in enumerate(per_rank):
             by_value.setdefault(json.dumps(values.get(name)), []).append(rank)
         if len(by_value) > 1:
-            shown = [
-                f"{value} on rank{'s' if len(ranks) > 1 else ''} {_ranks(ranks)}" for value, ranks in by_value.items()
-            ]
+            shown = [f"{value} on rank{'s' * (len(ranks) > 1)} {_ranks(ranks)}" for value, ranks in by_value.items()]
             more = f", and {len(shown) - 4} more values" if len(shown) > 4 else ""
             lines.append(f"  {name}: " + "; ".join(shown[:4]) + more)
     return lines

@@ -105,7 +105,8 @@ class ExactResume:
         self.positions_restored = False
 
     # -- saving --
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:  # fmt: skip
         """Add this rank's state to ``checkpoint`` (a top-level key: it stays in the rank's skeleton)."""
         if not self.enabled or not trainer.training:
             return
@@ -253,12 +254,9 @@ class ExactResume:
         self._loaders.wrap(_compat.train_loaders(trainer))
         fetcher = _compat.train_fetcher(trainer)
         if "stateful" in self._loaders.kinds and fetcher is not None and getattr(fetcher, "length", 0) is None:
-            warnings.warn(
-                "lightning_preempt: the training data has no length, so Lightning fetches one batch ahead and the "
-                "saved StatefulDataLoader state is one batch past the last trained batch: a resume skips it.\n"
-                "HINT: give the dataset a __len__ (or resume from epoch ends).",
-                stacklevel=2,
-            )
+            warnings.warn("lightning_preempt: the training data has no length, so Lightning fetches one batch ahead "
+                          "and the saved StatefulDataLoader state is one batch past the last trained batch: a resume "
+                          "skips it.\nHINT: give the dataset a __len__ (or resume from epoch ends).", stacklevel=2)  # fmt: skip
 
     def _remake_iterators(self, trainer: pl.Trainer, mid_epoch: bool = False) -> dict[int, int]:
         """:meth:`ResumableLoaders.remake_iterators` with Lightning's fetcher and sampler epoch."""

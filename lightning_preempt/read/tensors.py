@@ -195,8 +195,8 @@ def _read_range(store: Store, name: str, items: list[TensorItem], start: int, en
 
 
 def _read_file(store: Store, name: str, items: list[TensorItem], entry: FileEntry | None, verify: bool,
-               pool: ThreadPoolExecutor | _Inline, parts: int, into: Mapping[str, torch.Tensor] | None = None,
-               ) -> list[torch.Tensor]:  # fmt: skip
+               pool: ThreadPoolExecutor | _Inline, parts: int,
+               into: Mapping[str, torch.Tensor] | None = None) -> list[torch.Tensor]:  # fmt: skip
     """Read one shard file in ``parts`` ranges at once (their own file handles), checking
     its size and (``verify``) CRC32C against ``entry``; into ``into``'s tensors where they fit."""
     runs = _ranges(items, parts)
@@ -221,8 +221,9 @@ def _read_file(store: Store, name: str, items: list[TensorItem], entry: FileEntr
     total = next(starts[i] + n for i, n in enumerate(sizes) if i == len(sizes) - 1 or n != starts[i + 1] - starts[i])
     check_entry(store, name, entry, total, file_digest(crcs) if verify else None)
     if errors:  # the bytes are as written (or unverified), yet torch cannot read them
+        first = errors[0]
         raise CorruptCheckpointError(f"file {name!r} holds a tensor record that cannot be read: "
-                                     f"{type(errors[0]).__name__}: {errors[0]}", path=store.url, hint=CORRUPT_HINT) from errors[0]  # fmt: skip
+                                     f"{type(first).__name__}: {first}", path=store.url, hint=CORRUPT_HINT) from first  # fmt: skip
     if len(tensors) != len(items):  # a short read, reported by check_entry unless the manifest is short too
         raise CorruptCheckpointError(f"file {name!r} ends inside a tensor", path=store.url, hint=CORRUPT_HINT)
     return tensors

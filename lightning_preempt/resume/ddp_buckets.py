@@ -50,7 +50,7 @@ def _not_given(why: str) -> None:
 
 def _given_to(model: DistributedDataParallel, layout: Layout) -> None:
     _given[model] = layout
-    log.info("lightning_preempt: DDP reduces with the saved layout of its %d gradient bucket(s)", len(layout["buckets"]))
+    log.info("lightning_preempt: DDP reduces in the saved layout of its %d gradient bucket(s)", len(layout["buckets"]))
 
 
 def capture(model: object) -> Layout | None:

@@ -36,7 +36,8 @@ FORMAT_VERSION = 1
 def capture_rng() -> dict[str, Any]:
     """The RNG states of this process: Python, NumPy, torch CPU and CUDA."""
     # (numpy: the package reads tensors' bytes through it, and torchmetrics requires it)
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state(), "numpy": np.random.get_state()}
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    state["numpy"] = np.random.get_state()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -68,19 +69,9 @@ def derive_seed(state: dict[str, Any], rank: int) -> int:
     return int.from_bytes(digest.digest()[:8], "little") & ((1 << 63) - 1)
 
 
-def make_state(
-    *,
-    rank: int,
-    world_size: int,
-    epoch: int,
-    global_step: int,
-    batches_in_epoch: int,
-    loaders: list[dict[str, Any]],
-    metrics: dict[str, dict[str, Any]],
-    results: dict[str, dict[str, Any]],
-    accumulate: int = 1,
-    ddp_buckets: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+def make_state(*, rank: int, world_size: int, epoch: int, global_step: int, batches_in_epoch: int,
+               loaders: list[dict[str, Any]], metrics: dict[str, dict[str, Any]], results: dict[str, dict[str, Any]],
+               accumulate: int = 1, ddp_buckets: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """This rank's state, with the RNG states of this moment (call at the save, nothing drawn after)."""
     return {"version": FORMAT_VERSION, "rank": rank, "world_size": world_size, "epoch": epoch,
             "global_step": global_step, "batches_in_epoch": batches_in_epoch, "rng": capture_rng(),

@@ -52,18 +52,14 @@ def order_record(
     ``drawn_from``: for a ``DistributedSamplerWrapper``, the RNG states (``snapshot_iter_rng``)
     the wrapped sampler's list of this epoch is drawn from; ``None`` for a plain sampler.
     """
+    wrapped = distributed_wrapped_sampler(sampler) is not None
     return {
-        "epoch": epoch,
-        "n": len(sampler.dataset),  # type: ignore[arg-type]
-        "shuffle": bool(sampler.shuffle),
-        "seed": int(sampler.seed),
-        "drop_last": bool(sampler.drop_last),
-        "wrapped": distributed_wrapped_sampler(sampler) is not None,
-        "num_replicas": int(sampler.num_replicas),
-        "consumed": int(consumed),
+        "epoch": epoch, "n": len(sampler.dataset),  # type: ignore[arg-type]
+        "shuffle": bool(sampler.shuffle), "seed": int(sampler.seed), "drop_last": bool(sampler.drop_last),
+        "wrapped": wrapped, "num_replicas": int(sampler.num_replicas), "consumed": int(consumed),
         "resharded": resharded,  # this epoch was already split another way than the sampler's own
-        "drawn_from": drawn_from if distributed_wrapped_sampler(sampler) is not None else None,
-    }
+        "drawn_from": drawn_from if wrapped else None,
+    }  # fmt: skip
 
 
 def epoch_order(

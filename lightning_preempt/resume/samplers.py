@@ -122,7 +122,8 @@ class ResumableSampler(Sampler[int]):
     so a resumed run replays the same permutation without drawing again.
     """
 
-    def __init__(self, inner: Sampler[int], batch_size: int = 1, generators: list[torch.Generator] | None = None) -> None:
+    def __init__(self, inner: Sampler[int], batch_size: int = 1,
+                 generators: list[torch.Generator] | None = None) -> None:  # fmt: skip
         self.inner = inner
         self.batch_size = batch_size  # of the BatchSampler around it: skips are counted in batches
         self.epoch_state: tuple[str, Any] | None = None
