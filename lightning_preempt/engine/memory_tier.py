@@ -176,14 +176,11 @@ class MemoryTier:
         overwritten. ``None`` (on every rank) when a rank's previous peer copy still runs:
         this copy is skipped, so copies never come faster than the peer copies finish."""
         name = checkpoint_name(step)
-
-        def taken() -> bool:
-            return os.path.exists(os.path.join(self.root, name, MANIFEST_NAME))
-
+        taken = os.path.exists(os.path.join(self.root, name, MANIFEST_NAME))
         # One small gather on the agreement group, at a copy's start only: the path, the skip,
         # what each rank holds of the copies in flight (the anchor) and each one's bound.
         busy = self._job is not None and not self._job.done()
-        views = pdist.all_gather_json([busy, taken(), self.loss.statuses(), self._estimate()], group,
+        views = pdist.all_gather_json([busy, taken, self.loss.statuses(), self._estimate()], group,
                                       max_bytes=WIRE_MAX_BYTES)  # fmt: skip
         self._confirm([v[2] for v in views])
         estimates = [v[3] for v in views if v[3] is not None]
