@@ -1,19 +1,14 @@
 """DDP's gradient buckets at a resume: the layout a run reduced in, saved with a checkpoint
 and given back to the resumed process's DDP for its first backward (docs/exact-resume.md,
-"DDP's gradient buckets").
+"DDP's gradient buckets", has the cause and the measurement).
 
-DDP reduces a process's first backward in its initial buckets (one bucket, in parameter
-order, unless ``find_unused_parameters``), then rebuilds them once in the order the
-gradients became ready. A resumed process would reduce its first step in the initial
-layout where the uninterrupted run, long past its rebuild, used the rebuilt one. At three
-ranks or more gloo's ring allreduce starts an element's sum on the rank that owns its
-chunk of the flat bucket: another position, another order of additions, other last bits.
-
-:func:`capture` reads the rebuilt layout at a save; :func:`build` constructs DDP with it
+DDP reduces a process's first backward in its initial buckets, then rebuilds them once in the
+order the gradients became ready; a resumed process would reduce its first step in the initial
+layout, and at three ranks or more gloo's ring allreduce then adds in another order: other last
+bits. :func:`capture` reads the rebuilt layout at a save; :func:`build` constructs DDP with it
 as the initial layout (the Trainer: the checkpoint is read before the strategy wraps the model);
 :func:`rebuild` gives it to a DDP already built that has not reduced yet (Fabric: ``fabric.setup``
-wraps the model before the checkpoint is read). The reducer still rebuilds after its first
-backward, from the same gradient order: to the same layout. Both use DDP internals (its logging data and
+wraps the model before the checkpoint is read). Both use DDP internals (its logging data and
 ``torch.distributed._compute_bucket_assignment_by_size``); where they are missing or the
 layout does not fit the model, nothing is captured or given (logged) and DDP goes its own way.
 """
