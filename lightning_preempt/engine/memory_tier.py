@@ -3,10 +3,10 @@ what of it to keep.
 
 Tier 0 is one more tier in the usual format under a tmpfs (``memory_dirpath``, default
 ``/dev/shm/lightning_preempt-<uid>/<dirpath's name>-<hash>``, private to its user:
-storage/private.py): a save addressed there is written
-and committed straight there by the plugin (manifest last, CRC32C), so the resolver's
-newest-valid choice reads it like any tier and never resumes from a torn copy. The policy
-pieces (root, retention, held steps) are in tiers/tier0.py.
+storage/private.py): a save addressed there is written and committed straight there by the
+plugin (manifest last, CRC32C), so the resolver's newest-valid choice reads it like any tier
+and never resumes from a torn copy. The policy pieces (root, retention, held steps) are in
+tiers/tier0.py.
 
 Several nodes (docs/tier0.md, "Several hosts"): when the ranks see more than one tier-0
 directory (one per node), each copy that committed is also sent to the next node (the
