@@ -144,7 +144,12 @@ class MemoryTier:
         if self.enabled and len(set(self.nodes)) > 1 and new_group is not None:
             self._peer_group = new_group()  # collective: every rank took this branch
             if restore_floor is not None:
-                return self._restore(restore_floor)
+                try:
+                    done = restore(self.root, self._peer_group, self.nodes, restore_floor, self.dirpath)
+                except Exception as err:  # agreed on every rank (tiers/tier0_peer.py); never stops a start
+                    log.error("lightning_preempt: %s", err)
+                    return False  # not resumed from: rank 0's node may hold a copy another node lacks
+                self.restored_step = done.step if done is not None else None
         return self.enabled
 
     def claim(self, dirpath: str, run_id: str) -> None:
@@ -158,17 +163,6 @@ class MemoryTier:
         except OSError as err:
             log.warning("lightning_preempt: tier 0 cannot record this run in %s (%s): its copies will not be "
                         "resumed from\nHINT: %s", self.root, err, MEMORY_HINT)  # fmt: skip
-
-    def _restore(self, floor: Callable[[], int]) -> bool:
-        """Whether tier 0 may be resumed from: not after a failed restore (rank 0's node may
-        hold a copy another node lacks; the copies go on)."""
-        try:
-            done = restore(self.root, self._peer_group, self.nodes, floor, self.dirpath)
-        except Exception as err:  # agreed on every rank (tiers/tier0_peer.py); never stops a start
-            log.error("lightning_preempt: %s", err)
-            return False
-        self.restored_step = done.step if done is not None else None
-        return True
 
     def path(self, step: int, group: pdist.ProcessGroup | None) -> str | None:
         """``root/step-N``, or a suffixed sibling when ``step-N`` is committed there already on
