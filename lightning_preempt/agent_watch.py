@@ -1,29 +1,19 @@
 """A torchrun agent that cannot reach its rendezvous store after its workers exited leaves.
 
 A partition that cuts off the node hosting the c10d rendezvous store (or that node lost while
-the TCP connections stay open: no reset ever comes) leaves the other nodes' agents blocked in
-a store call: torch's agent checks the store for waiting nodes at every monitor tick, under
-the rendezvous handler's lock, which its keep-alive thread takes again every interval while
-its own calls time out. Measured on two network-namespace hosts (torch 2.13): the surviving
-agent was still there 200 s after its worker had exited with the agreed code 75, with
-``read_timeout=5`` as with the default 60; the scheduler saw no end of the job. The workers
-themselves had agreed and exited 3.9 s after the cut (docs/failure-detection.md).
+the TCP connections stay open) leaves the other nodes' agents blocked in a store call for good,
+whatever ``read_timeout`` says: torch's agent checks the store at every monitor tick under the
+rendezvous handler's lock, which its keep-alive thread keeps taking (docs/failure-detection.md).
 
 :class:`AgentWatch` runs on a thread of the agent (``python -m lightning_preempt.torchrun``):
-once every worker of the agent has exited for ``grace_s``, one of them with a failure's
-code (1-127, read from its unreaped zombie's ``/proc/<pid>/stat``: the failure verdict's 75,
-a crash's 1), and the store's address does not accept a TCP connection within ``probe_s``,
-it prints one line and ends the agent with that code. It stays out of the rest: an agent
-whose store answers (waiting for other agents at the exit barrier, or rendezvousing again,
-which torch bounds itself), workers that ended well or by a signal (a preemption's 143: the
-agent has its own way out, a SLURM requeue among it), workers already reaped (the agent is
-not blocked). Linux only (``/proc``); elsewhere it does nothing.
-
-While the agent may still restart its workers (``--max-restarts`` not used up) a store that
-misses one probe is not gone: the agent is about to rendezvous on it, and torch's own
-rendezvous waits ``read_timeout`` (60 s by default) for it; the watch leaves only once the
-store has been silent that long. A worker is known by its pid *and* its start time
-(``/proc/<pid>/stat`` field 22): a new worker that got an old one's pid is another worker.
+once every worker has exited for ``grace_s``, one with a failure's code (1-127, read from its
+unreaped zombie's ``/proc/<pid>/stat``: the failure verdict's 75, a crash's 1), and the store
+accepts no TCP connection within ``probe_s``, it prints one line and ends the agent with that
+code. It leaves alone an agent whose store answers, workers that ended well or by a signal (a
+preemption's 143: the agent's own way out, a SLURM requeue among it) and reaped workers. While
+the agent may still restart its workers, the store must be silent for torch's ``read_timeout``
+(60 s by default), not one probe. A worker is its pid *and* start time (a reused pid is another
+worker). Linux only (``/proc``); elsewhere it does nothing.
 """
 
 from __future__ import annotations

@@ -54,15 +54,10 @@ class ElasticEnv:
         env = os.environ if environ is None else environ
         if "TORCHELASTIC_RUN_ID" not in env or "WORLD_SIZE" not in env:
             return None
-        return cls(
-            world_size=int(env["WORLD_SIZE"]),
-            local_world_size=int(env.get("LOCAL_WORLD_SIZE", "1")),
-            rank=int(env.get("RANK", "0")),
-            group_rank=int(env.get("GROUP_RANK", "0")),
-            restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
-            max_restarts=int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")),
-            run_id=env["TORCHELASTIC_RUN_ID"],
-        )
+        return cls(world_size=int(env["WORLD_SIZE"]), local_world_size=int(env.get("LOCAL_WORLD_SIZE", "1")),
+                   rank=int(env.get("RANK", "0")), group_rank=int(env.get("GROUP_RANK", "0")),
+                   restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                   max_restarts=int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")), run_id=env["TORCHELASTIC_RUN_ID"])  # fmt: skip
 
 
 def trainer_kwargs(environ: dict[str, str] | None = None) -> dict[str, int]:
@@ -263,11 +258,10 @@ def run(argv: Sequence[str] | None = None) -> int:
         torchrun.run(args)
     except (SignalException, ChildFailedError) as exc:
         code = exit_code_for(exc)
-        what = (
-            f"the agent received {signal.Signals(exc.sigval).name}"  # type: ignore[union-attr]
-            if isinstance(exc, SignalException)
-            else f"a worker failed ({exc.get_first_failure()[1].message or 'no error file'})"  # type: ignore[union-attr]
-        )
+        if isinstance(exc, SignalException):
+            what = f"the agent received {signal.Signals(exc.sigval).name}"
+        else:
+            what = f"a worker failed ({exc.get_first_failure()[1].message or 'no error file'})"
         requeue = isinstance(exc, SignalException) and slurm_job is not None
         then = f"; requeueing SLURM job {slurm_job} last" if requeue else ""
         print(f"lightning_preempt.torchrun: {what}; exiting with {code}{then}", file=sys.stderr, flush=True)
@@ -316,12 +310,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lightning_preempt.elastic")
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("store", help="host the c10d rendezvous store (run it on a node that is not preemptible)")
-    s.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="the address to listen on, the one the agents' --rdzv-endpoint names (default 127.0.0.1: this host "
-        "only; 0.0.0.0: every interface). Whoever reaches it can run code in the agents: see docs/elastic.md",
-    )
+    s.add_argument("--host", default="127.0.0.1", help="the address to listen on, the one the agents' --rdzv-endpoint "
+                   "names (default 127.0.0.1: this host only; 0.0.0.0: every interface). Whoever reaches it can run "
+                   "code in the agents: see docs/elastic.md")  # fmt: skip
     s.add_argument("--port", type=int, default=29400)
     s.add_argument("--ready-file", default=None, help="write the port here once listening")
     args = p.parse_args(argv)

@@ -1,11 +1,10 @@
-"""The options every rank must share, compared in one collective at set-up (issue 55, item 9).
+"""The options every rank must share, compared in one collective at set-up.
 
 Each process builds its own :class:`~lightning_preempt.engine.config.PreemptionConfig`: under
 Lightning's DDP launcher every rank runs the user's script again, so a ``dirpath`` with a
-timestamp or a random run name differs from rank to rank. Each rank then wrote its shard into
-its own directory and rank 0 committed manifests that list files it never saw: every
-"committed" checkpoint was unverifiable. A difference in an option that decides a collective
-(``resume``, ``lease``, tier 0, the save interval…) hangs the ranks instead.
+timestamp or a random run name differs from rank to rank: each rank would write its shard into
+its own directory, under manifests listing files rank 0 never saw. A difference in an option
+that decides a collective (``resume``, ``lease``, tier 0, the save interval…) hangs the ranks.
 
 Lightning's ``ModelCheckpoint`` broadcasts rank 0's ``dirpath``; we refuse, on every rank, with
 the differences and a HINT (docs/design.md "Ranks agree on their options"): by set-up each
@@ -54,9 +53,8 @@ class RanksDisagreeError(ValueError):
     """The ranks built different values for options that must match (raised on every rank)."""
 
 
-def options(
-    config: PreemptionConfig, *, two_tier: bool, sharded_keys: tuple[str, ...], verify_on_load: bool
-) -> dict[str, Any]:
+def options(config: PreemptionConfig, *, two_tier: bool, sharded_keys: tuple[str, ...],
+            verify_on_load: bool) -> dict[str, Any]:  # fmt: skip
     """This rank's values of :data:`MUST_MATCH`, as JSON values."""
     values: dict[str, Any] = {name: getattr(config, name) for name in MUST_MATCH if hasattr(config, name)}
     values.update(two_tier=two_tier, sharded_keys=list(sharded_keys), verify_on_load=verify_on_load)
@@ -71,9 +69,7 @@ def differences(per_rank: list[dict[str, Any]]) -> list[str]:
         for rank, values in enumerate(per_rank):
             by_value.setdefault(json.dumps(values.get(name)), []).append(rank)
         if len(by_value) > 1:
-            shown = [
-                f"{value} on rank{'s' if len(ranks) > 1 else ''} {_ranks(ranks)}" for value, ranks in by_value.items()
-            ]
+            shown = [f"{value} on rank{'s' * (len(ranks) > 1)} {_ranks(ranks)}" for value, ranks in by_value.items()]
             more = f", and {len(shown) - 4} more values" if len(shown) > 4 else ""
             lines.append(f"  {name}: " + "; ".join(shown[:4]) + more)
     return lines

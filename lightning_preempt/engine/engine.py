@@ -242,7 +242,7 @@ class Engine:
         if decision.stop:
             self._stop()
         if decision.preempt:
-            self._emergency(step)
+            emergency.preempt(self, step)  # raises Preempted
         every_n = self.config.every_n_train_steps
         if (every_n is not None and step % every_n == 0) or decision.save_due:
             self.save(step, kind="notice" if decision.notice_snapshot else "periodic")
@@ -267,7 +267,7 @@ class Engine:
     def check(self, step: int) -> None:
         """Every rank, at boundaries other than training steps: agree now, act on preemption."""
         if self.controller.schedule.bound and self.controller.now().preempt:
-            self._emergency(step)
+            emergency.preempt(self, step)  # raises Preempted
 
     def _must_stop(self) -> bool:
         """This rank's reason to stop training: its save failed, or the lease was lost."""
@@ -359,11 +359,6 @@ class Engine:
         if err is not None:
             log.error("lightning_preempt: the tier-0 copy to %s failed (%s); training goes on\nHINT: %s",
                       path, str(err).splitlines()[0] if str(err) else repr(err), MEMORY_HINT)  # fmt: skip
-
-    # ---- an agreed preemption (engine/emergency.py) -------------------------------------------
-    def _emergency(self, step: int) -> None:
-        """Every rank: snapshot ``step``, drain, requeue, exit; raises ``Preempted``."""
-        emergency.preempt(self, step)
 
     # ---- 5./6. the end ---------------------------------------------------------------------------
     def finish(self, step: int) -> None:

@@ -270,14 +270,9 @@ def start_fields(resumed_step: int, resumed_from: str | None, world_size: int, c
     """The fields of a ``start`` record (``config``: the engine's ``PreemptionConfig``;
     ``local_dirpath``, ``memory_dirpath``: the node-local tiers, to tell which tier the
     resume came from)."""
-    if resumed_from is None:
-        tier = None
-    elif memory_dirpath and resumed_from.startswith(memory_dirpath.rstrip("/") + "/"):
-        tier = "memory"
-    elif local_dirpath and resumed_from.startswith(local_dirpath.rstrip("/") + "/"):
-        tier = "local"
-    else:
-        tier = "dirpath"
+    roots = (("memory", memory_dirpath), ("local", local_dirpath))
+    tier = None if resumed_from is None else next(
+        (t for t, root in roots if root and resumed_from.startswith(root.rstrip("/") + "/")), "dirpath")  # fmt: skip
     started = process_start_time()
     now = time.time()
     return {

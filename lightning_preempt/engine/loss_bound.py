@@ -1,20 +1,13 @@
-"""Tier 0's loss bound: at most ``bound`` steps lost to a node that dies without a signal.
+"""Tier 0's loss bound: at most ``bound`` steps lost to a node that dies without a signal
+(docs/tier0.md "The loss bound").
 
 A copy started at step ``s`` holds ``s`` only once it committed (and, on several nodes, its
-peer copy finished); until then a node loss resumes from the copy before it (the *anchor*).
-Left alone, a kill just before a copy commits loses the interval *plus* the steps the copy
-took, and a copy that runs late (a slow peer, a loaded host) loses more. So the engine
-promises a bound and keeps it: at the boundary where ``step - anchor`` reaches ``bound``
-training waits for the copy in flight (or, none being newer than the anchor, makes one and
-waits for it) before the next step runs. A kill at any moment then loses at most ``bound``
-completed steps (docs/tier0.md "The loss bound").
-
-The bound: a fixed ``tier0_every_n_steps=K`` promises ``2 K`` (training waits only for a
-copy that takes longer than K steps); ``"auto"`` promises ``K + C + A`` — the interval it
-chose, the copy's measured duration in steps (median of recent copies) and the agreement's
-latency in steps (a vote is read up to ``A`` boundaries after it was cast) — so it waits
-only when a copy runs later than measured. Each rank estimates; the ranks agree on the
-largest at every copy start (engine/memory_tier.py ``MemoryTier.path``).
+peer copy finished); until then a node loss resumes from the copy before it (the *anchor*). So
+at the boundary where ``step - anchor`` reaches ``bound`` training waits for the copy in flight
+(or, none being newer than the anchor, makes one and waits) before the next step runs. A fixed
+``tier0_every_n_steps=K`` promises ``2 K``; ``"auto"`` promises ``K + C + A`` (the interval, the
+copy's measured duration and the agreement's latency, in steps), the largest of the ranks'
+estimates, agreed at every copy start (engine/memory_tier.py ``MemoryTier.path``).
 
 This module is the bookkeeping and needs no process group: which copies are in flight,
 what each rank reports of them, the anchor. The engine does the collectives

@@ -3,10 +3,10 @@ what of it to keep.
 
 Tier 0 is one more tier in the usual format under a tmpfs (``memory_dirpath``, default
 ``/dev/shm/lightning_preempt-<uid>/<dirpath's name>-<hash>``, private to its user:
-storage/private.py): a save addressed there is written
-and committed straight there by the plugin (manifest last, CRC32C), so the resolver's
-newest-valid choice reads it like any tier and never resumes from a torn copy. The policy
-pieces (root, retention, held steps) are in tiers/tier0.py.
+storage/private.py): a save addressed there is written and committed straight there by the
+plugin (manifest last, CRC32C), so the resolver's newest-valid choice reads it like any tier
+and never resumes from a torn copy. The policy pieces (root, retention, held steps) are in
+tiers/tier0.py.
 
 Several nodes (docs/tier0.md, "Several hosts"): when the ranks see more than one tier-0
 directory (one per node), each copy that committed is also sent to the next node (the
@@ -101,15 +101,9 @@ class MemoryTier:
         """Whether each copy is also sent to the next node."""
         return self.enabled and self._peer_group is not None
 
-    def setup(
-        self,
-        group: pdist.ProcessGroup | None,
-        *,
-        leader: bool,
-        new_group: Callable[[], pdist.ProcessGroup | None] | None = None,
-        restore_floor: Callable[[], int] | None = None,
-        agree_steps: Callable[[], int] | None = None,
-    ) -> bool:
+    def setup(self, group: pdist.ProcessGroup | None, *, leader: bool,
+              new_group: Callable[[], pdist.ProcessGroup | None] | None = None,
+              restore_floor: Callable[[], int] | None = None, agree_steps: Callable[[], int] | None = None) -> bool:  # fmt: skip
         """Collective: on when every rank could create ``root`` and either every rank sees
         the same directory (one node) or each node's ranks see their own and every node has
         as many ranks (the peer copy: a gloo group from ``new_group``). ``restore_floor``
@@ -150,7 +144,12 @@ class MemoryTier:
         if self.enabled and len(set(self.nodes)) > 1 and new_group is not None:
             self._peer_group = new_group()  # collective: every rank took this branch
             if restore_floor is not None:
-                return self._restore(restore_floor)
+                try:
+                    done = restore(self.root, self._peer_group, self.nodes, restore_floor, self.dirpath)
+                except Exception as err:  # agreed on every rank (tiers/tier0_peer.py); never stops a start
+                    log.error("lightning_preempt: %s", err)
+                    return False  # not resumed from: rank 0's node may hold a copy another node lacks
+                self.restored_step = done.step if done is not None else None
         return self.enabled
 
     def claim(self, dirpath: str, run_id: str) -> None:
@@ -165,31 +164,17 @@ class MemoryTier:
             log.warning("lightning_preempt: tier 0 cannot record this run in %s (%s): its copies will not be "
                         "resumed from\nHINT: %s", self.root, err, MEMORY_HINT)  # fmt: skip
 
-    def _restore(self, floor: Callable[[], int]) -> bool:
-        """Whether tier 0 may be resumed from: not after a failed restore (rank 0's node may
-        hold a copy another node lacks; the copies go on)."""
-        try:
-            done = restore(self.root, self._peer_group, self.nodes, floor, self.dirpath)
-        except Exception as err:  # agreed on every rank (tiers/tier0_peer.py); never stops a start
-            log.error("lightning_preempt: %s", err)
-            return False
-        self.restored_step = done.step if done is not None else None
-        return True
-
     def path(self, step: int, group: pdist.ProcessGroup | None) -> str | None:
         """``root/step-N``, or a suffixed sibling when ``step-N`` is committed there already on
         any node (a resume from an older checkpoint re-reaches a step): nothing saved is
         overwritten. ``None`` (on every rank) when a rank's previous peer copy still runs:
         this copy is skipped, so copies never come faster than the peer copies finish."""
         name = checkpoint_name(step)
-
-        def taken() -> bool:
-            return os.path.exists(os.path.join(self.root, name, MANIFEST_NAME))
-
+        taken = os.path.exists(os.path.join(self.root, name, MANIFEST_NAME))
         # One small gather on the agreement group, at a copy's start only: the path, the skip,
         # what each rank holds of the copies in flight (the anchor) and each one's bound.
         busy = self._job is not None and not self._job.done()
-        views = pdist.all_gather_json([busy, taken(), self.loss.statuses(), self._estimate()], group,
+        views = pdist.all_gather_json([busy, taken, self.loss.statuses(), self._estimate()], group,
                                       max_bytes=WIRE_MAX_BYTES)  # fmt: skip
         self._confirm([v[2] for v in views])
         estimates = [v[3] for v in views if v[3] is not None]
@@ -277,19 +262,13 @@ class MemoryTier:
         follow_done = job is None or job.done()
         if auto.in_flight and follow_done and (rec is None or rec.committed_s is not None or rec.error is not None):
             # done (or this rank wrote nothing: a strategy where another rank writes)
-            copy_s = (
-                0.0
-                if rec is None
-                else rec.committed_s
-                if rec.committed_s is not None
-                else time.perf_counter() - rec.started
-            )
-            if rec is not None and job is not None:
-                copy_s = max(copy_s, self._job_end - rec.started)
-            before, self.every = (
-                self.every,
-                auto.finished(blocking_s=rec.blocking_s if rec is not None else 0.0, copy_s=copy_s),
-            )
+            copy_s = 0.0
+            if rec is not None:
+                copy_s = rec.committed_s if rec.committed_s is not None else time.perf_counter() - rec.started
+                if job is not None:
+                    copy_s = max(copy_s, self._job_end - rec.started)
+            before = self.every
+            self.every = auto.finished(blocking_s=rec.blocking_s if rec is not None else 0.0, copy_s=copy_s)
             self._measuring = None
             if self.every != before:
                 log.info("lightning_preempt: tier 0 copies every %s steps (auto: the last copy took %.3f s, a step "

@@ -11,6 +11,7 @@ from lightning_preempt.catalog.listing import list_checkpoints
 from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.engine.config import PreemptionConfig
+from lightning_preempt.engine.tier_policy import newest_disk_step
 from lightning_preempt.errors import CheckpointError
 from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.save.lease import Lease
@@ -87,15 +88,11 @@ def listed_at_setup(config: PreemptionConfig) -> tuple[Manifest | None, int | No
 def warn_about_newer_checkpoints(config: PreemptionConfig, step: int) -> None:
     """A run resumed from a path the user gave, at ``step``: warn when ``dirpath`` holds a
     newer checkpoint (after a preemption auto-resume would take that one)."""
-    try:
-        newer = [c.step for c in list_checkpoints(config.dirpath, config.storage_options) if c.committed]
-    except Exception as err:  # a warning only: never let it stop training
-        log.warning("lightning_preempt: cannot list %s to compare steps: %s", config.dirpath, err)
-        return
-    if newer and max(newer) > step:
+    newest = newest_disk_step(config, None)  # -1 when the listing fails: a warning only, never fatal
+    if newest > step:
         warnings.warn(
             f"lightning_preempt: resumed from step {step} but {config.dirpath} holds a newer checkpoint "
-            f"(step {max(newer)}); after a preemption auto-resume takes the newest step.\n"
+            f"(step {newest}); after a preemption auto-resume takes the newest step.\n"
             "HINT: use a fresh dirpath for a run that branches off an older checkpoint.",
             stacklevel=3,  # the front-end hook that started training
         )

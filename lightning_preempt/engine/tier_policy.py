@@ -50,11 +50,9 @@ def configure_tiers(
     return local_dirpath
 
 
-def upload_local_only(tiers: TwoTier | None, dirpath: str) -> None:
+def upload_local_only(tiers: TwoTier, dirpath: str) -> None:
     """Rank 0: queue the upload of the newest checkpoint only this node's disk holds (before
     any retention of the remote tier runs: drains run in order)."""
-    if tiers is None:
-        return
     try:
         pending = tiers.local_only()
     except Exception as err:
@@ -66,10 +64,8 @@ def upload_local_only(tiers: TwoTier | None, dirpath: str) -> None:
     remote_url = tiers.remote_twin(newest.path)
     if remote_url is None:
         return
-    log.info(
-        "lightning_preempt: %s (step %d) is committed locally but not in %s: uploading it",
-        newest.path, newest.step, dirpath,
-    )  # fmt: skip
+    log.info("lightning_preempt: %s (step %d) is committed locally but not in %s: uploading it", newest.path,
+             newest.step, dirpath)  # fmt: skip
     tiers.queue_drain(newest.path, remote_url, newest.step, solo=True)
 
 

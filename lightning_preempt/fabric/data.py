@@ -14,7 +14,6 @@ from typing import Any
 
 from lightning_preempt.lightning import _compat
 from lightning_preempt.resume import ddp_buckets, exact_state
-from lightning_preempt.resume.exact_state import restore_rng
 from lightning_preempt.resume.loaders import ResumableLoaders
 from lightning_preempt.resume.samplers import is_stateful
 
@@ -138,10 +137,5 @@ class LoopData:
         return iterator
 
     def _restore_rng(self, state: dict[str, Any], rank: int) -> None:
-        if state.get("rank") == rank:
-            restore_rng(state["rng"])
-            if self._loader is not None:
-                self.loaders.restore_generators([self._loader], state.get("loaders", []))
-        else:
-            exact_state.seed_from_saved_rank(state, rank)
+        if not self.loaders.restore_states([self._loader], state, rank):  # (set by iterate before any epoch)
             self.restored = "derived"

@@ -58,9 +58,8 @@ def merge_result_states(trainer: pl.Trainer, pending: dict[str, dict[str, Any]])
         else:
             rm.value = rm.value + value
         if "cumulated_batch_size" in saved and hasattr(rm, "cumulated_batch_size"):
-            rm.cumulated_batch_size = rm.cumulated_batch_size + saved["cumulated_batch_size"].to(
-                rm.cumulated_batch_size.device
-            )
+            cumulated = rm.cumulated_batch_size
+            rm.cumulated_batch_size = cumulated + saved["cumulated_batch_size"].to(cumulated.device)
 
 
 def _batches_done(trainer: pl.Trainer) -> int:
@@ -106,9 +105,8 @@ class ExactResume:
         self.positions_restored = False
 
     # -- saving --
-    def on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:  # fmt: skip
         """Add this rank's state to ``checkpoint`` (a top-level key: it stays in the rank's skeleton)."""
         if not self.enabled or not trainer.training:
             return
@@ -127,22 +125,15 @@ class ExactResume:
         loaders = _compat.train_loaders(trainer)
         if not self._loaders.is_current(loaders) and not self._warned_stale:
             self._warned_stale = True
-            log.warning(
-                "lightning_preempt: the training loaders were replaced without on_train_epoch_start being called; "
-                "a mid-epoch resume from this checkpoint keeps the position but not the data order"
-            )
+            log.warning("lightning_preempt: the training loaders were replaced without on_train_epoch_start being "
+                        "called; a mid-epoch resume from this checkpoint keeps the position but not the data order")  # fmt: skip
         return exact_state.make_state(
-            rank=trainer.global_rank,
-            world_size=trainer.world_size,
-            epoch=trainer.current_epoch,
-            global_step=trainer.global_step,
-            batches_in_epoch=batches,
-            loaders=self._loaders.capture(loaders, trainer.current_epoch, batches),
-            metrics=metric_states(pl_module),
-            results=result_states(trainer),
-            accumulate=trainer.accumulate_grad_batches,
+            rank=trainer.global_rank, world_size=trainer.world_size, epoch=trainer.current_epoch,
+            global_step=trainer.global_step, batches_in_epoch=batches,
+            loaders=self._loaders.capture(loaders, trainer.current_epoch, batches), metrics=metric_states(pl_module),
+            results=result_states(trainer), accumulate=trainer.accumulate_grad_batches,
             ddp_buckets=ddp_buckets.capture(trainer.strategy.model),
-        )
+        )  # fmt: skip
 
     # -- loading --
     def load(self, state: dict[str, Any] | None) -> None:
@@ -178,9 +169,8 @@ class ExactResume:
             self._remake_iterators(trainer)
             return
         exact_state.warn_world_size(state, trainer.world_size)
-        trainer.accumulate_grad_batches = exact_state.accumulation_at(
-            state, trainer.world_size, trainer.accumulate_grad_batches, self.global_batch
-        )
+        trainer.accumulate_grad_batches = exact_state.accumulation_at(state, trainer.world_size,
+                                                                      trainer.accumulate_grad_batches, self.global_batch)  # fmt: skip
         saved = state.get("loaders", [])
         loaders = _compat.train_loaders(trainer)
         resharded: set[int] = set()
@@ -202,11 +192,7 @@ class ExactResume:
             _compat.refresh_train_batches(trainer)  # the epoch's length per rank changed
             self._loaders.remake_resharded(loaders, resharded, _iterator_maker(trainer))
             self._resharded = True
-            if own:
-                restore_rng(state["rng"])
-                self._loaders.restore_generators(loaders, saved)
-            else:
-                exact_state.seed_from_saved_rank(state, trainer.global_rank)
+            self._loaders.restore_states(loaders, state, trainer.global_rank)
             self.restored = "resharded"
         elif own and mid_epoch:
             # Remake the iterators from the RNG states this epoch's iterators were made from
@@ -215,8 +201,7 @@ class ExactResume:
             self._loaders.set_pre_iter_rng(_compat.train_loaders(trainer), saved)
             replay = self._remake_iterators(trainer, mid_epoch=True)
             self._drop_replayed(trainer, replay)
-            restore_rng(state["rng"])
-            self._loaders.restore_generators(_compat.train_loaders(trainer), saved)
+            self._loaders.restore_states(_compat.train_loaders(trainer), state, trainer.global_rank)
             self.restored = "mid-epoch"
             self.positions_restored = exact_positions and state.get("world_size") == trainer.world_size
         elif own:
@@ -228,23 +213,15 @@ class ExactResume:
                 self._wrap(trainer)  # new loaders: their generators are as train_dataloader() made them
             else:
                 self._loaders.restore_generators(_compat.train_loaders(trainer), saved)
-            self._loaders.make_next_epoch_iterators(
-                _compat.train_loaders(trainer),
-                trainer.current_epoch,
-                _iterator_maker(trainer),
-                _sampler_epoch_setter(trainer),
-            )
+            self._loaders.make_next_epoch_iterators(_compat.train_loaders(trainer), trainer.current_epoch,
+                                                    _iterator_maker(trainer), _sampler_epoch_setter(trainer))  # fmt: skip
             self.restored = "epoch-end"
         else:
             self._remake_iterators(trainer)
             exact_state.seed_from_saved_rank(state, trainer.global_rank)
             self.restored = "derived"
-        log.info(
-            "lightning_preempt: exact resume (%s) at epoch %d, batch %d of the epoch",
-            self.restored,
-            trainer.current_epoch,
-            state["batches_in_epoch"] if mid_epoch else 0,
-        )
+        log.info("lightning_preempt: exact resume (%s) at epoch %d, batch %d of the epoch", self.restored,
+                 trainer.current_epoch, state["batches_in_epoch"] if mid_epoch else 0)  # fmt: skip
 
     def on_train_epoch_start(self, trainer: pl.Trainer) -> None:
         """Note the RNG states each StatefulDataLoader's next iterator is made from.
@@ -277,23 +254,15 @@ class ExactResume:
         self._loaders.wrap(_compat.train_loaders(trainer))
         fetcher = _compat.train_fetcher(trainer)
         if "stateful" in self._loaders.kinds and fetcher is not None and getattr(fetcher, "length", 0) is None:
-            warnings.warn(
-                "lightning_preempt: the training data has no length, so Lightning fetches one batch ahead and the "
-                "saved StatefulDataLoader state is one batch past the last trained batch: a resume skips it.\n"
-                "HINT: give the dataset a __len__ (or resume from epoch ends).",
-                stacklevel=2,
-            )
+            warnings.warn("lightning_preempt: the training data has no length, so Lightning fetches one batch ahead "
+                          "and the saved StatefulDataLoader state is one batch past the last trained batch: a resume "
+                          "skips it.\nHINT: give the dataset a __len__ (or resume from epoch ends).", stacklevel=2)  # fmt: skip
 
     def _remake_iterators(self, trainer: pl.Trainer, mid_epoch: bool = False) -> dict[int, int]:
         """:meth:`ResumableLoaders.remake_iterators` with Lightning's fetcher and sampler epoch."""
-        return self._loaders.remake_iterators(
-            _compat.train_loaders(trainer),
-            trainer.current_epoch,
-            _iterator_maker(trainer),
-            _sampler_epoch_setter(trainer),
-            mid_epoch=mid_epoch,
-            replay_worker_draws=self.replay_worker_draws,
-        )
+        return self._loaders.remake_iterators(_compat.train_loaders(trainer), trainer.current_epoch,
+                                              _iterator_maker(trainer), _sampler_epoch_setter(trainer),
+                                              mid_epoch=mid_epoch, replay_worker_draws=self.replay_worker_draws)  # fmt: skip
 
     def _drop_replayed(self, trainer: pl.Trainer, replay: dict[int, int]) -> None:
         """Take the replayed batches out of the remade iterators, past Lightning's counters."""
@@ -301,8 +270,7 @@ class ExactResume:
             return
         iterators = _compat.train_loader_iterators(trainer)
         if iterators is None:
-            raise RuntimeError(
-                "lightning_preempt: cannot reach the training loader iterators to drop the replayed batches\n"
-                "HINT: set PreemptionCallback(...).exact.replay_worker_draws = False with this Lightning version."
-            )
+            raise RuntimeError("lightning_preempt: cannot reach the training loader iterators to drop the replayed "
+                               "batches\nHINT: set PreemptionCallback(...).exact.replay_worker_draws = False with this "
+                               "Lightning version.")  # fmt: skip
         drop_replayed(iterators, replay)

@@ -131,12 +131,9 @@ class SaveReporter:
             self._last_started = record.started
             if record.error is not None or not is_global_zero:
                 continue
-            metrics = {
-                "checkpoint/blocking_s": record.blocking_s,
-                "checkpoint/commit_s": record.committed_s or 0.0,
-                "checkpoint/bytes": float(record.bytes),
-                "checkpoint/throughput_MBps": (record.throughput_bps or 0.0) / 1e6,
-            }
+            metrics = {"checkpoint/blocking_s": record.blocking_s, "checkpoint/commit_s": record.committed_s or 0.0,
+                       "checkpoint/bytes": float(record.bytes),
+                       "checkpoint/throughput_MBps": (record.throughput_bps or 0.0) / 1e6}  # fmt: skip
             if run is None:
                 run = self._engine.ledger.figures() if self._engine is not None else {}
             metrics.update(run)

@@ -58,13 +58,11 @@ class PeerReplica(Callback):
             self._hook = functools.partial(self._after_snapshot, trainer)
             engine.snapshot_hooks.append(self._hook)
             self._hooked = engine
-        if engine is not None and engine.local_dirpath is not None:
-            self._complete_from_peers(engine)
-
-    def _complete_from_peers(self, engine: Engine) -> None:
-        """Before the callback chooses what to resume from (its ``setup`` runs after ours:
-        Lightning orders checkpoint callbacks last): a snapshot that no single survivor holds
-        but the survivors do together is uploaded to ``dirpath`` (replica.complete_from_peers)."""
+        if engine is None or engine.local_dirpath is None:
+            return
+        # Before the callback chooses what to resume from (its ``setup`` runs after ours: Lightning
+        # orders checkpoint callbacks last): a snapshot that no single survivor holds but the
+        # survivors do together is uploaded to ``dirpath`` (tiers/peer.py complete_from_peers).
         try:
             config = engine.config
             step = complete_from_peers(str(engine.local_dirpath), config.dirpath, config.storage_options, self._group)

@@ -43,9 +43,8 @@ _LOCAL_HEADER = b"PK\x03\x04"
 _DESCRIPTOR = b"PK\x07\x08"
 
 
-def read_archive(
-    f: IO[bytes], item: TensorItem, crc: Cursor, out: torch.Tensor | None = None
-) -> tuple[torch.Tensor | None, int]:
+def read_archive(f: IO[bytes], item: TensorItem, crc: Cursor,
+                 out: torch.Tensor | None = None) -> tuple[torch.Tensor | None, int]:  # fmt: skip
     """Read one archive of ``item.length`` bytes from ``f`` into a tensor of its own storage.
     Returns ``(tensor, bytes read)``; ``None`` for a short read."""
     head = memoryview(bytearray(min(item.length, _HEAD_BYTES)))

@@ -34,6 +34,10 @@ from lightning_preempt.storage.store import Store
 
 log = logging.getLogger(__name__)
 
+#: When no candidate checkpoint verifies (the resolver's choice and the load's fall-back).
+NONE_VERIFIES_HINT = ("Inspect them with `lightning-preempt ls --verify DIR`; delete the damaged ones (or pass "
+                      "ckpt_path explicitly) and restart.")  # fmt: skip
+
 
 def load_skeleton(
     store: Store,
@@ -56,16 +60,9 @@ def load_skeleton(
     return load_state_bytes(data, path=store.url, trusted=trusted, map_location=map_location)
 
 
-def load_sharded_checkpoint(
-    store: Store,
-    templates: dict[str, Any],
-    *,
-    rank: int,
-    verify: bool = True,
-    process_group: Any = None,
-    trusted: bool = False,
-    verify_group: pdist.ProcessGroup | None = None,
-) -> dict[str, Any]:
+def load_sharded_checkpoint(store: Store, templates: dict[str, Any], *, rank: int, verify: bool = True,
+                            process_group: Any = None, trusted: bool = False,
+                            verify_group: pdist.ProcessGroup | None = None) -> dict[str, Any]:  # fmt: skip
     """Load into ``templates`` (flat ``{key: tensor | DTensor}`` of the *current* model and
     optimizers, as :func:`split_checkpoint` makes them) in place, resharding, and return the
     Lightning checkpoint dict around them. Collective over ``process_group``. ``verify_group``:
@@ -212,13 +209,8 @@ def _load_all_tensors_verified(
     return read_tensors(files, items, manifest.files, verify=verify, into=into)
 
 
-def load_agreed(
-    load: Callable[[str, bool], dict[str, Any]],
-    target: str,
-    verified: bool,
-    fallback: Fallback | None,
-    group: pdist.ProcessGroup | None,
-) -> tuple[dict[str, Any], str]:
+def load_agreed(load: Callable[[str, bool], dict[str, Any]], target: str, verified: bool, fallback: Fallback | None,
+                group: pdist.ProcessGroup | None) -> tuple[dict[str, Any], str]:  # fmt: skip
     """``load(target, verified)`` with a fall-back all ranks agree on; returns the
     checkpoint and the path it was loaded from.
 
@@ -244,26 +236,17 @@ def load_agreed(
             assert result is not None
             return result, target
         result = None
-        reason = (
-            str(error).splitlines()[0]
-            if error is not None
-            else f"rank(s) {[r for r, f in enumerate(failed) if f]} found it damaged"
-        )
+        damaged = [r for r, f in enumerate(failed) if f]
+        reason = str(error).splitlines()[0] if error is not None else f"rank(s) {damaged} found it damaged"
         if fallback is None:
             raise error or CorruptCheckpointError(reason, path=target, hint=CORRUPT_HINT)
         excluded.append(target)
-        log.warning(
-            "lightning_preempt: %s failed its check while loading (%s); trying an older checkpoint", target, reason
-        )
+        log.warning("lightning_preempt: %s failed its check while loading (%s); trying an older one", target, reason)
         nxt = fallback(excluded)
         nxt = pdist.broadcast_object(nxt, group) if agreeing else nxt
         if nxt is None:
-            raise CorruptCheckpointError(
-                f"no older checkpoint verifies either (tried {excluded})",
-                path=target,
-                hint="Inspect them with `lightning-preempt ls --verify DIR`; delete the damaged ones "
-                "(or pass ckpt_path explicitly) and restart.",
-            )
+            raise CorruptCheckpointError(f"no older checkpoint verifies either (tried {excluded})", path=target,
+                                         hint=NONE_VERIFIES_HINT)  # fmt: skip
         target, verified = nxt, False
 
 

@@ -18,7 +18,7 @@ import torch
 from lightning_preempt.errors import CorruptCheckpointError
 from lightning_preempt.format.manifest import FileEntry
 from lightning_preempt.read.archive import TensorItem, Unparsable, archive_in_memory, read_archive
-from lightning_preempt.read.crc_reader import Cursor, OrderedCrc, file_digest, hashing_reader, read_into
+from lightning_preempt.read.crc_reader import Cursor, file_digest, hashing_reader, read_into
 from lightning_preempt.read.verify import CORRUPT_HINT, check_entry, missing_file
 from lightning_preempt.storage.checksum import Crc32c
 from lightning_preempt.storage.store import Store
@@ -28,8 +28,7 @@ MAX_PARALLEL_FILES = 4
 #: A file at least this large is read in two ranges at once...
 SPLIT_BYTES = 64 << 20
 #: ...when its records average at least this size: small records are parsed in Python,
-#: and two threads parsing at once mostly wait for each other (the GIL), measured slower
-#: than one for 4000 records of 64 KiB.
+#: and two threads parsing them at once mostly wait for each other (the GIL).
 SPLIT_MIN_RECORD_BYTES = 1 << 20
 
 #: Archives smaller than this are read many at once (up to :data:`BATCH_BYTES` per read)
@@ -44,7 +43,7 @@ _madvise = ctypes.CDLL(None, use_errno=True).madvise if sys.platform == "linux" 
 def new_tensor(shape: Any, dtype: torch.dtype) -> torch.Tensor:
     """``torch.empty``, asking Linux for transparent huge pages when it spans some (THP
     ``madvise`` mode, the common default): the read then faults 2 MiB pages in, not 4 KiB
-    ones. Loading 400 MB from /dev/shm into fresh memory: 0.46 -> 0.14 s (docs/tier0.md)."""
+    ones (docs/tier0.md)."""
     t = torch.empty(shape, dtype=dtype)
     start, end = -(-t.data_ptr() // _HUGE) * _HUGE, (t.data_ptr() + t.nbytes) // _HUGE * _HUGE
     if _madvise is not None and end > start:
@@ -139,16 +138,8 @@ def _small_run(items: list[TensorItem], i: int) -> int:
     return max(n, 1)
 
 
-def _read_range(
-    store: Store,
-    name: str,
-    items: list[TensorItem],
-    start: int,
-    end: int | None,
-    entry: FileEntry | None,
-    crc: OrderedCrc | None,
-    outs: list[torch.Tensor],
-) -> tuple[list[torch.Tensor], int, list[Exception]]:
+def _read_range(store: Store, name: str, items: list[TensorItem], start: int, end: int | None, entry: FileEntry | None,
+                crc: Crc32c | None, outs: list[torch.Tensor]) -> tuple[list[torch.Tensor], int, list[Exception]]:  # fmt: skip
     """Read ``items``, a run of archives from file offset ``start`` (to ``end``; ``None``: the
     last run, with the file's trailing bytes), each into its tensor in ``outs``. Returns the
     tensors, the bytes read, and the errors of archives torch could not parse (the caller's CRC
@@ -203,16 +194,9 @@ def _read_range(
     return tensors, cursor.offset - start, errors
 
 
-def _read_file(
-    store: Store,
-    name: str,
-    items: list[TensorItem],
-    entry: FileEntry | None,
-    verify: bool,
-    pool: ThreadPoolExecutor | _Inline,
-    parts: int,
-    into: Mapping[str, torch.Tensor] | None = None,
-) -> list[torch.Tensor]:
+def _read_file(store: Store, name: str, items: list[TensorItem], entry: FileEntry | None, verify: bool,
+               pool: ThreadPoolExecutor | _Inline, parts: int,
+               into: Mapping[str, torch.Tensor] | None = None) -> list[torch.Tensor]:  # fmt: skip
     """Read one shard file in ``parts`` ranges at once (their own file handles), checking
     its size and (``verify``) CRC32C against ``entry``; into ``into``'s tensors where they fit."""
     runs = _ranges(items, parts)
@@ -221,10 +205,10 @@ def _read_file(
     outs = [[_out(item, into) for item in run] for run in runs]
     starts = [0] + [run[0].offset for run in runs[1:]]
     ends: list[int | None] = [*starts[1:], None]  # the last range reads to the end of the file
-    crcs = [OrderedCrc(None, start) if verify else None for start in starts]  # hashed by each reader
+    crcs = [Crc32c() for _ in starts] if verify else []  # one per range, hashed by its reader
     try:
         futures = [
-            pool.submit(_read_range, store, name, run, start, ends[i], entry, crcs[i], outs[i])
+            pool.submit(_read_range, store, name, run, start, ends[i], entry, crcs[i] if verify else None, outs[i])
             for i, (run, start) in enumerate(zip(runs, starts, strict=True))
         ]
         results = [f.result() for f in futures]
@@ -237,11 +221,9 @@ def _read_file(
     total = next(starts[i] + n for i, n in enumerate(sizes) if i == len(sizes) - 1 or n != starts[i + 1] - starts[i])
     check_entry(store, name, entry, total, file_digest(crcs) if verify else None)
     if errors:  # the bytes are as written (or unverified), yet torch cannot read them
-        raise CorruptCheckpointError(
-            f"file {name!r} holds a tensor record that cannot be read: {type(errors[0]).__name__}: {errors[0]}",
-            path=store.url,
-            hint=CORRUPT_HINT,
-        ) from errors[0]
+        first = errors[0]
+        raise CorruptCheckpointError(f"file {name!r} holds a tensor record that cannot be read: "
+                                     f"{type(first).__name__}: {first}", path=store.url, hint=CORRUPT_HINT) from first  # fmt: skip
     if len(tensors) != len(items):  # a short read, reported by check_entry unless the manifest is short too
         raise CorruptCheckpointError(f"file {name!r} ends inside a tensor", path=store.url, hint=CORRUPT_HINT)
     return tensors
@@ -263,8 +245,6 @@ def read_verified_bytes(store: Store, name: str, entry: FileEntry | None, *, ver
 
 
 # ---- turning archives into tensors ---------------------------------------------------
-
-
 def assemble(items: list[TensorItem], chunks: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     """Full tensors from chunks: a whole-tensor chunk is returned as is (no copy); chunks
     of a sharded tensor (FSDP) are copied into one full tensor."""
@@ -305,16 +285,8 @@ class _Inline:
         return done
 
 
-def read_tensors(
-    store: Store,
-    items: list[TensorItem],
-    files: dict[str, FileEntry],
-    *,
-    verify: bool = True,
-    max_parallel_files: int = MAX_PARALLEL_FILES,
-    progress: Callable[[str], None] | None = None,
-    into: Mapping[str, torch.Tensor] | None = None,
-) -> dict[str, torch.Tensor]:
+def read_tensors(store: Store, items: list[TensorItem], files: dict[str, FileEntry], *, verify: bool = True,
+                 into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
     """Every tensor of ``items`` as a full CPU tensor, each file read once (and verified
     against ``files`` when ``verify``). Raises :class:`CorruptCheckpointError`.
 
@@ -331,26 +303,20 @@ def read_tensors(
     total = {name: sum(i.length for i in items) for name, items in per_file.items()}
     order = sorted(per_file, key=lambda name: -total[name])
     parts = {n: 1 + (total[n] >= max(SPLIT_BYTES, SPLIT_MIN_RECORD_BYTES * len(per_file[n]))) for n in order}
-    workers = max(1, min(max_parallel_files, sum(parts.values())))
+    workers = max(1, min(MAX_PARALLEL_FILES, sum(parts.values())))
     ordered_items: list[TensorItem] = []
     chunks: list[torch.Tensor] = []
     # One range in all (a single process's checkpoint): read on this thread, nothing to overlap
-    # (a reader thread measured slower and bimodal: 4000 tensors 0.22-0.29 s vs 0.12-0.14 s).
+    # (a reader thread is slower there: docs/resume-speed.md).
     inline = sum(parts.values()) == 1
     with (
         _Inline() if inline else ThreadPoolExecutor(workers, thread_name_prefix="lp-read") as readers,
         _Inline() if inline else ThreadPoolExecutor(max(1, len(order)), thread_name_prefix="lp-file") as files_pool,
     ):
-        futures = {
-            name: files_pool.submit(
-                _read_file, store, name, per_file[name], files.get(name), verify, readers, parts[name], into
-            )
-            for name in order
-        }
+        futures = {name: files_pool.submit(_read_file, store, name, per_file[name], files.get(name), verify, readers,
+                                           parts[name], into) for name in order}  # fmt: skip
         for name, fut in futures.items():
             chunks += fut.result()
-            if progress is not None:
-                progress(name)
             ordered_items += per_file[name]
     out = assemble(ordered_items, chunks)
     for key, tensor in (into or {}).items():  # read into the caller's tensor: return that one itself

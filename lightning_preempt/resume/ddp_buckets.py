@@ -1,19 +1,14 @@
 """DDP's gradient buckets at a resume: the layout a run reduced in, saved with a checkpoint
 and given back to the resumed process's DDP for its first backward (docs/exact-resume.md,
-"DDP's gradient buckets").
+"DDP's gradient buckets", has the cause and the measurement).
 
-DDP reduces a process's first backward in its initial buckets (one bucket, in parameter
-order, unless ``find_unused_parameters``), then rebuilds them once in the order the
-gradients became ready. A resumed process would reduce its first step in the initial
-layout where the uninterrupted run, long past its rebuild, used the rebuilt one. At three
-ranks or more gloo's ring allreduce starts an element's sum on the rank that owns its
-chunk of the flat bucket: another position, another order of additions, other last bits.
-
-:func:`capture` reads the rebuilt layout at a save; :func:`build` constructs DDP with it
+DDP reduces a process's first backward in its initial buckets, then rebuilds them once in the
+order the gradients became ready; a resumed process would reduce its first step in the initial
+layout, and at three ranks or more gloo's ring allreduce then adds in another order: other last
+bits. :func:`capture` reads the rebuilt layout at a save; :func:`build` constructs DDP with it
 as the initial layout (the Trainer: the checkpoint is read before the strategy wraps the model);
-:func:`rebuild` gives it to a DDP already built that has not reduced yet (Fabric:
-``fabric.setup`` wraps the model before the checkpoint is read). The reducer still rebuilds after its first backward, from the same
-gradient order: to the same layout. Both use DDP internals (its logging data and
+:func:`rebuild` gives it to a DDP already built that has not reduced yet (Fabric: ``fabric.setup``
+wraps the model before the checkpoint is read). Both use DDP internals (its logging data and
 ``torch.distributed._compute_bucket_assignment_by_size``); where they are missing or the
 layout does not fit the model, nothing is captured or given (logged) and DDP goes its own way.
 """
@@ -43,6 +38,16 @@ Layout = dict[str, list[Any]]
 _given: weakref.WeakKeyDictionary[DistributedDataParallel, Layout] = weakref.WeakKeyDictionary()
 
 
+def _not_given(why: str) -> None:
+    log.warning("lightning_preempt: the saved DDP bucket layout %s; its first step reduces in DDP's initial buckets "
+                "(at 3+ ranks the resume is then not bit-identical)", why)  # fmt: skip
+
+
+def _given_to(model: DistributedDataParallel, layout: Layout) -> None:
+    _given[model] = layout
+    log.info("lightning_preempt: DDP reduces in the saved layout of its %d gradient bucket(s)", len(layout["buckets"]))
+
+
 def capture(model: object) -> Layout | None:
     """The bucket layout ``model`` (a DDP module) reduces in from now on; ``None`` for
     another module, one rank, or a DDP that has not rebuilt its buckets (yet, or ever:
@@ -55,12 +60,8 @@ def capture(model: object) -> Layout | None:
         return None
     if not data.get("has_rebuilt_buckets") or "rebuilt_per_bucket_param_indices" not in data:
         return _given.get(model)
-    return clean(
-        {
-            "buckets": [b.split() for b in str(data["rebuilt_per_bucket_param_indices"]).split(",")],
-            "bytes": str(data.get("rebuilt_bucket_sizes", "")).split(","),
-        }
-    )
+    return clean({"buckets": [b.split() for b in str(data["rebuilt_per_bucket_param_indices"]).split(",")],
+                  "bytes": str(data.get("rebuilt_bucket_sizes", "")).split(",")})  # fmt: skip
 
 
 def clean(layout: Any) -> Layout | None:
@@ -118,15 +119,9 @@ def build(make: Callable[[], T], layout: Layout | None) -> T:
     with _initial_buckets(layout, applied):
         model = make()
     if applied and isinstance(model, DistributedDataParallel):
-        _given[model] = layout
-        log.info(
-            "lightning_preempt: DDP starts with the saved layout of its %d gradient bucket(s)", len(layout["buckets"])
-        )
+        _given_to(model, layout)
     else:
-        log.warning(
-            "lightning_preempt: the saved DDP bucket layout does not fit this model; its first step "
-            "reduces in DDP's initial buckets (at 3+ ranks the resume is then not bit-identical)"
-        )
+        _not_given("does not fit this model")
     return model
 
 
@@ -151,8 +146,7 @@ def rebuild(model: object, layout: Layout | None) -> bool:
         or not hasattr(dist, "_compute_bucket_assignment_by_size")
         or _has_reduced(model)
     ):
-        log.warning("lightning_preempt: the saved DDP bucket layout cannot be given to this DDP; its first step "
-                    "reduces in DDP's initial buckets (at 3+ ranks the resume is then not bit-identical)")  # fmt: skip
+        _not_given("cannot be given to this DDP")
         return False
     parameters, expect_sparse = model._build_params_for_reducer()
     names = model._build_debug_param_to_name_mapping(parameters)
@@ -164,13 +158,9 @@ def rebuild(model: object, layout: Layout | None) -> bool:
         if model.logger is not None:
             model.logger._set_static_graph()
     if not applied:
-        log.warning("lightning_preempt: the saved DDP bucket layout does not fit this model; its first step "
-                    "reduces in DDP's initial buckets (at 3+ ranks the resume is then not bit-identical)")  # fmt: skip
+        _not_given("does not fit this model")
         return False
-    _given[model] = layout
-    log.info(
-        "lightning_preempt: DDP reduces with the saved layout of its %d gradient bucket(s)", len(layout["buckets"])
-    )
+    _given_to(model, layout)
     return True
 
 

@@ -55,13 +55,8 @@ def restore_rng(state: dict[str, Any]) -> None:
     if cuda and torch.cuda.is_available():
         n = torch.cuda.device_count()
         if len(cuda) != n:
-            log.warning(
-                "lightning_preempt: the checkpoint has CUDA RNG states for %d devices, this process sees %d; "
-                "restoring the first %d",
-                len(cuda),
-                n,
-                min(n, len(cuda)),
-            )
+            log.warning("lightning_preempt: the checkpoint has CUDA RNG states for %d devices, this process sees "
+                        "%d; restoring the first %d", len(cuda), n, min(n, len(cuda)))  # fmt: skip
         for device, s in enumerate(cuda[:n]):
             torch.cuda.set_rng_state(s, device)
 
@@ -74,44 +69,21 @@ def derive_seed(state: dict[str, Any], rank: int) -> int:
     return int.from_bytes(digest.digest()[:8], "little") & ((1 << 63) - 1)
 
 
-def make_state(
-    *,
-    rank: int,
-    world_size: int,
-    epoch: int,
-    global_step: int,
-    batches_in_epoch: int,
-    loaders: list[dict[str, Any]],
-    metrics: dict[str, dict[str, Any]],
-    results: dict[str, dict[str, Any]],
-    accumulate: int = 1,
-    ddp_buckets: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+def make_state(*, rank: int, world_size: int, epoch: int, global_step: int, batches_in_epoch: int,
+               loaders: list[dict[str, Any]], metrics: dict[str, dict[str, Any]], results: dict[str, dict[str, Any]],
+               accumulate: int = 1, ddp_buckets: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """This rank's state, with the RNG states of this moment (call at the save, nothing drawn after)."""
-    return {
-        "version": FORMAT_VERSION,
-        "rank": rank,
-        "world_size": world_size,
-        "epoch": epoch,
-        "global_step": global_step,
-        "batches_in_epoch": batches_in_epoch,
-        "rng": capture_rng(),
-        "loaders": loaders,
-        "metrics": metrics,
-        "results": results,
-        "accumulate": accumulate,
-        "ddp_buckets": ddp_buckets,
-    }
+    return {"version": FORMAT_VERSION, "rank": rank, "world_size": world_size, "epoch": epoch,
+            "global_step": global_step, "batches_in_epoch": batches_in_epoch, "rng": capture_rng(),
+            "loaders": loaders, "metrics": metrics, "results": results, "accumulate": accumulate,
+            "ddp_buckets": ddp_buckets}  # fmt: skip
 
 
 def checked(state: dict[str, Any] | None) -> dict[str, Any] | None:
     """``state`` if this version can restore it, else ``None`` (warned: the resume is not exact)."""
     if state is not None and state.get("version") != FORMAT_VERSION:
-        log.warning(
-            "lightning_preempt: exact-resume state version %r is not %d; ignoring it (the resume is not exact)",
-            state.get("version"),
-            FORMAT_VERSION,
-        )
+        log.warning("lightning_preempt: exact-resume state version %r is not %d; ignoring it (the resume is not "
+                    "exact)", state.get("version"), FORMAT_VERSION)  # fmt: skip
         return None
     return state
 
@@ -130,10 +102,9 @@ def warn_world_size(state: dict[str, Any], world_size: int) -> None:
         log.warning(
             "lightning_preempt: the checkpoint was written by %d ranks, this run has %d: the rest of the epoch is "
             "resharded (each sample once, for distributed samplers), but gradients average over another number of "
-            "ranks and the random streams differ: not bit-identical to an uninterrupted run",
-            state.get("world_size"),
+            "ranks and the random streams differ: not bit-identical to an uninterrupted run", state.get("world_size"),
             world_size,
-        )
+        )  # fmt: skip
 
 
 def metric_state_names(metric: Any) -> list[str] | None:
@@ -173,10 +144,8 @@ def metric_states(module: torch.nn.Module) -> dict[str, dict[str, Any]]:
     for name, m in module.named_modules():
         names = metric_state_names(m) if isinstance(m, Metric) else None
         if names is not None:
-            out[name] = {
-                "states": {attr: cpu_copy(getattr(m, attr)) for attr in names},
-                "update_count": metric_update_count(m),
-            }
+            out[name] = {"states": {attr: cpu_copy(getattr(m, attr)) for attr in names},
+                         "update_count": metric_update_count(m)}  # fmt: skip
     return out
 
 
@@ -203,14 +172,8 @@ def seed_from_saved_rank(state: dict[str, Any], rank: int) -> None:
     random.seed(seed)
     np.random.seed(seed % (1 << 32))
     torch.manual_seed(seed)  # (CPU and every CUDA device)
-    log.warning(
-        "lightning_preempt: rank %d has no saved RNG state (the checkpoint had %s ranks); seeding it with %d, "
-        "derived from rank %s's state",
-        rank,
-        state.get("world_size"),
-        seed,
-        state.get("rank"),
-    )
+    log.warning("lightning_preempt: rank %d has no saved RNG state (the checkpoint had %s ranks); seeding it with %d, "
+                "derived from rank %s's state", rank, state.get("world_size"), seed, state.get("rank"))  # fmt: skip
 
 
 def accumulation_at(state: dict[str, Any], world_size: int, accumulate: int, global_batch: str) -> int:

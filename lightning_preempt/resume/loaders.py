@@ -12,8 +12,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import torch
-
+from lightning_preempt.resume.exact_state import restore_rng, seed_from_saved_rank
 from lightning_preempt.resume.reshard import (
     ORDER_KEYS,
     ReshardedSampler,
@@ -31,6 +30,7 @@ from lightning_preempt.resume.samplers import (
     replays_sampler,
     rewound_sampler,
     set_generator_states,
+    set_iter_rng,
     snapshot_iter_rng,
     wrap_loader,
 )
@@ -71,14 +71,11 @@ class ResumableLoaders:
         bad = [describe_loader(dl) for dl, kind in zip(loaders, self.kinds, strict=True) if kind == "unsupported"]
         if bad and not self._warned:
             self._warned = True
-            warnings.warn(
-                f"lightning_preempt: cannot resume the position of the training data {', '.join(bad)} "
-                "mid-epoch: after a preemption the epoch restarts from its first batch while the step counter "
-                "goes on.\nHINT: use torchdata.stateful_dataloader.StatefulDataLoader (a drop-in DataLoader "
-                "that Lightning checkpoints), or a plain DataLoader with a Sequential/Random/DistributedSampler "
-                "and the default batch sampler.",
-                stacklevel=2,
-            )
+            warnings.warn(f"lightning_preempt: cannot resume the position of the training data {', '.join(bad)} "
+                          "mid-epoch: after a preemption the epoch restarts from its first batch while the step "
+                          "counter goes on.\nHINT: use torchdata.stateful_dataloader.StatefulDataLoader (a drop-in "
+                          "DataLoader that Lightning checkpoints), or a plain DataLoader with a Sequential/Random/"
+                          "DistributedSampler and the default batch sampler.", stacklevel=2)  # fmt: skip
 
     def is_current(self, loaders: Sequence[Any]) -> bool:
         """``loaders`` are the very objects :meth:`wrap` saw (a reload makes new ones)."""
@@ -107,15 +104,12 @@ class ResumableLoaders:
         entries = []
         for i, (dl, (kind, sampler)) in enumerate(zip(loaders, self._samplers, strict=True)):
             pre_iter = sampler.pre_iter if sampler is not None else self._stateful_pre_iter[i]
-            entries.append(
-                {
-                    "kind": kind,
-                    "epoch_state": sampler.epoch_state if sampler is not None else None,
-                    "generators": [g.get_state() for g in loader_generators(dl)],
-                    "pre_iter": pre_iter[1] if pre_iter is not None and pre_iter[0] == epoch else None,
-                    "order": _order(dl, epoch, batches_in_epoch, pre_iter[1] if pre_iter is not None else None),
-                }
-            )
+            entries.append({
+                "kind": kind, "epoch_state": sampler.epoch_state if sampler is not None else None,
+                "generators": [g.get_state() for g in loader_generators(dl)],
+                "pre_iter": pre_iter[1] if pre_iter is not None and pre_iter[0] == epoch else None,
+                "order": _order(dl, epoch, batches_in_epoch, pre_iter[1] if pre_iter is not None else None),
+            })  # fmt: skip
         return entries
 
     def reshard(self, loaders: Sequence[Any], saved: list[dict[str, Any]], epoch: int, batches_in_epoch: int) -> set[int]:
@@ -181,11 +175,8 @@ class ResumableLoaders:
         if not mid_epoch:
             return False
         if len(saved) != len(self._samplers):
-            log.warning(
-                "lightning_preempt: %d training loaders now, %d when saved: not resuming their positions",
-                len(self._samplers),
-                len(saved),
-            )
+            log.warning("lightning_preempt: %d training loaders now, %d when saved: not resuming their positions",
+                        len(self._samplers), len(saved))  # fmt: skip
             return False
         exact = True
         for i, ((kind, sampler), entry) in enumerate(zip(self._samplers, saved, strict=True)):
@@ -196,11 +187,8 @@ class ResumableLoaders:
                 epoch_state = entry.get("epoch_state") if entry.get("kind") == "sampler" else None
                 sampler.resume_at(epoch_state, batches_in_epoch * sampler.batch_size)
             elif kind == "unsupported":
-                log.warning(
-                    "lightning_preempt: resuming mid-epoch (batch %d) with a data loader whose position is not "
-                    "saved: this epoch's data starts again from its first batch",
-                    batches_in_epoch,
-                )
+                log.warning("lightning_preempt: resuming mid-epoch (batch %d) with a data loader whose position is "
+                            "not saved: this epoch's data starts again from its first batch", batches_in_epoch)  # fmt: skip
         return exact
 
     def set_pre_iter_rng(self, loaders: Sequence[Any], saved: list[dict[str, Any]]) -> None:
@@ -208,10 +196,8 @@ class ResumableLoaders:
         if len(saved) != len(self._samplers):
             return
         for dl, entry in zip(loaders, saved, strict=True):
-            pre_iter = entry.get("pre_iter")
-            if pre_iter is not None:
-                torch.set_rng_state(pre_iter["torch"])  # the same for every loader (one moment)
-                set_generator_states(loader_generators(dl), pre_iter["generators"])
+            if entry.get("pre_iter") is not None:  # (the global state: the same for every loader, one moment)
+                set_iter_rng(loader_generators(dl), entry["pre_iter"])
 
     def restore_generators(self, loaders: Sequence[Any], saved: list[dict[str, Any]]) -> None:
         """Set every loader's generators to their states at the save (warned when the counts differ)."""
@@ -219,24 +205,23 @@ class ResumableLoaders:
             return  # restore_positions warned
         for dl, entry in zip(loaders, saved, strict=True):
             if "generators" in entry and not set_generator_states(loader_generators(dl), entry["generators"]):
-                log.warning(
-                    "lightning_preempt: the training loader %s has %d torch generators, the checkpoint %d: "
-                    "not restoring them (the data order of the next epochs will differ)",
-                    describe_loader(dl),
-                    len(loader_generators(dl)),
-                    len(entry["generators"]),
-                )
+                log.warning("lightning_preempt: the training loader %s has %d torch generators, the checkpoint %d: not "
+                            "restoring them (the data order of the next epochs will differ)", describe_loader(dl),
+                            len(loader_generators(dl)), len(entry["generators"]))  # fmt: skip
 
-    def remake_iterators(
-        self,
-        loaders: Sequence[Any],
-        epoch: int,
-        make_iterators: Callable[[], object] | None,
-        set_sampler_epoch: SetSamplerEpoch,
-        *,
-        mid_epoch: bool = False,
-        replay_worker_draws: bool = False,
-    ) -> dict[int, int]:
+    def restore_states(self, loaders: Sequence[Any], state: dict[str, Any], rank: int) -> bool:
+        """The RNG states and the loaders' generators of the save, where ``rank`` saved ``state``
+        (returns ``True``); another rank's state seeds this rank from it (deterministic, warned)."""
+        if state.get("rank") != rank:
+            seed_from_saved_rank(state, rank)
+            return False
+        restore_rng(state["rng"])
+        self.restore_generators(loaders, state.get("loaders", []))
+        return True
+
+    def remake_iterators(self, loaders: Sequence[Any], epoch: int, make_iterators: Callable[[], object] | None,
+                         set_sampler_epoch: SetSamplerEpoch, *, mid_epoch: bool = False,
+                         replay_worker_draws: bool = False) -> dict[int, int]:  # fmt: skip
         """Make the loop's iterators again where needed; returns {loader index: batches to drop}.
 
         Needed for worker loaders (started before the front-end set them up, and fed by the
@@ -277,13 +262,8 @@ class ResumableLoaders:
             make_iterators()
         return replay
 
-    def make_next_epoch_iterators(
-        self,
-        loaders: Sequence[Any],
-        epoch: int,
-        make_iterators: Callable[[], object] | None,
-        set_sampler_epoch: SetSamplerEpoch,
-    ) -> None:
+    def make_next_epoch_iterators(self, loaders: Sequence[Any], epoch: int, make_iterators: Callable[[], object] | None,
+                                  set_sampler_epoch: SetSamplerEpoch) -> None:  # fmt: skip
         """After restoring a save that ended an epoch: make the next epoch's iterators again,
         from the restored states, as the uninterrupted run made them after its save."""
         for dl in loaders:
@@ -293,15 +273,13 @@ class ResumableLoaders:
             make_iterators()
 
     def _warn_worker_draws(self, loader: Any) -> None:
-        warnings.warn(
+        warnings.warn(  # stacklevel: the front-end's call of remake_iterators
             f"lightning_preempt: resuming mid-epoch with worker processes ({describe_loader(loader)}): random draws "
             "made inside the workers (augmentations in __getitem__) start again from the epoch's worker seed, so "
             "for the rest of this epoch they differ from an uninterrupted run (the next epochs match again).\n"
-            f"HINT: if the workers draw random numbers, set {self.replay_setting} = True "
-            "(plain DataLoader: the workers load this epoch's trained batches again), or draw them from a "
-            "generator seeded with the sample index (and the epoch).",
-            stacklevel=3,  # the front-end's call of remake_iterators
-        )
+            f"HINT: if the workers draw random numbers, set {self.replay_setting} = True (plain DataLoader: the "
+            "workers load this epoch's trained batches again), or draw them from a generator seeded with the "
+            "sample index (and the epoch).", stacklevel=3)  # fmt: skip
 
 
 def _order(loader: Any, epoch: int, batches: int, pre_iter: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -21,7 +21,7 @@ from torch.utils.data.distributed import DistributedSampler
 from lightning_preempt.resume.samplers import (
     ResumableSampler,
     distributed_wrapped_sampler,
-    set_generator_states,
+    set_iter_rng,
     snapshot_iter_rng,
 )
 
@@ -52,18 +52,14 @@ def order_record(
     ``drawn_from``: for a ``DistributedSamplerWrapper``, the RNG states (``snapshot_iter_rng``)
     the wrapped sampler's list of this epoch is drawn from; ``None`` for a plain sampler.
     """
+    wrapped = distributed_wrapped_sampler(sampler) is not None
     return {
-        "epoch": epoch,
-        "n": len(sampler.dataset),  # type: ignore[arg-type]
-        "shuffle": bool(sampler.shuffle),
-        "seed": int(sampler.seed),
-        "drop_last": bool(sampler.drop_last),
-        "wrapped": distributed_wrapped_sampler(sampler) is not None,
-        "num_replicas": int(sampler.num_replicas),
-        "consumed": int(consumed),
+        "epoch": epoch, "n": len(sampler.dataset),  # type: ignore[arg-type]
+        "shuffle": bool(sampler.shuffle), "seed": int(sampler.seed), "drop_last": bool(sampler.drop_last),
+        "wrapped": wrapped, "num_replicas": int(sampler.num_replicas), "consumed": int(consumed),
         "resharded": resharded,  # this epoch was already split another way than the sampler's own
-        "drawn_from": drawn_from if distributed_wrapped_sampler(sampler) is not None else None,
-    }
+        "drawn_from": drawn_from if wrapped else None,
+    }  # fmt: skip
 
 
 def epoch_order(
@@ -85,13 +81,11 @@ def epoch_order(
         return positions
     now = snapshot_iter_rng(generators)
     if pre_iter is not None:
-        torch.set_rng_state(pre_iter["torch"])
-        set_generator_states(generators, pre_iter["generators"])
+        set_iter_rng(generators, pre_iter)
     try:
         drawn = list(inner)
     finally:
-        torch.set_rng_state(now["torch"])
-        set_generator_states(generators, now["generators"])
+        set_iter_rng(generators, now)
     return [drawn[p] for p in positions]
 
 

@@ -21,7 +21,7 @@ from lightning_preempt.catalog.newest import first_valid, newest_valid
 from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.errors import CheckpointError, NotACheckpointError
-from lightning_preempt.read.load import Fallback
+from lightning_preempt.read.load import NONE_VERIFIES_HINT, Fallback
 from lightning_preempt.read.verify import Verify
 from lightning_preempt.storage.diagnose import describe, is_transient, storage_hint
 from lightning_preempt.storage.private import PRIVATE_HINT, private_dirs
@@ -173,25 +173,19 @@ class ResumeResolver:
         """Rank 0 picks the newest valid checkpoint; every rank returns it or raises the same error.
 
         ``verify="sizes"`` checks manifests and file sizes only: the load then checks every
-        byte once, and :meth:`fallback` names the next candidate if it finds damage.
+        byte once, and the target's ``fallback`` names the next candidate if it finds damage.
         """
         return agree.decide(lambda: self._pick(tiers, verify, ()), group, what="choosing the checkpoint to resume from")
 
     def target(self, group: pdist.ProcessGroup | None, *, tiers: TwoTier | None, verify_on_load: bool) -> ResumeTarget:
         """What every rank loads (collective): rank 0 chooses with manifests and sizes only
-        when the load checks every byte (then a damaged choice falls back to the next)."""
+        when the load checks every byte (then a damaged choice falls back to the next: the
+        target's ``fallback``, for ``io.alias(fallback=)``, names the next checkpoint after the
+        excluded ones; rank 0 answers, the loader broadcasts its answer)."""
         verify: Verify = "sizes" if verify_on_load else False
         choice = self.choose(group, tiers=tiers, verify=verify)
-        fallback = self.fallback(group, tiers=tiers, verify=verify) if verify_on_load else None
-        log.info(
-            "lightning_preempt: resuming from %s (step %d)%s",
-            choice.path, choice.step, f"; skipped {list(choice.skipped)}" if choice.skipped else "",
-        )  # fmt: skip
-        return dataclasses.replace(choice, fallback=fallback)
-
-    def fallback(self, group: pdist.ProcessGroup | None, *, tiers: TwoTier | None, verify: Verify) -> Fallback:
-        """For ``io.alias(fallback=)``: the next checkpoint after the ``excluded`` ones (rank 0
-        answers; the loader broadcasts its answer), or ``None`` when none is left."""
+        log.info("lightning_preempt: resuming from %s (step %d)%s", choice.path, choice.step,
+                 f"; skipped {list(choice.skipped)}" if choice.skipped else "")  # fmt: skip
 
         def next_one(excluded: list[str]) -> str | None:
             if pdist.rank(group) != 0:
@@ -202,7 +196,7 @@ class ResumeResolver:
                 log.error("lightning_preempt: no older checkpoint to fall back to: %s", str(err).splitlines()[0])
                 return None
 
-        return next_one
+        return dataclasses.replace(choice, fallback=next_one if verify_on_load else None)
 
     def _pick(self, tiers: TwoTier | None, verify: Verify, exclude: tuple[str, ...]) -> ResumeTarget:
         skipped: list[str] = []
@@ -234,12 +228,8 @@ class ResumeResolver:
         # never skipped: skipping it would silently resume from older progress, or from none.
         info = self._retrying(newest)
         if info is None:
-            raise NotACheckpointError(
-                "every checkpoint found is uncommitted or corrupt",
-                path=self.dirpath,
-                hint="Inspect them with `lightning-preempt ls --verify DIR`; delete the damaged ones "
-                "(or pass ckpt_path explicitly) and restart.",
-            )
+            raise NotACheckpointError("every checkpoint found is uncommitted or corrupt", path=self.dirpath,
+                                      hint=NONE_VERIFIES_HINT)  # fmt: skip
         run_id = info.manifest.run_id if info.manifest is not None else None
         return ResumeTarget(info.path, info.step, run_id=run_id, skipped=tuple(skipped))
 

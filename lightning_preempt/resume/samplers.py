@@ -20,6 +20,12 @@ def snapshot_iter_rng(generators: list[torch.Generator]) -> dict[str, Any]:
     return {"torch": torch.get_rng_state(), "generators": [g.get_state() for g in generators]}
 
 
+def set_iter_rng(generators: list[torch.Generator], snapshot: dict[str, Any]) -> None:
+    """Put back the states :func:`snapshot_iter_rng` took (the global torch RNG and ``generators``)."""
+    torch.set_rng_state(snapshot["torch"])
+    set_generator_states(generators, snapshot["generators"])
+
+
 def set_generator_states(generators: list[torch.Generator], states: list[Any]) -> bool:
     """Set each generator to its saved state; ``False`` (nothing set) when the counts differ."""
     if len(generators) != len(states):
@@ -80,13 +86,11 @@ class _RewindingSampler(Sampler[Any]):
         if self.calls == 1 or self.pre_iter is None:
             return iter(self.inner)
         now = snapshot_iter_rng(self.generators)
-        torch.set_rng_state(self.pre_iter["torch"])
-        set_generator_states(self.generators, self.pre_iter["generators"])
+        set_iter_rng(self.generators, self.pre_iter)
         try:
             return iter(self.inner)
         finally:
-            torch.set_rng_state(now["torch"])
-            set_generator_states(self.generators, now["generators"])
+            set_iter_rng(self.generators, now)
 
 
 @contextlib.contextmanager
@@ -118,9 +122,8 @@ class ResumableSampler(Sampler[int]):
     so a resumed run replays the same permutation without drawing again.
     """
 
-    def __init__(
-        self, inner: Sampler[int], batch_size: int = 1, generators: list[torch.Generator] | None = None
-    ) -> None:
+    def __init__(self, inner: Sampler[int], batch_size: int = 1,
+                 generators: list[torch.Generator] | None = None) -> None:  # fmt: skip
         self.inner = inner
         self.batch_size = batch_size  # of the BatchSampler around it: skips are counted in batches
         self.epoch_state: tuple[str, Any] | None = None
