@@ -5,22 +5,44 @@ log names as the newest safe step, and the report of a notice's snapshot."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from lightning_preempt.engine import tier_policy
-from lightning_preempt.engine.ledger_writer import record_preemption
+from lightning_preempt.engine.config import PreemptionConfig
+from lightning_preempt.engine.ledger_writer import Ledger, record_preemption
 from lightning_preempt.errors import CheckpointError
-from lightning_preempt.preemption.controller import Preempted
+from lightning_preempt.preemption.controller import Preempted, PreemptionController
 from lightning_preempt.save.history import SaveRecord
-
-if TYPE_CHECKING:  # (engine.py imports this module)
-    from lightning_preempt.engine.engine import Engine
+from lightning_preempt.save.order import Kind
+from lightning_preempt.save.saver import Saver
 
 log = logging.getLogger(__name__)
 
 
-def preempt(engine: Engine, step: int) -> None:
+class Saving(Protocol):
+    """What these functions use of the engine (engine/engine.py's ``Engine``), every rank."""
+
+    config: PreemptionConfig
+    controller: PreemptionController
+    ledger: Ledger
+    leader: bool
+    resumed_from: str | None
+    last_saved_step: int | None
+    last_saved_path: str | None
+    snapshot_hooks: list[Callable[[int], None]]
+
+    @property
+    def saver(self) -> Saver: ...
+
+    def wait(self) -> None:
+        """Every rank: wait for the saves in flight; a failure on any rank raises on every rank."""
+
+    def save(self, step: int, kind: Kind = "periodic") -> None:
+        """Every rank: save ``step`` (asynchronous) unless it is saved already."""
+
+
+def preempt(engine: Saving, step: int) -> None:
     """Every rank: the snapshot of ``step`` and its drain, inside the controller's unconditional
     sequence. Raises ``Preempted`` (recorded in the ledger)."""
     controller = engine.controller
@@ -55,7 +77,7 @@ def preempt(engine: Engine, step: int) -> None:
         raise
 
 
-def safe_step(engine: Engine) -> str:
+def safe_step(engine: Saving) -> str:
     """The newest step this run can be resumed from, for the exit log."""
     done = committed(engine.saver.history)
     if done:
@@ -65,7 +87,7 @@ def safe_step(engine: Engine) -> str:
     return "no checkpoint of this run committed (the newest in dirpath, if any)"
 
 
-def report_notice_snapshot(engine: Engine, step: int) -> None:
+def report_notice_snapshot(engine: Saving, step: int) -> None:
     """Log the snapshot a notice asked for (``on_notice="continue"``: training does not wait
     for it) and, from the job thread behind the save, whether it committed."""
     controller, history = engine.controller, engine.saver.history
