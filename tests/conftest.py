@@ -219,6 +219,24 @@ def _launch_environment_restored() -> Iterator[None]:
             os.environ[name] = value
 
 
+#: The signals a preemption handler takes over (lightning_preempt/preemption/signals.py).
+_PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored() -> Iterator[None]:
+    """Each test leaves the signal handlers as it found them: a finished in-process fit or Fabric
+    loop keeps a late-signal handler (a real process exits soon after), and a later test's own
+    SIGUSR1 then reached it ("SIGUSR1 after training ended") instead of that test's callback."""
+    import signal
+
+    saved = {name: signal.getsignal(getattr(signal, name)) for name in _PREEMPTION_SIGNALS}
+    yield
+    for name, handler in saved.items():
+        if handler is not None:
+            signal.signal(getattr(signal, name), handler)
+
+
 @pytest.fixture
 def shm() -> Iterator[Path]:
     """A directory of its own in /dev/shm (a tmpfs: tier 0's home), removed afterwards."""
