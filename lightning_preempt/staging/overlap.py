@@ -32,7 +32,7 @@ MIN_DEFERRED_BYTES = 64 * 1024
 
 #: ``overlap_staging=None`` turns overlap on with CUDA. Off until scripts/gpu_check.sh has
 #: shown the stream path on a GPU (docs/staging.md); on CPU it is off because the copy
-#: competes with the step for the same cores and memory bandwidth (benchmarks/RESULTS.md).
+#: competes with the step for the same cores and memory bandwidth (docs/benchmark-results.md).
 AUTO_ON_CUDA = False
 
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]  # (host buffer, source)

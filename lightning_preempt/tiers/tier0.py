@@ -46,7 +46,7 @@ MAX_OVERHEAD = 0.01
 #: Tier-0 checkpoints kept per node (memory is the scarce resource here). One is enough: the
 #: next copy is written beside it and it is removed only once that one committed, so a copy
 #: torn by a kill leaves the previous one (and the disk tiers stay the fallback for damage).
-#: The tmpfs then holds one copy, two while a copy is written (bench_tier0.py measures it).
+#: The tmpfs then holds one copy, two while a copy is written (docs/tier0.md has the figures).
 KEEP_LAST_N = 1
 
 #: What to do when a tier-0 copy cannot be made (engine/memory_tier.py logs it).
