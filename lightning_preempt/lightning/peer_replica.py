@@ -64,15 +64,12 @@ class PeerReplica(Callback):
     def _complete_from_peers(self, engine: Engine) -> None:
         """Before the callback chooses what to resume from (its ``setup`` runs after ours:
         Lightning orders checkpoint callbacks last): a snapshot that no single survivor holds
-        but the survivors do together is uploaded to ``dirpath`` (replica.complete_from_peers)."""
+        but the survivors do together is uploaded to ``dirpath`` (tiers/peer.py, which logs it)."""
         try:
             config = engine.config
-            step = complete_from_peers(str(engine.local_dirpath), config.dirpath, config.storage_options, self._group)
+            complete_from_peers(str(engine.local_dirpath), config.dirpath, config.storage_options, self._group)
         except Exception as err:  # resume then falls back to what the tiers hold
             log.error("lightning_preempt: completing a checkpoint from the survivors' local tiers failed: %s", err)
-            return
-        if step is not None:
-            log.warning("lightning_preempt: step %d is complete in %s again (from the survivors)", step, config.dirpath)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
