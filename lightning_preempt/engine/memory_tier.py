@@ -169,11 +169,10 @@ class MemoryTier:
         """Whether tier 0 may be resumed from: not after a failed restore (rank 0's node may
         hold a copy another node lacks; the copies go on)."""
         try:
-            done = restore(self.root, self._peer_group, self.nodes, floor, self.dirpath)
+            self.restored_step = restore(self.root, self._peer_group, self.nodes, floor, self.dirpath)
         except Exception as err:  # agreed on every rank (tiers/tier0_peer.py); never stops a start
             log.error("lightning_preempt: %s", err)
             return False
-        self.restored_step = done.step if done is not None else None
         return True
 
     def path(self, step: int, group: pdist.ProcessGroup | None) -> str | None:
