@@ -168,8 +168,6 @@ def agree(
     group: pdist.ProcessGroup | None,
     *,
     what: str = "",
-    foreign: type[errors.CheckpointError] | None = None,
-    hint: str | None = None,
 ) -> list[T]:
     """Run ``fn`` on every rank; return every rank's value, or raise the first failing rank's
     error on every rank (the message names all ranks that failed).
@@ -183,7 +181,7 @@ def agree(
     first = failed[0]
     if len(failed) > 1:
         first = dataclasses.replace(first, message=f"{first.message} (ranks that failed: {[o.rank for o in failed]})")
-    _raise(first.to_error(what, foreign=foreign, hint=hint), local_error)
+    _raise(first.to_error(what), local_error)
 
 
 def _raise(error: errors.CheckpointError, local_error: BaseException | None) -> NoReturn:

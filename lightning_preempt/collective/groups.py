@@ -113,15 +113,13 @@ def all_gather_objects(obj: Any, group: ProcessGroup | None) -> list[Any]:
 
 
 def start_gather_digests(digest: bytes, group: ProcessGroup | None) -> Callable[[], list[bytes]]:
-    """Start gathering every rank's ``digest`` (the same length on every rank) and return the
-    wait for them, ``[rank 0's, rank 1's, …]``: on gloo the gather runs on its own thread while
-    the caller works (a save copies meanwhile). Every rank must call it, in the same order as
-    the group's other collectives."""
+    """Start gathering every rank's ``digest`` (the same length on every rank) over ``group``
+    (a gloo group of :func:`new_gloo_group`'s: the saver's stage group) and return the wait for
+    them, ``[rank 0's, rank 1's, …]``: the gather runs on gloo's thread while the caller works
+    (a save copies meanwhile). Every rank must call it, in the same order as the group's other
+    collectives."""
     if group is None or not is_distributed():
         return lambda: [digest]
-    if not _gloo(group):
-        gathered = all_gather_objects(digest, group)
-        return lambda: gathered
     mine = _uint8(bytearray(digest))
     out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     work = dist.all_gather(out, mine, group=group, async_op=True)

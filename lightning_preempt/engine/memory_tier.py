@@ -145,11 +145,10 @@ class MemoryTier:
             self._peer_group = new_group()  # collective: every rank took this branch
             if restore_floor is not None:
                 try:
-                    done = restore(self.root, self._peer_group, self.nodes, restore_floor, self.dirpath)
+                    self.restored_step = restore(self.root, self._peer_group, self.nodes, restore_floor, self.dirpath)
                 except Exception as err:  # agreed on every rank (tiers/tier0_peer.py); never stops a start
                     log.error("lightning_preempt: %s", err)
                     return False  # not resumed from: rank 0's node may hold a copy another node lacks
-                self.restored_step = done.step if done is not None else None
         return self.enabled
 
     def claim(self, dirpath: str, run_id: str) -> None:

@@ -23,6 +23,7 @@ from lightning_preempt.engine.engine import Engine
 from lightning_preempt.fabric import sharded
 from lightning_preempt.fabric.data import LoopData
 from lightning_preempt.lightning import _compat
+from lightning_preempt.lightning.callback import EngineViews
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.lightning.logs import SaveReporter
 from lightning_preempt.lightning.strategies import ensure_plugin
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 STEP_KEY, EPOCH_KEY = "global_step", "epoch"
 
 
-class Preemption:
+class Preemption(EngineViews):
     """Periodic async checkpoints, a snapshot on preemption, and resume, for a Fabric loop.
 
     ::
@@ -83,25 +84,11 @@ class Preemption:
         self._io: ShardedAsyncCheckpointIO | None = None
         self._reporter = SaveReporter(self.engine)
 
-    # ---- views --------------------------------------------------------------------------
-    @property
-    def config(self) -> PreemptionConfig:
-        return self.engine.config
-
-    @property
-    def resumed_from(self) -> str | None:
-        """The checkpoint :meth:`resume` loaded (after any fall-back), if any."""
-        return self.engine.resumed_from
-
+    # ---- views (and EngineViews') -------------------------------------------------------
     @property
     def epoch(self) -> int:
         """The epoch :meth:`iterate` is in (restored by :meth:`resume`)."""
         return self.data.epoch
-
-    @property
-    def timeline(self) -> list[tuple[str, float]]:
-        """``(event, time.monotonic())`` of the preemption sequence, in order."""
-        return self.engine.controller.timeline
 
     # ---- 1.-3. set-up and resume ---------------------------------------------------------
     def resume(self, state: dict[str, Any]) -> dict[str, Any]:

@@ -73,9 +73,8 @@ def _sharded_states(strategy: Any, state: dict[str, Any]) -> dict[str, Any]:
     """The modules' and optimizers' sharded state dicts, by the keys of ``state``."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+    check(strategy, state)
     module = _module_of(state)
-    if isinstance(strategy, FSDPStrategy):
-        _check_mesh(module)
     out: dict[str, Any] = {}
     for key, value in state.items():
         if isinstance(value, Module):

@@ -24,7 +24,7 @@ from lightning_preempt.engine import deprecated as deprecated_names
 from lightning_preempt.engine.config import PreemptionConfig, Tuning
 from lightning_preempt.engine.engine import Engine
 from lightning_preempt.lightning import _compat, sharded_saves, staging_hooks
-from lightning_preempt.lightning.checkpoint_io import PREEMPTION_GUARDS, ShardedAsyncCheckpointIO
+from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
 from lightning_preempt.lightning.exact import STATE_KEY, ExactResume
 from lightning_preempt.lightning.logs import (
     NOT_RESUMABLE_LOADER,
@@ -45,7 +45,28 @@ __all__ = ["Preempted", "PreemptionCallback"]
 log = logging.getLogger(__name__)
 
 
-class PreemptionCallback(OnExceptionCheckpoint):
+class EngineViews:
+    """What both front-ends (this callback, Fabric's ``Preemption``) show of their engine (the
+    rest: ``self.engine``)."""
+
+    engine: Engine
+
+    @property
+    def config(self) -> PreemptionConfig:
+        return self.engine.config
+
+    @property
+    def timeline(self) -> list[tuple[str, float]]:
+        """``(event, time.monotonic())`` of the preemption sequence, in order."""
+        return self.engine.controller.timeline
+
+    @property
+    def resumed_from(self) -> str | None:
+        """The checkpoint this run resumed from (after any fall-back), if any."""
+        return self.engine.resumed_from
+
+
+class PreemptionCallback(EngineViews, OnExceptionCheckpoint):
     """Periodic async checkpoints, a snapshot on preemption, and resume on restart.
 
     Add it with :class:`ShardedAsyncCheckpointIO` to the ``Trainer`` (it installs the plugin
@@ -91,24 +112,9 @@ class PreemptionCallback(OnExceptionCheckpoint):
         self._restored_state: dict[str, Any] | None = None
         self._prepare_after: int | None = None  # the step after which staging is prepared again
 
-    # ---- views kept for users and tools (the rest: ``self.engine``) -------------------
-    @property
-    def config(self) -> PreemptionConfig:
-        return self.engine.config
-
     @property
     def signal_flag(self) -> SignalFlag:
         return self.engine.controller.signal_flag
-
-    @property
-    def timeline(self) -> list[tuple[str, float]]:
-        """``(event, time.monotonic())`` of the preemption sequence, in order."""
-        return self.engine.controller.timeline
-
-    @property
-    def resumed_from(self) -> str | None:
-        """The checkpoint this ``fit`` resumed from (after any fall-back), if any."""
-        return self.engine.resumed_from
 
     def __getstate__(self) -> dict[str, Any]:
         fresh = {"_pointer": None, "_names": PointerNames()}  # they belong to one fit
@@ -308,6 +314,3 @@ def _model_tensors(module: pl.LightningModule) -> dict[str, Any]:
         log.debug("lightning_preempt: not reading into the parameters (%s: %s)", type(err).__name__, err)
         return {}
     return {f"state_dict/{k}": v for k, v in state.items() if isinstance(v, torch.Tensor)}
-
-
-PREEMPTION_GUARDS.append(PreemptionCallback)  # the plugin without one warns at fit's set-up

@@ -65,12 +65,9 @@ class PeerReplica(Callback):
         # survivors do together is uploaded to ``dirpath`` (tiers/peer.py complete_from_peers).
         try:
             config = engine.config
-            step = complete_from_peers(str(engine.local_dirpath), config.dirpath, config.storage_options, self._group)
+            complete_from_peers(str(engine.local_dirpath), config.dirpath, config.storage_options, self._group)
         except Exception as err:  # resume then falls back to what the tiers hold
             log.error("lightning_preempt: completing a checkpoint from the survivors' local tiers failed: %s", err)
-            return
-        if step is not None:
-            log.warning("lightning_preempt: step %d is complete in %s again (from the survivors)", step, config.dirpath)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:

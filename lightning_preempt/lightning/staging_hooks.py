@@ -84,14 +84,13 @@ class OverlapGate(Callback):
         self.io.saver.settle()
 
 
-def install(trainer: pl.Trainer, io: ShardedAsyncCheckpointIO) -> bool:
+def install(trainer: pl.Trainer, io: ShardedAsyncCheckpointIO) -> None:
     """Declare the stable tensors to ``io``'s saver and put the gate first among the
-    callbacks, when ``io`` overlaps staging. Returns whether it does."""
+    callbacks, when ``io`` overlaps staging."""
     overlap = io.saver.overlap
     if not overlap.enabled:
-        return False
+        return
     overlap.stable = lambda: stable_tensors(trainer)
     callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
     if not any(isinstance(c, OverlapGate) and c.io is io for c in callbacks):
         callbacks.insert(0, OverlapGate(io))
-    return True

@@ -23,7 +23,6 @@ Collective: every rank of ``group`` calls each function, in the same order.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -101,27 +100,17 @@ def _remove(probe: str) -> None:
         log.debug("lightning_preempt: could not remove the tier-0 probe %s: %s", probe, err)
 
 
-@dataclasses.dataclass(frozen=True)
-class Restored:
-    """What :func:`restore` did, the same on every rank."""
-
-    step: int
-    name: str  # the checkpoint directory's name under every node's tier-0 root
-    files_sent: int  # over all ranks
-    bytes_sent: int  # over all ranks
-
-
 def restore(
     root: str, group: dist.ProcessGroup | None, nodes: list[str], floor: Callable[[], int], dirpath: str | None = None
-) -> Restored | None:
+) -> int | None:
     """Complete on every node the newest tier-0 copy the nodes hold together (module
     docstring). ``nodes``: :func:`memory_nodes`' answer. ``floor``: the newest step
     committed on the disk tiers (asked on rank 0 only when something must be sent): an older
     copy would not be resumed from, so it is not restored (a tie goes to tier 0 in the
     resolver: restored).
 
-    Returns what was sent, or ``None`` when nothing needed completing (or nothing could
-    be). Raises :class:`ReplicaError` on every rank when a transfer or a write failed (the
+    Returns the step completed (the same on every rank), or ``None`` when nothing needed
+    completing (or nothing could be). Raises :class:`ReplicaError` on every rank when a transfer or a write failed (the
     copies that did arrive stay uncommitted where the manifest did not follow)."""
     started = time.monotonic()
     holdings = gather_holdings(root, -1, group)
@@ -162,7 +151,7 @@ def restore(
     bytes_sent = sum(manifest.files[f].size for _, _, f in moves)
     log.warning("lightning_preempt: tier 0's step %d completed on %d node(s) from their peers (%d files, %.1f MB, "
                 "%.2f s)", step, len(commits), len(moves), bytes_sent / 1e6, time.monotonic() - started)  # fmt: skip
-    return Restored(step=step, name=name, files_sent=len(moves), bytes_sent=bytes_sent)
+    return step
 
 
 def _vouch(root: str, dirpath: str, run_id: str | None, group: dist.ProcessGroup | None, received: bool) -> None:

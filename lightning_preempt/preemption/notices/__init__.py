@@ -42,14 +42,11 @@ CLOUDS: dict[str, tuple[Callable[[str, float], bool], Callable[..., MetadataSour
     "gce": (probe_gce, GCESource),
     "azure": (probe_azure, AzureSource),
 }
-# name -> (cloud, fixed keyword arguments)
-_BUILDERS: dict[str, tuple[str, dict[str, Any]]] = {
-    "aws": ("aws", {}),
+# a name that is a cloud's source with fixed keyword arguments -> (cloud, those arguments)
+_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "aws-interruption": ("aws", {"rebalance": False}),  # without rebalance recommendations
-    "gce": ("gce", {}),
-    "azure": ("azure", {}),
 }
-NAMES = (*_BUILDERS, "auto")
+NAMES = (*CLOUDS, *_VARIANTS, "auto")
 ENV_INTERVAL = "LP_NOTICES_INTERVAL_S"
 PROBE_TIMEOUT_S = 1.0
 
@@ -116,7 +113,7 @@ def make_sources(
         if name == "auto":
             sources.append(AutoSource(endpoints, options=per_cloud))
             continue
-        cloud, fixed = _BUILDERS[name]
+        cloud, fixed = _VARIANTS.get(name, (name, {}))
         sources.append(CLOUDS[cloud][1](endpoints.get(cloud), **{**per_cloud[cloud], **fixed}))
     return sources
 
