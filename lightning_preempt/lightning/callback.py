@@ -24,7 +24,7 @@ from lightning_preempt.engine import deprecated as deprecated_names
 from lightning_preempt.engine.config import PreemptionConfig, Tuning
 from lightning_preempt.engine.engine import Engine
 from lightning_preempt.lightning import _compat, sharded_saves, staging_hooks
-from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
+from lightning_preempt.lightning.checkpoint_io import PREEMPTION_GUARDS, ShardedAsyncCheckpointIO
 from lightning_preempt.lightning.exact import STATE_KEY, ExactResume
 from lightning_preempt.lightning.logs import (
     NOT_RESUMABLE_LOADER,
@@ -314,3 +314,6 @@ def _model_tensors(module: pl.LightningModule) -> dict[str, Any]:
         log.debug("lightning_preempt: not reading into the parameters (%s: %s)", type(err).__name__, err)
         return {}
     return {f"state_dict/{k}": v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+PREEMPTION_GUARDS.append(PreemptionCallback)  # the plugin without one warns at fit's set-up

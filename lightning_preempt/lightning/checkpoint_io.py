@@ -248,6 +248,10 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         return self.saver.stager.last_staged_bytes
 
 
+# The callbacks that act on a preemption: lightning/callback.py adds PreemptionCallback (it imports
+# this module, so this one cannot import it back).
+PREEMPTION_GUARDS: list[type] = []
+
 ALONE_WARNING = (
     "lightning_preempt: ShardedAsyncCheckpointIO is in this Trainer without PreemptionCallback. Its saves "
     "(ModelCheckpoint, trainer.save_checkpoint) are asynchronous and verified, but nothing acts on a preemption: "
@@ -267,9 +271,7 @@ def warn_if_alone(trainer: Any) -> None:
         io = getattr(io, "checkpoint_io", None)  # inside a _WrappingCheckpointIO (AsyncCheckpointIO)
     if io is None or getattr(io, "_warned_alone", False):
         return
-    from lightning_preempt.lightning.callback import PreemptionCallback  # (it imports this module)
-
-    if not any(isinstance(callback, PreemptionCallback) for callback in trainer.callbacks):
+    if not any(isinstance(callback, tuple(PREEMPTION_GUARDS)) for callback in trainer.callbacks):
         io._warned_alone = True
         rank_zero_warn(ALONE_WARNING, category=UserWarning)
 
