@@ -1,15 +1,13 @@
 """Reading a file range by range with its CRC32C computed on the way.
 
 :func:`hashing_reader` hashes each storage read as it arrives, so thousands of small records
-cost a few large reads. Ranges are hashed by several threads (the GIL is released) and
-combined in file order (:func:`file_digest`).
+cost a few large reads. Each range has a CRC32C of its own, computed by the thread reading it;
+the file's is theirs combined in file order (:func:`file_digest`).
 """
 
 from __future__ import annotations
 
 import io
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import IO, Any, cast
 
 from lightning_preempt.storage.checksum import Crc32c
@@ -19,70 +17,22 @@ from lightning_preempt.storage.store import CHUNK_BYTES
 READ_BUFFER_BYTES = 1 << 20
 
 
-class OrderedCrc:
-    """CRC32C of one range from ``start``: pieces are queued by offset and hashed in order by
-    a helper task, overlapping the reads."""
-
-    def __init__(self, pool: ThreadPoolExecutor | None, start: int = 0) -> None:
-        self.crc = Crc32c()
-        self._pool = pool
-        self._next = start
-        self._pending: dict[int, memoryview] = {}
-        self._queue_lock = threading.Lock()
-        self._hash_lock = threading.Lock()  # one hashing task at a time: the CRC is sequential
-        self._tasks: list[Future[None]] = []
-
-    def update(self, offset: int, view: memoryview) -> None:
-        if view.nbytes == 0:
-            return
-        with self._queue_lock:
-            self._pending[offset] = view
-        if self._pool is None:
-            self._drain()
-        else:
-            self._tasks.append(self._pool.submit(self._drain))
-
-    def _drain(self) -> None:
-        with self._hash_lock:
-            while True:
-                with self._queue_lock:
-                    view = self._pending.pop(self._next, None)
-                if view is None:
-                    return
-                self.crc.update(view)
-                self._next += view.nbytes
-
-    def finish(self) -> Crc32c | None:
-        """The CRC32C of every byte queued, or ``None`` when a piece is missing (a hole)."""
-        for task in self._tasks:
-            task.result()
-        self._drain()
-        return None if self._pending else self.crc
-
-
 class Cursor:
-    """Where one reading thread is in the file; hands each piece it reads to the CRC."""
+    """Where one reading thread is in the file."""
 
-    def __init__(self, crc: OrderedCrc | None, offset: int) -> None:
-        self.crc = crc
+    def __init__(self, offset: int) -> None:
         self.offset = offset
-
-    def update(self, view: memoryview) -> None:
-        if self.crc is not None:
-            self.crc.update(self.offset, view)
-        self.offset += view.nbytes
 
 
 def read_into(f: IO[bytes], view: memoryview, cursor: Cursor) -> int:
-    """Fill ``view`` from ``f`` chunk by chunk, each chunk to the CRC; returns bytes read."""
+    """Fill ``view`` from ``f`` chunk by chunk, moving ``cursor``; returns bytes read."""
     done = 0
     while done < view.nbytes:
-        part = view[done : done + CHUNK_BYTES]
-        n = _readinto(f, part)
+        n = _readinto(f, view[done : done + CHUNK_BYTES])
         if n == 0:
             break
-        cursor.update(part[:n])
         done += n
+    cursor.offset += done
     return done
 
 
@@ -95,25 +45,19 @@ def _readinto(f: IO[bytes], view: memoryview) -> int:
     return len(data)
 
 
-def file_digest(crcs: list[OrderedCrc | None]) -> str:
-    """The file's CRC32C from its ranges' (in order); ``"(a hole)"`` if a piece is missing."""
-    whole: Crc32c | None = None
+def file_digest(crcs: list[Crc32c]) -> str:
+    """The file's CRC32C from its ranges' (in file order)."""
+    whole = Crc32c()
     for part in crcs:
-        got = part.finish() if part is not None else None
-        if got is None:
-            return "(a hole)"
-        if whole is None:
-            whole = got
-        else:
-            whole.extend(got)
-    return whole.hexdigest() if whole is not None else Crc32c().hexdigest()
+        whole.extend(part)
+    return whole.hexdigest()
 
 
 class _HashingRaw(io.RawIOBase):
     """The raw side of :func:`hashing_reader`: every byte read from ``inner`` goes to the
     CRC (synchronously: the buffer it lands in is reused by the next fill)."""
 
-    def __init__(self, inner: IO[bytes], crc: OrderedCrc | None, offset: int, end: int | None) -> None:
+    def __init__(self, inner: IO[bytes], crc: Crc32c | None, offset: int, end: int | None) -> None:
         super().__init__()
         self._inner = inner
         self._crc = crc
@@ -131,12 +75,12 @@ class _HashingRaw(io.RawIOBase):
             return 0
         n = _readinto(self._inner, view)
         if n and self._crc is not None:
-            self._crc.update(self.offset, view[:n])
+            self._crc.update(view[:n])
         self.offset += n
         return n
 
 
-def hashing_reader(inner: IO[bytes], crc: OrderedCrc | None, offset: int, end: int | None = None) -> IO[bytes]:
+def hashing_reader(inner: IO[bytes], crc: Crc32c | None, offset: int, end: int | None = None) -> IO[bytes]:
     """A buffered reader over ``inner`` from ``offset`` to ``end`` that hands every byte read to
     ``crc``; reads of :data:`READ_BUFFER_BYTES` or more go straight into the caller's memory."""
     return cast(IO[bytes], io.BufferedReader(_HashingRaw(inner, crc, offset, end), READ_BUFFER_BYTES))

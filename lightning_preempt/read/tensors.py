@@ -18,7 +18,7 @@ import torch
 from lightning_preempt.errors import CorruptCheckpointError
 from lightning_preempt.format.manifest import FileEntry
 from lightning_preempt.read.archive import TensorItem, Unparsable, archive_in_memory, read_archive
-from lightning_preempt.read.crc_reader import Cursor, OrderedCrc, file_digest, hashing_reader, read_into
+from lightning_preempt.read.crc_reader import Cursor, file_digest, hashing_reader, read_into
 from lightning_preempt.read.verify import CORRUPT_HINT, check_entry, missing_file
 from lightning_preempt.storage.checksum import Crc32c
 from lightning_preempt.storage.store import Store
@@ -146,7 +146,7 @@ def _read_range(
     start: int,
     end: int | None,
     entry: FileEntry | None,
-    crc: OrderedCrc | None,
+    crc: Crc32c | None,
     outs: list[torch.Tensor],
 ) -> tuple[list[torch.Tensor], int, list[Exception]]:
     """Read ``items``, a run of archives from file offset ``start`` (to ``end``; ``None``: the
@@ -155,7 +155,7 @@ def _read_range(
     check says whether the bytes are damaged)."""
     tensors: list[torch.Tensor] = []
     errors: list[Exception] = []
-    cursor = Cursor(None, start)  # offsets only: hashing_reader hashes what storage returns
+    cursor = Cursor(start)  # offsets only: hashing_reader hashes what storage returns
     # A regular file only, never through a symlink (Store.open_read).
     with store.open_read(name) as raw:
         if start:
@@ -221,10 +221,10 @@ def _read_file(
     outs = [[_out(item, into) for item in run] for run in runs]
     starts = [0] + [run[0].offset for run in runs[1:]]
     ends: list[int | None] = [*starts[1:], None]  # the last range reads to the end of the file
-    crcs = [OrderedCrc(None, start) if verify else None for start in starts]  # hashed by each reader
+    crcs = [Crc32c() for _ in starts]  # each range's, hashed by its reader when verifying
     try:
         futures = [
-            pool.submit(_read_range, store, name, run, start, ends[i], entry, crcs[i], outs[i])
+            pool.submit(_read_range, store, name, run, start, ends[i], entry, crcs[i] if verify else None, outs[i])
             for i, (run, start) in enumerate(zip(runs, starts, strict=True))
         ]
         results = [f.result() for f in futures]
@@ -311,8 +311,6 @@ def read_tensors(
     files: dict[str, FileEntry],
     *,
     verify: bool = True,
-    max_parallel_files: int = MAX_PARALLEL_FILES,
-    progress: Callable[[str], None] | None = None,
     into: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every tensor of ``items`` as a full CPU tensor, each file read once (and verified
@@ -331,11 +329,11 @@ def read_tensors(
     total = {name: sum(i.length for i in items) for name, items in per_file.items()}
     order = sorted(per_file, key=lambda name: -total[name])
     parts = {n: 1 + (total[n] >= max(SPLIT_BYTES, SPLIT_MIN_RECORD_BYTES * len(per_file[n]))) for n in order}
-    workers = max(1, min(max_parallel_files, sum(parts.values())))
+    workers = max(1, min(MAX_PARALLEL_FILES, sum(parts.values())))
     ordered_items: list[TensorItem] = []
     chunks: list[torch.Tensor] = []
     # One range in all (a single process's checkpoint): read on this thread, nothing to overlap
-    # (a reader thread measured slower and bimodal: 4000 tensors 0.22-0.29 s vs 0.12-0.14 s).
+    # (a reader thread measured slower and bimodal: docs/resume-speed.md).
     inline = sum(parts.values()) == 1
     with (
         _Inline() if inline else ThreadPoolExecutor(workers, thread_name_prefix="lp-read") as readers,
@@ -349,8 +347,6 @@ def read_tensors(
         }
         for name, fut in futures.items():
             chunks += fut.result()
-            if progress is not None:
-                progress(name)
             ordered_items += per_file[name]
     out = assemble(ordered_items, chunks)
     for key, tensor in (into or {}).items():  # read into the caller's tensor: return that one itself
