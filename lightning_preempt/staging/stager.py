@@ -223,12 +223,6 @@ class HostStager:
             self.account(host_cost(nbytes(buf), pin))
         return buf
 
-    def release(self) -> None:
-        """Drop every buffer (the next save allocates again)."""
-        self._wait_prepared()
-        for key in list(self._buffers):
-            self._drop(key)
-
 
 @dataclasses.dataclass(frozen=True)
 class _StagePlan:
