@@ -23,7 +23,7 @@ from lightning_preempt.collective import groups as pdist
 from lightning_preempt.errors import earlier_save_failed
 from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.format.shares import ShareMemo, own_share
-from lightning_preempt.format.skeleton import Splitter, split_checkpoint
+from lightning_preempt.format.skeleton import DEFAULT_SHARDED_KEYS, Splitter, split_checkpoint
 from lightning_preempt.format.structure import Structure, Structures
 from lightning_preempt.read.load import gc_paused
 from lightning_preempt.save.history import HISTORY_KEPT, SaveRecord, checkpoint_step
@@ -53,7 +53,6 @@ class Saver:
             ``None``: half of ``MemAvailable`` divided by the node's ranks (staging/budget.py).
         pinned_memory_budget: of those, the bytes that may be pinned; ``None``: all.
         thread_count: DCP writer threads per rank.
-        sharded_keys: top-level checkpoint keys whose tensors go to the DCP shards.
         overlap_staging: copy the tensors :attr:`overlap` declares stable after ``save``
             returns, while the next step computes (staging/overlap.py, docs/staging.md).
     """
@@ -66,12 +65,12 @@ class Saver:
         host_memory_budget: int | float | None = None,
         pinned_memory_budget: int | float | None = None,
         thread_count: int = 1,
-        sharded_keys: tuple[str, ...] = ("state_dict", "optimizer_states"),
         overlap_staging: bool = False,
     ) -> None:
         self.storage_options = storage_options
         self.thread_count = thread_count
-        self.sharded_keys = sharded_keys
+        #: top-level checkpoint keys whose tensors go to the DCP shards (a save's order may add some)
+        self.sharded_keys = DEFAULT_SHARDED_KEYS
         self.stager = HostStager(pin_memory)
         self.budget = StagingBudget(host_memory_budget, pinned_memory_budget)
         self.overlap = Overlap(overlap_staging)
