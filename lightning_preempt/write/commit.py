@@ -72,8 +72,9 @@ def write_checkpoint(
 
     With ``group`` every rank of it must call this for the same checkpoint.
     ``plan_cache``: DCP plans of the previous save to reuse while ``request.structure`` is
-    the same (:mod:`lightning_preempt.write.planning`).
+    the same (:mod:`lightning_preempt.write.planning`); without one this save plans afresh.
     """
+    cache = plan_cache if plan_cache is not None else PlanCache()
     root = Store(request.url, request.storage_options)
     rank = pdist.rank(group) if group else 0
     started = time.perf_counter()
@@ -82,14 +83,12 @@ def write_checkpoint(
     tensor_bytes = _total_bytes(list(request.tensors.values()))  # before the buffers are free
 
     def write_files() -> dict[str, FileEntry]:
-        writer = ChecksummingWriter(store, thread_count=thread_count, streamed=request.streamed, plan_cache=plan_cache)
+        writer = ChecksummingWriter(store, thread_count=thread_count, streamed=request.streamed, plan_cache=cache)
         try:
             dcp_save_tensors(
                 request.tensors,
                 storage_writer=writer,
-                planner=CachingSavePlanner(plan_cache, request.structure, collective=group is not None)
-                if plan_cache is not None
-                else None,
+                planner=CachingSavePlanner(cache, request.structure, collective=group is not None),
                 process_group=group,
                 no_dist=group is None,
             )
