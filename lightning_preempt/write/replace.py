@@ -97,7 +97,7 @@ def plan_write(root: Store) -> WritePlan:
     """
     if root.stat(MANIFEST_NAME) is not None:
         check_owned(root, doing="save into")
-        return WritePlan("generation", new_generation(), replace=True, replaced=_live_or_none(root))
+        return WritePlan("generation", new_generation(), replace=True, replaced=live_generation(root))
     if kind_at(root) not in (None, "dir"):
         if not root.is_object_store:
             return WritePlan("beside", sibling_name(_base(root), "new"))
@@ -122,7 +122,7 @@ def _claim(root: Store, *, remove_file: bool) -> WritePlan:
         # Another save committed (and released its claim) since we looked: replace it. Its
         # commit came before its release, so a claim won after the release sees its manifest.
         root.rm_file(CLAIM_NAME, durable=False)
-        return WritePlan("generation", new_generation(), replace=True, replaced=_live_or_none(root))
+        return WritePlan("generation", new_generation(), replace=True, replaced=live_generation(root))
     _remove_ours(root, CLAIM_NAME)  # an earlier save's partial files (never the claim: it is ours now)
     return WritePlan("in_place", remove_file=remove_file)
 
@@ -165,18 +165,14 @@ def _remove_ours(root: Store, skip: str, replaced: str | None = None) -> None:
             root.rm_file(name)
 
 
-def _live_or_none(root: Store) -> str | None:
-    """:func:`live_generation`, or ``None`` for a damaged manifest (its files stay)."""
+def live_generation(root: Store) -> str | None:
+    """The generation the manifest at ``root`` names; ``None``: its files are beside it, or the
+    manifest cannot be read (a damaged checkpoint's files stay)."""
     try:
-        return live_generation(root)
+        manifest = parse_manifest(root.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES), path=root.url)
+        return generation_of(manifest, path=root.url)
     except (CheckpointError, OSError):
         return None
-
-
-def live_generation(root: Store) -> str | None:
-    """The generation the manifest at ``root`` names (``None``: its files are beside it)."""
-    manifest = parse_manifest(root.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES), path=root.url)
-    return generation_of(manifest, path=root.url)
 
 
 def abandon(root: Store, plan: WritePlan, names: Iterable[str]) -> None:
