@@ -71,13 +71,10 @@ def load_sharded_checkpoint(
     Lightning checkpoint dict around them. Collective over ``process_group``. ``verify_group``:
     a gloo group of the same ranks; each rank then CRC-checks only its share of the files and
     the ranks agree on the outcome before loading."""
-    if verify_group is not None and pdist.world_size(verify_group) > 1:
-        manifest = read_manifest(store)
-        # Ranks may differ (rank 0 verified while choosing): all take part if any wants it.
-        if any(pdist.all_gather_objects(verify, verify_group)):
-            verify_shared(store, manifest, verify_group)
-    else:
-        manifest = verify_checkpoint(store) if verify else read_manifest(store)
+    manifest = read_manifest(store)
+    # Ranks may differ (rank 0 verified while choosing): all take part if any wants it.
+    if any(pdist.all_gather_objects(verify, verify_group)):
+        verify_shared(store, manifest, verify_group)
     if not verify:
         check_files(data_store(store, manifest), manifest)
     skeleton = load_skeleton(store, manifest, rank, trusted=trusted)
@@ -109,11 +106,11 @@ def _merged(skeleton: Any, tensors: Mapping[str, Any], store: Store) -> Any:
         raise CorruptCheckpointError(str(err), path=store.url, hint=CORRUPT_HINT) from None
 
 
-def verify_shared(store: Store, manifest: Manifest, group: pdist.ProcessGroup) -> None:
+def verify_shared(store: Store, manifest: Manifest, group: pdist.ProcessGroup | None) -> None:
     """Check every file's size and CRC32C, each file on one rank of ``group`` (largest
-    first, to the rank with the fewest bytes so far); every rank raises the first error any
-    rank found. Collective over ``group``."""
-    rank, world = pdist.rank(group), pdist.world_size(group)
+    first, to the rank with the fewest bytes so far; without a group, every file here); every
+    rank raises the first error any rank found. Collective over ``group``."""
+    rank, world = (pdist.rank(group), pdist.world_size(group)) if group is not None else (0, 1)
     loads = [0] * world
     mine: dict[str, Any] = {}
     for name, entry in sorted(manifest.files.items(), key=lambda item: (-item[1].size, item[0])):
