@@ -97,10 +97,21 @@ class Saver:
 
     def __getstate__(self) -> dict[str, Any]:
         """Configuration only: a copy (``ddp_spawn``, ``deepcopy``) has no pending save, group,
-        history or drain thread (the job queue and the stager drop theirs themselves)."""
+        history or drain thread, and nothing derived from this process's saves: no staging
+        buffers (host memory, maybe pinned, maybe GBs), no plans (they name this process's
+        buffers; made again by :meth:`__setstate__`), no budget resolved here (another host has
+        another ``MemAvailable``), no copy in flight, no stable tensors (the front-end declares
+        them again in the process that trains). The job queue drops its thread itself."""
         state = self.__dict__.copy()
         state.update(_pending=None, _written=None, _committing=None, group=None, stage_group=None, rank=0,
                      history=[], tiers=None, _shares=ShareMemo(), _splitter=Splitter())  # fmt: skip
+        state.update(
+            _structures=Structures(),
+            stager=HostStager(self.stager.pin_memory),
+            budget=StagingBudget(self.budget.host_option, self.budget.pinned_option),
+            overlap=Overlap(self.overlap.enabled),
+            plan_cache=None,
+        )
         tiers = self.tiers
         state["_tier_config"] = (tiers.remote_root, tiers.keep_last_n) if tiers is not None else None
         return state
@@ -108,6 +119,7 @@ class Saver:
     def __setstate__(self, state: dict[str, Any]) -> None:
         tier_config = state.pop("_tier_config", None)
         self.__dict__.update(state)
+        self.plan_cache = PlanCache()
         self.stager.on_release = self.plan_cache.forget_views
         if self._tier_args is not None:
             self.use_local_tier(**self._tier_args)

@@ -251,10 +251,6 @@ class StagingBudget:
         self._chunk: ChunkBuffer | None = None
         self._warned = False
 
-    def __reduce__(self) -> tuple[type[StagingBudget], tuple[int | float | None, int | float | None]]:
-        # Resolved per process (another host, another MemAvailable); the chunk is host memory.
-        return (StagingBudget, (self.host_option, self.pinned_option))
-
     def split(self, tensors: dict[str, torch.Tensor], stager: HostStager, *, unchanged: bool = False) -> Split:
         """Which of ``tensors`` ``stager`` stages; frees the chunk when none is needed.
         ``unchanged``: ``stager.unchanged(tensors, key)`` (the save's structure key); when they

@@ -123,11 +123,6 @@ class Overlap:
         self._streams: dict[torch.device, Any] = {}
         self._hook: Any = None
 
-    def __reduce__(self) -> tuple[type[Overlap], tuple[bool]]:
-        # A copy (ddp_spawn, deepcopy) has nothing in flight and no hook; the front-end
-        # declares the stable tensors again in the process that trains.
-        return (Overlap, (self.enabled,))
-
     @property
     def in_flight(self) -> bool:
         """Whether deferred copies were started and not yet waited for at a gate."""

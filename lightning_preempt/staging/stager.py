@@ -49,12 +49,6 @@ class HostStager:
         #: a new buffer are never held at once
         self.on_release: Callable[[], None] | None = None
 
-    def __getstate__(self) -> dict[str, Any]:
-        # Buffers are a cache of host memory (possibly pinned, possibly GBs): a pickled or
-        # copied stager (ddp_spawn workers, deepcopy of a trainer) starts empty instead.
-        return {**self.__dict__, "_buffers": {}, "_pinned": set(), "_plan": None, "_prep": None, "on_release": None,
-                "allocated_bytes": 0, "last_staged_bytes": 0, "held_bytes": 0, "peak_bytes": 0}  # fmt: skip
-
     def account(self, delta: int) -> None:
         """Count ``delta`` more (or fewer) bytes of staging memory held (the budget's chunk)."""
         self.held_bytes += delta

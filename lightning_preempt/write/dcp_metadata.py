@@ -32,9 +32,6 @@ class MetadataPickles:
         self.hits = 0
         self._lock = threading.Lock()
 
-    def __reduce__(self) -> tuple[type[MetadataPickles], tuple[()]]:
-        return (MetadataPickles, ())  # a copied saver starts afresh (as its PlanCache does)
-
     def set_storage_data(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """``metadata.storage_data = {index: storage data}`` of ``results`` (every rank's
         lists), left as it is when it was set from these very lists last time: a replayed
