@@ -49,7 +49,6 @@ class SaveRequest:
     epoch: int
     storage_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     stats: dict[str, float] = dataclasses.field(default_factory=dict)
-    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
     #: Written to the manifest when set: retention given a run id spares other runs' checkpoints.
     run_id: str | None = None
     #: Tensors of ``tensors`` that are the training state's own, not staged copies (over the
@@ -107,7 +106,7 @@ def write_checkpoint(
 
     return commit_written(
         root, plan, write_files, group=group, step=request.step, epoch=request.epoch, run_id=request.run_id,
-        stats=request.stats, extra=request.extra, tensor_bytes=tensor_bytes, started=started,
+        stats=request.stats, tensor_bytes=tensor_bytes, started=started,
     )  # fmt: skip
 
 
@@ -133,7 +132,6 @@ def commit_written(
     epoch: int,
     run_id: str | None = None,
     stats: dict[str, float] | None = None,
-    extra: dict[str, Any] | None = None,
     tensor_bytes: int = 0,
     started: float | None = None,
 ) -> Manifest:
@@ -155,7 +153,7 @@ def commit_written(
             files={name: entry for rank_entries in written for name, entry in rank_entries.items()},
             tensor_bytes=tensor_bytes,
             stats={**(stats or {}), "write_s": time.perf_counter() - started},
-            extra={**(extra or {}), **plan.manifest_extra},
+            extra=plan.manifest_extra,
             run_id=run_id,
         )
         # Commit metadata only after all ranks completed writing (the gather above). Rank 0
