@@ -260,19 +260,8 @@ def tensor_refs(skeleton: Any) -> list[str]:
     refs = skeleton_refs(skeleton)
     if refs is not None:
         return refs
-    found: list[str] = []
-
-    def walk(node: Any) -> None:
-        if isinstance(node, TensorRef):
-            found.append(node.key)
-        elif isinstance(node, dict):
-            for v in node.values():
-                walk(v)
-        elif isinstance(node, (list, tuple)):
-            for v in node:
-                walk(v)
-
-    walk(skeleton)
+    found: list[str] = []  # before format 3: each placeholder names its key, in walk order
+    map_leaves(skeleton, lambda leaf, _: found.append(leaf.key) if isinstance(leaf, TensorRef) else None)
     return found
 
 
