@@ -36,12 +36,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import stat
 import time
 from typing import Any
 
 from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.format.names import SEAL_NAME
+from lightning_preempt.storage import local
 from lightning_preempt.storage.checksum import Crc32c
 from lightning_preempt.storage.private import read_private, write_private
 
@@ -86,20 +86,17 @@ def _ident(st: os.stat_result) -> list[int]:
 def _verify_file(path: str, size: int, crc32c: str) -> list[int] | None:
     """The file's identity if its bytes match (size, CRC32C) and it did not change while read."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO cannot hang it
+        f = local.open_regular(path)  # a regular file, not through a symlink: a FIFO cannot hang it
     except OSError:
         return None
-    try:
-        before = os.fstat(fd)
-        if not stat.S_ISREG(before.st_mode) or before.st_size != size or time.time_ns() - before.st_ctime_ns < FRESH_NS:
+    with f:
+        before = os.fstat(f.fileno())
+        if before.st_size != size or time.time_ns() - before.st_ctime_ns < FRESH_NS:
             return None
         crc = Crc32c()
-        with os.fdopen(os.dup(fd), "rb", buffering=0) as f:
-            while chunk := f.read(_CHUNK):
-                crc.update(chunk)
-        after = os.fstat(fd)
-    finally:
-        os.close(fd)
+        while chunk := f.read(_CHUNK):
+            crc.update(chunk)
+        after = os.fstat(f.fileno())
     if crc.nbytes != size or crc.hexdigest() != crc32c or _ident(before) != _ident(after):
         return None
     return _ident(after)
