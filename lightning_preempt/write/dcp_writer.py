@@ -292,10 +292,9 @@ class ChecksummingWriter(_compat.FsspecWriter):
         version = _compat.dcp_format_version()
         if version is not None:  # torch >= 2.7 (as its own FileSystemWriter.finish does)
             metadata.version = version
-        pickles.set_storage_data(metadata, results)  # the same dict while the result lists are the same objects
         metadata.storage_meta = self.storage_meta()
         with self.fs.create_stream(posixpath.join(self.path, DCP_METADATA_NAME), "wb") as f:
-            f.write(pickles.dumps(metadata, results))  # the entries pickled once per plan (write/dcp_metadata.py)
+            f.write(pickles.dumps(metadata, results))  # storage_data set, the entries pickled once per plan
 
 
 def _run_files(
