@@ -46,15 +46,9 @@ log = logging.getLogger(__name__)
 class Saver:
     """Sharded, staged, asynchronous, committed saves (docs/design.md "The save pipeline").
 
-    Args:
-        storage_options: fsspec options for every path (merged with per-save options).
-        pin_memory: pin staging buffers; ``None``: when CUDA is available.
-        host_memory_budget: staging bytes, or a fraction of the available memory;
-            ``None``: half of ``MemAvailable`` divided by the node's ranks (staging/budget.py).
-        pinned_memory_budget: of those, the bytes that may be pinned; ``None``: all.
-        thread_count: DCP writer threads per rank.
-        overlap_staging: copy the tensors :attr:`overlap` declares stable after ``save``
-            returns, while the next step computes (staging/overlap.py, docs/staging.md).
+    Its options are the plugin's, documented once on their fields (engine/config.py
+    ``CheckpointIOConfig``; ``overlap_staging`` resolved); ``pin_memory``: pin staging
+    buffers, ``None``: when CUDA is available.
     """
 
     def __init__(
