@@ -1,34 +1,20 @@
-"""A tier-0 copy's seal: its files were CRC32C-verified on this node since they last changed.
+"""A tier-0 copy's seal: its files were CRC32C-verified on this node since they last changed, so
+a load from tmpfs may skip that check, a third of its time (why it is sound, in full: docs/tier0.md,
+"The seal").
 
-A resume from tier 0 reads from tmpfs at memory speed, and its time is the CPU's: the CRC32C
-of every byte is a third of it (docs/tier0.md, "The seal"). The seal lets the load skip that
-check, soundly, for files nothing has touched since they were verified here:
+* **Written after a full check**, on the job thread once the copy (and its peer copy) committed:
+  only files whose size and CRC32C match the manifest and whose status did not change while read
+  (``fstat`` before and after). Per file: the manifest's (size, CRC32C), the inode's identity and
+  times; and the boot id. Written atomically after the manifest: a killed copy has no manifest and
+  so no seal; a torn seal does not parse.
+* **Any change breaks it**: a write, truncation, rename over the file, ``chmod`` or ``utime`` sets
+  the ctime, which no system call sets back; a file whose ctime is within ``FRESH_NS`` of the
+  sealing (the ctime clock's tick) is not sealed.
+* **Only tmpfs, only this boot, all or nothing**: a disk directory is always verified; one file not
+  sealed or changed and every byte is checked. The sizes are always checked.
 
-* **Written after a full check.** On the saver's job thread, after the copy (and on several
-  nodes the peer copy) committed, each file the manifest lists is opened, ``fstat``-ed, read
-  through and hashed, and ``fstat``-ed again; only a file whose CRC32C and size match the
-  manifest and whose status did not change during the read is sealed. The seal records, per
-  file, the manifest's (size, CRC32C) and the inode's identity and times
-  (``st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns``), the boot id, and is written
-  atomically (temporary file, ``rename``) after the manifest. A copy killed mid-write has no
-  manifest and so no seal; a seal torn by a kill does not parse: the load verifies in full.
-* **Any change breaks it.** Every write, truncation, ``fallocate``, rename over the file,
-  ``chmod`` or ``utime`` sets the inode's ctime to the current time, and ctime cannot be set
-  back by any system call. A file changed after its seal therefore has a ctime (or inode)
-  the seal does not hold. The ctime clock is coarse (a tick), so a file whose ctime is within
-  ``FRESH_NS`` of the sealing time is not sealed: a write in the same tick could leave it
-  unchanged.
-* **Only tmpfs, only this boot.** The seal is used only where the directory is on a tmpfs
-  (``/proc/self/mounts``) and ``/proc/sys/kernel/random/boot_id`` is the sealing one: a tmpfs
-  holds its bytes in RAM and has no media of its own to rot; a disk directory (a
-  ``memory_dirpath`` on a disk) is always verified in full.
-* **All or nothing.** The load skips the CRC32C pass only when every file the manifest lists
-  is sealed and matches; otherwise (a peer-received file not sealed yet, one changed file) it
-  checks every byte as before. The sizes are always checked.
-
-What it does not cover: a RAM error in the tmpfs pages (the same risk the live model in RAM
-has; ECC memory is the guard), and a process writing through a shared mapping it held
-before the seal (none of this package's writers map files).
+Not covered: a RAM error in the tmpfs pages (ECC memory is the guard, as for the live model), a
+process writing through a shared mapping it held before the seal (none of our writers map files).
 """
 
 from __future__ import annotations
