@@ -143,7 +143,7 @@ class RecordLayout:
     #: names ``flat`` as the coordinator received it (write/dcp_exchange.py); new when it changes
     token: str = dataclasses.field(default_factory=new_token)
     #: per file, what :func:`replay_file` writes (views of the staged tensors' bytes),
-    #: made by the first replay; dropped by :meth:`forget_views` when a buffer is released
+    #: made by the first replay; dropped when a buffer is released (PlanCache.forget_views)
     segments: list[list[Segment]] | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -151,11 +151,6 @@ class RecordLayout:
 
     def fits(self, items: list[WriteItem], names: list[str]) -> bool:
         return names == self.names and (items is self.items or items == self.items)
-
-    def forget_views(self) -> None:
-        """Drop the views of the tensors' bytes (they keep the buffers alive); the next replay
-        makes them again from the tensors it is given."""
-        self.segments = None
 
 
 def entry(item: WriteItem, tensor: torch.Tensor, parts: tuple[bytes, bytes] | None, length: int) -> Entry:
