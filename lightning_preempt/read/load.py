@@ -26,6 +26,7 @@ from lightning_preempt.format.pickles.unpickle import (
     load_state_bytes,
     read_dcp_metadata,
 )
+from lightning_preempt.format.shares import balance
 from lightning_preempt.format.skeleton import merge_checkpoint, tensor_refs
 from lightning_preempt.read.seal import sealed
 from lightning_preempt.read.tensors import read_tensors, read_verified_bytes, tensor_items
@@ -111,13 +112,8 @@ def verify_shared(store: Store, manifest: Manifest, group: pdist.ProcessGroup | 
     first, to the rank with the fewest bytes so far; without a group, every file here); every
     rank raises the first error any rank found. Collective over ``group``."""
     rank, world = (pdist.rank(group), pdist.world_size(group)) if group is not None else (0, 1)
-    loads = [0] * world
-    mine: dict[str, Any] = {}
-    for name, entry in sorted(manifest.files.items(), key=lambda item: (-item[1].size, item[0])):
-        owner = min(range(world), key=lambda r: (loads[r], r))
-        loads[owner] += entry.size
-        if owner == rank:
-            mine[name] = entry
+    owners = balance({name: entry.size for name, entry in manifest.files.items()}, world)
+    mine = {name: entry for name, entry in manifest.files.items() if owners[name] == rank}
     error: str | None = None
     try:
         verify_checkpoint(store, dataclasses.replace(manifest, files=mine))
