@@ -259,11 +259,7 @@ def generation_of(manifest: Manifest, *, path: str) -> str | None:
         return None
     if not isinstance(value, str) or not is_generation(value):
         # Never follow an arbitrary path out of the checkpoint (``../..``).
-        raise CorruptCheckpointError(
-            f"manifest names an invalid data directory {value!r}",
-            path=path,
-            hint="The checkpoint is damaged or was not written by lightning_preempt; resume from an older one.",
-        )
+        raise _corrupt(f"manifest names an invalid data directory {value!r}", path)
     return value
 
 
