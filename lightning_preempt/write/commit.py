@@ -79,7 +79,8 @@ def write_checkpoint(
     started = time.perf_counter()
     plan = prepare_path(root, group)
     store = plan.data(root)
-    tensor_bytes = _total_bytes(list(request.tensors.values()))  # before the buffers are free
+    # before the buffers are free; one C-level pass (a DTensor's nbytes: the whole tensor's)
+    tensor_bytes = sum(map(_NBYTES, request.tensors.values()))
 
     def write_files() -> dict[str, FileEntry]:
         writer = ChecksummingWriter(store, thread_count=thread_count, streamed=request.streamed, plan_cache=cache)
@@ -220,19 +221,7 @@ def _dcp_failures(err: CheckpointException) -> str:
     return "; ".join(parts)
 
 
-def _total_bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes of ``tensors``; plain tensors in C-level passes (4000 of them: ~0.3 ms, not ~1.3)."""
-    if set(map(type, tensors)) <= {torch.Tensor}:
-        return sum(map(_NBYTES, tensors))
-    return sum(map(_nbytes, tensors))
-
-
 _NBYTES = operator.attrgetter("nbytes")
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    """Bytes of ``tensor`` (a ``DTensor``: of the whole tensor, as its ``numel``)."""
-    return tensor.nbytes if type(tensor) is torch.Tensor else tensor.numel() * tensor.element_size()
 
 
 def _on_every_rank(fn: Callable[[], T], group: pdist.ProcessGroup | None, root: Store, what: str) -> list[T]:
