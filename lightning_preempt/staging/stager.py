@@ -258,8 +258,7 @@ def host_cost(nbytes: int, pinned: bool) -> int:
 
 def nbytes(tensor: torch.Tensor) -> int:
     """Bytes of ``tensor``'s local data (a DTensor's own shard)."""
-    local = local_of(tensor)
-    return local.numel() * local.element_size()
+    return local_of(tensor).nbytes
 
 
 def _like(original: torch.Tensor, host: torch.Tensor) -> Any:
