@@ -163,7 +163,7 @@ def commit_written(
         target = plan.commit_store(root)
 
         def commit() -> None:
-            target.commit_bytes(MANIFEST_NAME, manifest.to_json(), exclusive=plan.exclusive)
+            target.commit_bytes(MANIFEST_NAME, manifest.to_json(), exclusive=not plan.replace)
             if plan.mode == "beside":  # committed beside the path; it is saved once it is *at* it
                 finish_write(root, plan)
 

@@ -62,7 +62,7 @@ class WritePlan:
     mode: Literal["in_place", "generation", "beside"]
     name: str = ""
     remove_file: bool = False  # object stores: a plain file object at the path, deleted after commit
-    replace: bool = False  # the path held a committed checkpoint: the commit replaces its manifest
+    replace: bool = False  # the path held a committed checkpoint: the commit replaces its manifest (else create-only)
     replaced: str | None = None  # the generation holding the replaced checkpoint's files (None: beside it)
 
     def data(self, root: Store) -> Store:
@@ -80,11 +80,6 @@ class WritePlan:
     @property
     def manifest_extra(self) -> dict[str, str]:
         return {DATA_DIR_KEY: self.name} if self.mode == "generation" else {}
-
-    @property
-    def exclusive(self) -> bool:
-        """Create-only commit, except when replacing a committed manifest on purpose."""
-        return not self.replace
 
 
 def plan_write(root: Store) -> WritePlan:
@@ -178,10 +173,8 @@ def live_generation(root: Store) -> str | None:
 def abandon(root: Store, plan: WritePlan, names: Iterable[str]) -> None:
     """Rank 0, after another writer's manifest won the create-only commit: delete what this
     save wrote (``names``, its files), never what the committed checkpoint uses."""
-    if plan.mode == "generation":
-        _delete(root, plan.name, is_dir=True)
-    elif plan.mode == "beside":
-        _delete(root.parent(), plan.name, is_dir=True)
+    if plan.mode != "in_place":  # its own generation, or its directory beside the path
+        _delete(plan.data(root).parent(), plan.name, is_dir=True)
     elif live_generation(root) is not None:  # the winner's files are in its generation
         for name in names:
             root.rm_file(name)
