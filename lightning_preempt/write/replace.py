@@ -93,13 +93,11 @@ def plan_write(root: Store) -> WritePlan:
     if root.stat(MANIFEST_NAME) is not None:
         check_owned(root, doing="save into")
         return WritePlan("generation", new_generation(), replace=True, replaced=live_generation(root))
-    if kind_at(root) not in (None, "dir"):
-        if not root.is_object_store:
-            return WritePlan("beside", sibling_name(_base(root), "new"))
-        check_owned(root, doing="save into")  # the file object and our objects under P/ coexist
-        return _claim(root, remove_file=True)
-    check_owned(root, doing="save into")
-    return _claim(root, remove_file=False)
+    a_file = kind_at(root) not in (None, "dir")
+    if a_file and not root.is_object_store:
+        return WritePlan("beside", sibling_name(_base(root), "new"))
+    check_owned(root, doing="save into")  # (an object store: the file object and our objects under P/ coexist)
+    return _claim(root, remove_file=a_file)
 
 
 def _claim(root: Store, *, remove_file: bool) -> WritePlan:
