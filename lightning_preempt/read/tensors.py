@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import ctypes
 import sys
-from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -209,12 +209,13 @@ def _read_file(
     items: list[TensorItem],
     entry: FileEntry | None,
     verify: bool,
-    pool: ThreadPoolExecutor | _Inline,
+    pool: ThreadPoolExecutor | None,
     parts: int,
     into: Mapping[str, torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
-    """Read one shard file in ``parts`` ranges at once (their own file handles), checking
-    its size and (``verify``) CRC32C against ``entry``; into ``into``'s tensors where they fit."""
+    """Read one shard file in ``parts`` ranges at once (their own file handles; ``pool``: none,
+    one range read on this thread), checking its size and (``verify``) CRC32C against
+    ``entry``; into ``into``'s tensors where they fit."""
     runs = _ranges(items, parts)
     # Every tensor allocated here, on the file's thread, as torch.load does; the readers
     # fill them (and fault their pages in, in parallel when there are several ranges).
@@ -223,11 +224,14 @@ def _read_file(
     ends: list[int | None] = [*starts[1:], None]  # the last range reads to the end of the file
     crcs = [Crc32c() for _ in starts]  # each range's, hashed by its reader when verifying
     try:
-        futures = [
-            pool.submit(_read_range, store, name, run, start, ends[i], entry, crcs[i] if verify else None, outs[i])
-            for i, (run, start) in enumerate(zip(runs, starts, strict=True))
-        ]
-        results = [f.result() for f in futures]
+        if pool is None:
+            results = [_read_range(store, name, runs[0], 0, None, entry, crcs[0] if verify else None, outs[0])]
+        else:
+            futures = [
+                pool.submit(_read_range, store, name, run, start, ends[i], entry, crcs[i] if verify else None, outs[i])
+                for i, (run, start) in enumerate(zip(runs, starts, strict=True))
+            ]
+            results = [f.result() for f in futures]
     except FileNotFoundError as err:
         raise missing_file(name, store) from err
     tensors = [t for got, _, _ in results for t in got]
@@ -287,24 +291,6 @@ def assemble(items: list[TensorItem], chunks: list[torch.Tensor]) -> dict[str, t
     return out
 
 
-class _Inline:
-    """A stand-in executor that runs each task at once on the calling thread."""
-
-    def __enter__(self) -> _Inline:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any]:
-        done: Future[Any] = Future()
-        try:
-            done.set_result(fn(*args, **kwargs))
-        except BaseException as err:
-            done.set_exception(err)
-        return done
-
-
 def read_tensors(
     store: Store,
     items: list[TensorItem],
@@ -332,22 +318,24 @@ def read_tensors(
     workers = max(1, min(MAX_PARALLEL_FILES, sum(parts.values())))
     ordered_items: list[TensorItem] = []
     chunks: list[torch.Tensor] = []
-    # One range in all (a single process's checkpoint): read on this thread, nothing to overlap
-    # (a reader thread measured slower and bimodal: docs/resume-speed.md).
-    inline = sum(parts.values()) == 1
-    with (
-        _Inline() if inline else ThreadPoolExecutor(workers, thread_name_prefix="lp-read") as readers,
-        _Inline() if inline else ThreadPoolExecutor(max(1, len(order)), thread_name_prefix="lp-file") as files_pool,
-    ):
-        futures = {
-            name: files_pool.submit(
-                _read_file, store, name, per_file[name], files.get(name), verify, readers, parts[name], into
-            )
-            for name in order
-        }
-        for name, fut in futures.items():
-            chunks += fut.result()
-            ordered_items += per_file[name]
+    if sum(parts.values()) == 1:  # one range in all (a single process's checkpoint): read on this thread,
+        # nothing to overlap (a reader thread measured slower and bimodal: docs/resume-speed.md)
+        ordered_items = per_file[order[0]]
+        chunks = _read_file(store, order[0], ordered_items, files.get(order[0]), verify, None, 1, into)
+    else:
+        with (
+            ThreadPoolExecutor(workers, thread_name_prefix="lp-read") as readers,
+            ThreadPoolExecutor(max(1, len(order)), thread_name_prefix="lp-file") as files_pool,
+        ):
+            futures = {
+                name: files_pool.submit(
+                    _read_file, store, name, per_file[name], files.get(name), verify, readers, parts[name], into
+                )
+                for name in order
+            }
+            for name, fut in futures.items():
+                chunks += fut.result()
+                ordered_items += per_file[name]
     out = assemble(ordered_items, chunks)
     for key, tensor in (into or {}).items():  # read into the caller's tensor: return that one itself
         got = out.get(key)
