@@ -10,7 +10,7 @@ import gc
 import logging
 import os
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
@@ -34,6 +34,7 @@ from lightning_preempt.read.verify import CORRUPT_HINT, Fallback, check_files, r
 from lightning_preempt.storage.store import Store
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def load_skeleton(
@@ -79,7 +80,7 @@ def load_sharded_checkpoint(
     if not verify:
         check_files(data_store(store, manifest), manifest)
     skeleton = load_skeleton(store, manifest, rank, trusted=trusted)
-    missing = set(templates) - set(_refs(skeleton, store))
+    missing = set(templates) - set(_checked(tensor_refs, skeleton, store=store))
     if missing:
         raise CorruptCheckpointError(
             f"the model has {len(missing)} tensors that the checkpoint lacks (e.g. {sorted(missing)[0]!r})",
@@ -88,22 +89,19 @@ def load_sharded_checkpoint(
         )
     load_tensors_into(data_store(store, manifest), templates, process_group=process_group, manifest=manifest)
     # refs the model did not ask for (e.g. dropped parameters) resolve to None
-    result = _merged(skeleton, collections.defaultdict[str, Any](lambda: None, templates), store)
+    result = _checked(
+        merge_checkpoint, skeleton, collections.defaultdict[str, Any](lambda: None, templates), store=store
+    )
     assert isinstance(result, dict)
     return result
 
 
-def _refs(skeleton: Any, store: Store) -> list[str]:
+def _checked(fn: Callable[..., T], *args: Any, store: Store) -> T:
+    """``fn(*args)`` of format/skeleton.py; its ValueError (a list of keys that is not one,
+    placeholders and keys that do not pair up) is a damaged state."""
     try:
-        return tensor_refs(skeleton)
-    except ValueError as err:  # a state whose list of keys is not one (format/skeleton.py)
-        raise CorruptCheckpointError(str(err), path=store.url, hint=CORRUPT_HINT) from None
-
-
-def _merged(skeleton: Any, tensors: Mapping[str, Any], store: Store) -> Any:
-    try:
-        return merge_checkpoint(skeleton, tensors)
-    except ValueError as err:  # placeholders and keys that do not pair up
+        return fn(*args)
+    except ValueError as err:
         raise CorruptCheckpointError(str(err), path=store.url, hint=CORRUPT_HINT) from None
 
 
@@ -168,7 +166,7 @@ def load_full_checkpoint(
     if not verify:
         check_files(data_store(store, manifest), manifest)
     skeleton = load_skeleton(store, manifest, rank, verify=verify, trusted=trusted, map_location=map_location)
-    keys = set(_refs(skeleton, store))
+    keys = set(_checked(tensor_refs, skeleton, store=store))
     tensors: dict[str, Any] = {}
     if keys:
         tensors = _load_all_tensors_verified(store, manifest, verify=verify, into=into)
@@ -180,7 +178,7 @@ def load_full_checkpoint(
             path=store.url,
             hint=CORRUPT_HINT,
         )
-    result = _merged(skeleton, tensors, store)
+    result = _checked(merge_checkpoint, skeleton, tensors, store=store)
     assert isinstance(result, dict)
     return result
 
