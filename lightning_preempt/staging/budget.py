@@ -229,8 +229,7 @@ class ChunkBuffer:
             if self._buffer is None:
                 self._buffer = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self.pinned)
                 self._account(host_cost(self.nbytes, self.pinned))
-            size = tensor.numel() * tensor.element_size()
-            host = self._buffer[:size].view(tensor.dtype).view(tensor.shape)
+            host = self._buffer[: tensor.nbytes].view(tensor.dtype).view(tensor.shape)
             host.copy_(tensor.detach(), non_blocking=self.pinned)
             if self.pinned:
                 torch.cuda.current_stream(tensor.device).synchronize()
