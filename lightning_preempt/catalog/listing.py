@@ -10,7 +10,7 @@ from typing import Any
 
 from lightning_preempt.errors import CheckpointError, CorruptCheckpointError, UnsupportedFormatError
 from lightning_preempt.format.manifest import Manifest
-from lightning_preempt.format.names import MANIFEST_NAME, dir_step, foreign_step, is_our_dir_name
+from lightning_preempt.format.names import MANIFEST_NAME, dir_step, foreign_step
 from lightning_preempt.read.verify import read_manifest
 from lightning_preempt.storage.store import Store
 
@@ -55,7 +55,7 @@ def list_checkpoints(url: str, storage_options: dict[str, Any] | None = None) ->
 
 def _describe(root: Store, name: str) -> CheckpointInfo | None:
     store = root.child(name)
-    ours = is_our_dir_name(name)
+    ours = dir_step(name) is not None
     name_step = dir_step(name) if ours else foreign_step(name)
     if store.stat(MANIFEST_NAME) is None:
         if not ours or name_step is None:

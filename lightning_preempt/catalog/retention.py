@@ -18,7 +18,7 @@ from lightning_preempt.catalog.listing import CheckpointInfo, list_checkpoints
 from lightning_preempt.catalog.ownership import remove_if_ours
 from lightning_preempt.catalog.verified import is_verified, mark_verified
 from lightning_preempt.errors import CheckpointError
-from lightning_preempt.format.names import HIDDEN_PREFIX, LEDGER_COMPACT_RE, LEDGER_RECORD_RE, is_our_dir_name
+from lightning_preempt.format.names import HIDDEN_PREFIX, LEDGER_COMPACT_RE, LEDGER_RECORD_RE, dir_step
 from lightning_preempt.read.verify import check_checkpoint
 from lightning_preempt.storage.diagnose import describe
 from lightning_preempt.storage.store import Store, files_below, kind_at
@@ -51,7 +51,7 @@ def apply_retention(
     """
     infos = list_checkpoints(url, storage_options)
     _warn_foreign(url, storage_options, infos)
-    ours = [c for c in infos if is_our_dir_name(c.name) and not _other_run(c, run_id)]
+    ours = [c for c in infos if dir_step(c.name) is not None and not _other_run(c, run_id)]
     anchor: CheckpointInfo | None = None
     kept = 0
     doomed: list[tuple[CheckpointInfo, str]] = []
@@ -135,7 +135,7 @@ def _warn_foreign(url: str, storage_options: dict[str, Any] | None, infos: list[
         names = [e.name for e in Store(url, storage_options).entries()]
     except Exception:
         return
-    foreign = sorted(n for n in names if not is_our_dir_name(n) and not n.startswith(HIDDEN_PREFIX))
+    foreign = sorted(n for n in names if dir_step(n) is None and not n.startswith(HIDDEN_PREFIX))
     if foreign:
         _WARNED_FOREIGN.add(url)
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")

@@ -4,6 +4,7 @@ torch upgrade means reading one file (docs/compat.md; torch 2.7.0-2.13.0).
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
@@ -71,13 +72,8 @@ def dcp_format_version() -> str | None:
     return getattr(filesystem, "CURRENT_DCP_VERSION", None)
 
 
-_SINGLE_PROCESS_QUIETED = False
-
-
+@functools.cache
 def quiet_single_process_warning() -> None:
     """Silence DCP's per-call "assuming a single process" warning under ``no_dist`` (our intent);
-    added on first use, never at import, and for that message only."""
-    global _SINGLE_PROCESS_QUIETED
-    if not _SINGLE_PROCESS_QUIETED:
-        warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized")
-        _SINGLE_PROCESS_QUIETED = True
+    added once, on first use, never at import, and for that message only."""
+    warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized")

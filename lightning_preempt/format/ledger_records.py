@@ -59,7 +59,7 @@ FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
 #: Fields a record may lack (written by newer versions only); checked when present.
 OPTIONAL: dict[str, dict[str, tuple[type, ...]]] = {
     "start": {"resumed_tier": _STR + _NONE},
-    # from the first signal (any rank) to the agreed step: steps and seconds (issue 58)
+    # from the first signal (any rank) to the agreed step: steps and seconds
     "preemption": {"agreed_after_steps": _INT + _NONE, "agreed_after_s": _NUM + _NONE},
 }
 #: The sequence number of a ``failure`` record: one per restart (create-only), after any the

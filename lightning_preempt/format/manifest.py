@@ -26,7 +26,7 @@ FORMAT_VERSION = 3
 #: Larger manifests are refused unread (a 4096-rank checkpoint's is well under 1 MiB).
 MAX_MANIFEST_BYTES = 32 << 20
 #: Most files one manifest may list: 131,072 ranks at one writer thread each (~2.5 s to
-#: parse); a crafted 430k-entry one took 8.8 s and 310 MB in ``ls`` before this limit.
+#: parse); a crafted larger one would hold ``ls`` for many seconds.
 MAX_MANIFEST_FILES = 1 << 18
 
 _CRC_RE = re.compile(r"[0-9a-f]{8}")
@@ -143,22 +143,17 @@ class Manifest:
             what = f"field {err.args[0]!r} is missing" if isinstance(err, KeyError) else str(err)
             raise _corrupt(f"manifest is missing or has a malformed field: {what}", path) from err
 
-    def check_file_names(self, *, path: str) -> None:
-        """Raise :class:`CorruptCheckpointError` unless every listed file is named as this
-        package names its files (nothing else is ever read, copied or trusted)."""
-        bad = sorted(name for name in self.files if not is_checkpoint_file(name))
-        if bad:
-            raise _corrupt(
-                f"manifest lists {len(bad)} file name(s) this package never writes (e.g. {bad[0]!r})",
-                path,
-            )
-
 
 def parse_manifest(data: bytes, *, path: str) -> Manifest:
-    """:meth:`Manifest.from_json` plus :meth:`Manifest.check_file_names`: how manifests
-    read from storage are parsed."""
+    """:meth:`Manifest.from_json`, and every listed file named as this package names its files
+    (nothing else is ever read, copied or trusted): how manifests read from storage are parsed."""
     manifest = Manifest.from_json(data, path=path)
-    manifest.check_file_names(path=path)
+    bad = sorted(name for name in manifest.files if not is_checkpoint_file(name))
+    if bad:
+        raise _corrupt(
+            f"manifest lists {len(bad)} file name(s) this package never writes (e.g. {bad[0]!r})",
+            path,
+        )
     return manifest
 
 
@@ -264,11 +259,7 @@ def generation_of(manifest: Manifest, *, path: str) -> str | None:
         return None
     if not isinstance(value, str) or not is_generation(value):
         # Never follow an arbitrary path out of the checkpoint (``../..``).
-        raise CorruptCheckpointError(
-            f"manifest names an invalid data directory {value!r}",
-            path=path,
-            hint="The checkpoint is damaged or was not written by lightning_preempt; resume from an older one.",
-        )
+        raise _corrupt(f"manifest names an invalid data directory {value!r}", path)
     return value
 
 

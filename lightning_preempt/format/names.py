@@ -124,11 +124,6 @@ def dir_step(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def is_our_dir_name(name: str) -> bool:
-    """Whether ``name`` is a checkpoint directory name this package gives."""
-    return STEP_DIR_RE.fullmatch(name) is not None
-
-
 def foreign_step(name: str) -> int | None:
     """The step a name this package did not give carries (``epoch=0-step=100.ckpt``), if any."""
     match = _FOREIGN_STEP_RE.search(name)

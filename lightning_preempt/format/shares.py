@@ -32,19 +32,22 @@ def replica_fingerprint(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def replica_owners(tensors: dict[str, torch.Tensor], world_size: int) -> dict[str, int]:
-    """The rank that stages and writes each plain tensor: largest first to the rank with
-    the fewest bytes so far (lowest rank on a tie; keys break size ties), so every rank
-    computes the same map and the largest rank's share stays close to 1/N."""
-    plain = [(t.numel() * t.element_size(), key) for key, t in tensors.items() if _is_plain(t)]
-    plain.sort(key=lambda sk: (-sk[0], sk[1]))
+def balance(sizes: dict[str, int], world_size: int) -> dict[str, int]:
+    """The rank of each key: largest first to the rank with the fewest bytes so far (lowest
+    rank on a tie; keys break size ties), so every rank computes the same map and the largest
+    rank's share stays close to 1/N."""
     loads = [0] * world_size
     owners: dict[str, int] = {}
-    for size, key in plain:
+    for key, size in sorted(sizes.items(), key=lambda ks: (-ks[1], ks[0])):
         rank = min(range(world_size), key=lambda r: (loads[r], r))
         owners[key] = rank
         loads[rank] += size
     return owners
+
+
+def replica_owners(tensors: dict[str, torch.Tensor], world_size: int) -> dict[str, int]:
+    """The rank that stages and writes each plain tensor (:func:`balance` of their bytes)."""
+    return balance({key: t.numel() * t.element_size() for key, t in tensors.items() if _is_plain(t)}, world_size)
 
 
 def own_share(tensors: dict[str, torch.Tensor], rank: int, world_size: int) -> dict[str, torch.Tensor]:

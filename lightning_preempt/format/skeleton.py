@@ -260,27 +260,12 @@ def tensor_refs(skeleton: Any) -> list[str]:
     refs = skeleton_refs(skeleton)
     if refs is not None:
         return refs
-    found: list[str] = []
-
-    def walk(node: Any) -> None:
-        if isinstance(node, TensorRef):
-            found.append(node.key)
-        elif isinstance(node, dict):
-            for v in node.values():
-                walk(v)
-        elif isinstance(node, (list, tuple)):
-            for v in node:
-                walk(v)
-
-    walk(skeleton)
+    found: list[str] = []  # before format 3: each placeholder names its key, in walk order
+    map_leaves(skeleton, lambda leaf, _: found.append(leaf.key) if isinstance(leaf, TensorRef) else None)
     return found
 
 
 # ---- rebuilding containers as their exact types -------------------------------------------
-def is_namedtuple(value: Any) -> bool:
-    return isinstance(value, tuple) and hasattr(type(value), "_fields")
-
-
 def rebuild(original: Any, items: Any) -> Any:
     """``items`` (a dict or a list) as ``original``'s exact type; subclasses are copied and
     refilled, so instance attributes stay. Anything not rebuildable falls back to the plain type."""
@@ -291,7 +276,7 @@ def rebuild(original: Any, items: Any) -> Any:
         return tuple(items)
     if isinstance(original, tuple):
         try:
-            return kind(*items) if is_namedtuple(original) else kind(items)
+            return kind(*items) if hasattr(kind, "_fields") else kind(items)  # a namedtuple
         except Exception:
             return tuple(items)
     try:
@@ -303,14 +288,11 @@ def rebuild(original: Any, items: Any) -> Any:
         return items
 
 
-def map_leaves(obj: Any, fn: Callable[[Any, str], Any], prefix: str = "", *, descend: Callable[[Any], bool] | None = None) -> Any:
+def map_leaves(obj: Any, fn: Callable[[Any, str], Any], prefix: str = "") -> Any:
     """``obj`` with every non-container leaf replaced by ``fn(leaf, path)`` (paths ``/``-joined
-    from ``prefix``), every dict, list and tuple rebuilt as its exact type (:func:`rebuild`).
-    ``descend(container)`` may refuse to enter a container (it is then a leaf)."""
-    if descend is not None and isinstance(obj, (dict, list, tuple)) and not descend(obj):
-        return fn(obj, prefix)
+    from ``prefix``), every dict, list and tuple rebuilt as its exact type (:func:`rebuild`)."""
     if isinstance(obj, dict):
-        return rebuild(obj, {k: map_leaves(v, fn, f"{prefix}/{k}", descend=descend) for k, v in obj.items()})
+        return rebuild(obj, {k: map_leaves(v, fn, f"{prefix}/{k}") for k, v in obj.items()})
     if isinstance(obj, (list, tuple)):
-        return rebuild(obj, [map_leaves(v, fn, f"{prefix}/{i}", descend=descend) for i, v in enumerate(obj)])
+        return rebuild(obj, [map_leaves(v, fn, f"{prefix}/{i}") for i, v in enumerate(obj)])
     return fn(obj, prefix)

@@ -47,9 +47,6 @@ class Structures:
     def __init__(self) -> None:
         self._last: Structure | None = None
 
-    def __reduce__(self) -> tuple[type[Structures], tuple[()]]:
-        return (Structures, ())  # a copied saver starts afresh: nothing kept for a key yet
-
     def key(self, tensors: dict[str, torch.Tensor]) -> Structure:
         """The structure key of ``tensors`` (a save's flat tensors, all of them)."""
         last = self._last

@@ -10,7 +10,7 @@ import gc
 import logging
 import os
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
@@ -26,6 +26,7 @@ from lightning_preempt.format.pickles.unpickle import (
     load_state_bytes,
     read_dcp_metadata,
 )
+from lightning_preempt.format.shares import balance
 from lightning_preempt.format.skeleton import merge_checkpoint, tensor_refs
 from lightning_preempt.read.seal import sealed
 from lightning_preempt.read.tensors import read_tensors, read_verified_bytes, tensor_items
@@ -33,6 +34,7 @@ from lightning_preempt.read.verify import CORRUPT_HINT, Fallback, check_files, r
 from lightning_preempt.storage.store import Store
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: When no candidate checkpoint verifies (the resolver's choice and the load's fall-back).
 NONE_VERIFIES_HINT = ("Inspect them with `lightning-preempt ls --verify DIR`; delete the damaged ones (or pass "
@@ -68,17 +70,14 @@ def load_sharded_checkpoint(store: Store, templates: dict[str, Any], *, rank: in
     Lightning checkpoint dict around them. Collective over ``process_group``. ``verify_group``:
     a gloo group of the same ranks; each rank then CRC-checks only its share of the files and
     the ranks agree on the outcome before loading."""
-    if verify_group is not None and pdist.world_size(verify_group) > 1:
-        manifest = read_manifest(store)
-        # Ranks may differ (rank 0 verified while choosing): all take part if any wants it.
-        if any(pdist.all_gather_objects(verify, verify_group)):
-            verify_shared(store, manifest, verify_group)
-    else:
-        manifest = verify_checkpoint(store) if verify else read_manifest(store)
+    manifest = read_manifest(store)
+    # Ranks may differ (rank 0 verified while choosing): all take part if any wants it.
+    if any(pdist.all_gather_objects(verify, verify_group)):
+        verify_shared(store, manifest, verify_group)
     if not verify:
         check_files(data_store(store, manifest), manifest)
     skeleton = load_skeleton(store, manifest, rank, trusted=trusted)
-    missing = set(templates) - set(_refs(skeleton, store))
+    missing = set(templates) - set(_checked(tensor_refs, skeleton, store=store))
     if missing:
         raise CorruptCheckpointError(
             f"the model has {len(missing)} tensors that the checkpoint lacks (e.g. {sorted(missing)[0]!r})",
@@ -87,37 +86,29 @@ def load_sharded_checkpoint(store: Store, templates: dict[str, Any], *, rank: in
         )
     load_tensors_into(data_store(store, manifest), templates, process_group=process_group, manifest=manifest)
     # refs the model did not ask for (e.g. dropped parameters) resolve to None
-    result = _merged(skeleton, collections.defaultdict[str, Any](lambda: None, templates), store)
+    result = _checked(
+        merge_checkpoint, skeleton, collections.defaultdict[str, Any](lambda: None, templates), store=store
+    )
     assert isinstance(result, dict)
     return result
 
 
-def _refs(skeleton: Any, store: Store) -> list[str]:
+def _checked(fn: Callable[..., T], *args: Any, store: Store) -> T:
+    """``fn(*args)`` of format/skeleton.py; its ValueError (a list of keys that is not one,
+    placeholders and keys that do not pair up) is a damaged state."""
     try:
-        return tensor_refs(skeleton)
-    except ValueError as err:  # a state whose list of keys is not one (format/skeleton.py)
+        return fn(*args)
+    except ValueError as err:
         raise CorruptCheckpointError(str(err), path=store.url, hint=CORRUPT_HINT) from None
 
 
-def _merged(skeleton: Any, tensors: Mapping[str, Any], store: Store) -> Any:
-    try:
-        return merge_checkpoint(skeleton, tensors)
-    except ValueError as err:  # placeholders and keys that do not pair up
-        raise CorruptCheckpointError(str(err), path=store.url, hint=CORRUPT_HINT) from None
-
-
-def verify_shared(store: Store, manifest: Manifest, group: pdist.ProcessGroup) -> None:
+def verify_shared(store: Store, manifest: Manifest, group: pdist.ProcessGroup | None) -> None:
     """Check every file's size and CRC32C, each file on one rank of ``group`` (largest
-    first, to the rank with the fewest bytes so far); every rank raises the first error any
-    rank found. Collective over ``group``."""
-    rank, world = pdist.rank(group), pdist.world_size(group)
-    loads = [0] * world
-    mine: dict[str, Any] = {}
-    for name, entry in sorted(manifest.files.items(), key=lambda item: (-item[1].size, item[0])):
-        owner = min(range(world), key=lambda r: (loads[r], r))
-        loads[owner] += entry.size
-        if owner == rank:
-            mine[name] = entry
+    first, to the rank with the fewest bytes so far; without a group, every file here); every
+    rank raises the first error any rank found. Collective over ``group``."""
+    rank, world = (pdist.rank(group), pdist.world_size(group)) if group is not None else (0, 1)
+    owners = balance({name: entry.size for name, entry in manifest.files.items()}, world)
+    mine = {name: entry for name, entry in manifest.files.items() if owners[name] == rank}
     error: str | None = None
     try:
         verify_checkpoint(store, dataclasses.replace(manifest, files=mine))
@@ -128,6 +119,21 @@ def verify_shared(store: Store, manifest: Manifest, group: pdist.ProcessGroup) -
         raise CorruptCheckpointError(errors[0], path=store.url, hint=CORRUPT_HINT)
 
 
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection while a checkpoint is unpickled and read (or, in
+    save/saver.py, while training waits for a save): tens of thousands of new objects
+    trigger full collections, measured 0.04 s -> 0.2 s for one ``.metadata`` of 4000 tensors."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+@gc_paused()
 def load_full_checkpoint(
     store: Store,
     *,
@@ -146,27 +152,6 @@ def load_full_checkpoint(
     parameters) to read a *sealed* tier-0 copy straight into (read/tensors.py
     ``read_tensors``); the dict then holds those tensors. Ignored for anything the load must
     CRC-check first, and with a ``map_location``."""
-    with gc_paused():
-        return _load_full(store, rank=rank, verify=verify, trusted=trusted, map_location=map_location, into=into)
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """No cyclic garbage collection while a checkpoint is unpickled and read (or, in
-    save/saver.py, while training waits for a save): tens of thousands of new objects
-    trigger full collections, measured 0.04 s -> 0.2 s for one ``.metadata`` of 4000 tensors."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
-def _load_full(
-    store: Store, *, rank: int, verify: bool, trusted: bool, map_location: Any, into: Mapping[str, Any] | None
-) -> dict[str, Any]:
     manifest = read_manifest(store)
     is_sealed = store.is_local and sealed(data_store(store, manifest).path(), manifest)
     if verify and is_sealed:
@@ -178,7 +163,7 @@ def _load_full(
     if not verify:
         check_files(data_store(store, manifest), manifest)
     skeleton = load_skeleton(store, manifest, rank, verify=verify, trusted=trusted, map_location=map_location)
-    keys = set(_refs(skeleton, store))
+    keys = set(_checked(tensor_refs, skeleton, store=store))
     tensors: dict[str, Any] = {}
     if keys:
         tensors = _load_all_tensors_verified(store, manifest, verify=verify, into=into)
@@ -190,7 +175,7 @@ def _load_full(
             path=store.url,
             hint=CORRUPT_HINT,
         )
-    result = _merged(skeleton, tensors, store)
+    result = _checked(merge_checkpoint, skeleton, tensors, store=store)
     assert isinstance(result, dict)
     return result
 

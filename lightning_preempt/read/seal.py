@@ -1,24 +1,20 @@
-"""A tier-0 copy's seal: its files were CRC32C-verified on this node since they last changed.
+"""A tier-0 copy's seal: its files were CRC32C-verified on this node since they last changed, so
+a load from tmpfs may skip that check, a third of its time (why it is sound, in full: docs/tier0.md,
+"The seal").
 
-A resume from tier 0 reads from tmpfs at memory speed, and the CRC32C of every byte is a third
-of its time; the seal lets the load skip that check, soundly (docs/tier0.md, "The seal", has the
-whole argument):
+* **Written after a full check**, on the job thread once the copy (and its peer copy) committed:
+  only files whose size and CRC32C match the manifest and whose status did not change while read
+  (``fstat`` before and after). Per file: the manifest's (size, CRC32C), the inode's identity and
+  times; and the boot id. Written atomically after the manifest: a killed copy has no manifest and
+  so no seal; a torn seal does not parse.
+* **Any change breaks it**: a write, truncation, rename over the file, ``chmod`` or ``utime`` sets
+  the ctime, which no system call sets back; a file whose ctime is within ``FRESH_NS`` of the
+  sealing (the ctime clock's tick) is not sealed.
+* **Only tmpfs, only this boot, all or nothing**: a disk directory is always verified; one file not
+  sealed or changed and every byte is checked. The sizes are always checked.
 
-* **Written after a full check**, on the saver's job thread once the copy committed: each file
-  is ``fstat``-ed, hashed, ``fstat``-ed again; only a file whose size and CRC32C match the
-  manifest and whose status did not change meanwhile is sealed, with its inode's identity and
-  times and the boot id, atomically, after the manifest (a kill leaves no seal, or one that does
-  not parse).
-* **Any change breaks it**: every write, truncation, rename over the file, ``chmod`` or
-  ``utime`` sets the ctime to now, and no system call sets it back; a file whose ctime is within
-  ``FRESH_NS`` of the sealing time (the clock's tick) is not sealed.
-* **Only tmpfs, only this boot** (RAM, no media of its own to rot); a disk directory is always
-  verified in full.
-* **All or nothing**: the CRC32C pass is skipped only when every file is sealed and matches; the
-  sizes are always checked.
-
-Not covered: a RAM error in the tmpfs pages (as for the live model; ECC is the guard), and a
-process writing through a shared mapping held before the seal (none of ours map files).
+Not covered: a RAM error in the tmpfs pages (ECC memory is the guard, as for the live model), a
+process writing through a shared mapping it held before the seal (none of our writers map files).
 """
 
 from __future__ import annotations
@@ -26,12 +22,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import stat
 import time
 from typing import Any
 
 from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.format.names import SEAL_NAME
+from lightning_preempt.storage import local
 from lightning_preempt.storage.checksum import Crc32c
 from lightning_preempt.storage.private import read_private, write_private
 
@@ -76,20 +72,17 @@ def _ident(st: os.stat_result) -> list[int]:
 def _verify_file(path: str, size: int, crc32c: str) -> list[int] | None:
     """The file's identity if its bytes match (size, CRC32C) and it did not change while read."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO cannot hang it
+        f = local.open_regular(path)  # a regular file, not through a symlink: a FIFO cannot hang it
     except OSError:
         return None
-    try:
-        before = os.fstat(fd)
-        if not stat.S_ISREG(before.st_mode) or before.st_size != size or time.time_ns() - before.st_ctime_ns < FRESH_NS:
+    with f:
+        before = os.fstat(f.fileno())
+        if before.st_size != size or time.time_ns() - before.st_ctime_ns < FRESH_NS:
             return None
         crc = Crc32c()
-        with os.fdopen(os.dup(fd), "rb", buffering=0) as f:
-            while chunk := f.read(_CHUNK):
-                crc.update(chunk)
-        after = os.fstat(fd)
-    finally:
-        os.close(fd)
+        while chunk := f.read(_CHUNK):
+            crc.update(chunk)
+        after = os.fstat(f.fileno())
     if crc.nbytes != size or crc.hexdigest() != crc32c or _ident(before) != _ident(after):
         return None
     return _ident(after)

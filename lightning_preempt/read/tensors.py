@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import ctypes
 import sys
-from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -28,7 +28,8 @@ MAX_PARALLEL_FILES = 4
 #: A file at least this large is read in two ranges at once...
 SPLIT_BYTES = 64 << 20
 #: ...when its records average at least this size: small records are parsed in Python,
-#: and two threads parsing them at once mostly wait for each other (the GIL).
+#: and two threads parsing at once mostly wait for each other (the GIL), measured slower
+#: than one for 4000 records of 64 KiB.
 SPLIT_MIN_RECORD_BYTES = 1 << 20
 
 #: Archives smaller than this are read many at once (up to :data:`BATCH_BYTES` per read)
@@ -43,7 +44,7 @@ _madvise = ctypes.CDLL(None, use_errno=True).madvise if sys.platform == "linux" 
 def new_tensor(shape: Any, dtype: torch.dtype) -> torch.Tensor:
     """``torch.empty``, asking Linux for transparent huge pages when it spans some (THP
     ``madvise`` mode, the common default): the read then faults 2 MiB pages in, not 4 KiB
-    ones (docs/tier0.md)."""
+    ones. Loading 400 MB from /dev/shm into fresh memory: 0.46 -> 0.14 s (docs/tier0.md)."""
     t = torch.empty(shape, dtype=dtype)
     start, end = -(-t.data_ptr() // _HUGE) * _HUGE, (t.data_ptr() + t.nbytes) // _HUGE * _HUGE
     if _madvise is not None and end > start:
@@ -138,15 +139,23 @@ def _small_run(items: list[TensorItem], i: int) -> int:
     return max(n, 1)
 
 
-def _read_range(store: Store, name: str, items: list[TensorItem], start: int, end: int | None, entry: FileEntry | None,
-                crc: Crc32c | None, outs: list[torch.Tensor]) -> tuple[list[torch.Tensor], int, list[Exception]]:  # fmt: skip
+def _read_range(
+    store: Store,
+    name: str,
+    items: list[TensorItem],
+    start: int,
+    end: int | None,
+    entry: FileEntry | None,
+    crc: Crc32c | None,
+    outs: list[torch.Tensor],
+) -> tuple[list[torch.Tensor], int, list[Exception]]:
     """Read ``items``, a run of archives from file offset ``start`` (to ``end``; ``None``: the
     last run, with the file's trailing bytes), each into its tensor in ``outs``. Returns the
     tensors, the bytes read, and the errors of archives torch could not parse (the caller's CRC
     check says whether the bytes are damaged)."""
     tensors: list[torch.Tensor] = []
     errors: list[Exception] = []
-    cursor = Cursor(None, start)  # offsets only: hashing_reader hashes what storage returns
+    cursor = Cursor(start)  # offsets only: hashing_reader hashes what storage returns
     # A regular file only, never through a symlink (Store.open_read).
     with store.open_read(name) as raw:
         if start:
@@ -194,24 +203,35 @@ def _read_range(store: Store, name: str, items: list[TensorItem], start: int, en
     return tensors, cursor.offset - start, errors
 
 
-def _read_file(store: Store, name: str, items: list[TensorItem], entry: FileEntry | None, verify: bool,
-               pool: ThreadPoolExecutor | _Inline, parts: int,
-               into: Mapping[str, torch.Tensor] | None = None) -> list[torch.Tensor]:  # fmt: skip
-    """Read one shard file in ``parts`` ranges at once (their own file handles), checking
-    its size and (``verify``) CRC32C against ``entry``; into ``into``'s tensors where they fit."""
+def _read_file(
+    store: Store,
+    name: str,
+    items: list[TensorItem],
+    entry: FileEntry | None,
+    verify: bool,
+    pool: ThreadPoolExecutor | None,
+    parts: int,
+    into: Mapping[str, torch.Tensor] | None = None,
+) -> list[torch.Tensor]:
+    """Read one shard file in ``parts`` ranges at once (their own file handles; ``pool``: none,
+    one range read on this thread), checking its size and (``verify``) CRC32C against
+    ``entry``; into ``into``'s tensors where they fit."""
     runs = _ranges(items, parts)
     # Every tensor allocated here, on the file's thread, as torch.load does; the readers
     # fill them (and fault their pages in, in parallel when there are several ranges).
     outs = [[_out(item, into) for item in run] for run in runs]
     starts = [0] + [run[0].offset for run in runs[1:]]
     ends: list[int | None] = [*starts[1:], None]  # the last range reads to the end of the file
-    crcs = [Crc32c() for _ in starts] if verify else []  # one per range, hashed by its reader
+    crcs = [Crc32c() for _ in starts]  # each range's, hashed by its reader when verifying
     try:
-        futures = [
-            pool.submit(_read_range, store, name, run, start, ends[i], entry, crcs[i] if verify else None, outs[i])
-            for i, (run, start) in enumerate(zip(runs, starts, strict=True))
-        ]
-        results = [f.result() for f in futures]
+        if pool is None:
+            results = [_read_range(store, name, runs[0], 0, None, entry, crcs[0] if verify else None, outs[0])]
+        else:
+            futures = [
+                pool.submit(_read_range, store, name, run, start, ends[i], entry, crcs[i] if verify else None, outs[i])
+                for i, (run, start) in enumerate(zip(runs, starts, strict=True))
+            ]
+            results = [f.result() for f in futures]
     except FileNotFoundError as err:
         raise missing_file(name, store) from err
     tensors = [t for got, _, _ in results for t in got]
@@ -221,9 +241,11 @@ def _read_file(store: Store, name: str, items: list[TensorItem], entry: FileEntr
     total = next(starts[i] + n for i, n in enumerate(sizes) if i == len(sizes) - 1 or n != starts[i + 1] - starts[i])
     check_entry(store, name, entry, total, file_digest(crcs) if verify else None)
     if errors:  # the bytes are as written (or unverified), yet torch cannot read them
-        first = errors[0]
-        raise CorruptCheckpointError(f"file {name!r} holds a tensor record that cannot be read: "
-                                     f"{type(first).__name__}: {first}", path=store.url, hint=CORRUPT_HINT) from first  # fmt: skip
+        raise CorruptCheckpointError(
+            f"file {name!r} holds a tensor record that cannot be read: {type(errors[0]).__name__}: {errors[0]}",
+            path=store.url,
+            hint=CORRUPT_HINT,
+        ) from errors[0]
     if len(tensors) != len(items):  # a short read, reported by check_entry unless the manifest is short too
         raise CorruptCheckpointError(f"file {name!r} ends inside a tensor", path=store.url, hint=CORRUPT_HINT)
     return tensors
@@ -245,6 +267,8 @@ def read_verified_bytes(store: Store, name: str, entry: FileEntry | None, *, ver
 
 
 # ---- turning archives into tensors ---------------------------------------------------
+
+
 def assemble(items: list[TensorItem], chunks: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     """Full tensors from chunks: a whole-tensor chunk is returned as is (no copy); chunks
     of a sharded tensor (FSDP) are copied into one full tensor."""
@@ -267,26 +291,14 @@ def assemble(items: list[TensorItem], chunks: list[torch.Tensor]) -> dict[str, t
     return out
 
 
-class _Inline:
-    """A stand-in executor that runs each task at once on the calling thread."""
-
-    def __enter__(self) -> _Inline:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any]:
-        done: Future[Any] = Future()
-        try:
-            done.set_result(fn(*args, **kwargs))
-        except BaseException as err:
-            done.set_exception(err)
-        return done
-
-
-def read_tensors(store: Store, items: list[TensorItem], files: dict[str, FileEntry], *, verify: bool = True,
-                 into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+def read_tensors(
+    store: Store,
+    items: list[TensorItem],
+    files: dict[str, FileEntry],
+    *,
+    verify: bool = True,
+    into: Mapping[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
     """Every tensor of ``items`` as a full CPU tensor, each file read once (and verified
     against ``files`` when ``verify``). Raises :class:`CorruptCheckpointError`.
 
@@ -306,18 +318,24 @@ def read_tensors(store: Store, items: list[TensorItem], files: dict[str, FileEnt
     workers = max(1, min(MAX_PARALLEL_FILES, sum(parts.values())))
     ordered_items: list[TensorItem] = []
     chunks: list[torch.Tensor] = []
-    # One range in all (a single process's checkpoint): read on this thread, nothing to overlap
-    # (a reader thread is slower there: docs/resume-speed.md).
-    inline = sum(parts.values()) == 1
-    with (
-        _Inline() if inline else ThreadPoolExecutor(workers, thread_name_prefix="lp-read") as readers,
-        _Inline() if inline else ThreadPoolExecutor(max(1, len(order)), thread_name_prefix="lp-file") as files_pool,
-    ):
-        futures = {name: files_pool.submit(_read_file, store, name, per_file[name], files.get(name), verify, readers,
-                                           parts[name], into) for name in order}  # fmt: skip
-        for name, fut in futures.items():
-            chunks += fut.result()
-            ordered_items += per_file[name]
+    if sum(parts.values()) == 1:  # one range in all (a single process's checkpoint): read on this thread,
+        # nothing to overlap (a reader thread measured slower and bimodal: docs/resume-speed.md)
+        ordered_items = per_file[order[0]]
+        chunks = _read_file(store, order[0], ordered_items, files.get(order[0]), verify, None, 1, into)
+    else:
+        with (
+            ThreadPoolExecutor(workers, thread_name_prefix="lp-read") as readers,
+            ThreadPoolExecutor(max(1, len(order)), thread_name_prefix="lp-file") as files_pool,
+        ):
+            futures = {
+                name: files_pool.submit(
+                    _read_file, store, name, per_file[name], files.get(name), verify, readers, parts[name], into
+                )
+                for name in order
+            }
+            for name, fut in futures.items():
+                chunks += fut.result()
+                ordered_items += per_file[name]
     out = assemble(ordered_items, chunks)
     for key, tensor in (into or {}).items():  # read into the caller's tensor: return that one itself
         got = out.get(key)

@@ -1,16 +1,11 @@
-"""When a queued write starts: once the training thread waits (docs/design.md, "When the writer
-starts").
+"""When a queued write starts: once the training thread waits (the why and the figures:
+docs/design.md, "When the writer starts").
 
-The writer thread runs Python (planning, records, the commit) under the interpreter lock, and
-torch releases that lock in every operator call and every tensor it frees: a training thread
-that is still in Python when the write starts waits for the writer's Python at each of them
-(what that costs a step: docs/benchmarks.md). So a
-periodic save's job first waits until the training thread stops using the CPU (its thread CPU
-clock stands still: a sleep, a blocking wait, I/O), at most :data:`LIMIT_S` and half the slack
-the save before left (the next save must not find this one's write still running because it
-started late; no wait when the writer is behind). Where the thread never stops (CPU-bound
-training, a CUDA synchronisation that spins) two writes start at that limit and the rest at
-once, as before, one save in :data:`PROBE_EVERY` looking again.
+The writer's Python holds the interpreter lock, which a training thread still in Python waits
+for at every torch call; so a periodic save's job first waits until the training thread's CPU
+clock stands still (a sleep, a blocking wait, I/O), at most :data:`LIMIT_S` and half the slack
+the save before left (no wait when the writer is behind); where training never stops, writes
+start at once after two misses, one save in :data:`PROBE_EVERY` looking again.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from lightning_preempt.collective import groups as pdist
 from lightning_preempt.errors import earlier_save_failed
 from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.format.shares import ShareMemo, own_share
-from lightning_preempt.format.skeleton import Splitter, split_checkpoint
+from lightning_preempt.format.skeleton import DEFAULT_SHARDED_KEYS, Splitter, split_checkpoint
 from lightning_preempt.format.structure import Structure, Structures
 from lightning_preempt.read.load import gc_paused
 from lightning_preempt.save.history import HISTORY_KEPT, SaveRecord, checkpoint_step
@@ -46,16 +46,9 @@ log = logging.getLogger(__name__)
 class Saver:
     """Sharded, staged, asynchronous, committed saves (docs/design.md "The save pipeline").
 
-    Args:
-        storage_options: fsspec options for every path (merged with per-save options).
-        pin_memory: pin staging buffers; ``None``: when CUDA is available.
-        host_memory_budget: staging bytes, or a fraction of the available memory;
-            ``None``: half of ``MemAvailable`` divided by the node's ranks (staging/budget.py).
-        pinned_memory_budget: of those, the bytes that may be pinned; ``None``: all.
-        thread_count: DCP writer threads per rank.
-        sharded_keys: top-level checkpoint keys whose tensors go to the DCP shards.
-        overlap_staging: copy the tensors :attr:`overlap` declares stable after ``save``
-            returns, while the next step computes (staging/overlap.py, docs/staging.md).
+    Its options are the plugin's, documented once on their fields (engine/config.py
+    ``CheckpointIOConfig``; ``overlap_staging`` resolved); ``pin_memory``: pin staging
+    buffers, ``None``: when CUDA is available.
     """
 
     def __init__(
@@ -66,12 +59,12 @@ class Saver:
         host_memory_budget: int | float | None = None,
         pinned_memory_budget: int | float | None = None,
         thread_count: int = 1,
-        sharded_keys: tuple[str, ...] = ("state_dict", "optimizer_states"),
         overlap_staging: bool = False,
     ) -> None:
         self.storage_options = storage_options
         self.thread_count = thread_count
-        self.sharded_keys = sharded_keys
+        #: top-level checkpoint keys whose tensors go to the DCP shards (a save's order may add some)
+        self.sharded_keys = DEFAULT_SHARDED_KEYS
         self.stager = HostStager(pin_memory)
         self.budget = StagingBudget(host_memory_budget, pinned_memory_budget)
         self.overlap = Overlap(overlap_staging)
@@ -98,10 +91,21 @@ class Saver:
 
     def __getstate__(self) -> dict[str, Any]:
         """Configuration only: a copy (``ddp_spawn``, ``deepcopy``) has no pending save, group,
-        history or drain thread (the job queue and the stager drop theirs themselves)."""
+        history or drain thread, and nothing derived from this process's saves: no staging
+        buffers (host memory, maybe pinned, maybe GBs), no plans (they name this process's
+        buffers; made again by :meth:`__setstate__`), no budget resolved here (another host has
+        another ``MemAvailable``), no copy in flight, no stable tensors (the front-end declares
+        them again in the process that trains). The job queue drops its thread itself."""
         state = self.__dict__.copy()
         state.update(_pending=None, _written=None, _committing=None, group=None, stage_group=None, rank=0,
                      history=[], tiers=None, _shares=ShareMemo(), _splitter=Splitter())  # fmt: skip
+        state.update(
+            _structures=Structures(),
+            stager=HostStager(self.stager.pin_memory),
+            budget=StagingBudget(self.budget.host_option, self.budget.pinned_option),
+            overlap=Overlap(self.overlap.enabled),
+            plan_cache=None,
+        )
         tiers = self.tiers
         state["_tier_config"] = (tiers.remote_root, tiers.keep_last_n) if tiers is not None else None
         return state
@@ -109,6 +113,7 @@ class Saver:
     def __setstate__(self, state: dict[str, Any]) -> None:
         tier_config = state.pop("_tier_config", None)
         self.__dict__.update(state)
+        self.plan_cache = PlanCache()
         self.stager.on_release = self.plan_cache.forget_views
         if self._tier_args is not None:
             self.use_local_tier(**self._tier_args)

@@ -229,8 +229,7 @@ class ChunkBuffer:
             if self._buffer is None:
                 self._buffer = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self.pinned)
                 self._account(host_cost(self.nbytes, self.pinned))
-            size = tensor.numel() * tensor.element_size()
-            host = self._buffer[:size].view(tensor.dtype).view(tensor.shape)
+            host = self._buffer[: tensor.nbytes].view(tensor.dtype).view(tensor.shape)
             host.copy_(tensor.detach(), non_blocking=self.pinned)
             if self.pinned:
                 torch.cuda.current_stream(tensor.device).synchronize()
@@ -250,10 +249,6 @@ class StagingBudget:
         self._staged_whole: Split | None = None  # the last split, if the stager staged all of it
         self._chunk: ChunkBuffer | None = None
         self._warned = False
-
-    def __reduce__(self) -> tuple[type[StagingBudget], tuple[int | float | None, int | float | None]]:
-        # Resolved per process (another host, another MemAvailable); the chunk is host memory.
-        return (StagingBudget, (self.host_option, self.pinned_option))
 
     def split(self, tensors: dict[str, torch.Tensor], stager: HostStager, *, unchanged: bool = False) -> Split:
         """Which of ``tensors`` ``stager`` stages; frees the chunk when none is needed.

@@ -106,10 +106,6 @@ class InFlightCopy:
             event.synchronize()
         self._thread.result()
 
-    @property
-    def done(self) -> bool:
-        return self._thread.done() and all(e.query() for _, e in self._events)
-
 
 class Overlap:
     """Which tensors a save may copy late, the copy in flight, and the gate before mutations.
@@ -126,15 +122,6 @@ class Overlap:
         self._inflight: InFlightCopy | None = None
         self._streams: dict[torch.device, Any] = {}
         self._hook: Any = None
-
-    def __reduce__(self) -> tuple[type[Overlap], tuple[bool]]:
-        # A copy (ddp_spawn, deepcopy) has nothing in flight and no hook; the front-end
-        # declares the stable tensors again in the process that trains.
-        return (Overlap, (self.enabled,))
-
-    @property
-    def active(self) -> bool:
-        return self.enabled and self.stable is not None
 
     @property
     def in_flight(self) -> bool:
@@ -155,7 +142,7 @@ class Overlap:
     def deferrable(self, tensors: dict[str, torch.Tensor], pinned: Collection[str]) -> set[str]:
         """The keys of ``tensors`` whose copy may run after ``save`` returns (the module
         docstring); CUDA tensors only into ``pinned`` buffers (a pageable copy blocks anyway)."""
-        if not self.active or self.stable is None:
+        if not self.enabled or self.stable is None:
             return set()
         stable = {_storage(t) for t in self.stable() if isinstance(t, torch.Tensor) and t.numel()}
         local = ((key, local_of(tensor)) for key, tensor in tensors.items())

@@ -49,12 +49,6 @@ class HostStager:
         #: a new buffer are never held at once
         self.on_release: Callable[[], None] | None = None
 
-    def __getstate__(self) -> dict[str, Any]:
-        # Buffers are a cache of host memory (possibly pinned, possibly GBs): a pickled or
-        # copied stager (ddp_spawn workers, deepcopy of a trainer) starts empty instead.
-        return {**self.__dict__, "_buffers": {}, "_pinned": set(), "_plan": None, "_prep": None, "on_release": None,
-                "allocated_bytes": 0, "last_staged_bytes": 0, "held_bytes": 0, "peak_bytes": 0}  # fmt: skip
-
     def account(self, delta: int) -> None:
         """Count ``delta`` more (or fewer) bytes of staging memory held (the budget's chunk)."""
         self.held_bytes += delta
@@ -223,12 +217,6 @@ class HostStager:
             self.account(host_cost(nbytes(buf), pin))
         return buf
 
-    def release(self) -> None:
-        """Drop every buffer (the next save allocates again)."""
-        self._wait_prepared()
-        for key in list(self._buffers):
-            self._drop(key)
-
 
 @dataclasses.dataclass(frozen=True)
 class _StagePlan:
@@ -270,8 +258,7 @@ def host_cost(nbytes: int, pinned: bool) -> int:
 
 def nbytes(tensor: torch.Tensor) -> int:
     """Bytes of ``tensor``'s local data (a DTensor's own shard)."""
-    local = local_of(tensor)
-    return local.numel() * local.element_size()
+    return local_of(tensor).nbytes
 
 
 def _like(original: torch.Tensor, host: torch.Tensor) -> Any:

@@ -49,7 +49,6 @@ class SaveRequest:
     epoch: int
     storage_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     stats: dict[str, float] = dataclasses.field(default_factory=dict)
-    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
     #: Written to the manifest when set: retention given a run id spares other runs' checkpoints.
     run_id: str | None = None
     #: Tensors of ``tensors`` that are the training state's own, not staged copies (over the
@@ -72,24 +71,24 @@ def write_checkpoint(
 
     With ``group`` every rank of it must call this for the same checkpoint.
     ``plan_cache``: DCP plans of the previous save to reuse while ``request.structure`` is
-    the same (:mod:`lightning_preempt.write.planning`).
+    the same (:mod:`lightning_preempt.write.planning`); without one this save plans afresh.
     """
+    cache = plan_cache if plan_cache is not None else PlanCache()
     root = Store(request.url, request.storage_options)
     rank = pdist.rank(group) if group else 0
     started = time.perf_counter()
     plan = prepare_path(root, group)
     store = plan.data(root)
-    tensor_bytes = _total_bytes(list(request.tensors.values()))  # before the buffers are free
+    # before the buffers are free; one C-level pass (a DTensor's nbytes: the whole tensor's)
+    tensor_bytes = sum(map(_NBYTES, request.tensors.values()))
 
     def write_files() -> dict[str, FileEntry]:
-        writer = ChecksummingWriter(store, thread_count=thread_count, streamed=request.streamed, plan_cache=plan_cache)
+        writer = ChecksummingWriter(store, thread_count=thread_count, streamed=request.streamed, plan_cache=cache)
         try:
             dcp_save_tensors(
                 request.tensors,
                 storage_writer=writer,
-                planner=CachingSavePlanner(plan_cache, request.structure, collective=group is not None)
-                if plan_cache is not None
-                else None,
+                planner=CachingSavePlanner(cache, request.structure, collective=group is not None),
                 process_group=group,
                 no_dist=group is None,
             )
@@ -108,7 +107,7 @@ def write_checkpoint(
 
     return commit_written(
         root, plan, write_files, group=group, step=request.step, epoch=request.epoch, run_id=request.run_id,
-        stats=request.stats, extra=request.extra, tensor_bytes=tensor_bytes, started=started,
+        stats=request.stats, tensor_bytes=tensor_bytes, started=started,
     )  # fmt: skip
 
 
@@ -134,7 +133,6 @@ def commit_written(
     epoch: int,
     run_id: str | None = None,
     stats: dict[str, float] | None = None,
-    extra: dict[str, Any] | None = None,
     tensor_bytes: int = 0,
     started: float | None = None,
 ) -> Manifest:
@@ -156,7 +154,7 @@ def commit_written(
             files={name: entry for rank_entries in written for name, entry in rank_entries.items()},
             tensor_bytes=tensor_bytes,
             stats={**(stats or {}), "write_s": time.perf_counter() - started},
-            extra={**(extra or {}), **plan.manifest_extra},
+            extra=plan.manifest_extra,
             run_id=run_id,
         )
         # Commit metadata only after all ranks completed writing (the gather above). Rank 0
@@ -165,7 +163,7 @@ def commit_written(
         target = plan.commit_store(root)
 
         def commit() -> None:
-            target.commit_bytes(MANIFEST_NAME, manifest.to_json(), exclusive=plan.exclusive)
+            target.commit_bytes(MANIFEST_NAME, manifest.to_json(), exclusive=not plan.replace)
             if plan.mode == "beside":  # committed beside the path; it is saved once it is *at* it
                 finish_write(root, plan)
 
@@ -223,19 +221,7 @@ def _dcp_failures(err: CheckpointException) -> str:
     return "; ".join(parts)
 
 
-def _total_bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes of ``tensors``; plain tensors in C-level passes (4000 of them: ~0.3 ms, not ~1.3)."""
-    if set(map(type, tensors)) <= {torch.Tensor}:
-        return sum(map(_NBYTES, tensors))
-    return sum(map(_nbytes, tensors))
-
-
 _NBYTES = operator.attrgetter("nbytes")
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    """Bytes of ``tensor`` (a ``DTensor``: of the whole tensor, as its ``numel``)."""
-    return tensor.nbytes if type(tensor) is torch.Tensor else tensor.numel() * tensor.element_size()
 
 
 def _on_every_rank(fn: Callable[[], T], group: pdist.ProcessGroup | None, root: Store, what: str) -> list[T]:

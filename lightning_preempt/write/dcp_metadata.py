@@ -24,40 +24,19 @@ class MetadataPickles:
     """Part 1 of the last ``.metadata`` (docs/design.md), keyed on what it holds."""
 
     def __init__(self) -> None:
-        #: (metadata, its entries, its planner data, the result lists, their places) of the last save
+        #: (metadata, its entries, its planner data, the result lists, their places, its storage
+        #: data) of the last save
         self._key: tuple[Any, ...] | None = None
         self._head = b""
-        #: (metadata, the result lists, the dict) :meth:`set_storage_data` set last
-        self._storage_data: tuple[Metadata, list[list[WriteResult]], dict[Any, Any]] | None = None
         self.hits = 0
         self._lock = threading.Lock()
 
-    def __reduce__(self) -> tuple[type[MetadataPickles], tuple[()]]:
-        return (MetadataPickles, ())  # a copied saver starts afresh (as its PlanCache does)
-
-    def set_storage_data(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """``metadata.storage_data = {index: storage data}`` of ``results`` (every rank's
-        lists), left as it is when it was set from these very lists last time: a replayed
-        layout's lists are handed out as the same objects and never changed (their
-        coordinator's copies, write/dcp_exchange.py), and 4000 entries cost ~3 ms to rebuild."""
-        with self._lock:
-            last = self._storage_data
-        if (
-            last is not None
-            and last[0] is metadata
-            and metadata.storage_data is last[2]
-            and len(last[1]) == len(results)
-            and all(a is b for a, b in zip(last[1], results, strict=True))
-        ):
-            return
-        data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
-        metadata.storage_data = data
-        with self._lock:
-            self._storage_data = (metadata, list(results), data)
-
     def dumps(self, metadata: Metadata, results: list[list[WriteResult]]) -> bytes:
-        """The bytes of ``.metadata`` for ``metadata`` (its ``storage_data`` already set from
-        ``results``)."""
+        """The bytes of ``.metadata`` for ``metadata`` and ``results`` (every rank's lists).
+        ``metadata.storage_data`` is set from them first, or left as it is when it was set from
+        these very lists last time: a replayed layout's lists are handed out as the same objects
+        and never changed (their coordinator's copies, write/dcp_exchange.py), and 4000 entries
+        cost ~3 ms to rebuild."""
         # The same objects (DCP's plan caching hands out the same metadata while the plan holds;
         # held here, so never a new object at an old address) and the same record places:
         # the same result lists (a replayed layout, write/records.py) or equal places.
@@ -66,19 +45,26 @@ class MetadataPickles:
         same_lists = last is not None and len(results) == len(last[3]) and all(
             a is b for a, b in zip(results, last[3], strict=False)
         )
+        if not (same_lists and last is not None and last[0] is metadata and metadata.storage_data is last[5]):
+            metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
         places = last[4] if same_lists and last is not None else _places(results)
-        key = (metadata, metadata.state_dict_metadata, metadata.planner_data, list(results), places)
+        key = (
+            metadata,
+            metadata.state_dict_metadata,
+            metadata.planner_data,
+            list(results),
+            places,
+            metadata.storage_data,
+        )
         with self._lock:
             same = last is not None and all(a is b for a, b in zip(key[:3], last[:3], strict=True)) and (
                 places is last[4] or places == last[4]
             )
-            head = self._head if same else None
-            if head is not None:
+            if same:
                 self.hits += 1
-        if head is None:
-            head = _head(metadata)
-            with self._lock:
-                self._key, self._head = key, head
+        head = self._head if same else _head(metadata)
+        with self._lock:
+            self._key, self._head = key, head  # (the head holds for this save's key too)
         body = head + _tail(metadata)
         # One frame around it all: unpicklers reading a file object (dcp.load, ours) then
         # fetch it in one read, not one call per opcode (measured 0.1 s for 4000 entries).

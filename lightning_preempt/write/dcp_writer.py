@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import pickle
 import posixpath
 import threading
 from collections.abc import Callable, Iterator
@@ -21,7 +20,7 @@ from typing import IO, Any, cast
 import torch
 import torch.serialization
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
@@ -126,10 +125,7 @@ class _ChecksummingFileSystem(_compat.FsspecFileSystem):
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
-        if "w" not in mode:
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
+        # (a writer's streams are written only: DCP opens files to read in its readers)
         name = posixpath.basename(os.fspath(path))
         with self._store.open_write(name) as raw, _skip_zip_crc32():
             stream = _HashingStream(raw, self.storage_errors)
@@ -170,8 +166,9 @@ class ChecksummingWriter(_compat.FsspecWriter):
         self.fs = self._checksumming_fs  # type: ignore[assignment]
         self.path = store.path()
         self.streamed = streamed
-        #: plans, ``.metadata`` and file layouts of the previous saves (write/planning.py)
-        self.plan_cache = plan_cache
+        #: plans, ``.metadata`` and file layouts of the previous saves (write/planning.py); a
+        #: writer without one plans, pickles and lays out its one save afresh
+        self.plan_cache = plan_cache if plan_cache is not None else PlanCache()
 
     @property
     def storage_error(self) -> BaseException | None:
@@ -181,34 +178,25 @@ class ChecksummingWriter(_compat.FsspecWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """DCP's layout (``single_file_per_rank``: one ``{prefix}{i}.distcp`` per writer
-        thread, items split by size) with each tensor written by
-        :func:`write_tensor_record`. Plans DCP's own writer handles specially (byte-IO
-        items, stream transforms) go to it unchanged."""
-        prefix = getattr(plan.storage_data, "prefix", None)
+        thread, items split by size; DCP's global plan gives every rank its prefix) with each
+        tensor written by :func:`write_tensor_record`. Every item is a tensor (the saver hands
+        DCP flat tensors only) and no stream transform is set (none is passed to DCP's writer)."""
+        prefix = plan.storage_data.prefix
         streamed = self.streamed
         if streamed is not None:
             streamed.check()  # a second attempt of a save whose streamed tensors have changed
-        transformed = bool(tuple(getattr(self.transforms, "extensions", None) or ()))
         cache = self.plan_cache
-        layout = cache.records if cache is not None else None
+        layout = cache.records
         state_dict = getattr(planner, "state_dict", None)
         if (
             streamed is None
             and layout is not None
-            and prefix is not None
-            and not transformed
             and getattr(planner, "reused_local_plan", False)
             and isinstance(state_dict, dict)
             and layout.fits(plan.items, _file_names(prefix, len(plan.items), self.thread_count))
-        ):  # (a recorded layout holds no byte-IO item)
+        ):
             return self._replay(layout, state_dict)
         items = list(plan.items)
-        if prefix is None or transformed or any(item.type == WriteItemType.BYTE_IO for item in items):
-            try:
-                return super().write_data(plan, planner)  # writes before it returns
-            finally:
-                if streamed is not None:
-                    streamed.release()
         names = _file_names(prefix, len(items), self.thread_count)
         buckets = _compat.split_by_size(len(names), items)  # items by size, as DCP's own writer splits them
         # DCP logs two debug records per resolve_data call (~40 us a tensor); its
@@ -222,7 +210,7 @@ class ChecksummingWriter(_compat.FsspecWriter):
         remaining = [sum(item.index.fqn in live for bucket in buckets for item in bucket)]
         count_lock = threading.Lock()
         # the layout to replay while this plan holds (planned structures of plain tensors only)
-        record = cache is not None and streamed is None and getattr(planner, "structure_cached", False)
+        record = streamed is None and getattr(planner, "structure_cached", False)
         files: list[list[Entry]] = [[] for _ in buckets]
 
         def written_live() -> None:
@@ -261,13 +249,12 @@ class ChecksummingWriter(_compat.FsspecWriter):
             return results
 
         def remember(results: list[list[WriteResult]]) -> list[WriteResult]:
-            if record and cache is not None:
+            if record:
                 layout = cache.records = RecordLayout(plan.items, names, files, results)
                 return SentResults(layout.flat, layout.token, same=False)  # in full, once per layout
             return [r for part in results for r in part]
 
-        if cache is not None:
-            cache.records = None  # (a failed write leaves no layout behind)
+        cache.records = None  # (a failed write leaves no layout behind)
         return _run_files(lambda i: write(names[i], buckets[i], files[i]), len(buckets), remember)
 
     def _replay(self, layout: RecordLayout, state_dict: dict[str, Any]) -> Future[list[WriteResult]]:
@@ -300,21 +287,14 @@ class ChecksummingWriter(_compat.FsspecWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         metadata = unwrap_metadata(metadata)
-        if self.plan_cache is not None:  # tokens of results sent before: the lists kept for them
-            results = self.plan_cache.results_kept.resolve(results)
+        pickles = self.plan_cache.metadata_pickles
+        results = self.plan_cache.results_kept.resolve(results)  # tokens of results sent before: the lists kept
         version = _compat.dcp_format_version()
         if version is not None:  # torch >= 2.7 (as its own FileSystemWriter.finish does)
             metadata.version = version
-        if self.plan_cache is None:
-            metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
-        else:  # the same dict while the metadata and the result lists are the same objects
-            self.plan_cache.metadata_pickles.set_storage_data(metadata, results)
         metadata.storage_meta = self.storage_meta()
         with self.fs.create_stream(posixpath.join(self.path, DCP_METADATA_NAME), "wb") as f:
-            if self.plan_cache is None:
-                pickle.dump(metadata, f)
-            else:  # the entries pickled once per plan (write/dcp_metadata.py)
-                f.write(self.plan_cache.metadata_pickles.dumps(metadata, results))
+            f.write(pickles.dumps(metadata, results))  # storage_data set, the entries pickled once per plan
 
 
 def _run_files(

@@ -46,17 +46,12 @@ class PlanCache:
     def __post_init__(self) -> None:
         weakref.finalize(self, forget_cached_plans, self.key)  # DCP's dicts would keep a dropped saver's plans
 
-    def __reduce__(self) -> tuple[type[PlanCache], tuple[()]]:
-        # A pickled or copied saver (ddp_spawn workers, deepcopy of a trainer) plans afresh:
-        # the plans name this process's buffers.
-        return (PlanCache, ())
-
     def forget_views(self) -> None:
-        """Let go of the staged tensors' views the replayed layout holds (the stager is about
-        to drop a buffer: write/records.py)."""
+        """Let go of the staged tensors' views the replayed layout holds (they keep the buffers
+        alive, and the stager is about to drop one); the next replay makes them again."""
         records = self.records
         if records is not None:
-            records.forget_views()
+            records.segments = None
 
     def clear(self) -> None:
         with self.lock:

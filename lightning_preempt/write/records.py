@@ -36,12 +36,6 @@ _templates: OrderedDict[tuple[bool, torch.dtype, tuple[int, ...]], tuple[bytes, 
 _lock = threading.Lock()
 
 
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy."""
-    flat = t.reshape(-1).view(torch.uint8)
-    return memoryview(cast(Any, flat.numpy())).cast("B")
-
-
 def _archive(tensor: torch.Tensor) -> bytes:
     buffer = io.BytesIO()
     torch.save(tensor, buffer)
@@ -61,7 +55,7 @@ def _build(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[bytes, bytes] | 
         return None
     end = start + nbytes
     same_around = a[:start] == b[:start] and a[end:] == b[end:]
-    if not same_around or b[start:end] != bytes(_bytes_of(second)):
+    if not same_around or b[start:end] != bytes(_data_of(second)):
         return None
     return a[:start], a[end:]
 
@@ -109,7 +103,7 @@ def write_tensor_record(stream: IO[bytes], tensor: torch.Tensor) -> tuple[bytes,
         return None
     head, tail = parts
     stream.write(head)
-    stream.write(_bytes_of(tensor))
+    stream.write(_data_of(tensor))
     stream.write(tail)
     return parts
 
@@ -149,7 +143,7 @@ class RecordLayout:
     #: names ``flat`` as the coordinator received it (write/dcp_exchange.py); new when it changes
     token: str = dataclasses.field(default_factory=new_token)
     #: per file, what :func:`replay_file` writes (views of the staged tensors' bytes),
-    #: made by the first replay; dropped by :meth:`forget_views` when a buffer is released
+    #: made by the first replay; dropped when a buffer is released (PlanCache.forget_views)
     segments: list[list[Segment]] | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -157,11 +151,6 @@ class RecordLayout:
 
     def fits(self, items: list[WriteItem], names: list[str]) -> bool:
         return names == self.names and (items is self.items or items == self.items)
-
-    def forget_views(self) -> None:
-        """Drop the views of the tensors' bytes (they keep the buffers alive); the next replay
-        makes them again from the tensors it is given."""
-        self.segments = None
 
 
 def entry(item: WriteItem, tensor: torch.Tensor, parts: tuple[bytes, bytes] | None, length: int) -> Entry:
@@ -187,7 +176,8 @@ def results_of(name: str, entries: list[Entry], changed: dict[int, int]) -> list
     return results
 
 
-def _data_of(tensor: torch.Tensor, as_numpy: bool) -> memoryview:
+def _data_of(tensor: torch.Tensor, as_numpy: bool = False) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy (``as_numpy``: numpy has its dtype)."""
     data = tensor.numpy() if as_numpy else tensor.reshape(-1).view(torch.uint8).numpy()
     return memoryview(cast(Any, data)).cast("B")
 

@@ -62,7 +62,7 @@ class WritePlan:
     mode: Literal["in_place", "generation", "beside"]
     name: str = ""
     remove_file: bool = False  # object stores: a plain file object at the path, deleted after commit
-    replace: bool = False  # the path held a committed checkpoint: the commit replaces its manifest
+    replace: bool = False  # the path held a committed checkpoint: the commit replaces its manifest (else create-only)
     replaced: str | None = None  # the generation holding the replaced checkpoint's files (None: beside it)
 
     def data(self, root: Store) -> Store:
@@ -81,11 +81,6 @@ class WritePlan:
     def manifest_extra(self) -> dict[str, str]:
         return {DATA_DIR_KEY: self.name} if self.mode == "generation" else {}
 
-    @property
-    def exclusive(self) -> bool:
-        """Create-only commit, except when replacing a committed manifest on purpose."""
-        return not self.replace
-
 
 def plan_write(root: Store) -> WritePlan:
     """Rank 0, before a save writes anything: decide the :class:`WritePlan` and clear this
@@ -97,14 +92,12 @@ def plan_write(root: Store) -> WritePlan:
     """
     if root.stat(MANIFEST_NAME) is not None:
         check_owned(root, doing="save into")
-        return WritePlan("generation", new_generation(), replace=True, replaced=_live_or_none(root))
-    if kind_at(root) not in (None, "dir"):
-        if not root.is_object_store:
-            return WritePlan("beside", sibling_name(_base(root), "new"))
-        check_owned(root, doing="save into")  # the file object and our objects under P/ coexist
-        return _claim(root, remove_file=True)
-    check_owned(root, doing="save into")
-    return _claim(root, remove_file=False)
+        return WritePlan("generation", new_generation(), replace=True, replaced=live_generation(root))
+    a_file = kind_at(root) not in (None, "dir")
+    if a_file and not root.is_object_store:
+        return WritePlan("beside", sibling_name(_base(root), "new"))
+    check_owned(root, doing="save into")  # (an object store: the file object and our objects under P/ coexist)
+    return _claim(root, remove_file=a_file)
 
 
 def _claim(root: Store, *, remove_file: bool) -> WritePlan:
@@ -122,7 +115,7 @@ def _claim(root: Store, *, remove_file: bool) -> WritePlan:
         # Another save committed (and released its claim) since we looked: replace it. Its
         # commit came before its release, so a claim won after the release sees its manifest.
         root.rm_file(CLAIM_NAME, durable=False)
-        return WritePlan("generation", new_generation(), replace=True, replaced=_live_or_none(root))
+        return WritePlan("generation", new_generation(), replace=True, replaced=live_generation(root))
     _remove_ours(root, CLAIM_NAME)  # an earlier save's partial files (never the claim: it is ours now)
     return WritePlan("in_place", remove_file=remove_file)
 
@@ -165,27 +158,21 @@ def _remove_ours(root: Store, skip: str, replaced: str | None = None) -> None:
             root.rm_file(name)
 
 
-def _live_or_none(root: Store) -> str | None:
-    """:func:`live_generation`, or ``None`` for a damaged manifest (its files stay)."""
+def live_generation(root: Store) -> str | None:
+    """The generation the manifest at ``root`` names; ``None``: its files are beside it, or the
+    manifest cannot be read (a damaged checkpoint's files stay)."""
     try:
-        return live_generation(root)
+        manifest = parse_manifest(root.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES), path=root.url)
+        return generation_of(manifest, path=root.url)
     except (CheckpointError, OSError):
         return None
-
-
-def live_generation(root: Store) -> str | None:
-    """The generation the manifest at ``root`` names (``None``: its files are beside it)."""
-    manifest = parse_manifest(root.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES), path=root.url)
-    return generation_of(manifest, path=root.url)
 
 
 def abandon(root: Store, plan: WritePlan, names: Iterable[str]) -> None:
     """Rank 0, after another writer's manifest won the create-only commit: delete what this
     save wrote (``names``, its files), never what the committed checkpoint uses."""
-    if plan.mode == "generation":
-        _delete(root, plan.name, is_dir=True)
-    elif plan.mode == "beside":
-        _delete(root.parent(), plan.name, is_dir=True)
+    if plan.mode != "in_place":  # its own generation, or its directory beside the path
+        _delete(plan.data(root).parent(), plan.name, is_dir=True)
     elif live_generation(root) is not None:  # the winner's files are in its generation
         for name in names:
             root.rm_file(name)

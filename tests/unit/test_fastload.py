@@ -210,7 +210,7 @@ def test_archive_of_a_view_falls_back_to_torch_load() -> None:
         torch.save(tensor, buf)
         data = buf.getvalue()
         item = fastload.TensorItem("t", "f", 0, len(data), torch.float32, (0,), (tensor.numel(),), (tensor.numel(),))
-        got, n = archive.read_archive(io.BytesIO(data), item, crc_reader.Cursor(None, 0))
+        got, n = archive.read_archive(io.BytesIO(data), item, crc_reader.Cursor(0))
         assert n == len(data) and got is not None and torch.equal(got, tensor)
 
 
