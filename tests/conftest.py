@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -223,16 +224,27 @@ def _launch_environment_restored() -> Iterator[None]:
 _PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")
 
 
-@pytest.fixture(autouse=True)
-def _signal_handlers_restored() -> Iterator[None]:
-    """Each test leaves the signal handlers as it found them: a finished in-process fit or Fabric
-    loop keeps a late-signal handler (a real process exits soon after), and a later test's own
-    SIGUSR1 then reached it ("SIGUSR1 after training ended") instead of that test's callback."""
+def _handlers() -> dict[str, Any]:
     import signal
 
-    saved = {name: signal.getsignal(getattr(signal, name)) for name in _PREEMPTION_SIGNALS}
+    return {name: signal.getsignal(getattr(signal, name)) for name in _PREEMPTION_SIGNALS}
+
+
+#: The handlers this process started with, before any test.
+_PRISTINE_HANDLERS = _handlers()
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored() -> Iterator[None]:
+    """Each test ends with the signal handlers the process started with: a finished in-process
+    fit or Fabric loop keeps a late-signal handler (a real process exits soon after), and a later
+    test's own SIGUSR1 then reached it ("SIGUSR1 after training ended") instead of that test's
+    callback. (The process's first handlers, not the test's: a handler another test left would
+    otherwise be put back after every test, and chained by the next controller.)"""
+    import signal
+
     yield
-    for name, handler in saved.items():
+    for name, handler in _PRISTINE_HANDLERS.items():
         if handler is not None:
             signal.signal(getattr(signal, name), handler)
 
