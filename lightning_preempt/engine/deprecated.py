@@ -72,19 +72,11 @@ def front(owner: str, options: dict[str, Any], tuning: Tuning | None, old: dict[
         if name == "sources":
             _warn(f"{owner}(sources=...) is deprecated; pass the sources in notices=[...] (with any names)")
             options["notices"] = (*_as_tuple(options.get("notices")), *value)
-        elif name in FRONT_TO_TUNING:
-            new = FRONT_TO_TUNING[name]
-            _warn(f"{owner}({name}=...) is deprecated; use {owner}(tuning=Tuning({new}=...))")
-            changes[new] = value
-            if name == "memory_dirpath" and value is not None and options.get("tier0_every_n_steps") is None:
-                options["tier0_every_n_steps"] = "auto"  # 0.2: a tier-0 directory turned tier 0 on
-        elif name in FIXED:
-            _warn(f"{owner}({name}=...) is deprecated and has no effect: {FIXED[name]}")
-        else:
+        elif not _moved(owner, name, value, FRONT_TO_TUNING, changes):
             raise _unknown(owner, name, PreemptionConfig)
-    if changes:
-        tuning = dataclasses.replace(tuning or Tuning(), **changes)
-    return PreemptionConfig.make(tuning, **options)
+        if name == "memory_dirpath" and value is not None and options.get("tier0_every_n_steps") is None:
+            options["tier0_every_n_steps"] = "auto"  # 0.2: a tier-0 directory turned tier 0 on
+    return PreemptionConfig.make(_with(tuning, changes), **options)
 
 
 def plugin(tuning: Tuning | None, old: dict[str, Any]) -> tuple[Tuning | None, str | None]:
@@ -103,17 +95,26 @@ def plugin(tuning: Tuning | None, old: dict[str, Any]) -> tuple[Tuning | None, s
             elif value is not None and not isinstance(value, bool):
                 raise ValueError(f"pin_memory must be True, False or None, got {value!r}\n"
                                  "HINT: use tuning=Tuning(pinned_memory_budget=0) to pin nothing.")  # fmt: skip
-        elif name in PLUGIN_TO_TUNING:
-            new = PLUGIN_TO_TUNING[name]
-            _warn(f"{owner}({name}=...) is deprecated; use {owner}(tuning=Tuning({new}=...))")
-            changes[new] = value
-        elif name in FIXED:
-            _warn(f"{owner}({name}=...) is deprecated and has no effect: {FIXED[name]}")
-        else:
+        elif not _moved(owner, name, value, PLUGIN_TO_TUNING, changes):
             raise _unknown(owner, name, CheckpointIOConfig)
-    if changes:
-        tuning = dataclasses.replace(tuning or Tuning(), **changes)
-    return tuning, local_dirpath
+    return _with(tuning, changes), local_dirpath
+
+
+def _moved(owner: str, name: str, value: Any, to_tuning: dict[str, str], changes: dict[str, Any]) -> bool:
+    """Warn about an old name that moved into ``Tuning`` (recorded in ``changes``) or became a
+    constant; ``False`` for a name that is neither."""
+    if name in to_tuning:
+        _warn(f"{owner}({name}=...) is deprecated; use {owner}(tuning=Tuning({to_tuning[name]}=...))")
+        changes[to_tuning[name]] = value
+    elif name in FIXED:
+        _warn(f"{owner}({name}=...) is deprecated and has no effect: {FIXED[name]}")
+    else:
+        return False
+    return True
+
+
+def _with(tuning: Tuning | None, changes: dict[str, Any]) -> Tuning | None:
+    return dataclasses.replace(tuning or Tuning(), **changes) if changes else tuning
 
 
 def _as_tuple(value: Any) -> tuple[Any, ...]:
