@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from lightning_preempt.agent_watch import AgentWatch, read_timeout_s
+from lightning_preempt.collective.heartbeat import route_source
 from lightning_preempt.preemption.requeue import AGENT_REQUEUES, requeue_slurm
 from lightning_preempt.storage.local import write_atomic
 
@@ -208,15 +209,9 @@ def _local_addr_default(args: argparse.Namespace) -> str | None:
 
     try:
         host = "localhost" if local_only else parse_rendezvous_endpoint(endpoint, default_port=29400)[0].strip("[]")
-        family, _, _, _, sockaddr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
-        addr = str(sockaddr[0])
-        if ipaddress.ip_address(addr.split("%")[0]).is_loopback:
-            return addr
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect((addr, 9))  # routing only: a UDP connect sends nothing
-            return str(probe.getsockname()[0])
-    except (OSError, ValueError):
+    except ValueError:
         return None
+    return route_source(host)
 
 
 # ---- the launcher --------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import hashlib
 import hmac
+import ipaddress
 import json
 import logging
 import os
@@ -75,6 +76,20 @@ def agreed_step(held: Mapping[int, Sequence[int]], survivors: Sequence[int]) -> 
     """The newest step every survivor holds: the largest in the intersection of their lists."""
     sets = [set(held.get(r, ())) for r in survivors]
     return max(set.intersection(*sets), default=None) if sets else None
+
+
+def route_source(host: str, family: int = socket.AF_UNSPEC) -> str | None:
+    """The local address the peers at ``host`` reach this one on: the source address of the
+    route there (``host``'s own if a loopback address); ``None`` if it resolves to no route."""
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, 9, family, socket.SOCK_DGRAM)[0]
+        if ipaddress.ip_address(str(sockaddr[0]).split("%")[0]).is_loopback:
+            return str(sockaddr[0])
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(sockaddr)  # routing only: a UDP connect sends nothing
+            return str(probe.getsockname()[0])
+    except (OSError, ValueError):
+        return None
 
 
 def packet(key: bytes, msg: Mapping[str, Any]) -> bytes:

@@ -21,7 +21,7 @@ from typing import Any
 
 from lightning_preempt.catalog.ledger_reader import ledger_store
 from lightning_preempt.collective import groups as pdist
-from lightning_preempt.collective.heartbeat import Heartbeat, Verdict
+from lightning_preempt.collective.heartbeat import Heartbeat, Verdict, route_source
 from lightning_preempt.engine.config import PreemptionConfig
 from lightning_preempt.engine.ledger_writer import Ledger
 from lightning_preempt.errors import CheckpointError, CheckpointExistsError
@@ -35,20 +35,6 @@ log = logging.getLogger(__name__)
 RECORD_BUDGET_S = 2.0
 #: Heartbeats per timeout (the interval is ``timeout_s / HEARTBEATS_PER_TIMEOUT``).
 HEARTBEATS_PER_TIMEOUT = 8
-
-
-def reachable_address() -> str:
-    """The local address the other ranks reach this one on: the source address of the route
-    to the rendezvous host (``MASTER_ADDR``), so the heartbeat never listens on every
-    interface; ``127.0.0.1`` for a job on one host."""
-    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port = int(os.environ.get("MASTER_PORT", "29500") or 29500)
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((socket.gethostbyname(master), port))  # no packet is sent: a route lookup
-            return str(probe.getsockname()[0])
-    except OSError:
-        return "127.0.0.1"
 
 
 class FailureDetector:
@@ -74,9 +60,12 @@ class FailureDetector:
         """Collective over ``group`` (every rank): share a key and the addresses, start beating."""
         rank, world = pdist.rank(group), pdist.world_size(group)
         key = pdist.broadcast_bytes(os.urandom(32) if rank == 0 else None, group, max_bytes=64)
+        # where the other ranks reach this one (the route toward the rendezvous host), never
+        # every interface; IPv4, as the heartbeat's socket; 127.0.0.1 for a job on one host
+        host = route_source(os.environ.get("MASTER_ADDR", "127.0.0.1"), socket.AF_INET) or "127.0.0.1"
         hb = Heartbeat(rank, world, key=key, held=self._held, on_verdict=self._act,
                        interval_s=self.timeout_s / HEARTBEATS_PER_TIMEOUT, timeout_s=self.timeout_s,
-                       settle_s=self.settle_s, host=reachable_address())  # fmt: skip
+                       settle_s=self.settle_s, host=host)  # fmt: skip
         addresses = pdist.all_gather_json([*hb.address, hb.incarnation], group, max_bytes=256)
         peers = {r: (str(a[0]), int(a[1])) for r, a in enumerate(addresses)}
         hb.start(peers, {r: str(a[2]) for r, a in enumerate(addresses)})
