@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import gc
 import logging
 import os
@@ -26,7 +25,6 @@ from lightning_preempt.format.pickles.unpickle import (
     load_state_bytes,
     read_dcp_metadata,
 )
-from lightning_preempt.format.shares import balance
 from lightning_preempt.format.skeleton import merge_checkpoint, tensor_refs
 from lightning_preempt.read.seal import sealed
 from lightning_preempt.read.tensors import read_tensors, read_verified_bytes, tensor_items
@@ -103,15 +101,13 @@ def _checked(fn: Callable[..., T], *args: Any, store: Store) -> T:
 
 
 def verify_shared(store: Store, manifest: Manifest, group: pdist.ProcessGroup | None) -> None:
-    """Check every file's size and CRC32C, each file on one rank of ``group`` (largest
-    first, to the rank with the fewest bytes so far; without a group, every file here); every
-    rank raises the first error any rank found. Collective over ``group``."""
-    rank, world = (pdist.rank(group), pdist.world_size(group)) if group is not None else (0, 1)
-    owners = balance({name: entry.size for name, entry in manifest.files.items()}, world)
-    mine = {name: entry for name, entry in manifest.files.items() if owners[name] == rank}
+    """Check every file's size and CRC32C, each file on one rank of ``group`` (the ``share``
+    of :func:`verify_checkpoint`; without a group, every file here); every rank raises the
+    first error any rank found. Collective over ``group``."""
+    share = (pdist.rank(group), pdist.world_size(group)) if group is not None else (0, 1)
     error: str | None = None
     try:
-        verify_checkpoint(store, dataclasses.replace(manifest, files=mine))
+        verify_checkpoint(store, manifest, share=share)
     except CorruptCheckpointError as err:
         error = str(err).splitlines()[0]
     errors = [e for e in pdist.all_gather_objects(error, group) if e is not None]

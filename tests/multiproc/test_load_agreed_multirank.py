@@ -74,7 +74,7 @@ def test_sharded_verification_splits_the_files_and_every_rank_learns_of_damage(t
     io.save_checkpoint({"global_step": 1, "state_dict": {"w": torch.arange(4096.0)}}, str(tmp_path / "good"))
     io.wait()
     shutil.copytree(tmp_path / "good", tmp_path / "bad")
-    (shard,) = (tmp_path / "bad").glob("*.distcp")  # the largest file: verified by rank 0 only
+    (shard,) = (tmp_path / "bad").glob("*.distcp")  # the largest file: verified by rank 1 only
     flip_byte(shard, mask=0x10)
     run_ranks(_verify_worker, 2, tmp_path, str(tmp_path))
     outs = [json.loads((tmp_path / f"verify{r}.json").read_text()) for r in range(2)]
