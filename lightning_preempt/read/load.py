@@ -20,15 +20,22 @@ from lightning_preempt.format import dcp_compat as _compat
 from lightning_preempt.format.manifest import Manifest, data_store
 from lightning_preempt.format.names import DCP_METADATA_NAME, state_file
 from lightning_preempt.format.pickles.unpickle import (
+    MAX_METADATA_BYTES,
     apply_map_location,
     dcp_metadata,
     load_state_bytes,
-    read_dcp_metadata,
 )
 from lightning_preempt.format.skeleton import merge_checkpoint, tensor_refs
 from lightning_preempt.read.seal import sealed
 from lightning_preempt.read.tensors import read_tensors, read_verified_bytes, tensor_items
-from lightning_preempt.read.verify import CORRUPT_HINT, Fallback, check_files, read_manifest, verify_checkpoint
+from lightning_preempt.read.verify import (
+    CORRUPT_HINT,
+    Fallback,
+    check_files,
+    missing_file,
+    read_manifest,
+    verify_checkpoint,
+)
 from lightning_preempt.storage.store import Store
 
 log = logging.getLogger(__name__)
@@ -245,8 +252,8 @@ def load_plain_file(store: Store, *, map_location: Any = None, trusted: bool = F
 # ---- DCP's reader (resharding, and layouts the one-pass reader does not know) ------------
 class _CheckedReader(_compat.FsspecReader):
     """DCP's reader for the shards of a checkpoint directory, with ``.metadata`` read through
-    ``read_dcp_metadata``: a restricted unpickler and a check that it names only tensors in
-    our shard files (``manifest``: the files it may refer to)."""
+    ``dcp_metadata`` (at most its listed size): a restricted unpickler and a check that it
+    names only tensors in our shard files (``manifest``: the files it may refer to)."""
 
     def __init__(self, store: Store, manifest: Manifest | None) -> None:
         super().__init__(store.url, **store.storage_options)
@@ -258,7 +265,12 @@ class _CheckedReader(_compat.FsspecReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         from torch.distributed.checkpoint.metadata import StorageMeta
 
-        metadata = read_dcp_metadata(self._store, self._manifest)
+        entry = self._manifest.files.get(DCP_METADATA_NAME) if self._manifest is not None else None
+        try:
+            data = self._store.read_bytes(DCP_METADATA_NAME, entry.size if entry is not None else MAX_METADATA_BYTES)
+        except FileNotFoundError as err:
+            raise missing_file(DCP_METADATA_NAME, self._store) from err
+        metadata = dcp_metadata(data, path=self._store.url, manifest=self._manifest)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

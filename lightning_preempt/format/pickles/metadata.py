@@ -1,7 +1,7 @@
 """DCP's ``.metadata`` through the restricted unpickler (docs/security.md): C pickle whose
 ``find_class`` resolves the names of allowlists.METADATA_GLOBALS only, then one structural
 check (:func:`check_dcp_structure`). The load resolves them to torch's classes
-(unpickle.py's ``read_dcp_metadata``); ``verify`` to recording stand-ins
+(unpickle.py's ``dcp_metadata``); ``verify`` to recording stand-ins
 (:func:`check_metadata_pickle`), without torch.
 """
 
@@ -135,7 +135,7 @@ def unpickle_metadata(data: bytes, path: str, resolve: Callable[[str, str], Any]
 
 
 def check_metadata_pickle(data: bytes, *, path: str, manifest: Manifest | None) -> None:
-    """Raise what reading and checking DCP's ``.metadata`` (``read_dcp_metadata``) would raise."""
+    """Raise what reading and checking DCP's ``.metadata`` (``dcp_metadata``) would raise."""
     check_dcp_structure(unpickle_metadata(data, path, _stand_in), path=path, manifest=manifest)
 
 

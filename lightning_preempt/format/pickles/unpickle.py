@@ -24,7 +24,6 @@ from lightning_preempt.errors import CorruptCheckpointError
 from lightning_preempt.format import dcp_compat as _compat
 from lightning_preempt.format import tensor_from_bytes
 from lightning_preempt.format.manifest import Manifest
-from lightning_preempt.format.names import DCP_METADATA_NAME
 from lightning_preempt.format.pickles import allowlists as names
 from lightning_preempt.format.pickles.check import (
     FAST,
@@ -36,7 +35,6 @@ from lightning_preempt.format.pickles.check import (
 )
 from lightning_preempt.format.pickles.metadata import check_dcp_structure, unpickle_metadata
 from lightning_preempt.format.skeleton import map_leaves
-from lightning_preempt.storage.store import Store
 
 #: ``.metadata`` larger than this is refused unread when the manifest does not bound it.
 MAX_METADATA_BYTES = 256 << 20
@@ -250,21 +248,6 @@ def dcp_metadata(data: bytes, *, path: str, manifest: Manifest | None) -> Any:
     metadata = unpickle_dcp_metadata(data, path=path)
     check_dcp_structure(metadata, path=path, manifest=manifest)
     return metadata
-
-
-def read_dcp_metadata(store: Store, manifest: Manifest | None = None) -> Any:
-    """Read, unpickle (restricted) and check the ``.metadata`` of the checkpoint in ``store``."""
-    entry = manifest.files.get(DCP_METADATA_NAME) if manifest is not None else None
-    limit = entry.size if entry is not None else MAX_METADATA_BYTES
-    try:
-        data = store.read_bytes(DCP_METADATA_NAME, limit)
-    except FileNotFoundError as err:
-        raise CorruptCheckpointError(
-            "file '.metadata' listed in the manifest is missing",
-            path=store.url,
-            hint="This checkpoint is damaged; resume from an older one (auto-resume skips it).",
-        ) from err
-    return dcp_metadata(data, path=store.url, manifest=manifest)
 
 
 # ---- map_location -------------------------------------------------------------------------
