@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
+from lightning_preempt.collective import agree
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.errors import CorruptCheckpointError
 from lightning_preempt.format import dcp_compat as _compat
@@ -112,14 +113,7 @@ def verify_shared(store: Store, manifest: Manifest, group: pdist.ProcessGroup | 
     of :func:`verify_checkpoint`; without a group, every file here); every rank raises the
     first error any rank found. Collective over ``group``."""
     share = (pdist.rank(group), pdist.world_size(group)) if group is not None else (0, 1)
-    error: str | None = None
-    try:
-        verify_checkpoint(store, manifest, share=share)
-    except CorruptCheckpointError as err:
-        error = str(err).splitlines()[0]
-    errors = [e for e in pdist.all_gather_objects(error, group) if e is not None]
-    if errors:
-        raise CorruptCheckpointError(errors[0], path=store.url, hint=CORRUPT_HINT)
+    agree.agree(lambda: verify_checkpoint(store, manifest, share=share), group)
 
 
 @contextlib.contextmanager
