@@ -80,3 +80,36 @@ def test_sharded_verification_splits_the_files_and_every_rank_learns_of_damage(t
     outs = [json.loads((tmp_path / f"verify{r}.json").read_text()) for r in range(2)]
     assert [o["good"] for o in outs] == [None, None]
     assert all(o["bad"] and "CRC32C" in o["bad"] for o in outs), outs
+
+
+def _unreadable_worker(rank: int, world: int, root: str) -> None:
+    from lightning_preempt.collective.groups import new_gloo_group
+    from lightning_preempt.read.load import verify_shared
+    from lightning_preempt.read.verify import read_manifest
+    from lightning_preempt.storage.store import Store
+
+    def denied(self: Store, rel: str) -> Any:
+        raise PermissionError(13, "Permission denied", rel)
+
+    group = new_gloo_group(timeout_s=20)
+    store = Store(os.path.join(root, "good"))
+    manifest = read_manifest(store)
+    if rank == 1:  # the files of rank 1's share cannot be read there (permissions, an I/O error)
+        Store.open_read = denied  # type: ignore[method-assign]
+    try:
+        verify_shared(store, manifest, group)
+        outcome = "verified"
+    except Exception as err:
+        outcome = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+    Path(root, f"unreadable{rank}.json").write_text(json.dumps(outcome))
+
+
+def test_an_error_reading_on_one_rank_is_raised_on_every_rank(tmp_path: Path) -> None:
+    from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
+
+    io = ShardedAsyncCheckpointIO()
+    io.save_checkpoint({"global_step": 1, "state_dict": {"w": torch.arange(4096.0)}}, str(tmp_path / "good"))
+    io.wait()
+    run_ranks(_unreadable_worker, 2, tmp_path, str(tmp_path), timeout_s=60)
+    outs = [json.loads((tmp_path / f"unreadable{r}.json").read_text()) for r in range(2)]
+    assert all("PermissionError" in o for o in outs), outs  # rank 0 (its files fine) raises rank 1's error
