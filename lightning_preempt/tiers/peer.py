@@ -128,7 +128,7 @@ def replicate(local_dir: str, group: dist.ProcessGroup | None, *, node: str | No
     except (OSError, CheckpointError) as exc:
         err = f"{type(exc).__name__}: {exc}"
     shares = pdist.all_gather_json({"node": node or node_id(), "own": own, "error": err}, group, max_bytes=WIRE_MAX_BYTES)
-    _raise_failed([s["error"] for s in shares], f"the peer replica of step {manifest.step}", local_dir,
+    raise_failed([s["error"] for s in shares], f"the peer replica of step {manifest.step}", local_dir,
                   f"Nothing was sent; {_STAYS}")  # fmt: skip
     where = placement([str(s["node"]) for s in shares])
     held: list[list[str]] = [[n for n in s["own"] if n in manifest.files] for s in shares]
@@ -143,7 +143,7 @@ def replicate(local_dir: str, group: dist.ProcessGroup | None, *, node: str | No
                 plan.append((sender, buddy, name))
     sent, received, err = transfer(local_dir, manifest, data, plan, me, group)
     errors = pdist.all_gather_json(err, group, max_bytes=WIRE_MAX_BYTES)
-    _raise_failed(errors, f"the peer replica of step {manifest.step}", local_dir, _STAYS)
+    raise_failed(errors, f"the peer replica of step {manifest.step}", local_dir, _STAYS)
     if me != 0 and received:
         write_durable(os.path.join(local_dir, MANIFEST_NAME), raw)  # last: the files are durable
     holders = {name: {where.node_of[sender]} for sender in range(world) for name in held[sender]}
@@ -203,7 +203,7 @@ _STAYS = (
 )
 
 
-def _raise_failed(errors: list[object], what: str, path: str, hint: str) -> None:
+def raise_failed(errors: list[object], what: str, path: str, hint: str) -> None:
     """Raise :class:`ReplicaError` on every rank when any rank reported an error."""
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
@@ -340,7 +340,7 @@ def complete_from_peers(
         copy_files(src, dst, manifest, names=mine)
     except Exception as exc:
         err = f"{type(exc).__name__}: {exc}"
-    _raise_failed(pdist.all_gather_json(err, group, max_bytes=WIRE_MAX_BYTES), f"uploading {name} from the survivors",
+    raise_failed(pdist.all_gather_json(err, group, max_bytes=WIRE_MAX_BYTES), f"uploading {name} from the survivors",
                   dst.url, "Nothing was committed there; the local copies stay.")  # fmt: skip
     agree.decide(lambda: dst.commit_bytes(MANIFEST_NAME, raw), group, what="committing the survivors' upload",
                  json_max_bytes=WIRE_MAX_BYTES)  # fmt: skip

@@ -45,6 +45,7 @@ from lightning_preempt.tiers.peer import (
     ReplicaError,
     gather_holdings,
     plan_union,
+    raise_failed,
     read_own,
     transfer,
     write_durable,
@@ -100,6 +101,9 @@ def _remove(probe: str) -> None:
         log.debug("lightning_preempt: could not remove the tier-0 probe %s: %s", probe, err)
 
 
+_DISK = "The restart resumes from the disk tiers instead; nothing there is touched."
+
+
 def restore(
     root: str, group: dist.ProcessGroup | None, nodes: list[str], floor: Callable[[], int], dirpath: str | None = None
 ) -> int | None:
@@ -128,6 +132,7 @@ def restore(
         return None
     me = pdist.rank(group)
     local_dir = os.path.join(root, name)
+    what = f"restoring tier 0's step {step} from the peers"
     data: dict[str, bytes] = {}
     err: str | None = None
     try:
@@ -136,16 +141,16 @@ def restore(
             os.makedirs(local_dir, exist_ok=True)
     except (OSError, CheckpointError) as exc:
         err = f"{type(exc).__name__}: {exc}"
-    _raise_failed(pdist.all_gather_json(err, group, max_bytes=WIRE_MAX_BYTES), step, "reading")
+    raise_failed(pdist.all_gather_json(err, group, max_bytes=WIRE_MAX_BYTES), f"{what} (reading)", local_dir, _DISK)
     _, _, err = transfer(local_dir, manifest, data, moves, me, group)
-    _raise_failed(pdist.all_gather_json(err, group, max_bytes=WIRE_MAX_BYTES), step, "sending")
+    raise_failed(pdist.all_gather_json(err, group, max_bytes=WIRE_MAX_BYTES), f"{what} (sending)", local_dir, _DISK)
     err = None
     if me in commits:  # last: every file of this node's copy is durable (the gather above)
         try:
             write_durable(os.path.join(local_dir, MANIFEST_NAME), raw)
         except OSError as exc:
             err = f"{type(exc).__name__}: {exc}"
-    _raise_failed(pdist.all_gather_json(err, group, max_bytes=WIRE_MAX_BYTES), step, "committing")
+    raise_failed(pdist.all_gather_json(err, group, max_bytes=WIRE_MAX_BYTES), f"{what} (committing)", local_dir, _DISK)
     if dirpath is not None:
         _vouch(root, dirpath, manifest.run_id, group, me in commits)
     bytes_sent = sum(manifest.files[f].size for _, _, f in moves)
@@ -193,14 +198,6 @@ def _plan_moves(
         if missing or holdings[lead].get(name, {}).get("manifest") != raw:
             commits.append(lead)
     return moves, commits
-
-
-def _raise_failed(errors: list[object], step: int, what: str) -> None:
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-    if failed:
-        rank, why = failed[0]
-        raise ReplicaError(f"restoring tier 0's step {step} from the peers failed on rank {rank} ({what}): {why}",
-                           hint="The restart resumes from the disk tiers instead; nothing there is touched.")  # fmt: skip
 
 
 #: Marks a set-up error that is a refusal (storage/private.py): a path another user could control.
