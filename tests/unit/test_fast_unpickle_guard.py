@@ -288,8 +288,9 @@ def test_a_zip64_archive_from_torch_save_has_one_reading() -> None:
 def test_a_planted_metadata_cannot_change_dcps_classes() -> None:
     """DCP's ``.metadata`` goes through C pickle too: a ``BUILD`` with a slot state on an allowed
     DCP *class* would set its attributes for the whole process (``ChunkStorageMetadata.__init__
-    = torch.Size``: every later DCP plan broken). The load refuses the file and puts the class
-    back; ``verify`` (the stand-ins) refuses it too; an honest file still loads."""
+    = torch.Size``: every later DCP plan broken). The load refuses the file and the class never
+    changes (the unpickler only sees a sealed stand-in; tests/unit/test_metadata_sealed.py);
+    ``verify`` (the stand-ins) refuses it too; an honest file still loads."""
     import pickle
 
     from torch.distributed.checkpoint import metadata as dcp_md

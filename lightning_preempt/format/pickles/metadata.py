@@ -1,17 +1,24 @@
 """DCP's ``.metadata`` through the restricted unpickler (docs/security.md): C pickle whose
 ``find_class`` resolves the names of allowlists.METADATA_GLOBALS only, then one structural
-check (:func:`check_dcp_structure`). The load resolves them to torch's classes
-(unpickle.py's ``dcp_metadata``); ``verify`` to recording stand-ins
+check (:func:`check_dcp_structure`). The load resolves them to sealed stand-ins that make
+torch's objects (unpickle.py's ``dcp_metadata``); ``verify`` to recording stand-ins
 (:func:`check_metadata_pickle`), without torch.
+
+Whatever ``find_class`` returns is shared by every load of the process, and C pickle's
+``BUILD`` sets the state of whatever is on its stack: on a Python class, with a slot state,
+``setattr(cls, k, v)`` for every thread at once. So no class of torch's is ever on that
+stack: the classes handed out are :class:`Sealed`, whose ``__setstate__`` (``BUILD`` asks
+for it first) refuses, within the load, before anything is set.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn, cast
 
 from lightning_preempt.errors import CheckpointError, CorruptCheckpointError, UntrustedCheckpointError
 from lightning_preempt.format.manifest import Manifest
@@ -23,6 +30,62 @@ from lightning_preempt.format.pickles.allowlists import (
     METADATA_GLOBALS,
     STORAGE_INFO,
 )
+
+
+class RewriteRefused(Exception):
+    """A ``BUILD`` on something ``find_class`` returned (its args: that thing's name)."""
+
+
+def _refuse(name: str) -> Callable[..., NoReturn]:
+    def refuse(*_: Any) -> NoReturn:
+        raise RewriteRefused(name)
+
+    return refuse
+
+
+class Sealed(type):
+    """The metaclass of every class ``find_class`` hands C pickle. ``BUILD`` on an object
+    asks it for ``__setstate__`` first and calls that alone; on a class the lookup meets this
+    data descriptor before anything of the class, and it refuses. Nothing may set or delete
+    their attributes either."""
+
+    @property
+    def __setstate__(cls) -> Callable[..., NoReturn]:
+        return _refuse(cls.__name__)
+
+    def __setattr__(cls, name: str, value: Any) -> None:
+        raise RewriteRefused(cls.__name__)
+
+    def __delattr__(cls, name: str) -> None:
+        raise RewriteRefused(cls.__name__)
+
+
+class _MakesReal(Sealed):
+    """:func:`stand_in_class`'s metaclass: calling a stand-in calls its class (``REDUCE``)."""
+
+    _lp_real: type
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        return cls._lp_real(*args, **kwargs)
+
+
+def stand_in_class(real: type) -> type:
+    """What ``find_class`` returns for ``real``, a class defined in Python: calling it
+    (``REDUCE``) and its ``__new__`` (``NEWOBJ``, what a dataclass pickles to) make ``real``'s
+    objects exactly as ``real`` would, so a load's objects are ``real``'s own; ``real`` itself
+    never reaches the unpickler, and a ``BUILD`` on the stand-in is refused (:class:`Sealed`)."""
+
+    def __new__(_: type, *args: Any, **kwargs: Any) -> Any:
+        return real.__new__(real, *args, **kwargs)
+
+    new: Any = __new__
+    if real.__new__ is object.__new__ and real.__init__ is not object.__init__:  # type: ignore[misc]
+        # (every DCP dataclass) the same in C (a Python __new__ costs ~0.3 us per object, ~7 ms per 4000-tensor
+        # .metadata): object.__new__(real, stand_in, *args) ignores all but real, as it
+        # ignores the args of a class with an __init__ of its own
+        new = staticmethod(functools.partial(object.__new__, real))
+    namespace = {"__new__": new, "_lp_real": real, "__module__": real.__module__, "__qualname__": real.__qualname__}
+    return _MakesReal(real.__name__, (), namespace)
 
 
 class _Stub:
@@ -48,11 +111,15 @@ class _Stub:
 class _StubFunction:
     """An allowed function (``_get_layout``): calling it records a stand-in result."""
 
-    def __init__(self, returns: str) -> None:
+    def __init__(self, qualified: str, returns: str) -> None:
+        self.qualified = qualified
         self.result = _stub_class(returns)
 
     def __call__(self, *args: Any) -> _Stub:
         return self.result(*args)
+
+    def __setstate__(self, state: Any) -> NoReturn:  # as the load's (unpickle.py's SealedFunction)
+        raise RewriteRefused(self.qualified)
 
 
 class _StubValue:
@@ -61,13 +128,17 @@ class _StubValue:
     def __init__(self, qualified: str) -> None:
         self.qualified = qualified
 
+    def __setstate__(self, state: Any) -> NoReturn:  # the load's dtypes take no state either
+        raise RewriteRefused(self.qualified)
+
 
 _STUB_CLASSES: dict[str, type[_Stub]] = {}
 
 
 def _stub_class(qualified: str) -> type[_Stub]:
-    if qualified not in _STUB_CLASSES:
-        _STUB_CLASSES[qualified] = type(qualified.rsplit(".", 1)[-1], (_Stub,), {"qualified": qualified})
+    if qualified not in _STUB_CLASSES:  # shared by every verify: sealed as the load's
+        made = Sealed(qualified.rsplit(".", 1)[-1], (_Stub,), {"qualified": qualified})
+        _STUB_CLASSES[qualified] = cast("type[_Stub]", made)
     return _STUB_CLASSES[qualified]
 
 
@@ -77,7 +148,7 @@ def _stand_in(module: str, name: str) -> Any:
     if full == "collections.OrderedDict":
         return OrderedDict  # the loader uses the real one too
     if full in METADATA_FUNCTIONS:
-        return _StubFunction(METADATA_FUNCTIONS[full])
+        return _StubFunction(full, METADATA_FUNCTIONS[full])
     if full in METADATA_CLASSES:
         return _stub_class(full)
     return _StubValue(full) if full in METADATA_GLOBALS else None
@@ -126,6 +197,12 @@ def unpickle_metadata(data: bytes, path: str, resolve: Callable[[str, str], Any]
         return MetadataUnpickler(io.BytesIO(data), path, resolve).load()
     except CheckpointError:
         raise
+    except RewriteRefused as err:
+        raise CorruptCheckpointError(
+            f"DCP's .metadata is not what lightning_preempt writes: it sets attributes of {err}",
+            path=path,
+            hint="The checkpoint was tampered with; resume from an older one (nothing was changed).",
+        ) from None
     except Exception as err:  # truncated, garbage, a class called the wrong way...
         raise CorruptCheckpointError(
             f"DCP's .metadata cannot be read ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})",

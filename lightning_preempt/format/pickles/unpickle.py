@@ -5,22 +5,23 @@ C pickle resolving the names of allowlists.FAST_GLOBALS (~10x faster than torch'
 unpickler); any other goes to ``torch.load(weights_only=True)`` with the package's extra
 names scoped to that one call (never ``add_safe_globals``), which decides and words the
 error (:class:`UntrustedCheckpointError` names the opt-in). DCP's ``.metadata`` goes through
-metadata.py's restricted unpickler with torch's classes.
+metadata.py's restricted unpickler with sealed stand-ins of torch's classes.
 """
 
 from __future__ import annotations
 
+import enum
+import functools
 import importlib
 import io
 import pickle
 import re
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
-from lightning_preempt.errors import CorruptCheckpointError
 from lightning_preempt.format import dcp_compat as _compat
 from lightning_preempt.format import tensor_from_bytes
 from lightning_preempt.format.manifest import Manifest
@@ -33,7 +34,12 @@ from lightning_preempt.format.pickles.check import (
     untrusted_state_error,
     walk,
 )
-from lightning_preempt.format.pickles.metadata import check_dcp_structure, unpickle_metadata
+from lightning_preempt.format.pickles.metadata import (
+    RewriteRefused,
+    check_dcp_structure,
+    stand_in_class,
+    unpickle_metadata,
+)
 from lightning_preempt.format.skeleton import map_leaves
 
 #: ``.metadata`` larger than this is refused unread when the manifest does not bound it.
@@ -202,44 +208,79 @@ _METADATA_SHIMS = {
 }
 
 
+class SealedFunction:
+    """An allowed function as ``find_class`` hands it over (``_get_layout``, whose ``__dict__``
+    holds a cache every ``torch.load`` of a layout reads): calls it; a ``BUILD`` is refused."""
+
+    __slots__ = ("_call", "name")
+
+    def __init__(self, call: Callable[..., Any], name: str) -> None:
+        self._call, self.name = call, name  # name: the allowed global's, module.name
+
+    def __call__(self, *args: Any) -> Any:
+        return self._call(*args)
+
+    def __setstate__(self, state: Any) -> NoReturn:
+        raise RewriteRefused(self.name)
+
+
+class EnumMember:
+    """A member of an allowed enum (DCP's ``_MEM_FORMAT_ENCODING``) as the unpickler sees it:
+    members are shared and have a ``__dict__``, so a ``BUILD`` on one would change it for the
+    process (its ``_value_``: every later DCP save would record another memory format). Equal
+    to its member, all ``TensorProperties.__setstate__`` asks; a ``BUILD`` on it is refused."""
+
+    __slots__ = ("member",)
+
+    def __init__(self, member: enum.Enum) -> None:
+        self.member = member
+
+    def __eq__(self, other: object) -> bool:
+        return other is self.member or (isinstance(other, EnumMember) and other.member is self.member)
+
+    def __hash__(self) -> int:
+        return hash(self.member)
+
+    def __setstate__(self, state: Any) -> NoReturn:
+        raise RewriteRefused(f"{type(self.member).__name__}.{self.member.name}")
+
+
+def _sealed(found: Any, full: str) -> Any:
+    """What ``find_class`` hands C pickle for the allowed ``full``: nothing a ``BUILD`` can
+    change for the process (``None``: it is none of the kinds below, so it is not resolved)."""
+    if isinstance(found, enum.EnumMeta):
+        return SealedFunction(lambda value: EnumMember(found(value)), full)
+    if isinstance(found, type):  # a static type (torch.Size, OrderedDict) cannot be set at all
+        return found if found.__flags__ & _IMMUTABLE_TYPE else stand_in_class(found)
+    if isinstance(found, types.FunctionType):
+        return SealedFunction(found, full)
+    return found if isinstance(found, torch.dtype) else None  # no __dict__, no __setstate__
+
+
+_IMMUTABLE_TYPE = 1 << 8  # Py_TPFLAGS_IMMUTABLETYPE (3.10+)
+
+
+@functools.cache
+def _metadata_globals() -> dict[tuple[str, str], Any]:
+    table = {}
+    for full in names.METADATA_GLOBALS:
+        found = _METADATA_SHIMS.get(full) or _resolve(full)
+        sealed = _sealed(found, full) if found is not None else None
+        if sealed is not None:
+            table[_pair(full)] = sealed
+    return table
+
+
 def _metadata_global(module: str, name: str) -> Any:
-    full = f"{module}.{name}"
-    if full not in names.METADATA_GLOBALS:
-        return None
-    return _METADATA_SHIMS.get(full) or _resolve(full)
+    return _metadata_globals().get((module, name))
 
 
 def unpickle_dcp_metadata(data: bytes, *, path: str) -> Any:
     """DCP's ``Metadata`` from ``.metadata`` bytes, through the restricted unpickler: DCP's
-    metadata classes, ``torch.Size``, dtypes and layouts; nothing else."""
-    # C pickle's BUILD with a slot state on an allowed *class* sets its attributes for the
-    # whole process (ChunkStorageMetadata.__init__ = torch.Size), and find_class cannot see
-    # it: the classes are compared after the load, put back and the file refused.
-    classes = [c for c in map(_resolve, sorted(names.METADATA_CLASSES)) if isinstance(c, type)]
-    before = [dict(vars(c)) for c in classes]
-    try:
-        return unpickle_metadata(data, path, _metadata_global)
-    finally:
-        changed = [c.__name__ for c, attrs in zip(classes, before, strict=True) if _restored(c, attrs)]
-        if changed:
-            raise CorruptCheckpointError(
-                f"DCP's .metadata is not what lightning_preempt writes: it sets attributes of {', '.join(changed)}",
-                path=path,
-                hint="The checkpoint was tampered with; resume from an older one (the classes were put back).",
-            )
-
-
-def _restored(cls: type, attrs: dict[str, Any]) -> bool:
-    """Put ``cls``'s attributes back to ``attrs``; whether any had changed."""
-    now = dict(vars(cls))
-    if now == attrs:
-        return False
-    for name in now.keys() - attrs.keys():
-        delattr(cls, name)
-    for name, value in attrs.items():
-        if now.get(name, attrs) is not value:
-            setattr(cls, name, value)
-    return True
+    metadata classes, ``torch.Size``, dtypes and layouts; nothing else. The unpickler never
+    sees a class or function of torch's that a ``BUILD`` could change for the whole process
+    (:func:`_sealed`): such a file is refused within the load, before anything is set."""
+    return unpickle_metadata(data, path, _metadata_global)
 
 
 def dcp_metadata(data: bytes, *, path: str, manifest: Manifest | None) -> Any:
