@@ -6,7 +6,7 @@ torch's objects (unpickle.py's ``dcp_metadata``); ``verify`` to recording stand-
 
 Whatever ``find_class`` returns is shared by every load of the process, and C pickle's
 ``BUILD`` sets the state of whatever is on its stack: on a Python class, with a slot state,
-``setattr(cls, k, v)`` for every thread at once. So no class of torch's is ever on that
+an attribute of the class for every thread at once. So no class of torch's is ever on that
 stack: the classes handed out are :class:`Sealed`, whose ``__setstate__`` (``BUILD`` asks
 for it first) refuses, within the load, before anything is set.
 """

@@ -144,10 +144,6 @@ PATCHES: dict[str, Patch] = {
     "dcp_warning": Patch(
         "warnings.filters (DCP's 'torch.distributed is disabled' message, from the first no_dist call)",
         "format/dcp_compat.py", "a single-process DCP call is what we mean, not a mistake", CHECKED),
-    "dcp_metadata_classes": Patch(
-        "DCP's metadata classes' attributes, put back after a .metadata load that changed them",
-        "format/pickles/unpickle.py",
-        "a planted .metadata's BUILD on a class must not change DCP for the process (docs/security.md)", CHECKED),
 }
 
 
