@@ -8,6 +8,7 @@ before any tensor is returned. read/archive.py parses one tensor record.
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -39,15 +40,46 @@ BATCH_BYTES = 4 << 20
 
 _HUGE = 2 << 20  # a transparent huge page (x86-64, arm64 with 4 KiB pages)
 _madvise = ctypes.CDLL(None, use_errno=True).madvise if sys.platform == "linux" else None
+_VIRTIO_DEVICES = "/sys/bus/virtio/devices"
+_VIRTIO_ID_BALLOON, _VIRTIO_BALLOON_F_REPORTING = "0x0005", 5
+
+
+def host_takes_back_free_memory(devices: str = _VIRTIO_DEVICES) -> bool:
+    """Whether a virtio balloon with free page reporting is present: the host then takes
+    back every free 2 MiB block within seconds, and touching a huge page there faults it
+    in on the host too. 1 GiB into fresh memory on such a VM: 0.11-0.16 s with huge pages
+    freed < 0.5 s before, 0.8-2.5 s after 1-5 s or in a fresh process; 4 KiB pages a
+    steady 0.40 s (docs/resume-speed.md)."""
+    try:
+        names = os.listdir(devices)
+    except OSError:
+        return False
+    for name in names:
+        try:
+            with open(os.path.join(devices, name, "device")) as f:
+                if f.read().strip() != _VIRTIO_ID_BALLOON:
+                    continue
+            with open(os.path.join(devices, name, "features")) as f:
+                bits = f.read().strip()  # one character per feature bit, bit 0 first
+        except OSError:
+            continue
+        if bits[_VIRTIO_BALLOON_F_REPORTING : _VIRTIO_BALLOON_F_REPORTING + 1] == "1":
+            return True
+    return False
+
+
+_advise_huge = _madvise is not None and not host_takes_back_free_memory()
 
 
 def new_tensor(shape: Any, dtype: torch.dtype) -> torch.Tensor:
     """``torch.empty``, asking Linux for transparent huge pages when it spans some (THP
     ``madvise`` mode, the common default): the read then faults 2 MiB pages in, not 4 KiB
-    ones. Loading 400 MB from /dev/shm into fresh memory: 0.46 -> 0.14 s (docs/tier0.md)."""
+    ones. Not where the host takes free memory back (:func:`host_takes_back_free_memory`):
+    there a fresh huge page costs 3-6x a 4 KiB page's share and varies with how long ago
+    it was freed."""
     t = torch.empty(shape, dtype=dtype)
     start, end = -(-t.data_ptr() // _HUGE) * _HUGE, (t.data_ptr() + t.nbytes) // _HUGE * _HUGE
-    if _madvise is not None and end > start:
+    if _advise_huge and _madvise is not None and end > start:
         _madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 14)  # MADV_HUGEPAGE; advisory
     return t
 

@@ -302,15 +302,8 @@ def test_damage_in_an_archive_header_is_a_corrupt_checkpoint_not_a_parse_error(t
         load_full_checkpoint(Store(tmp_url))
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="transparent huge pages: Linux only")
-def test_large_tensors_are_read_into_memory_advised_for_huge_pages() -> None:
-    """A load's large tensors ask for transparent huge pages (MADV_HUGEPAGE: the read faults
-    2 MiB pages in, not 4 KiB ones); the kernel shows it as the mapping's ``hg`` flag."""
-    from lightning_preempt.read.tensors import new_tensor
-
-    t = new_tensor((8 << 20) // 4, torch.float32)
-    assert t.shape == ((8 << 20) // 4,) and t.dtype == torch.float32
-    addr, flags = t.data_ptr() + (4 << 20), None
+def _vm_flags(addr: int) -> list[str]:
+    """The ``VmFlags`` of the mapping holding ``addr`` (/proc/self/smaps)."""
     with open("/proc/self/smaps") as f:
         inside = False
         for line in f:
@@ -319,6 +312,38 @@ def test_large_tensors_are_read_into_memory_advised_for_huge_pages() -> None:
                 lo, hi = (int(x, 16) for x in head.split("-"))
                 inside = lo <= addr < hi
             elif inside and head == "VmFlags:":
-                flags = line.split()[1:]
-                break
-    assert flags is not None and "hg" in flags, flags
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="transparent huge pages: Linux only")
+@pytest.mark.parametrize("host_takes_back", [False, True])
+def test_large_tensors_ask_for_huge_pages_unless_the_host_takes_free_memory_back(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, host_takes_back: bool
+) -> None:
+    """A load's large tensors ask for transparent huge pages (MADV_HUGEPAGE: the read faults
+    2 MiB pages in, not 4 KiB ones; the kernel shows it as the mapping's ``hg`` flag), except
+    where a virtio balloon reports free pages to the host: a fresh huge page is then faulted
+    in on the host too (docs/resume-speed.md)."""
+    balloon = tmp_path / "virtio3"
+    balloon.mkdir()
+    (balloon / "device").write_text("0x0005\n")
+    (balloon / "features").write_text(("01100" + ("1" if host_takes_back else "0")).ljust(64, "0") + "\n")
+    assert fastload.host_takes_back_free_memory(str(tmp_path)) is host_takes_back
+    monkeypatch.setattr(fastload, "_advise_huge", not fastload.host_takes_back_free_memory(str(tmp_path)))
+
+    t = fastload.new_tensor((8 << 20) // 4, torch.float32)
+    assert t.shape == ((8 << 20) // 4,) and t.dtype == torch.float32
+    assert ("hg" in _vm_flags(t.data_ptr() + (4 << 20))) is not host_takes_back
+
+
+def test_only_a_balloon_reporting_free_pages_counts_as_taking_memory_back(tmp_path: Path) -> None:
+    """Other virtio devices, a balloon without free page reporting (feature bit 5), unreadable
+    entries and a machine without virtio leave huge pages on."""
+    assert not fastload.host_takes_back_free_memory(str(tmp_path / "absent"))
+    for name, device, features in (("virtio0", "0x0002", "0" * 5 + "1"), ("virtio1", "0x0005", "1" * 5 + "0")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "device").write_text(device + "\n")
+        (tmp_path / name / "features").write_text(features.ljust(64, "0") + "\n")
+    (tmp_path / "virtio2").mkdir()  # no device file
+    assert not fastload.host_takes_back_free_memory(str(tmp_path))
