@@ -12,7 +12,13 @@ from lightning_preempt.catalog.newest import Fallback, fallback, newest_valid
 from lightning_preempt.collective import groups as pdist
 from lightning_preempt.errors import CheckpointNotFoundError, NotACheckpointError
 from lightning_preempt.format.names import MANIFEST_NAME
-from lightning_preempt.read.load import load_agreed, load_full_checkpoint, load_plain_file, load_sharded_checkpoint
+from lightning_preempt.read.load import (
+    TemplateFor,
+    load_agreed,
+    load_full_checkpoint,
+    load_plain_file,
+    load_sharded_checkpoint,
+)
 from lightning_preempt.read.verify import Verify
 from lightning_preempt.storage.store import Store, kind_at
 
@@ -116,11 +122,12 @@ class Loader:
         return self._load_agreed(path, load, group)
 
     def load_sharded(
-        self, path: Any, templates: dict[str, Any], *, process_group: Any, verify_group: pdist.ProcessGroup | None
+        self, path: Any, templates: dict[str, Any], *, process_group: Any, verify_group: pdist.ProcessGroup | None,
+        template_for: TemplateFor | None = None,
     ) -> dict[str, Any]:
         """Load into sharded ``templates`` in place (collective; read/load.py
-        ``load_sharded_checkpoint``); each rank CRC-checks a share of the files, and damage
-        moves every rank to the same older checkpoint, as :meth:`load` does."""
+        ``load_sharded_checkpoint``, with its ``template_for``); each rank CRC-checks a share of
+        the files, and damage moves every rank to the same older checkpoint, as :meth:`load` does."""
 
         def load(at: str, at_verified: bool) -> dict[str, Any]:
             # Every file is checked before any tensor is read: a damaged one leaves the
@@ -128,7 +135,7 @@ class Loader:
             return load_sharded_checkpoint(Store(at, self.storage_options), templates, rank=pdist.rank(),
                                            verify=self.verify_on_load and not at_verified,
                                            process_group=process_group, trusted=self.trust_checkpoints,
-                                           verify_group=verify_group)  # fmt: skip
+                                           verify_group=verify_group, template_for=template_for)  # fmt: skip
 
         return self._load_agreed(path, load, verify_group)
 

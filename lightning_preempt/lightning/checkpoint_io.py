@@ -22,6 +22,7 @@ from lightning_preempt.engine import deprecated as deprecated_names
 from lightning_preempt.engine.config import CheckpointIOConfig, Tuning, check_local_dirpath
 from lightning_preempt.format.manifest import Manifest
 from lightning_preempt.lightning import _compat
+from lightning_preempt.read.load import TemplateFor
 from lightning_preempt.save.history import SaveRecord
 from lightning_preempt.save.order import SaveOrder
 from lightning_preempt.save.saver import Saver
@@ -195,10 +196,12 @@ class ShardedAsyncCheckpointIO(CheckpointIO):
         """The committed checkpoint ``path`` means, or ``None`` when it is none of ours."""
         return self.loader.resolve(path)
 
-    def load_sharded(self, path: Any, templates: dict[str, Any], process_group: Any = None) -> dict[str, Any]:
+    def load_sharded(self, path: Any, templates: dict[str, Any], process_group: Any = None,
+                     template_for: TemplateFor | None = None) -> dict[str, Any]:  # fmt: skip
         """Load into sharded ``templates`` in place (collective; catalog/loader.py)."""
         self.saver.wait()
-        return self.loader.load_sharded(path, templates, process_group=process_group, verify_group=self.saver.group)
+        return self.loader.load_sharded(path, templates, process_group=process_group, verify_group=self.saver.group,
+                                        template_for=template_for)  # fmt: skip
 
     def prepare_staging(self, checkpoint_like: dict[str, Any], *, background: bool = True) -> Future[int]:
         """Allocate this rank's staging buffers ahead of the first save (save/saver.py)."""

@@ -68,14 +68,21 @@ def load_skeleton(
     return load_state_bytes(data, path=store.url, trusted=trusted, map_location=map_location)
 
 
+#: A template for a tensor of the checkpoint that the caller gave none for: ``(flat key, global
+#: shape, dtype)`` -> an empty tensor or DTensor to load it into, or ``None`` to leave it out.
+TemplateFor = Callable[[str, torch.Size, torch.dtype], Any]
+
+
 def load_sharded_checkpoint(store: Store, templates: dict[str, Any], *, rank: int, verify: bool = True,
                             process_group: Any = None, trusted: bool = False,
-                            verify_group: pdist.ProcessGroup | None = None) -> dict[str, Any]:  # fmt: skip
+                            verify_group: pdist.ProcessGroup | None = None,
+                            template_for: TemplateFor | None = None) -> dict[str, Any]:  # fmt: skip
     """Load into ``templates`` (flat ``{key: tensor | DTensor}`` of the *current* model and
     optimizers, as :func:`split_checkpoint` makes them) in place, resharding, and return the
     Lightning checkpoint dict around them. Collective over ``process_group``. ``verify_group``:
     a gloo group of the same ranks; each rank then CRC-checks only its share of the files and
-    the ranks agree on the outcome before loading."""
+    the ranks agree on the outcome before loading. ``template_for``: templates for the
+    checkpoint's tensors that ``templates`` lacks, made from its ``.metadata`` (shape, dtype)."""
     manifest = read_manifest(store)
     # Ranks may differ (rank 0 verified while choosing): all take part if any wants it.
     if any(pdist.all_gather_objects(verify, verify_group)):
@@ -83,7 +90,10 @@ def load_sharded_checkpoint(store: Store, templates: dict[str, Any], *, rank: in
     if not verify:
         check_files(data_store(store, manifest), manifest)
     skeleton = load_skeleton(store, manifest, rank, trusted=trusted)
-    missing = set(templates) - set(_checked(tensor_refs, skeleton, store=store))
+    refs = _checked(tensor_refs, skeleton, store=store)
+    if template_for is not None:
+        templates = {**templates, **_made_templates(store, manifest, refs, templates, template_for)}
+    missing = set(templates) - set(refs)
     if missing:
         raise CorruptCheckpointError(
             f"the model has {len(missing)} tensors that the checkpoint lacks (e.g. {sorted(missing)[0]!r})",
@@ -97,6 +107,28 @@ def load_sharded_checkpoint(store: Store, templates: dict[str, Any], *, rank: in
     )
     assert isinstance(result, dict)
     return result
+
+
+def _made_templates(store: Store, manifest: Manifest, refs: list[str], templates: dict[str, Any],
+                    template_for: TemplateFor) -> dict[str, Any]:  # fmt: skip
+    """``template_for`` of each of ``refs`` that ``templates`` lacks, with its shape and dtype from
+    the checkpoint's ``.metadata`` (through the restricted unpickler, checked as DCP's reader does)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    entry = manifest.files.get(DCP_METADATA_NAME)
+    try:
+        data = data_store(store, manifest).read_bytes(DCP_METADATA_NAME, entry.size if entry else MAX_METADATA_BYTES)
+    except FileNotFoundError as err:
+        raise missing_file(DCP_METADATA_NAME, store) from err
+    described = dcp_metadata(data, path=store.url, manifest=manifest).state_dict_metadata
+    made: dict[str, Any] = {}
+    for key in refs:
+        meta = described.get(key)
+        if key not in templates and isinstance(meta, TensorStorageMetadata):
+            template = template_for(key, meta.size, meta.properties.dtype)
+            if template is not None:
+                made[key] = template
+    return made
 
 
 def _checked(fn: Callable[..., T], *args: Any, store: Store) -> T:
