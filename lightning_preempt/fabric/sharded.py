@@ -25,7 +25,7 @@ from lightning_preempt.engine.config import PreemptionConfig
 from lightning_preempt.format.skeleton import split_checkpoint
 from lightning_preempt.lightning import _compat
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO, fabric_order
-from lightning_preempt.lightning.sharded_saves import without_mesh
+from lightning_preempt.lightning.sharded_saves import optimizer_templates, without_mesh
 from lightning_preempt.lightning.strategies import hand_options
 from lightning_preempt.resume.samplers import is_stateful
 
@@ -69,8 +69,8 @@ def _check_mesh(module: Module) -> None:
         )
 
 
-def _sharded_states(strategy: Any, state: dict[str, Any]) -> dict[str, Any]:
-    """The modules' and optimizers' sharded state dicts, by the keys of ``state``."""
+def _sharded_states(strategy: Any, state: dict[str, Any], *, optimizers: bool = True) -> dict[str, Any]:
+    """The modules' and (``optimizers``) optimizers' sharded state dicts, by the keys of ``state``."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     check(strategy, state)
@@ -79,7 +79,7 @@ def _sharded_states(strategy: Any, state: dict[str, Any]) -> dict[str, Any]:
     for key, value in state.items():
         if isinstance(value, Module):
             out[key] = get_model_state_dict(value)
-        elif isinstance(value, Optimizer):
+        elif isinstance(value, Optimizer) and optimizers:
             # A fresh optimizer has no state to load into: this materialises it (DCP's
             # _init_optim_state), so a load fills every entry.
             out[key] = get_optimizer_state_dict(module, value)
@@ -113,9 +113,17 @@ def _install(strategy: Any, io: ShardedAsyncCheckpointIO) -> None:
         resolved = agree.decide(lambda: io.resolve(path), pdist.world_group(), what="resolving the checkpoint")
         if resolved is None or not isinstance(state, dict) or not state:
             return original_load(path, state, strict, weights_only)
-        templates = _sharded_states(self, state)
+        # FSDP1: the optimizers' templates from the checkpoint, not from their state dicts, which
+        # all-gather every flat parameter's state (lightning/sharded_saves.py optimizer_templates).
+        fsdp1 = isinstance(self, FSDPStrategy)
+        templates = _sharded_states(self, state, optimizers=not fsdp1)
         flat, _ = split_checkpoint(templates, tuple(templates))
-        checkpoint = io.load_sharded(resolved, flat)
+        optimizer_keys = [k for k, v in state.items() if isinstance(v, Optimizer)]
+        template_for = None
+        if fsdp1 and optimizer_keys:
+            model_key = next(k for k, v in state.items() if isinstance(v, Module))
+            template_for = optimizer_templates(flat, model_key, optimizer_keys)
+        checkpoint = io.load_sharded(resolved, flat, template_for=template_for)
         missing = [k for k in state if k not in checkpoint]
         if strict and missing:
             raise KeyError(f"The requested state contains a key '{missing[0]}' that does not exist in the loaded "

@@ -22,7 +22,7 @@ FSDP1 also gets (docs/strategies.md):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -33,9 +33,10 @@ from lightning_preempt.collective import groups as pdist
 from lightning_preempt.format.skeleton import split_checkpoint
 from lightning_preempt.lightning import _compat
 from lightning_preempt.lightning.checkpoint_io import ShardedAsyncCheckpointIO
+from lightning_preempt.read.load import TemplateFor
 from lightning_preempt.save.order import SaveOrder
 
-__all__ = ["check_sharding", "install_fsdp", "install_model_parallel", "without_mesh"]
+__all__ = ["check_sharding", "install_fsdp", "install_model_parallel", "optimizer_templates", "without_mesh"]
 
 _HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 
@@ -108,14 +109,15 @@ def _install(strategy: Strategy, io: ShardedAsyncCheckpointIO, *, sharded: Calla
         source = local if io.resolve(local) == resolved else resolved
         model = _sharded_model(self)
         model_state = get_model_state_dict(model)
-        template_for = None
+        template_for: TemplateFor | None = None
         if isinstance(self, FSDPStrategy):
             # FSDP1's optimizer state dict all-gathers every flat parameter's state (0.7 s of a
             # 1.4 s load at 256 MiB a rank) only to be overwritten: its templates come from the
             # checkpoint's keys and the parameters' DTensors instead (set_optimizer_state_dict
             # materialises a fresh optimizer's state itself).
             templates: dict[str, Any] = {"state_dict": model_state}
-            template_for = _optimizer_template(split_checkpoint(templates)[0]) if self.optimizers else None
+            if self.optimizers:
+                template_for = optimizer_templates(split_checkpoint(templates)[0], "state_dict", ["optimizer_states"])
         else:
             # A fresh optimizer has no state to load into: get_optimizer_state_dict materialises it
             # (DCP's _init_optim_state: a step with zero gradients and lr 0) so every entry is loaded.
@@ -136,17 +138,18 @@ def _install(strategy: Strategy, io: ShardedAsyncCheckpointIO, *, sharded: Calla
     _compat.rebind(strategy, "sharded_saves", save_checkpoint=save, load_checkpoint=load)
 
 
-def _optimizer_template(model_flat: dict[str, Any]) -> Callable[[str, torch.Size, torch.dtype], Any]:
+def optimizer_templates(model_flat: dict[str, Any], model_key: str, optimizer_keys: Collection[str]) -> TemplateFor:
     """Templates for FSDP1's sharded optimizer state (read/load.py ``TemplateFor``), each entry
-    ``optimizer_states/<i>/state/<parameter>/<name>``: a tensor of the parameter's shape is sharded
-    as the parameter's DTensor, anything else (``step``) is whole on every rank, as
-    ``get_optimizer_state_dict`` makes them."""
+    ``<optimizer key>[/<i>]/state/<parameter>/<name>`` of one of ``optimizer_keys``: a tensor of the
+    parameter's shape (``<model_key>/<parameter>`` in ``model_flat``) is sharded as the parameter's
+    DTensor, anything else (``step``) is whole on every rank, as ``get_optimizer_state_dict``
+    makes them."""
 
     def template_for(key: str, shape: torch.Size, dtype: torch.dtype) -> Any:
         parts = key.split("/")
-        if parts[0] != "optimizer_states":
-            return None  # the model's own tensors: only those it has are loaded
-        param = model_flat.get(f"state_dict/{parts[3]}") if len(parts) == 5 and parts[2] == "state" else None
+        if parts[0] not in optimizer_keys:
+            return None  # the model's own tensors (only those it has are loaded) and other keys
+        param = model_flat.get(f"{model_key}/{parts[-2]}") if len(parts) >= 4 and parts[-3] == "state" else None
         if param is not None and len(shape) > 0 and param.shape == shape:
             return torch.empty_like(param, dtype=dtype)
         return torch.empty(shape, dtype=dtype)
