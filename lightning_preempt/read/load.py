@@ -115,12 +115,7 @@ def _made_templates(store: Store, manifest: Manifest, refs: list[str], templates
     the checkpoint's ``.metadata`` (through the restricted unpickler, checked as DCP's reader does)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    entry = manifest.files.get(DCP_METADATA_NAME)
-    try:
-        data = data_store(store, manifest).read_bytes(DCP_METADATA_NAME, entry.size if entry else MAX_METADATA_BYTES)
-    except FileNotFoundError as err:
-        raise missing_file(DCP_METADATA_NAME, store) from err
-    described = dcp_metadata(data, path=store.url, manifest=manifest).state_dict_metadata
+    described = read_checked_metadata(data_store(store, manifest), manifest).state_dict_metadata
     made: dict[str, Any] = {}
     for key in refs:
         meta = described.get(key)
@@ -276,6 +271,18 @@ def load_plain_file(store: Store, *, map_location: Any = None, trusted: bool = F
 
 
 # ---- DCP's reader (resharding, and layouts the one-pass reader does not know) ------------
+def read_checked_metadata(store: Store, manifest: Manifest | None) -> Any:
+    """DCP's ``Metadata`` of the checkpoint whose files are in ``store``: read (at most its
+    listed size), through the restricted unpickler, checked to name only tensors in byte
+    ranges of the manifest's shard files (format/pickles/unpickle.py ``dcp_metadata``)."""
+    entry = manifest.files.get(DCP_METADATA_NAME) if manifest is not None else None
+    try:
+        data = store.read_bytes(DCP_METADATA_NAME, entry.size if entry is not None else MAX_METADATA_BYTES)
+    except FileNotFoundError as err:
+        raise missing_file(DCP_METADATA_NAME, store) from err
+    return dcp_metadata(data, path=store.url, manifest=manifest)
+
+
 class _CheckedReader(_compat.FsspecReader):
     """DCP's reader for the shards of a checkpoint directory, with ``.metadata`` read through
     ``dcp_metadata`` (at most its listed size): a restricted unpickler and a check that it
@@ -291,12 +298,7 @@ class _CheckedReader(_compat.FsspecReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         from torch.distributed.checkpoint.metadata import StorageMeta
 
-        entry = self._manifest.files.get(DCP_METADATA_NAME) if self._manifest is not None else None
-        try:
-            data = self._store.read_bytes(DCP_METADATA_NAME, entry.size if entry is not None else MAX_METADATA_BYTES)
-        except FileNotFoundError as err:
-            raise missing_file(DCP_METADATA_NAME, self._store) from err
-        metadata = dcp_metadata(data, path=self._store.url, manifest=self._manifest)
+        metadata = read_checked_metadata(self._store, self._manifest)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
