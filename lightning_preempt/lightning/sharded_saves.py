@@ -109,15 +109,13 @@ def _install(strategy: Strategy, io: ShardedAsyncCheckpointIO, *, sharded: Calla
         source = local if io.resolve(local) == resolved else resolved
         model = _sharded_model(self)
         model_state = get_model_state_dict(model)
-        template_for: TemplateFor | None = None
-        if isinstance(self, FSDPStrategy):
+        fsdp1 = isinstance(self, FSDPStrategy)
+        if fsdp1:
             # FSDP1's optimizer state dict all-gathers every flat parameter's state (0.7 s of a
             # 1.4 s load at 256 MiB a rank) only to be overwritten: its templates come from the
             # checkpoint's keys and the parameters' DTensors instead (set_optimizer_state_dict
             # materialises a fresh optimizer's state itself).
             templates: dict[str, Any] = {"state_dict": model_state}
-            if self.optimizers:
-                template_for = optimizer_templates(split_checkpoint(templates)[0], "state_dict", ["optimizer_states"])
         else:
             # A fresh optimizer has no state to load into: get_optimizer_state_dict materialises it
             # (DCP's _init_optim_state: a step with zero gradients and lr 0) so every entry is loaded.
@@ -126,6 +124,9 @@ def _install(strategy: Strategy, io: ShardedAsyncCheckpointIO, *, sharded: Calla
                 "optimizer_states": [get_optimizer_state_dict(model, opt) for opt in self.optimizers],
             }
         flat, _ = split_checkpoint(templates)
+        template_for: TemplateFor | None = None
+        if fsdp1 and self.optimizers:
+            template_for = optimizer_templates(flat, "state_dict", ["optimizer_states"])
         checkpoint = io.load_sharded(source, flat, template_for=template_for)
         assert self.lightning_module is not None
         strict = self.lightning_module.strict_loading
